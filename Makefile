@@ -1,0 +1,41 @@
+# nmtserve — the two entry points of a fresh machine:
+#   make demo   data → train → evaluate → translate on the built-in corpus (about 25 minutes on 2 cores)
+#   make test   the test suite
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+NMT    := $(VENV)/bin/nmtserve
+DATA   ?= data/default
+RUN    ?= runs/default
+PAIRS  ?= 200000
+TRAIN_MINUTES ?= 20
+PYTEST_ARGS ?=
+
+.PHONY: install demo test clean
+
+install: $(VENV)/.installed
+
+# pip finds the pinned CPU torch wheel through the machine's pip configuration (find-links)
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+$(DATA)/train.tsv: | install
+	$(NMT) data --out $(DATA) --pairs $(PAIRS) --seed 1
+
+$(RUN)/average.pt: $(DATA)/train.tsv
+	$(NMT) train --data $(DATA) --out $(RUN) --max-minutes $(TRAIN_MINUTES)
+
+demo: $(RUN)/average.pt
+	$(NMT) evaluate $(RUN)/average.pt --split test --json
+	$(NMT) evaluate $(RUN)/average.pt --split novel --json
+	$(NMT) translate $(RUN)/average.pt "The old cat did not eat the red apples." "Will my sister read a book in the garden?" "We are happy."
+
+# pytest exits 5 when it collects no test: that is not a failure of the code under test
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS) || { rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no test"; exit 0; fi; exit $$rc; }
+
+clean:
+	rm -rf $(VENV) data runs .pytest_cache

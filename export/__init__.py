@@ -1,0 +1,1 @@
+"""checkpoint → ONNX bundle (encoder, decoder step, tokenizer, manifest). Arrives with the export issue."""

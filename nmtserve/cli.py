@@ -1,0 +1,221 @@
+"""The `nmtserve` command line.
+
+    nmtserve data --out data/ --pairs 200000 --seed 1
+    nmtserve train --data data/ --out runs/small --max-minutes 20
+    nmtserve evaluate runs/small/best.pt --split test --json
+    nmtserve translate runs/small/best.pt "The cat sleeps." "Did the dogs eat?"
+
+Every error is one line on stderr and exit status 2; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from nmtserve.errors import NmtserveError
+
+EXIT_USAGE = 2
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but an error is a single line."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _print_json(obj) -> None:
+    print(json.dumps(obj, indent=2, ensure_ascii=False))
+
+
+# ---------------------------------------------------------------- data
+def cmd_data(args) -> int:
+    from training.corpus import generate_corpus
+
+    for name in ("pairs", "valid", "test", "novel"):
+        if getattr(args, name) < (1 if name == "pairs" else 0):
+            raise NmtserveError(f"--{name} {getattr(args, name)}: must be positive")
+    stats = generate_corpus(Path(args.out), args.pairs, seed=args.seed, valid=args.valid, test=args.test,
+                            novel=args.novel, workers=args.workers)
+    summary = {"out": args.out, **stats.__dict__}
+    if args.json:
+        _print_json(summary)
+    else:
+        w = stats.written
+        print(f"wrote {w['train']} train, {w['valid']} valid, {w['test']} test, {w['novel']} novel pairs to {args.out}; "
+              f"dropped {stats.dropped_unrealisable} unrealisable, {stats.dropped_duplicate} duplicates")
+    return 0
+
+
+# ---------------------------------------------------------------- train
+def cmd_train(args) -> int:
+    from training.train import TrainConfig, train
+
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    summary = train(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one process reports
+        _print_json(summary) if args.json else print(
+            f"trained {summary['steps']} steps; best valid BLEU {summary['best_valid_bleu']:.2f}; checkpoints in {cfg.out}")
+    return 0
+
+
+def cmd_average(args) -> int:
+    from training.checkpoint import average
+
+    print(average(args.checkpoints, args.out))
+    return 0
+
+
+# ---------------------------------------------------------------- evaluate / translate
+def _split_pairs(args, payload: dict) -> tuple[list[tuple[str, str]], str]:
+    from training.data import read_corpus, split_file
+
+    if args.file:
+        corpus = read_corpus(args.file)
+        return corpus.pairs, corpus.source
+    data_dir = args.data or (payload.get("train_config") or {}).get("data")
+    if not data_dir:
+        raise NmtserveError("no evaluation data: give --data DIR or --file FILE [TARGET_FILE]")
+    path = split_file(data_dir, args.split)
+    return read_corpus([path]).pairs, str(path)
+
+
+def cmd_evaluate(args) -> int:
+    from training.checkpoint import load_model
+    from training.evaluate import evaluate_pairs
+
+    loaded = load_model(args.checkpoint, device=args.device)
+    pairs, source = _split_pairs(args, loaded.payload)
+    if args.limit:
+        pairs = pairs[: args.limit]
+    if not pairs:
+        raise NmtserveError(f"{source}: no sentence pairs to evaluate")
+    scores, hyps = evaluate_pairs(loaded.model, loaded.tokenizer, pairs, batch_size=args.batch_size, device=args.device)
+    result = {"checkpoint": str(args.checkpoint), "data": source, "split": None if args.file else args.split,
+              **scores.to_dict()}
+    if args.output:
+        Path(args.output).write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+    if args.json:
+        _print_json(result)
+    else:
+        print(f"{source}: BLEU {scores.bleu:.2f}  chrF {scores.chrf:.2f}  exact {scores.exact_match:.1%}  "
+              f"({scores.sentences} sentences)")
+    return 0
+
+
+def cmd_translate(args) -> int:
+    from training.checkpoint import load_model
+    from training.decode import translate
+
+    texts = args.texts or [line.rstrip("\n") for line in sys.stdin]
+    loaded = load_model(args.checkpoint, device=args.device)
+    for text, out in zip(texts, translate(loaded.model, loaded.tokenizer, texts, max_batch_size=args.batch_size,
+                                          max_decoding_length=args.max_length, device=args.device)):
+        print(json.dumps({"source": text, "translation": out}, ensure_ascii=False) if args.json else out)
+    return 0
+
+
+# ---------------------------------------------------------------- parser
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    from training.model import PRESETS
+    from training.train import TrainConfig
+
+    d = TrainConfig()
+    p.add_argument("--out", default=d.out, help="run directory: checkpoints, logs, TensorBoard (default %(default)s)")
+    p.add_argument("--data", default=d.data, help="a directory written by `nmtserve data`")
+    p.add_argument("--train", nargs="+", metavar="FILE", help="a TSV file (source<TAB>target) or a Moses pair SRC TGT")
+    p.add_argument("--valid", nargs="+", metavar="FILE", help="validation data, same forms as --train")
+    p.add_argument("--preset", default=d.preset, choices=list(PRESETS), help="model size (default %(default)s)")
+    p.add_argument("--pre-norm", action="store_true", help="pre-LN residual blocks instead of the paper's post-LN")
+    p.add_argument("--dropout", type=float, default=d.dropout)
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="SentencePiece vocabulary size (upper bound)")
+    p.add_argument("--max-len", type=int, default=d.max_len, help="skip pairs longer than this many tokens")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="padded tokens per batch")
+    p.add_argument("--lr-factor", type=float, default=d.lr_factor, help="scales the paper's learning-rate schedule")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up steps of the schedule")
+    p.add_argument("--label-smoothing", type=float, default=d.label_smoothing)
+    p.add_argument("--clip-norm", type=float, default=d.clip_norm, help="gradient clipping (0: off)")
+    p.add_argument("--max-steps", type=int, default=d.max_steps)
+    p.add_argument("--max-minutes", type=float, default=d.max_minutes, help="wall-clock training budget")
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--valid-every", type=int, default=d.valid_every, help="validate and checkpoint every N steps")
+    p.add_argument("--valid-bleu-sentences", type=int, default=d.valid_bleu_sentences)
+    p.add_argument("--log-every", type=int, default=d.log_every)
+    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
+    p.add_argument("--average-last", type=int, default=d.average_last,
+                   help="at the end, average the last N periodic checkpoints into average.pt")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--resume", action="store_true", help="continue exactly from OUT/last.pt")
+    p.add_argument("--device", default=d.device, help="auto, cpu or cuda")
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="nmtserve", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+
+    p = sub.add_parser("data", help="generate the built-in English→French corpus")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--pairs", type=int, default=200_000, help="training pairs (default %(default)s)")
+    p.add_argument("--valid", type=int, default=1000)
+    p.add_argument("--test", type=int, default=2000)
+    p.add_argument("--novel", type=int, default=1000, help="test pairs whose (subject, verb, object) never occur in train")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--workers", type=int, default=None, help="processes (default: all cores); output does not depend on it")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_data)
+
+    p = sub.add_parser("train", help="train a model")
+    _add_train_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("average", help="average checkpoints of one run")
+    p.add_argument("checkpoints", nargs="+")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_average)
+
+    p = sub.add_parser("evaluate", help="BLEU and chrF of greedy translations")
+    p.add_argument("checkpoint")
+    p.add_argument("--split", default="test", help="split of the data directory (default %(default)s)")
+    p.add_argument("--data", help="data directory (default: the one the checkpoint was trained on)")
+    p.add_argument("--file", nargs="+", metavar="FILE", help="evaluate on a TSV file or a Moses pair instead")
+    p.add_argument("--limit", type=int, default=0, help="only the first N pairs")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--output", help="write the translations here")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("translate", help="translate sentences (arguments, or stdin lines)")
+    p.add_argument("checkpoint")
+    p.add_argument("texts", nargs="*")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_translate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except NmtserveError as e:
+        print(f"nmtserve {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (OSError, ValueError) as e:
+        print(f"nmtserve {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"nmtserve {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

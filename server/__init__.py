@@ -1,0 +1,1 @@
+"""The gRPC translation server: engine, scheduler, service, metrics. Arrives with the server issue."""

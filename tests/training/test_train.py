@@ -1,0 +1,96 @@
+"""Training: a tiny model memorises a few hundred pairs, resume is exact, DDP trains, averaging averages."""
+
+import json
+import sys
+
+import torch
+
+from tests.conftest import ROOT, run_cli, tiny_config
+from training import checkpoint
+from training.checkpoint import load_model
+from training.data import read_tsv
+from training.evaluate import evaluate_pairs
+from training.train import train
+
+
+def _losses(run_dir):
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "train_log.jsonl").read_text().splitlines())}
+
+
+def test_tiny_model_learns_a_few_hundred_pairs_to_exact_match(tiny_corpus, tmp_path):
+    pairs = read_tsv(tiny_corpus / "train.tsv").pairs[:300]
+    data = tmp_path / "pairs.tsv"
+    data.write_text("".join(f"{s}\t{t}\n" for s, t in pairs), encoding="utf-8")
+    cfg = tiny_config(tmp_path / "run", None, train=[str(data)], valid=[str(data)],
+                      preset="tiny", max_steps=700, warmup=100, lr_factor=0.5, valid_every=700, log_every=50)
+    train(cfg)
+    loaded = load_model(tmp_path / "run" / "last.pt")
+    scores, _ = evaluate_pairs(loaded.model, loaded.tokenizer, pairs)
+    assert scores.exact_match >= 0.95, scores
+    assert scores.bleu >= 95
+
+
+def test_resume_continues_the_same_loss_curve(tiny_corpus, tmp_path):
+    common = dict(dropout=0.1, valid_every=10, valid_bleu_sentences=5)
+    train(tiny_config(tmp_path / "straight", tiny_corpus, max_steps=30, **common))
+    train(tiny_config(tmp_path / "resumed", tiny_corpus, max_steps=15, **common))
+    summary = train(tiny_config(tmp_path / "resumed", tiny_corpus, max_steps=30, resume=True, **common))
+    assert summary["steps"] == 30
+    straight, resumed = _losses(tmp_path / "straight"), _losses(tmp_path / "resumed")
+    assert sorted(resumed) == list(range(1, 31))
+    assert [resumed[s] for s in range(1, 31)] == [straight[s] for s in range(1, 31)]
+    a = torch.load(tmp_path / "straight" / "last.pt", weights_only=False)["model"]
+    b = torch.load(tmp_path / "resumed" / "last.pt", weights_only=False)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_process_ddp_on_gloo_trains(tiny_corpus, tmp_path):
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "nmtserve.cli",
+           "train", "--data", str(tiny_corpus), "--out", str(out), "--preset", "tiny", "--vocab-size", "400",
+           "--max-tokens", "512", "--max-steps", "8", "--valid-every", "8", "--valid-bleu-sentences", "5",
+           "--log-every", "1", "--warmup", "4", "--device", "cpu", "--json"]
+    import subprocess
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout[result.stdout.index("{"):])
+    assert summary["world_size"] == 2 and summary["steps"] == 8
+    losses = _losses(out)
+    assert sorted(losses) == list(range(1, 9)) and losses[8] < losses[1]
+    assert (out / "last.pt").is_file() and (out / "best.pt").is_file()
+
+
+def test_checkpoint_averaging_is_the_mean_of_weights(tiny_corpus, tmp_path):
+    train(tiny_config(tmp_path / "run", tiny_corpus, max_steps=20, valid_every=10, valid_bleu_sentences=5))
+    steps = sorted((tmp_path / "run").glob("step_*.pt"))
+    assert len(steps) == 2
+    out = checkpoint.average(steps, tmp_path / "avg.pt")
+    a, b, avg = (torch.load(p, weights_only=False)["model"] for p in (*steps, out))
+    name = "decoder.0.ffn.w1.weight"
+    torch.testing.assert_close(avg[name], (a[name] + b[name]) / 2)
+    assert load_model(out).model.num_parameters() > 0
+
+
+def test_cli_evaluate_json_and_translate(tiny_checkpoint):
+    result = run_cli("evaluate", str(tiny_checkpoint), "--split", "test", "--json")
+    assert result.returncode == 0, result.stderr
+    scores = json.loads(result.stdout)
+    assert scores["split"] == "test" and scores["sentences"] == 40 and 0 <= scores["bleu"] <= 100 and scores["chrf"] > 0
+    result = run_cli("translate", str(tiny_checkpoint), "The cat sleeps.", "Did the dogs eat?")
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.splitlines()) == 2
+
+
+def test_cli_errors_are_one_line_with_exit_2(tmp_path, tiny_checkpoint):
+    broken = tmp_path / "broken.pt"
+    broken.write_bytes(tiny_checkpoint.read_bytes()[:1000])
+    for args, expected in [
+        (("evaluate", str(tmp_path / "nope.pt")), "nope.pt: no such checkpoint"),
+        (("translate", str(broken), "hi"), "broken.pt: not a readable checkpoint"),
+        (("train", "--out", str(tmp_path / "r"), "--max-steps", "1"), "no training data"),
+        (("train", "--data", str(tmp_path), "--out", str(tmp_path / "r"), "--max-steps", "1"), "no 'train' split"),
+        (("train", "--preset", "huge"), "invalid choice: 'huge'"),
+    ]:
+        result = run_cli(*args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert result.stderr.count("\n") == 1 and expected in result.stderr, (args, result.stderr)

@@ -1,0 +1,292 @@
+"""The Transformer of "Attention Is All You Need", read top to bottom like the paper.
+
+EncoderDecoder.encode / cross_kv / decode_step is the interface the ONNX export
+mirrors: the encoder runs once per source, the cross-attention K/V of every
+decoder layer are computed once from its output, and each decoder step takes
+one token per row, that row's own position and the self-attention cache, and
+returns log-probabilities plus the K/V of the new token (the caller appends
+them to its cache). Rows of a batch may be at different steps: the cache has a
+validity mask per row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PRESETS = {
+    "tiny": dict(d_model=64, n_heads=4, d_ff=128, n_encoder_layers=2, n_decoder_layers=2),
+    "small": dict(d_model=256, n_heads=4, d_ff=1024, n_encoder_layers=3, n_decoder_layers=3),
+    "base": dict(d_model=512, n_heads=8, d_ff=2048, n_encoder_layers=6, n_decoder_layers=6),
+}
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 4000
+    d_model: int = 256
+    n_heads: int = 4
+    d_ff: int = 1024
+    n_encoder_layers: int = 3
+    n_decoder_layers: int = 3
+    dropout: float = 0.1
+    pre_norm: bool = False  # the paper is post-LN; pre-LN trains more stably when deep
+    max_len: int = 256  # longest source or target, in tokens, that positions cover
+    pad_id: int = 0
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "ModelConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
+        return replace(cls(**PRESETS[name]), **overrides)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class KVCache:
+    """Self-attention keys and values of every decoder layer, appended per step.
+
+    k, v: (L, B, H, T, Dh); valid: (B, T) bool — False marks slots a row never
+    filled (it joined the batch later), which attention ignores.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    valid: torch.Tensor
+
+    @classmethod
+    def empty(cls, config: ModelConfig, batch: int, device=None, dtype=torch.float32) -> "KVCache":
+        shape = (config.n_decoder_layers, batch, config.n_heads, 0, config.head_dim)
+        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype),
+                   torch.zeros(batch, 0, dtype=torch.bool, device=device))
+
+    def append(self, new_k: torch.Tensor, new_v: torch.Tensor, new_valid: torch.Tensor | None = None) -> None:
+        """Add one step: new_k/new_v (L, B, H, 1, Dh); new_valid (B,) defaults to all rows."""
+        if new_valid is None:
+            new_valid = torch.ones(new_k.shape[1], dtype=torch.bool, device=new_k.device)
+        self.k = torch.cat([self.k, new_k], dim=3)
+        self.v = torch.cat([self.v, new_v], dim=3)
+        self.valid = torch.cat([self.valid, new_valid[:, None]], dim=1)
+
+    def select(self, rows: torch.Tensor) -> "KVCache":
+        """Keep only `rows` (indices into the batch)."""
+        return KVCache(self.k[:, rows], self.v[:, rows], self.valid[rows])
+
+
+# ---------------------------------------------------------------- embeddings
+class ScaledEmbedding(nn.Module):
+    """Token embeddings times sqrt(d_model), shared by source, target and the output projection."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.scale = math.sqrt(config.d_model)
+        self.weight = nn.Parameter(torch.randn(config.vocab_size, config.d_model) * config.d_model ** -0.5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight) * self.scale  # (B, T, D)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t()  # (B, T, V)
+
+
+class SinusoidalPositions(nn.Module):
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        pos = torch.arange(config.max_len, dtype=torch.float32)[:, None]
+        div = torch.exp(torch.arange(0, config.d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / config.d_model))
+        table = torch.zeros(config.max_len, config.d_model)
+        table[:, 0::2] = torch.sin(pos * div)
+        table[:, 1::2] = torch.cos(pos * div)
+        self.register_buffer("table", table, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.table[positions]  # (B, T) -> (B, T, D)
+
+
+# ---------------------------------------------------------------- attention
+class MultiHeadAttention(nn.Module):
+    """Multi-head scaled dot-product attention; keys/values are projected separately so they can be cached."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads, self.head_dim = config.n_heads, config.head_dim
+        self.q_proj = nn.Linear(config.d_model, config.d_model)
+        self.k_proj = nn.Linear(config.d_model, config.d_model)
+        self.v_proj = nn.Linear(config.d_model, config.d_model)
+        self.out_proj = nn.Linear(config.d_model, config.d_model)
+        self.dropout = config.dropout
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
+
+    def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of x (B, T, D), each (B, H, T, Dh)."""
+        return self._split(self.k_proj(x)), self._split(self.v_proj(x))
+
+    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Queries from x (B, Tq, D) over k/v (B, H, Tk, Dh); mask (B, 1, Tq|1, Tk) True = may attend."""
+        q = self._split(self.q_proj(x))  # (B, H, Tq, Dh)
+        dropout = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        b, _, t, _ = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))  # (B, Tq, D)
+
+
+class FeedForward(nn.Module):
+    """FFN(x) = max(0, x W1 + b1) W2 + b2."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(config.d_model, config.d_ff)
+        self.w2 = nn.Linear(config.d_ff, config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.dropout(F.relu(self.w1(x))))
+
+
+class Residual(nn.Module):
+    """LayerNorm(x + Dropout(Sublayer(x))) as in the paper, or x + Dropout(Sublayer(LayerNorm(x))) pre-LN."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.norm = nn.LayerNorm(config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+        self.pre_norm = config.pre_norm
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the sublayer sees."""
+        return self.norm(x) if self.pre_norm else x
+
+    def output(self, x: torch.Tensor, sublayer_out: torch.Tensor) -> torch.Tensor:
+        y = x + self.dropout(sublayer_out)
+        return y if self.pre_norm else self.norm(y)
+
+
+# ---------------------------------------------------------------- layers
+class EncoderLayer(nn.Module):
+    """Self-attention then feed-forward, each in a residual block."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.self_attn, self.ffn = MultiHeadAttention(config), FeedForward(config)
+        self.res1, self.res2 = Residual(config), Residual(config)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.res1.input(x)
+        k, v = self.self_attn.project_kv(h)
+        x = self.res1.output(x, self.self_attn.attend(h, k, v, mask))
+        return self.res2.output(x, self.ffn(self.res2.input(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, cross-attention over the encoder output, feed-forward."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.self_attn, self.cross_attn, self.ffn = MultiHeadAttention(config), MultiHeadAttention(config), FeedForward(config)
+        self.res1, self.res2, self.res3 = Residual(config), Residual(config), Residual(config)
+
+    def forward(self, x, past_k, past_v, self_mask, cross_k, cross_v, cross_mask):
+        """x (B, T, D); past_k/v (B, H, P, Dh) or None; returns (x, new_k, new_v) with new_k/v (B, H, T, Dh)."""
+        h = self.res1.input(x)
+        new_k, new_v = self.self_attn.project_kv(h)
+        k = new_k if past_k is None else torch.cat([past_k, new_k], dim=2)  # (B, H, P+T, Dh)
+        v = new_v if past_v is None else torch.cat([past_v, new_v], dim=2)
+        x = self.res1.output(x, self.self_attn.attend(h, k, v, self_mask))
+        x = self.res2.output(x, self.cross_attn.attend(self.res2.input(x), cross_k, cross_v, cross_mask))
+        x = self.res3.output(x, self.ffn(self.res3.input(x)))
+        return x, new_k, new_v
+
+
+# ---------------------------------------------------------------- the model
+class EncoderDecoder(nn.Module):
+    """Encoder and decoder stacks over shared scaled embeddings and sinusoidal positions."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = ScaledEmbedding(config)
+        self.positions = SinusoidalPositions(config)
+        self.embed_dropout = nn.Dropout(config.dropout)
+        self.encoder = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_encoder_layers))
+        self.decoder = nn.ModuleList(DecoderLayer(config) for _ in range(config.n_decoder_layers))
+        # pre-LN stacks end with a LayerNorm; post-LN outputs are already normalised
+        self.encoder_norm = nn.LayerNorm(config.d_model) if config.pre_norm else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(config.d_model) if config.pre_norm else nn.Identity()
+        for name, p in self.named_parameters():
+            if p.dim() > 1 and not name.startswith("embed."):
+                nn.init.xavier_uniform_(p)
+
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.embed_dropout(self.embed(ids) + self.positions(positions))
+
+    # -- encoder
+    def encode(self, src: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+        """src (B, S) ids, src_mask (B, S) True at real tokens -> memory (B, S, D)."""
+        positions = torch.arange(src.shape[1], device=src.device)[None, :].expand_as(src)
+        x = self._embed(src, positions)
+        attn_mask = src_mask[:, None, None, :]  # (B, 1, 1, S)
+        for layer in self.encoder:
+            x = layer(x, attn_mask)
+        return self.encoder_norm(x)
+
+    def cross_kv(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-attention keys and values of every decoder layer, each (L, B, H, S, Dh); computed once per source."""
+        kv = [layer.cross_attn.project_kv(memory) for layer in self.decoder]
+        return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
+
+    # -- decoder, all target positions at once (training, uncached reference)
+    def decode(self, tgt: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
+               tgt_mask: torch.Tensor) -> torch.Tensor:
+        """tgt (B, T) ids (bos-first), tgt_mask (B, T) True at real tokens -> log-probs (B, T, V)."""
+        cross_k, cross_v = self.cross_kv(memory)
+        t = tgt.shape[1]
+        causal = torch.ones(t, t, dtype=torch.bool, device=tgt.device).tril()
+        self_mask = causal[None, None] & tgt_mask[:, None, None, :]  # (B, 1, T, T)
+        positions = torch.arange(t, device=tgt.device)[None, :].expand_as(tgt)
+        x = self._embed(tgt, positions)
+        cross_mask = src_mask[:, None, None, :]
+        for i, layer in enumerate(self.decoder):
+            x, _, _ = layer(x, None, None, self_mask, cross_k[i], cross_v[i], cross_mask)
+        return F.log_softmax(self.embed.logits(self.decoder_norm(x)).float(), dim=-1)
+
+    def forward(self, src, src_mask, tgt, tgt_mask) -> torch.Tensor:
+        return self.decode(tgt, self.encode(src, src_mask), src_mask, tgt_mask)
+
+    # -- decoder, one step with a KV cache (inference; mirrored by the ONNX decoder-step graph)
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                    cross_k: torch.Tensor, cross_v: torch.Tensor, src_mask: torch.Tensor):
+        """One new token per row.
+
+        tokens (B,), positions (B,) — each row's own step; cache k/v (L, B, H, T, Dh)
+        with valid (B, T); cross_k/v (L, B, H, S, Dh); src_mask (B, S).
+        Returns log-probs (B, V) and the new token's k/v, each (L, B, H, 1, Dh).
+        """
+        x = self._embed(tokens[:, None], positions[:, None])  # (B, 1, D)
+        ones = torch.ones(tokens.shape[0], 1, dtype=torch.bool, device=tokens.device)
+        self_mask = torch.cat([cache.valid, ones], dim=1)[:, None, None, :]  # (B, 1, 1, T+1)
+        cross_mask = src_mask[:, None, None, :]
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.decoder):
+            x, k, v = layer(x, cache.k[i], cache.v[i], self_mask, cross_k[i], cross_v[i], cross_mask)
+            new_k.append(k)
+            new_v.append(v)
+        log_probs = F.log_softmax(self.embed.logits(self.decoder_norm(x))[:, 0].float(), dim=-1)  # (B, V)
+        return log_probs, torch.stack(new_k), torch.stack(new_v)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
