@@ -120,6 +120,54 @@ def cmd_translate(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- export
+def cmd_export(args) -> int:
+    from export.exporter import ExportConfig, export_bundle, parse_variants
+
+    cfg = ExportConfig(args.checkpoint, args.out, parse_variants(args.variants), args.verify, args.verify_split,
+                       args.verify_limit)
+    manifest = export_bundle(cfg)
+    report = manifest.get("verification")
+    if args.json:
+        _print_json(manifest)
+    else:
+        print(f"wrote bundle {args.out} with variants {', '.join(manifest['variants'])}")
+        if report:
+            for name, ok in report["checks"].items():
+                print(f"  {'pass' if ok else 'FAIL'}  {name}")
+            for name, why in report["not_measured"].items():
+                print(f"  not measured  {name}: {why}")
+    if report and not report["passed"]:
+        failed = [name for name, ok in report["checks"].items() if not ok]
+        print(f"nmtserve export: verification failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------- bench
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def cmd_bench_offline(args) -> int:
+    from loadtests.bench_offline import ENGINES, BenchConfig, format_table, run_bench
+
+    engines = tuple(e.strip() for e in args.engines.split(","))
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown:
+        raise NmtserveError(f"--engines: unknown {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
+    report = run_bench(BenchConfig(args.bundle, args.checkpoint, args.sentences, args.runs, args.threads,
+                                   args.batch_sizes, engines, args.split))
+    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    return 0
+
+
 # ---------------------------------------------------------------- parser
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     from training.model import PRESETS
@@ -191,6 +239,30 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_evaluate)
 
+    p = sub.add_parser("export", help="export a checkpoint to an ONNX bundle")
+    p.add_argument("checkpoint")
+    p.add_argument("--out", required=True, help="bundle directory")
+    p.add_argument("--variants", default="fp32,int8", help="comma-separated: fp32, int8 (CPU), fp16 (CUDA)")
+    p.add_argument("--verify", action="store_true", help="check the bundle against PyTorch (exit 1 if a check fails)")
+    p.add_argument("--verify-split", default="test", help="data split for the end-to-end checks (default %(default)s)")
+    p.add_argument("--verify-limit", type=int, default=0, help="only the first N pairs of that split (0: all)")
+    p.add_argument("--json", action="store_true", help="print the manifest")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench = p.add_subparsers(dest="bench", required=True, parser_class=ArgumentParser)
+    p = bench.add_parser("offline", help="PyTorch vs ONNX Runtime vs CTranslate2 on the same weights and sentences")
+    p.add_argument("bundle")
+    p.add_argument("--checkpoint", help="default: the bundle's source checkpoint")
+    p.add_argument("--sentences", type=int, default=300, help="first N sentences of the split (default %(default)s)")
+    p.add_argument("--split", default="test")
+    p.add_argument("--runs", type=int, default=5, help="runs per engine and batch size; the median is reported")
+    p.add_argument("--threads", type=int, default=2, help="intra-op threads of every engine")
+    p.add_argument("--batch-sizes", type=_int_list, default=(1, 8, 32, 64))
+    p.add_argument("--engines", default="pytorch,ort_fp32,ort_int8,ct2_fp32,ct2_int8")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench_offline)
+
     p = sub.add_parser("translate", help="translate sentences (arguments, or stdin lines)")
     p.add_argument("checkpoint")
     p.add_argument("texts", nargs="*")
@@ -215,6 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"nmtserve {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a bug, not a user error: still one line, the traceback on request
+        if os.environ.get("NMTSERVE_DEBUG"):
+            raise
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        print(f"nmtserve {args.command}: internal error: {type(e).__name__}: {first} "
+              f"(set NMTSERVE_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -16,3 +16,7 @@ class CheckpointError(NmtserveError):
 
 class ConfigError(NmtserveError):
     """A configuration value is out of range or inconsistent."""
+
+
+class BundleError(NmtserveError):
+    """A bundle is missing, incomplete, modified or of another schema (the message names the file)."""

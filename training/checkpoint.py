@@ -11,7 +11,7 @@ import torch
 
 from nmtserve.errors import CheckpointError
 from training.model import EncoderDecoder, ModelConfig
-from training.tokenizer import Tokenizer
+from nmtserve.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch
 
+from nmtserve.decoding import output_budget, sorted_batches
 from training.data import pad
 from training.model import EncoderDecoder, KVCache
-from training.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from nmtserve.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
 
 def prefill(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tensor):
@@ -25,9 +26,9 @@ def decode_one_token(model, tokens, positions, cache: KVCache, cross_k, cross_v,
     return token, score
 
 
-def max_length_for(src_mask: torch.Tensor, max_len: int, model_max: int) -> int:
-    """Output budget: the caller's limit, 2×source+10, and the model's position table, whichever is smallest."""
-    return min(max_len, int(src_mask.sum(1).max()) * 2 + 10, model_max)
+def budgets(src_mask: torch.Tensor, max_len: int, model_max: int) -> torch.Tensor:
+    """(B,) most target tokens per row; the same rule as every other decoder of the project."""
+    return torch.tensor([output_budget(int(n), max_len, model_max) for n in src_mask.sum(1)], device=src_mask.device)
 
 
 @torch.inference_mode()
@@ -41,13 +42,14 @@ def greedy_decode(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tens
     done = torch.zeros(batch, dtype=torch.bool, device=src.device)
     outputs = torch.zeros(batch, 0, dtype=torch.long, device=src.device)
     scores = torch.zeros(batch, device=src.device)
-    for step in range(max_length_for(src_mask, max_len, model.config.max_len)):
+    budget = budgets(src_mask, max_len, model.config.max_len)
+    for step in range(int(budget.max())):
         positions = torch.full((batch,), step, dtype=torch.long, device=src.device)
         tokens, score = decode_one_token(model, tokens, positions, cache, cross_k, cross_v, src_mask)
         scores += torch.where(done, torch.zeros_like(score), score)
         tokens = torch.where(done, torch.full_like(tokens, PAD_ID), tokens)
         outputs = torch.cat([outputs, tokens[:, None]], dim=1)
-        done |= tokens == EOS_ID
+        done |= (tokens == EOS_ID) | (step + 1 >= budget)
         if bool(done.all()):
             break
     return [_strip(row) for row in outputs.tolist()], scores.tolist()
@@ -61,12 +63,13 @@ def greedy_decode_uncached(model: EncoderDecoder, src: torch.Tensor, src_mask: t
     memory = model.encode(src, src_mask)
     prefix = torch.full((batch, 1), BOS_ID, dtype=torch.long, device=src.device)
     done = torch.zeros(batch, dtype=torch.bool, device=src.device)
-    for _ in range(max_length_for(src_mask, max_len, model.config.max_len)):
+    budget = budgets(src_mask, max_len, model.config.max_len)
+    for step in range(int(budget.max())):
         log_probs = model.decode(prefix, memory, src_mask, torch.ones_like(prefix, dtype=torch.bool))
         tokens = log_probs[:, -1].argmax(dim=-1)
         tokens = torch.where(done, torch.full_like(tokens, PAD_ID), tokens)
         prefix = torch.cat([prefix, tokens[:, None]], dim=1)
-        done |= tokens == EOS_ID
+        done |= (tokens == EOS_ID) | (step + 1 >= budget)
         if bool(done.all()):
             break
     return [_strip(row) for row in prefix[:, 1:].tolist()]
@@ -80,13 +83,11 @@ def _strip(row: list[int]) -> list[int]:
 def translate(model: EncoderDecoder, tokenizer: Tokenizer, texts: list[str], *, max_batch_size: int = 64,
               max_decoding_length: int = 256, device="cpu") -> list[str]:
     """Translate texts greedily, batching them sorted by length to cut padding."""
-    ids = [tokenizer.encode(t)[: model.config.max_len] for t in texts]
-    order = sorted(range(len(texts)), key=lambda i: len(ids[i]))
+    ids = [tokenizer.encode(t)[: model.config.max_len] or [EOS_ID] for t in texts]
     results: list[str] = [""] * len(texts)
     model.eval()
-    for start in range(0, len(order), max_batch_size):
-        rows = order[start:start + max_batch_size]
-        src, src_mask = pad([ids[i] or [EOS_ID] for i in rows], PAD_ID)
+    for rows in sorted_batches([len(i) for i in ids], max_batch_size):
+        src, src_mask = pad([ids[i] for i in rows], PAD_ID)
         out, _ = greedy_decode(model, src.to(device), src_mask.to(device), max_decoding_length)
         for i, tokens in zip(rows, out):
             results[i] = tokenizer.decode(tokens)

@@ -28,7 +28,7 @@ from training import checkpoint
 from training.data import Example, ParallelCorpus, ReadStats, collate, read_corpus, split_file, token_batches
 from training.evaluate import evaluate_pairs
 from training.model import PRESETS, EncoderDecoder, ModelConfig
-from training.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from nmtserve.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
 
 @dataclass

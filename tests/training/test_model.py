@@ -5,7 +5,7 @@ import torch
 
 from training.decode import greedy_decode, greedy_decode_uncached
 from training.model import EncoderDecoder, KVCache, ModelConfig
-from training.tokenizer import BOS_ID, PAD_ID
+from nmtserve.tokenizer import BOS_ID, PAD_ID
 
 VOCAB = 50
 

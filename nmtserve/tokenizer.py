@@ -1,4 +1,6 @@
-"""A joint SentencePiece model over source and target text, with fixed special ids."""
+"""A joint SentencePiece model over source and target text, with fixed special ids.
+
+Torch-free: training, the bundle reader and the server all use it."""
 
 from __future__ import annotations
 

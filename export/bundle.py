@@ -1,0 +1,127 @@
+"""The bundle: the contract between export and server. Torch-free.
+
+A directory holding encoder/decoder graphs per precision variant, the SentencePiece model and
+manifest.json (schema version, model dimensions, special ids, limits, opset, every graph input
+and output with its shape, the variants, the sha256 and size of every file, the source
+checkpoint and its measured BLEU). `load_bundle` refuses a bundle whose schema or any file does
+not match, naming the file and what is wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from nmtserve.errors import BundleError
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+TOKENIZER_FILE = "spm.model"
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_entry(path: Path) -> dict:
+    return {"sha256": sha256_of(path), "bytes": path.stat().st_size}
+
+
+def graph_signature(onnx_path: Path) -> dict:
+    """Inputs and outputs of an ONNX graph: name, element type and shape (symbolic dims by name)."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+
+    def describe(values):
+        out = []
+        for v in values:
+            t = v.type.tensor_type
+            shape = [d.dim_param or d.dim_value for d in t.shape.dim]
+            out.append({"name": v.name, "dtype": onnx.TensorProto.DataType.Name(t.elem_type).lower(), "shape": shape})
+        return out
+
+    return {"inputs": describe(model.graph.input), "outputs": describe(model.graph.output)}
+
+
+def write_manifest(bundle_dir: Path, manifest: dict) -> Path:
+    """Add the hash of every listed file and write manifest.json."""
+    files = sorted({TOKENIZER_FILE} | {f for v in manifest["variants"].values() for f in (v["encoder"], v["decoder"])})
+    manifest = {"schema_version": SCHEMA_VERSION, **manifest,
+                "files": {name: file_entry(bundle_dir / name) for name in files}}
+    path = bundle_dir / MANIFEST
+    path.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
+
+
+@dataclass
+class Bundle:
+    """A checked bundle directory and its manifest."""
+
+    path: Path
+    manifest: dict
+
+    @property
+    def model(self) -> dict:
+        return self.manifest["model"]
+
+    @property
+    def special_ids(self) -> dict[str, int]:
+        return self.manifest["special_ids"]
+
+    @property
+    def variants(self) -> list[str]:
+        return list(self.manifest["variants"])
+
+    def graph_path(self, variant: str, graph: str) -> Path:
+        if variant not in self.manifest["variants"]:
+            raise BundleError(f"{self.path}: no variant {variant!r}; this bundle has {', '.join(self.variants)}")
+        return self.path / self.manifest["variants"][variant][graph]
+
+    def tokenizer(self):
+        from nmtserve.tokenizer import Tokenizer
+
+        return Tokenizer.load(self.path / TOKENIZER_FILE)
+
+
+def load_bundle(path: str | Path, verify_hashes: bool = True) -> Bundle:
+    """Read and check a bundle: schema version, presence, size and sha256 of every file."""
+    path = Path(path)
+    manifest_path = path / MANIFEST
+    if not path.is_dir():
+        raise BundleError(f"{path}: no such bundle directory")
+    if not manifest_path.is_file():
+        raise BundleError(f"{manifest_path}: missing; not an nmtserve bundle (export one with `nmtserve export`)")
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BundleError(f"{manifest_path}: not valid JSON ({e})") from None
+    version = manifest.get("schema_version") if isinstance(manifest, dict) else None
+    if version != SCHEMA_VERSION:
+        raise BundleError(f"{manifest_path}: schema_version {version!r}, this nmtserve reads {SCHEMA_VERSION}")
+    for key in ("model", "special_ids", "variants", "files", "graphs", "limits"):
+        if key not in manifest:
+            raise BundleError(f"{manifest_path}: missing field {key!r}")
+    for name, entry in manifest["files"].items():
+        _check_file(path / name, entry, verify_hashes)
+    return Bundle(path, manifest)
+
+
+def _check_file(file: Path, entry: dict, verify_hash: bool) -> None:
+    if not file.is_file():
+        raise BundleError(f"{file}: missing from the bundle (listed in {MANIFEST})")
+    size = file.stat().st_size
+    if size != entry["bytes"]:
+        what = "truncated" if size < entry["bytes"] else "larger than recorded"
+        raise BundleError(f"{file}: {what}: {size} bytes, manifest says {entry['bytes']}")
+    if verify_hash:
+        digest = sha256_of(file)
+        if digest != entry["sha256"]:
+            raise BundleError(f"{file}: sha256 mismatch: found {digest[:12]}…, manifest says {entry['sha256'][:12]}…; "
+                              f"the file was modified after export")

@@ -1,0 +1,81 @@
+"""checkpoint -> bundle directory.
+
+    nmtserve export runs/default/average.pt --out bundles/default --variants fp32,int8 --verify
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nmtserve
+from export import bundle as bundle_io
+from export.graphs import DYNAMIC_AXES, OPSET, export_graphs
+from export.variants import VARIANTS, fusion_report, write_variant
+from nmtserve.errors import ConfigError
+from training.checkpoint import load_model
+
+
+@dataclass
+class ExportConfig:
+    checkpoint: str
+    out: str
+    variants: list[str] = field(default_factory=lambda: ["fp32", "int8"])
+    verify: bool = False
+    verify_split: str = "test"  # split of the checkpoint's data directory for the end-to-end checks
+    verify_limit: int = 0  # 0: the whole split
+
+
+def parse_variants(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown or not names:
+        raise ConfigError(f"--variants {text!r}: choose from {', '.join(VARIANTS)}")
+    return list(dict.fromkeys(["fp32", *names]))  # fp32 is always there: the others derive from it
+
+
+def export_bundle(cfg: ExportConfig) -> dict:
+    """Write the bundle; returns its manifest (with verification results when asked)."""
+    loaded = load_model(cfg.checkpoint)
+    out = Path(cfg.out)
+    if out.exists() and any(out.iterdir()) and not (out / bundle_io.MANIFEST).is_file():
+        raise ConfigError(f"--out {out}: exists, is not empty and is not a bundle; choose another directory")
+    out.mkdir(parents=True, exist_ok=True)
+    paths = export_graphs(loaded.model, out)
+    loaded.tokenizer.save(out / bundle_io.TOKENIZER_FILE)
+    variants = {"fp32": {"encoder": "encoder.onnx", "decoder": "decoder.onnx", **VARIANTS["fp32"]}}
+    for name in cfg.variants:
+        if name == "fp32":
+            continue
+        files = {g: f"{g}.{name}.onnx" for g in ("encoder", "decoder")}
+        for graph, filename in files.items():
+            write_variant(name, paths[graph], out / filename)
+        variants[name] = {**files, **VARIANTS[name]}
+    for stale in out.glob("*.onnx"):  # a re-export with fewer variants leaves nothing behind
+        if stale.name not in {f for v in variants.values() for f in (v["encoder"], v["decoder"])}:
+            stale.unlink()
+
+    c = loaded.model.config
+    payload = loaded.payload
+    manifest = {
+        "format": "nmtserve-bundle",
+        "created_by": f"nmtserve {nmtserve.__version__}",
+        "model": {k: getattr(c, k) for k in ("vocab_size", "d_model", "n_heads", "d_ff", "n_encoder_layers",
+                                             "n_decoder_layers", "pre_norm", "max_len")},
+        "special_ids": loaded.tokenizer.special_ids(),
+        "limits": {"max_source_tokens": c.max_len, "max_target_tokens": c.max_len},
+        "opset": OPSET,
+        "graphs": {g: {**bundle_io.graph_signature(paths[g]), "dynamic_axes": DYNAMIC_AXES[g]} for g in paths},
+        "variants": variants,
+        "optimization": {g: fusion_report(paths[g]) for g in paths},
+        "source": {"checkpoint": str(cfg.checkpoint), "sha256": bundle_io.sha256_of(Path(cfg.checkpoint)),
+                   "step": payload.get("step"), "metrics": payload.get("metrics"),
+                   "data": (payload.get("train_config") or {}).get("data")},
+    }
+    if cfg.verify:
+        from export.verify import verify_bundle
+
+        bundle_io.write_manifest(out, manifest)  # verification reads the bundle as the server will
+        manifest["verification"] = verify_bundle(out, loaded, split=cfg.verify_split, limit=cfg.verify_limit)
+    bundle_io.write_manifest(out, manifest)
+    return bundle_io.load_bundle(out).manifest

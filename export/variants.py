@@ -1,0 +1,96 @@
+"""Precision variants of the fp32 graphs, and the node counts that show ORT's fusions.
+
+- fp32: CPU and CUDA.
+- int8: dynamic quantisation of MatMul weights (onnxruntime.quantization), for CPU.
+- fp16: for CUDA. LayerNormalization, Softmax, LogSoftmax and the logits MatMul stay in fp32
+  (fp16 decoders that do not NaN or repeat tokens: onnxruntime #15752, optimum #2068); K/V
+  inputs and outputs are fp16 to halve cache traffic; log_probs stays fp32.
+"""
+
+from __future__ import annotations
+
+import collections
+import tempfile
+from pathlib import Path
+
+import onnx
+
+VARIANTS = {
+    "fp32": {"devices": ["cpu", "cuda"], "kv_dtype": "float32"},
+    "int8": {"devices": ["cpu"], "kv_dtype": "float32"},
+    "fp16": {"devices": ["cuda"], "kv_dtype": "float16"},
+}
+FP16_KEEP_FP32_OPS = ["LayerNormalization", "Softmax", "LogSoftmax"]
+
+
+def quantize_int8(src: Path, dst: Path) -> None:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    # MatMul only: the embedding Gather stays fp32, so int8 costs accuracy in the matmuls alone
+    quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"])
+
+
+def _logits_nodes(model: onnx.ModelProto) -> list[str]:
+    """The MatMul that produces the logits (the input of LogSoftmax), and anything between."""
+    producers = {out: node for node in model.graph.node for out in node.output}
+    names = []
+    for node in model.graph.node:
+        if node.op_type == "LogSoftmax":
+            current = producers.get(node.input[0])
+            while current is not None and current.op_type != "MatMul":
+                names.append(current.name)
+                current = producers.get(current.input[0])
+            if current is not None:
+                names.append(current.name)
+    return names
+
+
+def convert_fp16(src: Path, dst: Path) -> None:
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+
+    model = onnx.load(str(src))
+    float_io = [v.name for v in list(model.graph.input) + list(model.graph.output)
+                if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT]
+    keep_fp32_io = [name for name in float_io if name == "log_probs"]
+    converted = convert_float_to_float16(model, keep_io_types=keep_fp32_io, op_block_list=DEFAULT_OP_BLOCK_LIST + FP16_KEEP_FP32_OPS,
+                                         node_block_list=_logits_nodes(model))
+    # the converter appends its Cast nodes at the end; onnx.checker wants topological order
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    wrapper = OnnxModel(converted)
+    wrapper.topological_sort()
+    onnx.save(wrapper.model, str(dst))
+
+
+def write_variant(name: str, fp32_path: Path, dst: Path) -> None:
+    if name == "int8":
+        quantize_int8(fp32_path, dst)
+    elif name == "fp16":
+        convert_fp16(fp32_path, dst)
+    else:
+        raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+
+
+def op_counts(model: onnx.ModelProto) -> dict[str, int]:
+    return dict(sorted(collections.Counter(n.op_type for n in model.graph.node).items()))
+
+
+def optimized_op_counts(path: Path) -> dict[str, int]:
+    """Node counts after ONNX Runtime's CPU graph optimisations (what a session really runs)."""
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as tmp:
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+        so.log_severity_level = 3
+        ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        return op_counts(onnx.load(so.optimized_model_filepath))
+
+
+def fusion_report(path: Path) -> dict:
+    """Op counts before and after ORT optimisation, with the totals."""
+    before = op_counts(onnx.load(str(path)))
+    after = optimized_op_counts(path)
+    return {"nodes_before": sum(before.values()), "nodes_after": sum(after.values()),
+            "ops_before": before, "ops_after": after}

@@ -1,0 +1,92 @@
+"""The bundle contract: manifest contents, hashes, clear errors, and a torch-free reader."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from export.bundle import MANIFEST, SCHEMA_VERSION, load_bundle, sha256_of
+from nmtserve.errors import BundleError
+from tests.conftest import ROOT, run_cli
+
+
+def test_manifest_records_model_graphs_variants_and_hashes(tiny_bundle, tiny_checkpoint):
+    manifest = load_bundle(tiny_bundle).manifest
+    assert manifest["schema_version"] == SCHEMA_VERSION
+    assert manifest["model"]["d_model"] == 64 and manifest["model"]["n_decoder_layers"] == 2
+    assert manifest["special_ids"] == {"pad": 0, "unk": 1, "bos": 2, "eos": 3}
+    assert manifest["opset"] >= 17
+    assert set(manifest["variants"]) == {"fp32", "int8"}
+    decoder = manifest["graphs"]["decoder"]
+    assert [i["name"] for i in decoder["inputs"]] == ["tokens", "positions", "past_k", "past_v", "past_valid",
+                                                     "cross_k", "cross_v", "src_mask"]
+    assert [o["name"] for o in decoder["outputs"]] == ["log_probs", "new_k", "new_v"]
+    past_k = next(i for i in decoder["inputs"] if i["name"] == "past_k")
+    assert past_k["shape"] == [2, "batch", 4, "past_len", 16]
+    assert "cross_k" not in [o["name"] for o in decoder["outputs"]]  # cross K/V are never re-emitted
+    for name, entry in manifest["files"].items():
+        assert sha256_of(tiny_bundle / name) == entry["sha256"]
+    assert set(manifest["files"]) == {"spm.model", "encoder.onnx", "decoder.onnx", "encoder.int8.onnx", "decoder.int8.onnx"}
+    assert manifest["source"]["checkpoint"] == str(tiny_checkpoint)
+    assert manifest["source"]["metrics"]["valid_bleu"] >= 0
+    report = manifest["optimization"]["decoder"]
+    assert report["nodes_after"] < report["nodes_before"]
+
+
+@pytest.fixture()
+def bundle_copy(tiny_bundle, tmp_path):
+    copy = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle, copy)
+    return copy
+
+
+def test_missing_truncated_and_modified_files_are_named(bundle_copy):
+    (bundle_copy / "encoder.int8.onnx").unlink()
+    with pytest.raises(BundleError, match=r"encoder\.int8\.onnx: missing from the bundle"):
+        load_bundle(bundle_copy)
+    data = (bundle_copy / "decoder.onnx").read_bytes()
+    shutil.copy(bundle_copy / "encoder.onnx", bundle_copy / "encoder.int8.onnx")
+    manifest = json.loads((bundle_copy / MANIFEST).read_text())
+    manifest["files"]["encoder.int8.onnx"] = manifest["files"]["encoder.onnx"]
+    (bundle_copy / MANIFEST).write_text(json.dumps(manifest))
+    (bundle_copy / "decoder.onnx").write_bytes(data[:-100])
+    with pytest.raises(BundleError, match=r"decoder\.onnx: truncated: \d+ bytes, manifest says \d+"):
+        load_bundle(bundle_copy)
+    flipped = bytearray(data)
+    flipped[len(flipped) // 2] ^= 0xFF
+    (bundle_copy / "decoder.onnx").write_bytes(bytes(flipped))
+    with pytest.raises(BundleError, match=r"decoder\.onnx: sha256 mismatch"):
+        load_bundle(bundle_copy)
+
+
+def test_schema_and_manifest_problems_are_named(bundle_copy, tmp_path):
+    manifest = json.loads((bundle_copy / MANIFEST).read_text())
+    (bundle_copy / MANIFEST).write_text(json.dumps({**manifest, "schema_version": 99}))
+    with pytest.raises(BundleError, match="schema_version 99, this nmtserve reads 1"):
+        load_bundle(bundle_copy)
+    (bundle_copy / MANIFEST).write_text("{not json")
+    with pytest.raises(BundleError, match="manifest.json: not valid JSON"):
+        load_bundle(bundle_copy)
+    with pytest.raises(BundleError, match="manifest.json: missing"):
+        load_bundle(tmp_path)
+
+
+def test_bundle_reader_and_translator_do_not_import_torch(tiny_bundle):
+    code = ("import sys; from export.translator import OnnxTranslator; "
+            f"t = OnnxTranslator({str(tiny_bundle)!r}); t.translate_batch(['The cat sleeps.']); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_export_of_missing_or_corrupt_checkpoint_is_one_line_exit_2(tmp_path):
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(b"not a checkpoint at all")
+    for ckpt, expected in ((tmp_path / "absent.pt", "absent.pt: no such checkpoint"),
+                           (corrupt, "corrupt.pt: not a readable checkpoint")):
+        result = run_cli("export", str(ckpt), "--out", str(tmp_path / "b"))
+        assert result.returncode == 2 and result.stderr.count("\n") == 1 and expected in result.stderr, result.stderr
+    result = run_cli("export", str(corrupt), "--out", str(tmp_path / "b"), "--variants", "fp8")
+    assert result.returncode == 2 and "--variants 'fp8'" in result.stderr
