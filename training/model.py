@@ -144,6 +144,20 @@ class MultiHeadAttention(nn.Module):
         b, _, t, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))  # (B, Tq, D)
 
+    def attend_cached(self, x, past_k, past_v, past_valid, new_k, new_v) -> torch.Tensor:
+        """One query per row, x (B, 1, D), over its cache (B, H, T, Dh) and its own new key/value.
+
+        Scores over the past and over the new token are normalised together, so this equals
+        attending over cat(past, new) without copying the cache every step; slots with
+        past_valid (B, T) False are ignored. The row's own key keeps every softmax finite.
+        """
+        q = self._split(self.q_proj(x)) * self.head_dim ** -0.5  # (B, H, 1, Dh)
+        past = (q @ past_k.transpose(-1, -2)).masked_fill(~past_valid[:, None, None, :], float("-inf"))  # (B, H, 1, T)
+        own = (q * new_k).sum(-1, keepdim=True)  # (B, H, 1, 1)
+        probs = torch.softmax(torch.cat([past, own], dim=-1), dim=-1)
+        out = probs[..., :-1] @ past_v + probs[..., -1:] * new_v  # (B, H, 1, Dh)
+        return self.out_proj(out.transpose(1, 2).reshape(out.shape[0], 1, -1))  # (B, 1, D)
+
 
 class FeedForward(nn.Module):
     """FFN(x) = max(0, x W1 + b1) W2 + b2."""
@@ -200,16 +214,26 @@ class DecoderLayer(nn.Module):
         self.self_attn, self.cross_attn, self.ffn = MultiHeadAttention(config), MultiHeadAttention(config), FeedForward(config)
         self.res1, self.res2, self.res3 = Residual(config), Residual(config), Residual(config)
 
-    def forward(self, x, past_k, past_v, self_mask, cross_k, cross_v, cross_mask):
-        """x (B, T, D); past_k/v (B, H, P, Dh) or None; returns (x, new_k, new_v) with new_k/v (B, H, T, Dh)."""
+    def forward(self, x, self_mask, cross_k, cross_v, cross_mask):
+        """All target positions at once: x (B, T, D), self_mask (B, 1, T, T) causal and padding."""
+        h = self.res1.input(x)
+        k, v = self.self_attn.project_kv(h)
+        x = self.res1.output(x, self.self_attn.attend(h, k, v, self_mask))
+        return self._cross_and_ffn(x, cross_k, cross_v, cross_mask)
+
+    def step(self, x, past_k, past_v, past_valid, cross_k, cross_v, cross_mask):
+        """One new position per row: x (B, 1, D), past_k/v (B, H, T, Dh), past_valid (B, T).
+
+        Returns (x, new_k, new_v), new_k/v (B, H, 1, Dh): the new token's keys and values.
+        """
         h = self.res1.input(x)
         new_k, new_v = self.self_attn.project_kv(h)
-        k = new_k if past_k is None else torch.cat([past_k, new_k], dim=2)  # (B, H, P+T, Dh)
-        v = new_v if past_v is None else torch.cat([past_v, new_v], dim=2)
-        x = self.res1.output(x, self.self_attn.attend(h, k, v, self_mask))
+        x = self.res1.output(x, self.self_attn.attend_cached(h, past_k, past_v, past_valid, new_k, new_v))
+        return self._cross_and_ffn(x, cross_k, cross_v, cross_mask), new_k, new_v
+
+    def _cross_and_ffn(self, x, cross_k, cross_v, cross_mask):
         x = self.res2.output(x, self.cross_attn.attend(self.res2.input(x), cross_k, cross_v, cross_mask))
-        x = self.res3.output(x, self.ffn(self.res3.input(x)))
-        return x, new_k, new_v
+        return self.res3.output(x, self.ffn(self.res3.input(x)))
 
 
 # ---------------------------------------------------------------- the model
@@ -261,7 +285,7 @@ class EncoderDecoder(nn.Module):
         x = self._embed(tgt, positions)
         cross_mask = src_mask[:, None, None, :]
         for i, layer in enumerate(self.decoder):
-            x, _, _ = layer(x, None, None, self_mask, cross_k[i], cross_v[i], cross_mask)
+            x = layer(x, self_mask, cross_k[i], cross_v[i], cross_mask)
         return F.log_softmax(self.embed.logits(self.decoder_norm(x)).float(), dim=-1)
 
     def forward(self, src, src_mask, tgt, tgt_mask) -> torch.Tensor:
@@ -277,12 +301,10 @@ class EncoderDecoder(nn.Module):
         Returns log-probs (B, V) and the new token's k/v, each (L, B, H, 1, Dh).
         """
         x = self._embed(tokens[:, None], positions[:, None])  # (B, 1, D)
-        ones = torch.ones(tokens.shape[0], 1, dtype=torch.bool, device=tokens.device)
-        self_mask = torch.cat([cache.valid, ones], dim=1)[:, None, None, :]  # (B, 1, 1, T+1)
         cross_mask = src_mask[:, None, None, :]
         new_k, new_v = [], []
         for i, layer in enumerate(self.decoder):
-            x, k, v = layer(x, cache.k[i], cache.v[i], self_mask, cross_k[i], cross_v[i], cross_mask)
+            x, k, v = layer.step(x, cache.k[i], cache.v[i], cache.valid, cross_k[i], cross_v[i], cross_mask)
             new_k.append(k)
             new_v.append(v)
         log_probs = F.log_softmax(self.embed.logits(self.decoder_norm(x))[:, 0].float(), dim=-1)  # (B, V)
