@@ -10,7 +10,7 @@ from pathlib import Path
 
 import nmtserve
 from export import bundle as bundle_io
-from export.graphs import DYNAMIC_AXES, OPSET, export_graphs
+from export.graphs import OPSET, dynamic_axes, export_graphs
 from export.variants import VARIANTS, fusion_report, write_variant
 from nmtserve.errors import ConfigError
 from training.checkpoint import load_model
@@ -65,7 +65,8 @@ def export_bundle(cfg: ExportConfig) -> dict:
         "special_ids": loaded.tokenizer.special_ids(),
         "limits": {"max_source_tokens": c.max_len, "max_target_tokens": c.max_len},
         "opset": OPSET,
-        "graphs": {g: {**bundle_io.graph_signature(paths[g]), "dynamic_axes": DYNAMIC_AXES[g]} for g in paths},
+        "graphs": {g: {**bundle_io.graph_signature(paths[g]), "dynamic_axes": dynamic_axes(c.n_decoder_layers)[g]}
+                   for g in paths},
         "variants": variants,
         "optimization": {g: fusion_report(paths[g]) for g in paths},
         "source": {"checkpoint": str(cfg.checkpoint), "sha256": bundle_io.sha256_of(Path(cfg.checkpoint)),

@@ -103,17 +103,22 @@ class OnnxTranslator:
         ids = self.bundle.special_ids
         self.pad_id, self.bos_id, self.eos_id = ids["pad"], ids["bos"], ids["eos"]
 
-    # -- the two graphs
+    # -- the two graphs; K/V are stacked (L, B, H, T|S, Dh) here and fed one layer per input
     def encode(self, src_ids: np.ndarray, src_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """src_ids (B, S) int64, src_mask (B, S) bool -> cross_k, cross_v (L, B, H, S, Dh)."""
-        cross_k, cross_v = self.encoder.run(None, {"src_ids": src_ids, "src_mask": src_mask})
-        return cross_k, cross_v
+        outputs = self.encoder.run(None, {"src_ids": src_ids, "src_mask": src_mask})
+        return np.stack(outputs[0::2]), np.stack(outputs[1::2])
 
     def step(self, tokens, positions, past_k, past_v, past_valid, cross_k, cross_v, src_mask):
-        """One decoder step -> log_probs (B, V), new_k, new_v (L, B, H, 1, Dh)."""
-        return self.decoder.run(None, {"tokens": tokens, "positions": positions, "past_k": past_k, "past_v": past_v,
-                                       "past_valid": past_valid, "cross_k": cross_k, "cross_v": cross_v,
-                                       "src_mask": src_mask})
+        """One decoder step -> log_probs (B, V), new_k, new_v (L, B, H, 1, Dh).
+
+        past_k[l] of a C-ordered (L, …) array is itself contiguous: no input is copied.
+        """
+        feed = {"tokens": tokens, "positions": positions, "past_valid": past_valid, "src_mask": src_mask}
+        for layer in range(self.n_layers):
+            feed[f"past_k_{layer}"], feed[f"past_v_{layer}"] = past_k[layer], past_v[layer]
+            feed[f"cross_k_{layer}"], feed[f"cross_v_{layer}"] = cross_k[layer], cross_v[layer]
+        return self.decoder.run(None, feed)
 
     def empty_cache(self, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A zero-length cache (k, v, valid), for callers that concatenate."""

@@ -300,11 +300,18 @@ class EncoderDecoder(nn.Module):
         with valid (B, T); cross_k/v (L, B, H, S, Dh); src_mask (B, S).
         Returns log-probs (B, V) and the new token's k/v, each (L, B, H, 1, Dh).
         """
+        return self.decode_step_layers(tokens, positions, cache.k, cache.v, cache.valid, cross_k, cross_v, src_mask)
+
+    def decode_step_layers(self, tokens, positions, past_k, past_v, past_valid, cross_k, cross_v, src_mask):
+        """decode_step over per-layer K/V: sequences of (B, H, T|S, Dh) tensors, or (L, …) stacks.
+
+        The ONNX decoder step passes one tensor per layer, so nothing stacks or splits the cache.
+        """
         x = self._embed(tokens[:, None], positions[:, None])  # (B, 1, D)
         cross_mask = src_mask[:, None, None, :]
         new_k, new_v = [], []
-        for i, layer in enumerate(self.decoder):
-            x, k, v = layer.step(x, cache.k[i], cache.v[i], cache.valid, cross_k[i], cross_v[i], cross_mask)
+        for layer, pk, pv, ck, cv in zip(self.decoder, past_k, past_v, cross_k, cross_v):
+            x, k, v = layer.step(x, pk, pv, past_valid, ck, cv, cross_mask)
             new_k.append(k)
             new_v.append(v)
         log_probs = F.log_softmax(self.embed.logits(self.decoder_norm(x))[:, 0].float(), dim=-1)  # (B, V)

@@ -20,12 +20,13 @@ def test_manifest_records_model_graphs_variants_and_hashes(tiny_bundle, tiny_che
     assert manifest["opset"] >= 17
     assert set(manifest["variants"]) == {"fp32", "int8"}
     decoder = manifest["graphs"]["decoder"]
-    assert [i["name"] for i in decoder["inputs"]] == ["tokens", "positions", "past_k", "past_v", "past_valid",
-                                                     "cross_k", "cross_v", "src_mask"]
-    assert [o["name"] for o in decoder["outputs"]] == ["log_probs", "new_k", "new_v"]
-    past_k = next(i for i in decoder["inputs"] if i["name"] == "past_k")
-    assert past_k["shape"] == [2, "batch", 4, "past_len", 16]
-    assert "cross_k" not in [o["name"] for o in decoder["outputs"]]  # cross K/V are never re-emitted
+    assert [i["name"] for i in decoder["inputs"]] == ["tokens", "positions", "past_valid", "src_mask",
+                                                     "past_k_0", "past_v_0", "past_k_1", "past_v_1",
+                                                     "cross_k_0", "cross_v_0", "cross_k_1", "cross_v_1"]
+    assert [o["name"] for o in decoder["outputs"]] == ["log_probs", "new_k", "new_v"]  # cross K/V never re-emitted
+    past_k = next(i for i in decoder["inputs"] if i["name"] == "past_k_1")
+    assert past_k["shape"] == ["batch", 4, "past_len", 16]
+    assert [o["name"] for o in manifest["graphs"]["encoder"]["outputs"]] == ["cross_k_0", "cross_v_0", "cross_k_1", "cross_v_1"]
     for name, entry in manifest["files"].items():
         assert sha256_of(tiny_bundle / name) == entry["sha256"]
     assert set(manifest["files"]) == {"spm.model", "encoder.onnx", "decoder.onnx", "encoder.int8.onnx", "decoder.int8.onnx"}
