@@ -41,3 +41,13 @@ def run_cli(*args: str, stdin: str | None = None, env: dict | None = None, timeo
     """Run `python -m nmtserve.cli ARGS` as a user would; returns the CompletedProcess."""
     return subprocess.run([sys.executable, "-m", "nmtserve.cli", *args], input=stdin, capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tiny_checkpoint, tmp_path_factory) -> Path:
+    """A bundle (fp32 and int8) exported from the tiny checkpoint."""
+    from export.exporter import ExportConfig, export_bundle
+
+    out = tmp_path_factory.mktemp("bundle")
+    export_bundle(ExportConfig(str(tiny_checkpoint), str(out), ["fp32", "int8"]))
+    return out

@@ -1,0 +1,217 @@
+"""Continuous (iteration-level) batching over a bundle's ONNX Runtime sessions. Protobuf-free.
+
+One scheduler thread owns the waiting queue and the running batch. Each iteration has three
+phases: schedule (drop cancelled or expired requests, admit waiting ones within the budgets),
+execute (encode the newcomers once, merge them into the running batch, one decoder step for
+every row), process outputs (hand each row its token, finish rows at eos or their budget).
+Requests join and leave between steps; no row ever waits for another to finish.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from export.translator import OnnxTranslator
+from nmtserve.decoding import output_budget
+from nmtserve.errors import NmtserveError
+from server.batch import BatchState
+
+
+class EngineOverloaded(NmtserveError):
+    """The waiting queue is full: refused at once rather than left to time out."""
+
+
+class EngineStopped(NmtserveError):
+    """The engine no longer takes requests (shutting down)."""
+
+
+class FinishReason(enum.Enum):
+    EOS = "eos"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    DEADLINE = "deadline"
+    ERROR = "error"
+
+
+@dataclass
+class EngineConfig:
+    max_running_rows: int = 64
+    max_batch_tokens: int = 16384  # Σ over running rows of source tokens + output budget
+    max_waiting: int = 256
+    max_decoding_length: int = 256
+
+
+@dataclass
+class Request:
+    """One sentence to translate; the engine fills tokens, score and finish, then sets `done`."""
+
+    src_ids: list[int]
+    max_decoding_length: int = 256
+    deadline: float | None = None  # time.monotonic() after which the request is dropped
+    on_token: Callable[["Request", int], None] | None = None  # called from the engine thread
+    id: str = ""
+    tokens: list[int] = field(default_factory=list)
+    score: float = 0.0
+    finish: FinishReason | None = None
+    error: str | None = None
+    arrived: float = field(default_factory=time.monotonic)
+    admitted: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        """Ask the engine to drop this request at its next iteration."""
+        self.cancelled = True
+
+    def cost(self, max_len: int) -> int:
+        return len(self.src_ids) + output_budget(len(self.src_ids), self.max_decoding_length, max_len)
+
+
+class Engine:
+    """Owns the translator's sessions, the waiting queue and the running batch."""
+
+    def __init__(self, translator: OnnxTranslator, config: EngineConfig | None = None):
+        self.tr = translator
+        self.config = config or EngineConfig()
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.batch: BatchState | None = None
+        self.lock = threading.Condition()
+        self.stopping = False
+        self.ids = itertools.count()
+        self.steps = 0
+        self.thread = threading.Thread(target=self._loop, name="nmtserve-engine", daemon=True)
+
+    # -- life cycle
+    def start(self) -> "Engine":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopping = True
+            self.lock.notify_all()
+        self.thread.join()
+
+    # -- requests
+    def submit(self, request: Request) -> Request:
+        """Queue a request; EngineOverloaded at once when the waiting queue is full."""
+        with self.lock:
+            if self.stopping:
+                raise EngineStopped("the engine is shutting down")
+            if len(self.waiting) >= self.config.max_waiting:
+                raise EngineOverloaded(f"waiting queue full ({self.config.max_waiting} requests)")
+            request.id = request.id or f"r{next(self.ids)}"
+            self.waiting.append(request)
+            self.lock.notify()
+        return request
+
+    def stats(self) -> dict:
+        with self.lock:
+            return {"waiting": len(self.waiting), "running": len(self.running), "steps": self.steps}
+
+    # -- the loop
+    def _loop(self) -> None:
+        while True:
+            with self.lock:
+                while not self.waiting and not self.running and not self.stopping:
+                    self.lock.wait()
+                if self.stopping and not self.waiting and not self.running:
+                    return
+                admitted = self._schedule()
+            try:
+                self._execute(admitted)
+            except Exception as e:  # an engine error fails the requests it touched, not the engine
+                for request in self.running + admitted:
+                    self._finish(request, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
+                self.running, self.batch = [], None
+
+    def _schedule(self) -> list[Request]:
+        """Drop cancelled/expired rows and waiting requests; admit waiting ones within the budgets."""
+        now = time.monotonic()
+        for request in list(self.waiting):
+            reason = self._dropped(request, now)
+            if reason:
+                self.waiting.remove(request)
+                self._finish(request, reason)
+        reasons = [self._dropped(r, now) for r in self.running]
+        if any(reasons):
+            leaving = [(r, why) for r, why in zip(self.running, reasons) if why]
+            self._keep(np.array([why is None for why in reasons]))  # rows are freed before anyone is told
+            for request, why in leaving:
+                self._finish(request, why)
+        budget = self.config.max_batch_tokens - sum(r.cost(self.tr.max_len) for r in self.running)
+        admitted = []
+        while self.waiting and len(self.running) + len(admitted) < self.config.max_running_rows:
+            cost = self.waiting[0].cost(self.tr.max_len)
+            if cost > budget and (self.running or admitted):
+                break  # an oversized request still runs alone rather than never
+            request = self.waiting.popleft()
+            request.admitted = now
+            budget -= cost
+            admitted.append(request)
+        return admitted
+
+    @staticmethod
+    def _dropped(request: Request, now: float) -> FinishReason | None:
+        if request.cancelled:
+            return FinishReason.CANCELLED
+        if request.deadline is not None and now >= request.deadline:
+            return FinishReason.DEADLINE
+        return None
+
+    def _execute(self, admitted: list[Request]) -> None:
+        if admitted:
+            src_ids, src_mask = self.tr.pad([r.src_ids for r in admitted])
+            cross_k, cross_v = self.tr.encode(src_ids, src_mask)
+            fresh = BatchState.from_encoded(cross_k, cross_v, src_mask, self.tr.bos_id)
+            self.batch = fresh if self.batch is None else self.batch.concatenate(fresh)
+            with self.lock:
+                self.running.extend(admitted)
+        b = self.batch
+        # the whole buffer goes in (slots past `length` are invalid): per-layer views stay contiguous
+        log_probs, new_k, new_v = self.tr.step(b.tokens, b.positions, b.k, b.v, b.valid, b.cross_k, b.cross_v, b.src_mask)
+        tokens = log_probs.argmax(axis=-1).astype(np.int64)
+        b.append(new_k, new_v, tokens)
+        self.steps += 1
+        self._process(tokens, log_probs[np.arange(len(tokens)), tokens])
+
+    def _process(self, tokens: np.ndarray, scores: np.ndarray) -> None:
+        now = time.monotonic()
+        leaving = []
+        for request, token, score in zip(self.running, tokens, scores):
+            request.score += float(score)
+            request.first_token = request.first_token or now
+            if token == self.tr.eos_id:
+                leaving.append((request, FinishReason.EOS))
+                continue
+            request.tokens.append(int(token))
+            if request.on_token:
+                request.on_token(request, int(token))
+            if len(request.tokens) >= output_budget(len(request.src_ids), request.max_decoding_length, self.tr.max_len):
+                leaving.append((request, FinishReason.LENGTH))
+        if leaving:
+            gone = {id(r) for r, _ in leaving}
+            with self.lock:
+                self._keep(np.array([id(r) not in gone for r in self.running]))
+            for request, why in leaving:
+                self._finish(request, why)
+
+    def _keep(self, keep: np.ndarray) -> None:
+        self.running = [r for r, k in zip(self.running, keep) if k]
+        self.batch = self.batch.filter(keep) if self.batch is not None else None
+
+    @staticmethod
+    def _finish(request: Request, reason: FinishReason, error: str | None = None) -> None:
+        request.finish, request.error, request.finished = reason, error, time.monotonic()
+        request.done.set()

@@ -1,0 +1,99 @@
+"""The continuous-batching engine: same tokens as OnnxTranslator while requests join and leave,
+KV shapes after join/leave, cancellation, deadlines and overload."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from export.translator import OnnxTranslator
+from server.batch import BatchState
+from server.engine import Engine, EngineConfig, EngineOverloaded, FinishReason, Request
+from training.data import read_tsv
+
+
+@pytest.fixture(scope="module")
+def translator(tiny_bundle):
+    return OnnxTranslator(tiny_bundle, intra_op_threads=1)
+
+
+@pytest.fixture(scope="module")
+def sources(translator, tiny_corpus):
+    return [translator.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
+
+
+def test_staggered_requests_get_exactly_the_translator_tokens(translator, sources):
+    expected = [tokens for tokens, _ in translator.translate_ids(sources, max_batch_size=1)]
+    engine = Engine(translator, EngineConfig(max_running_rows=8)).start()
+    try:
+        requests = []
+        for i, src in enumerate(sources):
+            requests.append(engine.submit(Request(src)))
+            if i % 5 == 0:
+                time.sleep(0.01)  # let the running batch advance so that later rows join mid-flight
+        for r in requests:
+            assert r.done.wait(60)
+        assert [r.tokens for r in requests] == expected
+        assert all(r.finish in (FinishReason.EOS, FinishReason.LENGTH) for r in requests)
+        assert engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0
+        assert engine.steps < sum(len(t) + 1 for t in expected)  # rows really shared steps
+    finally:
+        engine.stop()
+
+
+def test_kv_shapes_after_join_and_leave(translator, sources):
+    def fresh(batch_sources):
+        ids, mask = translator.pad(batch_sources)
+        ck, cv = translator.encode(ids, mask)
+        return BatchState.from_encoded(ck, cv, mask, translator.bos_id)
+
+    def step(state):
+        lp, k, v = translator.step(state.tokens, state.positions, state.k, state.v, state.valid, state.cross_k,
+                                   state.cross_v, state.src_mask)
+        state.append(k, v, lp.argmax(-1))
+
+    a = fresh(sources[:2])
+    for _ in range(3):
+        step(a)
+    merged = a.concatenate(fresh(sources[2:5]))
+    n_layers, _, heads, _, head_dim = a.k.shape
+    assert merged.k.shape[:3] == (n_layers, 5, heads) and merged.k.shape[4] == head_dim
+    assert merged.length == 3 and merged.valid[:2, :3].all() and not merged.valid[2:, :3].any()
+    assert merged.positions.tolist() == [3, 3, 0, 0, 0]
+    assert merged.src_mask.shape[1] == max(len(s) for s in sources[:5])
+    step(merged)
+    assert merged.valid[:, 3].all() and merged.positions.tolist() == [4, 4, 1, 1, 1]
+    left = merged.filter(np.array([False, False, True, False, True]))  # the two first rows leave
+    assert left.k.shape[1] == 2 and left.length == 1 and left.valid[:, :1].all()
+    assert left.src_mask.shape[1] == max(len(sources[2]), len(sources[4]))
+
+
+def test_cancel_and_deadline_free_their_rows(translator, sources):
+    def cancel_after_first_token(request, token):
+        request.cancel()
+
+    def expire_after_first_token(request, token):
+        request.deadline = time.monotonic()
+
+    engine = Engine(translator, EngineConfig(max_running_rows=4)).start()
+    try:
+        long = sources[0] * 5
+        cancelled = engine.submit(Request(long, max_decoding_length=200, on_token=cancel_after_first_token))
+        expired = engine.submit(Request(long, max_decoding_length=200, on_token=expire_after_first_token))
+        late = engine.submit(Request(long, deadline=time.monotonic() - 1))  # expired while waiting
+        assert cancelled.done.wait(10) and expired.done.wait(10) and late.done.wait(10)
+        assert cancelled.finish is FinishReason.CANCELLED and len(cancelled.tokens) == 1
+        assert expired.finish is FinishReason.DEADLINE and len(expired.tokens) == 1
+        assert late.finish is FinishReason.DEADLINE and late.tokens == []
+        assert engine.stats()["running"] == 0 and engine.batch is None
+    finally:
+        engine.stop()
+
+
+def test_full_waiting_queue_is_refused_at_once(translator, sources):
+    engine = Engine(translator, EngineConfig(max_waiting=2))  # not started: nothing leaves the queue
+    engine.submit(Request(sources[0]))
+    engine.submit(Request(sources[1]))
+    with pytest.raises(EngineOverloaded, match="waiting queue full"):
+        engine.submit(Request(sources[2]))
