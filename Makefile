@@ -1,5 +1,5 @@
 # nmtserve — the two entry points of a fresh machine:
-#   make demo   data → train → evaluate → export (verified) → translate, on the built-in corpus
+#   make demo   data → train → evaluate → export (verified) → serve → a translation over gRPC
 #               (about 30 minutes on 2 cores)
 #   make test   the test suite
 PYTHON ?= python3.11
@@ -9,11 +9,12 @@ NMT    := $(VENV)/bin/nmtserve
 DATA   ?= data/default
 RUN    ?= runs/default
 BUNDLE ?= bundles/default
+PORT   ?= 50051
 PAIRS  ?= 200000
 TRAIN_MINUTES ?= 20
 PYTEST_ARGS ?=
 
-.PHONY: install demo test clean
+.PHONY: install demo test clean protos
 
 install: $(VENV)/.installed
 
@@ -36,7 +37,14 @@ $(BUNDLE)/manifest.json: $(RUN)/average.pt
 demo: $(BUNDLE)/manifest.json
 	$(NMT) evaluate $(RUN)/average.pt --split test --json
 	$(NMT) evaluate $(RUN)/average.pt --split novel --json
-	$(NMT) translate $(RUN)/average.pt "The old cat did not eat the red apples." "Will my sister read a book in the garden?" "We are happy."
+	$(NMT) serve $(BUNDLE) --port $(PORT) & pid=$$!; \
+	$(NMT) translate --server localhost:$(PORT) --wait 120 "The old cat did not eat the red apples." \
+	  "Will my sister read a book in the garden?" "We are happy."; rc=$$?; \
+	kill -TERM $$pid; wait $$pid; exit $$rc
+
+# regenerate nmtserve/v1 from protos/ (tests/server/test_protos.py checks they match)
+protos: install
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/nmtserve/v1/translation.proto
 
 # pytest exits 5 when it collects no test: that is not a failure of the code under test
 test: install

@@ -109,15 +109,77 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_translate(args) -> int:
+    if args.server:
+        return _translate_remote(args)
     from training.checkpoint import load_model
     from training.decode import translate
 
-    texts = args.texts or [line.rstrip("\n") for line in sys.stdin]
-    loaded = load_model(args.checkpoint, device=args.device)
-    for text, out in zip(texts, translate(loaded.model, loaded.tokenizer, texts, max_batch_size=args.batch_size,
-                                          max_decoding_length=args.max_length, device=args.device)):
-        print(json.dumps({"source": text, "translation": out}, ensure_ascii=False) if args.json else out)
+    if not args.inputs:
+        raise NmtserveError("give a checkpoint (or --server HOST:PORT) and the sentences")
+    checkpoint, texts = args.inputs[0], args.inputs[1:] or [line.rstrip("\n") for line in sys.stdin]
+    loaded = load_model(checkpoint, device=args.device)
+    outputs = translate(loaded.model, loaded.tokenizer, texts, max_batch_size=args.batch_size,
+                        max_decoding_length=args.max_length, device=args.device)
+    _print_translations(texts, outputs, args.json)
     return 0
+
+
+def _print_translations(texts: list[str], outputs: list[str], as_json: bool) -> None:
+    for text, out in zip(texts, outputs):
+        print(json.dumps({"source": text, "translation": out}, ensure_ascii=False) if as_json else out)
+
+
+def _translate_remote(args) -> int:
+    """Client of a running server; dns:///host:port targets are balanced per call (round_robin)."""
+    import grpc
+
+    from nmtserve.v1 import translation_pb2 as pb
+    from nmtserve.v1 import translation_pb2_grpc as pb_grpc
+
+    texts = args.inputs or [line.rstrip("\n") for line in sys.stdin]
+    options = [("grpc.lb_policy_name", "round_robin")]
+    with grpc.insecure_channel(args.server, options=options) as channel:
+        if args.wait:
+            _wait_serving(channel, args.server, args.wait)
+        try:
+            response = pb_grpc.TranslationServiceStub(channel).Translate(
+                pb.TranslateRequest(sentences=texts, options=pb.DecodingOptions(max_output_tokens=args.max_length)),
+                timeout=args.timeout)
+        except grpc.RpcError as e:
+            raise NmtserveError(f"{args.server}: {e.code().name}: {e.details()}") from None
+    _print_translations(texts, [t.text for t in response.translations], args.json)
+    return 0
+
+
+def _wait_serving(channel, target: str, seconds: float) -> None:
+    """Poll grpc.health.v1 until the server says SERVING (it does so only after warm-up)."""
+    import time
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub, deadline = health_pb2_grpc.HealthStub(channel), time.monotonic() + seconds
+    while True:
+        try:
+            if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        if time.monotonic() > deadline:
+            raise NmtserveError(f"{target}: not SERVING after {seconds:.0f} s")
+        time.sleep(0.5)
+
+
+def cmd_serve(args) -> int:
+    import asyncio
+    import logging
+
+    from server.app import serve
+    from server.config import ServerConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    config = ServerConfig(**{f.name: getattr(args, f.name) for f in fields(ServerConfig)})
+    return asyncio.run(serve(config))
 
 
 # ---------------------------------------------------------------- export
@@ -202,6 +264,24 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda")
 
 
+def _add_serve_parser(sub) -> None:
+    from server.config import ServerConfig, defaults_from_env, env_name
+
+    d = ServerConfig(**defaults_from_env())
+    p = sub.add_parser("serve", help="serve a bundle over gRPC (flags also read NMTSERVE_* variables)")
+    p.add_argument("bundle", nargs="?" if d.bundle else None, default=d.bundle)
+    helps = {"threads": "ONNX Runtime intra-op threads", "max_running_rows": "rows in the running decoder batch",
+             "max_batch_tokens": "Σ source + output-budget tokens of running rows",
+             "max_waiting": "waiting requests before RESOURCE_EXHAUSTED", "drain_timeout": "seconds to finish in-flight work on SIGTERM"}
+    for f in fields(ServerConfig):
+        if f.name == "bundle":
+            continue
+        value = getattr(d, f.name)
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(value), default=value,
+                       help=f"{helps.get(f.name, '')} (env {env_name(f.name)}; default %(default)s)".strip())
+    p.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="nmtserve", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
@@ -263,14 +343,19 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_offline)
 
-    p = sub.add_parser("translate", help="translate sentences (arguments, or stdin lines)")
-    p.add_argument("checkpoint")
-    p.add_argument("texts", nargs="*")
+    p = sub.add_parser("translate", help="translate sentences with a checkpoint, or through a server")
+    p.add_argument("inputs", nargs="*", metavar="CHECKPOINT_OR_TEXT",
+                   help="CHECKPOINT TEXT… (PyTorch reference), or TEXT… with --server; stdin lines if no TEXT")
+    p.add_argument("--server", help="HOST:PORT (or dns:///HOST:PORT) of `nmtserve serve`")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds, with --server")
+    p.add_argument("--wait", type=float, default=0.0, help="with --server: first wait up to this many seconds for SERVING")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--max-length", type=int, default=256)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_translate)
+
+    _add_serve_parser(sub)
     return parser
 
 

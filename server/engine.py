@@ -57,6 +57,7 @@ class Request:
     max_decoding_length: int = 256
     deadline: float | None = None  # time.monotonic() after which the request is dropped
     on_token: Callable[["Request", int], None] | None = None  # called from the engine thread
+    on_finish: Callable[["Request"], None] | None = None  # called from the engine thread, once
     id: str = ""
     tokens: list[int] = field(default_factory=list)
     score: float = 0.0
@@ -213,5 +214,9 @@ class Engine:
 
     @staticmethod
     def _finish(request: Request, reason: FinishReason, error: str | None = None) -> None:
+        if request.done.is_set():
+            return
         request.finish, request.error, request.finished = reason, error, time.monotonic()
         request.done.set()
+        if request.on_finish:
+            request.on_finish(request)

@@ -1,0 +1,115 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_EOS: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_EOS: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+
+class DecodingOptions(_message.Message):
+    __slots__ = ("max_output_tokens", "return_scores")
+    MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_SCORES_FIELD_NUMBER: _ClassVar[int]
+    max_output_tokens: int
+    return_scores: bool
+    def __init__(self, max_output_tokens: _Optional[int] = ..., return_scores: _Optional[bool] = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("queue_ns", "time_to_first_token_ns", "total_ns")
+    QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_NS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
+    queue_ns: int
+    time_to_first_token_ns: int
+    total_ns: int
+    def __init__(self, queue_ns: _Optional[int] = ..., time_to_first_token_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
+
+class Translation(_message.Message):
+    __slots__ = ("text", "input_tokens", "output_tokens", "score", "finish_reason", "timings")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    input_tokens: int
+    output_tokens: int
+    score: float
+    finish_reason: FinishReason
+    timings: Timings
+    def __init__(self, text: _Optional[str] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., score: _Optional[float] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+
+class TranslateRequest(_message.Message):
+    __slots__ = ("sentences", "options")
+    SENTENCES_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    sentences: _containers.RepeatedScalarFieldContainer[str]
+    options: DecodingOptions
+    def __init__(self, sentences: _Optional[_Iterable[str]] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ...) -> None: ...
+
+class TranslateResponse(_message.Message):
+    __slots__ = ("translations",)
+    TRANSLATIONS_FIELD_NUMBER: _ClassVar[int]
+    translations: _containers.RepeatedCompositeFieldContainer[Translation]
+    def __init__(self, translations: _Optional[_Iterable[_Union[Translation, _Mapping]]] = ...) -> None: ...
+
+class TranslateStreamRequest(_message.Message):
+    __slots__ = ("sentence", "options")
+    SENTENCE_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    sentence: str
+    options: DecodingOptions
+    def __init__(self, sentence: _Optional[str] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ...) -> None: ...
+
+class TranslateStreamResponse(_message.Message):
+    __slots__ = ("delta", "final")
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    delta: str
+    final: Translation
+    def __init__(self, delta: _Optional[str] = ..., final: _Optional[_Union[Translation, _Mapping]] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Limits(_message.Message):
+    __slots__ = ("max_sentences", "max_sentence_chars", "max_source_tokens", "max_output_tokens")
+    MAX_SENTENCES_FIELD_NUMBER: _ClassVar[int]
+    MAX_SENTENCE_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SOURCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    max_sentences: int
+    max_sentence_chars: int
+    max_source_tokens: int
+    max_output_tokens: int
+    def __init__(self, max_sentences: _Optional[int] = ..., max_sentence_chars: _Optional[int] = ..., max_source_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("source_language", "target_language", "bundle_id", "variant", "device", "model_json", "limits")
+    SOURCE_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_ID_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_JSON_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    source_language: str
+    target_language: str
+    bundle_id: str
+    variant: str
+    device: str
+    model_json: str
+    limits: Limits
+    def __init__(self, source_language: _Optional[str] = ..., target_language: _Optional[str] = ..., bundle_id: _Optional[str] = ..., variant: _Optional[str] = ..., device: _Optional[str] = ..., model_json: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,90 @@
+"""Process lifecycle: load and warm the bundle, serve gRPC (+ health, reflection), drain on SIGTERM.
+
+    nmtserve serve bundles/default --port 50051
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from export.bundle import MANIFEST, load_bundle
+from export.translator import OnnxTranslator
+from nmtserve.v1 import translation_pb2, translation_pb2_grpc
+from server.config import ServerConfig
+from server.engine import Engine, EngineConfig, Request
+from server.service import TranslationServicer
+
+log = logging.getLogger("nmtserve.server")
+SERVICE_NAME = translation_pb2.DESCRIPTOR.services_by_name["TranslationService"].full_name
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    port: int
+    engine: Engine
+    servicer: TranslationServicer
+    health: health.aio.HealthServicer
+
+    async def drain_and_stop(self, timeout: float) -> None:
+        """NOT_SERVING, refuse new work (UNAVAILABLE), let in-flight calls finish within `timeout`, stop."""
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.servicer.accepting = False
+        await self.server.stop(grace=timeout)
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
+
+
+def warm_up(engine: Engine) -> None:
+    """One short translation through the engine, so the first user does not pay for lazy initialisation."""
+    request = engine.submit(Request(engine.tr.tokenizer.encode("warm up") or [engine.tr.eos_id], max_decoding_length=4))
+    request.done.wait(60)
+
+
+async def start_server(config: ServerConfig) -> RunningServer:
+    """Load, warm up, bind (port 0 picks a free port) and start; health says SERVING only after warm-up."""
+    bundle = load_bundle(config.bundle)
+    translator = OnnxTranslator(bundle, device=config.device, variant=config.variant, intra_op_threads=config.threads)
+    engine = Engine(translator, EngineConfig(max_running_rows=config.max_running_rows,
+                                             max_batch_tokens=config.max_batch_tokens,
+                                             max_waiting=config.max_waiting,
+                                             max_decoding_length=config.max_output_tokens)).start()
+    options = [("grpc.max_receive_message_length", config.max_message_bytes),
+               ("grpc.max_send_message_length", config.max_message_bytes)]
+    server = grpc.aio.server(options=options)
+    servicer = TranslationServicer(engine, config, Path(config.bundle) / MANIFEST)
+    translation_pb2_grpc.add_TranslationServiceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    await asyncio.get_running_loop().run_in_executor(None, warm_up, engine)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("serving %s (%s, %s) on port %d", config.bundle, config.variant, config.device, port)
+    return RunningServer(server, port, engine, servicer, health_servicer)
+
+
+async def serve(config: ServerConfig) -> int:
+    """Run until SIGTERM/SIGINT, then drain; returns the exit status (0)."""
+    running = await start_server(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"nmtserve: serving on port {running.port}", flush=True)
+    await stop.wait()
+    log.info("draining (up to %.0f s)", config.drain_timeout)
+    await running.drain_and_stop(config.drain_timeout)
+    return 0

@@ -1,0 +1,45 @@
+"""ServerConfig: every `nmtserve serve` flag, also settable as an NMTSERVE_* environment variable."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+from nmtserve.errors import ConfigError
+
+
+@dataclass
+class ServerConfig:
+    bundle: str = ""
+    host: str = "[::]"
+    port: int = 50051
+    variant: str = "fp32"
+    device: str = "cpu"
+    threads: int = 1  # ONNX Runtime intra-op threads; 1 is fastest for small models on few cores
+    max_running_rows: int = 64
+    max_batch_tokens: int = 16384
+    max_waiting: int = 256
+    max_sentences: int = 64
+    max_sentence_chars: int = 1000
+    max_output_tokens: int = 256
+    drain_timeout: float = 30.0
+    max_message_bytes: int = 4 * 1024 * 1024
+
+
+def env_name(field_name: str) -> str:
+    return "NMTSERVE_" + field_name.upper()
+
+
+def defaults_from_env(environ=os.environ) -> dict:
+    """Field values given as NMTSERVE_* variables, converted to the field's type."""
+    values = {}
+    for f in fields(ServerConfig):
+        raw = environ.get(env_name(f.name))
+        if raw is None:
+            continue
+        kind = type(getattr(ServerConfig(), f.name))
+        try:
+            values[f.name] = kind(raw)
+        except ValueError:
+            raise ConfigError(f"{env_name(f.name)}={raw!r}: expected {kind.__name__}") from None
+    return values

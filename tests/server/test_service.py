@@ -1,0 +1,120 @@
+"""The gRPC service on a real port: equality with OnnxTranslator under concurrency, streaming,
+invalid input, overload, deadlines, health and reflection."""
+
+import concurrent.futures
+import random
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from export.translator import OnnxTranslator
+from nmtserve.v1 import translation_pb2 as pb
+from nmtserve.v1 import translation_pb2_grpc as pb_grpc
+from server.config import ServerConfig
+from tests.server.conftest import ServerThread
+from training.data import read_tsv
+
+
+@pytest.fixture(scope="module")
+def sentences(tiny_corpus):
+    return [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
+
+
+def test_concurrent_clients_get_the_translator_output(served, tiny_bundle, sentences):
+    reference = OnnxTranslator(tiny_bundle).translate_batch(sentences, max_decoding_length=64)  # the server's limit
+    expected = {t: r.text for t, r in zip(sentences, reference)}
+    rng = random.Random(0)
+    batches = [rng.sample(sentences, rng.randint(1, 4)) for _ in range(64)]  # mixed lengths and sizes
+
+    def call(batch):
+        with served.channel() as channel:
+            response = pb_grpc.TranslationServiceStub(channel).Translate(pb.TranslateRequest(sentences=batch), timeout=60)
+        return [t.text for t in response.translations]
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(call, batches))
+    assert results == [[expected[s] for s in batch] for batch in batches]
+    assert served.running.engine.stats()["running"] == 0
+
+
+def test_stream_deltas_join_to_the_final_text(served, sentences):
+    with served.channel() as channel:
+        stub = pb_grpc.TranslationServiceStub(channel)
+        for sentence in sentences[:5]:
+            messages = list(stub.TranslateStream(pb.TranslateStreamRequest(sentence=sentence), timeout=30))
+            deltas = [m.delta for m in messages[:-1]]
+            assert all(m.HasField("delta") for m in messages[:-1]) and messages[-1].HasField("final")
+            final = messages[-1].final
+            assert "".join(deltas) == final.text
+            unary = stub.Translate(pb.TranslateRequest(sentences=[sentence]), timeout=30).translations[0]
+            assert final.text == unary.text and final.output_tokens == unary.output_tokens
+
+
+@pytest.mark.parametrize("request_, field", [
+    (pb.TranslateRequest(), "sentences: 0 given"),
+    (pb.TranslateRequest(sentences=["ok"] * 9), "sentences: 9 given, between 1 and 8"),
+    (pb.TranslateRequest(sentences=["The cat sleeps.", "  "]), "sentences[1]: empty sentence"),
+    (pb.TranslateRequest(sentences=["x" * 301]), "sentences[0]: 301 characters, the limit is 300"),
+    (pb.TranslateRequest(sentences=["ok"], options=pb.DecodingOptions(max_output_tokens=65)),
+     "options.max_output_tokens 65 exceeds the limit 64"),
+])
+def test_invalid_requests_name_the_field(served, request_, field):
+    with served.channel() as channel, pytest.raises(grpc.RpcError) as err:
+        pb_grpc.TranslationServiceStub(channel).Translate(request_, timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+
+
+def test_scores_timings_and_finish_reasons(served, sentences):
+    with served.channel() as channel:
+        stub = pb_grpc.TranslationServiceStub(channel)
+        options = pb.DecodingOptions(max_output_tokens=2, return_scores=True)
+        t = stub.Translate(pb.TranslateRequest(sentences=sentences[:1], options=options), timeout=10).translations[0]
+        assert t.finish_reason == pb.FINISH_REASON_LENGTH and t.output_tokens == 2 and t.score < 0
+        assert 0 < t.timings.time_to_first_token_ns <= t.timings.total_ns
+        info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        assert info.limits.max_sentences == 8 and info.variant == "fp32" and len(info.bundle_id) == 64
+
+
+def test_health_and_reflection(served):
+    with served.channel() as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="nmtserve.v1.TranslationService"), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        responses = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        names = {s.name for r in responses for s in r.list_services_response.service}
+        assert {"nmtserve.v1.TranslationService", "grpc.health.v1.Health"} <= names
+
+
+def test_deadline_exceeded_frees_the_rows(served, sentences):
+    with served.channel() as channel, pytest.raises(grpc.RpcError) as err:
+        pb_grpc.TranslationServiceStub(channel).Translate(pb.TranslateRequest(sentences=sentences[:8]), timeout=0.001)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    engine = served.running.engine
+    for _ in range(200):
+        if engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0:
+            break
+        import time
+        time.sleep(0.01)
+    assert engine.stats() == {**engine.stats(), "running": 0, "waiting": 0}
+
+
+def test_overload_is_refused_with_resource_exhausted(tiny_bundle, sentences):
+    server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, max_running_rows=1,
+                                       max_waiting=1))
+    try:
+        def call(sentence):
+            with server.channel() as channel:
+                try:
+                    pb_grpc.TranslationServiceStub(channel).Translate(pb.TranslateRequest(sentences=[sentence]), timeout=60)
+                    return "OK"
+                except grpc.RpcError as e:
+                    return e.code().name
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            codes = list(pool.map(call, sentences[:16] * 2))
+        assert "RESOURCE_EXHAUSTED" in codes and "OK" in codes
+        assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}
+    finally:
+        server.stop()
