@@ -20,6 +20,7 @@ from export.translator import OnnxTranslator
 from nmtserve.v1 import translation_pb2, translation_pb2_grpc
 from server.config import ServerConfig
 from server.engine import Engine, EngineConfig, Request
+from server.metrics import ServerMetrics
 from server.service import TranslationServicer
 
 log = logging.getLogger("nmtserve.server")
@@ -33,6 +34,7 @@ class RunningServer:
     engine: Engine
     servicer: TranslationServicer
     health: health.aio.HealthServicer
+    metrics_port: int | None = None
 
     async def drain_and_stop(self, timeout: float) -> None:
         """NOT_SERVING, refuse new work (UNAVAILABLE), let in-flight calls finish within `timeout`, stop."""
@@ -53,14 +55,21 @@ async def start_server(config: ServerConfig) -> RunningServer:
     """Load, warm up, bind (port 0 picks a free port) and start; health says SERVING only after warm-up."""
     bundle = load_bundle(config.bundle)
     translator = OnnxTranslator(bundle, device=config.device, variant=config.variant, intra_op_threads=config.threads)
+    metrics = ServerMetrics()
     engine = Engine(translator, EngineConfig(max_running_rows=config.max_running_rows,
                                              max_batch_tokens=config.max_batch_tokens,
                                              max_waiting=config.max_waiting,
-                                             max_decoding_length=config.max_output_tokens)).start()
+                                             max_decoding_length=config.max_output_tokens,
+                                             batching=config.batching), on_step=metrics.step).start()
+    metrics.watch_engine(engine)
+    metrics.model.info({"bundle": str(config.bundle), "variant": config.variant, "device": config.device,
+                        "batching": config.batching})
+    metrics_port = metrics.serve(config.metrics_port, addr="127.0.0.1" if config.host.startswith("127.") else "0.0.0.0") \
+        if config.metrics_port >= 0 else None
     options = [("grpc.max_receive_message_length", config.max_message_bytes),
                ("grpc.max_send_message_length", config.max_message_bytes)]
     server = grpc.aio.server(options=options)
-    servicer = TranslationServicer(engine, config, Path(config.bundle) / MANIFEST)
+    servicer = TranslationServicer(engine, config, Path(config.bundle) / MANIFEST, metrics)
     translation_pb2_grpc.add_TranslationServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -72,8 +81,9 @@ async def start_server(config: ServerConfig) -> RunningServer:
     await asyncio.get_running_loop().run_in_executor(None, warm_up, engine)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %s (%s, %s) on port %d", config.bundle, config.variant, config.device, port)
-    return RunningServer(server, port, engine, servicer, health_servicer)
+    log.info("serving %s (%s, %s, %s batching) on port %d, metrics on %s", config.bundle, config.variant,
+             config.device, config.batching, port, metrics_port)
+    return RunningServer(server, port, engine, servicer, health_servicer, metrics_port)
 
 
 async def serve(config: ServerConfig) -> int:

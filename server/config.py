@@ -13,6 +13,8 @@ class ServerConfig:
     bundle: str = ""
     host: str = "[::]"
     port: int = 50051
+    metrics_port: int = 9090  # Prometheus /metrics on its own HTTP port; -1 turns it off
+    batching: str = "continuous"  # or "static", for comparison
     variant: str = "fp32"
     device: str = "cpu"
     threads: int = 1  # ONNX Runtime intra-op threads; 1 is fastest for small models on few cores

@@ -47,6 +47,7 @@ class EngineConfig:
     max_batch_tokens: int = 16384  # Σ over running rows of source tokens + output budget
     max_waiting: int = 256
     max_decoding_length: int = 256
+    batching: str = "continuous"  # or "static": admit only into an empty batch, run it to completion
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Request:
 
     src_ids: list[int]
     max_decoding_length: int = 256
+    batching: str = "continuous"  # or "static": admit only into an empty batch, run it to completion
     deadline: float | None = None  # time.monotonic() after which the request is dropped
     on_token: Callable[["Request", int], None] | None = None  # called from the engine thread
     on_finish: Callable[["Request"], None] | None = None  # called from the engine thread, once
@@ -81,9 +83,13 @@ class Request:
 class Engine:
     """Owns the translator's sessions, the waiting queue and the running batch."""
 
-    def __init__(self, translator: OnnxTranslator, config: EngineConfig | None = None):
+    def __init__(self, translator: OnnxTranslator, config: EngineConfig | None = None,
+                 on_step: Callable[[int, int, float], None] | None = None):
         self.tr = translator
         self.config = config or EngineConfig()
+        if self.config.batching not in ("continuous", "static"):
+            raise ValueError(f"batching {self.config.batching!r}: choose continuous or static")
+        self.on_step = on_step  # (rows, valid cache slots, seconds) after every iteration
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.batch: BatchState | None = None
@@ -130,8 +136,13 @@ class Engine:
                 if self.stopping and not self.waiting and not self.running:
                     return
                 admitted = self._schedule()
+            started = time.perf_counter()
             try:
+                rows = len(self.running) + len(admitted)
                 self._execute(admitted)
+                if self.on_step:
+                    self.on_step(rows, int(self.batch.valid.sum()) if self.batch is not None else 0,
+                                 time.perf_counter() - started)
             except Exception as e:  # an engine error fails the requests it touched, not the engine
                 for request in self.running + admitted:
                     self._finish(request, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
@@ -151,6 +162,8 @@ class Engine:
             self._keep(np.array([why is None for why in reasons]))  # rows are freed before anyone is told
             for request, why in leaving:
                 self._finish(request, why)
+        if self.config.batching == "static" and self.running:
+            return []  # static batching: the running batch finishes before anyone joins
         budget = self.config.max_batch_tokens - sum(r.cost(self.tr.max_len) for r in self.running)
         admitted = []
         while self.waiting and len(self.running) + len(admitted) < self.config.max_running_rows:

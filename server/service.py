@@ -1,6 +1,6 @@
 """The gRPC servicer: protobuf -> engine requests -> protobuf. It never touches tensors.
 
-Errors map to status codes here and only here (`_abort`).
+Errors map to status codes here and only here (`_status_of`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 from server.config import ServerConfig
 from server.engine import Engine, EngineOverloaded, EngineStopped, FinishReason, Request
+from server.metrics import ServerMetrics
 
 log = logging.getLogger("nmtserve.server")
 
@@ -38,15 +39,21 @@ def _status_of(exc: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-async def _abort(context, exc: Exception):
-    await context.abort(_status_of(exc), str(exc))
+def _log_line(rpc: str, code: str, requests: list[Request], started: float) -> None:
+    """One structured line per RPC: id, sizes, timings, status."""
+    log.info(json.dumps({
+        "rpc": rpc, "code": code, "ids": [r.id for r in requests], "sentences": len(requests),
+        "input_tokens": sum(len(r.src_ids) for r in requests), "output_tokens": sum(len(r.tokens) for r in requests),
+        "queue_ms": round(max(((r.admitted or r.arrived) - r.arrived) * 1e3 for r in requests), 2) if requests else None,
+        "ttft_ms": round(max(((r.first_token or r.arrived) - r.arrived) * 1e3 for r in requests), 2) if requests else None,
+        "total_ms": round((time.monotonic() - started) * 1e3, 2)}))
 
 
 class TranslationServicer(pb_grpc.TranslationServiceServicer):
     """Thin: validates, submits one engine Request per sentence, awaits them, converts back."""
 
-    def __init__(self, engine: Engine, config: ServerConfig, bundle_manifest_path):
-        self.engine, self.config = engine, config
+    def __init__(self, engine: Engine, config: ServerConfig, bundle_manifest_path, metrics: ServerMetrics):
+        self.engine, self.config, self.metrics = engine, config, metrics
         self.tokenizer = engine.tr.tokenizer
         self.max_source_tokens = engine.tr.max_len
         self.manifest_path = bundle_manifest_path
@@ -70,14 +77,28 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         return ids
 
     # -- engine round trip
-    def _request(self, ids: list[int], max_tokens: int, context, on_token=None) -> tuple[Request, asyncio.Future]:
+    def _request(self, rpc: str, ids: list[int], max_tokens: int, context, on_token=None):
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         remaining = context.time_remaining()
-        request = Request(ids, max_decoding_length=max_tokens, on_token=on_token,
-                          deadline=None if remaining is None else time.monotonic() + remaining,
-                          on_finish=lambda r: loop.call_soon_threadsafe(_resolve, future, r))
+
+        def on_finish(r: Request) -> None:  # engine thread
+            self.metrics.sentence(rpc, r)
+            loop.call_soon_threadsafe(_resolve, future, r)
+
+        request = Request(ids, max_decoding_length=max_tokens, on_token=on_token, on_finish=on_finish,
+                          deadline=None if remaining is None else time.monotonic() + remaining)
         return request, future
+
+    async def _fail(self, rpc: str, context, exc: Exception, requests: list[Request], started: float):
+        code = _status_of(exc)
+        self.metrics.rpc(rpc, code.name, rejected=not requests)
+        _log_line(rpc, code.name, requests, started)
+        await context.abort(code, str(exc))
+
+    def _succeed(self, rpc: str, requests: list[Request], started: float) -> None:
+        self.metrics.rpc(rpc, "OK")
+        _log_line(rpc, "OK", requests, started)
 
     def _submit(self, request: Request) -> None:
         if not self.accepting:
@@ -93,25 +114,32 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                               output_tokens=len(request.tokens), score=request.score if return_scores else 0.0,
                               finish_reason=_FINISH.get(request.finish, pb.FINISH_REASON_UNSPECIFIED), timings=timings)
 
-    async def _check_finished(self, request: Request, context) -> None:
-        if request.finish is FinishReason.ERROR:
-            log.error("request %s failed in the engine: %s", request.id, request.error)
-            await context.abort(grpc.StatusCode.INTERNAL, f"request {request.id} failed in the engine")
-        if request.finish is FinishReason.DEADLINE:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {request.id} passed its deadline")
-        if request.finish is FinishReason.CANCELLED:
-            await context.abort(grpc.StatusCode.CANCELLED, f"request {request.id} was cancelled")
+    async def _check_finished(self, rpc: str, requests: list[Request], context, started: float) -> None:
+        for request in requests:
+            if request.finish is FinishReason.ERROR:
+                log.error("request %s failed in the engine: %s", request.id, request.error)
+                code, message = grpc.StatusCode.INTERNAL, f"request {request.id} failed in the engine"
+            elif request.finish is FinishReason.DEADLINE:
+                code, message = grpc.StatusCode.DEADLINE_EXCEEDED, f"request {request.id} passed its deadline"
+            elif request.finish is FinishReason.CANCELLED:
+                code, message = grpc.StatusCode.CANCELLED, f"request {request.id} was cancelled"
+            else:
+                continue
+            self.metrics.rpc(rpc, code.name)
+            _log_line(rpc, code.name, requests, started)
+            await context.abort(code, message)
 
     # -- RPCs
     async def Translate(self, request: pb.TranslateRequest, context) -> pb.TranslateResponse:
         submitted: list[Request] = []
+        started = time.monotonic()
         try:
             n = len(request.sentences)
             if not 1 <= n <= self.config.max_sentences:
                 raise InvalidRequest(f"sentences: {n} given, between 1 and {self.config.max_sentences} accepted")
             max_tokens = self._options(request.options)
             sources = [self._source(f"sentences[{i}]", s) for i, s in enumerate(request.sentences)]
-            pairs = [self._request(ids, max_tokens, context) for ids in sources]
+            pairs = [self._request("Translate", ids, max_tokens, context) for ids in sources]
             for engine_request, _ in pairs:
                 self._submit(engine_request)
                 submitted.append(engine_request)
@@ -119,27 +147,29 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         except NmtserveError as e:
             for r in submitted:
                 r.cancel()
-            await _abort(context, e)
+            await self._fail("Translate", context, e, submitted, started)
         except asyncio.CancelledError:  # the client went away: free the rows at the next step
             for r in submitted:
                 r.cancel()
+            self.metrics.rpc("Translate", "CANCELLED")
             raise
-        for r in done:
-            await self._check_finished(r, context)
+        await self._check_finished("Translate", done, context, started)
+        self._succeed("Translate", done, started)
         return pb.TranslateResponse(translations=[self._translation(r, request.options.return_scores) for r in done])
 
     async def TranslateStream(self, request: pb.TranslateStreamRequest, context):
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue = asyncio.Queue()
-        engine_request = None
+        started = time.monotonic()
         try:
             max_tokens = self._options(request.options)
             ids = self._source("sentence", request.sentence)
             engine_request, future = self._request(
-                ids, max_tokens, context, on_token=lambda r, t: loop.call_soon_threadsafe(tokens.put_nowait, t))
+                "TranslateStream", ids, max_tokens, context,
+                on_token=lambda r, t: loop.call_soon_threadsafe(tokens.put_nowait, t))
             self._submit(engine_request)
         except NmtserveError as e:
-            await _abort(context, e)
+            await self._fail("TranslateStream", context, e, [], started)
         emitted, seen = "", []
         try:
             while not (future.done() and tokens.empty()):
@@ -156,14 +186,16 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             await future
         except asyncio.CancelledError:
             engine_request.cancel()
+            self.metrics.rpc("TranslateStream", "CANCELLED")
             raise
-        await self._check_finished(engine_request, context)
+        await self._check_finished("TranslateStream", [engine_request], context, started)
         final = self._translation(engine_request, request.options.return_scores)
         if final.text != emitted:
             if not final.text.startswith(emitted):
                 log.error("request %s: streamed text is not a prefix of the final text", engine_request.id)
                 await context.abort(grpc.StatusCode.INTERNAL, f"request {engine_request.id}: stream diverged")
             yield pb.TranslateStreamResponse(delta=final.text[len(emitted):])
+        self._succeed("TranslateStream", [engine_request], started)
         yield pb.TranslateStreamResponse(final=final)
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:

@@ -3,9 +3,11 @@
 import concurrent.futures
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 
@@ -15,12 +17,26 @@ from tests.conftest import ROOT
 from training.data import read_tsv
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _running(metrics_port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith("nmtserve_requests_running "))
+
+
 def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_bundle, tiny_corpus):
-    sentences = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs][:8]
+    # long sources: their output budget (2 × source + 10) keeps the tiny model busy for a while
+    sentences = [" ".join([s] * 4) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs][:8]
+    metrics_port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "nmtserve.cli", "serve", str(tiny_bundle), "--host", "127.0.0.1",
-                             "--port", "0", "--max-running-rows", "4", "--drain-timeout", "30"],
+                             "--port", "0", "--metrics-port", str(metrics_port), "--max-running-rows", "4",
+                             "--drain-timeout", "30"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "NMTSERVE_MAX_OUTPUT_TOKENS": "128"})
+                            env={**os.environ, "NMTSERVE_MAX_OUTPUT_TOKENS": "256"})
     try:
         line = proc.stdout.readline()
         assert "serving on port" in line, proc.stderr.read()
@@ -33,7 +49,9 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_bundle, tiny_corpus
 
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(call, i) for i in range(6)]
-            time.sleep(0.3)  # let them arrive; 4 running rows make the rest queue
+            deadline = time.monotonic() + 10
+            while _running(metrics_port) == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
             in_flight = sum(not f.done() for f in futures)
             proc.send_signal(signal.SIGTERM)
             assert in_flight > 0, "the requests finished before SIGTERM: nothing was drained"

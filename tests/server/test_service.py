@@ -33,7 +33,7 @@ def test_concurrent_clients_get_the_translator_output(served, tiny_bundle, sente
             response = pb_grpc.TranslationServiceStub(channel).Translate(pb.TranslateRequest(sentences=batch), timeout=60)
         return [t.text for t in response.translations]
 
-    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:  # 64 concurrent clients
         results = list(pool.map(call, batches))
     assert results == [[expected[s] for s in batch] for batch in batches]
     assert served.running.engine.stats()["running"] == 0
@@ -102,8 +102,8 @@ def test_deadline_exceeded_frees_the_rows(served, sentences):
 
 
 def test_overload_is_refused_with_resource_exhausted(tiny_bundle, sentences):
-    server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, max_running_rows=1,
-                                       max_waiting=1))
+    server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=0,
+                                       max_running_rows=1, max_waiting=1))
     try:
         def call(sentence):
             with server.channel() as channel:

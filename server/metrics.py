@@ -1,0 +1,84 @@
+"""Every Prometheus collector of the server, in one place, with units in names and explicit buckets.
+
+The engine and the servicer report plain numbers through ServerMetrics' methods; nothing else
+touches prometheus_client. Each server has its own registry (tests run several in one process).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+PER_TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+
+
+class ServerMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.request_duration = Histogram("nmtserve_request_duration_seconds", "Arrival to end of decoding, per sentence",
+                                          ["rpc"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("nmtserve_request_queue_seconds", "Arrival to admission into the running batch",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("nmtserve_time_to_first_token_seconds", "Arrival to the first target token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("nmtserve_time_per_output_token_seconds", "Mean time between target tokens of a sentence",
+                              buckets=PER_TOKEN_BUCKETS, registry=r)
+        self.step_duration = Histogram("nmtserve_step_duration_seconds", "One engine iteration (encode + decoder step)",
+                                       buckets=STEP_BUCKETS, registry=r)
+        self.step_rows = Histogram("nmtserve_step_rows", "Rows in the decoder batch per step", buckets=ROW_BUCKETS, registry=r)
+        self.step_tokens = Histogram("nmtserve_step_cache_tokens", "Valid self-attention cache slots per step, all rows",
+                                     buckets=TOKEN_BUCKETS, registry=r)
+        self.input_tokens = Counter("nmtserve_input_tokens", "Source tokens of finished sentences", registry=r)
+        self.output_tokens = Counter("nmtserve_output_tokens", "Target tokens produced", registry=r)
+        self.requests = Counter("nmtserve_requests", "Finished RPCs by status code", ["rpc", "code"], registry=r)
+        self.sentences = Counter("nmtserve_sentences", "Finished sentences by finish reason", ["finish_reason"], registry=r)
+        self.cancelled = Counter("nmtserve_cancelled_sentences", "Sentences dropped by client cancellation or deadline",
+                                 ["reason"], registry=r)
+        self.rejected = Counter("nmtserve_rejected_requests", "RPCs refused before any work, by status code",
+                                ["code"], registry=r)
+        self.running = Gauge("nmtserve_requests_running", "Rows in the running batch", registry=r)
+        self.waiting = Gauge("nmtserve_requests_waiting", "Requests waiting for admission", registry=r)
+        self.model = Info("nmtserve_model", "The bundle being served", registry=r)
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+        """Expose /metrics on its own HTTP port; returns the bound port (port 0 picks one)."""
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        return server.server_port
+
+    # -- reported by the engine
+    def watch_engine(self, engine) -> None:
+        self.running.set_function(lambda: engine.stats()["running"])
+        self.waiting.set_function(lambda: engine.stats()["waiting"])
+
+    def step(self, rows: int, cache_tokens: int, seconds: float) -> None:
+        self.step_rows.observe(rows)
+        self.step_tokens.observe(cache_tokens)
+        self.step_duration.observe(seconds)
+
+    # -- reported by the servicer
+    def sentence(self, rpc: str, request) -> None:
+        """One finished engine request (a sentence)."""
+        reason = request.finish.value if request.finish else "unknown"
+        if reason in ("cancelled", "deadline"):
+            self.cancelled.labels(reason).inc()
+            return
+        self.sentences.labels(reason).inc()
+        self.input_tokens.inc(len(request.src_ids))
+        self.output_tokens.inc(len(request.tokens))
+        if request.admitted is not None:
+            self.queue_time.observe(request.admitted - request.arrived)
+        if request.first_token is not None:
+            self.ttft.observe(request.first_token - request.arrived)
+            if len(request.tokens) > 1 and request.finished is not None:
+                self.tpot.observe((request.finished - request.first_token) / (len(request.tokens) - 1))
+        if request.finished is not None:
+            self.request_duration.labels(rpc).observe(request.finished - request.arrived)
+
+    def rpc(self, rpc: str, code: str, rejected: bool = False) -> None:
+        self.requests.labels(rpc, code).inc()
+        if rejected:
+            self.rejected.labels(code).inc()

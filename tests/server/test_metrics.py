@@ -1,0 +1,59 @@
+"""The /metrics page, scraped over HTTP, agrees with the traffic sent; static batching serves the same output."""
+
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from nmtserve.v1 import translation_pb2 as pb
+from nmtserve.v1 import translation_pb2_grpc as pb_grpc
+from server.config import ServerConfig
+from tests.server.conftest import ServerThread
+from training.data import read_tsv
+
+
+def _scrape(port: int) -> dict:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_scrape_agrees_with_traffic_and_static_batching_gives_the_same_text(tiny_bundle, tiny_corpus):
+    sentences = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs][:6]
+    outputs = {}
+    for batching in ("continuous", "static"):
+        server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=0,
+                                           batching=batching, max_output_tokens=64))
+        try:
+            before = _scrape(server.running.metrics_port)  # after the server's own warm-up sentence
+            with server.channel() as channel:
+                stub = pb_grpc.TranslationServiceStub(channel)
+                responses = [stub.Translate(pb.TranslateRequest(sentences=sentences[i:i + 2]), timeout=30)
+                             for i in range(0, 6, 2)]
+                try:
+                    stub.Translate(pb.TranslateRequest(sentences=[""]), timeout=5)
+                except Exception:
+                    pass
+            outputs[batching] = [t.text for r in responses for t in r.translations]
+            after = _scrape(server.running.metrics_port)
+
+            def delta(name, **labels):
+                key = (name, tuple(sorted(labels.items())))
+                return after.get(key, 0) - before.get(key, 0)
+
+            translations = [t for r in responses for t in r.translations]
+            assert delta("nmtserve_output_tokens_total") == sum(t.output_tokens for t in translations)
+            assert delta("nmtserve_input_tokens_total") == sum(t.input_tokens for t in translations)
+            assert delta("nmtserve_sentences_total", finish_reason="eos") == sum(
+                t.finish_reason == pb.FINISH_REASON_EOS for t in translations)
+            assert delta("nmtserve_sentences_total", finish_reason="length") == sum(
+                t.finish_reason == pb.FINISH_REASON_LENGTH for t in translations)
+            assert delta("nmtserve_requests_total", code="OK", rpc="Translate") == 3
+            assert delta("nmtserve_requests_total", code="INVALID_ARGUMENT", rpc="Translate") == 1
+            assert delta("nmtserve_rejected_requests_total", code="INVALID_ARGUMENT") == 1
+            assert delta("nmtserve_time_to_first_token_seconds_count") == 6
+            assert delta("nmtserve_request_duration_seconds_count", rpc="Translate") == 6
+            assert delta("nmtserve_step_duration_seconds_count") > 0
+            assert after[("nmtserve_requests_running", ())] == 0 and after[("nmtserve_requests_waiting", ())] == 0
+        finally:
+            server.stop()
+    assert outputs["continuous"] == outputs["static"]
