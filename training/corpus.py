@@ -18,7 +18,6 @@ import json
 import multiprocessing
 import os
 import random
-import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -248,7 +247,9 @@ def generate_corpus(out: Path, pairs: int, seed: int = 1, valid: int = 1000, tes
     files = {s: open(out / f"{s}.tsv", "w", encoding="utf-8", newline="\n") for s in SPLITS}
     stats, seen = CorpusStats(), set()
     workers = workers or min(os.cpu_count() or 1, 8)
-    ctx = multiprocessing.get_context("fork" if sys.platform != "win32" else "spawn")
+    # spawn, not fork: forking a process that has other threads (gRPC, ONNX Runtime, a test
+    # suite's servers) can copy a held lock into the child and hang it
+    ctx = multiprocessing.get_context("spawn")
     chunk = 0
     try:
         with ctx.Pool(workers) as pool:
