@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from export.batch import BatchState
 from export.bundle import Bundle, load_bundle
 from nmtserve.errors import BundleError, ConfigError
 from nmtserve.decoding import output_budget, sorted_batches
@@ -53,37 +54,6 @@ def make_session(path: Path, device: str = "cpu", intra_op_threads: int = 0) -> 
     if session.get_providers()[0] != PROVIDERS[device][0]:
         raise ConfigError(f"{path}: asked for {device} but onnxruntime fell back to {session.get_providers()[0]}")
     return session
-
-
-class KVBuffer:
-    """The self-attention cache of a running batch: k, v (L, B, H, capacity, Dh), valid (B, capacity).
-
-    Each step writes one slot in place and the decoder reads the whole buffer, unused slots
-    marked invalid; the capacity doubles when full. So a step never copies the cache (a
-    concatenation per step would copy it all, making late steps slower than early ones).
-    """
-
-    def __init__(self, n_layers: int, batch: int, n_heads: int, head_dim: int, dtype, capacity: int = 32):
-        self.k = np.zeros((n_layers, batch, n_heads, capacity, head_dim), dtype)
-        self.v = np.zeros_like(self.k)
-        self.valid = np.zeros((batch, capacity), bool)
-        self.length = 0
-
-    def append(self, new_k: np.ndarray, new_v: np.ndarray) -> None:
-        """new_k/new_v (L, B, H, 1, Dh) go to slot `length`."""
-        if self.length == self.k.shape[3]:
-            grow = self.k.shape[3]
-            self.k = np.concatenate([self.k, np.zeros_like(self.k[:, :, :, :grow])], axis=3)
-            self.v = np.concatenate([self.v, np.zeros_like(self.v[:, :, :, :grow])], axis=3)
-            self.valid = np.concatenate([self.valid, np.zeros_like(self.valid[:, :grow])], axis=1)
-        self.k[:, :, :, self.length] = new_k[:, :, :, 0]
-        self.v[:, :, :, self.length] = new_v[:, :, :, 0]
-        self.valid[:, self.length] = True
-        self.length += 1
-
-    def keep(self, rows: np.ndarray) -> None:
-        """Keep only `rows` (bool mask or indices over the batch)."""
-        self.k, self.v, self.valid = self.k[:, rows], self.v[:, rows], self.valid[rows]
 
 
 class OnnxTranslator:
@@ -125,8 +95,6 @@ class OnnxTranslator:
         shape = (self.n_layers, batch, self.n_heads, 0, self.head_dim)
         return np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype), np.zeros((batch, 0), bool)
 
-    def new_buffer(self, batch: int) -> KVBuffer:
-        return KVBuffer(self.n_layers, batch, self.n_heads, self.head_dim, self.kv_dtype)
 
     # -- search
     def pad(self, seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -138,29 +106,23 @@ class OnnxTranslator:
     def greedy(self, sources: list[list[int]], max_decoding_length: int = 256) -> list[tuple[list[int], float]]:
         """Greedy search for one batch of token-id sources; finished rows leave the batch at once."""
         src_ids, src_mask = self.pad(sources)
-        cross_k, cross_v = self.encode(src_ids, src_mask)
+        state = BatchState.from_encoded(*self.encode(src_ids, src_mask), src_mask, self.bos_id)
         budget = np.array([output_budget(len(s), max_decoding_length, self.max_len) for s in sources])
         rows = np.arange(len(sources))  # original index of each running row
-        cache = self.new_buffer(len(sources))
-        tokens = np.full(len(sources), self.bos_id, dtype=np.int64)
         outputs: list[list[int]] = [[] for _ in sources]
         scores = np.zeros(len(sources))
-        step = 0
-        while len(rows):
-            positions = np.full(len(rows), step, dtype=np.int64)
-            log_probs, new_k, new_v = self.step(tokens, positions, cache.k, cache.v, cache.valid, cross_k, cross_v, src_mask)
+        while state is not None:
+            log_probs, new_k, new_v = self.step(state.tokens, state.positions, state.k, state.v, state.valid,
+                                                state.cross_k, state.cross_v, state.src_mask)
             tokens = log_probs.argmax(axis=-1).astype(np.int64)
             scores[rows] += log_probs[np.arange(len(rows)), tokens]
-            step += 1
             for r, t in zip(rows, tokens):
                 if t != self.eos_id:
                     outputs[r].append(int(t))
-            keep = (tokens != self.eos_id) & (step < budget[rows])
-            cache.append(new_k, new_v)
+            state.append(new_k, new_v, tokens)
+            keep = (tokens != self.eos_id) & (state.positions < budget[rows])
             if not keep.all():
-                cache.keep(keep)
-                cross_k, cross_v, src_mask = cross_k[:, keep], cross_v[:, keep], src_mask[keep]
-                rows, tokens = rows[keep], tokens[keep]
+                state, rows = state.filter(keep), rows[keep]
         return list(zip(outputs, scores.tolist()))
 
     def translate_ids(self, sources: list[list[int]], *, max_batch_size: int = 32,

@@ -22,7 +22,7 @@ import numpy as np
 from export.translator import OnnxTranslator
 from nmtserve.decoding import output_budget
 from nmtserve.errors import NmtserveError
-from server.batch import BatchState
+from export.batch import BatchState
 
 
 class EngineOverloaded(NmtserveError):

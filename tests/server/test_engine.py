@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from export.translator import OnnxTranslator
-from server.batch import BatchState
+from export.batch import BatchState
 from server.engine import Engine, EngineConfig, EngineOverloaded, FinishReason, Request
 from training.data import read_tsv
 

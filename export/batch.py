@@ -1,5 +1,7 @@
 """The running decoder batch: per-row state that requests bring when they join and take when they leave.
 
+Used by OnnxTranslator (rows only leave) and by the server's engine (rows join and leave).
+
 k, v: (L, B, H, capacity, Dh) self-attention cache; valid: (B, capacity) which slots each row
 filled (a row that joined later has invalid slots before its first step); cross_k, cross_v:
 (L, B, H, S, Dh) with src_mask (B, S), padded to the longest source of the batch; positions
