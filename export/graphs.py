@@ -27,10 +27,6 @@ from training.model import EncoderDecoder
 OPSET = 17
 
 
-def layer_names(prefix: str, n_layers: int) -> list[str]:
-    return [f"{prefix}_{i}" for i in range(n_layers)]
-
-
 def io_names(n_layers: int) -> dict[str, dict[str, list[str]]]:
     """Input and output names of both graphs for a model with n_layers decoder layers."""
     cross = [n for i in range(n_layers) for n in (f"cross_k_{i}", f"cross_v_{i}")]

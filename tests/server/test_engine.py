@@ -1,7 +1,6 @@
 """The continuous-batching engine: same tokens as OnnxTranslator while requests join and leave,
 KV shapes after join/leave, cancellation, deadlines and overload."""
 
-import threading
 import time
 
 import numpy as np
