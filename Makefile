@@ -14,9 +14,18 @@ PAIRS  ?= 200000
 TRAIN_MINUTES ?= 20
 PYTEST_ARGS ?=
 
-.PHONY: install demo test clean protos
+.PHONY: install tools demo test clean protos
 
 install: $(VENV)/.installed
+
+# system tools the tests use: promtool (Debian's prometheus package) lints the /metrics page and the
+# alert rules; openssl makes the TLS tests' certificates
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+tools:
+	@command -v promtool >/dev/null && command -v openssl >/dev/null || { \
+	  echo "installing Debian packages prometheus (promtool) and openssl"; \
+	  $(SUDO) apt-get update -q && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus openssl; }
 
 # pip finds the pinned CPU torch wheel through the machine's pip configuration (find-links)
 $(VENV)/.installed: pyproject.toml
@@ -47,7 +56,7 @@ protos: install
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/nmtserve/v1/translation.proto
 
 # pytest exits 5 when it collects no test: that is not a failure of the code under test
-test: install
+test: install tools
 	$(PY) -m pytest $(PYTEST_ARGS) || { rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no test"; exit 0; fi; exit $$rc; }
 
 clean:

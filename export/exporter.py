@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,25 @@ class ExportConfig:
     verify: bool = False
     verify_split: str = "test"  # split of the checkpoint's data directory for the end-to-end checks
     verify_limit: int = 0  # 0: the whole split
+    source_lang: str = ""  # default: the `languages` of the training data's corpus.json, if any
+    target_lang: str = ""
+
+
+def languages(cfg: ExportConfig, payload: dict) -> dict:
+    """{"source", "target"} language codes: the flags, else the training data's corpus.json, else ""."""
+    found = {"source": "", "target": ""}
+    data = (payload.get("train_config") or {}).get("data")
+    summary = Path(data) / "corpus.json" if data else None
+    if summary is not None and summary.is_file():
+        try:
+            found.update(json.loads(summary.read_text(encoding="utf-8")).get("languages") or {})
+        except (OSError, ValueError):
+            pass  # an unreadable summary only costs the language codes
+    if cfg.source_lang:
+        found["source"] = cfg.source_lang
+    if cfg.target_lang:
+        found["target"] = cfg.target_lang
+    return {"source": str(found["source"]), "target": str(found["target"])}
 
 
 def parse_variants(text: str) -> list[str]:
@@ -62,6 +82,7 @@ def export_bundle(cfg: ExportConfig) -> dict:
         "created_by": f"nmtserve {nmtserve.__version__}",
         "model": {k: getattr(c, k) for k in ("vocab_size", "d_model", "n_heads", "d_ff", "n_encoder_layers",
                                              "n_decoder_layers", "pre_norm", "max_len")},
+        "languages": languages(cfg, payload),
         "special_ids": loaded.tokenizer.special_ids(),
         "limits": {"max_source_tokens": c.max_len, "max_target_tokens": c.max_len},
         "opset": OPSET,

@@ -133,14 +133,14 @@ def _translate_remote(args) -> int:
     """Client of a running server; dns:///host:port targets are balanced per call (round_robin)."""
     import grpc
 
+    from nmtserve.client import TlsFiles, open_channel, wait_serving
     from nmtserve.v1 import translation_pb2 as pb
     from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 
     texts = args.inputs or [line.rstrip("\n") for line in sys.stdin]
-    options = [("grpc.lb_policy_name", "round_robin")]
-    with grpc.insecure_channel(args.server, options=options) as channel:
+    with open_channel(args.server, TlsFiles(args.tls_ca, args.tls_cert, args.tls_key)) as channel:
         if args.wait:
-            _wait_serving(channel, args.server, args.wait)
+            wait_serving(channel, args.server, args.wait)
         try:
             response = pb_grpc.TranslationServiceStub(channel).Translate(
                 pb.TranslateRequest(sentences=texts, options=pb.DecodingOptions(max_output_tokens=args.max_length)),
@@ -149,25 +149,6 @@ def _translate_remote(args) -> int:
             raise NmtserveError(f"{args.server}: {e.code().name}: {e.details()}") from None
     _print_translations(texts, [t.text for t in response.translations], args.json)
     return 0
-
-
-def _wait_serving(channel, target: str, seconds: float) -> None:
-    """Poll grpc.health.v1 until the server says SERVING (it does so only after warm-up)."""
-    import time
-
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    stub, deadline = health_pb2_grpc.HealthStub(channel), time.monotonic() + seconds
-    while True:
-        try:
-            if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.RpcError:
-            pass
-        if time.monotonic() > deadline:
-            raise NmtserveError(f"{target}: not SERVING after {seconds:.0f} s")
-        time.sleep(0.5)
 
 
 def cmd_serve(args) -> int:
@@ -187,7 +168,7 @@ def cmd_export(args) -> int:
     from export.exporter import ExportConfig, export_bundle, parse_variants
 
     cfg = ExportConfig(args.checkpoint, args.out, parse_variants(args.variants), args.verify, args.verify_split,
-                       args.verify_limit)
+                       args.verify_limit, args.source_lang, args.target_lang)
     manifest = export_bundle(cfg)
     report = manifest.get("verification")
     if args.json:
@@ -272,7 +253,9 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("bundle", nargs="?" if d.bundle else None, default=d.bundle)
     helps = {"threads": "ONNX Runtime intra-op threads", "max_running_rows": "rows in the running decoder batch",
              "max_batch_tokens": "Σ source + output-budget tokens of running rows",
-             "max_waiting": "waiting requests before RESOURCE_EXHAUSTED", "drain_timeout": "seconds to finish in-flight work on SIGTERM"}
+             "max_waiting": "waiting requests before RESOURCE_EXHAUSTED", "drain_timeout": "seconds to finish in-flight work on SIGTERM",
+             "tls_cert": "server certificate chain (PEM); turns TLS on", "tls_key": "its private key (PEM)",
+             "tls_client_ca": "PEM roots for client certificates; turns mutual TLS on (clients must present one)"}
     for f in fields(ServerConfig):
         if f.name == "bundle":
             continue
@@ -326,6 +309,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--verify", action="store_true", help="check the bundle against PyTorch (exit 1 if a check fails)")
     p.add_argument("--verify-split", default="test", help="data split for the end-to-end checks (default %(default)s)")
     p.add_argument("--verify-limit", type=int, default=0, help="only the first N pairs of that split (0: all)")
+    p.add_argument("--source-lang", default="", help="source language code for the manifest "
+                   "(default: the training data's corpus.json; the built-in corpus is en)")
+    p.add_argument("--target-lang", default="", help="target language code (likewise; the built-in corpus is fr)")
     p.add_argument("--json", action="store_true", help="print the manifest")
     p.set_defaults(func=cmd_export)
 
@@ -349,6 +335,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--server", help="HOST:PORT (or dns:///HOST:PORT) of `nmtserve serve`")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds, with --server")
     p.add_argument("--wait", type=float, default=0.0, help="with --server: first wait up to this many seconds for SERVING")
+    p.add_argument("--tls-ca", default="", help="with --server: PEM roots that sign the server's certificate (turns TLS on)")
+    p.add_argument("--tls-cert", default="", help="with --server: client certificate (PEM) for mutual TLS")
+    p.add_argument("--tls-key", default="", help="with --server: the client certificate's private key (PEM)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--max-length", type=int, default=256)
     p.add_argument("--device", default="cpu")

@@ -17,6 +17,8 @@ from grpc_reflection.v1alpha import reflection
 
 from export.bundle import MANIFEST, load_bundle
 from export.translator import OnnxTranslator
+from nmtserve.client import read_pem
+from nmtserve.errors import ConfigError
 from nmtserve.v1 import translation_pb2, translation_pb2_grpc
 from server.config import ServerConfig
 from server.engine import Engine, EngineConfig, Request
@@ -45,6 +47,17 @@ class RunningServer:
         await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
 
 
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials from --tls-cert/--tls-key (and --tls-client-ca for mutual TLS); None for plaintext."""
+    if not (config.tls_cert or config.tls_key or config.tls_client_ca):
+        return None
+    if not (config.tls_cert and config.tls_key):
+        raise ConfigError("--tls-cert and --tls-key go together (and --tls-client-ca needs both)")
+    pair = (read_pem("--tls-key", config.tls_key), read_pem("--tls-cert", config.tls_cert))
+    client_ca = read_pem("--tls-client-ca", config.tls_client_ca)
+    return grpc.ssl_server_credentials([pair], root_certificates=client_ca, require_client_auth=client_ca is not None)
+
+
 def warm_up(engine: Engine) -> None:
     """One short translation through the engine, so the first user does not pay for lazy initialisation."""
     request = engine.submit(Request(engine.tr.tokenizer.encode("warm up") or [engine.tr.eos_id], max_decoding_length=4))
@@ -53,6 +66,7 @@ def warm_up(engine: Engine) -> None:
 
 async def start_server(config: ServerConfig) -> RunningServer:
     """Load, warm up, bind (port 0 picks a free port) and start; health says SERVING only after warm-up."""
+    credentials = server_credentials(config)  # a bad certificate path fails before the model loads
     bundle = load_bundle(config.bundle)
     translator = OnnxTranslator(bundle, device=config.device, variant=config.variant, intra_op_threads=config.threads)
     metrics = ServerMetrics()
@@ -76,7 +90,8 @@ async def start_server(config: ServerConfig) -> RunningServer:
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    address = f"{config.host}:{config.port}"
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     await server.start()
     await asyncio.get_running_loop().run_in_executor(None, warm_up, engine)
     for name in ("", SERVICE_NAME):

@@ -26,6 +26,9 @@ class ServerConfig:
     max_output_tokens: int = 256
     drain_timeout: float = 30.0
     max_message_bytes: int = 4 * 1024 * 1024
+    tls_cert: str = ""  # PEM certificate chain; with tls_key, the port speaks TLS
+    tls_key: str = ""
+    tls_client_ca: str = ""  # PEM roots; when set, clients must present a certificate they sign (mutual TLS)
 
 
 def env_name(field_name: str) -> str:

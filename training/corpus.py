@@ -239,6 +239,9 @@ def _route(triple, wanted: dict[str, int], stats: CorpusStats) -> str | None:
     return None
 
 
+LANGUAGES = {"source": "en", "target": "fr"}  # BCP 47 codes; the bundle's manifest carries them to clients
+
+
 def generate_corpus(out: Path, pairs: int, seed: int = 1, valid: int = 1000, test: int = 2000,
                     novel: int = 1000, workers: int | None = None) -> CorpusStats:
     """Write train/valid/test/novel TSV files (en<TAB>fr) and corpus.json into `out`."""
@@ -278,6 +281,6 @@ def generate_corpus(out: Path, pairs: int, seed: int = 1, valid: int = 1000, tes
     finally:
         for f in files.values():
             f.close()
-    summary = {"seed": seed, "lemma_pairs": lx.lemma_pair_count(), **stats.__dict__}
+    summary = {"seed": seed, "lemma_pairs": lx.lemma_pair_count(), "languages": LANGUAGES, **stats.__dict__}
     (out / "corpus.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return stats

@@ -91,3 +91,12 @@ def test_export_of_missing_or_corrupt_checkpoint_is_one_line_exit_2(tmp_path):
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and expected in result.stderr, result.stderr
     result = run_cli("export", str(corrupt), "--out", str(tmp_path / "b"), "--variants", "fp8")
     assert result.returncode == 2 and "--variants 'fp8'" in result.stderr
+
+
+def test_languages_come_from_the_corpus_summary_unless_flags_say_otherwise(tiny_corpus):
+    from export.exporter import ExportConfig, languages
+
+    payload = {"train_config": {"data": str(tiny_corpus)}}
+    assert languages(ExportConfig("ckpt", "out"), payload) == {"source": "en", "target": "fr"}
+    assert languages(ExportConfig("ckpt", "out", target_lang="de"), payload) == {"source": "en", "target": "de"}
+    assert languages(ExportConfig("ckpt", "out"), {"train_config": {"data": None}}) == {"source": "", "target": ""}

@@ -1,5 +1,7 @@
 """The /metrics page, scraped over HTTP, agrees with the traffic sent; static batching serves the same output."""
 
+import shutil
+import subprocess
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -11,8 +13,12 @@ from tests.server.conftest import ServerThread
 from training.data import read_tsv
 
 
+def _page(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+
 def _scrape(port: int) -> dict:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    text = _page(port)
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -57,3 +63,15 @@ def test_scrape_agrees_with_traffic_and_static_batching_gives_the_same_text(tiny
         finally:
             server.stop()
     assert outputs["continuous"] == outputs["static"]
+
+
+def test_metrics_page_passes_promtool_lint(served):
+    """Prometheus' own linter (Debian's prometheus package, installed by `make test`) on a page with traffic."""
+    with served.channel() as channel:
+        pb_grpc.TranslationServiceStub(channel).Translate(pb.TranslateRequest(sentences=["The cat sleeps."]), timeout=30)
+    page = _page(served.running.metrics_port)
+    assert "nmtserve_requests_total" in page
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is missing: `make test` installs Debian's prometheus package"
+    check = subprocess.run([promtool, "check", "metrics"], input=page, capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr

@@ -75,6 +75,8 @@ def test_scores_timings_and_finish_reasons(served, sentences):
         assert 0 < t.timings.time_to_first_token_ns <= t.timings.total_ns
         info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
         assert info.limits.max_sentences == 8 and info.variant == "fp32" and len(info.bundle_id) == 64
+        # the built-in corpus's corpus.json names its languages; the export carries them into the manifest
+        assert (info.source_language, info.target_language) == ("en", "fr")
 
 
 def test_health_and_reflection(served):

@@ -1,0 +1,77 @@
+"""Client side of the gRPC service: channels (plaintext, TLS, mutual TLS) and waiting for SERVING.
+
+Used by `nmtserve translate --server`, the served benchmark and the locust users.
+
+    channel = open_channel("dns:///nmtserve.default.svc:50051", tls=TlsFiles(ca="ca.pem"))
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from nmtserve.errors import ConfigError, NmtserveError
+
+# dns:///host:port resolves every address of a headless Service; round_robin spreads calls over them
+CHANNEL_OPTIONS = [("grpc.lb_policy_name", "round_robin")]
+
+
+@dataclass
+class TlsFiles:
+    """PEM files. ca: roots that sign the server's certificate; cert + key: this side's certificate."""
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.ca or self.cert or self.key)
+
+
+def read_pem(flag: str, path: str) -> bytes | None:
+    """The file's bytes (None for an empty path); a missing or non-PEM file names the flag and the path."""
+    if not path:
+        return None
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: {e.strerror or e}") from None
+    if b"-----BEGIN " not in data:
+        raise ConfigError(f"{flag} {path}: not a PEM file")
+    return data
+
+
+def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
+    if bool(tls.cert) != bool(tls.key):
+        raise ConfigError("--tls-cert and --tls-key go together (the client certificate for mutual TLS)")
+    return grpc.ssl_channel_credentials(root_certificates=read_pem("--tls-ca", tls.ca),
+                                        private_key=read_pem("--tls-key", tls.key),
+                                        certificate_chain=read_pem("--tls-cert", tls.cert))
+
+
+def open_channel(target: str, tls: TlsFiles | None = None, aio: bool = False, options: list | None = None):
+    """A plaintext or TLS channel (grpc.aio when aio=True) with round_robin balancing."""
+    options = CHANNEL_OPTIONS + list(options or [])
+    api = grpc.aio if aio else grpc
+    if tls is not None and tls.enabled:
+        return api.secure_channel(target, channel_credentials(tls), options=options)
+    return api.insecure_channel(target, options=options)
+
+
+def wait_serving(channel: grpc.Channel, target: str, seconds: float) -> None:
+    """Poll grpc.health.v1 until the server says SERVING (it does so only after warm-up)."""
+    stub, deadline = health_pb2_grpc.HealthStub(channel), time.monotonic() + seconds
+    while True:
+        try:
+            if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        if time.monotonic() > deadline:
+            raise NmtserveError(f"{target}: not SERVING after {seconds:.0f} s")
+        time.sleep(0.5)
