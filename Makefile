@@ -14,7 +14,7 @@ PAIRS  ?= 200000
 TRAIN_MINUTES ?= 20
 PYTEST_ARGS ?=
 
-.PHONY: install tools demo test clean protos
+.PHONY: install tools demo test clean protos loadtest bench-served
 
 install: $(VENV)/.installed
 
@@ -50,6 +50,19 @@ demo: $(BUNDLE)/manifest.json
 	$(NMT) translate --server localhost:$(PORT) --wait 120 "The old cat did not eat the red apples." \
 	  "Will my sister read a book in the garden?" "We are happy."; rc=$$?; \
 	kill -TERM $$pid; wait $$pid; exit $$rc
+
+# a locust scenario (steady, step, spike, overload) against a server started on loopback with the
+# default bundle; results (CSV, HTML report, chart.png) in runs/loadtest/$(SCENARIO)
+SCENARIO ?= steady
+USERS ?= 32
+LOADTEST_SECONDS ?= 60
+loadtest: $(BUNDLE)/manifest.json
+	$(NMT) loadtest --bundle $(BUNDLE) --scenario $(SCENARIO) --peak-users $(USERS) --seconds $(LOADTEST_SECONDS) \
+	  --slo loadtests/slo.toml
+
+# served throughput/latency, continuous vs static batching (a few minutes)
+bench-served: $(BUNDLE)/manifest.json
+	$(NMT) bench served $(BUNDLE) --json docs/bench/served-cpu-2core.json
 
 # regenerate nmtserve/v1 from protos/ (tests/server/test_protos.py checks they match)
 protos: install

@@ -1,6 +1,9 @@
 """The running decoder batch: per-row state that requests bring when they join and take when they leave.
 
-Used by OnnxTranslator (rows only leave) and by the server's engine (rows join and leave).
+Used by OnnxTranslator (rows only leave) and by the server's engine (rows join and leave). The
+engine leaves a finished row in place as a hole (`free`) and puts the next newcomer into it
+(`insert`), so under steady load no step copies the cache; `filter` compacts when holes pile up
+and `trim` drops cache slots that no row uses any more — both copy, and both are amortised.
 
 k, v: (L, B, H, capacity, Dh) self-attention cache; valid: (B, capacity) which slots each row
 filled (a row that joined later has invalid slots before its first step); cross_k, cross_v:
@@ -94,3 +97,38 @@ class BatchState:
         return BatchState(c(self.k[:, keep, :, first:]), c(self.v[:, keep, :, first:]), c(valid[:, first:]),
                           self.length - first, c(self.cross_k[:, keep, :, :src_len]), c(self.cross_v[:, keep, :, :src_len]),
                           c(self.src_mask[keep, :src_len]), self.positions[keep], self.tokens[keep])
+
+    def take(self, rows: np.ndarray) -> "BatchState":
+        """A new state of the given rows (indices), in that order."""
+        keep = np.zeros(self.size, bool)
+        keep[rows] = True
+        assert (np.asarray(rows) == np.nonzero(keep)[0]).all(), "rows must be increasing"
+        return self.filter(keep)
+
+    def free(self, rows: list[int]) -> None:
+        """Rows become holes: their cache slots stop counting (a hole's output is ignored)."""
+        self.valid[rows] = False
+
+    def insert(self, rows: list[int], fresh: "BatchState") -> None:
+        """Fresh rows (no step taken yet) into holes; they write their first K/V at slot `length`."""
+        assert fresh.length == 0 and len(rows) == fresh.size
+        src_len = fresh.src_mask.shape[1]
+        if src_len > self.src_mask.shape[1]:  # a longer source than any so far: widen (a copy, rare)
+            grow = max(src_len, self.src_mask.shape[1] * 3 // 2)
+            self.cross_k, self.cross_v = _pad_axis(self.cross_k, 3, grow), _pad_axis(self.cross_v, 3, grow)
+            self.src_mask = _pad_axis(self.src_mask, 1, grow)
+        self.cross_k[:, rows, :, :src_len], self.cross_k[:, rows, :, src_len:] = fresh.cross_k, 0
+        self.cross_v[:, rows, :, :src_len], self.cross_v[:, rows, :, src_len:] = fresh.cross_v, 0
+        self.src_mask[rows, :src_len], self.src_mask[rows, src_len:] = fresh.src_mask, False
+        self.valid[rows] = False
+        self.positions[rows] = fresh.positions
+        self.tokens[rows] = fresh.tokens
+
+    def trim(self, min_slots: int = 16) -> None:
+        """Drop the leading cache slots no row uses once they are half the cache (amortised copy)."""
+        used = self.valid[:, : self.length].any(axis=0)
+        first = int(used.argmax()) if used.any() else self.length
+        if first >= max(min_slots, self.length // 2):
+            c = np.ascontiguousarray
+            self.k, self.v, self.valid = c(self.k[:, :, :, first:]), c(self.v[:, :, :, first:]), c(self.valid[:, first:])
+            self.length -= first

@@ -211,6 +211,44 @@ def cmd_bench_offline(args) -> int:
     return 0
 
 
+def cmd_bench_served(args) -> int:
+    from loadtests.bench_served import MODES, ServedBenchConfig, format_table, run_served_bench
+
+    modes = tuple(m.strip() for m in args.modes.split(","))
+    if not modes or any(m not in MODES for m in modes):
+        raise NmtserveError(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
+    report = run_served_bench(ServedBenchConfig(args.bundle, args.sentences, args.concurrency, args.requests, args.runs,
+                                                args.threads, args.variant, args.max_running_rows, modes))
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+# ---------------------------------------------------------------- load tests
+def cmd_loadtest(args) -> int:
+    from loadtests.run import LoadTestConfig, run_loadtest
+
+    return run_loadtest(LoadTestConfig(args.scenario, args.bundle, args.server or "", args.peak_users, args.seconds,
+                                       args.out or "", args.sentences or "", args.slo or "", args.think_time,
+                                       args.server_flag or []))
+
+
+def cmd_check_slo(args) -> int:
+    from loadtests import slo
+
+    objectives = slo.load_slo(args.slo)
+    stats = slo.read_stats(args.results)
+    measured = slo.measure(stats)
+    print("measured: " + ", ".join(f"{k} {v:.4g}" for k, v in measured.items()))
+    violations = slo.check(objectives, stats)
+    for v in violations:
+        print(f"SLO violated: {v}")
+    if not violations:
+        print(f"all {len(objectives)} objectives met")
+    return 1 if violations else 0
+
+
 # ---------------------------------------------------------------- parser
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     from training.model import PRESETS
@@ -328,6 +366,18 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--engines", default="pytorch,ort_fp32,ort_int8,ct2_fp32,ct2_int8")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_offline)
+    p = bench.add_parser("served", help="served throughput and latency: continuous vs static batching, vs batch-1 ORT")
+    p.add_argument("bundle")
+    p.add_argument("--sentences", help="sentence file (.tsv: first column; else one per line); default: the test split")
+    p.add_argument("--concurrency", type=_int_list, default=(1, 8, 32, 128), help="closed-loop clients per cell")
+    p.add_argument("--requests", type=int, default=0, help="requests per cell (0: max(48, 4 × concurrency))")
+    p.add_argument("--runs", type=int, default=3, help="runs per cell; the median is reported")
+    p.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads of servers and baseline")
+    p.add_argument("--variant", default="fp32")
+    p.add_argument("--max-running-rows", type=int, default=64)
+    p.add_argument("--modes", default="continuous,static")
+    p.add_argument("--json", metavar="FILE", help="also write the report here")
+    p.set_defaults(func=cmd_bench_served)
 
     p = sub.add_parser("translate", help="translate sentences with a checkpoint, or through a server")
     p.add_argument("inputs", nargs="*", metavar="CHECKPOINT_OR_TEXT",
@@ -345,6 +395,25 @@ def build_parser() -> ArgumentParser:
     p.set_defaults(func=cmd_translate)
 
     _add_serve_parser(sub)
+
+    p = sub.add_parser("loadtest", help="run a locust scenario headless against a server (started on loopback if none)")
+    p.add_argument("--scenario", default="steady", help="steady, step, spike or overload (default %(default)s)")
+    p.add_argument("--bundle", default="bundles/default", help="bundle to serve, and whose test split is sent")
+    p.add_argument("--server", help="HOST:PORT of a running server instead of starting one")
+    p.add_argument("--peak-users", type=int, default=32, help="users (requests in flight) at the peak")
+    p.add_argument("--seconds", type=float, default=60.0, help="length of the scenario; the run stops by itself")
+    p.add_argument("--out", help="results directory (default runs/loadtest/SCENARIO)")
+    p.add_argument("--sentences", help="sentence file (.tsv: first column; else one per line)")
+    p.add_argument("--slo", help="SLO file (TOML) to check the results against (exit 1 if violated)")
+    p.add_argument("--think-time", type=float, default=0.0, help="mean seconds a user waits between calls")
+    p.add_argument("--server-flag", action="append", help="extra flag for the started server (repeat)")
+    p.set_defaults(func=cmd_loadtest)
+
+    p = sub.add_parser("check-slo", help="check a load test's results against service-level objectives")
+    p.add_argument("results", help="results directory of `nmtserve loadtest`, or a locust *_stats.csv")
+    p.add_argument("--slo", required=True, help="SLO file (TOML): p95_latency_ms, p95_time_to_first_token_ms, "
+                   "max_error_rate, min_throughput_rps")
+    p.set_defaults(func=cmd_check_slo)
     return parser
 
 

@@ -4,7 +4,9 @@ One scheduler thread owns the waiting queue and the running batch. Each iteratio
 phases: schedule (drop cancelled or expired requests, admit waiting ones within the budgets),
 execute (encode the newcomers once, merge them into the running batch, one decoder step for
 every row), process outputs (hand each row its token, finish rows at eos or their budget).
-Requests join and leave between steps; no row ever waits for another to finish.
+Requests join and leave between steps; no row ever waits for another to finish. A finished row
+stays as a hole that the next newcomer fills, so under steady load no step copies the KV cache;
+holes are compacted away once they are a quarter of the batch.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ class Engine:
             raise ValueError(f"batching {self.config.batching!r}: choose continuous or static")
         self.on_step = on_step  # (rows, valid cache slots, seconds) after every iteration
         self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []
+        self.slots: list[Request | None] = []  # one per batch row; None is a hole
         self.batch: BatchState | None = None
         self.lock = threading.Condition()
         self.stopping = False
@@ -123,6 +125,10 @@ class Engine:
             self.lock.notify()
         return request
 
+    @property
+    def running(self) -> list[Request]:
+        return [r for r in self.slots if r is not None]
+
     def stats(self) -> dict:
         with self.lock:
             return {"waiting": len(self.waiting), "running": len(self.running), "steps": self.steps}
@@ -138,15 +144,16 @@ class Engine:
                 admitted = self._schedule()
             started = time.perf_counter()
             try:
-                rows = len(self.running) + len(admitted)
-                self._execute(admitted)
-                if self.on_step:
-                    self.on_step(rows, int(self.batch.valid.sum()) if self.batch is not None else 0,
-                                 time.perf_counter() - started)
+                stepped = self._execute(admitted)
+                if self.on_step and stepped:
+                    self.on_step(*stepped, time.perf_counter() - started)
             except Exception as e:  # an engine error fails the requests it touched, not the engine
-                for request in self.running + admitted:
+                placed = {id(r) for r in self.slots}
+                failed = self.running + [r for r in admitted if id(r) not in placed]
+                with self.lock:
+                    self.slots, self.batch = [], None
+                for request in failed:
                     self._finish(request, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
-                self.running, self.batch = [], None
 
     def _schedule(self) -> list[Request]:
         """Drop cancelled/expired rows and waiting requests; admit waiting ones within the budgets."""
@@ -156,12 +163,11 @@ class Engine:
             if reason:
                 self.waiting.remove(request)
                 self._finish(request, reason)
-        reasons = [self._dropped(r, now) for r in self.running]
-        if any(reasons):
-            leaving = [(r, why) for r, why in zip(self.running, reasons) if why]
-            self._keep(np.array([why is None for why in reasons]))  # rows are freed before anyone is told
-            for request, why in leaving:
-                self._finish(request, why)
+        leaving = [(i, r, self._dropped(r, now)) for i, r in enumerate(self.slots) if r is not None]
+        leaving = [(i, r, why) for i, r, why in leaving if why]
+        self._free([i for i, _, _ in leaving])  # rows are freed before anyone is told
+        for _, request, why in leaving:
+            self._finish(request, why)
         if self.config.batching == "static" and self.running:
             return []  # static batching: the running batch finishes before anyone joins
         budget = self.config.max_batch_tokens - sum(r.cost(self.tr.max_len) for r in self.running)
@@ -184,46 +190,77 @@ class Engine:
             return FinishReason.DEADLINE
         return None
 
-    def _execute(self, admitted: list[Request]) -> None:
+    def _execute(self, admitted: list[Request]) -> tuple[int, int] | None:
+        """Merge newcomers, run one decoder step, process its tokens -> (rows, valid cache slots)."""
         if admitted:
             src_ids, src_mask = self.tr.pad([r.src_ids for r in admitted])
             cross_k, cross_v = self.tr.encode(src_ids, src_mask)
             fresh = BatchState.from_encoded(cross_k, cross_v, src_mask, self.tr.bos_id)
-            self.batch = fresh if self.batch is None else self.batch.concatenate(fresh)
+            holes = [i for i, r in enumerate(self.slots) if r is None][: len(admitted)]
+            if holes:  # newcomers take the holes first: no copy of the running cache
+                self.batch.insert(holes, fresh.take(np.arange(len(holes))) if len(holes) < fresh.size else fresh)
             with self.lock:
-                self.running.extend(admitted)
+                for i, request in zip(holes, admitted):
+                    self.slots[i] = request
+            if len(admitted) > len(holes):
+                rest = fresh.take(np.arange(len(holes), fresh.size)) if holes else fresh
+                self.batch = rest if self.batch is None else self.batch.concatenate(rest)
+                with self.lock:
+                    self.slots.extend(admitted[len(holes):])
+        self._compact()
+        if self.batch is None:
+            return None
         b = self.batch
+        b.trim()
         # the whole buffer goes in (slots past `length` are invalid): per-layer views stay contiguous
         log_probs, new_k, new_v = self.tr.step(b.tokens, b.positions, b.k, b.v, b.valid, b.cross_k, b.cross_v, b.src_mask)
         tokens = log_probs.argmax(axis=-1).astype(np.int64)
         b.append(new_k, new_v, tokens)
         self.steps += 1
+        stepped = b.size, int(b.valid.sum())
         self._process(tokens, log_probs[np.arange(len(tokens)), tokens])
+        return stepped
 
     def _process(self, tokens: np.ndarray, scores: np.ndarray) -> None:
         now = time.monotonic()
         leaving = []
-        for request, token, score in zip(self.running, tokens, scores):
+        for i, (request, token, score) in enumerate(zip(self.slots, tokens, scores)):
+            if request is None:
+                continue  # a hole: its output means nothing
             request.score += float(score)
             request.first_token = request.first_token or now
             if token == self.tr.eos_id:
-                leaving.append((request, FinishReason.EOS))
+                leaving.append((i, request, FinishReason.EOS))
                 continue
             request.tokens.append(int(token))
             if request.on_token:
                 request.on_token(request, int(token))
             if len(request.tokens) >= output_budget(len(request.src_ids), request.max_decoding_length, self.tr.max_len):
-                leaving.append((request, FinishReason.LENGTH))
-        if leaving:
-            gone = {id(r) for r, _ in leaving}
-            with self.lock:
-                self._keep(np.array([id(r) not in gone for r in self.running]))
-            for request, why in leaving:
-                self._finish(request, why)
+                leaving.append((i, request, FinishReason.LENGTH))
+        self._free([i for i, _, _ in leaving])
+        for _, request, why in leaving:
+            self._finish(request, why)
 
-    def _keep(self, keep: np.ndarray) -> None:
-        self.running = [r for r, k in zip(self.running, keep) if k]
-        self.batch = self.batch.filter(keep) if self.batch is not None else None
+    def _free(self, rows: list[int]) -> None:
+        """Finished rows become holes; an all-hole batch is dropped."""
+        if not rows:
+            return
+        with self.lock:
+            for i in rows:
+                self.slots[i] = None
+            if not any(r is not None for r in self.slots):
+                self.slots, self.batch = [], None
+            else:
+                self.batch.free(rows)
+
+    def _compact(self) -> None:
+        """Remove holes once they are a quarter of the batch (a copy; newcomers usually fill them first)."""
+        holes = sum(r is None for r in self.slots)
+        if holes and holes * 4 >= len(self.slots):
+            keep = np.array([r is not None for r in self.slots])
+            with self.lock:
+                self.batch = self.batch.filter(keep)
+                self.slots = [r for r in self.slots if r is not None]
 
     @staticmethod
     def _finish(request: Request, reason: FinishReason, error: str | None = None) -> None:

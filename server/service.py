@@ -77,7 +77,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         return ids
 
     # -- engine round trip
-    def _request(self, rpc: str, ids: list[int], max_tokens: int, context, on_token=None):
+    def _request(self, rpc: str, ids: list[int], max_tokens: int, context, on_token=None, on_done=None):
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         remaining = context.time_remaining()
@@ -85,6 +85,8 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         def on_finish(r: Request) -> None:  # engine thread
             self.metrics.sentence(rpc, r)
             loop.call_soon_threadsafe(_resolve, future, r)
+            if on_done:
+                on_done()
 
         request = Request(ids, max_decoding_length=max_tokens, on_token=on_token, on_finish=on_finish,
                           deadline=None if remaining is None else time.monotonic() + remaining)
@@ -166,19 +168,21 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             ids = self._source("sentence", request.sentence)
             engine_request, future = self._request(
                 "TranslateStream", ids, max_tokens, context,
-                on_token=lambda r, t: loop.call_soon_threadsafe(tokens.put_nowait, t))
+                on_token=lambda r, t: loop.call_soon_threadsafe(tokens.put_nowait, t),
+                on_done=lambda: loop.call_soon_threadsafe(tokens.put_nowait, None))  # after the last token
             self._submit(engine_request)
         except NmtserveError as e:
             await self._fail("TranslateStream", context, e, [], started)
-        emitted, seen = "", []
+        emitted, seen, finished = "", [], False
         try:
-            while not (future.done() and tokens.empty()):
-                getter = asyncio.ensure_future(tokens.get())
-                await asyncio.wait([getter, future], return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    getter.cancel()
-                    continue
-                seen.append(getter.result())
+            while not finished:
+                # everything the engine has decided since the last wake-up becomes one delta:
+                # a busy event loop sends fewer, larger deltas instead of falling behind
+                items = [await tokens.get()]
+                while not tokens.empty():
+                    items.append(tokens.get_nowait())
+                finished = items[-1] is None
+                seen.extend(t for t in items if t is not None)
                 text = self.tokenizer.decode(seen)
                 if text.startswith(emitted) and len(text) > len(emitted):  # pieces may re-segment; wait if so
                     yield pb.TranslateStreamResponse(delta=text[len(emitted):])

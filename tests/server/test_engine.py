@@ -96,3 +96,32 @@ def test_full_waiting_queue_is_refused_at_once(translator, sources):
     engine.submit(Request(sources[1]))
     with pytest.raises(EngineOverloaded, match="waiting queue full"):
         engine.submit(Request(sources[2]))
+
+
+def test_a_newcomer_in_a_hole_decodes_as_if_alone_and_trim_drops_dead_slots(translator, sources):
+    def fresh(batch_sources):
+        ids, mask = translator.pad(batch_sources)
+        return BatchState.from_encoded(*translator.encode(ids, mask), mask, translator.bos_id)
+
+    def step(state):
+        lp, k, v = translator.step(state.tokens, state.positions, state.k, state.v, state.valid, state.cross_k,
+                                   state.cross_v, state.src_mask)
+        tokens = lp.argmax(-1).astype(np.int64)
+        state.append(k, v, tokens)
+        return tokens
+
+    newcomer = max(sources, key=len)  # longer than the batch's sources: insert must widen the source axis
+    alone = translator.translate_ids([newcomer], max_batch_size=1, max_decoding_length=12)[0][0]
+    state = fresh(sources[:3])
+    for _ in range(20):
+        step(state)
+    state.free([1])
+    state.insert([1], fresh([newcomer]))
+    got = [int(step(state)[1]) for _ in range(12)]
+    assert got[: len(alone)] == alone and (len(alone) == 12 or got[len(alone)] == translator.eos_id)
+    length = state.length
+    state.trim()  # rows 0 and 2 still use every slot: nothing to drop
+    assert state.length == length
+    state.free([0, 2])
+    state.trim()  # only the newcomer's 12 slots remain in use
+    assert state.length == 12 and state.valid[1].sum() == 12

@@ -1,0 +1,177 @@
+"""Served benchmark: throughput and latency of `nmtserve serve` under closed-loop load, continuous
+versus static batching on the same bundle, side by side in one run, against OnnxTranslator batch 1.
+
+    nmtserve bench served bundles/default --concurrency 1,8,32,128 --json docs/bench/served-cpu-2core.json
+
+Both servers run at once (their engines sleep while idle) and take turns cell by cell within each
+run, so drift of the machine hits them alike. Each request is one sentence of the bundle's test
+split, drawn at random (seeded) so that lengths mix as in traffic. Throughput counts target tokens
+(eos excluded); latency is the client's time for one Translate call. The baseline is
+OnnxTranslator.translate_ids on the same sentences at batch 1 with the same thread count, in this
+process while the servers are idle.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loadtests.workload import ServerProcess, default_sentence_file, mixed, read_sentences
+
+MODES = ("continuous", "static")
+
+
+@dataclass
+class ServedBenchConfig:
+    bundle: str
+    sentences_file: str | None = None  # default: the bundle's training data test split
+    concurrency: tuple[int, ...] = (1, 8, 32, 128)
+    requests: int = 0  # per cell; 0: max(48, 4 × concurrency)
+    runs: int = 3
+    threads: int = 1  # ONNX Runtime intra-op threads, for the servers and the baseline alike
+    variant: str = "fp32"
+    max_running_rows: int = 64
+    modes: tuple[str, ...] = MODES
+    seed: int = 0
+    server_flags: list[str] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def _cell(target: str, sentences: list[str], concurrency: int) -> dict:
+    """Closed loop: `concurrency` client threads (blocking stubs, as most services call), each sends
+    its next sentence when its last one returns; every sentence is sent exactly once."""
+    from nmtserve.client import open_channel
+    from nmtserve.v1 import translation_pb2 as pb
+    from nmtserve.v1 import translation_pb2_grpc as pb_grpc
+
+    latencies: list[float] = []
+    in_server: list[float] = []  # the server's own arrival-to-finish time (Timings.total_ns)
+    tokens = [0]
+    queue, lock = iter(sentences), threading.Lock()
+    with open_channel(target) as channel:
+        stub = pb_grpc.TranslationServiceStub(channel)
+
+        def client():
+            while True:
+                with lock:
+                    sentence = next(queue, None)
+                if sentence is None:
+                    return
+                t0 = time.perf_counter()
+                response = stub.Translate(pb.TranslateRequest(sentences=[sentence]), timeout=120)
+                elapsed = time.perf_counter() - t0
+                with lock:
+                    latencies.append(elapsed)
+                    in_server.append(response.translations[0].timings.total_ns / 1e9)
+                    tokens[0] += response.translations[0].output_tokens
+
+        threads = [threading.Thread(target=client) for _ in range(concurrency)]
+        started = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - started
+    return {"seconds": elapsed, "requests": len(latencies), "output_tokens": tokens[0],
+            "tokens_per_s": tokens[0] / elapsed, "requests_per_s": len(latencies) / elapsed,
+            "p50_ms": percentile(latencies, 50) * 1e3, "p90_ms": percentile(latencies, 90) * 1e3,
+            "p99_ms": percentile(latencies, 99) * 1e3, "server_p50_ms": percentile(in_server, 50) * 1e3}
+
+
+class Baseline:
+    """OnnxTranslator at batch 1 in this process: per-sentence latency and tokens/s on given sentences."""
+
+    def __init__(self, cfg: ServedBenchConfig):
+        from export.translator import OnnxTranslator
+
+        self.tr = OnnxTranslator(cfg.bundle, variant=cfg.variant, intra_op_threads=cfg.threads)
+        self.tr.translate_ids([self.tr.tokenizer.encode("warm up")], max_batch_size=1)
+
+    def __call__(self, sentences: list[str]) -> dict:
+        tr = self.tr
+        latencies, tokens = [], 0
+        for sentence in sentences:
+            source = tr.tokenizer.encode(sentence)[: tr.max_len] or [tr.eos_id]
+            t0 = time.perf_counter()
+            (out, _), = tr.translate_ids([source], max_batch_size=1)
+            latencies.append(time.perf_counter() - t0)
+            tokens += len(out)
+        return {"p50_ms": percentile(latencies, 50) * 1e3, "p90_ms": percentile(latencies, 90) * 1e3,
+                "tokens_per_s": tokens / sum(latencies)}
+
+
+def run_served_bench(cfg: ServedBenchConfig) -> dict:
+    pool = read_sentences(cfg.sentences_file or default_sentence_file(cfg.bundle))
+    flags = ["--metrics-port", "-1", "--threads", str(cfg.threads), "--variant", cfg.variant,
+             "--max-running-rows", str(cfg.max_running_rows), "--max-waiting", str(max(256, 2 * max(cfg.concurrency))),
+             *cfg.server_flags]
+    cells: dict[str, dict[int, list[dict]]] = {m: {c: [] for c in cfg.concurrency} for m in cfg.modes}
+    baselines: list[dict] = []
+    baseline = Baseline(cfg)
+    with tempfile.TemporaryDirectory() as logs:
+        servers = {m: ServerProcess(cfg.bundle, "--batching", m, *flags, log=Path(logs) / f"{m}.log") for m in cfg.modes}
+        try:
+            for mode, server in servers.items():  # warm-up: the first calls of a channel and a process
+                _cell(server.target, mixed(pool, 16, seed=-1), 8)
+            for run in range(cfg.runs):
+                for c in cfg.concurrency:
+                    work = mixed(pool, cfg.requests or max(48, 4 * c), seed=cfg.seed + 1000 * run + c)
+                    for mode, server in servers.items():
+                        cells[mode][c].append(_cell(server.target, work, c))
+                    if c == 1:  # the same sentences, right after, while both servers are idle
+                        baselines.append(baseline(work))
+        finally:
+            for server in servers.values():
+                server.stop()
+    return _report(cfg, cells, baselines)
+
+
+def _report(cfg: ServedBenchConfig, cells: dict, baselines: list[dict]) -> dict:
+    results = {}
+    for mode, by_c in cells.items():
+        results[mode] = {}
+        for c, runs in by_c.items():
+            results[mode][str(c)] = {key: round(statistics.median(r[key] for r in runs), 2)
+                                     for key in ("tokens_per_s", "requests_per_s", "p50_ms", "p90_ms", "p99_ms", "server_p50_ms")}
+            results[mode][str(c)]["requests"] = runs[0]["requests"]
+    ratios = {}
+    if {"continuous", "static"} <= set(results):
+        ratios["continuous/static tokens_per_s"] = {
+            c: round(results["continuous"][c]["tokens_per_s"] / results["static"][c]["tokens_per_s"], 2)
+            for c in results["continuous"]}
+    baseline = {key: statistics.median(b[key] for b in baselines) for key in baselines[0]} if baselines else None
+    if baseline:
+        for mode in results:
+            ratios[f"{mode} p50 at concurrency 1 / OnnxTranslator batch-1 p50"] = round(
+                results[mode]["1"]["p50_ms"] / baseline["p50_ms"], 3)
+    return {"bundle": cfg.bundle, "variant": cfg.variant, "threads": cfg.threads, "runs": cfg.runs,
+            "max_running_rows": cfg.max_running_rows, "concurrency": list(cfg.concurrency),
+            "machine": {"processor": platform.processor() or platform.machine(), "python": platform.python_version()},
+            "results": results,
+            "baseline_onnx_translator_batch1": {k: round(v, 2) for k, v in baseline.items()} if baseline else None,
+            "ratios": ratios}
+
+
+def format_table(report: dict) -> str:
+    lines = [f"{report['variant']}, {report['threads']} ORT thread(s), median of {report['runs']} runs",
+             f"{'mode':<11}{'clients':>8}{'tok/s':>9}{'req/s':>8}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}"
+             f"{'in-server p50':>15}"]
+    for mode, by_c in report["results"].items():
+        for c, r in by_c.items():
+            lines.append(f"{mode:<11}{c:>8}{r['tokens_per_s']:>9.0f}{r['requests_per_s']:>8.1f}"
+                         f"{r['p50_ms']:>9.1f}{r['p90_ms']:>9.1f}{r['p99_ms']:>9.1f}{r['server_p50_ms']:>15.1f}")
+    b = report["baseline_onnx_translator_batch1"]
+    if b:
+        lines.append(f"OnnxTranslator batch 1: p50 {b['p50_ms']:.1f} ms, p90 {b['p90_ms']:.1f} ms, {b['tokens_per_s']:.0f} tok/s")
+    for name, value in report["ratios"].items():
+        lines.append(f"{name}: {value}")
+    return "\n".join(lines)

@@ -1,0 +1,168 @@
+"""Locust users for nmtserve's gRPC service, and the load shapes of the named scenarios.
+
+    nmtserve loadtest --scenario spike                   # starts a server on loopback, runs, reports
+    locust -f loadtests/locustfile.py --host 127.0.0.1:50051 --scenario steady --peak-users 32 \
+        --scenario-seconds 60 --headless --csv out/stats
+
+Follows locust's gRPC pattern: grpc is patched for gevent, and a client interceptor fires
+locust's request events. Entries in locust's statistics (request type "grpc"):
+
+  Translate                        one unary call, 1..N sentences
+  TranslateStream                  one streamed sentence, end to end
+  TranslateStream TTFT             time to the first text delta
+  TranslateStream inter-token      time between consecutive deltas (one per delta)
+  <rpc> RESOURCE_EXHAUSTED         the server refused at once because its queue was full: expected
+                                   under overload, so counted apart and never as a failure
+
+Every other gRPC status is a failure. Users are closed-loop clients (`--think-time` 0 by default):
+the number of users is the number of requests in flight.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import grpc
+import grpc.experimental.gevent as grpc_gevent
+from locust import LoadTestShape, User, events, task
+
+from loadtests.workload import DEFAULT_BUNDLE, SCENARIOS, default_sentence_file, read_sentences
+from nmtserve.client import TlsFiles, open_channel
+from nmtserve.v1 import translation_pb2 as pb
+from nmtserve.v1 import translation_pb2_grpc as pb_grpc
+
+grpc_gevent.init_gevent()  # after locust's gevent monkey-patching, before any channel exists
+
+REJECTED = "RESOURCE_EXHAUSTED"
+SENTENCES: list[str] = []
+
+
+@events.init_command_line_parser.add_listener
+def _options(parser) -> None:
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="steady", help="load shape")
+    parser.add_argument("--peak-users", type=int, default=32, help="users at the scenario's peak (1.0)")
+    parser.add_argument("--scenario-seconds", type=float, default=60.0, help="length of the whole scenario")
+    parser.add_argument("--sentences", default="", help="sentence file (.tsv: first column); default: the "
+                        "bundle's test split")
+    parser.add_argument("--bundle", default=str(DEFAULT_BUNDLE), help="bundle whose test split is the default text")
+    parser.add_argument("--max-sentences-per-request", type=int, default=4, help="Translate sends 1..N sentences")
+    parser.add_argument("--think-time", type=float, default=0.0, help="mean seconds a user waits between calls")
+    # locust's own --tls-cert/--tls-key belong to its web UI
+    parser.add_argument("--grpc-tls-ca", default="", help="PEM roots of the server's certificate (turns TLS on)")
+    parser.add_argument("--grpc-tls-cert", default="", help="client certificate for mutual TLS")
+    parser.add_argument("--grpc-tls-key", default="", help="its private key")
+
+
+@events.init.add_listener
+def _load_sentences(environment, **_kwargs) -> None:
+    options = environment.parsed_options
+    if options is not None and not SENTENCES:
+        SENTENCES.extend(read_sentences(options.sentences or default_sentence_file(options.bundle)))
+
+
+class LocustInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Fires one locust request event per call (and TTFT / inter-token events for streams)."""
+
+    def __init__(self, environment):
+        self.events = environment.events
+
+    def _fire(self, name: str, seconds: float, length: int = 0, exception: Exception | None = None) -> None:
+        if isinstance(exception, grpc.RpcError) and exception.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            name, exception = f"{name} {REJECTED}", None
+        self.events.request.fire(request_type="grpc", name=name, response_time=seconds * 1000,
+                                 response_length=length, exception=exception, context={})
+
+    def intercept_unary_unary(self, continuation, call_details, request):
+        name = call_details.method.rsplit("/", 1)[-1]
+        started = time.perf_counter()
+        call = continuation(call_details, request)
+        try:
+            response = call.result()
+            self._fire(name, time.perf_counter() - started, response.ByteSize())
+        except grpc.RpcError as e:
+            self._fire(name, time.perf_counter() - started, exception=e)
+        return call
+
+    def intercept_unary_stream(self, continuation, call_details, request):
+        return self._timed(call_details.method.rsplit("/", 1)[-1], continuation(call_details, request),
+                           time.perf_counter())
+
+    def _timed(self, name: str, call, started: float):
+        last, length = None, 0
+        try:
+            for message in call:
+                now = time.perf_counter()
+                length += message.ByteSize()
+                if message.HasField("delta"):
+                    if last is None:
+                        self._fire(f"{name} TTFT", now - started)
+                    else:
+                        self._fire(f"{name} inter-token", now - last)
+                    last = now
+                yield message
+        except grpc.RpcError as e:
+            self._fire(name, time.perf_counter() - started, exception=e)
+            raise
+        self._fire(name, time.perf_counter() - started, length)
+
+
+class GrpcUser(User):
+    """A closed-loop client with its own channel; the interceptor reports every call to locust."""
+
+    abstract = True
+
+    def wait_time(self) -> float:
+        think = self.environment.parsed_options.think_time
+        return random.expovariate(1 / think) if think > 0 else 0.0
+
+    def on_start(self) -> None:
+        o = self.environment.parsed_options
+        self.channel = open_channel(self.host, TlsFiles(o.grpc_tls_ca, o.grpc_tls_cert, o.grpc_tls_key))
+        self.stub = pb_grpc.TranslationServiceStub(grpc.intercept_channel(self.channel, LocustInterceptor(self.environment)))
+
+    def on_stop(self) -> None:
+        self.channel.close()
+
+    def backoff(self, error: grpc.RpcError) -> None:
+        """After RESOURCE_EXHAUSTED a client backs off (jittered) instead of hammering a full server."""
+        if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            time.sleep(random.uniform(0.05, 0.15))
+
+
+class TranslateUser(GrpcUser):
+    weight = 3
+
+    @task
+    def translate(self) -> None:
+        limit = max(1, self.environment.parsed_options.max_sentences_per_request)
+        n = 1 if limit == 1 or random.random() < 0.6 else random.randint(2, limit)
+        try:
+            self.stub.Translate(pb.TranslateRequest(sentences=random.choices(SENTENCES, k=n)), timeout=60)
+        except grpc.RpcError as e:  # already recorded by the interceptor
+            self.backoff(e)
+
+
+class StreamUser(GrpcUser):
+    weight = 1
+
+    @task
+    def translate_stream(self) -> None:
+        try:
+            for _ in self.stub.TranslateStream(pb.TranslateStreamRequest(sentence=random.choice(SENTENCES)), timeout=60):
+                pass
+        except grpc.RpcError as e:
+            self.backoff(e)
+
+
+class ScenarioShape(LoadTestShape):
+    """The stages of --scenario, scaled by --peak-users and --scenario-seconds; stops at the end."""
+
+    def tick(self):
+        o = self.runner.environment.parsed_options
+        elapsed = self.get_run_time()
+        for end, share in SCENARIOS[o.scenario]:
+            if elapsed < end * o.scenario_seconds:
+                users = max(1, round(share * o.peak_users))
+                return users, max(1.0, users / 2.0)  # a stage is reached within about 2 s
+        return None

@@ -1,0 +1,100 @@
+"""`nmtserve loadtest`: start a server on loopback (unless --server is given), run one scenario
+headless with locust for a bounded time, and write its results:
+
+    OUT/stats_stats.csv, stats_stats_history.csv, stats_failures.csv, stats_exceptions.csv   locust's CSV
+    OUT/report.html                                                                           locust's report
+    OUT/chart.png                            throughput and latency percentiles over time and over users
+    OUT/server.log                           the started server's log (one JSON line per RPC)
+
+Exit status 1 when a call failed unexpectedly (RESOURCE_EXHAUSTED is expected and counted apart)
+or, with --slo, when an objective is violated.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loadtests import slo as slo_check
+from loadtests.report import plot
+from loadtests.workload import DEFAULT_BUNDLE, ROOT, SCENARIOS, ServerProcess, default_sentence_file
+from nmtserve.errors import ConfigError
+
+LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+# the overload scenario meets a server with a short queue, so that 4× the peak users exceed it
+OVERLOAD_SERVER_FLAGS = ["--max-running-rows", "16", "--max-waiting", "16"]
+
+
+@dataclass
+class LoadTestConfig:
+    scenario: str = "steady"
+    bundle: str = str(DEFAULT_BUNDLE)
+    server: str = ""  # HOST:PORT of a running server; empty: start one on loopback
+    peak_users: int = 32
+    seconds: float = 60.0
+    out: str = ""  # default runs/loadtest/<scenario>
+    sentences: str = ""
+    slo: str = ""
+    think_time: float = 0.0
+    server_flags: list[str] = field(default_factory=list)
+
+
+def run_loadtest(cfg: LoadTestConfig) -> int:
+    if cfg.scenario not in SCENARIOS:
+        raise ConfigError(f"--scenario {cfg.scenario!r}: choose from {', '.join(SCENARIOS)}")
+    if cfg.peak_users < 1 or cfg.seconds <= 0:
+        raise ConfigError(f"--peak-users {cfg.peak_users} / --seconds {cfg.seconds}: must be positive")
+    objectives = slo_check.load_slo(cfg.slo) if cfg.slo else None  # a bad SLO file fails before the run
+    out = Path(cfg.out or ROOT / "runs" / "loadtest" / cfg.scenario)
+    out.mkdir(parents=True, exist_ok=True)
+    sentences = cfg.sentences or str(default_sentence_file(cfg.bundle))
+    server = None
+    if not cfg.server:
+        flags = ["--metrics-port", "-1"] + (OVERLOAD_SERVER_FLAGS if cfg.scenario == "overload" else []) + cfg.server_flags
+        server = ServerProcess(cfg.bundle, *flags, log=out / "server.log")
+    target = cfg.server or server.target
+    try:
+        cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", target,
+               "--scenario", cfg.scenario, "--peak-users", str(cfg.peak_users), "--scenario-seconds", str(cfg.seconds),
+               "--sentences", sentences, "--think-time", str(cfg.think_time),
+               "--csv", str(out / "stats"), "--csv-full-history", "--html", str(out / "report.html"),
+               "--stop-timeout", "10", "--only-summary",  # the shape ends the run; the timeout below bounds it
+               "--loglevel", "WARNING"]
+        print(f"nmtserve loadtest: {cfg.scenario} against {target}, peak {cfg.peak_users} users, {cfg.seconds:g} s",
+              flush=True)
+        locust = subprocess.run(cmd, cwd=ROOT, timeout=cfg.seconds + 120)
+    finally:
+        if server is not None:
+            server.stop()
+    if not (out / "stats_stats.csv").is_file():
+        raise ConfigError(f"locust wrote no statistics (exit {locust.returncode}); see its output above")
+    plot(out / "stats_stats_history.csv", out / "chart.png", title=f"{cfg.scenario}: throughput over time")
+    stats = slo_check.read_stats(out / "stats_stats.csv")
+    print(summary(stats))
+    failures = sum(row["Failure Count"] for row in stats.values())
+    status = 0
+    if not any(stats.get(name, {}).get("Request Count") for name in slo_check.CALLS):
+        print("nmtserve loadtest: no call completed")
+        status = 1
+    if failures:
+        print(f"nmtserve loadtest: {failures:.0f} unexpected failures (see {out / 'stats_failures.csv'})")
+        status = 1
+    if objectives:
+        violations = slo_check.check(objectives, stats)
+        for v in violations:
+            print(f"SLO violated: {v}")
+        status = status or (1 if violations else 0)
+    print(f"results in {out}: stats_stats.csv, report.html, chart.png")
+    return status
+
+
+def summary(stats: dict) -> str:
+    lines = [f"{'entry':<40}{'count':>8}{'fail':>6}{'req/s':>8}{'p50 ms':>8}{'p95 ms':>8}{'p99 ms':>8}"]
+    for name, row in stats.items():
+        lines.append(f"{name:<40}{row['Request Count']:>8.0f}{row['Failure Count']:>6.0f}{row['Requests/s']:>8.1f}"
+                     f"{row['50%']:>8.0f}{row['95%']:>8.0f}{row['99%']:>8.0f}")
+    measured = slo_check.measure(stats)
+    lines.append("measured: " + ", ".join(f"{k} {v:.4g}" for k, v in measured.items()))
+    return "\n".join(lines)

@@ -1,0 +1,109 @@
+"""What load tests send and whom they send it to: sentences with a realistic length mix, and a
+`nmtserve serve` subprocess on loopback. Torch-free (locust workers import it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from nmtserve.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_BUNDLE = ROOT / "bundles" / "default"
+
+# (end of stage as a share of --scenario-seconds, users as a share of --peak-users)
+SCENARIOS = {
+    "steady": [(1.0, 1.0)],
+    "step": [(0.25, 0.25), (0.5, 0.5), (0.75, 0.75), (1.0, 1.0)],
+    "spike": [(0.4, 0.25), (0.6, 1.0), (1.0, 0.25)],
+    "overload": [(0.2, 1.0), (1.0, 4.0)],  # 4× the peak: past the server's queue, RESOURCE_EXHAUSTED expected
+}
+
+
+def read_sentences(path: str | Path) -> list[str]:
+    """Source sentences: the first column of a .tsv file, or every line of any other text file."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such sentence file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read it as UTF-8 text ({e})") from None
+    column = (lambda line: line.split("\t", 1)[0]) if path.suffix == ".tsv" else (lambda line: line)
+    sentences = [column(line).strip() for line in lines]
+    sentences = [s for s in sentences if s]
+    if not sentences:
+        raise ConfigError(f"{path}: no sentence in it")
+    return sentences
+
+
+def default_sentence_file(bundle: str | Path) -> Path:
+    """The test split of the data the bundle was trained on (recorded in its manifest)."""
+    manifest_path = Path(bundle) / "manifest.json"
+    try:
+        data = json.loads(manifest_path.read_text(encoding="utf-8"))["source"].get("data")
+    except (OSError, ValueError, KeyError):
+        raise ConfigError(f"{manifest_path}: not a readable bundle manifest; give a sentence file") from None
+    if not data or not (Path(data) / "test.tsv").is_file():
+        raise ConfigError(f"{bundle}: its training data's test.tsv is not here ({data}); give a sentence file")
+    return Path(data) / "test.tsv"
+
+
+def mixed(sentences: list[str], n: int, seed: int = 0) -> list[str]:
+    """n sentences drawn (seeded) so that short, medium and long ones arrive interleaved as in traffic."""
+    rng = random.Random(seed)
+    return [rng.choice(sentences) for _ in range(n)]
+
+
+class ServerProcess:
+    """`nmtserve serve BUNDLE --port 0` on 127.0.0.1; `.target` once it prints its port; SIGTERM on exit."""
+
+    def __init__(self, bundle: str | Path, *flags: str, log: str | Path | None = None, start_timeout: float = 120):
+        self.log_path = Path(log) if log else None
+        self.log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
+        cmd = [sys.executable, "-m", "nmtserve.cli", "serve", str(bundle), "--host", "127.0.0.1", "--port", "0",
+               *flags]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=ROOT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + start_timeout
+        self.port = None
+        while self.port is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([self.proc.stdout], [], [], remaining)[0]:
+                self.stop()
+                raise ConfigError(f"nmtserve serve {bundle}: not serving after {start_timeout:.0f} s")
+            line = self.proc.stdout.readline()
+            if not line:
+                raise ConfigError(f"nmtserve serve {bundle} exited with {self.proc.wait()} before serving"
+                                  + (f"; see {self.log_path}" if self.log_path else ""))
+            match = re.match(r"nmtserve: serving on port (\d+)", line)
+            if match:
+                self.port = int(match.group(1))
+        self.target = f"127.0.0.1:{self.port}"
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.log_path:
+            self.log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

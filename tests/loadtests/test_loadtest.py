@@ -1,0 +1,67 @@
+"""`nmtserve loadtest` headless against a real server with the tiny bundle, and the SLO checker."""
+
+import pytest
+
+from loadtests.slo import read_stats
+from tests.conftest import run_cli
+
+
+@pytest.fixture(scope="module")
+def steady_run(tiny_bundle, tmp_path_factory):
+    out = tmp_path_factory.mktemp("loadtest")
+    result = run_cli("loadtest", "--bundle", str(tiny_bundle), "--scenario", "steady", "--seconds", "12",
+                     "--peak-users", "4", "--out", str(out), timeout=240)
+    return result, out
+
+
+def test_short_steady_run_has_no_failure_and_writes_every_result(steady_run):
+    result, out = steady_run
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    for name in ("stats_stats.csv", "stats_stats_history.csv", "report.html", "chart.png", "server.log"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    stats = read_stats(out / "stats_stats.csv")
+    assert stats["Translate"]["Request Count"] > 10 and stats["TranslateStream"]["Request Count"] > 0
+    assert stats["TranslateStream TTFT"]["Request Count"] > 0 and "TranslateStream inter-token" in stats
+    assert sum(row["Failure Count"] for row in stats.values()) == 0
+
+
+def test_overload_answers_resource_exhausted_counted_apart_from_failures(tiny_bundle, tmp_path):
+    result = run_cli("loadtest", "--bundle", str(tiny_bundle), "--scenario", "overload", "--seconds", "8",
+                     "--peak-users", "8", "--out", str(tmp_path), "--server-flag=--max-running-rows=2",
+                     "--server-flag=--max-waiting=2", timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    stats = read_stats(tmp_path / "stats_stats.csv")
+    assert stats["Translate RESOURCE_EXHAUSTED"]["Request Count"] > 0
+    assert sum(row["Failure Count"] for row in stats.values()) == 0
+
+
+def test_slo_checker_passes_good_results_and_names_each_violation(steady_run, tmp_path):
+    _, out = steady_run
+    good = tmp_path / "good.toml"
+    good.write_text("p95_latency_ms = 60000\np95_time_to_first_token_ms = 60000\nmax_error_rate = 0.0\n"
+                    "min_throughput_rps = 0.5\n")
+    result = run_cli("check-slo", str(out), "--slo", str(good))
+    assert result.returncode == 0 and "all 4 objectives met" in result.stdout, result.stdout + result.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text("p95_latency_ms = 0.001\nmin_throughput_rps = 1e9\nmax_error_rate = 0.5\n")
+    result = run_cli("check-slo", str(out / "stats_stats.csv"), "--slo", str(bad))
+    assert result.returncode == 1
+    violated = [line for line in result.stdout.splitlines() if line.startswith("SLO violated")]
+    assert len(violated) == 2
+    assert any("p95_latency_ms: measured" in v and "above the limit 0.001" in v for v in violated)
+    assert any("min_throughput_rps: measured" in v and "below the minimum 1e+09" in v for v in violated)
+
+
+def test_bad_slo_files_and_results_are_one_line_errors(steady_run, tmp_path):
+    _, out = steady_run
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("p99_latency_ms = 5\n")
+    result = run_cli("check-slo", str(out), "--slo", str(unknown))
+    assert result.returncode == 2 and "unknown objective 'p99_latency_ms'" in result.stderr
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text('max_error_rate = "low"\n')
+    result = run_cli("check-slo", str(out), "--slo", str(wrong))
+    assert result.returncode == 2 and "max_error_rate = 'low'" in result.stderr
+    result = run_cli("check-slo", str(tmp_path), "--slo", str(wrong))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
