@@ -1,0 +1,80 @@
+"""Every overlay renders with `kubectl kustomize`, validates against the Kubernetes schemas, and
+agrees with the server's real flags, defaults and drain timing."""
+
+import shutil
+import subprocess
+from dataclasses import fields
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from server.app import SERVICE_NAME
+from server.config import ServerConfig, env_name
+from tests.conftest import ROOT
+
+KUBE = ROOT / "deploy" / "kubernetes"
+OVERLAYS = ("cpu", "gpu")
+KUBERNETES_VERSION = "1.30.0"  # the oldest release with the preStop `sleep` action (beta, on by default)
+
+
+def render(overlay: str) -> dict[str, dict]:
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl (with kustomize) is needed to render the manifests"
+    out = subprocess.run([kubectl, "kustomize", str(KUBE / "overlays" / overlay)], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    return {doc["kind"]: doc for doc in yaml.safe_load_all(out)}
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def rendered(request):
+    return request.param, render(request.param)
+
+
+def test_every_object_validates_against_the_kubernetes_schema(rendered):
+    _, docs = rendered
+    assert {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "HorizontalPodAutoscaler",
+            "NetworkPolicy", "ServiceMonitor"} <= set(docs)
+    for kind, doc in docs.items():
+        if kind == "ServiceMonitor":  # a CRD of the Prometheus Operator: no schema in kubernetes-validate
+            assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+            continue
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_ports_probes_and_env_agree_with_the_server(rendered):
+    overlay, docs = rendered
+    defaults = ServerConfig()
+    config = docs["ConfigMap"]["data"]
+    known = {env_name(f.name) for f in fields(ServerConfig)}
+    assert set(config) <= known, set(config) - known
+    grpc_port, metrics_port = int(config.get("NMTSERVE_PORT", defaults.port)), int(config.get("NMTSERVE_METRICS_PORT", defaults.metrics_port))
+    container = docs["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": grpc_port, "metrics": metrics_port}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == grpc_port
+    assert container["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
+    service_ports = {p["name"]: p["targetPort"] for p in docs["Service"]["spec"]["ports"]}
+    assert set(service_ports.values()) <= set(ports) and docs["Service"]["spec"]["clusterIP"] == "None"
+    assert docs["ServiceMonitor"]["spec"]["endpoints"][0]["port"] in service_ports
+    # the drain fits in the grace period: preStop sleep + drain timeout < terminationGracePeriodSeconds
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    drain = float(config.get("NMTSERVE_DRAIN_TIMEOUT", defaults.drain_timeout))
+    assert container["lifecycle"]["preStop"]["sleep"]["seconds"] + drain < pod["terminationGracePeriodSeconds"]
+    hpa_metric = docs["HorizontalPodAutoscaler"]["spec"]["metrics"][0]["pods"]["metric"]["name"]
+    assert hpa_metric == "nmtserve_requests_waiting"
+    gpus = container["resources"]["limits"].get("nvidia.com/gpu")
+    assert (gpus == 1 and config["NMTSERVE_DEVICE"] == "cuda") if overlay == "gpu" else (gpus is None and config["NMTSERVE_DEVICE"] == "cpu")
+
+
+def test_pod_security_is_restricted(rendered):
+    _, docs = rendered
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]["securityContext"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["allowPrivilegeEscalation"] is False and container["readOnlyRootFilesystem"] is True
+    assert container["capabilities"]["drop"] == ["ALL"]
+    selector = docs["Deployment"]["spec"]["selector"]["matchLabels"]
+    assert docs["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"] == selector
+    assert docs["NetworkPolicy"]["spec"]["podSelector"]["matchLabels"] == selector
