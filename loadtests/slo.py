@@ -102,3 +102,12 @@ def check(slo: dict[str, float], stats: dict[str, dict[str, float]]) -> list[str
             relation = "below the minimum" if key.startswith("min_") else "above the limit"
             violations.append(f"{key}: measured {value:.4g}, {relation} {bound:g}")
     return violations
+
+
+def verdict(slo: dict[str, float] | None, stats: dict[str, dict[str, float]]) -> tuple[list[str], bool]:
+    """Printable lines (measured values, then one per violated objective) and whether all were met."""
+    measured = measure(stats)
+    lines = ["measured: " + ", ".join(f"{k} {v:.4g}" for k, v in measured.items())]
+    violations = check(slo, stats) if slo else []
+    lines += [f"SLO violated: {v}" for v in violations]
+    return lines, not violations

@@ -238,15 +238,11 @@ def cmd_check_slo(args) -> int:
     from loadtests import slo
 
     objectives = slo.load_slo(args.slo)
-    stats = slo.read_stats(args.results)
-    measured = slo.measure(stats)
-    print("measured: " + ", ".join(f"{k} {v:.4g}" for k, v in measured.items()))
-    violations = slo.check(objectives, stats)
-    for v in violations:
-        print(f"SLO violated: {v}")
-    if not violations:
+    lines, met = slo.verdict(objectives, slo.read_stats(args.results))
+    print("\n".join(lines))
+    if met:
         print(f"all {len(objectives)} objectives met")
-    return 1 if violations else 0
+    return 0 if met else 1
 
 
 # ---------------------------------------------------------------- parser
