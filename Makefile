@@ -18,12 +18,12 @@ PYTEST_ARGS ?=
 
 install: $(VENV)/.installed
 
-# system tools the tests use: promtool (Debian's prometheus package) lints the /metrics page and the
-# alert rules; openssl makes the TLS tests' certificates
+# system tools the tests use, from Debian's prometheus package: promtool lints the /metrics page and
+# the prometheus server runs the Grafana dashboard's queries; openssl makes the TLS tests' certificates
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 tools:
-	@command -v promtool >/dev/null && command -v openssl >/dev/null || { \
-	  echo "installing Debian packages prometheus (promtool) and openssl"; \
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v openssl >/dev/null || { \
+	  echo "installing Debian packages prometheus (server + promtool) and openssl"; \
 	  $(SUDO) apt-get update -q && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus openssl; }
 

@@ -119,7 +119,7 @@ def cmd_translate(args) -> int:
     checkpoint, texts = args.inputs[0], args.inputs[1:] or [line.rstrip("\n") for line in sys.stdin]
     loaded = load_model(checkpoint, device=args.device)
     outputs = translate(loaded.model, loaded.tokenizer, texts, max_batch_size=args.batch_size,
-                        max_decoding_length=args.max_length, device=args.device)
+                        max_decoding_length=args.max_length or 256, device=args.device)
     _print_translations(texts, outputs, args.json)
     return 0
 
@@ -143,7 +143,7 @@ def _translate_remote(args) -> int:
             wait_serving(channel, args.server, args.wait)
         try:
             response = pb_grpc.TranslationServiceStub(channel).Translate(
-                pb.TranslateRequest(sentences=texts, options=pb.DecodingOptions(max_output_tokens=args.max_length)),
+                pb.TranslateRequest(sentences=texts, options=pb.DecodingOptions(max_output_tokens=args.max_length or 0)),
                 timeout=args.timeout)
         except grpc.RpcError as e:
             raise NmtserveError(f"{args.server}: {e.code().name}: {e.details()}") from None
@@ -385,7 +385,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--tls-cert", default="", help="with --server: client certificate (PEM) for mutual TLS")
     p.add_argument("--tls-key", default="", help="with --server: the client certificate's private key (PEM)")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--max-length", type=int, default=None,
+                   help="most target tokens per sentence (default: 256 locally; the server's own limit with --server)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_translate)

@@ -1,0 +1,173 @@
+"""The Grafana dashboard queries only what the server exports, and every query runs on a real Prometheus
+that scrapes a real server after real traffic."""
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from nmtserve.v1 import translation_pb2 as pb
+from nmtserve.v1 import translation_pb2_grpc as pb_grpc
+from server.config import ServerConfig
+from server.metrics import ServerMetrics
+from tests.conftest import ROOT
+from tests.server.conftest import ServerThread
+from training.data import read_tsv
+
+DASHBOARD = ROOT / "deploy" / "grafana" / "nmtserve-dashboard.json"
+# labels the Prometheus Operator adds to every scraped series (plus `le` of histogram buckets)
+TARGET_LABELS = {"namespace", "pod", "job", "instance", "service", "container", "endpoint", "le"}
+# Grafana's variables, as a local Prometheus without Kubernetes labels must read them
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$namespace": ".*", "$pod": ".*"}
+SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
+            "gauge": ("",), "info": ("_info",)}
+
+
+def dashboard_queries() -> dict[str, str]:
+    """'panel title / refId' -> PromQL, over every panel (rows included) and template variable."""
+    board = json.loads(DASHBOARD.read_text())
+    panels = [p for top in board["panels"] for p in [top, *top.get("panels", [])]]
+    queries = {f"{p['title']} / {t['refId']}": t["expr"] for p in panels for t in p.get("targets", [])}
+    for var in board["templating"]["list"]:
+        if var["type"] == "query":
+            queries[f"variable {var['name']}"] = var["query"]["query"]
+    return queries
+
+
+def exported_series() -> set[str]:
+    """Every series name the server's registry can expose, from the collectors' names and types."""
+    return {family.name + suffix for family in ServerMetrics().registry.collect() for suffix in SUFFIXES[family.type]}
+
+
+def metric_names(expr: str) -> set[str]:
+    return set(re.findall(r"\b(nmtserve_[a-z_]+)\b", expr))
+
+
+def as_promql(expr: str) -> str:
+    """Substitute Grafana's variables; label_values(M, L) (a Grafana function) becomes M."""
+    for var, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(var, value)
+    assert "$" not in expr, f"an unknown Grafana variable in {expr}"
+    match = re.fullmatch(r"label_values\((.+), (\w+)\)", expr)
+    return match.group(1) if match else expr
+
+
+def test_the_dashboard_covers_the_server_and_names_only_exported_metrics():
+    queries = dashboard_queries()
+    exported = exported_series()
+    used = set().union(*map(metric_names, queries.values()))
+    assert used <= exported, f"not exported by server/metrics.py: {sorted(used - exported)}"
+    # throughput, latency percentiles, TTFT, queue, batch rows, rejections, cancellations
+    for needed in ("nmtserve_sentences_total", "nmtserve_output_tokens_total", "nmtserve_request_duration_seconds_bucket",
+                   "nmtserve_time_to_first_token_seconds_bucket", "nmtserve_request_queue_seconds_bucket",
+                   "nmtserve_requests_waiting", "nmtserve_step_rows_bucket", "nmtserve_rejected_requests_total",
+                   "nmtserve_cancelled_sentences_total"):
+        assert needed in used, f"no panel queries {needed}"
+    board = json.loads(DASHBOARD.read_text())
+    datasources = {json.dumps(p.get("datasource")) for p in board["panels"] if p["type"] != "row"}
+    assert datasources == {json.dumps({"type": "prometheus", "uid": "${datasource}"})}, "panels must use the datasource variable"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Prometheus:
+    """A real Prometheus server scraping one target every second, with its HTTP query API."""
+
+    def __init__(self, workdir, target: str):
+        binary = shutil.which("prometheus")
+        assert binary, "the prometheus server is needed (`make tools` installs Debian's prometheus package)"
+        config = workdir / "prometheus.yml"
+        config.write_text("global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+                          "scrape_configs:\n"
+                          f"  - job_name: nmtserve\n    static_configs: [{{targets: ['{target}']}}]\n")
+        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.log = open(workdir / "prometheus.log", "w")
+        self.process = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
+                                         f"--web.listen-address={self.url.removeprefix('http://')}"],
+                                        stdout=self.log, stderr=subprocess.STDOUT)
+
+    def query(self, expr: str) -> list:
+        """The instant vector of `expr`; a PromQL error raises with Prometheus' message."""
+        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        try:
+            body = json.loads(urllib.request.urlopen(url, timeout=10).read())
+        except urllib.error.HTTPError as e:
+            raise AssertionError(f"{expr}: {e.read().decode()}") from None
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    def wait_for(self, expr: str, seconds: float = 30) -> list:
+        """Poll until `expr` returns a non-empty vector."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                if result := self.query(expr):
+                    return result
+            except (OSError, AssertionError):
+                pass  # not listening yet
+            time.sleep(0.25)
+        raise AssertionError(f"Prometheus never returned {expr}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(30)
+        self.log.close()
+
+
+def test_every_dashboard_query_returns_data_from_a_real_prometheus(tiny_bundle, tiny_corpus, tmp_path):
+    sentences = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs][:8]
+    server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=0,
+                                       max_output_tokens=64))
+
+    def traffic(round_: int) -> None:
+        with server.channel() as channel:
+            stub = pb_grpc.TranslationServiceStub(channel)
+            responses = [stub.Translate(pb.TranslateRequest(sentences=sentences[i:i + 2]), timeout=30) for i in (0, 2, 4)]
+            assert all(t.text for r in responses for t in r.translations)
+            list(stub.TranslateStream(pb.TranslateStreamRequest(sentence=sentences[6]), timeout=30))
+            with pytest.raises(grpc.RpcError):
+                stub.Translate(pb.TranslateRequest(sentences=[""]), timeout=5)  # a rejection, the last call
+        # a scrape after all of it
+        prometheus.wait_for(f'nmtserve_rejected_requests_total{{code="INVALID_ARGUMENT"}} >= {round_}')
+
+    prometheus = Prometheus(tmp_path, f"127.0.0.1:{server.running.metrics_port}")
+    try:
+        # every series exists before the second round, so rate() over both scrapes is positive
+        traffic(1)
+        traffic(2)
+
+        page = urllib.request.urlopen(f"http://127.0.0.1:{server.running.metrics_port}/metrics", timeout=10).read().decode()
+        labels: dict[str, set[str]] = {}
+        for family in text_string_to_metric_families(page):
+            for sample in family.samples:
+                labels.setdefault(sample.name, set()).update(sample.labels)
+
+        checked = 0
+        for name, expr in dashboard_queries().items():
+            result = prometheus.query(as_promql(expr))  # valid PromQL, or the query raises
+            present = metric_names(expr) <= set(labels)
+            if not present:  # e.g. no cancellation happened: the series does not exist yet, nothing to return
+                continue
+            known = set().union(*(labels[m] for m in metric_names(expr))) | TARGET_LABELS
+            used = set(re.findall(r"(\w+)\s*(?:=~|!=|=)\s*\"", expr)) | {
+                label for group in re.findall(r"by \(([^)]*)\)", expr) for label in re.split(r",\s*", group)}
+            assert used <= known, f"{name}: labels {sorted(used - known)} are on none of {sorted(metric_names(expr))}"
+            assert result, f"{name}: {expr} returned nothing after traffic"
+            assert all(sample["value"][1] not in ("NaN", "+Inf", "-Inf") for sample in result), f"{name}: {result}"
+            checked += 1
+        assert checked >= len(dashboard_queries()) - 1  # only the cancellations panel may lack data
+    finally:
+        prometheus.stop()
+        server.stop()

@@ -1,0 +1,42 @@
+"""The client side: round_robin spreads calls over every address of a target, and `nmtserve translate`
+takes dns:/// targets (what a headless Kubernetes Service gives)."""
+
+import grpc
+
+from nmtserve.client import open_channel
+from nmtserve.v1 import translation_pb2 as pb
+from nmtserve.v1 import translation_pb2_grpc as pb_grpc
+from server.config import ServerConfig
+from tests.conftest import run_cli
+from tests.server.conftest import ServerThread
+
+
+def test_round_robin_sends_calls_to_every_server_behind_one_target(tiny_bundle):
+    servers = [ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
+                                         max_output_tokens=8)) for _ in range(2)]
+    try:
+        before = [s.running.engine.stats()["steps"] for s in servers]
+        # two addresses behind one name, as DNS returns the pods of a headless Service
+        target = "ipv4:" + ",".join(f"127.0.0.1:{s.running.port}" for s in servers)
+        with open_channel(target) as channel:
+            grpc.channel_ready_future(channel).result(timeout=30)
+            stub = pb_grpc.TranslationServiceStub(channel)
+            for _ in range(40):
+                stub.Translate(pb.TranslateRequest(sentences=["the cat sleeps ."]), timeout=30, wait_for_ready=True)
+                if all(s.running.engine.stats()["steps"] > b for s, b in zip(servers, before)):
+                    break
+        worked = [s.running.engine.stats()["steps"] > b for s, b in zip(servers, before)]
+        assert worked == [True, True], "every call went to one server: the channel does not balance per call"
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_translate_cli_accepts_a_dns_target(served):
+    sentence = "the cat sleeps ."
+    with served.channel() as channel:
+        expected = pb_grpc.TranslationServiceStub(channel).Translate(
+            pb.TranslateRequest(sentences=[sentence]), timeout=30).translations[0].text
+    out = run_cli("translate", "--server", f"dns:///{served.target}", "--wait", "30", sentence, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == expected.strip()
