@@ -9,77 +9,87 @@ k, v: (L, B, H, capacity, Dh) self-attention cache; valid: (B, capacity) which s
 filled (a row that joined later has invalid slots before its first step); cross_k, cross_v:
 (L, B, H, S, Dh) with src_mask (B, S), padded to the longest source of the batch; positions
 (B,) each row's own step; tokens (B,) the token each row feeds next.
+
+k, v, cross_k and cross_v live where `ops` keeps them (export/tensors.py): numpy arrays on the
+host, or OrtValues on the GPU; the small per-row arrays are always numpy on the host.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-
-def _pad_axis(a: np.ndarray, axis: int, size: int) -> np.ndarray:
-    if a.shape[axis] >= size:
-        return a
-    widths = [(0, 0)] * a.ndim
-    widths[axis] = (0, size - a.shape[axis])
-    return np.pad(a, widths)
+from export.tensors import HostTensors
 
 
 @dataclass
 class BatchState:
-    k: np.ndarray
-    v: np.ndarray
+    k: object  # (L, B, H, capacity, Dh), numpy or OrtValue (see ops)
+    v: object
     valid: np.ndarray
     length: int  # slots in use (the same for every row; invalid ones are masked)
-    cross_k: np.ndarray
-    cross_v: np.ndarray
+    cross_k: object  # (L, B, H, S, Dh), numpy or OrtValue
+    cross_v: object
     src_mask: np.ndarray
     positions: np.ndarray
     tokens: np.ndarray
+    ops: object = field(default=HostTensors)  # HostTensors or a DeviceTensors
 
     @classmethod
-    def from_encoded(cls, cross_k: np.ndarray, cross_v: np.ndarray, src_mask: np.ndarray, bos_id: int,
-                     capacity: int = 32) -> "BatchState":
+    def from_encoded(cls, cross_k, cross_v, src_mask: np.ndarray, bos_id: int, capacity: int = 32,
+                     ops=HostTensors) -> "BatchState":
         """Fresh rows (no step taken yet) from the encoder's outputs."""
-        n_layers, batch, heads, _, head_dim = cross_k.shape
-        k = np.zeros((n_layers, batch, heads, capacity, head_dim), cross_k.dtype)
-        return cls(k, np.zeros_like(k), np.zeros((batch, capacity), bool), 0, cross_k, cross_v, src_mask,
-                   np.zeros(batch, np.int64), np.full(batch, bos_id, np.int64))
+        n_layers, batch, heads, _, head_dim = ops.shape(cross_k)
+        shape, dtype = (n_layers, batch, heads, capacity, head_dim), ops.dtype(cross_k)
+        return cls(ops.zeros(shape, dtype), ops.zeros(shape, dtype), np.zeros((batch, capacity), bool), 0,
+                   cross_k, cross_v, src_mask, np.zeros(batch, np.int64), np.full(batch, bos_id, np.int64), ops)
 
     @property
     def size(self) -> int:
         return self.tokens.shape[0]
 
+    @property
+    def capacity(self) -> int:
+        return self.valid.shape[1]
+
     def concatenate(self, other: "BatchState") -> "BatchState":
         """Rows of self, then rows of other; other's rows see only the slots they fill from now on."""
-        capacity = max(self.k.shape[3], other.k.shape[3], max(self.length, other.length) + 1)
+        ops = self.ops
+        capacity = max(self.capacity, other.capacity, max(self.length, other.length) + 1)
         src_len = max(self.src_mask.shape[1], other.src_mask.shape[1])
         length = max(self.length, other.length)
 
         def align(state: "BatchState"):
-            # right-align the used slots so that every row writes its next K/V at slot `length`
-            shift = length - state.length
-            k, v, valid = (np.roll(_pad_axis(a, ax, capacity), shift, axis=ax)
-                           for a, ax in ((state.k, 3), (state.v, 3), (state.valid, 1)))
-            return k, v, valid
+            # right-align the used slots so that every row writes its next K/V at slot `length`;
+            # slots from `state.length` on were never written (zeros, invalid) and are dropped
+            shift, used = length - state.length, state.length
+
+            def cache(x):
+                return ops.pad(ops.slice(x, 3, 0, used) if state.capacity > used else x, 3, capacity, shift)
+
+            return cache(state.k), cache(state.v), HostTensors.pad(state.valid[:, :used], 1, capacity, shift)
+
+        def widen(state: "BatchState"):
+            return ops.pad(state.cross_k, 3, src_len), ops.pad(state.cross_v, 3, src_len)
 
         (ka, va, ma), (kb, vb, mb) = align(self), align(other)
+        (cka, cva), (ckb, cvb) = widen(self), widen(other)
         return BatchState(
-            np.concatenate([ka, kb], axis=1), np.concatenate([va, vb], axis=1), np.concatenate([ma, mb]), length,
-            np.concatenate([_pad_axis(self.cross_k, 3, src_len), _pad_axis(other.cross_k, 3, src_len)], axis=1),
-            np.concatenate([_pad_axis(self.cross_v, 3, src_len), _pad_axis(other.cross_v, 3, src_len)], axis=1),
-            np.concatenate([_pad_axis(self.src_mask, 1, src_len), _pad_axis(other.src_mask, 1, src_len)]),
-            np.concatenate([self.positions, other.positions]), np.concatenate([self.tokens, other.tokens]))
+            ops.concat([ka, kb], 1), ops.concat([va, vb], 1), np.concatenate([ma, mb]), length,
+            ops.concat([cka, ckb], 1), ops.concat([cva, cvb], 1),
+            np.concatenate([HostTensors.pad(self.src_mask, 1, src_len), HostTensors.pad(other.src_mask, 1, src_len)]),
+            np.concatenate([self.positions, other.positions]), np.concatenate([self.tokens, other.tokens]), ops)
 
-    def append(self, new_k: np.ndarray, new_v: np.ndarray, tokens: np.ndarray) -> None:
+    def append(self, new_k, new_v, tokens: np.ndarray) -> None:
         """Write the step's K/V (L, B, H, 1, Dh) at slot `length`; advance every row."""
-        if self.length == self.k.shape[3]:
-            grow = self.k.shape[3]
-            self.k, self.v = _pad_axis(self.k, 3, 2 * grow), _pad_axis(self.v, 3, 2 * grow)
-            self.valid = _pad_axis(self.valid, 1, 2 * grow)
-        self.k[:, :, :, self.length] = new_k[:, :, :, 0]
-        self.v[:, :, :, self.length] = new_v[:, :, :, 0]
+        ops = self.ops
+        if self.length == self.capacity:
+            grow = 2 * self.capacity
+            self.k, self.v = ops.pad(self.k, 3, grow), ops.pad(self.v, 3, grow)
+            self.valid = HostTensors.pad(self.valid, 1, grow)
+        self.k = ops.write_slot(self.k, new_k, self.length)
+        self.v = ops.write_slot(self.v, new_v, self.length)
         self.valid[:, self.length] = True
         self.length += 1
         self.positions += 1
@@ -89,14 +99,22 @@ class BatchState:
         """Only the rows where keep is True; slots no remaining row uses are dropped. None if empty."""
         if not keep.any():
             return None
+        ops, rows = self.ops, np.nonzero(keep)[0]
         valid = self.valid[keep]
         used = valid[:, : self.length].any(axis=0)
         first = int(used.argmax()) if used.any() else self.length
         src_len = int(self.src_mask[keep].any(axis=0).nonzero()[0].max()) + 1
-        c = np.ascontiguousarray  # ONNX Runtime would copy a non-contiguous input on every step
-        return BatchState(c(self.k[:, keep, :, first:]), c(self.v[:, keep, :, first:]), c(valid[:, first:]),
-                          self.length - first, c(self.cross_k[:, keep, :, :src_len]), c(self.cross_v[:, keep, :, :src_len]),
-                          c(self.src_mask[keep, :src_len]), self.positions[keep], self.tokens[keep])
+
+        def rows_from(x, axis_len: int, start: int, stop: int | None):
+            x = ops.take(x, rows, 1) if len(rows) < self.size else x
+            return ops.slice(x, 3, start, stop) if (start, stop) != (0, axis_len) else x
+
+        cap = self.capacity
+        cross_len = self.src_mask.shape[1]
+        return BatchState(rows_from(self.k, cap, first, cap), rows_from(self.v, cap, first, cap),
+                          np.ascontiguousarray(valid[:, first:]), self.length - first,
+                          rows_from(self.cross_k, cross_len, 0, src_len), rows_from(self.cross_v, cross_len, 0, src_len),
+                          np.ascontiguousarray(self.src_mask[keep, :src_len]), self.positions[keep], self.tokens[keep], ops)
 
     def take(self, rows: np.ndarray) -> "BatchState":
         """A new state of the given rows (indices), in that order."""
@@ -112,14 +130,16 @@ class BatchState:
     def insert(self, rows: list[int], fresh: "BatchState") -> None:
         """Fresh rows (no step taken yet) into holes; they write their first K/V at slot `length`."""
         assert fresh.length == 0 and len(rows) == fresh.size
+        ops = self.ops
         src_len = fresh.src_mask.shape[1]
         if src_len > self.src_mask.shape[1]:  # a longer source than any so far: widen (a copy, rare)
             grow = max(src_len, self.src_mask.shape[1] * 3 // 2)
-            self.cross_k, self.cross_v = _pad_axis(self.cross_k, 3, grow), _pad_axis(self.cross_v, 3, grow)
-            self.src_mask = _pad_axis(self.src_mask, 1, grow)
-        self.cross_k[:, rows, :, :src_len], self.cross_k[:, rows, :, src_len:] = fresh.cross_k, 0
-        self.cross_v[:, rows, :, :src_len], self.cross_v[:, rows, :, src_len:] = fresh.cross_v, 0
-        self.src_mask[rows, :src_len], self.src_mask[rows, src_len:] = fresh.src_mask, False
+            self.cross_k, self.cross_v = ops.pad(self.cross_k, 3, grow), ops.pad(self.cross_v, 3, grow)
+            self.src_mask = HostTensors.pad(self.src_mask, 1, grow)
+        width = self.src_mask.shape[1]  # the newcomers' cross K/V, zero past their own source
+        self.cross_k = ops.scatter_rows(self.cross_k, rows, ops.pad(fresh.cross_k, 3, width))
+        self.cross_v = ops.scatter_rows(self.cross_v, rows, ops.pad(fresh.cross_v, 3, width))
+        self.src_mask[rows] = HostTensors.pad(fresh.src_mask, 1, width)
         self.valid[rows] = False
         self.positions[rows] = fresh.positions
         self.tokens[rows] = fresh.tokens
@@ -129,6 +149,6 @@ class BatchState:
         used = self.valid[:, : self.length].any(axis=0)
         first = int(used.argmax()) if used.any() else self.length
         if first >= max(min_slots, self.length // 2):
-            c = np.ascontiguousarray
-            self.k, self.v, self.valid = c(self.k[:, :, :, first:]), c(self.v[:, :, :, first:]), c(self.valid[:, first:])
+            self.k, self.v = self.ops.slice(self.k, 3, first), self.ops.slice(self.v, 3, first)
+            self.valid = np.ascontiguousarray(self.valid[:, first:])
             self.length -= first

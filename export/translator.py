@@ -7,6 +7,11 @@
 
 Inputs are sorted by length and cut into batches of at most `max_batch_size` to cut padding;
 within a batch, finished rows leave at once, so the remaining ones run smaller steps.
+
+With io_binding (the default on CUDA) the K/V caches and cross K/V stay on the device as
+OrtValues bound by pointer, one layer at a time, to the sessions' inputs and outputs; the decoder
+graph gets an ArgMax appended, so a step sends the device only the small per-row arrays (tokens,
+positions, masks) and brings back only the chosen ids and their log-probabilities.
 """
 
 from __future__ import annotations
@@ -15,9 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
+from onnx import helper
 
 from export.batch import BatchState
+from export.tensors import DeviceTensors, HostTensors
 from export.bundle import Bundle, load_bundle
 from nmtserve.errors import BundleError, ConfigError
 from nmtserve.decoding import output_budget, sorted_batches
@@ -41,14 +49,17 @@ def session_options(intra_op_threads: int = 0) -> ort.SessionOptions:
     return so
 
 
-def make_session(path: Path, device: str = "cpu", intra_op_threads: int = 0) -> ort.InferenceSession:
-    """An ONNX Runtime session on `device`; asking for CUDA and silently getting CPU is an error."""
+def make_session(path: Path, device: str = "cpu", intra_op_threads: int = 0,
+                 model: bytes | None = None) -> ort.InferenceSession:
+    """An ONNX Runtime session on `device` (from `model` bytes if given, else the file at `path`);
+    asking for CUDA and silently getting CPU is an error."""
     if device not in PROVIDERS:
         raise ConfigError(f"device {device!r}: choose cpu or cuda")
     if device == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
         raise ConfigError("device 'cuda': this onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu)")
     try:
-        session = ort.InferenceSession(str(path), session_options(intra_op_threads), providers=PROVIDERS[device])
+        session = ort.InferenceSession(model if model is not None else str(path), session_options(intra_op_threads),
+                                       providers=PROVIDERS[device])
     except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph types
         raise BundleError(f"{path}: onnxruntime cannot load it ({str(e).splitlines()[0][:200]})") from None
     if session.get_providers()[0] != PROVIDERS[device][0]:
@@ -56,15 +67,35 @@ def make_session(path: Path, device: str = "cpu", intra_op_threads: int = 0) -> 
     return session
 
 
+def with_greedy_outputs(path: Path) -> bytes:
+    """The decoder-step graph plus outputs next_tokens (B,) int64 = argmax of log_probs and
+    next_scores (B,) = their log-probabilities, after the original outputs."""
+    model = onnx.load(str(path))
+    graph = model.graph
+    graph.node.extend([
+        helper.make_node("ArgMax", ["log_probs"], ["next_tokens"], axis=-1, keepdims=0),
+        helper.make_node("Constant", [], ["greedy_axis"], value=helper.make_tensor("greedy_axis", onnx.TensorProto.INT64, [1], [1])),
+        helper.make_node("Unsqueeze", ["next_tokens", "greedy_axis"], ["greedy_index"]),
+        helper.make_node("GatherElements", ["log_probs", "greedy_index"], ["greedy_score"], axis=1),
+        helper.make_node("Squeeze", ["greedy_score", "greedy_axis"], ["next_scores"])])
+    graph.output.extend([helper.make_tensor_value_info("next_tokens", onnx.TensorProto.INT64, ["batch"]),
+                          helper.make_tensor_value_info("next_scores", onnx.TensorProto.FLOAT, ["batch"])])
+    return model.SerializeToString()
+
+
 class OnnxTranslator:
     """Encoder and decoder-step sessions of one bundle variant, and greedy search over them."""
 
     def __init__(self, bundle: str | Path | Bundle, device: str = "cpu", variant: str = "fp32",
-                 intra_op_threads: int = 0):
+                 intra_op_threads: int = 0, io_binding: bool | None = None):
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
         self.device, self.variant = device, variant
+        self.io_binding = device == "cuda" if io_binding is None else io_binding
+        self.ops = DeviceTensors(device) if self.io_binding else HostTensors
         self.encoder = make_session(self.bundle.graph_path(variant, "encoder"), device, intra_op_threads)
-        self.decoder = make_session(self.bundle.graph_path(variant, "decoder"), device, intra_op_threads)
+        decoder_path = self.bundle.graph_path(variant, "decoder")
+        self.decoder = make_session(decoder_path, device, intra_op_threads,
+                                    model=with_greedy_outputs(decoder_path) if self.io_binding else None)
         self.tokenizer = self.bundle.tokenizer()
         m = self.bundle.model
         self.n_layers, self.n_heads, self.head_dim = m["n_decoder_layers"], m["n_heads"], m["d_model"] // m["n_heads"]
@@ -88,7 +119,54 @@ class OnnxTranslator:
         for layer in range(self.n_layers):
             feed[f"past_k_{layer}"], feed[f"past_v_{layer}"] = past_k[layer], past_v[layer]
             feed[f"cross_k_{layer}"], feed[f"cross_v_{layer}"] = cross_k[layer], cross_v[layer]
-        return self.decoder.run(None, feed)
+        return self.decoder.run(["log_probs", "new_k", "new_v"], feed)
+
+    # -- the same on the batch state, wherever its tensors live
+    def start(self, sources: list[list[int]]) -> BatchState:
+        """Encode token-id sources once -> fresh rows for the decoder batch (on this translator's device)."""
+        src_ids, src_mask = self.pad(sources)
+        if not self.io_binding:
+            return BatchState.from_encoded(*self.encode(src_ids, src_mask), src_mask, self.bos_id)
+        batch, src_len = src_ids.shape
+        shape = (self.n_layers, batch, self.n_heads, src_len, self.head_dim)
+        cross_k, cross_v = self.ops.empty(shape, self.kv_dtype), self.ops.empty(shape, self.kv_dtype)
+        binding = self.encoder.io_binding()
+        binding.bind_cpu_input("src_ids", src_ids)
+        binding.bind_cpu_input("src_mask", src_mask)
+        self._bind_layers(binding.bind_output, "cross_k", cross_k)
+        self._bind_layers(binding.bind_output, "cross_v", cross_v)
+        self.encoder.run_with_iobinding(binding)
+        return BatchState.from_encoded(cross_k, cross_v, src_mask, self.bos_id, ops=self.ops)
+
+    def decode(self, state: BatchState) -> tuple[np.ndarray, np.ndarray, object, object]:
+        """One greedy step of every row -> tokens (B,) int64, their log-probs (B,), new_k, new_v (L, B, H, 1, Dh)."""
+        if not self.io_binding:
+            log_probs, new_k, new_v = self.step(state.tokens, state.positions, state.k, state.v, state.valid,
+                                                state.cross_k, state.cross_v, state.src_mask)
+            tokens = log_probs.argmax(axis=-1).astype(np.int64)
+            return tokens, log_probs[np.arange(len(tokens)), tokens], new_k, new_v
+        binding = self.decoder.io_binding()
+        for name, value in (("tokens", state.tokens), ("positions", state.positions), ("past_valid", state.valid),
+                            ("src_mask", state.src_mask)):
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        for prefix, stacked in (("past_k", state.k), ("past_v", state.v), ("cross_k", state.cross_k),
+                                ("cross_v", state.cross_v)):
+            self._bind_layers(binding.bind_input, prefix, stacked)
+        binding.bind_output("log_probs", self.device)  # stays on the device
+        binding.bind_output("new_k", self.device)
+        binding.bind_output("new_v", self.device)
+        binding.bind_output("next_tokens", "cpu")
+        binding.bind_output("next_scores", "cpu")
+        self.decoder.run_with_iobinding(binding)
+        _, new_k, new_v, tokens, scores = binding.get_outputs()
+        return tokens.numpy(), scores.numpy(), new_k, new_v
+
+    def _bind_layers(self, bind, prefix: str, stacked: ort.OrtValue) -> None:
+        """Bind layer l of a stacked (L, …) device tensor to `{prefix}_{l}` by address: no copy."""
+        shape = stacked.shape()
+        layer_bytes = stacked.tensor_size_in_bytes() // shape[0]
+        for layer in range(shape[0]):
+            bind(f"{prefix}_{layer}", self.device, 0, self.kv_dtype, shape[1:], stacked.data_ptr() + layer * layer_bytes)
 
     def empty_cache(self, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A zero-length cache (k, v, valid), for callers that concatenate."""
@@ -105,17 +183,14 @@ class OnnxTranslator:
 
     def greedy(self, sources: list[list[int]], max_decoding_length: int = 256) -> list[tuple[list[int], float]]:
         """Greedy search for one batch of token-id sources; finished rows leave the batch at once."""
-        src_ids, src_mask = self.pad(sources)
-        state = BatchState.from_encoded(*self.encode(src_ids, src_mask), src_mask, self.bos_id)
+        state = self.start(sources)
         budget = np.array([output_budget(len(s), max_decoding_length, self.max_len) for s in sources])
         rows = np.arange(len(sources))  # original index of each running row
         outputs: list[list[int]] = [[] for _ in sources]
         scores = np.zeros(len(sources))
         while state is not None:
-            log_probs, new_k, new_v = self.step(state.tokens, state.positions, state.k, state.v, state.valid,
-                                                state.cross_k, state.cross_v, state.src_mask)
-            tokens = log_probs.argmax(axis=-1).astype(np.int64)
-            scores[rows] += log_probs[np.arange(len(rows)), tokens]
+            tokens, token_scores, new_k, new_v = self.decode(state)
+            scores[rows] += token_scores
             for r, t in zip(rows, tokens):
                 if t != self.eos_id:
                     outputs[r].append(int(t))

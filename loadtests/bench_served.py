@@ -36,6 +36,7 @@ class ServedBenchConfig:
     threads: int = 1  # ONNX Runtime intra-op threads, for the servers and the baseline alike
     variant: str = "fp32"
     max_running_rows: int = 64
+    device: str = "cpu"  # cuda: servers and baseline on the GPU (IOBinding, unless a server flag says otherwise)
     modes: tuple[str, ...] = MODES
     seed: int = 0
     server_flags: list[str] = field(default_factory=list)
@@ -93,7 +94,7 @@ class Baseline:
     def __init__(self, cfg: ServedBenchConfig):
         from export.translator import OnnxTranslator
 
-        self.tr = OnnxTranslator(cfg.bundle, variant=cfg.variant, intra_op_threads=cfg.threads)
+        self.tr = OnnxTranslator(cfg.bundle, device=cfg.device, variant=cfg.variant, intra_op_threads=cfg.threads)
         self.tr.translate_ids([self.tr.tokenizer.encode("warm up")], max_batch_size=1)
 
     def __call__(self, sentences: list[str]) -> dict:
@@ -111,7 +112,7 @@ class Baseline:
 
 def run_served_bench(cfg: ServedBenchConfig) -> dict:
     pool = read_sentences(cfg.sentences_file or default_sentence_file(cfg.bundle))
-    flags = ["--metrics-port", "-1", "--threads", str(cfg.threads), "--variant", cfg.variant,
+    flags = ["--metrics-port", "-1", "--threads", str(cfg.threads), "--variant", cfg.variant, "--device", cfg.device,
              "--max-running-rows", str(cfg.max_running_rows), "--max-waiting", str(max(256, 2 * max(cfg.concurrency))),
              *cfg.server_flags]
     cells: dict[str, dict[int, list[dict]]] = {m: {c: [] for c in cfg.concurrency} for m in cfg.modes}
@@ -153,7 +154,8 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: list[dict]) -> dict:
         for mode in results:
             ratios[f"{mode} p50 at concurrency 1 / OnnxTranslator batch-1 p50"] = round(
                 results[mode]["1"]["p50_ms"] / baseline["p50_ms"], 3)
-    return {"bundle": cfg.bundle, "variant": cfg.variant, "threads": cfg.threads, "runs": cfg.runs,
+    return {"bundle": cfg.bundle, "variant": cfg.variant, "device": cfg.device, "server_flags": cfg.server_flags,
+            "threads": cfg.threads, "runs": cfg.runs,
             "max_running_rows": cfg.max_running_rows, "concurrency": list(cfg.concurrency),
             "machine": {"processor": platform.processor() or platform.machine(), "python": platform.python_version()},
             "results": results,
@@ -162,7 +164,8 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: list[dict]) -> dict:
 
 
 def format_table(report: dict) -> str:
-    lines = [f"{report['variant']}, {report['threads']} ORT thread(s), median of {report['runs']} runs",
+    lines = [f"{report['variant']} on {report.get('device', 'cpu')}, {report['threads']} ORT thread(s), "
+             f"median of {report['runs']} runs",
              f"{'mode':<11}{'clients':>8}{'tok/s':>9}{'req/s':>8}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}"
              f"{'in-server p50':>15}"]
     for mode, by_c in report["results"].items():

@@ -218,7 +218,8 @@ def cmd_bench_served(args) -> int:
     if not modes or any(m not in MODES for m in modes):
         raise NmtserveError(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
     report = run_served_bench(ServedBenchConfig(args.bundle, args.sentences, args.concurrency, args.requests, args.runs,
-                                                args.threads, args.variant, args.max_running_rows, modes))
+                                                args.threads, args.variant, args.max_running_rows, args.device, modes,
+                                                server_flags=args.server_flag or []))
     print(format_table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -285,7 +286,8 @@ def _add_serve_parser(sub) -> None:
     d = ServerConfig(**defaults_from_env())
     p = sub.add_parser("serve", help="serve a bundle over gRPC (flags also read NMTSERVE_* variables)")
     p.add_argument("bundle", nargs="?" if d.bundle else None, default=d.bundle)
-    helps = {"threads": "ONNX Runtime intra-op threads", "max_running_rows": "rows in the running decoder batch",
+    helps = {"threads": "ONNX Runtime intra-op threads", "device": "cpu or cuda",
+             "io_binding": "auto, on or off: keep K/V caches on the device between steps (auto: on for cuda)", "max_running_rows": "rows in the running decoder batch",
              "max_batch_tokens": "Σ source + output-budget tokens of running rows",
              "max_waiting": "waiting requests before RESOURCE_EXHAUSTED", "drain_timeout": "seconds to finish in-flight work on SIGTERM",
              "tls_cert": "server certificate chain (PEM); turns TLS on", "tls_key": "its private key (PEM)",
@@ -371,7 +373,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads of servers and baseline")
     p.add_argument("--variant", default="fp32")
     p.add_argument("--max-running-rows", type=int, default=64)
+    p.add_argument("--device", default="cpu", help="cpu or cuda, for the servers and the baseline")
     p.add_argument("--modes", default="continuous,static")
+    p.add_argument("--server-flag", action="append", help="extra flag for both servers, e.g. --server-flag=--io-binding=off")
     p.add_argument("--json", metavar="FILE", help="also write the report here")
     p.set_defaults(func=cmd_bench_served)
 

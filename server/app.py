@@ -67,8 +67,12 @@ def warm_up(engine: Engine) -> None:
 async def start_server(config: ServerConfig) -> RunningServer:
     """Load, warm up, bind (port 0 picks a free port) and start; health says SERVING only after warm-up."""
     credentials = server_credentials(config)  # a bad certificate path fails before the model loads
+    io_binding = {"auto": None, "on": True, "off": False}.get(config.io_binding, "bad")
+    if io_binding == "bad":
+        raise ConfigError(f"--io-binding {config.io_binding!r}: choose auto, on or off")
     bundle = load_bundle(config.bundle)
-    translator = OnnxTranslator(bundle, device=config.device, variant=config.variant, intra_op_threads=config.threads)
+    translator = OnnxTranslator(bundle, device=config.device, variant=config.variant, intra_op_threads=config.threads,
+                                io_binding=io_binding)
     metrics = ServerMetrics()
     engine = Engine(translator, EngineConfig(max_running_rows=config.max_running_rows,
                                              max_batch_tokens=config.max_batch_tokens,
@@ -77,7 +81,7 @@ async def start_server(config: ServerConfig) -> RunningServer:
                                              batching=config.batching), on_step=metrics.step).start()
     metrics.watch_engine(engine)
     metrics.model.info({"bundle": str(config.bundle), "variant": config.variant, "device": config.device,
-                        "batching": config.batching})
+                        "io_binding": str(translator.io_binding).lower(), "batching": config.batching})
     metrics_port = metrics.serve(config.metrics_port, addr="127.0.0.1" if config.host.startswith("127.") else "0.0.0.0") \
         if config.metrics_port >= 0 else None
     options = [("grpc.max_receive_message_length", config.max_message_bytes),
@@ -96,8 +100,8 @@ async def start_server(config: ServerConfig) -> RunningServer:
     await asyncio.get_running_loop().run_in_executor(None, warm_up, engine)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %s (%s, %s, %s batching) on port %d, metrics on %s", config.bundle, config.variant,
-             config.device, config.batching, port, metrics_port)
+    log.info("serving %s (%s, %s%s, %s batching) on port %d, metrics on %s", config.bundle, config.variant,
+             config.device, " + IOBinding" if translator.io_binding else "", config.batching, port, metrics_port)
     return RunningServer(server, port, engine, servicer, health_servicer, metrics_port)
 
 

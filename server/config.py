@@ -17,6 +17,7 @@ class ServerConfig:
     batching: str = "continuous"  # or "static", for comparison
     variant: str = "fp32"
     device: str = "cpu"
+    io_binding: str = "auto"  # on: K/V caches stay on the device as OrtValues (IOBinding); auto = on for cuda
     threads: int = 1  # ONNX Runtime intra-op threads; 1 is fastest for small models on few cores
     max_running_rows: int = 64
     max_batch_tokens: int = 16384

@@ -193,9 +193,7 @@ class Engine:
     def _execute(self, admitted: list[Request]) -> tuple[int, int] | None:
         """Merge newcomers, run one decoder step, process its tokens -> (rows, valid cache slots)."""
         if admitted:
-            src_ids, src_mask = self.tr.pad([r.src_ids for r in admitted])
-            cross_k, cross_v = self.tr.encode(src_ids, src_mask)
-            fresh = BatchState.from_encoded(cross_k, cross_v, src_mask, self.tr.bos_id)
+            fresh = self.tr.start([r.src_ids for r in admitted])  # encoded once, on the translator's device
             holes = [i for i, r in enumerate(self.slots) if r is None][: len(admitted)]
             if holes:  # newcomers take the holes first: no copy of the running cache
                 self.batch.insert(holes, fresh.take(np.arange(len(holes))) if len(holes) < fresh.size else fresh)
@@ -213,12 +211,11 @@ class Engine:
         b = self.batch
         b.trim()
         # the whole buffer goes in (slots past `length` are invalid): per-layer views stay contiguous
-        log_probs, new_k, new_v = self.tr.step(b.tokens, b.positions, b.k, b.v, b.valid, b.cross_k, b.cross_v, b.src_mask)
-        tokens = log_probs.argmax(axis=-1).astype(np.int64)
+        tokens, scores, new_k, new_v = self.tr.decode(b)
         b.append(new_k, new_v, tokens)
         self.steps += 1
         stepped = b.size, int(b.valid.sum())
-        self._process(tokens, log_probs[np.arange(len(tokens)), tokens])
+        self._process(tokens, scores)
         return stepped
 
     def _process(self, tokens: np.ndarray, scores: np.ndarray) -> None:

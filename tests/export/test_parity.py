@@ -68,3 +68,22 @@ def test_cli_export_verify_reports_every_check(tiny_checkpoint, tmp_path):
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
     latency = manifest["verification"]["variants"]["fp32"]["step_latency_ms"]["batch_1"]
     assert set(latency) == {"1", "16", "64", "128"}
+
+
+def test_io_binding_keeps_the_caches_in_ortvalues_and_translates_identically(tiny_bundle, tiny_corpus):
+    import onnxruntime as ort
+
+    texts = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs[:24]]
+    for variant in ("fp32", "int8"):
+        host = OnnxTranslator(tiny_bundle, variant=variant, io_binding=False)
+        bound = OnnxTranslator(tiny_bundle, variant=variant, io_binding=True)  # ONNX Runtime's CPU provider here
+        expected = host.translate_batch(texts, max_batch_size=8, return_scores=True)
+        got = bound.translate_batch(texts, max_batch_size=8, return_scores=True)
+        assert [t.tokens for t in got] == [t.tokens for t in expected], variant
+        assert np.allclose([t.score for t in got], [t.score for t in expected], atol=1e-4), variant
+        state = bound.start([bound.tokenizer.encode(texts[0]), bound.tokenizer.encode(texts[1])])
+        tokens, scores, new_k, new_v = bound.decode(state)
+        assert all(isinstance(x, ort.OrtValue) for x in (state.k, state.v, state.cross_k, state.cross_v, new_k, new_v))
+        assert tokens.dtype == np.int64 and tokens.shape == scores.shape == (2,)
+        state.append(new_k, new_v, tokens)
+        assert isinstance(state.k, ort.OrtValue) and state.length == 1

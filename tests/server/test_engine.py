@@ -1,5 +1,8 @@
 """The continuous-batching engine: same tokens as OnnxTranslator while requests join and leave,
-KV shapes after join/leave, cancellation, deadlines and overload."""
+KV shapes after join/leave, cancellation, deadlines and overload.
+
+Every test runs twice: with the caches as host numpy arrays (the CPU default), and with them as
+OrtValues bound by IOBinding (the CUDA path, here on ONNX Runtime's CPU provider)."""
 
 import time
 
@@ -12,9 +15,15 @@ from server.engine import Engine, EngineConfig, EngineOverloaded, FinishReason, 
 from training.data import read_tsv
 
 
-@pytest.fixture(scope="module")
-def translator(tiny_bundle):
-    return OnnxTranslator(tiny_bundle, intra_op_threads=1)
+@pytest.fixture(scope="module", params=[False, True], ids=["host-arrays", "io-binding"])
+def translator(tiny_bundle, request):
+    return OnnxTranslator(tiny_bundle, intra_op_threads=1, io_binding=request.param)
+
+
+def step(translator, state: BatchState) -> np.ndarray:
+    tokens, _, k, v = translator.decode(state)
+    state.append(k, v, tokens)
+    return tokens
 
 
 @pytest.fixture(scope="module")
@@ -42,29 +51,20 @@ def test_staggered_requests_get_exactly_the_translator_tokens(translator, source
 
 
 def test_kv_shapes_after_join_and_leave(translator, sources):
-    def fresh(batch_sources):
-        ids, mask = translator.pad(batch_sources)
-        ck, cv = translator.encode(ids, mask)
-        return BatchState.from_encoded(ck, cv, mask, translator.bos_id)
-
-    def step(state):
-        lp, k, v = translator.step(state.tokens, state.positions, state.k, state.v, state.valid, state.cross_k,
-                                   state.cross_v, state.src_mask)
-        state.append(k, v, lp.argmax(-1))
-
-    a = fresh(sources[:2])
+    a = translator.start(sources[:2])
     for _ in range(3):
-        step(a)
-    merged = a.concatenate(fresh(sources[2:5]))
-    n_layers, _, heads, _, head_dim = a.k.shape
-    assert merged.k.shape[:3] == (n_layers, 5, heads) and merged.k.shape[4] == head_dim
+        step(translator, a)
+    merged = a.concatenate(translator.start(sources[2:5]))
+    shape = translator.ops.shape
+    n_layers, _, heads, _, head_dim = shape(a.k)
+    assert shape(merged.k)[:3] == (n_layers, 5, heads) and shape(merged.k)[4] == head_dim
     assert merged.length == 3 and merged.valid[:2, :3].all() and not merged.valid[2:, :3].any()
     assert merged.positions.tolist() == [3, 3, 0, 0, 0]
     assert merged.src_mask.shape[1] == max(len(s) for s in sources[:5])
-    step(merged)
+    step(translator, merged)
     assert merged.valid[:, 3].all() and merged.positions.tolist() == [4, 4, 1, 1, 1]
     left = merged.filter(np.array([False, False, True, False, True]))  # the two first rows leave
-    assert left.k.shape[1] == 2 and left.length == 1 and left.valid[:, :1].all()
+    assert shape(left.k)[1] == 2 and left.length == 1 and left.valid[:, :1].all()
     assert left.src_mask.shape[1] == max(len(sources[2]), len(sources[4]))
 
 
@@ -99,25 +99,14 @@ def test_full_waiting_queue_is_refused_at_once(translator, sources):
 
 
 def test_a_newcomer_in_a_hole_decodes_as_if_alone_and_trim_drops_dead_slots(translator, sources):
-    def fresh(batch_sources):
-        ids, mask = translator.pad(batch_sources)
-        return BatchState.from_encoded(*translator.encode(ids, mask), mask, translator.bos_id)
-
-    def step(state):
-        lp, k, v = translator.step(state.tokens, state.positions, state.k, state.v, state.valid, state.cross_k,
-                                   state.cross_v, state.src_mask)
-        tokens = lp.argmax(-1).astype(np.int64)
-        state.append(k, v, tokens)
-        return tokens
-
     newcomer = max(sources, key=len)  # longer than the batch's sources: insert must widen the source axis
     alone = translator.translate_ids([newcomer], max_batch_size=1, max_decoding_length=12)[0][0]
-    state = fresh(sources[:3])
+    state = translator.start(sources[:3])
     for _ in range(20):
-        step(state)
+        step(translator, state)
     state.free([1])
-    state.insert([1], fresh([newcomer]))
-    got = [int(step(state)[1]) for _ in range(12)]
+    state.insert([1], translator.start([newcomer]))
+    got = [int(step(translator, state)[1]) for _ in range(12)]
     assert got[: len(alone)] == alone and (len(alone) == 12 or got[len(alone)] == translator.eos_id)
     length = state.length
     state.trim()  # rows 0 and 2 still use every slot: nothing to drop

@@ -39,6 +39,22 @@ def test_concurrent_clients_get_the_translator_output(served, tiny_bundle, sente
     assert served.running.engine.stats()["running"] == 0
 
 
+def test_a_server_with_io_binding_serves_the_translator_output(tiny_bundle, sentences):
+    server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
+                                       io_binding="on", max_output_tokens=64))
+    try:
+        expected = [t.text for t in OnnxTranslator(tiny_bundle).translate_batch(sentences[:16], max_decoding_length=64)]
+        with server.channel() as channel:
+            stub = pb_grpc.TranslationServiceStub(channel)
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                got = list(pool.map(lambda s: stub.Translate(pb.TranslateRequest(sentences=[s]), timeout=60)
+                                    .translations[0].text, sentences[:16]))
+        assert got == expected
+        assert server.running.engine.tr.io_binding
+    finally:
+        server.stop()
+
+
 def test_stream_deltas_join_to_the_final_text(served, sentences):
     with served.channel() as channel:
         stub = pb_grpc.TranslationServiceStub(channel)

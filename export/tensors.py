@@ -1,0 +1,203 @@
+"""Where the running batch's large tensors live: host numpy arrays, or ONNX Runtime OrtValues on a device.
+
+BatchState keeps its self-attention caches and cross-attention K/V through one of these two; the
+small per-row arrays (masks, positions, tokens) stay numpy on the host. HostTensors is numpy.
+DeviceTensors does the same operations with tiny one-node ONNX graphs that ONNX Runtime runs on
+the device (CUDA; the CPU provider in tests), so on a GPU the caches never come back to the host:
+a decoder step returns only the chosen token ids and their log-probabilities.
+
+    ops = DeviceTensors("cuda")
+    k = ops.zeros((L, B, H, 32, Dh), np.float16)
+    k = ops.write_slot(k, new_k, slot=5)   # k[:, :, :, 5] = new_k[:, :, :, 0]
+
+Every method returns its result; HostTensors writes in place where numpy can, DeviceTensors
+returns a new OrtValue (ONNX Runtime has no in-place update), which costs one copy of the tensor
+on the device per call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+OPSET = 17
+
+
+class HostTensors:
+    """numpy arrays in host memory (the CPU path: ONNX Runtime reads them without a copy)."""
+
+    device = "cpu"
+
+    @staticmethod
+    def zeros(shape: tuple, dtype) -> np.ndarray:
+        return np.zeros(shape, dtype)
+
+    @staticmethod
+    def shape(x: np.ndarray) -> tuple:
+        return x.shape
+
+    @staticmethod
+    def numpy(x: np.ndarray) -> np.ndarray:
+        return x
+
+    @staticmethod
+    def dtype(x: np.ndarray):
+        return x.dtype
+
+    @staticmethod
+    def pad(x: np.ndarray, axis: int, size: int, front: int = 0) -> np.ndarray:
+        """`front` zeros, then x, then zeros up to `size` along axis (x unchanged if already that long)."""
+        n = x.shape[axis]
+        if front == 0 and n >= size:
+            return x
+        assert front + n <= size, (front, n, size)
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (front, size - front - n)
+        return np.pad(x, widths)
+
+    @staticmethod
+    def concat(xs: list[np.ndarray], axis: int) -> np.ndarray:
+        return np.concatenate(xs, axis=axis)
+
+    @staticmethod
+    def take(x: np.ndarray, rows: np.ndarray, axis: int) -> np.ndarray:
+        return np.take(x, rows, axis=axis)
+
+    @staticmethod
+    def slice(x: np.ndarray, axis: int, start: int, stop: int | None = None) -> np.ndarray:
+        """x[start:stop] along axis, contiguous (ONNX Runtime would copy a strided input on every step)."""
+        index = [slice(None)] * x.ndim
+        index[axis] = slice(start, stop)
+        return np.ascontiguousarray(x[tuple(index)])
+
+    @staticmethod
+    def write_slot(x: np.ndarray, new: np.ndarray, slot: int) -> np.ndarray:
+        """x[:, :, :, slot] = new[:, :, :, 0], in place."""
+        x[:, :, :, slot] = new[:, :, :, 0]
+        return x
+
+    @staticmethod
+    def scatter_rows(x: np.ndarray, rows: list[int], updates: np.ndarray) -> np.ndarray:
+        """x[:, rows] = updates, in place."""
+        x[:, rows] = updates
+        return x
+
+
+RANK5 = [f"d{i}" for i in range(5)]  # every device tensor is (L, B, H, T|S, Dh)
+
+
+def _graph(name: str, nodes: list, inputs: list, output_type: int) -> bytes:
+    model = helper.make_model(
+        helper.make_graph(nodes, name, inputs, [helper.make_tensor_value_info("y", output_type, RANK5)]),
+        opset_imports=[helper.make_opsetid("", OPSET)], ir_version=8)  # IR 8 = opset 17: any onnxruntime >= 1.14 loads it
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def _op_graph(op: str, elem: int) -> bytes:
+    """The one-purpose graph `op` over tensors of ONNX element type `elem`, output y."""
+    x, u, i64 = (helper.make_tensor_value_info(n, t, shape) for n, t, shape in
+                 (("x", elem, RANK5), ("u", elem, RANK5), ("i", TensorProto.INT64, ["n"])))
+    if op == "zeros":  # i: the shape
+        return _graph(op, [helper.make_node("ConstantOfShape", ["i"], ["y"], value=helper.make_tensor("v", elem, [1], [0]))],
+                      [i64], elem)
+    if op == "pad":  # i: the ONNX pads (begins, then ends)
+        return _graph(op, [helper.make_node("Pad", ["x", "i"], ["y"])], [x, i64], elem)
+    if op == "concat":
+        return _graph(op, [helper.make_node("Concat", ["x", "x2"], ["y"], axis=1)],
+                      [x, helper.make_tensor_value_info("x2", elem, RANK5)], elem)
+    if op == "take":  # i: row indices along axis 1
+        return _graph(op, [helper.make_node("Gather", ["x", "i"], ["y"], axis=1)], [x, i64], elem)
+    if op == "slice":  # start, stop, axis: one-element host tensors
+        return _graph(op, [helper.make_node("Slice", ["x", "start", "stop", "axis"], ["y"])],
+                      [x] + [helper.make_tensor_value_info(n, TensorProto.INT64, [1]) for n in ("start", "stop", "axis")],
+                      elem)
+    if op == "write_slot":  # m: (1, 1, 1, C, 1) one-hot over the slot axis; u: (L, B, H, 1, Dh)
+        return _graph(op, [helper.make_node("Where", ["m", "u", "x"], ["y"])],
+                      [helper.make_tensor_value_info("m", TensorProto.BOOL, RANK5), u, x], elem)
+    if op == "scatter_rows":  # r: (1, n, 1, 1, 1) row indices; u: (L, n, …) the rows' new values
+        return _graph(op, [helper.make_node("Shape", ["u"], ["shape"]),
+                           helper.make_node("Expand", ["r", "shape"], ["index"]),
+                           helper.make_node("ScatterElements", ["x", "index", "u"], ["y"], axis=1)],
+                      [x, helper.make_tensor_value_info("r", TensorProto.INT64, RANK5), u], elem)
+    raise ValueError(op)
+
+
+class DeviceTensors:
+    """OrtValues on `device` ("cuda", or "cpu" to run the same path without a GPU)."""
+
+    def __init__(self, device: str = "cuda", device_id: int = 0):
+        from export.translator import PROVIDERS, session_options  # the same providers as the model's sessions
+
+        self.device, self.device_id = device, device_id
+        self.providers = PROVIDERS[device]
+        self.options = session_options(1)
+        self.sessions: dict[tuple[str, int], ort.InferenceSession] = {}
+
+    def _run(self, op: str, dtype, **inputs) -> ort.OrtValue:
+        elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        session = self.sessions.get((op, elem))
+        if session is None:
+            session = self.sessions[(op, elem)] = ort.InferenceSession(_op_graph(op, elem), self.options,
+                                                                       providers=self.providers)
+        binding = session.io_binding()
+        for name, value in inputs.items():
+            if isinstance(value, ort.OrtValue):
+                binding.bind_ortvalue_input(name, value)
+            else:  # a small host array (indices, pads, masks): ONNX Runtime copies it over
+                binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        binding.bind_output("y", self.device, self.device_id)
+        session.run_with_iobinding(binding)
+        return binding.get_outputs()[0]
+
+    def empty(self, shape: tuple, dtype) -> ort.OrtValue:
+        """Uninitialised device memory, for outputs that ONNX Runtime fills completely."""
+        return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.device, self.device_id)
+
+    def zeros(self, shape: tuple, dtype) -> ort.OrtValue:
+        return self._run("zeros", dtype, i=np.array(shape, np.int64))
+
+    @staticmethod
+    def shape(x: ort.OrtValue) -> tuple:
+        return tuple(x.shape())
+
+    @staticmethod
+    def numpy(x: ort.OrtValue) -> np.ndarray:
+        return x.numpy()
+
+    @staticmethod
+    def dtype(x: ort.OrtValue):
+        return {"tensor(float)": np.float32, "tensor(float16)": np.float16}[x.data_type()]
+
+    def pad(self, x: ort.OrtValue, axis: int, size: int, front: int = 0) -> ort.OrtValue:
+        shape = self.shape(x)
+        if front == 0 and shape[axis] >= size:
+            return x
+        assert front + shape[axis] <= size, (front, shape, size)
+        pads = np.zeros(2 * len(shape), np.int64)
+        pads[axis], pads[len(shape) + axis] = front, size - front - shape[axis]
+        return self._run("pad", self.dtype(x), x=x, i=pads)
+
+    def concat(self, xs: list[ort.OrtValue], axis: int) -> ort.OrtValue:
+        assert axis == 1 and len(xs) == 2, "the batch joins two states along the row axis"
+        return self._run("concat", self.dtype(xs[0]), x=xs[0], x2=xs[1])
+
+    def take(self, x: ort.OrtValue, rows: np.ndarray, axis: int) -> ort.OrtValue:
+        assert axis == 1, "rows are axis 1 of every device tensor"
+        return self._run("take", self.dtype(x), x=x, i=np.asarray(rows, np.int64))
+
+    def slice(self, x: ort.OrtValue, axis: int, start: int, stop: int | None = None) -> ort.OrtValue:
+        stop = self.shape(x)[axis] if stop is None else stop
+        return self._run("slice", self.dtype(x), x=x, start=np.array([start], np.int64),
+                         stop=np.array([stop], np.int64), axis=np.array([axis], np.int64))
+
+    def write_slot(self, x: ort.OrtValue, new: ort.OrtValue, slot: int) -> ort.OrtValue:
+        mask = np.zeros((1, 1, 1, self.shape(x)[3], 1), bool)
+        mask[0, 0, 0, slot, 0] = True
+        return self._run("write_slot", self.dtype(x), m=mask, u=new, x=x)
+
+    def scatter_rows(self, x: ort.OrtValue, rows: list[int], updates: ort.OrtValue) -> ort.OrtValue:
+        index = np.asarray(rows, np.int64).reshape(1, -1, 1, 1, 1)
+        return self._run("scatter_rows", self.dtype(x), x=x, r=index, u=updates)
