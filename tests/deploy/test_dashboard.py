@@ -17,18 +17,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 from server.config import ServerConfig
-from server.metrics import ServerMetrics
 from tests.conftest import ROOT
+from tests.deploy.conftest import TARGET_LABELS, exported_series, metric_names
 from tests.server.conftest import ServerThread
 from training.data import read_tsv
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "nmtserve-dashboard.json"
-# labels the Prometheus Operator adds to every scraped series (plus `le` of histogram buckets)
-TARGET_LABELS = {"namespace", "pod", "job", "instance", "service", "container", "endpoint", "le"}
 # Grafana's variables, as a local Prometheus without Kubernetes labels must read them
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$namespace": ".*", "$pod": ".*"}
-SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
-            "gauge": ("",), "info": ("_info",)}
 
 
 def dashboard_queries() -> dict[str, str]:
@@ -40,15 +36,6 @@ def dashboard_queries() -> dict[str, str]:
         if var["type"] == "query":
             queries[f"variable {var['name']}"] = var["query"]["query"]
     return queries
-
-
-def exported_series() -> set[str]:
-    """Every series name the server's registry can expose, from the collectors' names and types."""
-    return {family.name + suffix for family in ServerMetrics().registry.collect() for suffix in SUFFIXES[family.type]}
-
-
-def metric_names(expr: str) -> set[str]:
-    return set(re.findall(r"\b(nmtserve_[a-z_]+)\b", expr))
 
 
 def as_promql(expr: str) -> str:

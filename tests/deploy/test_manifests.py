@@ -34,9 +34,9 @@ def rendered(request):
 def test_every_object_validates_against_the_kubernetes_schema(rendered):
     _, docs = rendered
     assert {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "HorizontalPodAutoscaler",
-            "NetworkPolicy", "ServiceMonitor"} <= set(docs)
+            "NetworkPolicy", "ServiceMonitor", "PrometheusRule"} <= set(docs)
     for kind, doc in docs.items():
-        if kind == "ServiceMonitor":  # a CRD of the Prometheus Operator: no schema in kubernetes-validate
+        if kind in ("ServiceMonitor", "PrometheusRule"):  # CRDs of the Prometheus Operator: no schema here
             assert doc["apiVersion"] == "monitoring.coreos.com/v1"
             continue
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
