@@ -4,6 +4,7 @@ KV shapes after join/leave, cancellation, deadlines and overload.
 Every test runs twice: with the caches as host numpy arrays (the CPU default), and with them as
 OrtValues bound by IOBinding (the CUDA path, here on ONNX Runtime's CPU provider)."""
 
+import os
 import time
 
 import numpy as np
@@ -17,7 +18,9 @@ from training.data import read_tsv
 
 @pytest.fixture(scope="module", params=[False, True], ids=["host-arrays", "io-binding"])
 def translator(tiny_bundle, request):
-    return OnnxTranslator(tiny_bundle, intra_op_threads=1, io_binding=request.param)
+    # the IOBinding path runs on ONNX Runtime's CPU provider here; NMTSERVE_TEST_DEVICE=cuda on a GPU machine
+    device = os.environ.get("NMTSERVE_TEST_DEVICE", "cpu") if request.param else "cpu"
+    return OnnxTranslator(tiny_bundle, device=device, intra_op_threads=1, io_binding=request.param)
 
 
 def step(translator, state: BatchState) -> np.ndarray:
