@@ -1,0 +1,21 @@
+"""`nmtserve bench served` end to end on the tiny bundle: two real servers, every request served,
+a report with both modes, the baseline and the ratios (figures are not judged here)."""
+
+import json
+
+from tests.conftest import run_cli
+
+
+def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_path):
+    out = tmp_path / "served.json"
+    result = run_cli("bench", "served", str(tiny_bundle), "--concurrency", "1,2", "--requests", "6", "--runs", "1",
+                     "--server-flag=--io-binding=on", "--json", str(out), timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["server_flags"] == ["--io-binding=on"]
+    for mode in ("continuous", "static"):
+        assert set(report["results"][mode]) == {"1", "2"}
+        assert all(cell["requests"] == 6 and cell["tokens_per_s"] > 0 for cell in report["results"][mode].values())
+    assert set(report["ratios"]["continuous/static tokens_per_s"]) == {"1", "2"}
+    assert report["baseline_onnx_translator_batch1"]["p50_ms"] > 0
+    assert "continuous" in result.stdout and "OnnxTranslator batch 1" in result.stdout
