@@ -6,7 +6,7 @@ DeviceTensors does the same operations with tiny one-node ONNX graphs that ONNX 
 the device (CUDA; the CPU provider in tests), so on a GPU the caches never come back to the host:
 a decoder step returns only the chosen token ids and their log-probabilities.
 
-    ops = DeviceTensors("cuda")
+    ops = DeviceTensors("cuda", ["CUDAExecutionProvider"], ort.SessionOptions())
     k = ops.zeros((L, B, H, 32, Dh), np.float16)
     k = ops.write_slot(k, new_k, slot=5)   # k[:, :, :, 5] = new_k[:, :, :, 0]
 
@@ -126,14 +126,12 @@ def _op_graph(op: str, elem: int) -> bytes:
 
 
 class DeviceTensors:
-    """OrtValues on `device` ("cuda", or "cpu" to run the same path without a GPU)."""
+    """OrtValues on `device` ("cuda", or "cpu" to run the same path without a GPU); the op graphs
+    run with the given providers and session options (the model's own)."""
 
-    def __init__(self, device: str = "cuda", device_id: int = 0):
-        from export.translator import PROVIDERS, session_options  # the same providers as the model's sessions
-
+    def __init__(self, device: str, providers: list[str], options: ort.SessionOptions, device_id: int = 0):
         self.device, self.device_id = device, device_id
-        self.providers = PROVIDERS[device]
-        self.options = session_options(1)
+        self.providers, self.options = providers, options
         self.sessions: dict[tuple[str, int], ort.InferenceSession] = {}
 
     def _run(self, op: str, dtype, **inputs) -> ort.OrtValue:

@@ -91,11 +91,11 @@ class OnnxTranslator:
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
         self.device, self.variant = device, variant
         self.io_binding = device == "cuda" if io_binding is None else io_binding
-        self.ops = DeviceTensors(device) if self.io_binding else HostTensors
         self.encoder = make_session(self.bundle.graph_path(variant, "encoder"), device, intra_op_threads)
         decoder_path = self.bundle.graph_path(variant, "decoder")
         self.decoder = make_session(decoder_path, device, intra_op_threads,
                                     model=with_greedy_outputs(decoder_path) if self.io_binding else None)
+        self.ops = DeviceTensors(device, PROVIDERS[device], session_options(1)) if self.io_binding else HostTensors
         self.tokenizer = self.bundle.tokenizer()
         m = self.bundle.model
         self.n_layers, self.n_heads, self.head_dim = m["n_decoder_layers"], m["n_heads"], m["d_model"] // m["n_heads"]
