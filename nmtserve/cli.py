@@ -109,6 +109,10 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_translate(args) -> int:
+    if args.stream and not args.server:
+        raise NmtserveError("--stream needs --server (it calls TranslateStream)")
+    if args.stream and args.json:
+        raise NmtserveError("--stream prints text as it is decoded; use --json without --stream")
     if args.server:
         return _translate_remote(args)
     from training.checkpoint import load_model
@@ -138,13 +142,19 @@ def _translate_remote(args) -> int:
     from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 
     texts = args.inputs or [line.rstrip("\n") for line in sys.stdin]
+    options = pb.DecodingOptions(max_output_tokens=args.max_length or 0)
     with open_channel(args.server, TlsFiles(args.tls_ca, args.tls_cert, args.tls_key)) as channel:
         if args.wait:
             wait_serving(channel, args.server, args.wait)
+        stub = pb_grpc.TranslationServiceStub(channel)
         try:
-            response = pb_grpc.TranslationServiceStub(channel).Translate(
-                pb.TranslateRequest(sentences=texts, options=pb.DecodingOptions(max_output_tokens=args.max_length or 0)),
-                timeout=args.timeout)
+            if args.stream:  # TranslateStream per sentence: text is printed as the server decides it
+                for text in texts:
+                    for message in stub.TranslateStream(pb.TranslateStreamRequest(sentence=text, options=options),
+                                                        timeout=args.timeout):
+                        print(message.delta if message.HasField("delta") else "\n", end="", flush=True)
+                return 0
+            response = stub.Translate(pb.TranslateRequest(sentences=texts, options=options), timeout=args.timeout)
         except grpc.RpcError as e:
             raise NmtserveError(f"{args.server}: {e.code().name}: {e.details()}") from None
     _print_translations(texts, [t.text for t in response.translations], args.json)
@@ -385,6 +395,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--server", help="HOST:PORT (or dns:///HOST:PORT) of `nmtserve serve`")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds, with --server")
     p.add_argument("--wait", type=float, default=0.0, help="with --server: first wait up to this many seconds for SERVING")
+    p.add_argument("--stream", action="store_true", help="with --server: print each translation as it is decoded (TranslateStream)")
     p.add_argument("--tls-ca", default="", help="with --server: PEM roots that sign the server's certificate (turns TLS on)")
     p.add_argument("--tls-cert", default="", help="with --server: client certificate (PEM) for mutual TLS")
     p.add_argument("--tls-key", default="", help="with --server: the client certificate's private key (PEM)")

@@ -40,3 +40,13 @@ def test_translate_cli_accepts_a_dns_target(served):
     out = run_cli("translate", "--server", f"dns:///{served.target}", "--wait", "30", sentence, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == expected.strip()
+
+
+def test_translate_cli_streams_the_same_text(served):
+    sentences = ["the cat sleeps .", "a dog eats the bread ."]
+    with served.channel() as channel:
+        expected = [t.text for t in pb_grpc.TranslationServiceStub(channel).Translate(
+            pb.TranslateRequest(sentences=sentences), timeout=30).translations]
+    out = run_cli("translate", "--server", served.target, "--stream", *sentences, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == expected
