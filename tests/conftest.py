@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,13 @@ def tiny_checkpoint(tiny_corpus, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run")
     train(tiny_config(out, tiny_corpus, max_steps=40, valid_every=20))
     return out / "best.pt"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for servers that cannot bind port 0 themselves)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_cli(*args: str, stdin: str | None = None, env: dict | None = None, timeout: float = 300):

@@ -4,7 +4,6 @@ that scrapes a real server after real traffic."""
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -17,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 from server.config import ServerConfig
-from tests.conftest import ROOT
+from tests.conftest import ROOT, free_port
 from tests.deploy.conftest import TARGET_LABELS, exported_series, metric_names
 from tests.server.conftest import ServerThread
 from training.data import read_tsv
@@ -63,12 +62,6 @@ def test_the_dashboard_covers_the_server_and_names_only_exported_metrics():
     assert datasources == {json.dumps({"type": "prometheus", "uid": "${datasource}"})}, "panels must use the datasource variable"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Prometheus:
     """A real Prometheus server scraping one target every second, with its HTTP query API."""
 
@@ -79,7 +72,7 @@ class Prometheus:
         config.write_text("global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
                           "scrape_configs:\n"
                           f"  - job_name: nmtserve\n    static_configs: [{{targets: ['{target}']}}]\n")
-        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.url = f"http://127.0.0.1:{free_port()}"
         self.log = open(workdir / "prometheus.log", "w")
         self.process = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
                                          f"--web.listen-address={self.url.removeprefix('http://')}"],

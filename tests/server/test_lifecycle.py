@@ -3,7 +3,6 @@
 import concurrent.futures
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,14 +12,8 @@ import grpc
 
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
-from tests.conftest import ROOT
+from tests.conftest import ROOT, free_port
 from training.data import read_tsv
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _running(metrics_port: int) -> float:
@@ -31,7 +24,7 @@ def _running(metrics_port: int) -> float:
 def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_bundle, tiny_corpus):
     # long sources: their output budget (2 × source + 10) keeps the tiny model busy for a while
     sentences = [" ".join([s] * 4) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs][:8]
-    metrics_port = _free_port()
+    metrics_port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "nmtserve.cli", "serve", str(tiny_bundle), "--host", "127.0.0.1",
                              "--port", "0", "--metrics-port", str(metrics_port), "--max-running-rows", "4",
                              "--drain-timeout", "30"],
