@@ -1,7 +1,7 @@
 # nmtserve — the two entry points of a fresh machine:
 #   make demo   data → train → evaluate → export (verified) → serve → a translation over gRPC
 #               (about 30 minutes on 2 cores)
-#   make test   the test suite
+#   make test   lint (ruff) and the test suite
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -14,7 +14,7 @@ PAIRS  ?= 200000
 TRAIN_MINUTES ?= 20
 PYTEST_ARGS ?=
 
-.PHONY: install tools demo test clean protos loadtest bench-served
+.PHONY: install tools lint demo test clean protos loadtest bench-served
 
 install: $(VENV)/.installed
 
@@ -68,8 +68,12 @@ bench-served: $(BUNDLE)/manifest.json
 protos: install
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/nmtserve/v1/translation.proto
 
+# ruff: pyflakes, import order and pyupgrade rules (pyproject.toml)
+lint: install
+	$(VENV)/bin/ruff check .
+
 # pytest exits 5 when it collects no test: that is not a failure of the code under test
-test: install tools
+test: install tools lint
 	$(PY) -m pytest $(PYTEST_ARGS) || { rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no test"; exit 0; fi; exit $$rc; }
 
 clean:

@@ -1,1 +1,2 @@
-"""checkpoint → ONNX bundle (encoder, decoder step, tokenizer, manifest). Arrives with the export issue."""
+"""Checkpoint → ONNX bundle. `runtime` reads bundles and decodes with ONNX Runtime (torch-free, what the
+server uses); `build` writes them from a PyTorch checkpoint (graphs, variants, verification, converters)."""

@@ -1,1 +1,1 @@
-"""Locust users and scenarios for the gRPC service. Arrives with the load-test issue."""
+"""Locust users and scenarios, the SLO checker, and the offline and served benchmarks."""

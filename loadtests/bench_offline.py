@@ -12,9 +12,9 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from nmtserve.errors import ConfigError
 
@@ -45,10 +45,10 @@ def _engines(cfg: BenchConfig, loaded, bundle, workdir: Path) -> dict[str, Calla
     """name -> function(sources as token ids, batch size) -> target token ids."""
     import torch
 
-    from export.translator import OnnxTranslator
-    from training.data import pad
-    from training.decode import greedy_decode
     from nmtserve.decoding import sorted_batches
+    from nmtserve.export.runtime.translator import OnnxTranslator
+    from nmtserve.training.data import pad
+    from nmtserve.training.decode import greedy_decode
 
     torch.set_num_threads(cfg.threads)
     engines: dict = {}
@@ -69,7 +69,7 @@ def _engines(cfg: BenchConfig, loaded, bundle, workdir: Path) -> dict[str, Calla
     if any(e.startswith("ct2_") for e in cfg.engines):
         import ctranslate2
 
-        from export.to_ctranslate2 import convert
+        from nmtserve.export.build.to_ctranslate2 import convert
 
         path = convert(loaded, workdir / "ct2")
         sp = loaded.tokenizer.sp
@@ -89,9 +89,9 @@ def _engines(cfg: BenchConfig, loaded, bundle, workdir: Path) -> dict[str, Calla
 
 
 def run_bench(cfg: BenchConfig) -> dict:
-    from export.bundle import load_bundle
-    from training.checkpoint import load_model
-    from training.data import read_corpus, split_file
+    from nmtserve.export.runtime.bundle import load_bundle
+    from nmtserve.training.checkpoint import load_model
+    from nmtserve.training.data import read_corpus, split_file
 
     bundle = load_bundle(cfg.bundle)
     checkpoint = cfg.checkpoint or bundle.manifest["source"]["checkpoint"]

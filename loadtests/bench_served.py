@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtests.workload import ServerProcess, default_sentence_file, mixed, read_sentences
+from nmtserve.loadtests.workload import ServerProcess, default_sentence_file, mixed, read_sentences
 
 MODES = ("continuous", "static")
 
@@ -92,7 +92,7 @@ class Baseline:
     """OnnxTranslator at batch 1 in this process: per-sentence latency and tokens/s on given sentences."""
 
     def __init__(self, cfg: ServedBenchConfig):
-        from export.translator import OnnxTranslator
+        from nmtserve.export.runtime.translator import OnnxTranslator
 
         self.tr = OnnxTranslator(cfg.bundle, device=cfg.device, variant=cfg.variant, intra_op_threads=cfg.threads)
         self.tr.translate_ids([self.tr.tokenizer.encode("warm up")], max_batch_size=1)

@@ -28,8 +28,8 @@ import grpc
 import grpc.experimental.gevent as grpc_gevent
 from locust import LoadTestShape, User, events, task
 
-from loadtests.workload import DEFAULT_BUNDLE, SCENARIOS, default_sentence_file, read_sentences
 from nmtserve.client import TlsFiles, open_channel
+from nmtserve.loadtests.workload import DEFAULT_BUNDLE, SCENARIOS, default_sentence_file, read_sentences
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 

@@ -10,7 +10,7 @@ import csv
 from collections import defaultdict
 from pathlib import Path
 
-from loadtests.slo import CALLS, REJECTED_SUFFIX, _number
+from nmtserve.loadtests.slo import CALLS, REJECTED_SUFFIX, _number
 
 
 def read_history(path: str | Path) -> list[dict]:

@@ -17,10 +17,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtests import slo as slo_check
-from loadtests.report import plot
-from loadtests.workload import DEFAULT_BUNDLE, ROOT, SCENARIOS, ServerProcess, default_sentence_file
 from nmtserve.errors import ConfigError
+from nmtserve.loadtests import slo as slo_check
+from nmtserve.loadtests.report import plot
+from nmtserve.loadtests.workload import DEFAULT_BUNDLE, SCENARIOS, ServerProcess, default_sentence_file
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 # the overload scenario meets a server with a short queue, so that 4× the peak users exceed it
@@ -47,7 +47,7 @@ def run_loadtest(cfg: LoadTestConfig) -> int:
     if cfg.peak_users < 1 or cfg.seconds <= 0:
         raise ConfigError(f"--peak-users {cfg.peak_users} / --seconds {cfg.seconds}: must be positive")
     objectives = slo_check.load_slo(cfg.slo) if cfg.slo else None  # a bad SLO file fails before the run
-    out = Path(cfg.out or ROOT / "runs" / "loadtest" / cfg.scenario)
+    out = Path(cfg.out or Path("runs") / "loadtest" / cfg.scenario)
     out.mkdir(parents=True, exist_ok=True)
     sentences = cfg.sentences or str(default_sentence_file(cfg.bundle))
     server = None
@@ -64,7 +64,7 @@ def run_loadtest(cfg: LoadTestConfig) -> int:
                "--loglevel", "WARNING"]
         print(f"nmtserve loadtest: {cfg.scenario} against {target}, peak {cfg.peak_users} users, {cfg.seconds:g} s",
               flush=True)
-        locust = subprocess.run(cmd, cwd=ROOT, timeout=cfg.seconds + 120)
+        locust = subprocess.run(cmd, timeout=cfg.seconds + 120)
     finally:
         if server is not None:
             server.stop()

@@ -17,8 +17,7 @@ from pathlib import Path
 
 from nmtserve.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_BUNDLE = ROOT / "bundles" / "default"
+DEFAULT_BUNDLE = Path("bundles/default")  # where `make demo` puts it, relative to the working directory
 
 # (end of stage as a share of --scenario-seconds, users as a share of --peak-users)
 SCENARIOS = {
@@ -72,7 +71,7 @@ class ServerProcess:
         self.log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         cmd = [sys.executable, "-m", "nmtserve.cli", "serve", str(bundle), "--host", "127.0.0.1", "--port", "0",
                *flags]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=ROOT,
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + start_timeout
         self.port = None
@@ -102,7 +101,7 @@ class ServerProcess:
             self.log.close()
         return self.proc.returncode
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc) -> None:

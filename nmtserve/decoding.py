@@ -3,7 +3,7 @@ they batch alike, stop at the same step and give the same tokens."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 
 def output_budget(src_len: int, max_decoding_length: int, max_len: int) -> int:

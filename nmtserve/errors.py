@@ -1,5 +1,5 @@
-"""The project's exception types. The CLI prints them as one line and exits 2;
-the server (later) maps them to gRPC status codes in one place."""
+"""The project's exception types. The CLI prints them as one line and exits 2; the server maps
+them to gRPC status codes in one place (server/service.py, `_status_of`)."""
 
 
 class NmtserveError(Exception):

@@ -5,7 +5,7 @@ Torch-free: training, the bundle reader and the server all use it."""
 from __future__ import annotations
 
 import io
-from typing import Iterable
+from collections.abc import Iterable
 
 import sentencepiece as spm
 
@@ -25,7 +25,7 @@ class Tokenizer:
             raise ValueError(f"SentencePiece model has special ids {fixed}, expected {(PAD_ID, UNK_ID, BOS_ID, EOS_ID)}")
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int, seed: int = 1) -> "Tokenizer":
+    def train(cls, texts: Iterable[str], vocab_size: int, seed: int = 1) -> Tokenizer:
         """Train on texts (source and target sentences together); vocab_size is an upper bound."""
         model = io.BytesIO()
         spm.set_random_generator_seed(seed)
@@ -40,7 +40,7 @@ class Tokenizer:
         return cls(model.getvalue())
 
     @classmethod
-    def load(cls, path) -> "Tokenizer":
+    def load(cls, path) -> Tokenizer:
         with open(path, "rb") as f:
             return cls(f.read())
 

@@ -1,1 +1,2 @@
-"""The gRPC translation server: engine, scheduler, service, metrics. Arrives with the server issue."""
+"""The gRPC translation server (torch-free): engine (queue, budgets, loop) over a running batch,
+service, metrics, config, process lifecycle."""

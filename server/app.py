@@ -15,15 +15,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from export.bundle import MANIFEST, load_bundle
-from export.translator import OnnxTranslator
 from nmtserve.client import read_pem
 from nmtserve.errors import ConfigError
+from nmtserve.export.runtime.bundle import MANIFEST, load_bundle
+from nmtserve.export.runtime.translator import OnnxTranslator
+from nmtserve.server.config import ServerConfig
+from nmtserve.server.engine import Engine, EngineConfig, Request
+from nmtserve.server.metrics import ServerMetrics
+from nmtserve.server.service import TranslationServicer
 from nmtserve.v1 import translation_pb2, translation_pb2_grpc
-from server.config import ServerConfig
-from server.engine import Engine, EngineConfig, Request
-from server.metrics import ServerMetrics
-from server.service import TranslationServicer
 
 log = logging.getLogger("nmtserve.server")
 SERVICE_NAME = translation_pb2.DESCRIPTOR.services_by_name["TranslationService"].full_name
@@ -77,7 +77,6 @@ async def start_server(config: ServerConfig) -> RunningServer:
     engine = Engine(translator, EngineConfig(max_running_rows=config.max_running_rows,
                                              max_batch_tokens=config.max_batch_tokens,
                                              max_waiting=config.max_waiting,
-                                             max_decoding_length=config.max_output_tokens,
                                              batching=config.batching), on_step=metrics.step).start()
     metrics.watch_engine(engine)
     metrics.model.info({"bundle": str(config.bundle), "variant": config.variant, "device": config.device,

@@ -1,12 +1,11 @@
 """Continuous (iteration-level) batching over a bundle's ONNX Runtime sessions. Protobuf-free.
 
-One scheduler thread owns the waiting queue and the running batch. Each iteration has three
-phases: schedule (drop cancelled or expired requests, admit waiting ones within the budgets),
-execute (encode the newcomers once, merge them into the running batch, one decoder step for
-every row), process outputs (hand each row its token, finish rows at eos or their budget).
-Requests join and leave between steps; no row ever waits for another to finish. A finished row
-stays as a hole that the next newcomer fills, so under steady load no step copies the KV cache;
-holes are compacted away once they are a quarter of the batch.
+One scheduler thread owns the waiting queue and the running batch (server/running_batch.py).
+Each iteration has three phases: schedule (drop cancelled or expired requests, admit waiting ones
+within the budgets), execute (the newcomers join the running batch, one decoder step for every
+row), process outputs (hand each request its token, finish requests at eos or their budget).
+Requests join and leave between steps; no row ever waits for another to finish. The engine never
+sees K/V: the running batch and the translator keep them.
 """
 
 from __future__ import annotations
@@ -16,15 +15,13 @@ import enum
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-import numpy as np
-
-from export.translator import OnnxTranslator
 from nmtserve.decoding import output_budget
 from nmtserve.errors import NmtserveError
-from export.batch import BatchState
+from nmtserve.export.runtime.translator import OnnxTranslator
+from nmtserve.server.running_batch import RunningBatch
 
 
 class EngineOverloaded(NmtserveError):
@@ -48,7 +45,6 @@ class EngineConfig:
     max_running_rows: int = 64
     max_batch_tokens: int = 16384  # Σ over running rows of source tokens + output budget
     max_waiting: int = 256
-    max_decoding_length: int = 256
     batching: str = "continuous"  # or "static": admit only into an empty batch, run it to completion
 
 
@@ -58,10 +54,9 @@ class Request:
 
     src_ids: list[int]
     max_decoding_length: int = 256
-    batching: str = "continuous"  # or "static": admit only into an empty batch, run it to completion
     deadline: float | None = None  # time.monotonic() after which the request is dropped
-    on_token: Callable[["Request", int], None] | None = None  # called from the engine thread
-    on_finish: Callable[["Request"], None] | None = None  # called from the engine thread, once
+    on_token: Callable[[Request, int], None] | None = None  # called from the engine thread
+    on_finish: Callable[[Request], None] | None = None  # called from the engine thread, once
     id: str = ""
     tokens: list[int] = field(default_factory=list)
     score: float = 0.0
@@ -83,7 +78,7 @@ class Request:
 
 
 class Engine:
-    """Owns the translator's sessions, the waiting queue and the running batch."""
+    """Owns the waiting queue, the budgets and the loop over the running batch."""
 
     def __init__(self, translator: OnnxTranslator, config: EngineConfig | None = None,
                  on_step: Callable[[int, int, float], None] | None = None):
@@ -92,17 +87,20 @@ class Engine:
         if self.config.batching not in ("continuous", "static"):
             raise ValueError(f"batching {self.config.batching!r}: choose continuous or static")
         self.on_step = on_step  # (rows, valid cache slots, seconds) after every iteration
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.slots: list[Request | None] = []  # one per batch row; None is a hole
-        self.batch: BatchState | None = None
+        # `lock` guards `waiting`, `stopping` and `running_count`, and the loop sleeps on it for work.
+        # `batch` belongs to the engine thread alone; other threads read `running_count`, which the
+        # engine thread sets under the lock whenever requests join or leave the batch.
         self.lock = threading.Condition()
+        self.waiting: collections.deque[Request] = collections.deque()
         self.stopping = False
+        self.running_count = 0
+        self.batch = RunningBatch(translator)
         self.ids = itertools.count()
         self.steps = 0
         self.thread = threading.Thread(target=self._loop, name="nmtserve-engine", daemon=True)
 
     # -- life cycle
-    def start(self) -> "Engine":
+    def start(self) -> Engine:
         self.thread.start()
         return self
 
@@ -125,21 +123,17 @@ class Engine:
             self.lock.notify()
         return request
 
-    @property
-    def running(self) -> list[Request]:
-        return [r for r in self.slots if r is not None]
-
     def stats(self) -> dict:
         with self.lock:
-            return {"waiting": len(self.waiting), "running": len(self.running), "steps": self.steps}
+            return {"waiting": len(self.waiting), "running": self.running_count, "steps": self.steps}
 
     # -- the loop
     def _loop(self) -> None:
         while True:
             with self.lock:
-                while not self.waiting and not self.running and not self.stopping:
+                while not self.waiting and not self.running_count and not self.stopping:
                     self.lock.wait()
-                if self.stopping and not self.waiting and not self.running:
+                if self.stopping and not self.waiting and not self.running_count:
                     return
                 admitted = self._schedule()
             started = time.perf_counter()
@@ -148,38 +142,37 @@ class Engine:
                 if self.on_step and stepped:
                     self.on_step(*stepped, time.perf_counter() - started)
             except Exception as e:  # an engine error fails the requests it touched, not the engine
-                placed = {id(r) for r in self.slots}
-                failed = self.running + [r for r in admitted if id(r) not in placed]
-                with self.lock:
-                    self.slots, self.batch = [], None
+                placed = {id(r) for r in self.batch.requests}
+                failed = self.batch.requests + [r for r in admitted if id(r) not in placed]
+                self.batch.clear()
+                self._publish()
                 for request in failed:
                     self._finish(request, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
 
     def _schedule(self) -> list[Request]:
-        """Drop cancelled/expired rows and waiting requests; admit waiting ones within the budgets."""
+        """(Lock held.) Drop cancelled/expired requests; take waiting ones within the budgets."""
         now = time.monotonic()
         for request in list(self.waiting):
             reason = self._dropped(request, now)
             if reason:
                 self.waiting.remove(request)
                 self._finish(request, reason)
-        leaving = [(i, r, self._dropped(r, now)) for i, r in enumerate(self.slots) if r is not None]
-        leaving = [(i, r, why) for i, r, why in leaving if why]
-        self._free([i for i, _, _ in leaving])  # rows are freed before anyone is told
-        for _, request, why in leaving:
-            self._finish(request, why)
-        if self.config.batching == "static" and self.running:
+        leaving = [(i, r, self._dropped(r, now)) for i, r in enumerate(self.batch.rows) if r is not None]
+        self._leave([(i, r, why) for i, r, why in leaving if why])
+        running = self.batch.requests
+        if self.config.batching == "static" and running:
             return []  # static batching: the running batch finishes before anyone joins
-        budget = self.config.max_batch_tokens - sum(r.cost(self.tr.max_len) for r in self.running)
+        budget = self.config.max_batch_tokens - sum(r.cost(self.tr.max_len) for r in running)
         admitted = []
-        while self.waiting and len(self.running) + len(admitted) < self.config.max_running_rows:
+        while self.waiting and len(running) + len(admitted) < self.config.max_running_rows:
             cost = self.waiting[0].cost(self.tr.max_len)
-            if cost > budget and (self.running or admitted):
+            if cost > budget and (running or admitted):
                 break  # an oversized request still runs alone rather than never
             request = self.waiting.popleft()
             request.admitted = now
             budget -= cost
             admitted.append(request)
+        self.running_count += len(admitted)  # counted from the moment they leave the queue
         return admitted
 
     @staticmethod
@@ -191,73 +184,47 @@ class Engine:
         return None
 
     def _execute(self, admitted: list[Request]) -> tuple[int, int] | None:
-        """Merge newcomers, run one decoder step, process its tokens -> (rows, valid cache slots)."""
+        """Newcomers join, one decoder step, its tokens processed -> (rows, valid cache slots)."""
         if admitted:
-            fresh = self.tr.start([r.src_ids for r in admitted])  # encoded once, on the translator's device
-            holes = [i for i, r in enumerate(self.slots) if r is None][: len(admitted)]
-            if holes:  # newcomers take the holes first: no copy of the running cache
-                self.batch.insert(holes, fresh.take(np.arange(len(holes))) if len(holes) < fresh.size else fresh)
-            with self.lock:
-                for i, request in zip(holes, admitted):
-                    self.slots[i] = request
-            if len(admitted) > len(holes):
-                rest = fresh.take(np.arange(len(holes), fresh.size)) if holes else fresh
-                self.batch = rest if self.batch is None else self.batch.concatenate(rest)
-                with self.lock:
-                    self.slots.extend(admitted[len(holes):])
-        self._compact()
-        if self.batch is None:
+            self.batch.admit(admitted)
+        self.batch.compact()
+        if self.batch.state is None:
             return None
-        b = self.batch
-        b.trim()
-        # the whole buffer goes in (slots past `length` are invalid): per-layer views stay contiguous
-        tokens, scores, new_k, new_v = self.tr.decode(b)
-        b.append(new_k, new_v, tokens)
+        outputs = self.batch.step()
         self.steps += 1
-        stepped = b.size, int(b.valid.sum())
-        self._process(tokens, scores)
+        stepped = len(self.batch.rows), self.batch.cache_slots()
+        self._process(outputs)
         return stepped
 
-    def _process(self, tokens: np.ndarray, scores: np.ndarray) -> None:
+    def _process(self, outputs: list[tuple[int, Request, int, float]]) -> None:
         now = time.monotonic()
         leaving = []
-        for i, (request, token, score) in enumerate(zip(self.slots, tokens, scores)):
-            if request is None:
-                continue  # a hole: its output means nothing
-            request.score += float(score)
+        for i, request, token, score in outputs:
+            request.score += score
             request.first_token = request.first_token or now
             if token == self.tr.eos_id:
                 leaving.append((i, request, FinishReason.EOS))
                 continue
-            request.tokens.append(int(token))
+            request.tokens.append(token)
             if request.on_token:
-                request.on_token(request, int(token))
+                request.on_token(request, token)
             if len(request.tokens) >= output_budget(len(request.src_ids), request.max_decoding_length, self.tr.max_len):
                 leaving.append((i, request, FinishReason.LENGTH))
-        self._free([i for i, _, _ in leaving])
+        self._leave(leaving)
+
+    def _leave(self, leaving: list[tuple[int, Request, FinishReason]]) -> None:
+        """Rows are freed (and the count published) before anyone is told."""
+        if not leaving:
+            return
+        self.batch.free([i for i, _, _ in leaving])
+        self._publish()
         for _, request, why in leaving:
             self._finish(request, why)
 
-    def _free(self, rows: list[int]) -> None:
-        """Finished rows become holes; an all-hole batch is dropped."""
-        if not rows:
-            return
+    def _publish(self) -> None:
+        """Set running_count from the batch (engine thread; the Condition's lock is re-entrant)."""
         with self.lock:
-            for i in rows:
-                self.slots[i] = None
-            if not any(r is not None for r in self.slots):
-                self.slots, self.batch = [], None
-            else:
-                self.batch.free(rows)
-
-    def _compact(self) -> None:
-        """Remove holes once they are a quarter of the batch (a copy; newcomers usually fill them first)."""
-        holes = sum(r is None for r in self.slots)
-        if holes and holes * 4 >= len(self.slots):
-            keep = np.array([r is not None for r in self.slots])
-            with self.lock:
-                self.batch = self.batch.filter(keep)
-                self.slots = [r for r in self.slots if r is not None]
+            self.running_count = len(self.batch.requests)
 
     @staticmethod
     def _finish(request: Request, reason: FinishReason, error: str | None = None) -> None:

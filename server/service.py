@@ -1,6 +1,7 @@
 """The gRPC servicer: protobuf -> engine requests -> protobuf. It never touches tensors.
 
-Errors map to status codes here and only here (`_status_of`).
+Errors map to status codes in this module only, in `_status_of`: project exceptions raised while a
+call is validated and submitted, and the finish reasons of requests the engine ended early.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import time
 import grpc
 
 from nmtserve.errors import NmtserveError
+from nmtserve.server.config import ServerConfig
+from nmtserve.server.engine import Engine, EngineOverloaded, EngineStopped, FinishReason, Request
+from nmtserve.server.metrics import ServerMetrics
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
-from server.config import ServerConfig
-from server.engine import Engine, EngineOverloaded, EngineStopped, FinishReason, Request
-from server.metrics import ServerMetrics
 
 log = logging.getLogger("nmtserve.server")
 
@@ -29,12 +30,20 @@ class InvalidRequest(NmtserveError):
     """A request field is out of range; the message names the field, the value and the limit."""
 
 
-def _status_of(exc: Exception) -> grpc.StatusCode:
-    if isinstance(exc, InvalidRequest):
+_EARLY_FINISH = {FinishReason.ERROR: (grpc.StatusCode.INTERNAL, "failed in the engine"),
+                 FinishReason.DEADLINE: (grpc.StatusCode.DEADLINE_EXCEEDED, "passed its deadline"),
+                 FinishReason.CANCELLED: (grpc.StatusCode.CANCELLED, "was cancelled")}
+
+
+def _status_of(outcome: Exception | FinishReason) -> grpc.StatusCode:
+    """The status code of an exception, or of a request that the engine finished early."""
+    if isinstance(outcome, FinishReason):
+        return _EARLY_FINISH[outcome][0]
+    if isinstance(outcome, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, EngineOverloaded):
+    if isinstance(outcome, EngineOverloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(exc, EngineStopped):
+    if isinstance(outcome, EngineStopped):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
 
@@ -118,15 +127,11 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
 
     async def _check_finished(self, rpc: str, requests: list[Request], context, started: float) -> None:
         for request in requests:
+            if request.finish not in _EARLY_FINISH:
+                continue
             if request.finish is FinishReason.ERROR:
                 log.error("request %s failed in the engine: %s", request.id, request.error)
-                code, message = grpc.StatusCode.INTERNAL, f"request {request.id} failed in the engine"
-            elif request.finish is FinishReason.DEADLINE:
-                code, message = grpc.StatusCode.DEADLINE_EXCEEDED, f"request {request.id} passed its deadline"
-            elif request.finish is FinishReason.CANCELLED:
-                code, message = grpc.StatusCode.CANCELLED, f"request {request.id} was cancelled"
-            else:
-                continue
+            code, message = _status_of(request.finish), f"request {request.id} {_EARLY_FINISH[request.finish][1]}"
             self.metrics.rpc(rpc, code.name)
             _log_line(rpc, code.name, requests, started)
             await context.abort(code, message)

@@ -1,19 +1,14 @@
-"""Shared fixtures: a small built-in corpus and a tiny trained checkpoint, made once per session."""
+"""Session fixtures: a small built-in corpus, a tiny trained checkpoint and its bundle, made once."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from training.corpus import generate_corpus
-from training.train import TrainConfig, train
-
-ROOT = Path(__file__).resolve().parents[1]
+from nmtserve.training.corpus import generate_corpus
+from nmtserve.training.train import train
+from tests.helpers import tiny_config
 
 
 @pytest.fixture(scope="session")
@@ -24,12 +19,6 @@ def tiny_corpus(tmp_path_factory) -> Path:
     return out
 
 
-def tiny_config(out: Path, data: Path | None, **overrides) -> TrainConfig:
-    base = dict(out=str(out), data=str(data) if data else None, preset="tiny", vocab_size=400, max_tokens=1024, warmup=100,
-                lr_factor=1.0, dropout=0.0, valid_every=100, valid_bleu_sentences=20, log_every=1, seed=3)
-    return TrainConfig(**{**base, **overrides})
-
-
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tiny_corpus, tmp_path_factory) -> Path:
     """A tiny model trained for a few seconds: enough to exercise evaluate/translate, not to translate well."""
@@ -38,23 +27,10 @@ def tiny_checkpoint(tiny_corpus, tmp_path_factory) -> Path:
     return out / "best.pt"
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (for servers that cannot bind port 0 themselves)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_cli(*args: str, stdin: str | None = None, env: dict | None = None, timeout: float = 300):
-    """Run `python -m nmtserve.cli ARGS` as a user would; returns the CompletedProcess."""
-    return subprocess.run([sys.executable, "-m", "nmtserve.cli", *args], input=stdin, capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
-
-
 @pytest.fixture(scope="session")
 def tiny_bundle(tiny_checkpoint, tmp_path_factory) -> Path:
     """A bundle (fp32 and int8) exported from the tiny checkpoint."""
-    from export.exporter import ExportConfig, export_bundle
+    from nmtserve.export.build.exporter import ExportConfig, export_bundle
 
     out = tmp_path_factory.mktemp("bundle")
     export_bundle(ExportConfig(str(tiny_checkpoint), str(out), ["fp32", "int8"]))

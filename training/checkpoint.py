@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from nmtserve.errors import CheckpointError
-from training.model import EncoderDecoder, ModelConfig
 from nmtserve.tokenizer import Tokenizer
+from nmtserve.training.model import EncoderDecoder, ModelConfig
 
 FORMAT_VERSION = 1
 

@@ -22,7 +22,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from training import lexicon as lx
+from nmtserve.training import lexicon as lx
 
 CHUNK_PAIRS = 1000  # candidate pairs generated per worker task
 NOVEL_PER_MILLE = 30  # share of (subject, verb, object) triples held out for the novel split

@@ -26,7 +26,7 @@ class ReadStats:
     skipped_empty: int = 0
     skipped_too_long: int = 0
 
-    def add(self, other: "ReadStats") -> None:
+    def add(self, other: ReadStats) -> None:
         for k, v in other.__dict__.items():
             setattr(self, k, getattr(self, k) + v)
 
@@ -133,7 +133,7 @@ class Batch:
     tgt_mask: torch.Tensor  # (B, T)
     n_tokens: int  # target tokens that count in the loss
 
-    def to(self, device) -> "Batch":
+    def to(self, device) -> Batch:
         return Batch(self.src.to(device), self.src_mask.to(device), self.tgt_in.to(device),
                      self.tgt_out.to(device), self.tgt_mask.to(device), self.n_tokens)
 

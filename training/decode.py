@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from nmtserve.decoding import output_budget, sorted_batches
-from training.data import pad
-from training.model import EncoderDecoder, KVCache
 from nmtserve.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from nmtserve.training.data import pad
+from nmtserve.training.model import EncoderDecoder, KVCache
 
 
 def prefill(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tensor):

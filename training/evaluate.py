@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import sacrebleu
 
-from training.decode import translate
+from nmtserve.training.decode import translate
 
 
 @dataclass

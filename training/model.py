@@ -39,7 +39,7 @@ class ModelConfig:
     pad_id: int = 0
 
     @classmethod
-    def preset(cls, name: str, **overrides) -> "ModelConfig":
+    def preset(cls, name: str, **overrides) -> ModelConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
         return replace(cls(**PRESETS[name]), **overrides)
@@ -65,7 +65,7 @@ class KVCache:
     valid: torch.Tensor
 
     @classmethod
-    def empty(cls, config: ModelConfig, batch: int, device=None, dtype=torch.float32) -> "KVCache":
+    def empty(cls, config: ModelConfig, batch: int, device=None, dtype=torch.float32) -> KVCache:
         shape = (config.n_decoder_layers, batch, config.n_heads, 0, config.head_dim)
         return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype),
                    torch.zeros(batch, 0, dtype=torch.bool, device=device))
@@ -78,7 +78,7 @@ class KVCache:
         self.v = torch.cat([self.v, new_v], dim=3)
         self.valid = torch.cat([self.valid, new_valid[:, None]], dim=1)
 
-    def select(self, rows: torch.Tensor) -> "KVCache":
+    def select(self, rows: torch.Tensor) -> KVCache:
         """Keep only `rows` (indices into the batch)."""
         return KVCache(self.k[:, rows], self.v[:, rows], self.valid[rows])
 

@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from nmtserve.errors import ConfigError
-from training import checkpoint
-from training.data import Example, ParallelCorpus, ReadStats, collate, read_corpus, split_file, token_batches
-from training.evaluate import evaluate_pairs
-from training.model import PRESETS, EncoderDecoder, ModelConfig
 from nmtserve.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from nmtserve.training import checkpoint
+from nmtserve.training.data import Example, ParallelCorpus, ReadStats, collate, read_corpus, split_file, token_batches
+from nmtserve.training.evaluate import evaluate_pairs
+from nmtserve.training.model import PRESETS, EncoderDecoder, ModelConfig
 
 
 @dataclass
@@ -87,7 +87,7 @@ class Distributed:
         return self.rank == 0
 
     @classmethod
-    def from_env(cls, device: torch.device) -> "Distributed":
+    def from_env(cls, device: torch.device) -> Distributed:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world == 1:
             return cls()

@@ -7,8 +7,8 @@ import subprocess
 import pytest
 import yaml
 
-from tests.deploy.conftest import exported_series, metric_names
 from tests.deploy.test_manifests import render
+from tests.helpers import exported_series, metric_names
 
 ALERTS = {"NmtserveDown", "NmtserveInternalErrors", "NmtserveRejectingForCapacity", "NmtserveQueueBacklog",
           "NmtserveSlowRequests", "NmtserveSlowFirstToken"}

@@ -9,9 +9,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from server.app import SERVICE_NAME
-from server.config import ServerConfig, env_name
-from tests.conftest import ROOT
+from nmtserve.server.app import SERVICE_NAME
+from nmtserve.server.config import ServerConfig, env_name
+from tests.helpers import ROOT
 
 KUBE = ROOT / "deploy" / "kubernetes"
 OVERLAYS = ("cpu", "gpu")

@@ -1,15 +1,13 @@
-"""The bundle contract: manifest contents, hashes, clear errors, and a torch-free reader."""
+"""The bundle contract: manifest contents, hashes, clear errors (the torch-free reader: tests/test_packaging.py)."""
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from export.bundle import MANIFEST, SCHEMA_VERSION, load_bundle, sha256_of
 from nmtserve.errors import BundleError
-from tests.conftest import ROOT, run_cli
+from nmtserve.export.runtime.bundle import MANIFEST, SCHEMA_VERSION, load_bundle, sha256_of
+from tests.helpers import run_cli
 
 
 def test_manifest_records_model_graphs_variants_and_hashes(tiny_bundle, tiny_checkpoint):
@@ -74,14 +72,6 @@ def test_schema_and_manifest_problems_are_named(bundle_copy, tmp_path):
         load_bundle(tmp_path)
 
 
-def test_bundle_reader_and_translator_do_not_import_torch(tiny_bundle):
-    code = ("import sys; from export.translator import OnnxTranslator; "
-            f"t = OnnxTranslator({str(tiny_bundle)!r}); t.translate_batch(['The cat sleeps.']); "
-            "assert 'torch' not in sys.modules, 'torch was imported'")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert result.returncode == 0, result.stderr
-
-
 def test_export_of_missing_or_corrupt_checkpoint_is_one_line_exit_2(tmp_path):
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(b"not a checkpoint at all")
@@ -94,7 +84,7 @@ def test_export_of_missing_or_corrupt_checkpoint_is_one_line_exit_2(tmp_path):
 
 
 def test_languages_come_from_the_corpus_summary_unless_flags_say_otherwise(tiny_corpus):
-    from export.exporter import ExportConfig, languages
+    from nmtserve.export.build.exporter import ExportConfig, languages
 
     payload = {"train_config": {"data": str(tiny_corpus)}}
     assert languages(ExportConfig("ckpt", "out"), payload) == {"source": "en", "target": "fr"}

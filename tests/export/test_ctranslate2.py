@@ -4,12 +4,12 @@ import json
 
 import ctranslate2
 
-from export.to_ctranslate2 import convert
 from nmtserve.decoding import output_budget
-from export.verify import reference_tokens
-from tests.conftest import run_cli
-from training.checkpoint import load_model
-from training.data import read_tsv
+from nmtserve.export.build.to_ctranslate2 import convert
+from nmtserve.export.build.verify import reference_tokens
+from nmtserve.training.checkpoint import load_model
+from nmtserve.training.data import read_tsv
+from tests.helpers import run_cli
 
 
 def test_ctranslate2_matches_pytorch_tokens(tiny_checkpoint, tiny_corpus, tmp_path):

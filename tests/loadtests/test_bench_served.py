@@ -3,7 +3,7 @@ a report with both modes, the baseline and the ratios (figures are not judged he
 
 import json
 
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
 
 def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_path):

@@ -2,8 +2,8 @@
 
 import pytest
 
-from loadtests.slo import read_stats
-from tests.conftest import run_cli
+from nmtserve.loadtests.slo import read_stats
+from tests.helpers import run_cli
 
 
 @pytest.fixture(scope="module")

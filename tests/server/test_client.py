@@ -4,11 +4,10 @@ takes dns:/// targets (what a headless Kubernetes Service gives)."""
 import grpc
 
 from nmtserve.client import open_channel
+from nmtserve.server.config import ServerConfig
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
-from server.config import ServerConfig
-from tests.conftest import run_cli
-from tests.server.conftest import ServerThread
+from tests.helpers import ServerThread, run_cli
 
 
 def test_round_robin_sends_calls_to_every_server_behind_one_target(tiny_bundle):

@@ -10,10 +10,11 @@ import time
 import numpy as np
 import pytest
 
-from export.translator import OnnxTranslator
-from export.batch import BatchState
-from server.engine import Engine, EngineConfig, EngineOverloaded, FinishReason, Request
-from training.data import read_tsv
+from nmtserve.export.runtime.batch import BatchState
+from nmtserve.export.runtime.translator import OnnxTranslator
+from nmtserve.server.engine import Engine, EngineConfig, EngineOverloaded, FinishReason, Request
+from nmtserve.server.running_batch import RunningBatch
+from nmtserve.training.data import read_tsv
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["host-arrays", "io-binding"])
@@ -24,9 +25,7 @@ def translator(tiny_bundle, request):
 
 
 def step(translator, state: BatchState) -> np.ndarray:
-    tokens, _, k, v = translator.decode(state)
-    state.append(k, v, tokens)
-    return tokens
+    return translator.decode_one_token(state)[0]
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +53,10 @@ def test_staggered_requests_get_exactly_the_translator_tokens(translator, source
 
 
 def test_kv_shapes_after_join_and_leave(translator, sources):
-    a = translator.start(sources[:2])
+    a = translator.prefill(sources[:2])
     for _ in range(3):
         step(translator, a)
-    merged = a.concatenate(translator.start(sources[2:5]))
+    merged = a.concatenate(translator.prefill(sources[2:5]))
     shape = translator.ops.shape
     n_layers, _, heads, _, head_dim = shape(a.k)
     assert shape(merged.k)[:3] == (n_layers, 5, heads) and shape(merged.k)[4] == head_dim
@@ -88,7 +87,7 @@ def test_cancel_and_deadline_free_their_rows(translator, sources):
         assert cancelled.finish is FinishReason.CANCELLED and len(cancelled.tokens) == 1
         assert expired.finish is FinishReason.DEADLINE and len(expired.tokens) == 1
         assert late.finish is FinishReason.DEADLINE and late.tokens == []
-        assert engine.stats()["running"] == 0 and engine.batch is None
+        assert engine.stats()["running"] == 0 and engine.batch.state is None
     finally:
         engine.stop()
 
@@ -104,11 +103,11 @@ def test_full_waiting_queue_is_refused_at_once(translator, sources):
 def test_a_newcomer_in_a_hole_decodes_as_if_alone_and_trim_drops_dead_slots(translator, sources):
     newcomer = max(sources, key=len)  # longer than the batch's sources: insert must widen the source axis
     alone = translator.translate_ids([newcomer], max_batch_size=1, max_decoding_length=12)[0][0]
-    state = translator.start(sources[:3])
+    state = translator.prefill(sources[:3])
     for _ in range(20):
         step(translator, state)
     state.free([1])
-    state.insert([1], translator.start([newcomer]))
+    state.insert([1], translator.prefill([newcomer]))
     got = [int(step(translator, state)[1]) for _ in range(12)]
     assert got[: len(alone)] == alone and (len(alone) == 12 or got[len(alone)] == translator.eos_id)
     length = state.length
@@ -117,3 +116,22 @@ def test_a_newcomer_in_a_hole_decodes_as_if_alone_and_trim_drops_dead_slots(tran
     state.free([0, 2])
     state.trim()  # only the newcomer's 12 slots remain in use
     assert state.length == 12 and state.valid[1].sum() == 12
+
+
+def test_the_running_batch_keeps_requests_and_rows_in_step(translator, sources):
+    batch = RunningBatch(translator)
+    a, b, c, d, e = (Request(s) for s in sources[:5])
+    batch.admit([a, b, c])
+    assert batch.rows == [a, b, c] and batch.state.size == 3
+    outputs = batch.step()
+    assert [(row, request) for row, request, _, _ in outputs] == [(0, a), (1, b), (2, c)]
+    batch.free([1])
+    assert batch.rows == [a, None, c] and batch.requests == [a, c]
+    batch.admit([d, e])  # d fills the hole, e is appended
+    assert batch.rows == [a, d, c, e] and batch.state.size == 4
+    assert [request for _, request, _, _ in batch.step()] == [a, d, c, e]
+    batch.free([0])
+    batch.compact()  # one hole in four: compacted
+    assert batch.rows == [d, c, e] and batch.state.size == 3 and batch.state.positions.tolist() == [1, 2, 1]
+    batch.free([0, 1, 2])
+    assert batch.rows == [] and batch.state is None

@@ -4,16 +4,15 @@ import concurrent.futures
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 
 import grpc
 
+from nmtserve.training.data import read_tsv
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
-from tests.conftest import ROOT, free_port
-from training.data import read_tsv
+from tests.helpers import NMTSERVE, free_port
 
 
 def _running(metrics_port: int) -> float:
@@ -21,14 +20,14 @@ def _running(metrics_port: int) -> float:
     return next(float(line.split()[1]) for line in text.splitlines() if line.startswith("nmtserve_requests_running "))
 
 
-def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_bundle, tiny_corpus):
+def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_bundle, tiny_corpus, tmp_path):
     # long sources: their output budget (2 × source + 10) keeps the tiny model busy for a while
     sentences = [" ".join([s] * 4) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs][:8]
     metrics_port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "nmtserve.cli", "serve", str(tiny_bundle), "--host", "127.0.0.1",
+    proc = subprocess.Popen([NMTSERVE, "serve", str(tiny_bundle), "--host", "127.0.0.1",
                              "--port", "0", "--metrics-port", str(metrics_port), "--max-running-rows", "4",
                              "--drain-timeout", "30"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                             env={**os.environ, "NMTSERVE_MAX_OUTPUT_TOKENS": "256"})
     try:
         line = proc.stdout.readline()

@@ -6,11 +6,11 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from nmtserve.server.config import ServerConfig
+from nmtserve.training.data import read_tsv
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
-from server.config import ServerConfig
-from tests.server.conftest import ServerThread
-from training.data import read_tsv
+from tests.helpers import ServerThread
 
 
 def _page(port: int) -> str:

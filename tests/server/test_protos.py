@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 
 def test_generated_stubs_match_the_proto(tmp_path):

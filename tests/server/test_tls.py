@@ -6,11 +6,10 @@ import grpc
 import pytest
 
 from nmtserve.client import TlsFiles, open_channel
+from nmtserve.server.config import ServerConfig
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
-from server.config import ServerConfig
-from tests.conftest import run_cli
-from tests.server.conftest import ServerThread
+from tests.helpers import ServerThread, run_cli
 
 
 def _openssl(*args: str, cwd) -> None:

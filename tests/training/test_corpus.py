@@ -3,9 +3,17 @@
 import hashlib
 import random
 
-from training import lexicon as lx
-from training.corpus import Clause, NounPhrase, generate_chunk, generate_corpus, is_novel_triple, realise_pair, sample_clause
-from tests.conftest import run_cli
+from nmtserve.training import lexicon as lx
+from nmtserve.training.corpus import (
+    Clause,
+    NounPhrase,
+    generate_chunk,
+    generate_corpus,
+    is_novel_triple,
+    realise_pair,
+    sample_clause,
+)
+from tests.helpers import run_cli
 
 
 def _digest(directory):

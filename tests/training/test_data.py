@@ -3,8 +3,8 @@
 import pytest
 
 from nmtserve.errors import CorpusError
-from training.data import read_corpus, read_moses, read_tsv, token_batches
-from tests.conftest import run_cli
+from nmtserve.training.data import read_corpus, read_moses, read_tsv, token_batches
+from tests.helpers import run_cli
 
 
 def test_tsv_ignores_extra_columns_and_counts_skipped_lines(tmp_path):

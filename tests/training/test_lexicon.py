@@ -6,7 +6,7 @@ from pathlib import Path
 import pyrealb
 import pytest
 
-from training import lexicon as lx
+from nmtserve.training import lexicon as lx
 
 LEX_DIR = Path(pyrealb.__file__).parent / "data"
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from training.decode import greedy_decode, greedy_decode_uncached
-from training.model import EncoderDecoder, KVCache, ModelConfig
 from nmtserve.tokenizer import BOS_ID, PAD_ID
+from nmtserve.training.decode import greedy_decode, greedy_decode_uncached
+from nmtserve.training.model import EncoderDecoder, KVCache, ModelConfig
 
 VOCAB = 50
 

@@ -1,7 +1,7 @@
 """The joint SentencePiece tokenizer: fixed special ids, lossless round trip."""
 
-from training.data import read_tsv
 from nmtserve.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
+from nmtserve.training.data import read_tsv
 
 
 def test_round_trip_and_special_ids(tiny_corpus):

@@ -1,33 +1,68 @@
-"""Training: a tiny model memorises a few hundred pairs, resume is exact, DDP trains, averaging averages."""
+"""Training: a tiny model memorises a few hundred pairs (and a broken loop does not), resume is exact, DDP trains,
+averaging averages."""
 
+import dataclasses
 import json
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 
-from tests.conftest import ROOT, run_cli, tiny_config
-from training import checkpoint
-from training.checkpoint import load_model
-from training.data import read_tsv
-from training.evaluate import evaluate_pairs
-from training.train import train
+from nmtserve.training import checkpoint
+from nmtserve.training import train as train_module
+from nmtserve.training.checkpoint import load_model
+from nmtserve.training.data import collate, read_tsv
+from nmtserve.training.evaluate import evaluate_pairs
+from nmtserve.training.train import train
+from tests.helpers import run_cli, tiny_config
 
 
 def _losses(run_dir):
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "train_log.jsonl").read_text().splitlines())}
 
 
-def test_tiny_model_learns_a_few_hundred_pairs_to_exact_match(tiny_corpus, tmp_path):
-    pairs = read_tsv(tiny_corpus / "train.tsv").pairs[:300]
-    data = tmp_path / "pairs.tsv"
+# What the tiny model reaches on 300 memorised pairs after 700 steps, measured on a 2-vCPU AMD EPYC (AVX2,
+# torch 2.13.0 CPU) with seeds 1-5 under 1 and 2 threads (10 runs): exact match 0.937-0.980 (median 0.960),
+# BLEU 96.7-99.2. Floating point differs between CPUs and thread counts, and the learning rate is still
+# high at step 700 (±0.02 from one 100 steps to the next), so the bounds sit well below that spread and
+# far above a broken loop (see the next test).
+LEARNED_EXACT_MATCH = 0.85
+LEARNED_BLEU = 90
+
+
+def _memorise(corpus: Path, out: Path):
+    """Train the tiny preset for 700 steps on 300 pairs, then translate those pairs: Scores."""
+    pairs = read_tsv(corpus / "train.tsv").pairs[:300]
+    data = out / "pairs.tsv"
     data.write_text("".join(f"{s}\t{t}\n" for s, t in pairs), encoding="utf-8")
-    cfg = tiny_config(tmp_path / "run", None, train=[str(data)], valid=[str(data)],
+    cfg = tiny_config(out / "run", None, train=[str(data)], valid=[str(data)],
                       preset="tiny", max_steps=700, warmup=100, lr_factor=0.5, valid_every=700, log_every=50)
     train(cfg)
-    loaded = load_model(tmp_path / "run" / "last.pt")
-    scores, _ = evaluate_pairs(loaded.model, loaded.tokenizer, pairs)
-    assert scores.exact_match >= 0.95, scores
-    assert scores.bleu >= 95
+    loaded = load_model(out / "run" / "last.pt")
+    return evaluate_pairs(loaded.model, loaded.tokenizer, pairs)[0]
+
+
+def test_tiny_model_learns_a_few_hundred_pairs_to_exact_match(tiny_corpus, tmp_path):
+    scores = _memorise(tiny_corpus, tmp_path)
+    assert scores.exact_match >= LEARNED_EXACT_MATCH and scores.bleu >= LEARNED_BLEU, scores
+
+
+def _unshifted_targets(examples, pad_id, bos_id, eos_id):
+    """The classic off-by-one: the decoder is taught to predict the token it is given."""
+    batch = collate(examples, pad_id, bos_id, eos_id)
+    return dataclasses.replace(batch, tgt_out=batch.tgt_in)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", ["weights never updated", "targets not shifted"])
+def test_the_learning_bound_fails_a_broken_training_loop(bug, tiny_corpus, tmp_path, monkeypatch):
+    if bug == "weights never updated":
+        monkeypatch.setattr(torch.optim.Adam, "step", lambda self, closure=None: None)
+    else:
+        monkeypatch.setattr(train_module, "collate", _unshifted_targets)
+    scores = _memorise(tiny_corpus, tmp_path)
+    assert scores.exact_match < LEARNED_EXACT_MATCH and scores.bleu < LEARNED_BLEU, scores
 
 
 def test_resume_continues_the_same_loss_curve(tiny_corpus, tmp_path):
@@ -51,7 +86,7 @@ def test_two_process_ddp_on_gloo_trains(tiny_corpus, tmp_path):
            "--max-tokens", "512", "--max-steps", "8", "--valid-every", "8", "--valid-bleu-sentences", "5",
            "--log-every", "1", "--warmup", "4", "--device", "cpu", "--json"]
     import subprocess
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout[result.stdout.index("{"):])
     assert summary["world_size"] == 2 and summary["steps"] == 8

@@ -1,7 +1,7 @@
-"""The running decoder batch: per-row state that requests bring when they join and take when they leave.
+"""The decoder batch's tensors: per-row state that rows bring when they join and take when they leave.
 
-Used by OnnxTranslator (rows only leave) and by the server's engine (rows join and leave). The
-engine leaves a finished row in place as a hole (`free`) and puts the next newcomer into it
+Used by OnnxTranslator (rows only leave) and by the server's RunningBatch (rows join and leave),
+which leaves a finished row in place as a hole (`free`) and puts the next newcomer into it
 (`insert`), so under steady load no step copies the cache; `filter` compacts when holes pile up
 and `trim` drops cache slots that no row uses any more — both copy, and both are amortised.
 
@@ -10,7 +10,7 @@ filled (a row that joined later has invalid slots before its first step); cross_
 (L, B, H, S, Dh) with src_mask (B, S), padded to the longest source of the batch; positions
 (B,) each row's own step; tokens (B,) the token each row feeds next.
 
-k, v, cross_k and cross_v live where `ops` keeps them (export/tensors.py): numpy arrays on the
+k, v, cross_k and cross_v live where `ops` keeps them (export/runtime/tensors.py): numpy arrays on the
 host, or OrtValues on the GPU; the small per-row arrays are always numpy on the host.
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from export.tensors import HostTensors
+from nmtserve.export.runtime.tensors import HostTensors
 
 
 @dataclass
@@ -38,7 +38,7 @@ class BatchState:
 
     @classmethod
     def from_encoded(cls, cross_k, cross_v, src_mask: np.ndarray, bos_id: int, capacity: int = 32,
-                     ops=HostTensors) -> "BatchState":
+                     ops=HostTensors) -> BatchState:
         """Fresh rows (no step taken yet) from the encoder's outputs."""
         n_layers, batch, heads, _, head_dim = ops.shape(cross_k)
         shape, dtype = (n_layers, batch, heads, capacity, head_dim), ops.dtype(cross_k)
@@ -53,14 +53,14 @@ class BatchState:
     def capacity(self) -> int:
         return self.valid.shape[1]
 
-    def concatenate(self, other: "BatchState") -> "BatchState":
+    def concatenate(self, other: BatchState) -> BatchState:
         """Rows of self, then rows of other; other's rows see only the slots they fill from now on."""
         ops = self.ops
         capacity = max(self.capacity, other.capacity, max(self.length, other.length) + 1)
         src_len = max(self.src_mask.shape[1], other.src_mask.shape[1])
         length = max(self.length, other.length)
 
-        def align(state: "BatchState"):
+        def align(state: BatchState):
             # right-align the used slots so that every row writes its next K/V at slot `length`;
             # slots from `state.length` on were never written (zeros, invalid) and are dropped
             shift, used = length - state.length, state.length
@@ -70,7 +70,7 @@ class BatchState:
 
             return cache(state.k), cache(state.v), HostTensors.pad(state.valid[:, :used], 1, capacity, shift)
 
-        def widen(state: "BatchState"):
+        def widen(state: BatchState):
             return ops.pad(state.cross_k, 3, src_len), ops.pad(state.cross_v, 3, src_len)
 
         (ka, va, ma), (kb, vb, mb) = align(self), align(other)
@@ -95,7 +95,7 @@ class BatchState:
         self.positions += 1
         self.tokens = tokens
 
-    def filter(self, keep: np.ndarray) -> "BatchState | None":
+    def filter(self, keep: np.ndarray) -> BatchState | None:
         """Only the rows where keep is True; slots no remaining row uses are dropped. None if empty."""
         if not keep.any():
             return None
@@ -116,7 +116,7 @@ class BatchState:
                           rows_from(self.cross_k, cross_len, 0, src_len), rows_from(self.cross_v, cross_len, 0, src_len),
                           np.ascontiguousarray(self.src_mask[keep, :src_len]), self.positions[keep], self.tokens[keep], ops)
 
-    def take(self, rows: np.ndarray) -> "BatchState":
+    def take(self, rows: np.ndarray) -> BatchState:
         """A new state of the given rows (indices), in that order."""
         keep = np.zeros(self.size, bool)
         keep[rows] = True
@@ -127,7 +127,7 @@ class BatchState:
         """Rows become holes: their cache slots stop counting (a hole's output is ignored)."""
         self.valid[rows] = False
 
-    def insert(self, rows: list[int], fresh: "BatchState") -> None:
+    def insert(self, rows: list[int], fresh: BatchState) -> None:
         """Fresh rows (no step taken yet) into holes; they write their first K/V at slot `length`."""
         assert fresh.length == 0 and len(rows) == fresh.size
         ops = self.ops

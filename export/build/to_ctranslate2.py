@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.checkpoint import LoadedModel
+from nmtserve.training.checkpoint import LoadedModel
 
 
 def _np(t) -> np.ndarray:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from training.model import EncoderDecoder
+from nmtserve.training.model import EncoderDecoder
 
 OPSET = 17
 

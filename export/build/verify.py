@@ -20,15 +20,15 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from export.bundle import load_bundle
-from export.translator import OnnxTranslator
-from export.variants import VARIANTS
 from nmtserve.decoding import sorted_batches
-from training.checkpoint import LoadedModel
-from training.data import pad, read_corpus, split_file
-from training.decode import greedy_decode
-from training.evaluate import score
-from training.model import KVCache
+from nmtserve.export.build.variants import VARIANTS
+from nmtserve.export.runtime.bundle import load_bundle
+from nmtserve.export.runtime.translator import OnnxTranslator
+from nmtserve.training.checkpoint import LoadedModel
+from nmtserve.training.data import pad, read_corpus, split_file
+from nmtserve.training.decode import greedy_decode
+from nmtserve.training.evaluate import score
+from nmtserve.training.model import KVCache
 
 FP32_TOLERANCE = 1e-4
 IDENTICAL_SHARE_REQUIRED = 0.99  # fp32 ORT vs PyTorch; near-ties may flip a rare argmax

@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import nmtserve
-from export import bundle as bundle_io
-from export.graphs import OPSET, dynamic_axes, export_graphs
-from export.variants import VARIANTS, fusion_report, write_variant
 from nmtserve.errors import ConfigError
-from training.checkpoint import load_model
+from nmtserve.export.build.graphs import OPSET, dynamic_axes, export_graphs
+from nmtserve.export.build.manifest import graph_signature, write_manifest
+from nmtserve.export.build.variants import VARIANTS, fusion_report, write_variant
+from nmtserve.export.runtime.bundle import MANIFEST, TOKENIZER_FILE, load_bundle, sha256_of
+from nmtserve.training.checkpoint import load_model
 
 
 @dataclass
@@ -58,11 +59,11 @@ def export_bundle(cfg: ExportConfig) -> dict:
     """Write the bundle; returns its manifest (with verification results when asked)."""
     loaded = load_model(cfg.checkpoint)
     out = Path(cfg.out)
-    if out.exists() and any(out.iterdir()) and not (out / bundle_io.MANIFEST).is_file():
+    if out.exists() and any(out.iterdir()) and not (out / MANIFEST).is_file():
         raise ConfigError(f"--out {out}: exists, is not empty and is not a bundle; choose another directory")
     out.mkdir(parents=True, exist_ok=True)
     paths = export_graphs(loaded.model, out)
-    loaded.tokenizer.save(out / bundle_io.TOKENIZER_FILE)
+    loaded.tokenizer.save(out / TOKENIZER_FILE)
     variants = {"fp32": {"encoder": "encoder.onnx", "decoder": "decoder.onnx", **VARIANTS["fp32"]}}
     for name in cfg.variants:
         if name == "fp32":
@@ -86,18 +87,18 @@ def export_bundle(cfg: ExportConfig) -> dict:
         "special_ids": loaded.tokenizer.special_ids(),
         "limits": {"max_source_tokens": c.max_len, "max_target_tokens": c.max_len},
         "opset": OPSET,
-        "graphs": {g: {**bundle_io.graph_signature(paths[g]), "dynamic_axes": dynamic_axes(c.n_decoder_layers)[g]}
+        "graphs": {g: {**graph_signature(paths[g]), "dynamic_axes": dynamic_axes(c.n_decoder_layers)[g]}
                    for g in paths},
         "variants": variants,
         "optimization": {g: fusion_report(paths[g]) for g in paths},
-        "source": {"checkpoint": str(cfg.checkpoint), "sha256": bundle_io.sha256_of(Path(cfg.checkpoint)),
+        "source": {"checkpoint": str(cfg.checkpoint), "sha256": sha256_of(Path(cfg.checkpoint)),
                    "step": payload.get("step"), "metrics": payload.get("metrics"),
                    "data": (payload.get("train_config") or {}).get("data")},
     }
     if cfg.verify:
-        from export.verify import verify_bundle
+        from nmtserve.export.build.verify import verify_bundle
 
-        bundle_io.write_manifest(out, manifest)  # verification reads the bundle as the server will
+        write_manifest(out, manifest)  # verification reads the bundle as the server will
         manifest["verification"] = verify_bundle(out, loaded, split=cfg.verify_split, limit=cfg.verify_limit)
-    bundle_io.write_manifest(out, manifest)
-    return bundle_io.load_bundle(out).manifest
+    write_manifest(out, manifest)
+    return load_bundle(out).manifest

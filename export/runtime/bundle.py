@@ -3,8 +3,8 @@
 A directory holding encoder/decoder graphs per precision variant, the SentencePiece model and
 manifest.json (schema version, model dimensions, special ids, limits, opset, every graph input
 and output with its shape, the variants, the sha256 and size of every file, the source
-checkpoint and its measured BLEU). `load_bundle` refuses a bundle whose schema or any file does
-not match, naming the file and what is wrong.
+checkpoint and its measured BLEU). export/build/manifest.py writes it; `load_bundle` refuses a
+bundle whose schema or any file does not match, naming the file and what is wrong.
 """
 
 from __future__ import annotations
@@ -27,37 +27,6 @@ def sha256_of(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def file_entry(path: Path) -> dict:
-    return {"sha256": sha256_of(path), "bytes": path.stat().st_size}
-
-
-def graph_signature(onnx_path: Path) -> dict:
-    """Inputs and outputs of an ONNX graph: name, element type and shape (symbolic dims by name)."""
-    import onnx
-
-    model = onnx.load(str(onnx_path), load_external_data=False)
-
-    def describe(values):
-        out = []
-        for v in values:
-            t = v.type.tensor_type
-            shape = [d.dim_param or d.dim_value for d in t.shape.dim]
-            out.append({"name": v.name, "dtype": onnx.TensorProto.DataType.Name(t.elem_type).lower(), "shape": shape})
-        return out
-
-    return {"inputs": describe(model.graph.input), "outputs": describe(model.graph.output)}
-
-
-def write_manifest(bundle_dir: Path, manifest: dict) -> Path:
-    """Add the hash of every listed file and write manifest.json."""
-    files = sorted({TOKENIZER_FILE} | {f for v in manifest["variants"].values() for f in (v["encoder"], v["decoder"])})
-    manifest = {"schema_version": SCHEMA_VERSION, **manifest,
-                "files": {name: file_entry(bundle_dir / name) for name in files}}
-    path = bundle_dir / MANIFEST
-    path.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    return path
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """OnnxTranslator: greedy translation over a bundle with ONNX Runtime. Torch-free.
 
-    from export.translator import OnnxTranslator
+    from nmtserve.export.runtime.translator import OnnxTranslator
     tr = OnnxTranslator("bundles/default", device="cpu", variant="int8")
     for t in tr.translate_batch(["The cat sleeps."], return_scores=True):
         print(t.text, t.score)
@@ -24,11 +24,11 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from export.batch import BatchState
-from export.tensors import DeviceTensors, HostTensors
-from export.bundle import Bundle, load_bundle
-from nmtserve.errors import BundleError, ConfigError
 from nmtserve.decoding import output_budget, sorted_batches
+from nmtserve.errors import BundleError, ConfigError
+from nmtserve.export.runtime.batch import BatchState
+from nmtserve.export.runtime.bundle import Bundle, load_bundle
+from nmtserve.export.runtime.tensors import DeviceTensors, HostTensors
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 
@@ -121,8 +121,8 @@ class OnnxTranslator:
             feed[f"cross_k_{layer}"], feed[f"cross_v_{layer}"] = cross_k[layer], cross_v[layer]
         return self.decoder.run(["log_probs", "new_k", "new_v"], feed)
 
-    # -- the same on the batch state, wherever its tensors live
-    def start(self, sources: list[list[int]]) -> BatchState:
+    # -- the same on the batch state, wherever its tensors live: callers never see K/V
+    def prefill(self, sources: list[list[int]]) -> BatchState:
         """Encode token-id sources once -> fresh rows for the decoder batch (on this translator's device)."""
         src_ids, src_mask = self.pad(sources)
         if not self.io_binding:
@@ -138,8 +138,15 @@ class OnnxTranslator:
         self.encoder.run_with_iobinding(binding)
         return BatchState.from_encoded(cross_k, cross_v, src_mask, self.bos_id, ops=self.ops)
 
-    def decode(self, state: BatchState) -> tuple[np.ndarray, np.ndarray, object, object]:
-        """One greedy step of every row -> tokens (B,) int64, their log-probs (B,), new_k, new_v (L, B, H, 1, Dh)."""
+    def decode_one_token(self, state: BatchState) -> tuple[np.ndarray, np.ndarray]:
+        """One greedy step of every row -> tokens (B,) int64 and their log-probs (B,); the step's K/V
+        are written into `state`, and every row advances (a hole's token is meaningless)."""
+        tokens, scores, new_k, new_v = self._greedy_step(state)
+        state.append(new_k, new_v, tokens)
+        return tokens, scores
+
+    def _greedy_step(self, state: BatchState) -> tuple[np.ndarray, np.ndarray, object, object]:
+        """tokens (B,), their log-probs (B,), new_k, new_v (L, B, H, 1, Dh) where `state.ops` keeps them."""
         if not self.io_binding:
             log_probs, new_k, new_v = self.step(state.tokens, state.positions, state.k, state.v, state.valid,
                                                 state.cross_k, state.cross_v, state.src_mask)
@@ -183,18 +190,17 @@ class OnnxTranslator:
 
     def greedy(self, sources: list[list[int]], max_decoding_length: int = 256) -> list[tuple[list[int], float]]:
         """Greedy search for one batch of token-id sources; finished rows leave the batch at once."""
-        state = self.start(sources)
+        state = self.prefill(sources)
         budget = np.array([output_budget(len(s), max_decoding_length, self.max_len) for s in sources])
         rows = np.arange(len(sources))  # original index of each running row
         outputs: list[list[int]] = [[] for _ in sources]
         scores = np.zeros(len(sources))
         while state is not None:
-            tokens, token_scores, new_k, new_v = self.decode(state)
+            tokens, token_scores = self.decode_one_token(state)
             scores[rows] += token_scores
             for r, t in zip(rows, tokens):
                 if t != self.eos_id:
                     outputs[r].append(int(t))
-            state.append(new_k, new_v, tokens)
             keep = (tokens != self.eos_id) & (state.positions < budget[rows])
             if not keep.all():
                 state, rows = state.filter(keep), rows[keep]

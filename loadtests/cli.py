@@ -1,0 +1,132 @@
+"""Commands of nmtserve.loadtests: bench offline|served, loadtest (the loadtest extra), check-slo.
+
+    nmtserve bench offline bundles/default          # PyTorch (train extra) vs ONNX Runtime vs CTranslate2 (bench extra)
+    nmtserve bench served bundles/default           # continuous vs static batching, served over gRPC
+    nmtserve loadtest --scenario steady --peak-users 32 --seconds 60 --slo loadtests/slo.toml
+    nmtserve check-slo runs/loadtest/steady --slo loadtests/slo.toml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from nmtserve.cli import ArgumentParser
+from nmtserve.errors import NmtserveError
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def cmd_bench_offline(args) -> int:
+    from nmtserve.loadtests.bench_offline import ENGINES, BenchConfig, format_table, run_bench
+
+    engines = tuple(e.strip() for e in args.engines.split(","))
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown:
+        raise NmtserveError(f"--engines: unknown {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
+    report = run_bench(BenchConfig(args.bundle, args.checkpoint, args.sentences, args.runs, args.threads,
+                                   args.batch_sizes, engines, args.split))
+    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    return 0
+
+
+def cmd_bench_served(args) -> int:
+    from nmtserve.loadtests.bench_served import MODES, ServedBenchConfig, format_table, run_served_bench
+
+    modes = tuple(m.strip() for m in args.modes.split(","))
+    if not modes or any(m not in MODES for m in modes):
+        raise NmtserveError(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
+    report = run_served_bench(ServedBenchConfig(args.bundle, args.sentences, args.concurrency, args.requests, args.runs,
+                                                args.threads, args.variant, args.max_running_rows, args.device, modes,
+                                                server_flags=args.server_flag or []))
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+def cmd_loadtest(args) -> int:
+    from nmtserve.loadtests.run import LoadTestConfig, run_loadtest
+
+    return run_loadtest(LoadTestConfig(args.scenario, args.bundle, args.server or "", args.peak_users, args.seconds,
+                                       args.out or "", args.sentences or "", args.slo or "", args.think_time,
+                                       args.server_flag or []))
+
+
+def cmd_check_slo(args) -> int:
+    from nmtserve.loadtests import slo
+
+    objectives = slo.load_slo(args.slo)
+    lines, met = slo.verdict(objectives, slo.read_stats(args.results))
+    print("\n".join(lines))
+    if met:
+        print(f"all {len(objectives)} objectives met")
+    return 0 if met else 1
+
+
+def _add_bench(p) -> None:
+    bench = p.add_subparsers(dest="bench", required=True, parser_class=ArgumentParser)
+    p = bench.add_parser("offline", help="PyTorch vs ONNX Runtime vs CTranslate2 on the same weights and sentences")
+    p.add_argument("bundle")
+    p.add_argument("--checkpoint", help="default: the bundle's source checkpoint")
+    p.add_argument("--sentences", type=int, default=300, help="first N sentences of the split (default %(default)s)")
+    p.add_argument("--split", default="test")
+    p.add_argument("--runs", type=int, default=5, help="runs per engine and batch size; the median is reported")
+    p.add_argument("--threads", type=int, default=2, help="intra-op threads of every engine")
+    p.add_argument("--batch-sizes", type=_int_list, default=(1, 8, 32, 64))
+    p.add_argument("--engines", default="pytorch,ort_fp32,ort_int8,ct2_fp32,ct2_int8")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench_offline)
+    p = bench.add_parser("served", help="served throughput and latency: continuous vs static batching, vs batch-1 ORT")
+    p.add_argument("bundle")
+    p.add_argument("--sentences", help="sentence file (.tsv: first column; else one per line); default: the test split")
+    p.add_argument("--concurrency", type=_int_list, default=(1, 8, 32, 128), help="closed-loop clients per cell")
+    p.add_argument("--requests", type=int, default=0, help="requests per cell (0: max(48, 4 × concurrency))")
+    p.add_argument("--runs", type=int, default=3, help="runs per cell; the median is reported")
+    p.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads of servers and baseline")
+    p.add_argument("--variant", default="fp32")
+    p.add_argument("--max-running-rows", type=int, default=64)
+    p.add_argument("--device", default="cpu", help="cpu or cuda, for the servers and the baseline")
+    p.add_argument("--modes", default="continuous,static")
+    p.add_argument("--server-flag", action="append",
+                   help="extra flag for both servers, e.g. --server-flag=--io-binding=off")
+    p.add_argument("--json", metavar="FILE", help="also write the report here")
+    p.set_defaults(func=cmd_bench_served)
+
+
+def _add_loadtest(p) -> None:
+    p.add_argument("--scenario", default="steady", help="steady, step, spike or overload (default %(default)s)")
+    p.add_argument("--bundle", default="bundles/default", help="bundle to serve, and whose test split is sent")
+    p.add_argument("--server", help="HOST:PORT of a running server instead of starting one")
+    p.add_argument("--peak-users", type=int, default=32, help="users (requests in flight) at the peak")
+    p.add_argument("--seconds", type=float, default=60.0, help="length of the scenario; the run stops by itself")
+    p.add_argument("--out", help="results directory (default runs/loadtest/SCENARIO)")
+    p.add_argument("--sentences", help="sentence file (.tsv: first column; else one per line)")
+    p.add_argument("--slo", help="SLO file (TOML) to check the results against (exit 1 if violated)")
+    p.add_argument("--think-time", type=float, default=0.0, help="mean seconds a user waits between calls")
+    p.add_argument("--server-flag", action="append", help="extra flag for the started server (repeat)")
+    p.set_defaults(func=cmd_loadtest)
+
+
+def add_parser(sub, name: str, help_text: str) -> None:
+    p = sub.add_parser(name, help=help_text)
+    if name == "bench":
+        _add_bench(p)
+    elif name == "loadtest":
+        _add_loadtest(p)
+    elif name == "check-slo":
+        p.add_argument("results", help="results directory of `nmtserve loadtest`, or a locust *_stats.csv")
+        p.add_argument("--slo", required=True, help="SLO file (TOML): p95_latency_ms, p95_time_to_first_token_ms, "
+                       "max_error_rate, min_throughput_rps")
+        p.set_defaults(func=cmd_check_slo)
+    else:
+        raise ValueError(f"nmtserve.loadtests.cli has no command {name!r}")

@@ -1,0 +1,45 @@
+"""The `serve` command (the base install): flags, each also an NMTSERVE_* variable (server/config.py).
+
+    nmtserve serve bundles/default --port 50051
+    NMTSERVE_VARIANT=int8 NMTSERVE_THREADS=1 nmtserve serve bundles/default
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+HELPS = {"threads": "ONNX Runtime intra-op threads", "device": "cpu or cuda",
+         "io_binding": "auto, on or off: keep K/V caches on the device between steps (auto: on for cuda)",
+         "max_running_rows": "rows in the running decoder batch",
+         "max_batch_tokens": "Σ source + output-budget tokens of running rows",
+         "max_waiting": "waiting requests before RESOURCE_EXHAUSTED",
+         "drain_timeout": "seconds to finish in-flight work on SIGTERM",
+         "tls_cert": "server certificate chain (PEM); turns TLS on", "tls_key": "its private key (PEM)",
+         "tls_client_ca": "PEM roots for client certificates; turns mutual TLS on (clients must present one)"}
+
+
+def cmd_serve(args) -> int:
+    import asyncio
+    import logging
+
+    from nmtserve.server.app import serve
+    from nmtserve.server.config import ServerConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    config = ServerConfig(**{f.name: getattr(args, f.name) for f in fields(ServerConfig)})
+    return asyncio.run(serve(config))
+
+
+def add_parser(sub, name: str, help_text: str) -> None:
+    from nmtserve.server.config import ServerConfig, defaults_from_env, env_name
+
+    d = ServerConfig(**defaults_from_env())  # a bad NMTSERVE_* value is a ConfigError naming it
+    p = sub.add_parser(name, help=help_text)
+    p.add_argument("bundle", nargs="?" if d.bundle else None, default=d.bundle)
+    for f in fields(ServerConfig):
+        if f.name == "bundle":
+            continue
+        value = getattr(d, f.name)
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(value), default=value,
+                       help=f"{HELPS.get(f.name, '')} (env {env_name(f.name)}; default %(default)s)".strip())
+    p.set_defaults(func=cmd_serve)

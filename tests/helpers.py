@@ -1,0 +1,81 @@
+"""Helpers shared by the tests (fixtures live in the conftest.py files and use these)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import grpc
+
+from nmtserve.server.app import start_server
+from nmtserve.server.config import ServerConfig
+from nmtserve.server.metrics import ServerMetrics
+from nmtserve.training.train import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+# the installed entry point of this environment (pip puts it beside the interpreter)
+NMTSERVE = shutil.which("nmtserve", path=str(Path(sys.executable).parent)) or "nmtserve"
+
+
+def tiny_config(out: Path, data: Path | None, **overrides) -> TrainConfig:
+    base = dict(out=str(out), data=str(data) if data else None, preset="tiny", vocab_size=400, max_tokens=1024, warmup=100,
+                lr_factor=1.0, dropout=0.0, valid_every=100, valid_bleu_sentences=20, log_every=1, seed=3)
+    return TrainConfig(**{**base, **overrides})
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for servers that cannot bind port 0 themselves)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(*args: str, stdin: str | None = None, env: dict | None = None, timeout: float = 300,
+            cwd: str | Path | None = None):
+    """Run the installed `nmtserve ARGS` as a user would, from a fresh temporary directory unless `cwd`
+    is given (so nothing in the checkout is importable by accident); returns the CompletedProcess."""
+    with tempfile.TemporaryDirectory(prefix="nmtserve-cli-") as tmp:
+        return subprocess.run([NMTSERVE, *args], input=stdin, capture_output=True, text=True, timeout=timeout,
+                              cwd=cwd or tmp, env={**os.environ, **(env or {})})
+
+
+class ServerThread:
+    """start_server() on a private event loop thread; `stop()` drains it like SIGTERM does."""
+
+    def __init__(self, config: ServerConfig):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.running = asyncio.run_coroutine_threadsafe(start_server(config), self.loop).result(120)
+        self.target = f"localhost:{self.running.port}"
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.target)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        asyncio.run_coroutine_threadsafe(self.running.drain_and_stop(timeout), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+# labels the Prometheus Operator adds to every scraped series (plus `le` of histogram buckets)
+TARGET_LABELS = {"namespace", "pod", "job", "instance", "service", "container", "endpoint", "le"}
+SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
+            "gauge": ("",), "info": ("_info",)}
+
+
+def exported_series() -> set[str]:
+    """Every series name the server's registry can expose, from the collectors' names and types."""
+    return {family.name + suffix for family in ServerMetrics().registry.collect() for suffix in SUFFIXES[family.type]}
+
+
+def metric_names(expr: str) -> set[str]:
+    return set(re.findall(r"\b(nmtserve_[a-z_]+)\b", expr))

@@ -1,0 +1,118 @@
+"""Packaging: one top-level import package, no shadowing by folders in the working directory, a
+serving path that never imports torch, and a base install (no extras) that serves and translates."""
+
+import json
+import shutil
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from nmtserve.server.config import ServerConfig
+from tests.helpers import ROOT, ServerThread, run_cli
+
+
+def _copy_source(dest: Path) -> Path:
+    """The checkout without its environment, outputs and caches (what a source distribution holds)."""
+    top = {".git", ".venv", "data", "runs", "bundles", "build", "dist", ".pytest_cache", ".ruff_cache"}
+    shutil.copytree(ROOT, dest, ignore=lambda folder, names: [
+        n for n in names if (Path(folder) == ROOT and n in top) or n == "__pycache__" or n.endswith(".egg-info")])
+    return dest
+
+
+def _python(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+@pytest.mark.slow
+def test_the_wheel_adds_exactly_one_top_level_package(tmp_path):
+    source = _copy_source(tmp_path / "src")
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                            "-w", str(tmp_path / "dist"), str(source)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    [wheel] = (tmp_path / "dist").glob("nmtserve-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"nmtserve"}
+    for module in ("training/train.py", "export/runtime/translator.py", "export/build/exporter.py",
+                   "server/running_batch.py", "loadtests/locustfile.py", "loadtests/slo.toml", "v1/translation_pb2.py"):
+        assert f"nmtserve/{module}" in names, module
+
+
+def test_unrelated_server_and_export_folders_in_the_working_directory_do_not_shadow_ours(tmp_path):
+    for name in ("server", "export", "training", "loadtests"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('the unrelated {name} package was imported')\n")
+    result = _python("import nmtserve.server.app, nmtserve.export.runtime.translator, nmtserve.training.model, "
+                     "nmtserve.loadtests.slo", tmp_path)
+    assert result.returncode == 0, result.stderr
+    result = run_cli("serve", "--help", cwd=tmp_path)
+    assert result.returncode == 0 and "--max-running-rows" in result.stdout, result.stderr
+
+
+def test_the_runtime_the_server_and_the_serving_commands_never_import_torch(tiny_bundle, tmp_path):
+    server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1))
+    slo = tmp_path / "slo.toml"
+    slo.write_text("max_error_rate = 0.5\n")
+    stats = tmp_path / "stats_stats.csv"
+    stats.write_text("Type,Name,Request Count,Failure Count,Median Response Time,Average Response Time,"
+                     "Min Response Time,Max Response Time,Average Content Size,Requests/s,Failures/s,50%,66%,75%,"
+                     "80%,90%,95%,98%,99%,99.9%,99.99%,100%\n"
+                     "grpc,Translate,10,0,5,5,1,9,0,2.0,0.0,5,5,5,5,8,9,9,9,9,9,9\n"
+                     ",Aggregated,10,0,5,5,1,9,0,2.0,0.0,5,5,5,5,8,9,9,9,9,9,9\n")
+    commands = [["serve", "--help"], ["translate", "--server", server.target, "The cat sleeps."],
+                ["check-slo", str(stats), "--slo", str(slo)]]
+    code = f"""
+import contextlib, io, pkgutil, sys, importlib
+import nmtserve.cli, nmtserve.export.runtime, nmtserve.server
+for package in (nmtserve.export.runtime, nmtserve.server):
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        importlib.import_module(info.name)
+codes = []
+for argv in {json.dumps(commands)}:
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            codes.append(nmtserve.cli.main(argv))
+        except SystemExit as e:
+            codes.append(e.code)
+loaded = sorted(m for m in sys.modules if m.split(".")[0] == "torch" or m.startswith(("nmtserve.training",
+                                                                                        "nmtserve.export.build")))
+print(codes, loaded)
+"""
+    try:
+        result = _python(code, tmp_path)
+    finally:
+        server.stop()
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[0, 0, 0] []", result.stdout
+
+
+@pytest.mark.slow
+def test_a_base_install_serves_and_translates_without_torch(tiny_bundle, tmp_path):
+    """pip install of the project without extras, in a fresh virtual environment."""
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    py, nmt = env_dir / "bin" / "python", env_dir / "bin" / "nmtserve"
+    source = _copy_source(tmp_path / "src")
+    install = subprocess.run([py, "-m", "pip", "install", "--quiet", str(source)], capture_output=True, text=True,
+                             timeout=600)
+    assert install.returncode == 0, install.stderr[-3000:]
+    assert subprocess.run([py, "-c", "import torch"], capture_output=True, cwd=tmp_path).returncode != 0
+    missing = subprocess.run([nmt, "train", "--max-steps", "1"], capture_output=True, text=True, cwd=tmp_path)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1, missing.stderr
+    assert "needs the 'train' extra" in missing.stderr and "nmtserve[train]" in missing.stderr
+    server = subprocess.Popen([nmt, "serve", str(tiny_bundle), "--host", "127.0.0.1", "--port", "0",
+                               "--metrics-port", "-1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=tmp_path)
+    try:
+        line = server.stdout.readline()
+        assert "serving on port" in line, server.stderr.read()
+        result = subprocess.run([nmt, "translate", "--server", f"127.0.0.1:{line.split()[-1]}", "--json",
+                                 "The cat sleeps."], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["source"] == "The cat sleeps."
+    finally:
+        server.terminate()
+        server.wait(60)
