@@ -15,9 +15,11 @@ from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 from tests.helpers import NMTSERVE, free_port
 
 
-def _running(metrics_port: int) -> float:
+def _accepted(metrics_port: int) -> float:
+    """Sentences the engine has taken: running + waiting + finished."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith("nmtserve_requests_running "))
+    names = ("nmtserve_requests_running ", "nmtserve_requests_waiting ", "nmtserve_sentences_total{")
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(names))
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_bundle, tiny_corpus, tmp_path):
@@ -39,10 +41,12 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_bundle, tiny_corpus
                 r = pb_grpc.TranslationServiceStub(channel).Translate(pb.TranslateRequest(sentences=sentences), timeout=60)
                 return len(r.translations)
 
+        before = _accepted(metrics_port)
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(call, i) for i in range(6)]
-            deadline = time.monotonic() + 10
-            while _running(metrics_port) == 0 and time.monotonic() < deadline:
+            # SIGTERM once every call is accepted: a call that arrives after it is refused, as it should be
+            deadline = time.monotonic() + 30
+            while _accepted(metrics_port) - before < 6 * len(sentences) and time.monotonic() < deadline:
                 time.sleep(0.01)
             in_flight = sum(not f.done() for f in futures)
             proc.send_signal(signal.SIGTERM)
