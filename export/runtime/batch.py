@@ -8,7 +8,9 @@ and `trim` drops cache slots that no row uses any more — both copy, and both a
 k, v: (L, B, H, capacity, Dh) self-attention cache; valid: (B, capacity) which slots each row
 filled (a row that joined later has invalid slots before its first step); cross_k, cross_v:
 (L, B, H, S, Dh) with src_mask (B, S), padded to the longest source of the batch; positions
-(B,) each row's own step; tokens (B,) the token each row feeds next.
+(B,) each row's own step; tokens (B,) the token each row feeds next; hole (B,) rows freed and not
+yet refilled: a hole never advances (position 0, no cache slot), so one that stays in the batch
+for longer than the position table is still a valid input.
 
 k, v, cross_k and cross_v live where `ops` keeps them (export/runtime/tensors.py): numpy arrays on the
 host, or OrtValues on the GPU; the small per-row arrays are always numpy on the host.
@@ -34,6 +36,7 @@ class BatchState:
     src_mask: np.ndarray
     positions: np.ndarray
     tokens: np.ndarray
+    hole: np.ndarray
     ops: object = field(default=HostTensors)  # HostTensors or a DeviceTensors
 
     @classmethod
@@ -43,7 +46,8 @@ class BatchState:
         n_layers, batch, heads, _, head_dim = ops.shape(cross_k)
         shape, dtype = (n_layers, batch, heads, capacity, head_dim), ops.dtype(cross_k)
         return cls(ops.zeros(shape, dtype), ops.zeros(shape, dtype), np.zeros((batch, capacity), bool), 0,
-                   cross_k, cross_v, src_mask, np.zeros(batch, np.int64), np.full(batch, bos_id, np.int64), ops)
+                   cross_k, cross_v, src_mask, np.zeros(batch, np.int64), np.full(batch, bos_id, np.int64),
+                   np.zeros(batch, bool), ops)
 
     @property
     def size(self) -> int:
@@ -79,10 +83,11 @@ class BatchState:
             ops.concat([ka, kb], 1), ops.concat([va, vb], 1), np.concatenate([ma, mb]), length,
             ops.concat([cka, ckb], 1), ops.concat([cva, cvb], 1),
             np.concatenate([HostTensors.pad(self.src_mask, 1, src_len), HostTensors.pad(other.src_mask, 1, src_len)]),
-            np.concatenate([self.positions, other.positions]), np.concatenate([self.tokens, other.tokens]), ops)
+            np.concatenate([self.positions, other.positions]), np.concatenate([self.tokens, other.tokens]),
+            np.concatenate([self.hole, other.hole]), ops)
 
     def append(self, new_k, new_v, tokens: np.ndarray) -> None:
-        """Write the step's K/V (L, B, H, 1, Dh) at slot `length`; advance every row."""
+        """Write the step's K/V (L, B, H, 1, Dh) at slot `length`; advance every row but the holes."""
         ops = self.ops
         if self.length == self.capacity:
             grow = 2 * self.capacity
@@ -90,9 +95,10 @@ class BatchState:
             self.valid = HostTensors.pad(self.valid, 1, grow)
         self.k = ops.write_slot(self.k, new_k, self.length)
         self.v = ops.write_slot(self.v, new_v, self.length)
-        self.valid[:, self.length] = True
+        live = ~self.hole
+        self.valid[:, self.length] = live
         self.length += 1
-        self.positions += 1
+        self.positions += live
         self.tokens = tokens
 
     def filter(self, keep: np.ndarray) -> BatchState | None:
@@ -114,7 +120,7 @@ class BatchState:
         return BatchState(rows_from(self.k, cap, first, cap), rows_from(self.v, cap, first, cap),
                           np.ascontiguousarray(valid[:, first:]), self.length - first,
                           rows_from(self.cross_k, cross_len, 0, src_len), rows_from(self.cross_v, cross_len, 0, src_len),
-                          np.ascontiguousarray(self.src_mask[keep, :src_len]), self.positions[keep], self.tokens[keep], ops)
+                          np.ascontiguousarray(self.src_mask[keep, :src_len]), self.positions[keep], self.tokens[keep], self.hole[keep], ops)
 
     def take(self, rows: np.ndarray) -> BatchState:
         """A new state of the given rows (indices), in that order."""
@@ -124,8 +130,10 @@ class BatchState:
         return self.filter(keep)
 
     def free(self, rows: list[int]) -> None:
-        """Rows become holes: their cache slots stop counting (a hole's output is ignored)."""
+        """Rows become holes: their cache slots stop counting and they stop advancing (a hole's output is ignored)."""
         self.valid[rows] = False
+        self.hole[rows] = True
+        self.positions[rows] = 0
 
     def insert(self, rows: list[int], fresh: BatchState) -> None:
         """Fresh rows (no step taken yet) into holes; they write their first K/V at slot `length`."""
@@ -141,6 +149,7 @@ class BatchState:
         self.cross_v = ops.scatter_rows(self.cross_v, rows, ops.pad(fresh.cross_v, 3, width))
         self.src_mask[rows] = HostTensors.pad(fresh.src_mask, 1, width)
         self.valid[rows] = False
+        self.hole[rows] = False
         self.positions[rows] = fresh.positions
         self.tokens[rows] = fresh.tokens
 

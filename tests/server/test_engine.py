@@ -135,3 +135,22 @@ def test_the_running_batch_keeps_requests_and_rows_in_step(translator, sources):
     assert batch.rows == [d, c, e] and batch.state.size == 3 and batch.state.positions.tolist() == [1, 2, 1]
     batch.free([0, 1, 2])
     assert batch.rows == [] and batch.state is None
+
+
+def test_a_hole_kept_longer_than_the_position_table_never_advances(translator, sources):
+    """Issue 15's INTERNAL errors: a hole used to advance with its batch until its position left the
+    model's table, and the step failed for every row."""
+    steps = translator.max_len - 6  # the live rows stay inside the table; the hole joined 10 steps earlier
+    with_hole = RunningBatch(translator)
+    with_hole.admit([Request(sources[0])])
+    for _ in range(10):
+        with_hole.step()
+    with_hole.admit([Request(s) for s in sources[1:5]])  # appended: there is no hole yet
+    with_hole.free([0])  # one hole in five rows: not compacted
+    alone = RunningBatch(translator)
+    alone.admit([Request(s) for s in sources[1:5]])
+    for _ in range(steps):
+        got = [token for _, _, token, _ in with_hole.step()]
+        assert got == [token for _, _, token, _ in alone.step()]
+    assert with_hole.state.positions.tolist() == [0] + [steps] * 4
+    assert not with_hole.state.valid[0].any()
