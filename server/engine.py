@@ -184,16 +184,22 @@ class Engine:
         return None
 
     def _execute(self, admitted: list[Request]) -> tuple[int, int] | None:
-        """Newcomers join, one decoder step, its tokens processed -> (rows, valid cache slots)."""
-        if admitted:
-            self.batch.admit(admitted)
+        """Newcomers join, one decoder step, its tokens processed -> (rows, valid cache slots).
+        A request the encoder or the decoder fails on alone finishes with ERROR; the others go on."""
+        failed = self.batch.admit(admitted) if admitted else []
         self.batch.compact()
-        if self.batch.state is None:
-            return None
-        outputs = self.batch.step()
-        self.steps += 1
-        stepped = len(self.batch.rows), self.batch.cache_slots()
-        self._process(outputs)
+        stepped = None
+        if self.batch.state is not None:
+            outputs, step_failed = self.batch.step()
+            self.steps += 1
+            failed += step_failed
+            stepped = len(self.batch.rows), self.batch.cache_slots()
+        if failed:
+            self._publish()
+            for request, error in failed:
+                self._finish(request, FinishReason.ERROR, error=f"{type(error).__name__}: {error}")
+        if stepped:
+            self._process(outputs)
         return stepped
 
     def _process(self, outputs: list[tuple[int, Request, int, float]]) -> None:

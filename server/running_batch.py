@@ -6,6 +6,10 @@ row stays in place as a hole (None) that the next newcomer fills, so under stead
 copies the KV cache; `compact` removes holes once they are a quarter of the batch. K/V never
 leave this object and the translator: a step hands back one token and log-prob per request.
 
+Blast radius of one: when the encoder fails for a group of newcomers, or the decoder step fails,
+the rows are bisected (the decoder on copies of the state) until the ones that fail on their own
+are found; only those requests fail, and everyone else's step is run again without them.
+
 Only the engine thread touches a RunningBatch.
 """
 
@@ -32,10 +36,16 @@ class RunningBatch:
     def requests(self) -> list[Request]:
         return [r for r in self.rows if r is not None]
 
-    def admit(self, requests: list[Request]) -> None:
+    def admit(self, requests: list[Request]) -> list[tuple[Request, Exception]]:
         """Encode the newcomers once and place them: into holes first (no copy of the running cache),
-        the rest appended as new rows."""
-        fresh = self.tr.prefill([r.src_ids for r in requests])
+        the rest appended as new rows. Returns the newcomers the encoder fails on, with the error."""
+        try:
+            fresh = self.tr.prefill([r.src_ids for r in requests])
+        except Exception as e:
+            if len(requests) == 1:
+                return [(requests[0], e)]
+            half = len(requests) // 2
+            return self.admit(requests[:half]) + self.admit(requests[half:])
         holes = [i for i, r in enumerate(self.rows) if r is None][: len(requests)]
         if holes:
             self.state.insert(holes, fresh.take(np.arange(len(holes))) if len(holes) < fresh.size else fresh)
@@ -45,6 +55,7 @@ class RunningBatch:
             rest = fresh.take(np.arange(len(holes), fresh.size)) if holes else fresh
             self.state = rest if self.state is None else self.state.concatenate(rest)
             self.rows.extend(requests[len(holes):])
+        return []
 
     def free(self, rows: list[int]) -> None:
         """These rows become holes; a batch of holes only is dropped."""
@@ -64,11 +75,37 @@ class RunningBatch:
             self.state = self.state.filter(np.array([r is not None for r in self.rows]))
             self.rows = self.requests
 
-    def step(self) -> list[tuple[int, Request, int, float]]:
-        """One decoder step of every row -> (row, request, token, log-prob) for each request (holes skipped)."""
+    def step(self) -> tuple[list[tuple[int, Request, int, float]], list[tuple[Request, Exception]]]:
+        """One decoder step of every row -> (row, request, token, log-prob) for each request (holes
+        skipped), and the requests whose rows fail the step on their own (freed, with the error). When
+        no row fails alone, the error is the batch's and is raised."""
         self.state.trim()
-        tokens, scores = self.tr.decode_one_token(self.state)
-        return [(i, r, int(t), float(s)) for i, (r, t, s) in enumerate(zip(self.rows, tokens, scores)) if r is not None]
+        try:
+            tokens, scores = self.tr.decode_one_token(self.state)
+        except Exception:
+            culprits = self._failing_rows([i for i, r in enumerate(self.rows) if r is not None])
+            if not culprits:
+                raise
+            failed = [(self.rows[i], e) for i, e in culprits]
+            self.free([i for i, _ in culprits])
+            if self.state is None:
+                return [], failed
+            outputs, more = self.step()  # everyone else's step, without them
+            return outputs, failed + more
+        outputs = [(i, r, int(t), float(s)) for i, (r, t, s) in enumerate(zip(self.rows, tokens, scores))
+                   if r is not None]
+        return outputs, []
+
+    def _failing_rows(self, rows: list[int]) -> list[tuple[int, Exception]]:
+        """The rows whose step fails on a copy of the state holding just them, found by bisection."""
+        try:
+            self.tr.decode_one_token(self.state.take(np.array(rows)))
+            return []
+        except Exception as e:
+            if len(rows) == 1:
+                return [(rows[0], e)]
+            half = len(rows) // 2
+            return self._failing_rows(rows[:half]) + self._failing_rows(rows[half:])
 
     def cache_slots(self) -> int:
         """Valid self-attention cache slots over all rows (what the last step attended over)."""

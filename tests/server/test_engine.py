@@ -123,13 +123,14 @@ def test_the_running_batch_keeps_requests_and_rows_in_step(translator, sources):
     a, b, c, d, e = (Request(s) for s in sources[:5])
     batch.admit([a, b, c])
     assert batch.rows == [a, b, c] and batch.state.size == 3
-    outputs = batch.step()
+    outputs, failed = batch.step()
+    assert failed == []
     assert [(row, request) for row, request, _, _ in outputs] == [(0, a), (1, b), (2, c)]
     batch.free([1])
     assert batch.rows == [a, None, c] and batch.requests == [a, c]
     batch.admit([d, e])  # d fills the hole, e is appended
     assert batch.rows == [a, d, c, e] and batch.state.size == 4
-    assert [request for _, request, _, _ in batch.step()] == [a, d, c, e]
+    assert [request for _, request, _, _ in batch.step()[0]] == [a, d, c, e]
     batch.free([0])
     batch.compact()  # one hole in four: compacted
     assert batch.rows == [d, c, e] and batch.state.size == 3 and batch.state.positions.tolist() == [1, 2, 1]
@@ -144,13 +145,54 @@ def test_a_hole_kept_longer_than_the_position_table_never_advances(translator, s
     with_hole = RunningBatch(translator)
     with_hole.admit([Request(sources[0])])
     for _ in range(10):
-        with_hole.step()
+        assert with_hole.step()[1] == []
     with_hole.admit([Request(s) for s in sources[1:5]])  # appended: there is no hole yet
     with_hole.free([0])  # one hole in five rows: not compacted
     alone = RunningBatch(translator)
     alone.admit([Request(s) for s in sources[1:5]])
     for _ in range(steps):
-        got = [token for _, _, token, _ in with_hole.step()]
-        assert got == [token for _, _, token, _ in alone.step()]
+        got = [token for _, _, token, _ in with_hole.step()[0]]
+        assert got == [token for _, _, token, _ in alone.step()[0]]
     assert with_hole.state.positions.tolist() == [0] + [steps] * 4
     assert not with_hole.state.valid[0].any()
+
+
+def _run_together(translator, poisoned: Request, others: list[list[int]]) -> list[Request]:
+    """Submit everything before the engine starts, so all join the same batch; wait for all."""
+    engine = Engine(translator, EngineConfig(max_running_rows=16))
+    requests = [engine.submit(poisoned)] + [engine.submit(Request(s)) for s in others]
+    engine.start()
+    try:
+        assert all(r.done.wait(60) for r in requests)
+        assert engine.stats()["running"] == 0
+    finally:
+        engine.stop()
+    return requests[1:]
+
+
+def test_a_source_the_encoder_fails_on_fails_alone(translator, sources):
+    expected = [tokens for tokens, _ in translator.translate_ids(sources[:7], max_batch_size=1)]
+    poisoned = Request([translator.bundle.model["vocab_size"] + 7])  # outside the embedding table: ORT fails
+    others = _run_together(translator, poisoned, sources[:7])
+    assert poisoned.finish is FinishReason.ERROR and "out of" in poisoned.error, poisoned.error
+    assert [r.tokens for r in others] == expected
+    assert all(r.finish in (FinishReason.EOS, FinishReason.LENGTH) for r in others)
+
+
+def test_a_row_the_decoder_step_fails_on_fails_alone(translator, sources, monkeypatch):
+    poison = sources[0] * 3
+    assert len(poison) not in {len(s) for s in sources[:7]}
+    step = translator._greedy_step
+
+    def fails_for_the_poisoned_row(state):  # a fault for one row, wherever it sits in the batch
+        if ((state.src_mask.sum(axis=1) == len(poison)) & ~state.hole).any():
+            raise RuntimeError("injected fault")
+        return step(state)
+
+    expected = [tokens for tokens, _ in translator.translate_ids(sources[:7], max_batch_size=1)]
+    monkeypatch.setattr(translator, "_greedy_step", fails_for_the_poisoned_row)
+    poisoned = Request(poison)
+    others = _run_together(translator, poisoned, sources[:7])
+    assert poisoned.finish is FinishReason.ERROR and poisoned.error == "RuntimeError: injected fault"
+    assert [r.tokens for r in others] == expected
+    assert all(r.finish in (FinishReason.EOS, FinishReason.LENGTH) for r in others)
