@@ -6,7 +6,7 @@ touches prometheus_client. Each server has its own registry (tests run several i
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, start_http_server
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -43,6 +43,8 @@ class ServerMetrics:
         self.running = Gauge("nmtserve_requests_running", "Rows in the running batch", registry=r)
         self.waiting = Gauge("nmtserve_requests_waiting", "Requests waiting for admission", registry=r)
         self.model = Info("nmtserve_model", "The bundle being served", registry=r)
+        # process_resident_memory_bytes, process_open_fds, process_cpu_seconds_total, … (Linux /proc)
+        ProcessCollector(registry=r)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Expose /metrics on its own HTTP port; returns the bound port (port 0 picks one)."""

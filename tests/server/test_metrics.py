@@ -71,6 +71,9 @@ def test_metrics_page_passes_promtool_lint(served):
         pb_grpc.TranslationServiceStub(channel).Translate(pb.TranslateRequest(sentences=["The cat sleeps."]), timeout=30)
     page = _page(served.running.metrics_port)
     assert "nmtserve_requests_total" in page
+    process = {line.split()[0]: float(line.split()[1]) for line in page.splitlines() if line.startswith("process_")}
+    assert process["process_resident_memory_bytes"] > 0 and process["process_open_fds"] > 0
+    assert process["process_cpu_seconds_total"] > 0
     promtool = shutil.which("promtool")
     assert promtool, "promtool is missing: `make test` installs Debian's prometheus package"
     check = subprocess.run([promtool, "check", "metrics"], input=page, capture_output=True, text=True, timeout=60)
