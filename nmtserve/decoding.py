@@ -4,11 +4,26 @@ they batch alike, stop at the same step and give the same tokens."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 
 def output_budget(src_len: int, max_decoding_length: int, max_len: int) -> int:
     """Most target tokens a row may produce: the caller's limit, 2×source+10, the model's position table."""
     return max(1, min(max_decoding_length, 2 * src_len + 10, max_len))
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Every limit a row can run into, from the bundle's manifest (`limits`), in one place. A source
+    longer than max_source_tokens is refused before it is encoded; a row's budget never takes it past
+    the decoder's position table, so a row that reaches max_target_tokens finishes with LENGTH
+    before a step could index past the table (a hole never advances: export/runtime/batch.py)."""
+
+    max_source_tokens: int  # the encoder's position table
+    max_target_tokens: int  # the decoder's position table: positions 0 .. max_target_tokens - 1
+
+    def output_budget(self, src_len: int, max_decoding_length: int) -> int:
+        return output_budget(src_len, max_decoding_length, self.max_target_tokens)
 
 
 def sorted_batches(lengths: list[int], max_batch_size: int) -> Iterator[list[int]]:

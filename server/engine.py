@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nmtserve.decoding import output_budget
+from nmtserve.decoding import Limits
 from nmtserve.errors import NmtserveError
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.server.running_batch import RunningBatch
@@ -73,8 +73,12 @@ class Request:
         """Ask the engine to drop this request at its next iteration."""
         self.cancelled = True
 
-    def cost(self, max_len: int) -> int:
-        return len(self.src_ids) + output_budget(len(self.src_ids), self.max_decoding_length, max_len)
+    def budget(self, limits: Limits) -> int:
+        """Most target tokens this request may produce."""
+        return limits.output_budget(len(self.src_ids), self.max_decoding_length)
+
+    def cost(self, limits: Limits) -> int:
+        return len(self.src_ids) + self.budget(limits)
 
 
 class Engine:
@@ -162,10 +166,10 @@ class Engine:
         running = self.batch.requests
         if self.config.batching == "static" and running:
             return []  # static batching: the running batch finishes before anyone joins
-        budget = self.config.max_batch_tokens - sum(r.cost(self.tr.max_len) for r in running)
+        budget = self.config.max_batch_tokens - sum(r.cost(self.tr.limits) for r in running)
         admitted = []
         while self.waiting and len(running) + len(admitted) < self.config.max_running_rows:
-            cost = self.waiting[0].cost(self.tr.max_len)
+            cost = self.waiting[0].cost(self.tr.limits)
             if cost > budget and (running or admitted):
                 break  # an oversized request still runs alone rather than never
             request = self.waiting.popleft()
@@ -214,7 +218,7 @@ class Engine:
             request.tokens.append(token)
             if request.on_token:
                 request.on_token(request, token)
-            if len(request.tokens) >= output_budget(len(request.src_ids), request.max_decoding_length, self.tr.max_len):
+            if len(request.tokens) >= request.budget(self.tr.limits):
                 leaving.append((i, request, FinishReason.LENGTH))
         self._leave(leaving)
 

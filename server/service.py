@@ -64,7 +64,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
     def __init__(self, engine: Engine, config: ServerConfig, bundle_manifest_path, metrics: ServerMetrics):
         self.engine, self.config, self.metrics = engine, config, metrics
         self.tokenizer = engine.tr.tokenizer
-        self.max_source_tokens = engine.tr.max_len
+        self.max_source_tokens = engine.tr.limits.max_source_tokens
         self.manifest_path = bundle_manifest_path
         self.accepting = True
 

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from nmtserve.decoding import Limits
 from nmtserve.errors import BundleError
 
 SCHEMA_VERSION = 1
@@ -39,6 +40,10 @@ class Bundle:
     @property
     def model(self) -> dict:
         return self.manifest["model"]
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.manifest["limits"]["max_source_tokens"], self.manifest["limits"]["max_target_tokens"])
 
     @property
     def special_ids(self) -> dict[str, int]:

@@ -24,7 +24,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from nmtserve.decoding import output_budget, sorted_batches
+from nmtserve.decoding import sorted_batches
 from nmtserve.errors import BundleError, ConfigError
 from nmtserve.export.runtime.batch import BatchState
 from nmtserve.export.runtime.bundle import Bundle, load_bundle
@@ -99,7 +99,7 @@ class OnnxTranslator:
         self.tokenizer = self.bundle.tokenizer()
         m = self.bundle.model
         self.n_layers, self.n_heads, self.head_dim = m["n_decoder_layers"], m["n_heads"], m["d_model"] // m["n_heads"]
-        self.max_len = m["max_len"]
+        self.limits = self.bundle.limits
         self.kv_dtype = np.float16 if self.bundle.manifest["variants"][variant].get("kv_dtype") == "float16" else np.float32
         ids = self.bundle.special_ids
         self.pad_id, self.bos_id, self.eos_id = ids["pad"], ids["bos"], ids["eos"]
@@ -191,7 +191,7 @@ class OnnxTranslator:
     def greedy(self, sources: list[list[int]], max_decoding_length: int = 256) -> list[tuple[list[int], float]]:
         """Greedy search for one batch of token-id sources; finished rows leave the batch at once."""
         state = self.prefill(sources)
-        budget = np.array([output_budget(len(s), max_decoding_length, self.max_len) for s in sources])
+        budget = np.array([self.limits.output_budget(len(s), max_decoding_length) for s in sources])
         rows = np.arange(len(sources))  # original index of each running row
         outputs: list[list[int]] = [[] for _ in sources]
         scores = np.zeros(len(sources))
@@ -220,7 +220,7 @@ class OnnxTranslator:
     def translate_batch(self, texts: list[str], *, max_batch_size: int = 32, max_decoding_length: int = 256,
                         return_scores: bool = False) -> list[Translation]:
         """Translate texts; inputs are sorted by length so that each batch has little padding."""
-        ids = [self.tokenizer.encode(t)[: self.max_len] or [self.eos_id] for t in texts]
+        ids = [self.tokenizer.encode(t)[: self.limits.max_source_tokens] or [self.eos_id] for t in texts]
         out = self.translate_ids(ids, max_batch_size=max_batch_size, max_decoding_length=max_decoding_length)
         return [Translation(self.tokenizer.decode(tokens), tokens, score if return_scores else None)
                 for tokens, score in out]

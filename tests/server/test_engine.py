@@ -141,7 +141,7 @@ def test_the_running_batch_keeps_requests_and_rows_in_step(translator, sources):
 def test_a_hole_kept_longer_than_the_position_table_never_advances(translator, sources):
     """Issue 15's INTERNAL errors: a hole used to advance with its batch until its position left the
     model's table, and the step failed for every row."""
-    steps = translator.max_len - 6  # the live rows stay inside the table; the hole joined 10 steps earlier
+    steps = translator.limits.max_target_tokens - 6  # the live rows stay inside the table; the hole joined 10 steps earlier
     with_hole = RunningBatch(translator)
     with_hole.admit([Request(sources[0])])
     for _ in range(10):
@@ -196,3 +196,29 @@ def test_a_row_the_decoder_step_fails_on_fails_alone(translator, sources, monkey
     assert poisoned.finish is FinishReason.ERROR and poisoned.error == "RuntimeError: injected fault"
     assert [r.tokens for r in others] == expected
     assert all(r.finish in (FinishReason.EOS, FinishReason.LENGTH) for r in others)
+
+
+def test_requests_at_every_limit_finish_with_length_alone_and_in_a_busy_batch(translator, sources, monkeypatch):
+    """The longest source the manifest allows, the largest output budget, and a model that never says
+    eos (its eos is replaced by another token): every row runs to its budget and ends with LENGTH,
+    never past the position tables, alone and beside shorter rows that leave holes as they finish."""
+    limits = translator.limits
+    longest = (sources[0] * limits.max_source_tokens)[: limits.max_source_tokens]
+    step = translator._greedy_step
+
+    def never_eos(state):
+        tokens, scores, new_k, new_v = step(state)
+        return np.where(tokens == translator.eos_id, translator.eos_id + 1, tokens), scores, new_k, new_v
+
+    monkeypatch.setattr(translator, "_greedy_step", never_eos)
+    for batch_mates in ([], sources[:6]):
+        engine = Engine(translator, EngineConfig(max_running_rows=16))
+        at_limit = engine.submit(Request(longest, max_decoding_length=limits.max_target_tokens))
+        others = [engine.submit(Request(s, max_decoding_length=limits.max_target_tokens)) for s in batch_mates]
+        engine.start()
+        try:
+            assert all(r.done.wait(120) for r in [at_limit, *others])
+        finally:
+            engine.stop()
+        assert at_limit.finish is FinishReason.LENGTH and len(at_limit.tokens) == limits.max_target_tokens
+        assert all(r.finish is FinishReason.LENGTH and len(r.tokens) == r.budget(limits) for r in others)
