@@ -88,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prefix}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except ModuleNotFoundError as e:
-        if _missing_extra(e) and not os.environ.get("NMTSERVE_DEBUG"):
-            print(f"{prefix}: error: {_missing_extra(e)}", file=sys.stderr)
+        missing = _missing_extra(e)
+        if missing and not os.environ.get("NMTSERVE_DEBUG"):
+            print(f"{prefix}: error: {missing}", file=sys.stderr)
             return EXIT_USAGE
         return _internal_error(prefix, e)
     except KeyboardInterrupt:

@@ -1,5 +1,5 @@
 """The project's exception types. The CLI prints them as one line and exits 2; the server maps
-them to gRPC status codes in one place (server/service.py, `_status_of`)."""
+them to gRPC status codes in one place (server/service.py: `_status_of`, and `_EARLY_FINISH` beside it)."""
 
 
 class NmtserveError(Exception):

@@ -146,8 +146,9 @@ class Engine:
                 if self.on_step and stepped:
                     self.on_step(*stepped, time.perf_counter() - started)
             except Exception as e:  # an engine error fails the requests it touched, not the engine
-                placed = {id(r) for r in self.batch.requests}
-                failed = self.batch.requests + [r for r in admitted if id(r) not in placed]
+                running = self.batch.requests
+                placed = {id(r) for r in running}
+                failed = running + [r for r in admitted if id(r) not in placed]
                 self.batch.clear()
                 self._publish()
                 for request in failed:

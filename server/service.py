@@ -1,7 +1,7 @@
 """The gRPC servicer: protobuf -> engine requests -> protobuf. It never touches tensors.
 
-Errors map to status codes in this module only, in `_status_of`: project exceptions raised while a
-call is validated and submitted, and the finish reasons of requests the engine ended early.
+Errors map to status codes in this module only, side by side: `_status_of` for project exceptions
+raised while a call is validated and submitted, `_EARLY_FINISH` for requests the engine ended early.
 """
 
 from __future__ import annotations
@@ -35,15 +35,12 @@ _EARLY_FINISH = {FinishReason.ERROR: (grpc.StatusCode.INTERNAL, "failed in the e
                  FinishReason.CANCELLED: (grpc.StatusCode.CANCELLED, "was cancelled")}
 
 
-def _status_of(outcome: Exception | FinishReason) -> grpc.StatusCode:
-    """The status code of an exception, or of a request that the engine finished early."""
-    if isinstance(outcome, FinishReason):
-        return _EARLY_FINISH[outcome][0]
-    if isinstance(outcome, InvalidRequest):
+def _status_of(exc: Exception) -> grpc.StatusCode:
+    if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(outcome, EngineOverloaded):
+    if isinstance(exc, EngineOverloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(outcome, EngineStopped):
+    if isinstance(exc, EngineStopped):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
 
@@ -131,7 +128,8 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                 continue
             if request.finish is FinishReason.ERROR:
                 log.error("request %s failed in the engine: %s", request.id, request.error)
-            code, message = _status_of(request.finish), f"request {request.id} {_EARLY_FINISH[request.finish][1]}"
+            code, what = _EARLY_FINISH[request.finish]
+            message = f"request {request.id} {what}"
             self.metrics.rpc(rpc, code.name)
             _log_line(rpc, code.name, requests, started)
             await context.abort(code, message)

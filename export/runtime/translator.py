@@ -140,7 +140,7 @@ class OnnxTranslator:
 
     def decode_one_token(self, state: BatchState) -> tuple[np.ndarray, np.ndarray]:
         """One greedy step of every row -> tokens (B,) int64 and their log-probs (B,); the step's K/V
-        are written into `state`, and every row advances (a hole's token is meaningless)."""
+        are written into `state`, and every row but the holes advances (a hole's token is meaningless)."""
         tokens, scores, new_k, new_v = self._greedy_step(state)
         state.append(new_k, new_v, tokens)
         return tokens, scores

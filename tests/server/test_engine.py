@@ -157,23 +157,24 @@ def test_a_hole_kept_longer_than_the_position_table_never_advances(translator, s
     assert not with_hole.state.valid[0].any()
 
 
-def _run_together(translator, poisoned: Request, others: list[list[int]]) -> list[Request]:
-    """Submit everything before the engine starts, so all join the same batch; wait for all."""
+def _run_together(translator, requests: list[Request]) -> None:
+    """Submit every request before the engine starts, so all join the same batch; wait for all."""
     engine = Engine(translator, EngineConfig(max_running_rows=16))
-    requests = [engine.submit(poisoned)] + [engine.submit(Request(s)) for s in others]
+    for request in requests:
+        engine.submit(request)
     engine.start()
     try:
-        assert all(r.done.wait(60) for r in requests)
+        assert all(r.done.wait(120) for r in requests)
         assert engine.stats()["running"] == 0
     finally:
         engine.stop()
-    return requests[1:]
 
 
 def test_a_source_the_encoder_fails_on_fails_alone(translator, sources):
     expected = [tokens for tokens, _ in translator.translate_ids(sources[:7], max_batch_size=1)]
     poisoned = Request([translator.bundle.model["vocab_size"] + 7])  # outside the embedding table: ORT fails
-    others = _run_together(translator, poisoned, sources[:7])
+    others = [Request(s) for s in sources[:7]]
+    _run_together(translator, [poisoned, *others])
     assert poisoned.finish is FinishReason.ERROR and "out of" in poisoned.error, poisoned.error
     assert [r.tokens for r in others] == expected
     assert all(r.finish in (FinishReason.EOS, FinishReason.LENGTH) for r in others)
@@ -192,7 +193,8 @@ def test_a_row_the_decoder_step_fails_on_fails_alone(translator, sources, monkey
     expected = [tokens for tokens, _ in translator.translate_ids(sources[:7], max_batch_size=1)]
     monkeypatch.setattr(translator, "_greedy_step", fails_for_the_poisoned_row)
     poisoned = Request(poison)
-    others = _run_together(translator, poisoned, sources[:7])
+    others = [Request(s) for s in sources[:7]]
+    _run_together(translator, [poisoned, *others])
     assert poisoned.finish is FinishReason.ERROR and poisoned.error == "RuntimeError: injected fault"
     assert [r.tokens for r in others] == expected
     assert all(r.finish in (FinishReason.EOS, FinishReason.LENGTH) for r in others)
@@ -212,13 +214,8 @@ def test_requests_at_every_limit_finish_with_length_alone_and_in_a_busy_batch(tr
 
     monkeypatch.setattr(translator, "_greedy_step", never_eos)
     for batch_mates in ([], sources[:6]):
-        engine = Engine(translator, EngineConfig(max_running_rows=16))
-        at_limit = engine.submit(Request(longest, max_decoding_length=limits.max_target_tokens))
-        others = [engine.submit(Request(s, max_decoding_length=limits.max_target_tokens)) for s in batch_mates]
-        engine.start()
-        try:
-            assert all(r.done.wait(120) for r in [at_limit, *others])
-        finally:
-            engine.stop()
+        at_limit = Request(longest, max_decoding_length=limits.max_target_tokens)
+        others = [Request(s, max_decoding_length=limits.max_target_tokens) for s in batch_mates]
+        _run_together(translator, [at_limit, *others])
         assert at_limit.finish is FinishReason.LENGTH and len(at_limit.tokens) == limits.max_target_tokens
         assert all(r.finish is FinishReason.LENGTH and len(r.tokens) == r.budget(limits) for r in others)
