@@ -1,9 +1,10 @@
-"""Commands of nmtserve.loadtests: bench offline|served, loadtest (the loadtest extra), check-slo.
+"""Commands of nmtserve.loadtests: bench offline|served, loadtest and soak (the loadtest extra), check-slo.
 
     nmtserve bench offline bundles/default          # PyTorch (train extra) vs ONNX Runtime vs CTranslate2 (bench extra)
     nmtserve bench served bundles/default           # continuous vs static batching, served over gRPC
     nmtserve loadtest --scenario steady --peak-users 32 --seconds 60 --slo loadtests/slo.toml
     nmtserve check-slo runs/loadtest/steady --slo loadtests/slo.toml
+    nmtserve soak --bundle bundles/default --seconds 600 --clients 24 --out runs/soak
 """
 
 from __future__ import annotations
@@ -73,6 +74,19 @@ def cmd_check_slo(args) -> int:
     return 0 if met else 1
 
 
+def cmd_soak(args) -> int:
+    from nmtserve.loadtests.soak import SoakConfig, format_report, run_soak
+
+    if args.seconds <= 0 or args.clients < 1:
+        raise NmtserveError(f"--seconds {args.seconds} and --clients {args.clients}: both must be positive")
+    report = run_soak(SoakConfig(args.bundle, args.server or "", args.metrics_url or "", args.seconds, args.clients,
+                                 args.out, args.sentences or "", args.seed, max_memory_growth=args.max_memory_growth,
+                                 server_flags=args.server_flag or []))
+    print(format_report(report))
+    print(f"report: {Path(args.out) / 'report.json'}")
+    return 0 if report["passed"] else 1
+
+
 def _add_bench(p) -> None:
     bench = p.add_subparsers(dest="bench", required=True, parser_class=ArgumentParser)
     p = bench.add_parser("offline", help="PyTorch vs ONNX Runtime vs CTranslate2 on the same weights and sentences")
@@ -123,6 +137,19 @@ def add_parser(sub, name: str, help_text: str) -> None:
         _add_bench(p)
     elif name == "loadtest":
         _add_loadtest(p)
+    elif name == "soak":
+        p.add_argument("--bundle", default="bundles/default", help="bundle to serve, and whose test split is sent")
+        p.add_argument("--server", help="HOST:PORT of a running server instead of starting one")
+        p.add_argument("--metrics-url", help="with --server: its /metrics URL, for memory and the gauges")
+        p.add_argument("--seconds", type=float, default=600.0, help="length of the run (default %(default)s)")
+        p.add_argument("--clients", type=int, default=24, help="client threads (default %(default)s)")
+        p.add_argument("--out", default="runs/soak", help="report.json, memory.png, server.log (default %(default)s)")
+        p.add_argument("--sentences", help="sentence file (.tsv: first column; else one per line)")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--max-memory-growth", type=float, default=0.10,
+                       help="largest allowed growth of resident memory after the warm-up (default %(default)s)")
+        p.add_argument("--server-flag", action="append", help="extra flag for the started server (repeat)")
+        p.set_defaults(func=cmd_soak)
     elif name == "check-slo":
         p.add_argument("results", help="results directory of `nmtserve loadtest`, or a locust *_stats.csv")
         p.add_argument("--slo", required=True, help="SLO file (TOML): p95_latency_ms, p95_time_to_first_token_ms, "

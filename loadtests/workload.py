@@ -10,6 +10,7 @@ import random
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -63,16 +64,24 @@ def mixed(sentences: list[str], n: int, seed: int = 0) -> list[str]:
     return [rng.choice(sentences) for _ in range(n)]
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for servers that cannot bind port 0 themselves)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class ServerProcess:
     """`nmtserve serve BUNDLE --port 0` on 127.0.0.1; `.target` once it prints its port; SIGTERM on exit."""
 
-    def __init__(self, bundle: str | Path, *flags: str, log: str | Path | None = None, start_timeout: float = 120):
+    def __init__(self, bundle: str | Path, *flags: str, log: str | Path | None = None, start_timeout: float = 120,
+                 cwd: str | Path | None = None):
         self.log_path = Path(log) if log else None
         self.log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         cmd = [sys.executable, "-m", "nmtserve.cli", "serve", str(bundle), "--host", "127.0.0.1", "--port", "0",
                *flags]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=cwd)
         deadline = time.monotonic() + start_timeout
         self.port = None
         while self.port is None:

@@ -40,6 +40,7 @@ COMMANDS = {
     "bench": ("nmtserve.loadtests.cli", "benchmarks: offline (engines side by side) and served"),
     "loadtest": ("nmtserve.loadtests.cli", "run a locust scenario headless against a server"),
     "check-slo": ("nmtserve.loadtests.cli", "check a load test's results against service-level objectives"),
+    "soak": ("nmtserve.loadtests.cli", "sustained mixed and odd traffic; exit 1 on a wrong status, a leak or a stuck gauge"),
 }
 
 # top-level module of an optional dependency -> the extra that installs it

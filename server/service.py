@@ -62,12 +62,14 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         self.engine, self.config, self.metrics = engine, config, metrics
         self.tokenizer = engine.tr.tokenizer
         self.max_source_tokens = engine.tr.limits.max_source_tokens
+        # a budget past the decoder's position table could never be spent: the smaller limit is the one told
+        self.max_output_tokens = min(config.max_output_tokens, engine.tr.limits.max_target_tokens)
         self.manifest_path = bundle_manifest_path
         self.accepting = True
 
     # -- validation
     def _options(self, options: pb.DecodingOptions) -> int:
-        limit = self.config.max_output_tokens
+        limit = self.max_output_tokens
         if options.max_output_tokens > limit:
             raise InvalidRequest(f"options.max_output_tokens {options.max_output_tokens} exceeds the limit {limit}")
         return options.max_output_tokens or limit
@@ -78,6 +80,8 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         if len(text) > self.config.max_sentence_chars:
             raise InvalidRequest(f"{field}: {len(text)} characters, the limit is {self.config.max_sentence_chars}")
         ids = self.tokenizer.encode(text)
+        if not ids:  # only characters the tokenizer's normalisation removes (zero-width, controls)
+            raise InvalidRequest(f"{field}: nothing to translate in {text[:40]!r} (no token after normalisation)")
         if len(ids) > self.max_source_tokens:
             raise InvalidRequest(f"{field}: {len(ids)} tokens, the limit is {self.max_source_tokens}")
         return ids
@@ -213,7 +217,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             bundle_id=hashlib.sha256(self.manifest_path.read_bytes()).hexdigest(), variant=self.engine.tr.variant,
             device=self.engine.tr.device, model_json=json.dumps(manifest["model"], sort_keys=True),
             limits=pb.Limits(max_sentences=self.config.max_sentences, max_sentence_chars=self.config.max_sentence_chars,
-                             max_source_tokens=self.max_source_tokens, max_output_tokens=self.config.max_output_tokens))
+                             max_source_tokens=self.max_source_tokens, max_output_tokens=self.max_output_tokens))
 
 
 def _resolve(future: asyncio.Future, request: Request) -> None:

@@ -6,7 +6,6 @@ import asyncio
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,13 +28,6 @@ def tiny_config(out: Path, data: Path | None, **overrides) -> TrainConfig:
     base = dict(out=str(out), data=str(data) if data else None, preset="tiny", vocab_size=400, max_tokens=1024, warmup=100,
                 lr_factor=1.0, dropout=0.0, valid_every=100, valid_bleu_sentences=20, log_every=1, seed=3)
     return TrainConfig(**{**base, **overrides})
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (for servers that cannot bind port 0 themselves)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_cli(*args: str, stdin: str | None = None, env: dict | None = None, timeout: float = 300,

@@ -13,11 +13,12 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from nmtserve.loadtests.workload import free_port
 from nmtserve.server.config import ServerConfig
 from nmtserve.training.data import read_tsv
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
-from tests.helpers import ROOT, TARGET_LABELS, ServerThread, exported_series, free_port, metric_names
+from tests.helpers import ROOT, TARGET_LABELS, ServerThread, exported_series, metric_names
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "nmtserve-dashboard.json"
 # Grafana's variables, as a local Prometheus without Kubernetes labels must read them

@@ -9,10 +9,11 @@ import urllib.request
 
 import grpc
 
+from nmtserve.loadtests.workload import free_port
 from nmtserve.training.data import read_tsv
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
-from tests.helpers import NMTSERVE, free_port
+from tests.helpers import NMTSERVE
 
 
 def _accepted(metrics_port: int) -> float:

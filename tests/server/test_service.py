@@ -7,6 +7,7 @@ import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -75,6 +76,7 @@ def test_stream_deltas_join_to_the_final_text(served, sentences):
     (pb.TranslateRequest(sentences=["ok"] * 9), "sentences: 9 given, between 1 and 8"),
     (pb.TranslateRequest(sentences=["The cat sleeps.", "  "]), "sentences[1]: empty sentence"),
     (pb.TranslateRequest(sentences=["x" * 301]), "sentences[0]: 301 characters, the limit is 300"),
+    (pb.TranslateRequest(sentences=["ok", "\u200b\x07"]), r"sentences[1]: nothing to translate in '\u200b\x07'"),
     (pb.TranslateRequest(sentences=["ok"], options=pb.DecodingOptions(max_output_tokens=65)),
      "options.max_output_tokens 65 exceeds the limit 64"),
 ])
@@ -139,5 +141,56 @@ def test_overload_is_refused_with_resource_exhausted(tiny_bundle, sentences):
             codes = list(pool.map(call, sentences[:clients]))
         assert "RESOURCE_EXHAUSTED" in codes and "OK" in codes
         assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}
+    finally:
+        server.stop()
+
+
+def test_requests_at_every_limit_over_grpc_end_with_length_alone_and_in_a_busy_batch(tiny_bundle, sentences):
+    """The longest source the server accepts and the largest max_output_tokens, with a model that never
+    says eos (a test hook replaces its eos by another token): LENGTH at the full budget, never an
+    error, alone and while unary calls and streams share the batch; one token more is refused."""
+    server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
+                                       max_sentence_chars=100_000, max_output_tokens=10_000))
+    try:
+        translator = server.running.engine.tr
+        limits, eos, step = translator.limits, translator.eos_id, translator._greedy_step
+
+        def never_eos(state):
+            tokens, scores, new_k, new_v = step(state)
+            return np.where(tokens == eos, eos + 1, tokens), scores, new_k, new_v
+
+        translator._greedy_step = never_eos
+        words, longest = " ".join(sentences).split(), ""
+        for n in range(1, len(words)):  # the most words that stay within the source limit
+            text = " ".join(words[:n])
+            if len(translator.tokenizer.encode(text)) > limits.max_source_tokens:
+                too_long = text
+                break
+            longest = text
+        largest = pb.DecodingOptions(max_output_tokens=limits.max_target_tokens)  # the limit the server tells
+        budget = limits.output_budget(len(translator.tokenizer.encode(longest)), limits.max_target_tokens)
+        with server.channel() as channel:
+            stub = pb_grpc.TranslationServiceStub(channel)
+            for mates in (0, 8):
+                with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                    busy = [pool.submit(stub.Translate, pb.TranslateRequest(sentences=sentences[i:i + 2], options=largest),
+                                        timeout=120) for i in range(0, mates, 2)]
+                    busy += [pool.submit(lambda s: list(stub.TranslateStream(pb.TranslateStreamRequest(
+                        sentence=s, options=largest), timeout=120)), s) for s in sentences[:mates // 2]]
+                    at_limit = stub.Translate(pb.TranslateRequest(sentences=[longest], options=largest),
+                                              timeout=120).translations[0]
+                    others = [f.result() for f in busy]
+                assert at_limit.finish_reason == pb.FINISH_REASON_LENGTH and at_limit.output_tokens == budget
+                finals = [t for r in others for t in (r.translations if hasattr(r, "translations") else [r[-1].final])]
+                assert len(finals) == 3 * mates // 2
+                assert all(t.finish_reason == pb.FINISH_REASON_LENGTH for t in finals)
+            assert stub.GetModelInfo(pb.GetModelInfoRequest()).limits.max_output_tokens == limits.max_target_tokens
+            for request, message in [
+                    (pb.TranslateRequest(sentences=[too_long]), f"tokens, the limit is {limits.max_source_tokens}"),
+                    (pb.TranslateRequest(sentences=["ok"], options=pb.DecodingOptions(
+                        max_output_tokens=limits.max_target_tokens + 1)), f"the limit {limits.max_target_tokens}")]:
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.Translate(request, timeout=60)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().endswith(message)
     finally:
         server.stop()

@@ -1,0 +1,62 @@
+"""Property-based fuzzing of request messages against a real server: every answer is OK with one
+translation per sentence, or INVALID_ARGUMENT whose message starts with the field it is about;
+never INTERNAL, UNKNOWN or a crash. The server's limits (tests/server/conftest.py): 8 sentences of
+at most 300 characters, max_output_tokens at most 64."""
+
+import grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nmtserve.v1 import translation_pb2 as pb
+from nmtserve.v1 import translation_pb2_grpc as pb_grpc
+
+FIELDS = ("sentences", "sentence", "options.max_output_tokens")
+SETTINGS = settings(max_examples=120, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+# any Unicode text but surrogates (which a protobuf string cannot hold), with lengths around the
+# 300-character limit as well as short ones, and the odd characters traffic brings
+ODD = st.sampled_from(["\x00", "\x07", "\x1b[0m", "\t", "\r\n", "\u200b", "\u200d", "\ufeff", "\u202e", "\U0001f408",
+                       "\u0645\u0631\u062d\u0628\u0627", "e\u0301", " "])
+SENTENCE = st.one_of(st.text(max_size=40), st.lists(ODD | st.text(max_size=5), max_size=20).map("".join),
+                     st.text(min_size=290, max_size=310), st.just("The cat sleeps."))
+OPTIONS = st.builds(pb.DecodingOptions, max_output_tokens=st.one_of(st.integers(0, 70), st.integers(0, 2**32 - 1)),
+                    return_scores=st.booleans())
+
+
+def _call(call) -> tuple[str, str]:
+    try:
+        call()
+        return "OK", ""
+    except grpc.RpcError as e:
+        return e.code().name, e.details()
+
+
+@given(sentences=st.lists(SENTENCE, max_size=10), options=OPTIONS)
+@SETTINGS
+def test_any_translate_request_is_answered_ok_or_invalid_argument_naming_the_field(served, sentences, options):
+    with served.channel() as channel:
+        stub = pb_grpc.TranslationServiceStub(channel)
+        answer = []
+        code, details = _call(lambda: answer.append(stub.Translate(
+            pb.TranslateRequest(sentences=sentences, options=options), timeout=60)))
+    assert code in ("OK", "INVALID_ARGUMENT"), (code, details)
+    if code == "OK":
+        assert len(answer[0].translations) == len(sentences)
+    else:
+        assert details.startswith(FIELDS), details
+
+
+@given(sentence=SENTENCE, options=OPTIONS)
+@SETTINGS
+def test_any_stream_request_is_answered_ok_or_invalid_argument_naming_the_field(served, sentence, options):
+    with served.channel() as channel:
+        stub = pb_grpc.TranslationServiceStub(channel)
+        messages = []
+        code, details = _call(lambda: messages.extend(stub.TranslateStream(
+            pb.TranslateStreamRequest(sentence=sentence, options=options), timeout=60)))
+    assert code in ("OK", "INVALID_ARGUMENT"), (code, details)
+    if code == "OK":
+        assert messages[-1].HasField("final") and "".join(m.delta for m in messages[:-1]) == messages[-1].final.text
+    else:
+        assert details.startswith(FIELDS), details
