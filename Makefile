@@ -14,7 +14,7 @@ PAIRS  ?= 200000
 TRAIN_MINUTES ?= 20
 PYTEST_ARGS ?=
 
-.PHONY: install tools lint demo test clean protos loadtest bench-served
+.PHONY: install tools lint demo test clean protos loadtest bench-served soak
 
 install: $(VENV)/.installed
 
@@ -59,6 +59,12 @@ LOADTEST_SECONDS ?= 60
 loadtest: $(BUNDLE)/manifest.json
 	$(NMT) loadtest --bundle $(BUNDLE) --scenario $(SCENARIO) --peak-users $(USERS) --seconds $(LOADTEST_SECONDS) \
 	  --slo loadtests/slo.toml
+
+# sustained mixed, odd and invalid traffic against a server on loopback; exit 1 on a status code a call
+# does not expect, a gauge not back at 0, memory growth or a changed translation (runs/soak/)
+SOAK_SECONDS ?= 600
+soak: $(BUNDLE)/manifest.json
+	$(NMT) soak --bundle $(BUNDLE) --seconds $(SOAK_SECONDS) --clients 24 --out runs/soak
 
 # served throughput/latency, continuous vs static batching (a few minutes)
 bench-served: $(BUNDLE)/manifest.json

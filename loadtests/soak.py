@@ -9,7 +9,8 @@ sentence at the length limit, the largest option values, the most sentences per 
 ones. A sampler scrapes the server's /metrics: resident memory and the running/waiting gauges.
 
 Exit 1 when a call ends with a status code its kind does not expect (INTERNAL and UNKNOWN never are;
-UNAVAILABLE is not while the server is up), the gauges do not return to 0 after the run, health is
+UNAVAILABLE is not while the server is up), the started server's log holds a traceback, the gauges
+do not return to 0 after the run, health is
 no longer SERVING, a fixed sentence translates differently at the end, or resident memory grows by
 more than `max_memory_growth` after the warm-up (the first minute, or the first third of a short run;
 see memory_verdict).
@@ -241,6 +242,8 @@ def judge(report: dict) -> list[str]:
     if gauges is not None and not gauges["passed"]:
         failures.append(f"gauges not back at 0 after the run: running {gauges.get('running')}, "
                         f"waiting {gauges.get('waiting')}")
+    if report.get("server_log_tracebacks"):
+        failures.append(f"the server's log holds {report['server_log_tracebacks']} traceback(s)")
     memory = report["memory"]
     if memory.get("measured") and not memory["passed"]:
         failures.append(f"resident memory grew {memory['growth']:.1%} after the warm-up (medians "
@@ -289,13 +292,12 @@ def soak(cfg: SoakConfig, server: str, metrics_url: str, sentences: list[str]) -
         report["health"], report["fixed_sentence_same"] = f"unreachable ({e.code().name})", False
     channel.close()
     samples = sampler.samples if sampler else []
+    report["failed_scrapes"] = sampler.errors if sampler else 0
     report["samples"] = [[t, round(v.get("rss_bytes", 0) / 2**20, 1), v.get("running"), v.get("waiting")]
                          for t, v in samples]
     warmup = min(cfg.warmup_seconds, cfg.seconds / 3)
     report["memory"] = memory_verdict(samples, warmup, cfg.max_memory_growth) if sampler else \
         {"measured": False, "why": "no --metrics-url for the given server"}
-    report["failures"] = judge(report)
-    report["passed"] = not report["failures"]
     return report
 
 
@@ -313,7 +315,10 @@ def run_soak(cfg: SoakConfig) -> dict:
         with ServerProcess(cfg.bundle, "--metrics-port", str(metrics_port), *cfg.server_flags,
                            log=out / "server.log") as server:
             report = soak(cfg, server.target, f"http://127.0.0.1:{metrics_port}/metrics", sentences)
-            report["server_flags"] = cfg.server_flags
+        report["server_flags"] = cfg.server_flags
+        report["server_log_tracebacks"] = (out / "server.log").read_text(encoding="utf-8").count("Traceback")
+    report["failures"] = judge(report)
+    report["passed"] = not report["failures"]
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     if report["samples"]:
         plot(report, out / "memory.png")

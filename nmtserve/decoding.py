@@ -16,9 +16,9 @@ def output_budget(src_len: int, max_decoding_length: int, max_len: int) -> int:
 class Limits:
     """Every limit a row can run into, from the bundle's manifest (`limits`), in one place. A source
     longer than max_source_tokens is refused by the server (OnnxTranslator truncates it) before it is
-    encoded; a row's budget never takes it past
-    the decoder's position table, so a row that reaches max_target_tokens finishes with LENGTH
-    before a step could index past the table (a hole never advances: export/runtime/batch.py)."""
+    encoded; a row's budget never takes it past the decoder's position table, so a row that reaches
+    max_target_tokens finishes with LENGTH before a step could index past the table (a hole never
+    advances: export/runtime/batch.py)."""
 
     max_source_tokens: int  # the encoder's position table
     max_target_tokens: int  # the decoder's position table: positions 0 .. max_target_tokens - 1

@@ -136,6 +136,11 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             message = f"request {request.id} {what}"
             self.metrics.rpc(rpc, code.name)
             _log_line(rpc, code.name, requests, started)
+            if request.finish is not FinishReason.ERROR:
+                # the client's own deadline or cancellation already gave it this status, and gRPC may
+                # have ended the call: a status written now fails inside grpc (ExecuteBatchError, logged
+                # with a traceback; 1 in 17,596 calls of a 10-minute soak). End the handler quietly.
+                raise asyncio.CancelledError(message)
             await context.abort(code, message)
 
     # -- RPCs

@@ -35,7 +35,7 @@ def test_a_short_soak_sends_every_kind_and_passes(soak_run):
                                       "running": 0.0, "waiting": 0.0}
     assert report["memory"]["measured"] and len(report["samples"]) >= 10
     assert (out / "memory.png").stat().st_size > 10_000
-    assert '"rpc": "Translate"' in (out / "server.log").read_text()
+    assert '"rpc": "Translate"' in (out / "server.log").read_text() and report["server_log_tracebacks"] == 0
 
 
 def test_the_verdict_fails_on_each_thing_it_checks(soak_run):
@@ -53,6 +53,7 @@ def test_the_verdict_fails_on_each_thing_it_checks(soak_run):
     assert failures(lambda r: r["calls"]["invalid: empty sentence"].update(OK=1)) == \
         ["1 × OK in 'invalid: empty sentence'"]
     assert failures(lambda r: r["calls"]["unary"].update(RESOURCE_EXHAUSTED=3)) == []  # a correct refusal
+    assert failures(lambda r: r.update(server_log_tracebacks=2)) == ["the server's log holds 2 traceback(s)"]
     assert failures(lambda r: r.update(health="NOT_SERVING")) == ["health is NOT_SERVING after the run"]
     assert failures(lambda r: r.update(fixed_sentence_same=False)) == \
         ["the fixed sentence translates differently after the run"]
