@@ -167,6 +167,7 @@ def test_requests_at_every_limit_over_grpc_end_with_length_alone_and_in_a_busy_b
                 too_long = text
                 break
             longest = text
+        assert len(translator.tokenizer.encode(longest)) >= limits.max_source_tokens - 8  # one word short at most
         largest = pb.DecodingOptions(max_output_tokens=limits.max_target_tokens)  # the limit the server tells
         budget = limits.output_budget(len(translator.tokenizer.encode(longest)), limits.max_target_tokens)
         with server.channel() as channel:
