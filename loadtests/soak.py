@@ -80,10 +80,9 @@ class SoakConfig:
 
 @dataclass
 class Plan:
-    """What the clients send: sentences, the server's limits, the odd and invalid requests."""
+    """What the clients send: sentences, the odd and the invalid requests by name."""
 
     sentences: list[str]
-    limits: pb.Limits
     odd: dict[str, pb.TranslateRequest]
     invalid: dict[str, pb.TranslateRequest]
 
@@ -142,7 +141,7 @@ def make_plan(stub, sentences: list[str]) -> Plan:
                "over the character limit": pb.TranslateRequest(sentences=[too_long]),
                "max_output_tokens over the limit": pb.TranslateRequest(
                    sentences=[one], options=pb.DecodingOptions(max_output_tokens=limits.max_output_tokens + 1))}
-    return Plan(sentences, limits, odd, invalid)
+    return Plan(sentences, odd, invalid)
 
 
 def _one_call(stub, plan: Plan, rng: random.Random) -> tuple[str, str]:
