@@ -134,7 +134,7 @@ def cached_decode_parity(model, translator: OnnxTranslator, sources: list[list[i
         past_valid = np.concatenate([past_valid, np.ones((len(sources), 1), bool)], 1)
         worst = max(worst, _log_prob_diff(lp, ref_lp))
         best_two = ref_lp.topk(2).values
-        same += (torch.from_numpy(lp.argmax(-1)) == ref_lp.argmax(-1)) | (best_two[:, 0] - best_two[:, 1] <= TIE)
+        same += ((torch.from_numpy(lp.argmax(-1)) == ref_lp.argmax(-1)) | (best_two[:, 0] - best_two[:, 1] <= TIE)).tolist()
         tokens = ref_lp.argmax(-1)
     return {"sentences": len(sources), "steps": steps, "log_prob_diff": float(f"{worst:.3g}"),
             "same_best_token": round(float(np.mean(same)), 4)}
