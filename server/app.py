@@ -39,11 +39,21 @@ class RunningServer:
     metrics_port: int | None = None
 
     async def drain_and_stop(self, timeout: float) -> None:
-        """NOT_SERVING, refuse new work (UNAVAILABLE), let in-flight calls finish within `timeout`, stop."""
+        """NOT_SERVING, refuse new work (UNAVAILABLE), let in-flight calls finish within `timeout`, stop.
+
+        The gRPC server keeps running until the engine is idle, so that a call arriving while the
+        accepted ones finish meets the servicer's UNAVAILABLE. grpc's own shutdown ends a call it has
+        received but not yet handed to a handler with CANCELLED (grpc/grpc#41785), which a client
+        would not retry; only calls arriving in the moment of the final stop can still meet it.
+        """
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.servicer.accepting = False
-        await self.server.stop(grace=timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline and any(self.engine.stats()[k] for k in ("running", "waiting")):
+            await asyncio.sleep(0.05)
+        await self.server.stop(grace=max(0.0, deadline - loop.time()))
         await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
 
 
