@@ -30,6 +30,10 @@ class InvalidRequest(NmtserveError):
     """A request field is out of range; the message names the field, the value and the limit."""
 
 
+class ResponseTooLarge(NmtserveError):
+    """A response message over --max-message-bytes: grpc's write of it would fail."""
+
+
 _EARLY_FINISH = {FinishReason.ERROR: (grpc.StatusCode.INTERNAL, "failed in the engine"),
                  FinishReason.DEADLINE: (grpc.StatusCode.DEADLINE_EXCEEDED, "passed its deadline"),
                  FinishReason.CANCELLED: (grpc.StatusCode.CANCELLED, "was cancelled")}
@@ -38,7 +42,7 @@ _EARLY_FINISH = {FinishReason.ERROR: (grpc.StatusCode.INTERNAL, "failed in the e
 def _status_of(exc: Exception) -> grpc.StatusCode:
     if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, EngineOverloaded):
+    if isinstance(exc, EngineOverloaded | ResponseTooLarge):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, EngineStopped):
         return grpc.StatusCode.UNAVAILABLE
@@ -108,6 +112,19 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         _log_line(rpc, code.name, requests, started)
         await context.abort(code, str(exc))
 
+    async def _fit(self, rpc: str, message, context, requests: list[Request], started: float):
+        """The message, if grpc can send it: a write over the message size limit fails inside grpc, after
+        the call was counted OK; this fails the call first (freeing its rows if a stream's delta is too
+        large while it still decodes), with the sizes, and counts what it got."""
+        size, limit = message.ByteSize(), self.config.max_message_bytes
+        if size > limit:
+            for r in requests:
+                r.cancel()
+            await self._fail(rpc, context, ResponseTooLarge(
+                f"response: {size} bytes, over the server's message limit of {limit} (--max-message-bytes)"),
+                requests, started)
+        return message
+
     def _succeed(self, rpc: str, requests: list[Request], started: float) -> None:
         self.metrics.rpc(rpc, "OK")
         _log_line(rpc, "OK", requests, started)
@@ -168,8 +185,10 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             self.metrics.rpc("Translate", "CANCELLED")
             raise
         await self._check_finished("Translate", done, context, started)
+        response = pb.TranslateResponse(translations=[self._translation(r, request.options.return_scores) for r in done])
+        response = await self._fit("Translate", response, context, done, started)
         self._succeed("Translate", done, started)
-        return pb.TranslateResponse(translations=[self._translation(r, request.options.return_scores) for r in done])
+        return response
 
     async def TranslateStream(self, request: pb.TranslateStreamRequest, context):
         loop = asyncio.get_running_loop()
@@ -197,7 +216,8 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                 seen.extend(t for t in items if t is not None)
                 text = self.tokenizer.decode(seen)
                 if text.startswith(emitted) and len(text) > len(emitted):  # pieces may re-segment; wait if so
-                    yield pb.TranslateStreamResponse(delta=text[len(emitted):])
+                    yield await self._fit("TranslateStream", pb.TranslateStreamResponse(delta=text[len(emitted):]),
+                                          context, [engine_request], started)
                     emitted = text
             await future
         except asyncio.CancelledError:
@@ -210,9 +230,12 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             if not final.text.startswith(emitted):
                 log.error("request %s: streamed text is not a prefix of the final text", engine_request.id)
                 await context.abort(grpc.StatusCode.INTERNAL, f"request {engine_request.id}: stream diverged")
-            yield pb.TranslateStreamResponse(delta=final.text[len(emitted):])
+            yield await self._fit("TranslateStream", pb.TranslateStreamResponse(delta=final.text[len(emitted):]),
+                                  context, [engine_request], started)
+        last = await self._fit("TranslateStream", pb.TranslateStreamResponse(final=final), context, [engine_request],
+                               started)
         self._succeed("TranslateStream", [engine_request], started)
-        yield pb.TranslateStreamResponse(final=final)
+        yield last
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
         manifest = json.loads(self.manifest_path.read_text(encoding="utf-8"))

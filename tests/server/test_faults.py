@@ -1,5 +1,5 @@
 """Faults from outside, on real servers: a client process killed mid-stream, a stream that is never
-read, SIGTERM during a burst, SIGKILL and a restart. Each frees its rows, no accepted
+read, a server-side write that would fail, SIGTERM during a burst, SIGKILL and a restart. Each frees its rows, no accepted
 request is lost silently (it finishes, or its client gets a status code), and the server's log
 holds no traceback."""
 
@@ -131,6 +131,47 @@ def test_a_stream_never_read_finishes_in_the_engine_and_frees_its_row(server, lo
         for stream in streams:
             stream.cancel()
     assert server.wait_idle()
+
+
+def test_a_response_too_large_to_send_fails_alone_with_its_sizes(tiny_bundle, caplog):
+    """A response over --max-message-bytes would fail in grpc's write (logged there as an error, after the
+    call was counted OK). Here: 8 sentences in one call make a response over 200 bytes, one sentence
+    fits; a stream's messages cannot fit 30 bytes. Each call too large gets RESOURCE_EXHAUSTED naming the
+    sizes, its batch-mates get their translations, and every row is freed."""
+    def expect_too_large(call) -> str:
+        with pytest.raises(grpc.RpcError) as failure:
+            call()
+        assert failure.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, failure.value
+        return failure.value.details()
+
+    one = ["The cat sleeps."]
+    for limit in (200, 30):
+        server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
+                                           max_message_bytes=limit))
+        try:
+            stub = pb_grpc.TranslationServiceStub(server.channel())
+            if limit == 200:
+                alone = _translate(server.target, one)
+                with concurrent.futures.ThreadPoolExecutor(5) as pool:
+                    big = pool.submit(expect_too_large, lambda: stub.Translate(
+                        pb.TranslateRequest(sentences=one * 8), timeout=60))
+                    mates = [pool.submit(_translate, server.target, one) for _ in range(4)]
+                    assert [m.result(60) for m in mates] == [alone] * 4
+                    message = big.result(60)
+            else:
+                message = expect_too_large(lambda: list(stub.TranslateStream(
+                    pb.TranslateStreamRequest(sentence="The cat sleeps."), timeout=60)))
+            assert f"bytes, over the server's message limit of {limit} (--max-message-bytes)" in message, message
+            registry = server.running.servicer.metrics.registry
+            rpc = "Translate" if limit == 200 else "TranslateStream"
+            assert registry.get_sample_value("nmtserve_requests_total", {"rpc": rpc, "code": "RESOURCE_EXHAUSTED"}) == 1
+            deadline = time.monotonic() + 20
+            while any(server.running.engine.stats()[k] for k in ("running", "waiting")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert server.running.engine.stats()["running"] == server.running.engine.stats()["waiting"] == 0
+        finally:
+            server.stop()
+    assert not [r for r in caplog.records if r.exc_info or r.levelname in ("ERROR", "CRITICAL")]
 
 
 def test_sigterm_during_a_burst_finishes_or_refuses_every_call(server, long_sentences):
