@@ -1,158 +1,265 @@
-"""Offline translation benchmark: the same weights, threads and sentences through PyTorch (greedy
-with its KV cache), ONNX Runtime fp32/int8 (OnnxTranslator) and CTranslate2 fp32/int8.
+"""Offline translation benchmark: the same weights and sentences through PyTorch (greedy with its
+KV cache), ONNX Runtime fp32/int8 (OnnxTranslator) and CTranslate2 fp32/int8, fairly.
 
-    nmtserve bench offline bundles/default --json
+    nmtserve bench offline bundles/default --json docs/bench/offline-cpu-2core.json   # + offline-cpu-2core.png
 
-Engines take turns within each run, so drift of the machine hits them alike; each figure is
-the median of `runs` runs. Ratios are against CTranslate2 of the same precision.
+Fair by construction:
+- every measurement runs in a process of its own (`python -m nmtserve.loadtests.bench_offline
+  worker …`) that imports only its engine; the report lists the engines' modules each worker had
+  loaded, and an ONNX Runtime worker never has torch or ctranslate2 beside it;
+- a run starts one worker per engine and thread count, in an order rotated from run to run, and
+  each worker translates the sentences once at every batch size after a warm-up; `runs` runs, so
+  the engines interleave and drift of the machine hits them alike;
+- thread counts are swept (half the usable cores and all of them, by default) and each engine is
+  reported, per batch size, at its best thread count, as the median with min–max over runs;
+- the report records the CPU model and flags, cores and the libraries' versions.
+Ratios are ours over CTranslate2's of the same precision, each at its best thread count.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from nmtserve.errors import ConfigError
+from nmtserve.errors import NmtserveError
+from nmtserve.loadtests.machine import describe, machine_info
 
 BATCH_SIZES = (1, 8, 32, 64)
 ENGINES = ("pytorch", "ort_fp32", "ort_int8", "ct2_fp32", "ct2_int8")
+ENGINE_MODULES = ("torch", "onnxruntime", "ctranslate2")
+OWN_MODULE = {"pytorch": "torch", "ort": "onnxruntime", "ct2": "ctranslate2"}
+RATIOS = (("ort_fp32", "ct2_fp32"), ("ort_int8", "ct2_int8"), ("pytorch", "ct2_fp32"))
+
+
+def default_threads() -> tuple[int, ...]:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return tuple(sorted({max(1, cores // 2), cores}))
 
 
 @dataclass
 class BenchConfig:
     bundle: str
-    checkpoint: str | None = None  # default: the bundle's source checkpoint
-    sentences: int = 300
-    runs: int = 5
-    threads: int = 2
+    checkpoint: str | None = None  # default: the bundle's source checkpoint (PyTorch and the CTranslate2 conversion)
+    sentences: int = 200
+    runs: int = 3
+    threads: tuple[int, ...] = ()  # () = default_threads()
     batch_sizes: tuple[int, ...] = BATCH_SIZES
     engines: tuple[str, ...] = ENGINES
-    split: str = "test"
+    sentences_file: str | None = None  # default: the test split of the bundle's training data
+    max_decoding_length: int = 256
 
 
-@dataclass
-class EngineResult:
-    times: dict[int, list[float]] = field(default_factory=dict)
-    tokens: dict[int, int] = field(default_factory=dict)  # target tokens produced (eos excluded)
-    outputs: list[list[int]] | None = None  # token ids of the last run at the largest batch
+# -- the worker: one engine, one thread count, every batch size
 
+def _load_engine(engine: str, threads: int, spec: dict):
+    """function(sources as token ids, batch size) -> target token ids, importing only `engine`'s library."""
+    if engine == "pytorch":
+        import torch
 
-def _engines(cfg: BenchConfig, loaded, bundle, workdir: Path) -> dict[str, Callable[[list[list[int]], int], list[list[int]]]]:
-    """name -> function(sources as token ids, batch size) -> target token ids."""
-    import torch
+        from nmtserve.decoding import sorted_batches
+        from nmtserve.training.checkpoint import load_model
+        from nmtserve.training.data import pad
+        from nmtserve.training.decode import greedy_decode
 
-    from nmtserve.decoding import sorted_batches
-    from nmtserve.export.runtime.translator import OnnxTranslator
-    from nmtserve.training.data import pad
-    from nmtserve.training.decode import greedy_decode
+        torch.set_num_threads(threads)
+        model = load_model(spec["checkpoint"]).model
 
-    torch.set_num_threads(cfg.threads)
-    engines: dict = {}
+        def run(sources, batch_size):
+            out = [None] * len(sources)
+            for rows in sorted_batches([len(s) for s in sources], batch_size):
+                src, mask = pad([sources[i] for i in rows], 0)
+                for i, tokens in zip(rows, greedy_decode(model, src, mask, spec["max_decoding_length"])[0]):
+                    out[i] = tokens
+            return out
+        return run
+    if engine.startswith("ort_"):
+        from nmtserve.export.runtime.translator import OnnxTranslator
 
-    def pytorch(sources, batch_size):
-        out = [None] * len(sources)
-        for rows in sorted_batches([len(s) for s in sources], batch_size):
-            src, mask = pad([sources[i] for i in rows], 0)
-            for i, toks in zip(rows, greedy_decode(loaded.model, src, mask)[0]):
-                out[i] = toks
-        return out
-
-    engines["pytorch"] = pytorch
-    for variant in ("fp32", "int8"):
-        if f"ort_{variant}" in cfg.engines and variant in bundle.variants:
-            tr = OnnxTranslator(bundle, variant=variant, intra_op_threads=cfg.threads)
-            engines[f"ort_{variant}"] = (lambda t: lambda s, b: [x for x, _ in t.translate_ids(s, max_batch_size=b)])(tr)
-    if any(e.startswith("ct2_") for e in cfg.engines):
+        tr = OnnxTranslator(spec["bundle"], variant=engine[4:], intra_op_threads=threads)
+        return lambda sources, batch_size: [t for t, _ in tr.translate_ids(
+            sources, max_batch_size=batch_size, max_decoding_length=spec["max_decoding_length"])]
+    if engine.startswith("ct2_"):
         import ctranslate2
 
-        from nmtserve.export.build.to_ctranslate2 import convert
+        ct = ctranslate2.Translator(spec["ct2_model"], device="cpu", intra_threads=threads, inter_threads=1,
+                                    compute_type={"ct2_fp32": "float32", "ct2_int8": "int8"}[engine])
+        vocab = spec["vocab"]
+        ids = {piece: i for i, piece in enumerate(vocab)}
 
-        path = convert(loaded, workdir / "ct2")
-        sp = loaded.tokenizer.sp
-        for compute in ("float32", "int8"):
-            name = "ct2_fp32" if compute == "float32" else "ct2_int8"
-            ct = ctranslate2.Translator(str(path), device="cpu", compute_type=compute, intra_threads=cfg.threads,
-                                        inter_threads=1)
-
-            def run(sources, batch_size, ct=ct):
-                pieces = [[sp.id_to_piece(i) for i in s] for s in sources]
-                results = ct.translate_batch(pieces, beam_size=1, max_batch_size=batch_size, batch_type="examples",
-                                             max_decoding_length=256)
-                return [[sp.piece_to_id(p) for p in r.hypotheses[0]] for r in results]
-
-            engines[name] = run
-    return {name: fn for name, fn in engines.items() if name in cfg.engines}
+        def run(sources, batch_size):
+            results = ct.translate_batch([[vocab[i] for i in s] for s in sources], beam_size=1,
+                                         max_batch_size=batch_size, batch_type="examples",
+                                         max_decoding_length=spec["max_decoding_length"])
+            return [[ids[p] for p in r.hypotheses[0]] for r in results]
+        return run
+    raise NmtserveError(f"unknown engine {engine!r}")
 
 
-def run_bench(cfg: BenchConfig) -> dict:
+def measure(engine: str, threads: int, spec: dict) -> dict:
+    """Warm up, then translate every source once at each batch size (in this process)."""
+    run = _load_engine(engine, threads, spec)
+    sources = spec["sources"]
+    run(sources[:16], 8)  # first-call allocations, lazy kernels
+    seconds, tokens, outputs = {}, {}, {}
+    for batch in spec["batch_sizes"]:
+        t0 = time.perf_counter()
+        out = run(sources, batch)
+        seconds[str(batch)] = time.perf_counter() - t0
+        tokens[str(batch)] = sum(len(o) for o in out)
+        outputs[str(batch)] = out
+    first = outputs[str(spec["batch_sizes"][0])]
+    return {"seconds": seconds, "tokens": tokens, "outputs": outputs[str(spec["batch_sizes"][-1])],
+            "same_output_at_every_batch_size": all(o == first for o in outputs.values()),
+            "modules_loaded": [m for m in ENGINE_MODULES if m in sys.modules]}
+
+
+def _run_worker(engine: str, threads: int, spec_path: Path) -> dict:
+    env = {**os.environ, **{v: str(threads) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}}
+    done = subprocess.run([sys.executable, "-m", "nmtserve.loadtests.bench_offline", "worker", engine, str(threads),
+                           str(spec_path)], capture_output=True, text=True, env=env, timeout=3600)
+    if done.returncode != 0:
+        raise NmtserveError(f"bench worker {engine} ({threads} threads) failed: {done.stderr.strip()[-800:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# -- the runner
+
+def _spec(cfg: BenchConfig, workdir: Path) -> dict:
     from nmtserve.export.runtime.bundle import load_bundle
-    from nmtserve.training.checkpoint import load_model
-    from nmtserve.training.data import read_corpus, split_file
+    from nmtserve.loadtests.workload import default_sentence_file, read_sentences
 
     bundle = load_bundle(cfg.bundle)
+    tokenizer = bundle.tokenizer()
+    texts = read_sentences(cfg.sentences_file or default_sentence_file(cfg.bundle))[: cfg.sentences]
+    sources = [tokenizer.encode(t)[: bundle.limits.max_source_tokens] or [tokenizer.special_ids()["eos"]]
+               for t in texts]
     checkpoint = cfg.checkpoint or bundle.manifest["source"]["checkpoint"]
-    loaded = load_model(checkpoint)
-    data_dir = bundle.manifest["source"].get("data")
-    if not data_dir:
-        raise ConfigError("the bundle records no data directory; give --checkpoint of a run on the built-in corpus")
-    pairs = read_corpus([split_file(data_dir, cfg.split)]).pairs[: cfg.sentences]
-    sources = [loaded.tokenizer.encode(s)[: loaded.model.config.max_len] or [loaded.tokenizer.eos_id] for s, _ in pairs]
-    with tempfile.TemporaryDirectory() as tmp:
-        engines = _engines(cfg, loaded, bundle, Path(tmp))
-        results = {name: EngineResult() for name in engines}
-        for name, fn in engines.items():  # warm-up: first-call allocations, lazy kernels
-            fn(sources[:16], 8)
-        for batch in cfg.batch_sizes:
-            for _ in range(cfg.runs):
-                for name, fn in engines.items():
-                    t0 = time.perf_counter()
-                    outputs = fn(sources, batch)
-                    results[name].times.setdefault(batch, []).append(time.perf_counter() - t0)
-                    results[name].tokens[batch] = sum(len(o) for o in outputs)
-                    results[name].outputs = outputs
-    return _report(cfg, results, len(sources), checkpoint)
+    spec = {"bundle": cfg.bundle, "checkpoint": checkpoint, "sources": sources, "batch_sizes": list(cfg.batch_sizes),
+            "max_decoding_length": cfg.max_decoding_length}
+    if any(e.startswith("ct2_") for e in cfg.engines):
+        # converted here, once, in the runner (torch), never in a measuring process
+        from nmtserve.export.build.to_ctranslate2 import convert
+        from nmtserve.training.checkpoint import load_model
+
+        spec["ct2_model"] = str(convert(load_model(checkpoint), workdir / "ct2"))
+        spec["vocab"] = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
+    return spec
 
 
-def _report(cfg: BenchConfig, results: dict[str, EngineResult], n_sentences: int, checkpoint: str) -> dict:
-    table = {}
-    for name, r in results.items():
-        table[name] = {}
-        for batch, times in r.times.items():
-            median = statistics.median(times)
-            table[name][str(batch)] = {"median_s": round(median, 4), "sentences_per_s": round(n_sentences / median, 1),
-                                       "target_tokens_per_s": round(r.tokens[batch] / median, 1),
-                                       "runs": [round(t, 4) for t in times]}
-    ratios = {}
-    for ours, theirs in (("ort_fp32", "ct2_fp32"), ("ort_int8", "ct2_int8"), ("pytorch", "ct2_fp32")):
-        if ours in table and theirs in table:
-            ratios[f"{ours}/{theirs}"] = {b: round(table[ours][b]["target_tokens_per_s"] / table[theirs][b]["target_tokens_per_s"], 3)
-                                         for b in table[ours]}
-    agreement = {}
-    reference = results.get("pytorch")
-    for name, r in results.items():
-        if reference and name != "pytorch" and r.outputs is not None:
-            same = sum(a == b for a, b in zip(r.outputs, reference.outputs))
-            agreement[f"{name}_vs_pytorch_identical"] = round(same / n_sentences, 4)
-    import platform
+def run_bench(cfg: BenchConfig, progress=print) -> dict:
+    threads = cfg.threads or default_threads()
+    configs = [(engine, t) for engine in cfg.engines for t in threads]
+    runs: dict[tuple[str, int], list[dict]] = {c: [] for c in configs}
+    with tempfile.TemporaryDirectory(prefix="nmtserve-bench-") as tmp:
+        spec = _spec(cfg, Path(tmp))
+        spec_path = Path(tmp) / "spec.json"
+        spec_path.write_text(json.dumps(spec), encoding="utf-8")
+        for run in range(cfg.runs):
+            for engine, t in configs[run % len(configs):] + configs[: run % len(configs)]:
+                progress(f"run {run + 1}/{cfg.runs}: {engine}, {t} thread(s)")
+                runs[(engine, t)].append(_run_worker(engine, t, spec_path))
+    return _report(cfg, threads, runs, len(spec["sources"]), spec["checkpoint"])
 
-    return {"checkpoint": checkpoint, "bundle": cfg.bundle, "sentences": n_sentences, "runs": cfg.runs,
-            "threads": cfg.threads, "machine": {"processor": platform.processor() or platform.machine(),
-                                                "python": platform.python_version()},
-            "results": table, "ratios": ratios, "token_agreement": agreement}
+
+def _stats(values: list[float]) -> dict:
+    return {"median": round(statistics.median(values), 1), "min": round(min(values), 1), "max": round(max(values), 1)}
+
+
+def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences: int, checkpoint: str) -> dict:
+    batches = [str(b) for b in cfg.batch_sizes]
+    results: dict = {}
+    for (engine, t), measured in runs.items():
+        results.setdefault(engine, {})[str(t)] = {
+            b: {**_stats([m["tokens"][b] / m["seconds"][b] for m in measured]),
+                "runs": [round(m["tokens"][b] / m["seconds"][b], 1) for m in measured]} for b in batches}
+    best = {engine: {b: {"threads": int(max(by_t, key=lambda t: by_t[t][b]["median"])),
+                         **max((by_t[t][b] for t in by_t), key=lambda cell: cell["median"])} for b in batches}
+            for engine, by_t in results.items()}
+    for cells in best.values():
+        for cell in cells.values():
+            cell.pop("runs")
+    ratios = {f"{ours}/{theirs}": {b: round(best[ours][b]["median"] / best[theirs][b]["median"], 3) for b in batches}
+              for ours, theirs in RATIOS if ours in best and theirs in best}
+    reference = "pytorch" if "pytorch" in cfg.engines else "ort_fp32"
+    agreement, modules, batch_independent = {}, {}, {}
+    for (engine, t), measured in runs.items():
+        modules.setdefault(engine, set()).update(*(m["modules_loaded"] for m in measured))
+        batch_independent[engine] = batch_independent.get(engine, True) and all(
+            m["same_output_at_every_batch_size"] for m in measured)
+        if (reference, threads[0]) in runs and engine != reference and t == threads[0]:
+            ref = runs[(reference, threads[0])][0]["outputs"]
+            agreement[f"{engine}_vs_{reference}_identical"] = round(
+                sum(a == b for a, b in zip(measured[0]["outputs"], ref)) / n_sentences, 4)
+    return {"machine": machine_info(), "checkpoint": checkpoint, "bundle": cfg.bundle, "sentences": n_sentences,
+            "runs": cfg.runs, "threads_swept": list(threads), "batch_sizes": list(cfg.batch_sizes),
+            "unit": "target tokens/s (eos excluded), greedy",
+            "results": results, "best": best, "ratios": ratios, "token_agreement": agreement,
+            "same_output_at_every_batch_size": batch_independent,
+            "worker_modules_loaded": {e: sorted(m) for e, m in modules.items()}}
+
+
+def check_isolation(report: dict) -> list[str]:
+    """'engine: module' for each other engine's library a measuring process of `engine` had loaded."""
+    return [f"{engine}: {module}" for engine, loaded in report["worker_modules_loaded"].items()
+            for module in loaded if module != OWN_MODULE[engine.split("_")[0]]]
 
 
 def format_table(report: dict) -> str:
-    batches = list(next(iter(report["results"].values())).keys())
-    lines = [f"{report['sentences']} sentences, {report['threads']} threads, median of {report['runs']} runs — target tokens/s",
-             f"{'engine':<10}" + "".join(f"{'batch ' + b:>12}" for b in batches)]
-    for name, row in report["results"].items():
-        lines.append(f"{name:<10}" + "".join(f"{row[b]['target_tokens_per_s']:>12.0f}" for b in batches))
+    batches = [str(b) for b in report["batch_sizes"]]
+    lines = [describe(report["machine"]),
+             f"{report['sentences']} sentences, {report['unit']}; each engine in its own process at its best of "
+             f"{', '.join(map(str, report['threads_swept']))} thread(s) (t=); median [min–max] of {report['runs']} runs",
+             f"{'engine':<10}" + "".join(f"{'batch ' + b:>26}" for b in batches)]
+    for engine, cells in report["best"].items():
+        lines.append(f"{engine:<10}" + "".join(
+            f"{c['median']:>9,.0f} [{c['min']:,.0f}–{c['max']:,.0f}] t={c['threads']}".rjust(26)
+            for c in (cells[b] for b in batches)))
     for name, row in report["ratios"].items():
         lines.append(f"{name:<18}" + "".join(f"{row[b]:>8.2f}" for b in batches))
     for name, share in report["token_agreement"].items():
         lines.append(f"{name}: {share:.1%}")
     return "\n".join(lines)
+
+
+def draw_chart(report: dict, path: Path) -> None:
+    """Tokens/s against batch size, one line per engine and precision at its best thread count,
+    with the min–max of the runs as error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = report["batch_sizes"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = {"pytorch": "tab:gray", "ort": "tab:blue", "ct2": "tab:orange"}
+    for engine, cells in report["best"].items():
+        kind = engine.split("_")[0]
+        medians = [cells[str(b)]["median"] for b in batches]
+        spread = [[m - cells[str(b)]["min"] for b, m in zip(batches, medians)],
+                  [cells[str(b)]["max"] - m for b, m in zip(batches, medians)]]
+        ax.errorbar(batches, medians, yerr=spread, label=engine, color=colors[kind], capsize=3, marker="o",
+                    linestyle="--" if engine.endswith("int8") else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("batch size (sentences)")
+    ax.set_ylabel("target tokens/s")
+    machine = report["machine"]
+    ax.set_title(f"greedy, each engine at its best thread count, median and min–max of {report['runs']} runs\n"
+                 f"{machine['cpu']}, {machine['usable_cores']} cores", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    engine_name, thread_count, spec_file = sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
+    print(json.dumps(measure(engine_name, thread_count, json.loads(spec_file.read_text(encoding="utf-8")))))

@@ -13,7 +13,6 @@ process while the servers are idle.
 
 from __future__ import annotations
 
-import platform
 import statistics
 import tempfile
 import threading
@@ -21,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nmtserve.loadtests.machine import describe, machine_info
 from nmtserve.loadtests.workload import ServerProcess, default_sentence_file, mixed, read_sentences
 
 MODES = ("continuous", "static")
@@ -157,14 +157,15 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: list[dict]) -> dict:
     return {"bundle": cfg.bundle, "variant": cfg.variant, "device": cfg.device, "server_flags": cfg.server_flags,
             "threads": cfg.threads, "runs": cfg.runs,
             "max_running_rows": cfg.max_running_rows, "concurrency": list(cfg.concurrency),
-            "machine": {"processor": platform.processor() or platform.machine(), "python": platform.python_version()},
+            "machine": machine_info(),
             "results": results,
             "baseline_onnx_translator_batch1": {k: round(v, 2) for k, v in baseline.items()} if baseline else None,
             "ratios": ratios}
 
 
 def format_table(report: dict) -> str:
-    lines = [f"{report['variant']} on {report.get('device', 'cpu')}, {report['threads']} ORT thread(s), "
+    lines = [describe(report["machine"]),
+             f"{report['variant']} on {report.get('device', 'cpu')}, {report['threads']} ORT thread(s), "
              f"median of {report['runs']} runs",
              f"{'mode':<11}{'clients':>8}{'tok/s':>9}{'req/s':>8}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}"
              f"{'in-server p50':>15}"]
@@ -178,3 +179,35 @@ def format_table(report: dict) -> str:
     for name, value in report["ratios"].items():
         lines.append(f"{name}: {value}")
     return "\n".join(lines)
+
+
+def draw_chart(report: dict, path: Path) -> None:
+    """Latency percentiles (p50, p90, p99) and throughput against the number of clients, per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (latency, throughput) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode, color in zip(report["results"], ("tab:blue", "tab:orange")):
+        cells = report["results"][mode]
+        clients = [int(c) for c in cells]
+        for key, style in (("p50_ms", "-"), ("p90_ms", "--"), ("p99_ms", ":")):
+            latency.plot(clients, [cells[c][key] for c in cells], style, color=color, marker="o",
+                         label=f"{mode} {key[:3]}")
+        throughput.plot(clients, [cells[c]["tokens_per_s"] for c in cells], color=color, marker="o", label=mode)
+    baseline = report["baseline_onnx_translator_batch1"]
+    if baseline:
+        latency.axhline(baseline["p50_ms"], color="gray", linewidth=0.8, label="OnnxTranslator batch-1 p50")
+    for ax, ylabel in ((latency, "latency per call (ms)"), (throughput, "target tokens/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    latency.set_yscale("log")
+    fig.suptitle(f"nmtserve serve, {report['variant']} on {report['device']}, {report['threads']} thread(s), "
+                 f"median of {report['runs']} runs — {report['machine']['cpu']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

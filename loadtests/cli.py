@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from nmtserve.cli import ArgumentParser
@@ -28,20 +29,41 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def cmd_bench_offline(args) -> int:
-    from nmtserve.loadtests.bench_offline import ENGINES, BenchConfig, format_table, run_bench
+    from nmtserve.loadtests.bench_offline import (
+        ENGINES,
+        BenchConfig,
+        check_isolation,
+        draw_chart,
+        format_table,
+        run_bench,
+    )
 
     engines = tuple(e.strip() for e in args.engines.split(","))
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
         raise NmtserveError(f"--engines: unknown {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
-    report = run_bench(BenchConfig(args.bundle, args.checkpoint, args.sentences, args.runs, args.threads,
-                                   args.batch_sizes, engines, args.split))
-    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    report = run_bench(BenchConfig(args.bundle, args.checkpoint, args.sentences, args.runs, args.threads or (),
+                                   args.batch_sizes, engines, args.sentences_file),
+                       progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(format_table(report))
+    if args.json:
+        _write_report(report, Path(args.json), draw_chart)
+    leaks = check_isolation(report)
+    if leaks:
+        raise NmtserveError(f"a measuring process had another engine loaded ({'; '.join(leaks)}): figures not fair")
     return 0
 
 
+def _write_report(report: dict, path: Path, draw) -> None:
+    """The report as JSON at `path`, and its chart beside it (same name, .png)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    draw(report, path.with_suffix(".png"))
+    print(f"report: {path}, chart: {path.with_suffix('.png')}")
+
+
 def cmd_bench_served(args) -> int:
-    from nmtserve.loadtests.bench_served import MODES, ServedBenchConfig, format_table, run_served_bench
+    from nmtserve.loadtests.bench_served import MODES, ServedBenchConfig, draw_chart, format_table, run_served_bench
 
     modes = tuple(m.strip() for m in args.modes.split(","))
     if not modes or any(m not in MODES for m in modes):
@@ -51,7 +73,7 @@ def cmd_bench_served(args) -> int:
                                                 server_flags=args.server_flag or []))
     print(format_table(report))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        _write_report(report, Path(args.json), draw_chart)
     return 0
 
 
@@ -92,13 +114,15 @@ def _add_bench(p) -> None:
     p = bench.add_parser("offline", help="PyTorch vs ONNX Runtime vs CTranslate2 on the same weights and sentences")
     p.add_argument("bundle")
     p.add_argument("--checkpoint", help="default: the bundle's source checkpoint")
-    p.add_argument("--sentences", type=int, default=300, help="first N sentences of the split (default %(default)s)")
-    p.add_argument("--split", default="test")
-    p.add_argument("--runs", type=int, default=5, help="runs per engine and batch size; the median is reported")
-    p.add_argument("--threads", type=int, default=2, help="intra-op threads of every engine")
+    p.add_argument("--sentences", type=int, default=200, help="first N sentences (default %(default)s)")
+    p.add_argument("--sentences-file", help="sentence file (.tsv: first column; else one per line); "
+                   "default: the test split of the bundle's training data")
+    p.add_argument("--runs", type=int, default=3, help="runs (a process per engine and thread count each); "
+                   "median and min–max are reported")
+    p.add_argument("--threads", type=_int_list, help="thread counts to sweep (default: half the usable cores, and all)")
     p.add_argument("--batch-sizes", type=_int_list, default=(1, 8, 32, 64))
     p.add_argument("--engines", default="pytorch,ort_fp32,ort_int8,ct2_fp32,ct2_int8")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", metavar="FILE", help="also write the report here, and its chart beside it (.png)")
     p.set_defaults(func=cmd_bench_offline)
     p = bench.add_parser("served", help="served throughput and latency: continuous vs static batching, vs batch-1 ORT")
     p.add_argument("bundle")

@@ -1,6 +1,4 @@
-"""The CTranslate2 converter gives CTranslate2 our model: same greedy tokens; the offline bench runs."""
-
-import json
+"""The CTranslate2 converter gives CTranslate2 our model: same greedy tokens."""
 
 import ctranslate2
 
@@ -9,7 +7,6 @@ from nmtserve.export.build.to_ctranslate2 import convert
 from nmtserve.export.build.verify import reference_tokens
 from nmtserve.training.checkpoint import load_model
 from nmtserve.training.data import read_tsv
-from tests.helpers import run_cli
 
 
 def test_ctranslate2_matches_pytorch_tokens(tiny_checkpoint, tiny_corpus, tmp_path):
@@ -27,13 +24,3 @@ def test_ctranslate2_matches_pytorch_tokens(tiny_checkpoint, tiny_corpus, tmp_pa
     same = sum(a == b or (len(b) == output_budget(len(s), 256, max_len) and a[: len(b)] == b)
                for a, b, s in zip(got, expected, sources)) / len(sources)
     assert same >= 0.95, same
-
-
-def test_offline_bench_runs_every_engine(tiny_bundle):
-    result = run_cli("bench", "offline", str(tiny_bundle), "--sentences", "12", "--runs", "1", "--batch-sizes", "1,4",
-                     "--json")
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
-    assert set(report["results"]) == {"pytorch", "ort_fp32", "ort_int8", "ct2_fp32", "ct2_int8"}
-    assert set(report["ratios"]["ort_fp32/ct2_fp32"]) == {"1", "4"}
-    assert report["token_agreement"]["ort_fp32_vs_pytorch_identical"] == 1.0

@@ -1,0 +1,46 @@
+"""What a benchmark report records about where it ran: CPU model and instruction-set flags, cores,
+and the versions of the libraries whose speed it measures. Read without importing them."""
+
+from __future__ import annotations
+
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+
+LIBRARIES = ("onnxruntime", "onnxruntime-gpu", "ctranslate2", "torch", "numpy", "grpcio")
+# the flags that decide which GEMM and int8 kernels the engines can use
+CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
+             "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+
+
+def _cpuinfo() -> tuple[str, list[str]]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine(), []
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)  # the last CPU's lines win
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return fields.get("model name", platform.machine()), [f for f in CPU_FLAGS if f in flags]
+
+
+def machine_info() -> dict:
+    model, flags = _cpuinfo()
+    versions = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return {"cpu": model, "cpu_flags": flags, "logical_cores": os.cpu_count(),
+            "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "system": f"{platform.system()} {platform.release()}", "python": platform.python_version(),
+            "versions": versions}
+
+
+def describe(info: dict) -> str:
+    """One line for the top of a printed report."""
+    versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items())
+    return (f"{info['cpu']} ({info['usable_cores']} usable cores; {' '.join(info['cpu_flags'])}); "
+            f"Python {info['python']}; {versions}")
