@@ -143,6 +143,9 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: list[dict]) -> dict:
         for c, runs in by_c.items():
             results[mode][str(c)] = {key: round(statistics.median(r[key] for r in runs), 2)
                                      for key in ("tokens_per_s", "requests_per_s", "p50_ms", "p90_ms", "p99_ms", "server_p50_ms")}
+            for key in ("tokens_per_s", "p50_ms"):  # the spread over runs, beside the median
+                results[mode][str(c)][f"{key}_min_max"] = [round(min(r[key] for r in runs), 2),
+                                                           round(max(r[key] for r in runs), 2)]
             results[mode][str(c)]["requests"] = runs[0]["requests"]
     ratios = {}
     if {"continuous", "static"} <= set(results):
@@ -167,12 +170,15 @@ def format_table(report: dict) -> str:
     lines = [describe(report["machine"]),
              f"{report['variant']} on {report.get('device', 'cpu')}, {report['threads']} ORT thread(s), "
              f"median of {report['runs']} runs",
-             f"{'mode':<11}{'clients':>8}{'tok/s':>9}{'req/s':>8}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}"
-             f"{'in-server p50':>15}"]
+             f"{'mode':<11}{'clients':>8}{'tok/s [min–max]':>22}{'req/s':>8}{'p50 ms [min–max]':>24}{'p90 ms':>9}"
+             f"{'p99 ms':>9}{'in-server p50':>15}"]
     for mode, by_c in report["results"].items():
         for c, r in by_c.items():
-            lines.append(f"{mode:<11}{c:>8}{r['tokens_per_s']:>9.0f}{r['requests_per_s']:>8.1f}"
-                         f"{r['p50_ms']:>9.1f}{r['p90_ms']:>9.1f}{r['p99_ms']:>9.1f}{r['server_p50_ms']:>15.1f}")
+            (t_lo, t_hi), (p_lo, p_hi) = r["tokens_per_s_min_max"], r["p50_ms_min_max"]
+            throughput = f"{r['tokens_per_s']:.0f} [{t_lo:.0f}–{t_hi:.0f}]"
+            p50 = f"{r['p50_ms']:.1f} [{p_lo:.1f}–{p_hi:.1f}]"
+            lines.append(f"{mode:<11}{c:>8}{throughput:>22}{r['requests_per_s']:>8.1f}{p50:>24}"
+                         f"{r['p90_ms']:>9.1f}{r['p99_ms']:>9.1f}{r['server_p50_ms']:>15.1f}")
     b = report["baseline_onnx_translator_batch1"]
     if b:
         lines.append(f"OnnxTranslator batch 1: p50 {b['p50_ms']:.1f} ms, p90 {b['p90_ms']:.1f} ms, {b['tokens_per_s']:.0f} tok/s")

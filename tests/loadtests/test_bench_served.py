@@ -1,5 +1,6 @@
 """`nmtserve bench served` end to end on the tiny bundle: two real servers, every request served,
-a report with both modes, the baseline and the ratios (figures are not judged here)."""
+a report with both modes (median and spread), the baseline, the ratios, the machine and a chart
+(figures are not judged here)."""
 
 import json
 
@@ -15,7 +16,12 @@ def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_p
     assert report["device"] == "cpu" and report["server_flags"] == ["--io-binding=on"]
     for mode in ("continuous", "static"):
         assert set(report["results"][mode]) == {"1", "2"}
-        assert all(cell["requests"] == 6 and cell["tokens_per_s"] > 0 for cell in report["results"][mode].values())
+        for cell in report["results"][mode].values():
+            assert cell["requests"] == 6 and cell["tokens_per_s"] > 0
+            low, high = cell["p50_ms_min_max"]
+            assert low <= cell["p50_ms"] <= high
     assert set(report["ratios"]["continuous/static tokens_per_s"]) == {"1", "2"}
     assert report["baseline_onnx_translator_batch1"]["p50_ms"] > 0
     assert "continuous" in result.stdout and "OnnxTranslator batch 1" in result.stdout
+    assert report["machine"]["cpu"] in result.stdout and "onnxruntime" in report["machine"]["versions"]
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
