@@ -14,7 +14,7 @@ PAIRS  ?= 200000
 TRAIN_MINUTES ?= 20
 PYTEST_ARGS ?=
 
-.PHONY: install tools lint demo test clean protos loadtest bench-served soak
+.PHONY: install tools lint demo test clean protos loadtest bench-offline bench-served soak
 
 install: $(VENV)/.installed
 
@@ -65,6 +65,11 @@ loadtest: $(BUNDLE)/manifest.json
 SOAK_SECONDS ?= 600
 soak: $(BUNDLE)/manifest.json
 	$(NMT) soak --bundle $(BUNDLE) --seconds $(SOAK_SECONDS) --clients 24 --out runs/soak
+
+# PyTorch, ONNX Runtime and CTranslate2 on the same weights, each engine in its own process at its best
+# thread count (a few minutes); JSON and chart in docs/bench/
+bench-offline: $(BUNDLE)/manifest.json
+	$(NMT) bench offline $(BUNDLE) --json docs/bench/offline-cpu-2core.json
 
 # served throughput/latency, continuous vs static batching (a few minutes)
 bench-served: $(BUNDLE)/manifest.json
