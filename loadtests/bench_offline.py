@@ -179,12 +179,11 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences:
         results.setdefault(engine, {})[str(t)] = {
             b: {**_stats([m["tokens"][b] / m["seconds"][b] for m in measured]),
                 "runs": [round(m["tokens"][b] / m["seconds"][b], 1) for m in measured]} for b in batches}
-    best = {engine: {b: {"threads": int(max(by_t, key=lambda t: by_t[t][b]["median"])),
-                         **max((by_t[t][b] for t in by_t), key=lambda cell: cell["median"])} for b in batches}
-            for engine, by_t in results.items()}
-    for cells in best.values():
-        for cell in cells.values():
-            cell.pop("runs")
+    best: dict = {}
+    for engine, by_t in results.items():
+        for b in batches:
+            t = max(by_t, key=lambda t: by_t[t][b]["median"])
+            best.setdefault(engine, {})[b] = {"threads": int(t), **{k: by_t[t][b][k] for k in ("median", "min", "max")}}
     ratios = {f"{ours}/{theirs}": {b: round(best[ours][b]["median"] / best[theirs][b]["median"], 3) for b in batches}
               for ours, theirs in RATIOS if ours in best and theirs in best}
     reference = "pytorch" if "pytorch" in cfg.engines else "ort_fp32"
