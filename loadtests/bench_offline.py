@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nmtserve.errors import NmtserveError
-from nmtserve.loadtests.machine import describe, machine_info
+from nmtserve.loadtests.machine import describe, machine_info, usable_cores
 
 BATCH_SIZES = (1, 8, 32, 64)
 ENGINES = ("pytorch", "ort_fp32", "ort_int8", "ct2_fp32", "ct2_int8")
@@ -39,7 +39,7 @@ RATIOS = (("ort_fp32", "ct2_fp32"), ("ort_int8", "ct2_int8"), ("pytorch", "ct2_f
 
 
 def default_threads() -> tuple[int, ...]:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     return tuple(sorted({max(1, cores // 2), cores}))
 
 

@@ -25,6 +25,11 @@ def _cpuinfo() -> tuple[str, list[str]]:
     return fields.get("model name", platform.machine()), [f for f in CPU_FLAGS if f in flags]
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity), else all logical cores."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def machine_info() -> dict:
     model, flags = _cpuinfo()
     versions = {}
@@ -34,7 +39,7 @@ def machine_info() -> dict:
         except metadata.PackageNotFoundError:
             pass
     return {"cpu": model, "cpu_flags": flags, "logical_cores": os.cpu_count(),
-            "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "usable_cores": usable_cores(),
             "system": f"{platform.system()} {platform.release()}", "python": platform.python_version(),
             "versions": versions}
 

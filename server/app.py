@@ -51,10 +51,10 @@ class RunningServer:
         self.servicer.accepting = False
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while loop.time() < deadline and any(self.engine.stats()[k] for k in ("running", "waiting")):
+        while loop.time() < deadline and not self.engine.idle():
             await asyncio.sleep(0.05)
         await self.server.stop(grace=max(0.0, deadline - loop.time()))
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
+        await loop.run_in_executor(None, self.engine.stop)
 
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:

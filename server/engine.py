@@ -131,6 +131,11 @@ class Engine:
         with self.lock:
             return {"waiting": len(self.waiting), "running": self.running_count, "steps": self.steps}
 
+    def idle(self) -> bool:
+        """No request waiting or running."""
+        with self.lock:
+            return not self.waiting and not self.running_count
+
     # -- the loop
     def _loop(self) -> None:
         while True:

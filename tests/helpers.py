@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -28,6 +29,14 @@ def tiny_config(out: Path, data: Path | None, **overrides) -> TrainConfig:
     base = dict(out=str(out), data=str(data) if data else None, preset="tiny", vocab_size=400, max_tokens=1024, warmup=100,
                 lr_factor=1.0, dropout=0.0, valid_every=100, valid_bleu_sentences=20, log_every=1, seed=3)
     return TrainConfig(**{**base, **overrides})
+
+
+def wait_engine_idle(engine, seconds: float = 30) -> bool:
+    """Poll until the engine has nothing waiting or running (rows are freed at its next step)."""
+    deadline = time.monotonic() + seconds
+    while not engine.idle() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return engine.idle()
 
 
 def run_cli(*args: str, stdin: str | None = None, env: dict | None = None, timeout: float = 300,

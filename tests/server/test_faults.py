@@ -23,7 +23,7 @@ from nmtserve.server.config import ServerConfig
 from nmtserve.training.data import read_tsv
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
-from tests.helpers import ServerThread
+from tests.helpers import ServerThread, wait_engine_idle
 
 
 class Server(ServerProcess):
@@ -105,9 +105,7 @@ def test_a_client_killed_mid_stream_frees_its_row_and_its_batch_mates_finish(tin
                 client.wait()
             assert mates.result(timeout=120) == alone  # OK, and exactly the tokens they get alone
         assert running >= 5, running  # the killed clients' rows were decoding beside their batch-mates
-        deadline = time.monotonic() + 20
-        while engine.stats()["running"] + engine.stats()["waiting"] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_engine_idle(engine, 20)
         assert engine.stats()["running"] == engine.stats()["waiting"] == 0
         cancelled = server.running.servicer.metrics.registry.get_sample_value("nmtserve_cancelled_sentences_total",
                                                                               {"reason": "cancelled"})
@@ -165,9 +163,7 @@ def test_a_response_too_large_to_send_fails_alone_with_its_sizes(tiny_bundle, ca
             registry = server.running.servicer.metrics.registry
             rpc = "Translate" if limit == 200 else "TranslateStream"
             assert registry.get_sample_value("nmtserve_requests_total", {"rpc": rpc, "code": "RESOURCE_EXHAUSTED"}) == 1
-            deadline = time.monotonic() + 20
-            while any(server.running.engine.stats()[k] for k in ("running", "waiting")) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_engine_idle(server.running.engine, 20)
             assert server.running.engine.stats()["running"] == server.running.engine.stats()["waiting"] == 0
         finally:
             server.stop()

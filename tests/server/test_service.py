@@ -4,7 +4,6 @@ invalid input, overload, deadlines, health and reflection."""
 import concurrent.futures
 import random
 import threading
-import time
 
 import grpc
 import numpy as np
@@ -17,7 +16,7 @@ from nmtserve.server.config import ServerConfig
 from nmtserve.training.data import read_tsv
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
-from tests.helpers import ServerThread
+from tests.helpers import ServerThread, wait_engine_idle
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +114,7 @@ def test_deadline_exceeded_frees_the_rows(served, sentences):
         pb_grpc.TranslationServiceStub(channel).Translate(pb.TranslateRequest(sentences=sentences[:8]), timeout=0.001)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     engine = served.running.engine
-    deadline = time.monotonic() + 30  # freed at the engine's next step; generous for a loaded machine
-    while (engine.stats()["running"] or engine.stats()["waiting"]) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_engine_idle(engine, 30)  # freed at the engine's next step; generous for a loaded machine
     assert engine.stats() == {**engine.stats(), "running": 0, "waiting": 0}
 
 
