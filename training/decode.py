@@ -1,13 +1,19 @@
-"""PyTorch reference decoding: greedy search with the model's KV cache, and without it.
+"""PyTorch reference decoding over the model's KV cache: greedy search (and greedy without the cache),
+beam search with n-best lists, and random sampling.
 
-The ONNX Runtime path (export/) and the server must give the tokens these give.
+The ONNX Runtime path (export/) and the server must give the tokens these give. Beam search and
+sampling follow the rules nmtserve/search.py states (CTranslate2's); beam search is written here on
+its own, batched over flattened beams as CTranslate2 does, so that the two implementations check each
+other; sampling draws with the same rule (`sample_index`), so that a seed gives the same tokens.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from nmtserve.decoding import output_budget, sorted_batches
+from nmtserve.search import sample_index
 from nmtserve.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from nmtserve.training.data import pad
 from nmtserve.training.model import EncoderDecoder, KVCache
@@ -73,6 +79,134 @@ def greedy_decode_uncached(model: EncoderDecoder, src: torch.Tensor, src_mask: t
         if bool(done.all()):
             break
     return [_strip(row) for row in prefix[:, 1:].tolist()]
+
+
+@torch.inference_mode()
+def beam_search(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tensor, *, beam_size: int = 4,
+                num_hypotheses: int = 1, length_penalty: float = 0.0, patience: float = 1.0,
+                max_decoding_length: int = 256, no_repeat_ngram_size: int = 0,
+                repetition_penalty: float = 1.0) -> list[list[tuple[list[int], float]]]:
+    """The n-best (tokens, score) of each source, best first, by nmtserve/search.py's BeamSearch rules.
+
+    Each source's k beams are rows b·k … b·k + k − 1 of one batch; every step the (k × V) extensions of
+    a source are sorted (stable: ties go to the lower row, then the lower token id), and the cache rows
+    are gathered from their parents. Optional, here only: no_repeat_ngram_size bans a token that would
+    repeat an n-gram of the hypothesis; repetition_penalty multiplies the log-probabilities of tokens the
+    hypothesis already holds (they are negative, so > 1 lowers them), then renormalises.
+    """
+    n, k, device = src.shape[0], beam_size, src.device
+    cross_k, cross_v = prefill(model, src, src_mask)
+    beams = torch.arange(n, device=device).repeat_interleave(k)  # (n·k,) the source of each row
+    cross_k, cross_v, mask = cross_k[:, beams], cross_v[:, beams], src_mask[beams]
+    cache = KVCache.empty(model.config, n * k, device=device, dtype=cross_k.dtype)
+    tokens = torch.full((n * k,), BOS_ID, dtype=torch.long, device=device)
+    scores = torch.full((n, k), float("-inf"), device=device)
+    scores[:, 0] = 0.0  # the first step extends beam 0 only: every beam holds the same start
+    seqs: list[list[int]] = [[] for _ in range(n * k)]
+    budget = budgets(src_mask, max_decoding_length, model.config.max_len).tolist()
+    finished: list[list[tuple[list[int], float, bool]]] = [[] for _ in range(n)]
+    top_finished, done = [False] * n, [False] * n
+    for step in range(max(budget)):
+        positions = torch.full((n * k,), step, dtype=torch.long, device=device)
+        log_probs, new_k, new_v = model.decode_step(tokens, positions, cache, cross_k, cross_v, mask)
+        cache.append(new_k, new_v)
+        log_probs = _penalise(log_probs, seqs, no_repeat_ngram_size, repetition_penalty)
+        total = (scores.reshape(-1, 1) + log_probs).reshape(n, -1)  # (n, k·V): flat index = beam·V + token
+        cand_scores, flat = torch.sort(total, dim=1, descending=True, stable=True)
+        cand_scores, flat = cand_scores[:, : 2 * k].tolist(), flat[:, : 2 * k]
+        cand_beam, cand_token = (flat // log_probs.shape[1]).tolist(), (flat % log_probs.shape[1]).tolist()
+        parents, next_tokens, next_scores = [], [], []
+        for b in range(n):
+            last, spare, row = step + 1 == budget[b], k, []
+            for i in range(k):
+                c = i
+                if not done[b] and (cand_token[b][i] == EOS_ID or last):
+                    eos = cand_token[b][i] == EOS_ID
+                    hyp = seqs[b * k + cand_beam[b][i]] + ([] if eos else [cand_token[b][i]])
+                    finished[b].append((hyp, cand_scores[b][i], eos))
+                    top_finished[b] |= i == 0
+                    spare = next((j for j in range(spare, 2 * k) if cand_token[b][j] != EOS_ID), 2 * k)
+                    if spare < 2 * k:
+                        c, spare = spare, spare + 1
+                row.append(c)
+            parents += [b * k + cand_beam[b][c] for c in row]
+            next_tokens += [cand_token[b][c] for c in row]
+            next_scores.append([cand_scores[b][c] for c in row])
+            if length_penalty == 0:
+                stop = top_finished[b] and len(finished[b]) >= num_hypotheses
+            else:
+                stop = len(finished[b]) >= round(k * patience)
+            done[b] = done[b] or last or stop
+        if all(done):
+            break
+        index = torch.tensor(parents, device=device)
+        cache = cache.select(index)
+        seqs = [seqs[p] + [t] for p, t in zip(parents, next_tokens)]
+        tokens = torch.tensor(next_tokens, device=device)
+        scores = torch.tensor(next_scores, device=device)
+    return [sorted(((hyp, score / (len(hyp) + eos) ** length_penalty if length_penalty else score)
+                    for hyp, score, eos in found), key=lambda h: -h[1])[:num_hypotheses] for found in finished]
+
+
+def _penalise(log_probs: torch.Tensor, seqs: list[list[int]], no_repeat_ngram_size: int,
+              repetition_penalty: float) -> torch.Tensor:
+    """log_probs (R, V) of rows whose hypotheses are `seqs`, with the optional penalties applied."""
+    if repetition_penalty != 1.0:
+        log_probs = log_probs.clone()
+        for r, seq in enumerate(seqs):
+            if seq:
+                seen = torch.tensor(sorted(set(seq)), device=log_probs.device)
+                log_probs[r, seen] *= repetition_penalty
+        log_probs = torch.log_softmax(log_probs, dim=-1)
+    if no_repeat_ngram_size > 0:
+        log_probs = log_probs.clone() if repetition_penalty == 1.0 else log_probs
+        n = no_repeat_ngram_size
+        for r, seq in enumerate(seqs):
+            tail = tuple(seq[len(seq) - n + 1:]) if n > 1 else ()
+            if len(seq) >= n - 1:
+                banned = [seq[i + n - 1] for i in range(len(seq) - n + 1) if tuple(seq[i:i + n - 1]) == tail]
+                log_probs[r, banned] = float("-inf")
+    return log_probs
+
+
+@torch.inference_mode()
+def sample(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tensor, *, sampling_topk: int = 0,
+           sampling_topp: float = 1.0, sampling_temperature: float = 1.0, seed: int = 1,
+           max_decoding_length: int = 256) -> list[tuple[list[int], float]]:
+    """Random sampling, one row per source, each with its own generator seeded with `seed`: the best
+    sampling_topk tokens (all if 0), sorted best first (ties: lower id), drawn by `sample_index`."""
+    n, device = src.shape[0], src.device
+    cross_k, cross_v = prefill(model, src, src_mask)
+    cache = KVCache.empty(model.config, n, device=device, dtype=cross_k.dtype)
+    rngs = [np.random.Generator(np.random.PCG64(seed)) for _ in range(n)]
+    tokens = torch.full((n,), BOS_ID, dtype=torch.long, device=device)
+    budget = budgets(src_mask, max_decoding_length, model.config.max_len).tolist()
+    outputs: list[list[int]] = [[] for _ in range(n)]
+    scores, done = [0.0] * n, [False] * n
+    for step in range(max(budget)):
+        positions = torch.full((n,), step, dtype=torch.long, device=device)
+        log_probs, new_k, new_v = model.decode_step(tokens, positions, cache, cross_k, cross_v, src_mask)
+        cache.append(new_k, new_v)
+        best, ids = torch.sort(log_probs, dim=1, descending=True, stable=True)
+        if sampling_topk:
+            best, ids = best[:, :sampling_topk], ids[:, :sampling_topk]
+        picked = []
+        for r in range(n):
+            i = sample_index(best[r].numpy(), sampling_temperature, sampling_topp, rngs[r])
+            token = int(ids[r, i])
+            picked.append(token)
+            if done[r]:
+                continue
+            scores[r] += float(best[r, i])
+            if token == EOS_ID:
+                done[r] = True
+            else:
+                outputs[r].append(token)
+                done[r] = len(outputs[r]) >= budget[r]
+        if all(done):
+            break
+        tokens = torch.tensor(picked, device=device)
+    return list(zip(outputs, scores))
 
 
 def _strip(row: list[int]) -> list[int]:

@@ -86,8 +86,9 @@ class BatchState:
             np.concatenate([self.positions, other.positions]), np.concatenate([self.tokens, other.tokens]),
             np.concatenate([self.hole, other.hole]), ops)
 
-    def append(self, new_k, new_v, tokens: np.ndarray) -> None:
-        """Write the step's K/V (L, B, H, 1, Dh) at slot `length`; advance every row but the holes."""
+    def append(self, new_k, new_v) -> None:
+        """Write the step's K/V (L, B, H, 1, Dh) at slot `length`; advance every row but the holes.
+        The rows' next tokens are the caller's to choose (`choose`)."""
         ops = self.ops
         if self.length == self.capacity:
             grow = 2 * self.capacity
@@ -99,7 +100,19 @@ class BatchState:
         self.valid[:, self.length] = live
         self.length += 1
         self.positions += live
-        self.tokens = tokens
+
+    def choose(self, tokens: np.ndarray, parents: np.ndarray | None = None) -> None:
+        """The token each row feeds next; with `parents`, row i continues the hypothesis of row
+        parents[i] (beam search): its self-attention cache is copied from there. Only rows of one
+        request may be parents of each other (they share source, position and cache slots, so nothing
+        else moves), and only the rows whose parent is another row are written."""
+        if parents is not None:
+            moved = np.nonzero(parents != np.arange(self.size))[0]
+            if len(moved):
+                ops, origin = self.ops, parents[moved]
+                self.k = ops.scatter_rows(self.k, moved, ops.take(self.k, origin, 1))
+                self.v = ops.scatter_rows(self.v, moved, ops.take(self.v, origin, 1))
+        self.tokens = np.asarray(tokens, np.int64)
 
     def filter(self, keep: np.ndarray) -> BatchState | None:
         """Only the rows where keep is True; slots no remaining row uses are dropped. None if empty."""
@@ -121,6 +134,14 @@ class BatchState:
                           np.ascontiguousarray(valid[:, first:]), self.length - first,
                           rows_from(self.cross_k, cross_len, 0, src_len), rows_from(self.cross_v, cross_len, 0, src_len),
                           np.ascontiguousarray(self.src_mask[keep, :src_len]), self.positions[keep], self.tokens[keep], self.hole[keep], ops)
+
+    def gather(self, rows: np.ndarray) -> BatchState:
+        """A new state of the given rows (indices, repeats allowed) in that order, with every slot:
+        how a request with a beam of k rows starts from its one encoded row."""
+        ops = self.ops
+        return BatchState(ops.take(self.k, rows, 1), ops.take(self.v, rows, 1), self.valid[rows], self.length,
+                          ops.take(self.cross_k, rows, 1), ops.take(self.cross_v, rows, 1), self.src_mask[rows],
+                          self.positions[rows], self.tokens[rows], self.hole[rows], ops)
 
     def take(self, rows: np.ndarray) -> BatchState:
         """A new state of the given rows (indices), in that order."""

@@ -1,22 +1,25 @@
-"""OnnxTranslator: greedy translation over a bundle with ONNX Runtime. Torch-free.
+"""OnnxTranslator: translation over a bundle with ONNX Runtime, greedy, beam search or sampling. Torch-free.
 
     from nmtserve.export.runtime.translator import OnnxTranslator
     tr = OnnxTranslator("bundles/default", device="cpu", variant="int8")
-    for t in tr.translate_batch(["The cat sleeps."], return_scores=True):
-        print(t.text, t.score)
+    for t in tr.translate_batch(["The cat sleeps."], beam_size=4, num_hypotheses=2, return_scores=True):
+        print(t.text, t.score, [(a.text, a.score) for a in t.alternatives])
 
 Inputs are sorted by length and cut into batches of at most `max_batch_size` to cut padding;
-within a batch, finished rows leave at once, so the remaining ones run smaller steps.
+within a batch, finished rows (a beam's rows: when its search is done) leave at once, so the
+remaining ones run smaller steps.
 
-With io_binding (the default on CUDA) the K/V caches and cross K/V stay on the device as
-OrtValues bound by pointer, one layer at a time, to the sessions' inputs and outputs; the decoder
-graph gets an ArgMax appended, so a step sends the device only the small per-row arrays (tokens,
-positions, masks) and brings back only the chosen ids and their log-probabilities.
+The decoder graph gets a TopK appended (`with_search_head`): a step returns each row's k best tokens
+and their log-probabilities (k = 1 greedy, 2 × beam for beam search), never the whole distribution
+unless sampling from it. With io_binding (the default on CUDA) the K/V caches and cross K/V stay on
+the device as OrtValues bound by pointer, one layer at a time, to the sessions' inputs and outputs,
+so a step sends the device only the small per-row arrays (tokens, positions, masks) and brings back
+only those candidates.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +32,9 @@ from nmtserve.errors import BundleError, ConfigError
 from nmtserve.export.runtime.batch import BatchState
 from nmtserve.export.runtime.bundle import Bundle, load_bundle
 from nmtserve.export.runtime.tensors import DeviceTensors, HostTensors
+from nmtserve.search import DecodingOptions, Hypothesis, make_search
 
+SEARCH_OUTPUTS = ("candidate_ids", "candidate_scores", "new_k", "new_v")
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 
 
@@ -37,7 +42,14 @@ PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", 
 class Translation:
     text: str
     tokens: list[int]  # target ids, eos excluded
-    score: float | None = None  # sum of the chosen tokens' log-probabilities (eos included), if asked
+    score: float | None = None  # sum of the chosen tokens' log-probabilities (eos included; beam search:
+    # divided by length ** length_penalty), if asked
+    alternatives: list[Translation] = field(default_factory=list)  # the rest of the n-best list, best first
+
+    @property
+    def hypotheses(self) -> list[Translation]:
+        """The n-best list, best first."""
+        return [self, *self.alternatives]
 
 
 def session_options(intra_op_threads: int = 0) -> ort.SessionOptions:
@@ -72,19 +84,18 @@ def make_session(path: Path, device: str = "cpu", intra_op_threads: int = 0,
     return session
 
 
-def with_greedy_outputs(path: Path) -> bytes:
-    """The decoder-step graph plus outputs next_tokens (B,) int64 = argmax of log_probs and
-    next_scores (B,) = their log-probabilities, after the original outputs."""
+def with_search_head(path: Path) -> bytes:
+    """The decoder-step graph plus an input `candidates` (1,) int64 = K and outputs candidate_ids (B, K)
+    int64 and candidate_scores (B, K): each row's K best tokens and their log-probabilities, best first
+    (ties: lower id first, as ArgMax). Greedy search asks for 1, beam search for 2 × beam, so only these
+    cross to the host; the full log_probs stay an output for the checks that compare them."""
     model = onnx.load(str(path))
     graph = model.graph
-    graph.node.extend([
-        helper.make_node("ArgMax", ["log_probs"], ["next_tokens"], axis=-1, keepdims=0),
-        helper.make_node("Constant", [], ["greedy_axis"], value=helper.make_tensor("greedy_axis", onnx.TensorProto.INT64, [1], [1])),
-        helper.make_node("Unsqueeze", ["next_tokens", "greedy_axis"], ["greedy_index"]),
-        helper.make_node("GatherElements", ["log_probs", "greedy_index"], ["greedy_score"], axis=1),
-        helper.make_node("Squeeze", ["greedy_score", "greedy_axis"], ["next_scores"])])
-    graph.output.extend([helper.make_tensor_value_info("next_tokens", onnx.TensorProto.INT64, ["batch"]),
-                          helper.make_tensor_value_info("next_scores", onnx.TensorProto.FLOAT, ["batch"])])
+    graph.input.append(helper.make_tensor_value_info("candidates", onnx.TensorProto.INT64, [1]))
+    graph.node.append(helper.make_node("TopK", ["log_probs", "candidates"], ["candidate_scores", "candidate_ids"],
+                                       axis=-1, largest=1, sorted=1))
+    graph.output.extend([helper.make_tensor_value_info("candidate_ids", onnx.TensorProto.INT64, ["batch", "k"]),
+                          helper.make_tensor_value_info("candidate_scores", onnx.TensorProto.FLOAT, ["batch", "k"])])
     return model.SerializeToString()
 
 
@@ -98,12 +109,12 @@ class OnnxTranslator:
         self.io_binding = device == "cuda" if io_binding is None else io_binding
         self.encoder = make_session(self.bundle.graph_path(variant, "encoder"), device, intra_op_threads)
         decoder_path = self.bundle.graph_path(variant, "decoder")
-        self.decoder = make_session(decoder_path, device, intra_op_threads,
-                                    model=with_greedy_outputs(decoder_path) if self.io_binding else None)
+        self.decoder = make_session(decoder_path, device, intra_op_threads, model=with_search_head(decoder_path))
         self.ops = DeviceTensors(device, PROVIDERS[device], session_options(1)) if self.io_binding else HostTensors
         self.tokenizer = self.bundle.tokenizer()
         m = self.bundle.model
         self.n_layers, self.n_heads, self.head_dim = m["n_decoder_layers"], m["n_heads"], m["d_model"] // m["n_heads"]
+        self.vocab_size = m["vocab_size"]
         self.limits = self.bundle.limits
         self.kv_dtype = np.float16 if self.bundle.manifest["variants"][variant].get("kv_dtype") == "float16" else np.float32
         ids = self.bundle.special_ids
@@ -115,16 +126,19 @@ class OnnxTranslator:
         outputs = self.encoder.run(None, {"src_ids": src_ids, "src_mask": src_mask})
         return np.stack(outputs[0::2]), np.stack(outputs[1::2])
 
-    def step(self, tokens, positions, past_k, past_v, past_valid, cross_k, cross_v, src_mask):
-        """One decoder step -> log_probs (B, V), new_k, new_v (L, B, H, 1, Dh).
+    def step(self, tokens, positions, past_k, past_v, past_valid, cross_k, cross_v, src_mask,
+             outputs=("log_probs", "new_k", "new_v"), candidates: int = 1):
+        """One decoder step -> log_probs (B, V), new_k, new_v (L, B, H, 1, Dh), or the `outputs` named
+        (candidate_ids and candidate_scores: the `candidates` best tokens of each row).
 
         past_k[l] of a C-ordered (L, …) array is itself contiguous: no input is copied.
         """
-        feed = {"tokens": tokens, "positions": positions, "past_valid": past_valid, "src_mask": src_mask}
+        feed = {"tokens": tokens, "positions": positions, "past_valid": past_valid, "src_mask": src_mask,
+                "candidates": np.array([candidates], np.int64)}
         for layer in range(self.n_layers):
             feed[f"past_k_{layer}"], feed[f"past_v_{layer}"] = past_k[layer], past_v[layer]
             feed[f"cross_k_{layer}"], feed[f"cross_v_{layer}"] = cross_k[layer], cross_v[layer]
-        return self.decoder.run(["log_probs", "new_k", "new_v"], feed)
+        return self.decoder.run(list(outputs), feed)
 
     # -- the same on the batch state, wherever its tensors live: callers never see K/V
     def prefill(self, sources: list[list[int]]) -> BatchState:
@@ -146,20 +160,26 @@ class OnnxTranslator:
     def decode_one_token(self, state: BatchState) -> tuple[np.ndarray, np.ndarray]:
         """One greedy step of every row -> tokens (B,) int64 and their log-probs (B,); the step's K/V
         are written into `state`, and every row but the holes advances (a hole's token is meaningless)."""
-        tokens, scores, new_k, new_v = self._greedy_step(state)
-        state.append(new_k, new_v, tokens)
-        return tokens, scores
+        ids, scores = self.decode_candidates(state, 1)
+        state.choose(ids[:, 0])
+        return ids[:, 0], scores[:, 0]
 
-    def _greedy_step(self, state: BatchState) -> tuple[np.ndarray, np.ndarray, object, object]:
-        """tokens (B,), their log-probs (B,), new_k, new_v (L, B, H, 1, Dh) where `state.ops` keeps them."""
+    def decode_candidates(self, state: BatchState, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """One step of every row -> its k best next tokens (B, k) int64 and their log-probs (B, k), best
+        first (k = 0: the whole vocabulary). The step's K/V are written into `state`; the caller then
+        picks each row's next token, and for a beam its parent row, with `state.choose`."""
+        ids, scores, new_k, new_v = self._step(state, k or self.vocab_size)
+        state.append(new_k, new_v)
+        return ids, scores
+
+    def _step(self, state: BatchState, k: int) -> tuple[np.ndarray, np.ndarray, object, object]:
+        """candidate ids, scores (B, k), new_k, new_v (L, B, H, 1, Dh) where `state.ops` keeps them."""
         if not self.io_binding:
-            log_probs, new_k, new_v = self.step(state.tokens, state.positions, state.k, state.v, state.valid,
-                                                state.cross_k, state.cross_v, state.src_mask)
-            tokens = log_probs.argmax(axis=-1).astype(np.int64)
-            return tokens, log_probs[np.arange(len(tokens)), tokens], new_k, new_v
+            return tuple(self.step(state.tokens, state.positions, state.k, state.v, state.valid, state.cross_k,
+                                   state.cross_v, state.src_mask, SEARCH_OUTPUTS, k))
         binding = self.decoder.io_binding()
         for name, value in (("tokens", state.tokens), ("positions", state.positions), ("past_valid", state.valid),
-                            ("src_mask", state.src_mask)):
+                            ("src_mask", state.src_mask), ("candidates", np.array([k], np.int64))):
             binding.bind_cpu_input(name, np.ascontiguousarray(value))
         for prefix, stacked in (("past_k", state.k), ("past_v", state.v), ("cross_k", state.cross_k),
                                 ("cross_v", state.cross_v)):
@@ -167,11 +187,11 @@ class OnnxTranslator:
         binding.bind_output("log_probs", self.device)  # stays on the device
         binding.bind_output("new_k", self.device)
         binding.bind_output("new_v", self.device)
-        binding.bind_output("next_tokens", "cpu")
-        binding.bind_output("next_scores", "cpu")
+        binding.bind_output("candidate_ids", "cpu")
+        binding.bind_output("candidate_scores", "cpu")
         self.decoder.run_with_iobinding(binding)
-        _, new_k, new_v, tokens, scores = binding.get_outputs()
-        return tokens.numpy(), scores.numpy(), new_k, new_v
+        _, new_k, new_v, ids, scores = binding.get_outputs()
+        return ids.numpy(), scores.numpy(), new_k, new_v
 
     def _bind_layers(self, bind, prefix: str, stacked: ort.OrtValue) -> None:
         """Bind layer l of a stacked (L, …) device tensor to `{prefix}_{l}` by address: no copy."""
@@ -193,39 +213,85 @@ class OnnxTranslator:
             ids[i, : len(s)] = s
         return ids, ids != self.pad_id
 
-    def greedy(self, sources: list[list[int]], max_decoding_length: int = 256) -> list[tuple[list[int], float]]:
+    def greedy(self, sources: list[list[int]], max_decoding_length: int = 256) -> list[list[Hypothesis]]:
         """Greedy search for one batch of token-id sources; finished rows leave the batch at once."""
         state = self.prefill(sources)
         budget = np.array([self.limits.output_budget(len(s), max_decoding_length) for s in sources])
         rows = np.arange(len(sources))  # original index of each running row
         outputs: list[list[int]] = [[] for _ in sources]
-        scores = np.zeros(len(sources))
+        scores, eos = np.zeros(len(sources)), np.zeros(len(sources), bool)
         while state is not None:
             tokens, token_scores = self.decode_one_token(state)
             scores[rows] += token_scores
+            eos[rows] = tokens == self.eos_id
             for r, t in zip(rows, tokens):
                 if t != self.eos_id:
                     outputs[r].append(int(t))
             keep = (tokens != self.eos_id) & (state.positions < budget[rows])
             if not keep.all():
                 state, rows = state.filter(keep), rows[keep]
-        return list(zip(outputs, scores.tolist()))
+        return [[Hypothesis(o, s, "eos" if e else "length")] for o, s, e in zip(outputs, scores.tolist(), eos)]
+
+    def search(self, sources: list[list[int]], options: DecodingOptions) -> list[list[Hypothesis]]:
+        """Beam search or sampling for one batch of token-id sources (nmtserve/search.py: one search per
+        source, over its own rows); a source's rows leave the batch together when its search is done."""
+        searches = [make_search(options, self.limits.output_budget(len(s), options.max_decoding_length), self.eos_id)
+                    for s in sources]
+        width, k = searches[0].rows, searches[0].candidates
+        state = self.prefill(sources).gather(np.repeat(np.arange(len(sources)), width))  # a beam shares its source
+        live = list(range(len(sources)))  # the sources still searching, `width` rows each, in row order
+        results: list = [None] * len(sources)
+        while state is not None:
+            ids, scores = self.decode_candidates(state, k)
+            chosen = [searches[r].step(ids[j * width:(j + 1) * width], scores[j * width:(j + 1) * width])
+                      for j, r in enumerate(live)]
+            state.choose(np.concatenate([tokens for _, tokens in chosen]),
+                         np.concatenate([parents + j * width for j, (parents, _) in enumerate(chosen)]))
+            done = np.array([searches[r].done for r in live])
+            if done.any():
+                for r in np.array(live)[done]:
+                    results[r] = searches[r].results()
+                state, live = state.filter(np.repeat(~done, width)), [r for r, d in zip(live, done) if not d]
+        return results
+
+    def search_ids(self, sources: list[list[int]], options: DecodingOptions = DecodingOptions(), *,
+                   max_batch_size: int = 32) -> list[list[Hypothesis]]:
+        """The n-best hypotheses of each token-id source, best first; sources are batched by sorted length,
+        at most max_batch_size sources (each with its beam's rows) per batch."""
+        if max_batch_size < 1:
+            raise ConfigError(f"max_batch_size {max_batch_size}: must be at least 1")
+        options.check(self.vocab_size)
+        results: list = [None] * len(sources)
+        for rows in sorted_batches([len(s) for s in sources], max_batch_size):
+            batch = [sources[i] for i in rows]
+            found = self.greedy(batch, options.max_decoding_length) if options.greedy else self.search(batch, options)
+            for i, hypotheses in zip(rows, found):
+                results[i] = hypotheses
+        return results
 
     def translate_ids(self, sources: list[list[int]], *, max_batch_size: int = 32,
                       max_decoding_length: int = 256) -> list[tuple[list[int], float]]:
         """Greedy (tokens, score) for token-id sources, batched by sorted length."""
-        if max_batch_size < 1:
-            raise ConfigError(f"max_batch_size {max_batch_size}: must be at least 1")
-        results: list = [None] * len(sources)
-        for rows in sorted_batches([len(s) for s in sources], max_batch_size):
-            for i, result in zip(rows, self.greedy([sources[i] for i in rows], max_decoding_length)):
-                results[i] = result
-        return results
+        found = self.search_ids(sources, DecodingOptions(max_decoding_length=max_decoding_length),
+                                max_batch_size=max_batch_size)
+        return [(best.tokens, best.score) for best, in found]
 
-    def translate_batch(self, texts: list[str], *, max_batch_size: int = 32, max_decoding_length: int = 256,
-                        return_scores: bool = False) -> list[Translation]:
-        """Translate texts; inputs are sorted by length so that each batch has little padding."""
+    def translate_batch(self, texts: list[str], *, max_batch_size: int = 32, beam_size: int = 1,
+                        num_hypotheses: int = 1, length_penalty: float = 0.0, patience: float = 1.0,
+                        sampling_topk: int = 1, sampling_topp: float = 1.0, sampling_temperature: float = 1.0,
+                        seed: int = 0, max_decoding_length: int = 256, return_scores: bool = False) -> list[Translation]:
+        """Translate texts, with CTranslate2's decoding options (nmtserve/search.py says what each does):
+        greedy by default, beam search with beam_size > 1, random sampling with sampling_topk != 1. Each
+        Translation is the best hypothesis, with the rest of the n-best list in `alternatives`. Inputs are
+        sorted by length so that each batch has little padding."""
+        options = DecodingOptions(beam_size, num_hypotheses, length_penalty, patience, sampling_topk, sampling_topp,
+                                  sampling_temperature, seed, max_decoding_length)
         ids = [self.tokenizer.encode(t)[: self.limits.max_source_tokens] or [self.eos_id] for t in texts]
-        out = self.translate_ids(ids, max_batch_size=max_batch_size, max_decoding_length=max_decoding_length)
-        return [Translation(self.tokenizer.decode(tokens), tokens, score if return_scores else None)
-                for tokens, score in out]
+        found = self.search_ids(ids, options, max_batch_size=max_batch_size)
+        return [self._translation(hypotheses, return_scores) for hypotheses in found]
+
+    def _translation(self, hypotheses: list[Hypothesis], return_scores: bool) -> Translation:
+        best, *rest = [Translation(self.tokenizer.decode(h.tokens), h.tokens, h.score if return_scores else None)
+                       for h in hypotheses]
+        best.alternatives = rest
+        return best

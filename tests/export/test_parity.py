@@ -78,7 +78,8 @@ def _teacher_forced_log_probs(tr: OnnxTranslator, sources, paths) -> np.ndarray:
         log_probs, new_k, new_v = tr.step(state.tokens, state.positions, state.k, state.v, state.valid,
                                           state.cross_k, state.cross_v, state.src_mask)
         steps.append(log_probs)
-        state.append(new_k, new_v, np.array([p[t] if t < len(p) else tr.eos_id for p in paths], np.int64))
+        state.append(new_k, new_v)
+        state.choose(np.array([p[t] if t < len(p) else tr.eos_id for p in paths], np.int64))
     return np.stack(steps, axis=1)
 
 

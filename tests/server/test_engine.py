@@ -183,15 +183,15 @@ def test_a_source_the_encoder_fails_on_fails_alone(translator, sources):
 def test_a_row_the_decoder_step_fails_on_fails_alone(translator, sources, monkeypatch):
     poison = sources[0] * 3
     assert len(poison) not in {len(s) for s in sources[:7]}
-    step = translator._greedy_step
+    step = translator._step
 
-    def fails_for_the_poisoned_row(state):  # a fault for one row, wherever it sits in the batch
+    def fails_for_the_poisoned_row(state, k):  # a fault for one row, wherever it sits in the batch
         if ((state.src_mask.sum(axis=1) == len(poison)) & ~state.hole).any():
             raise RuntimeError("injected fault")
-        return step(state)
+        return step(state, k)
 
     expected = [tokens for tokens, _ in translator.translate_ids(sources[:7], max_batch_size=1)]
-    monkeypatch.setattr(translator, "_greedy_step", fails_for_the_poisoned_row)
+    monkeypatch.setattr(translator, "_step", fails_for_the_poisoned_row)
     poisoned = Request(poison)
     others = [Request(s) for s in sources[:7]]
     _run_together(translator, [poisoned, *others])
@@ -206,13 +206,13 @@ def test_requests_at_every_limit_finish_with_length_alone_and_in_a_busy_batch(tr
     never past the position tables, alone and beside shorter rows that leave holes as they finish."""
     limits = translator.limits
     longest = (sources[0] * limits.max_source_tokens)[: limits.max_source_tokens]
-    step = translator._greedy_step
+    step = translator._step
 
-    def never_eos(state):
-        tokens, scores, new_k, new_v = step(state)
-        return np.where(tokens == translator.eos_id, translator.eos_id + 1, tokens), scores, new_k, new_v
+    def never_eos(state, k):
+        ids, scores, new_k, new_v = step(state, k)
+        return np.where(ids == translator.eos_id, translator.eos_id + 1, ids), scores, new_k, new_v
 
-    monkeypatch.setattr(translator, "_greedy_step", never_eos)
+    monkeypatch.setattr(translator, "_step", never_eos)
     for batch_mates in ([], sources[:6]):
         at_limit = Request(longest, max_decoding_length=limits.max_target_tokens)
         others = [Request(s, max_decoding_length=limits.max_target_tokens) for s in batch_mates]

@@ -84,13 +84,13 @@ def test_a_client_killed_mid_stream_frees_its_row_and_its_batch_mates_finish(tin
     clients' rows are still decoding when their processes die."""
     server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
                                        max_output_tokens=256))
-    engine, step = server.running.engine, server.running.engine.tr._greedy_step
+    engine, step = server.running.engine, server.running.engine.tr._step
 
-    def slow_step(state):
+    def slow_step(state, k):
         time.sleep(0.005)
-        return step(state)
+        return step(state, k)
 
-    engine.tr._greedy_step = slow_step
+    engine.tr._step = slow_step
     try:
         alone = _translate(server.target, long_sentences)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:

@@ -150,13 +150,13 @@ def test_requests_at_every_limit_over_grpc_end_with_length_alone_and_in_a_busy_b
                                        max_sentence_chars=100_000, max_output_tokens=10_000))
     try:
         translator = server.running.engine.tr
-        limits, eos, step = translator.limits, translator.eos_id, translator._greedy_step
+        limits, eos, step = translator.limits, translator.eos_id, translator._step
 
-        def never_eos(state):
-            tokens, scores, new_k, new_v = step(state)
-            return np.where(tokens == eos, eos + 1, tokens), scores, new_k, new_v
+        def never_eos(state, k):
+            ids, scores, new_k, new_v = step(state, k)
+            return np.where(ids == eos, eos + 1, ids), scores, new_k, new_v
 
-        translator._greedy_step = never_eos
+        translator._step = never_eos
         words, longest = " ".join(sentences).split(), ""
         for n in range(1, len(words)):  # the most words that stay within the source limit
             text = " ".join(words[:n])

@@ -1,0 +1,233 @@
+"""Beam search and sampling for one request, over the candidates of its rows. Numpy only, torch-free:
+OnnxTranslator (export/runtime) and the server's engine both drive these, one object per request, so
+a request's result depends on its own rows alone, never on what else shares the decoder batch.
+
+A request decodes in `rows` rows of the decoder batch (beam_size for beam search, 1 when sampling).
+After each decoder step its search gets, for each of its rows, the `candidates` best tokens and their
+log-probabilities (the decoder graph's TopK head; 0 = the whole distribution), and answers which row's
+cache each row continues (`parents`, indices among the request's own rows) and which token it feeds
+next. Greedy search is beam search with one beam, which OnnxTranslator and the engine run vectorised
+(they need no object per request for it).
+
+The rules follow CTranslate2's (src/decoding.cc, src/sampling.cc), so that the same weights give the
+same output there and here; `BeamSearch` and `Sampling` say exactly when a hypothesis finishes and when
+the search stops.
+
+    search = make_search(DecodingOptions(beam_size=4, num_hypotheses=2), budget=30, eos_id=3)
+    while not search.done:
+        ids, scores = top_candidates(rows_log_probs, search.candidates)   # (rows, K) each
+        parents, tokens = search.step(ids, scores)
+    search.results()   # [Hypothesis(tokens, score, finish), …], best first
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from nmtserve.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DecodingOptions:
+    """How one request is decoded; CTranslate2's translate_batch names and defaults."""
+
+    beam_size: int = 1
+    num_hypotheses: int = 1  # the n-best list's length, at most beam_size
+    length_penalty: float = 0.0  # a finished hypothesis scores (sum of log-probs) / length ** length_penalty
+    patience: float = 1.0  # with a length penalty, stop after round(beam_size × patience) finished hypotheses
+    sampling_topk: int = 1  # 1: no sampling; 0: sample from the whole vocabulary; k: from the k best tokens
+    sampling_topp: float = 1.0  # then keep the smallest set of best tokens whose probability reaches topp
+    sampling_temperature: float = 1.0  # log-probabilities are divided by it before sampling
+    seed: int = 0  # of the request's own random generator; 0 draws one from the operating system
+    max_decoding_length: int = 256
+
+    @property
+    def sampling(self) -> bool:
+        return self.sampling_topk != 1
+
+    @property
+    def greedy(self) -> bool:
+        return self.beam_size == 1 and not self.sampling
+
+    def check(self, vocab_size: int, max_beam_size: int | None = None) -> None:
+        """ConfigError naming the field, its value and the limit, for a value out of range."""
+        rules = [
+            ("beam_size", self.beam_size, self.beam_size >= 1, "at least 1"),
+            ("beam_size", self.beam_size, max_beam_size is None or self.beam_size <= max_beam_size,
+             f"at most {max_beam_size} (the server's --max-beam-size)"),
+            ("beam_size", self.beam_size, 2 * self.beam_size <= vocab_size, f"at most {vocab_size // 2} (half the vocabulary)"),
+            ("num_hypotheses", self.num_hypotheses, 1 <= self.num_hypotheses <= self.beam_size,
+             f"between 1 and beam_size ({self.beam_size})"),
+            ("length_penalty", self.length_penalty, np.isfinite(self.length_penalty), "a finite number"),
+            ("patience", self.patience, self.patience > 0 and np.isfinite(self.patience), "above 0"),
+            ("patience", self.patience, round(self.beam_size * self.patience) >= self.num_hypotheses,
+             f"enough for num_hypotheses ({self.num_hypotheses}) finished hypotheses: beam_size × patience"),
+            ("sampling_topk", self.sampling_topk, 0 <= self.sampling_topk <= vocab_size,
+             f"between 0 (the whole vocabulary) and {vocab_size}"),
+            ("sampling_topk", self.sampling_topk, not self.sampling or self.beam_size == 1,
+             "1 (no sampling) with beam_size above 1"),
+            ("sampling_topp", self.sampling_topp, 0 < self.sampling_topp <= 1, "in (0, 1]"),
+            ("sampling_temperature", self.sampling_temperature, self.sampling_temperature > 0
+             and np.isfinite(self.sampling_temperature), "above 0"),
+            ("seed", self.seed, 0 <= self.seed < 2 ** 64, "between 0 and 2^64 - 1"),
+            ("max_decoding_length", self.max_decoding_length, self.max_decoding_length >= 1, "at least 1"),
+        ]
+        for name, value, ok, limit in rules:
+            if not ok:
+                raise ConfigError(f"{name} {value}: must be {limit}")
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]  # target ids, eos excluded
+    score: float  # beam search: sum of log-probs (eos included) / length ** length_penalty; else the sum
+    finish: str  # "eos" or "length"
+
+
+class BeamSearch:
+    """Beam search over `beam_size` rows, as CTranslate2's BeamSearch.
+
+    Every step, each live hypothesis (a row) is extended by every token; of the beam_size × V
+    extensions the 2 × beam_size best by cumulative log-probability are the candidates, sorted best
+    first (ties: lower row, then lower token id). At the first step only row 0 counts (all rows hold
+    the same start). Then, for i = 0 … beam_size - 1, candidate i finishes a hypothesis if its token is
+    eos, or if this step is the last one of the budget (every candidate i then finishes); a finished
+    candidate's place goes to the next candidate from i = beam_size on that is not eos. Eos candidates
+    past beam_size are dropped, never finished. A finished hypothesis's length counts its eos.
+
+    The search stops after the step where: the budget is spent; or, without a length penalty, the best
+    candidate (i = 0) has finished at some step and at least num_hypotheses hypotheses have; or, with a
+    length penalty, round(beam_size × patience) hypotheses have finished. The result is the finished
+    hypotheses, scored sum / length ** length_penalty, the num_hypotheses best, best first.
+    """
+
+    def __init__(self, options: DecodingOptions, budget: int, eos_id: int):
+        self.k, self.options, self.budget, self.eos_id = options.beam_size, options, budget, eos_id
+        self.rows, self.candidates = self.k, 2 * self.k
+        self.scores = np.full(self.k, -np.inf)
+        self.scores[0] = 0.0
+        self.live: list[list[int]] = [[] for _ in range(self.k)]
+        self.finished: list[tuple[list[int], float, bool]] = []  # tokens, sum of log-probs, ended with eos
+        self.top_finished = False
+        self.steps = 0
+        self.done = False
+
+    def step(self, ids: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """ids, scores (rows, ≥ 2k): each row's best tokens and their log-probs, best first
+        -> parents (rows,) and next tokens (rows,)."""
+        k = self.k
+        ids, total = ids[:, : 2 * k], self.scores[:, None] + scores[:, : 2 * k]  # (k, 2k)
+        row = np.broadcast_to(np.arange(k)[:, None], ids.shape)
+        best = np.lexsort((ids.ravel(), row.ravel(), -total.ravel()))[: 2 * k]  # the last key sorts first
+        cand_row, cand_id, cand_score = row.ravel()[best], ids.ravel()[best], total.ravel()[best]
+        self.steps += 1
+        last = self.steps >= self.budget
+        chosen, spare = [], k
+        for i in range(k):
+            c = i
+            if cand_id[i] == self.eos_id or last:
+                self.top_finished |= i == 0
+                eos = bool(cand_id[i] == self.eos_id)
+                self.finished.append((self.live[cand_row[i]] + ([] if eos else [int(cand_id[i])]), float(cand_score[i]), eos))
+                while spare < 2 * k and cand_id[spare] == self.eos_id:
+                    spare += 1
+                if spare < 2 * k:  # at most one eos per row: a spare always exists while 2k ≤ V
+                    c, spare = spare, spare + 1
+            chosen.append(c)
+        chosen = np.array(chosen)
+        parents, tokens = cand_row[chosen], cand_id[chosen].astype(np.int64)
+        self.live = [self.live[p] + [int(t)] for p, t in zip(parents, tokens)]
+        self.scores = cand_score[chosen].astype(np.float64)
+        if self.options.length_penalty == 0:
+            stop = self.top_finished and len(self.finished) >= self.options.num_hypotheses
+        else:
+            stop = len(self.finished) >= round(k * self.options.patience)
+        self.done = last or stop
+        return parents, tokens
+
+    def results(self) -> list[Hypothesis]:
+        penalty = self.options.length_penalty
+        scored = [Hypothesis(tokens, score / (len(tokens) + eos) ** penalty if penalty else score,
+                             "eos" if eos else "length") for tokens, score, eos in self.finished]
+        return sorted(scored, key=lambda h: -h.score)[: self.options.num_hypotheses]
+
+    def settled(self) -> list[int]:
+        """The tokens every hypothesis that can still be in the result starts with: they never change."""
+        return _common_prefix(self.live + [tokens for tokens, _, _ in self.finished])
+
+
+class Sampling:
+    """Random sampling in one row, as CTranslate2's RandomSampler: keep the sampling_topk best tokens
+    (all if 0), divide their log-probs by the temperature, keep the smallest set of best tokens whose
+    probability reaches sampling_topp (a token is kept while the probability of the better ones is
+    below it), renormalise and draw one with the request's own generator. The token's score is its
+    log-probability under the model (before temperature). A hypothesis finishes at eos or at its budget."""
+
+    def __init__(self, options: DecodingOptions, budget: int, eos_id: int):
+        self.options, self.budget, self.eos_id = options, budget, eos_id
+        self.rows, self.candidates = 1, options.sampling_topk
+        seed = options.seed or int.from_bytes(os.urandom(8), "little")
+        self.rng = np.random.Generator(np.random.PCG64(seed))
+        self.tokens: list[int] = []
+        self.score = 0.0
+        self.finish = ""
+        self.done = False
+
+    def step(self, ids: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """ids, scores (1, K): the row's best tokens and log-probs, best first (K = sampling_topk, or the
+        whole vocabulary when it is 0) -> parents (1,) and the next token (1,)."""
+        i = sample_index(scores[0], self.options.sampling_temperature, self.options.sampling_topp, self.rng)
+        token = int(ids[0, i])
+        self.score += float(scores[0, i])
+        if token == self.eos_id:
+            self.finish = "eos"
+        else:
+            self.tokens.append(token)
+            if len(self.tokens) >= self.budget:
+                self.finish = "length"
+        self.done = bool(self.finish)
+        return np.zeros(1, np.int64), np.array([token], np.int64)
+
+    def results(self) -> list[Hypothesis]:
+        return [Hypothesis(self.tokens, self.score, self.finish)]
+
+    def settled(self) -> list[int]:
+        return self.tokens
+
+
+def sample_index(log_probs: np.ndarray, temperature: float, topp: float, rng: np.random.Generator) -> int:
+    """Index of the drawn candidate among log_probs (K,), sorted best first (ties: as given)."""
+    z = log_probs.astype(np.float64) / temperature
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    if topp < 1:
+        before = np.cumsum(probs) - probs  # probability of the better candidates
+        probs = np.where(before < topp, probs, 0.0)
+        probs /= probs.sum()
+    return min(int(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), side="right")), len(probs) - 1)
+
+
+def top_candidates(log_probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k best tokens of each row (all of them if k is 0) and their log-probs, best first, ties by
+    lower id: what the decoder graph's TopK head returns. log_probs (B, V) -> ids, scores (B, k)."""
+    k = k or log_probs.shape[1]
+    ids = np.argsort(-log_probs, axis=1, kind="stable")[:, :k]
+    return ids, np.take_along_axis(log_probs, ids, axis=1)
+
+
+def make_search(options: DecodingOptions, budget: int, eos_id: int) -> BeamSearch | Sampling:
+    """The search of one non-greedy request (greedy requests are decoded vectorised by the callers)."""
+    return Sampling(options, budget, eos_id) if options.sampling else BeamSearch(options, budget, eos_id)
+
+
+def _common_prefix(seqs: list[list[int]]) -> list[int]:
+    prefix = seqs[0]
+    for s in seqs[1:]:
+        n = 0
+        while n < min(len(prefix), len(s)) and prefix[n] == s[n]:
+            n += 1
+        prefix = prefix[:n]
+    return prefix

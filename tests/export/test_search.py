@@ -1,0 +1,107 @@
+"""Beam search, n-best lists and sampling with ONNX Runtime against the PyTorch reference and CTranslate2."""
+
+import os
+from pathlib import Path
+
+import ctranslate2
+import numpy as np
+import pytest
+
+from nmtserve.errors import ConfigError
+from nmtserve.export.build.to_ctranslate2 import convert
+from nmtserve.export.runtime.translator import OnnxTranslator
+from nmtserve.search import DecodingOptions
+from nmtserve.training.checkpoint import load_model
+from nmtserve.training.data import pad, read_tsv
+from nmtserve.training.decode import beam_search, sample
+
+DEVICE = os.environ.get("NMTSERVE_TEST_DEVICE", "cpu")
+BEAMS = [dict(beam_size=4, num_hypotheses=2), dict(beam_size=5, num_hypotheses=3, length_penalty=0.6, patience=2.0),
+         dict(beam_size=2, length_penalty=1.0)]
+SAMPLING = [dict(sampling_topk=0, seed=5), dict(sampling_topk=10, sampling_topp=0.9, sampling_temperature=0.7, seed=3)]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoint):
+    return load_model(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def sources(loaded, tiny_corpus) -> list[list[int]]:
+    return [loaded.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
+
+
+def _reference(decode, model, sources, **options) -> list:
+    out = []
+    for start in range(0, len(sources), 16):
+        src, mask = pad(sources[start:start + 16], 0)
+        out += decode(model, src, mask, **options)
+    return out
+
+
+@pytest.mark.parametrize("options", BEAMS, ids=str)
+def test_beam_n_best_lists_equal_the_pytorch_reference(tiny_bundle, loaded, sources, options):
+    got = OnnxTranslator(tiny_bundle).search_ids(sources, DecodingOptions(**options), max_batch_size=16)
+    expected = _reference(beam_search, loaded.model.eval(), sources, **options)
+    same = [[h.tokens for h in g] == [tokens for tokens, _ in e] for g, e in zip(got, expected)]
+    # measured 40/40 for each option set; float noise between the two may flip a near-tie on another CPU
+    assert sum(same) >= 0.95 * len(sources), sum(same)
+    assert all(len(g) == options.get("num_hypotheses", 1) for g in got)
+    for g, e, s in zip(got, expected, same):
+        if s:
+            assert np.allclose([h.score for h in g], [score for _, score in e], atol=1e-3)
+            assert [h.score for h in g] == sorted([h.score for h in g], reverse=True)
+
+
+@pytest.mark.parametrize("options", SAMPLING, ids=str)
+def test_sampling_with_a_seed_draws_the_pytorch_references_tokens(tiny_bundle, loaded, sources, options):
+    got = OnnxTranslator(tiny_bundle).search_ids(sources, DecodingOptions(**options), max_batch_size=16)
+    expected = _reference(sample, loaded.model.eval(), sources, **options)
+    assert sum(g[0].tokens == tokens for g, (tokens, _) in zip(got, expected)) >= 0.95 * len(sources)
+    # and the draws are not greedy's
+    greedy = OnnxTranslator(tiny_bundle).search_ids(sources, max_batch_size=16)
+    assert sum(g[0].tokens != r[0].tokens for g, r in zip(got, greedy)) >= len(sources) // 4
+
+
+def test_beam_n_best_lists_equal_ctranslate2s_on_the_same_weights(tiny_bundle, loaded, sources, tmp_path):
+    """CTranslate2 is told min_decoding_length=0 (its translate_batch forbids eos at the first step by
+    default; nmtserve allows an empty translation) and each sentence's budget as max_decoding_length."""
+    tr = OnnxTranslator(tiny_bundle)
+    ct = ctranslate2.Translator(str(convert(loaded, Path(tmp_path) / "ct2")), device="cpu")
+    sp = loaded.tokenizer.sp
+    for options in BEAMS:
+        got = tr.search_ids(sources, DecodingOptions(**options), max_batch_size=16)
+        same = 0
+        for source, hypotheses in zip(sources, got):
+            result = ct.translate_batch([[sp.id_to_piece(i) for i in source]], min_decoding_length=0,
+                                        max_decoding_length=tr.limits.output_budget(len(source), 256),
+                                        **{"length_penalty": 0.0, **options})[0]
+            same += [[sp.piece_to_id(p) for p in h] for h in result.hypotheses] == [h.tokens for h in hypotheses]
+        assert same >= 0.95 * len(sources), (options, same)  # measured 40/40 for each
+
+
+def test_a_sentences_beam_and_samples_do_not_depend_on_its_batch(tiny_bundle, sources):
+    tr = OnnxTranslator(tiny_bundle)
+    for options in [BEAMS[0], SAMPLING[1]]:
+        alone = tr.search_ids(sources[:12], DecodingOptions(**options), max_batch_size=1)
+        together = tr.search_ids(sources, DecodingOptions(**options), max_batch_size=40)[:12]
+        assert [[h.tokens for h in a] for a in alone] == [[h.tokens for h in t] for t in together]
+
+
+def test_io_binding_gives_the_host_paths_n_best_lists(tiny_bundle, tiny_corpus):
+    texts = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs[:12]]
+    host = OnnxTranslator(tiny_bundle, device=DEVICE, io_binding=False)
+    bound = OnnxTranslator(tiny_bundle, device=DEVICE, io_binding=True)
+    expected = host.translate_batch(texts, beam_size=4, num_hypotheses=2, max_batch_size=8, return_scores=True)
+    got = bound.translate_batch(texts, beam_size=4, num_hypotheses=2, max_batch_size=8, return_scores=True)
+    assert [[h.tokens for h in t.hypotheses] for t in got] == [[h.tokens for h in t.hypotheses] for t in expected]
+    assert all(len(t.hypotheses) == 2 and t.alternatives[0].score <= t.score for t in got)
+    assert np.allclose([t.score for t in got], [t.score for t in expected], atol=1e-4)
+
+
+def test_translate_batch_refuses_an_out_of_range_option_naming_it(tiny_bundle):
+    tr = OnnxTranslator(tiny_bundle)
+    with pytest.raises(ConfigError, match=r"num_hypotheses 3: must be between 1 and beam_size \(2\)"):
+        tr.translate_batch(["a"], beam_size=2, num_hypotheses=3)
+    with pytest.raises(ConfigError, match=r"sampling_topp 0.0: must be in \(0, 1\]"):
+        tr.translate_batch(["a"], sampling_topk=0, sampling_topp=0.0)

@@ -1,0 +1,131 @@
+"""The search rules of nmtserve/search.py on hand-made candidate tables (no model)."""
+
+import numpy as np
+import pytest
+
+from nmtserve.errors import ConfigError
+from nmtserve.search import BeamSearch, DecodingOptions, Sampling, sample_index, top_candidates
+
+EOS = 3
+V = 10
+
+
+def table(rows: list[dict[int, float]]) -> np.ndarray:
+    """(rows, V) log-probs: the given tokens get the given log-probs, the rest share what is left."""
+    out = np.full((len(rows), V), -20.0)
+    for r, probs in enumerate(rows):
+        for token, lp in probs.items():
+            out[r, token] = lp
+    return out
+
+
+def step(search, log_probs: np.ndarray):
+    return search.step(*top_candidates(log_probs, search.candidates))
+
+
+def test_the_first_step_extends_beam_0_only_and_an_eos_candidate_finishes_and_is_replaced():
+    search = BeamSearch(DecodingOptions(beam_size=2, num_hypotheses=2), budget=10, eos_id=EOS)
+    # every row sees the same distribution at the first step; only row 0's extensions count
+    parents, tokens = step(search, table([{5: -0.1, 6: -2.5, 7: -3.0}] * 2))
+    assert parents.tolist() == [0, 0] and tokens.tolist() == [5, 6]
+    # the best candidate is eos (row 0): it finishes, and the first non-eos candidate past the beam
+    # (row 1's token 8, the 4th best) takes its place; the 2nd (row 0's token 9) stays
+    parents, tokens = step(search, table([{EOS: -0.1, 9: -0.5}, {8: -0.3, EOS: -0.2}]))
+    assert search.finished == [([5], -0.2, True)]
+    assert sorted(zip(parents.tolist(), tokens.tolist())) == [(0, 9), (1, 8)]
+    assert not search.done  # 1 finished < num_hypotheses 2
+    step(search, table([{EOS: -0.1}, {EOS: -0.1}]))
+    assert search.done
+    assert [(h.tokens, h.finish) for h in search.results()] == [([5], "eos"), ([5, 9], "eos")]
+
+
+def test_eos_candidates_past_the_beam_are_dropped_not_finished():
+    search = BeamSearch(DecodingOptions(beam_size=2), budget=10, eos_id=EOS)
+    step(search, table([{5: -0.1, 6: -0.2}] * 2))
+    # row 1's eos (-0.2 - 0.15) is the 3rd candidate: past the beam, it finishes nothing
+    parents, tokens = step(search, table([{7: -0.1, 8: -0.2}, {EOS: -0.15, 9: -5.0}]))
+    assert search.finished == [] and tokens.tolist() == [7, 8] and parents.tolist() == [0, 0]
+
+
+def test_without_a_length_penalty_the_search_stops_once_the_best_candidate_has_finished():
+    search = BeamSearch(DecodingOptions(beam_size=2, patience=5.0), budget=10, eos_id=EOS)
+    step(search, table([{5: -0.1, 6: -0.2}] * 2))
+    step(search, table([{7: -0.1, EOS: -0.2}, {8: -0.5}]))  # a finished candidate that is not the best
+    assert len(search.finished) == 1 and not search.done
+    step(search, table([{EOS: -0.05}, {9: -0.2}]))  # patience plays no part without a length penalty
+    assert search.done and search.results()[0].tokens == [5, 7]
+
+
+def test_with_a_length_penalty_patience_sets_how_many_hypotheses_finish_and_longer_ones_can_win():
+    short_then_long = [table([{5: -0.1, 6: -0.5}] * 2), table([{EOS: -1.0, 7: -1.1}, {8: -3.0}]),
+                       table([{EOS: -0.1, 9: -4.0}, {EOS: -0.2}])]
+    plain, penalised = (BeamSearch(DecodingOptions(beam_size=2, length_penalty=lp, patience=1.0), 10, EOS)
+                        for lp in (0.0, 1.0))
+    for log_probs in short_then_long:
+        step(plain, log_probs)
+        step(penalised, log_probs)
+    assert plain.results()[0].tokens == [5]  # -1.1 raw beats [5, 7]'s -1.4
+    best = penalised.results()[0]  # -1.4 / 3 tokens (eos counted) beats -1.1 / 2
+    assert best.tokens == [5, 7] and best.score == pytest.approx(-1.4 / 3)
+    patient = BeamSearch(DecodingOptions(beam_size=2, length_penalty=1.0, patience=2.0), 10, EOS)
+    for log_probs in short_then_long:
+        step(patient, log_probs)
+    assert len(patient.finished) == 3 and not patient.done  # round(2 × 2.0) = 4 must finish
+
+
+def test_the_last_step_of_the_budget_finishes_every_beam_with_length():
+    search = BeamSearch(DecodingOptions(beam_size=2, num_hypotheses=2), budget=2, eos_id=EOS)
+    step(search, table([{5: -0.1, 6: -0.2}] * 2))
+    assert search.settled() == []  # [5] and [6] share nothing yet
+    step(search, table([{7: -0.1}, {7: -0.3}]))
+    assert search.done
+    assert [(h.tokens, h.finish) for h in search.results()] == [([5, 7], "length"), ([6, 7], "length")]
+
+
+def test_settled_is_the_prefix_every_live_and_finished_hypothesis_shares():
+    search = BeamSearch(DecodingOptions(beam_size=2, num_hypotheses=2), budget=10, eos_id=EOS)
+    step(search, table([{5: -0.1, 6: -3.0}] * 2))
+    step(search, table([{7: -0.1, 8: -0.2}, {9: -9.0}]))
+    assert search.live == [[5, 7], [5, 8]] and search.settled() == [5]
+    step(search, table([{EOS: -0.1, 4: -0.3}, {4: -0.2}]))
+    assert search.settled() == [5]  # the finished [5, 7] keeps 7 and 8 apart
+
+
+def test_sampling_follows_the_distribution_and_a_seed_repeats_it():
+    log_probs = np.log(np.array([0.5, 0.3, 0.2]))
+    draws = [sample_index(log_probs, 1.0, 1.0, np.random.Generator(np.random.PCG64(seed))) for seed in range(1, 20001)]
+    assert np.allclose(np.bincount(draws, minlength=3) / len(draws), [0.5, 0.3, 0.2], atol=0.015)
+    # top-p 0.7: 0.5 is below it so the next token is kept too; 0.8 reaches it, so the third is not
+    draws = [sample_index(log_probs, 1.0, 0.7, np.random.Generator(np.random.PCG64(seed))) for seed in range(1, 5001)]
+    assert set(draws) == {0, 1} and abs(draws.count(0) / len(draws) - 0.625) < 0.03
+    # a low temperature sharpens towards the best
+    cold = [sample_index(log_probs, 0.05, 1.0, np.random.Generator(np.random.PCG64(seed))) for seed in range(1, 501)]
+    assert cold.count(0) >= 495
+
+    def run(seed: int) -> list[int]:
+        search = Sampling(DecodingOptions(sampling_topk=0, seed=seed), budget=8, eos_id=EOS)
+        while not search.done:
+            step(search, table([{5: -1.0, 6: -1.2, 7: -1.4, EOS: -2.5}]))
+        return search.results()[0].tokens
+
+    assert run(11) == run(11) and len({tuple(run(s)) for s in range(1, 30)}) > 5
+
+
+@pytest.mark.parametrize("options, message", [
+    (DecodingOptions(beam_size=0), "beam_size 0: must be at least 1"),
+    (DecodingOptions(beam_size=6), "beam_size 6: must be at most 5 (half the vocabulary)"),
+    (DecodingOptions(beam_size=2, num_hypotheses=3), "num_hypotheses 3: must be between 1 and beam_size (2)"),
+    (DecodingOptions(beam_size=2, sampling_topk=0), "sampling_topk 0: must be 1 (no sampling) with beam_size above 1"),
+    (DecodingOptions(sampling_topk=0, sampling_topp=1.5), "sampling_topp 1.5: must be in (0, 1]"),
+    (DecodingOptions(sampling_topk=0, sampling_temperature=-1.0), "sampling_temperature -1.0: must be above 0"),
+    (DecodingOptions(beam_size=4, num_hypotheses=4, patience=0.5, length_penalty=1.0),
+     "patience 0.5: must be enough for num_hypotheses (4) finished hypotheses"),
+])
+def test_an_out_of_range_option_is_refused_naming_it_its_value_and_the_limit(options, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        options.check(V)
+
+
+def test_a_beam_over_the_servers_limit_is_refused():
+    with pytest.raises(ConfigError, match=r"beam_size 5: must be at most 4 \(the server's --max-beam-size\)"):
+        DecodingOptions(beam_size=5).check(1000, max_beam_size=4)
