@@ -177,9 +177,10 @@ class Sampling:
         self.done = False
 
     def step(self, ids: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """ids, scores (1, K): the row's best tokens and log-probs, best first (K = sampling_topk, or the
+        """ids, scores (1, ≥ K): the row's best tokens and log-probs, best first (K = sampling_topk, or the
         whole vocabulary when it is 0) -> parents (1,) and the next token (1,)."""
-        i = sample_index(scores[0], self.options.sampling_temperature, self.options.sampling_topp, self.rng)
+        k = self.candidates or scores.shape[1]
+        i = sample_index(scores[0, :k], self.options.sampling_temperature, self.options.sampling_topp, self.rng)
         token = int(ids[0, i])
         self.score += float(scores[0, i])
         if token == self.eos_id:

@@ -4,7 +4,9 @@ One scheduler thread owns the waiting queue and the running batch (server/runnin
 Each iteration has three phases: schedule (drop cancelled or expired requests, admit waiting ones
 within the budgets), execute (the newcomers join the running batch, one decoder step for every
 row), process outputs (hand each request its token, finish requests at eos or their budget).
-Requests join and leave between steps; no row ever waits for another to finish. The engine never
+Requests join and leave between steps; no row ever waits for another to finish. A request is
+decoded greedily, by beam search (beam_size rows) or by sampling, as its DecodingOptions say; all
+three share each decoder step, and a request's result depends on its own rows only. The engine never
 sees K/V: the running batch and the translator keep them.
 """
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from nmtserve.decoding import Limits
 from nmtserve.errors import NmtserveError
 from nmtserve.export.runtime.translator import OnnxTranslator
+from nmtserve.search import BeamSearch, DecodingOptions, Hypothesis, Sampling, make_search
 from nmtserve.server.running_batch import RunningBatch
 
 
@@ -42,7 +45,7 @@ class FinishReason(enum.Enum):
 
 @dataclass
 class EngineConfig:
-    max_running_rows: int = 64
+    max_running_rows: int = 64  # a beam search takes beam_size rows
     max_batch_tokens: int = 16384  # Σ over running rows of source tokens + output budget
     max_waiting: int = 256
     batching: str = "continuous"  # or "static": admit only into an empty batch, run it to completion
@@ -50,16 +53,22 @@ class EngineConfig:
 
 @dataclass
 class Request:
-    """One sentence to translate; the engine fills tokens, score and finish, then sets `done`."""
+    """One sentence to translate; the engine fills tokens, score, hypotheses and finish, then sets `done`.
+    While a beam search runs, `tokens` holds the prefix every hypothesis shares (it never changes), and
+    on_token is called for each token added to it; when done, `tokens` and `score` are the best
+    hypothesis's and `hypotheses` the n-best list."""
 
     src_ids: list[int]
     max_decoding_length: int = 256
+    options: DecodingOptions = field(default_factory=DecodingOptions)  # its max_decoding_length is not read
     deadline: float | None = None  # time.monotonic() after which the request is dropped
     on_token: Callable[[Request, int], None] | None = None  # called from the engine thread
     on_finish: Callable[[Request], None] | None = None  # called from the engine thread, once
     id: str = ""
     tokens: list[int] = field(default_factory=list)
     score: float = 0.0
+    hypotheses: list[Hypothesis] = field(default_factory=list)
+    search: BeamSearch | Sampling | None = None  # set at admission unless greedy
     finish: FinishReason | None = None
     error: str | None = None
     arrived: float = field(default_factory=time.monotonic)
@@ -77,8 +86,13 @@ class Request:
         """Most target tokens this request may produce."""
         return limits.output_budget(len(self.src_ids), self.max_decoding_length)
 
+    @property
+    def width(self) -> int:
+        """Rows of the running batch this request takes."""
+        return self.options.beam_size
+
     def cost(self, limits: Limits) -> int:
-        return len(self.src_ids) + self.budget(limits)
+        return (len(self.src_ids) + self.budget(limits)) * self.width
 
 
 class Engine:
@@ -167,20 +181,24 @@ class Engine:
             if reason:
                 self.waiting.remove(request)
                 self._finish(request, reason)
-        leaving = [(i, r, self._dropped(r, now)) for i, r in enumerate(self.batch.rows) if r is not None]
-        self._leave([(i, r, why) for i, r, why in leaving if why])
+        leaving = [(r, self._dropped(r, now)) for r in self.batch.requests]
+        self._leave([(r, why) for r, why in leaving if why])
         running = self.batch.requests
         if self.config.batching == "static" and running:
             return []  # static batching: the running batch finishes before anyone joins
         budget = self.config.max_batch_tokens - sum(r.cost(self.tr.limits) for r in running)
+        rows = sum(r.width for r in running)
         admitted = []
-        while self.waiting and len(running) + len(admitted) < self.config.max_running_rows:
+        while self.waiting and rows + self.waiting[0].width <= self.config.max_running_rows:
             cost = self.waiting[0].cost(self.tr.limits)
             if cost > budget and (running or admitted):
                 break  # an oversized request still runs alone rather than never
             request = self.waiting.popleft()
             request.admitted = now
+            if not request.options.greedy:
+                request.search = make_search(request.options, request.budget(self.tr.limits), self.tr.eos_id)
             budget -= cost
+            rows += request.width
             admitted.append(request)
         self.running_count += len(admitted)  # counted from the moment they leave the queue
         return admitted
@@ -212,29 +230,48 @@ class Engine:
             self._process(outputs)
         return stepped
 
-    def _process(self, outputs: list[tuple[int, Request, int, float]]) -> None:
+    def _process(self, outputs: list[tuple[Request, int | None, float | None]]) -> None:
         now = time.monotonic()
         leaving = []
-        for i, request, token, score in outputs:
-            request.score += score
+        for request, token, score in outputs:
             request.first_token = request.first_token or now
-            if token == self.tr.eos_id:
-                leaving.append((i, request, FinishReason.EOS))
+            if request.search is not None:
+                if request.search.done:
+                    leaving.append((request, self._settle(request)))
+                else:
+                    self._emit(request, request.search.settled()[len(request.tokens):])
                 continue
+            request.score += score
+            if token == self.tr.eos_id:
+                leaving.append((request, FinishReason.EOS))
+                continue
+            self._emit(request, [token])
+            if len(request.tokens) >= request.budget(self.tr.limits):
+                leaving.append((request, FinishReason.LENGTH))
+        self._leave(leaving)
+
+    @staticmethod
+    def _emit(request: Request, tokens: list[int]) -> None:
+        for token in tokens:
             request.tokens.append(token)
             if request.on_token:
                 request.on_token(request, token)
-            if len(request.tokens) >= request.budget(self.tr.limits):
-                leaving.append((i, request, FinishReason.LENGTH))
-        self._leave(leaving)
 
-    def _leave(self, leaving: list[tuple[int, Request, FinishReason]]) -> None:
+    @staticmethod
+    def _settle(request: Request) -> FinishReason:
+        """A finished search's n-best list; its best hypothesis becomes the request's result."""
+        request.hypotheses = request.search.results()
+        best = request.hypotheses[0]
+        request.tokens, request.score = list(best.tokens), best.score
+        return FinishReason.EOS if best.finish == "eos" else FinishReason.LENGTH
+
+    def _leave(self, leaving: list[tuple[Request, FinishReason]]) -> None:
         """Rows are freed (and the count published) before anyone is told."""
         if not leaving:
             return
-        self.batch.free([i for i, _, _ in leaving])
+        self.batch.leave([r for r, _ in leaving])
         self._publish()
-        for _, request, why in leaving:
+        for request, why in leaving:
             self._finish(request, why)
 
     def _publish(self) -> None:

@@ -1,10 +1,16 @@
 """The running decoder batch: which request sits in which row, the holes, and the decoder state
 those rows share (export/runtime/batch.py's BatchState, whose tensors the translator owns).
 
-The engine decides who joins and who leaves; RunningBatch keeps rows and state in step. A finished
-row stays in place as a hole (None) that the next newcomer fills, so under steady load no step
-copies the KV cache; `compact` removes holes once they are a quarter of the batch. K/V never
-leave this object and the translator: a step hands back one token and log-prob per request.
+The engine decides who joins and who leaves; RunningBatch keeps rows and state in step. A request
+takes `request.width` rows: one when greedy or sampled, beam_size for beam search, all holding a copy
+of its source's cross-attention K/V (encoded once). A finished request's rows stay in place as holes
+(None) that the next newcomers fill, so under steady load no step copies the KV cache; `compact`
+removes holes once they are a quarter of the batch. Greedy, beam and sampled requests share every
+decoder step: the step returns each row's best candidates (as many as the most demanding request
+needs), a greedy request takes its row's best, and a beam or sampled request's search
+(nmtserve/search.py) takes its own rows' candidates and says which of its rows each continues; a
+beam's cache rows are copied among its own rows only, and only when a parent changes. K/V never leave
+this object and the translator.
 
 Blast radius of one: when the encoder fails for a group of newcomers, or the decoder step fails,
 the rows are bisected (the decoder on copies of the state) until the ones that fail on their own
@@ -34,11 +40,20 @@ class RunningBatch:
 
     @property
     def requests(self) -> list[Request]:
-        return [r for r in self.rows if r is not None]
+        """Each running request once, in row order."""
+        return [r for r, _ in self.placement()]
+
+    def placement(self) -> list[tuple[Request, np.ndarray]]:
+        """Each running request with its rows (ascending: row j of a beam is its j-th row)."""
+        rows: dict[int, tuple[Request, list[int]]] = {}
+        for i, r in enumerate(self.rows):
+            if r is not None:
+                rows.setdefault(id(r), (r, []))[1].append(i)
+        return [(r, np.array(found)) for r, found in rows.values()]
 
     def admit(self, requests: list[Request]) -> list[tuple[Request, Exception]]:
-        """Encode the newcomers once and place them: into holes first (no copy of the running cache),
-        the rest appended as new rows. Returns the newcomers the encoder fails on, with the error."""
+        """Encode the newcomers once and place their rows: into holes first (no copy of the running
+        cache), the rest appended as new rows. Returns the newcomers the encoder fails on, with the error."""
         try:
             fresh = self.tr.prefill([r.src_ids for r in requests])
         except Exception as e:
@@ -46,24 +61,29 @@ class RunningBatch:
                 return [(requests[0], e)]
             half = len(requests) // 2
             return self.admit(requests[:half]) + self.admit(requests[half:])
-        holes = [i for i, r in enumerate(self.rows) if r is None][: len(requests)]
+        owners = [r for r in requests for _ in range(r.width)]
+        if len(owners) > len(requests):  # a beam's rows share its source
+            fresh = fresh.gather(np.repeat(np.arange(len(requests)), [r.width for r in requests]))
+        holes = [i for i, r in enumerate(self.rows) if r is None][: len(owners)]
         if holes:
             self.state.insert(holes, fresh.take(np.arange(len(holes))) if len(holes) < fresh.size else fresh)
-            for i, request in zip(holes, requests):
+            for i, request in zip(holes, owners):
                 self.rows[i] = request
-        if len(requests) > len(holes):
+        if len(owners) > len(holes):
             rest = fresh.take(np.arange(len(holes), fresh.size)) if holes else fresh
             self.state = rest if self.state is None else self.state.concatenate(rest)
-            self.rows.extend(requests[len(holes):])
+            self.rows.extend(owners[len(holes):])
         return []
 
-    def free(self, rows: list[int]) -> None:
-        """These rows become holes; a batch of holes only is dropped."""
+    def leave(self, requests: list[Request]) -> None:
+        """The requests' rows become holes; a batch of holes only is dropped."""
+        gone = {id(r) for r in requests}
+        rows = [i for i, r in enumerate(self.rows) if r is not None and id(r) in gone]
         if not rows:
             return
         for i in rows:
             self.rows[i] = None
-        if self.requests:
+        if any(r is not None for r in self.rows):
             self.state.free(rows)
         else:
             self.clear()
@@ -73,27 +93,38 @@ class RunningBatch:
         holes = sum(r is None for r in self.rows)
         if holes and holes * 4 >= len(self.rows):
             self.state = self.state.filter(np.array([r is not None for r in self.rows]))
-            self.rows = self.requests
+            self.rows = [r for r in self.rows if r is not None]
 
-    def step(self) -> tuple[list[tuple[int, Request, int, float]], list[tuple[Request, Exception]]]:
-        """One decoder step of every row -> (row, request, token, log-prob) for each request (holes
-        skipped), and the requests whose rows fail the step on their own (freed, with the error). When
-        no row fails alone, the error is the batch's and is raised."""
+    def step(self) -> tuple[list[tuple[Request, int | None, float | None]], list[tuple[Request, Exception]]]:
+        """One decoder step of every row -> (request, token, log-prob) of each greedy request, (request,
+        None, None) of each beam or sampled request once its search has taken its rows' candidates; and
+        the requests whose rows fail the step on their own (they leave, with the error). When no row
+        fails alone, the error is the batch's and is raised."""
         self.state.trim()
+        placement = self.placement()
+        k = max((r.search.candidates or self.tr.vocab_size) if r.search else 1 for r, _ in placement)
         try:
-            tokens, scores = self.tr.decode_one_token(self.state)
+            ids, scores = self.tr.decode_candidates(self.state, k)
         except Exception:
             culprits = self._failing_rows([i for i, r in enumerate(self.rows) if r is not None])
             if not culprits:
                 raise
-            failed = [(self.rows[i], e) for i, e in culprits]
-            self.free([i for i, _ in culprits])
+            failed = list({id(self.rows[i]): (self.rows[i], e) for i, e in culprits}.values())
+            self.leave([r for r, _ in failed])
             if self.state is None:
                 return [], failed
             outputs, more = self.step()  # everyone else's step, without them
             return outputs, failed + more
-        outputs = [(i, r, int(t), float(s)) for i, (r, t, s) in enumerate(zip(self.rows, tokens, scores))
-                   if r is not None]
+        tokens, parents = ids[:, 0].copy(), np.arange(len(self.rows))  # holes keep theirs: never read
+        outputs = []
+        for request, rows in placement:
+            if request.search is None:
+                outputs.append((request, int(ids[rows[0], 0]), float(scores[rows[0], 0])))
+                continue
+            chosen_parents, chosen = request.search.step(ids[rows], scores[rows])
+            parents[rows], tokens[rows] = rows[chosen_parents], chosen
+            outputs.append((request, None, None))
+        self.state.choose(tokens, parents)
         return outputs, []
 
     def _failing_rows(self, rows: list[int]) -> list[tuple[int, Exception]]:

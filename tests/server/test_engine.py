@@ -12,6 +12,7 @@ import pytest
 
 from nmtserve.export.runtime.batch import BatchState
 from nmtserve.export.runtime.translator import OnnxTranslator
+from nmtserve.search import DecodingOptions
 from nmtserve.server.engine import Engine, EngineConfig, EngineOverloaded, FinishReason, Request
 from nmtserve.server.running_batch import RunningBatch
 from nmtserve.training.data import read_tsv
@@ -125,16 +126,16 @@ def test_the_running_batch_keeps_requests_and_rows_in_step(translator, sources):
     assert batch.rows == [a, b, c] and batch.state.size == 3
     outputs, failed = batch.step()
     assert failed == []
-    assert [(row, request) for row, request, _, _ in outputs] == [(0, a), (1, b), (2, c)]
-    batch.free([1])
+    assert [request for request, _, _ in outputs] == [a, b, c]
+    batch.leave([b])
     assert batch.rows == [a, None, c] and batch.requests == [a, c]
     batch.admit([d, e])  # d fills the hole, e is appended
     assert batch.rows == [a, d, c, e] and batch.state.size == 4
-    assert [request for _, request, _, _ in batch.step()[0]] == [a, d, c, e]
-    batch.free([0])
+    assert [request for request, _, _ in batch.step()[0]] == [a, d, c, e]
+    batch.leave([a])
     batch.compact()  # one hole in four: compacted
     assert batch.rows == [d, c, e] and batch.state.size == 3 and batch.state.positions.tolist() == [1, 2, 1]
-    batch.free([0, 1, 2])
+    batch.leave([d, c, e])
     assert batch.rows == [] and batch.state is None
 
 
@@ -143,16 +144,17 @@ def test_a_hole_kept_longer_than_the_position_table_never_advances(translator, s
     model's table, and the step failed for every row."""
     steps = translator.limits.max_target_tokens - 6  # the live rows stay inside the table; the hole joined 10 steps earlier
     with_hole = RunningBatch(translator)
-    with_hole.admit([Request(sources[0])])
+    first = Request(sources[0])
+    with_hole.admit([first])
     for _ in range(10):
         assert with_hole.step()[1] == []
     with_hole.admit([Request(s) for s in sources[1:5]])  # appended: there is no hole yet
-    with_hole.free([0])  # one hole in five rows: not compacted
+    with_hole.leave([first])  # one hole in five rows: not compacted
     alone = RunningBatch(translator)
     alone.admit([Request(s) for s in sources[1:5]])
     for _ in range(steps):
-        got = [token for _, _, token, _ in with_hole.step()[0]]
-        assert got == [token for _, _, token, _ in alone.step()[0]]
+        got = [token for _, token, _ in with_hole.step()[0]]
+        assert got == [token for _, token, _ in alone.step()[0]]
     assert with_hole.state.positions.tolist() == [0] + [steps] * 4
     assert not with_hole.state.valid[0].any()
 
@@ -219,3 +221,72 @@ def test_requests_at_every_limit_finish_with_length_alone_and_in_a_busy_batch(tr
         _run_together(translator, [at_limit, *others])
         assert at_limit.finish is FinishReason.LENGTH and len(at_limit.tokens) == limits.max_target_tokens
         assert all(r.finish is FinishReason.LENGTH and len(r.tokens) == r.budget(limits) for r in others)
+
+
+MODES = [DecodingOptions(), DecodingOptions(beam_size=4, num_hypotheses=2), DecodingOptions(beam_size=2, length_penalty=1.0),
+         DecodingOptions(sampling_topk=0, seed=7), DecodingOptions(sampling_topk=10, sampling_topp=0.9,
+                                                                    sampling_temperature=0.7, seed=3)]
+
+
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_greedy_beam_and_sampled_requests_share_steps_and_each_gets_what_it_gets_alone(translator, sources, batching):
+    """Requests of every mode and size join one running batch at staggered times: each gets exactly the
+    n-best list (or draws) it gets alone, and the rows in use never pass the budget (a beam takes k)."""
+    modes = [MODES[i % len(MODES)] for i in range(len(sources))]
+    alone = [translator.search_ids([s], m, max_batch_size=1)[0] for s, m in zip(sources, modes)]
+    seen = []  # (rows in use, decoding modes present) after each step
+
+    def on_step(rows, slots, seconds):
+        running = engine.batch.requests
+        seen.append((sum(r.width for r in running), {MODES.index(r.options) for r in running}))
+
+    engine = Engine(translator, EngineConfig(max_running_rows=12, batching=batching), on_step=on_step)
+    engine.start()
+    try:
+        requests = []
+        for i, (src, mode) in enumerate(zip(sources, modes)):
+            requests.append(engine.submit(Request(src, options=mode)))
+            if i % 4 == 0:
+                time.sleep(0.01)
+        assert all(r.done.wait(120) for r in requests)
+    finally:
+        engine.stop()
+    for request, expected in zip(requests, alone):
+        assert request.tokens == expected[0].tokens
+        if request.options.beam_size > 1:
+            assert [h.tokens for h in request.hypotheses] == [h.tokens for h in expected]
+            assert request.score == pytest.approx(expected[0].score, abs=1e-3)
+    assert max(rows for rows, _ in seen) <= 12 and engine.stats()["running"] == 0
+    assert max(len(modes) for _, modes in seen) >= 3  # modes really shared steps
+
+
+def test_a_cancelled_beam_frees_all_its_rows_and_its_batch_mates_finish(translator, sources):
+    greedy_alone = [tokens for tokens, _ in translator.translate_ids(sources[:3], max_batch_size=1)]
+    engine = Engine(translator, EngineConfig(max_running_rows=16)).start()
+    try:
+        beam = engine.submit(Request(sources[0] * 6, max_decoding_length=200, options=DecodingOptions(beam_size=4)))
+        deadline = time.monotonic() + 10
+        while beam.admitted is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        mates = [engine.submit(Request(s)) for s in sources[:3]]
+        beam.cancel()
+        assert beam.done.wait(10) and all(r.done.wait(30) for r in mates)
+        assert beam.finish is FinishReason.CANCELLED
+        assert [r.tokens for r in mates] == greedy_alone
+        assert engine.stats()["running"] == 0 and engine.batch.state is None
+    finally:
+        engine.stop()
+
+
+def test_a_beam_that_never_says_eos_ends_with_length_at_its_budget(translator, sources, monkeypatch):
+    step = translator._step
+
+    def never_eos(state, k):
+        ids, scores, new_k, new_v = step(state, k)
+        return np.where(ids == translator.eos_id, translator.eos_id + 1, ids), scores, new_k, new_v
+
+    monkeypatch.setattr(translator, "_step", never_eos)
+    limits = translator.limits
+    beam = Request(sources[0], max_decoding_length=limits.max_target_tokens, options=DecodingOptions(beam_size=3))
+    _run_together(translator, [beam, Request(sources[1])])
+    assert beam.finish is FinishReason.LENGTH and len(beam.tokens) == beam.budget(limits)
