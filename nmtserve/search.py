@@ -54,29 +54,29 @@ class DecodingOptions:
 
     def check(self, vocab_size: int, max_beam_size: int | None = None) -> None:
         """ConfigError naming the field, its value and the limit, for a value out of range."""
-        rules = [
-            ("beam_size", self.beam_size, self.beam_size >= 1, "at least 1"),
-            ("beam_size", self.beam_size, max_beam_size is None or self.beam_size <= max_beam_size,
+        k, n = self.beam_size, self.num_hypotheses
+        rules = [  # in order: a rule may assume the ones before it hold
+            ("beam_size", k, lambda: k >= 1, "at least 1"),
+            ("beam_size", k, lambda: max_beam_size is None or k <= max_beam_size,
              f"at most {max_beam_size} (the server's --max-beam-size)"),
-            ("beam_size", self.beam_size, 2 * self.beam_size <= vocab_size, f"at most {vocab_size // 2} (half the vocabulary)"),
-            ("num_hypotheses", self.num_hypotheses, 1 <= self.num_hypotheses <= self.beam_size,
-             f"between 1 and beam_size ({self.beam_size})"),
-            ("length_penalty", self.length_penalty, np.isfinite(self.length_penalty), "a finite number"),
-            ("patience", self.patience, self.patience > 0 and np.isfinite(self.patience), "above 0"),
-            ("patience", self.patience, round(self.beam_size * self.patience) >= self.num_hypotheses,
-             f"enough for num_hypotheses ({self.num_hypotheses}) finished hypotheses: beam_size × patience"),
-            ("sampling_topk", self.sampling_topk, 0 <= self.sampling_topk <= vocab_size,
+            ("beam_size", k, lambda: 2 * k <= vocab_size, f"at most {vocab_size // 2} (half the vocabulary)"),
+            ("num_hypotheses", n, lambda: 1 <= n <= k, f"between 1 and beam_size ({k})"),
+            ("length_penalty", self.length_penalty, lambda: np.isfinite(self.length_penalty), "a finite number"),
+            ("patience", self.patience, lambda: 0 < self.patience < np.inf, "above 0"),
+            ("patience", self.patience, lambda: round(k * self.patience) >= n,
+             f"enough for num_hypotheses ({n}) finished hypotheses: beam_size × patience"),
+            ("sampling_topk", self.sampling_topk, lambda: 0 <= self.sampling_topk <= vocab_size,
              f"between 0 (the whole vocabulary) and {vocab_size}"),
-            ("sampling_topk", self.sampling_topk, not self.sampling or self.beam_size == 1,
+            ("sampling_topk", self.sampling_topk, lambda: not self.sampling or k == 1,
              "1 (no sampling) with beam_size above 1"),
-            ("sampling_topp", self.sampling_topp, 0 < self.sampling_topp <= 1, "in (0, 1]"),
-            ("sampling_temperature", self.sampling_temperature, self.sampling_temperature > 0
-             and np.isfinite(self.sampling_temperature), "above 0"),
-            ("seed", self.seed, 0 <= self.seed < 2 ** 64, "between 0 and 2^64 - 1"),
-            ("max_decoding_length", self.max_decoding_length, self.max_decoding_length >= 1, "at least 1"),
+            ("sampling_topp", self.sampling_topp, lambda: 0 < self.sampling_topp <= 1, "in (0, 1]"),
+            ("sampling_temperature", self.sampling_temperature, lambda: 0 < self.sampling_temperature < np.inf,
+             "above 0"),
+            ("seed", self.seed, lambda: 0 <= self.seed < 2 ** 64, "between 0 and 2^64 - 1"),
+            ("max_decoding_length", self.max_decoding_length, lambda: self.max_decoding_length >= 1, "at least 1"),
         ]
         for name, value, ok, limit in rules:
-            if not ok:
+            if not ok():
                 raise ConfigError(f"{name} {value}: must be {limit}")
 
 

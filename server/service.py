@@ -14,7 +14,8 @@ import time
 
 import grpc
 
-from nmtserve.errors import NmtserveError
+from nmtserve.errors import ConfigError, NmtserveError
+from nmtserve.search import DecodingOptions
 from nmtserve.server.config import ServerConfig
 from nmtserve.server.engine import Engine, EngineOverloaded, EngineStopped, FinishReason, Request
 from nmtserve.server.metrics import ServerMetrics
@@ -72,11 +73,22 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         self.accepting = True
 
     # -- validation
-    def _options(self, options: pb.DecodingOptions) -> int:
+    def _options(self, options: pb.DecodingOptions) -> tuple[int, DecodingOptions]:
+        """(most output tokens, the search's options); InvalidRequest naming `options.FIELD`, its value and
+        the limit. proto3 zeros mean "unset": beam_size and num_hypotheses 1, and CTranslate2's defaults
+        for the fields that have presence."""
         limit = self.max_output_tokens
         if options.max_output_tokens > limit:
             raise InvalidRequest(f"options.max_output_tokens {options.max_output_tokens} exceeds the limit {limit}")
-        return options.max_output_tokens or limit
+        given = {name: getattr(options, name) for name in ("patience", "sampling_topk", "sampling_topp",
+                                                              "sampling_temperature") if options.HasField(name)}
+        search = DecodingOptions(beam_size=options.beam_size or 1, num_hypotheses=options.num_hypotheses or 1,
+                                 length_penalty=options.length_penalty, seed=options.seed, **given)
+        try:
+            search.check(self.engine.tr.vocab_size, self.config.max_beam_size)
+        except ConfigError as e:
+            raise InvalidRequest(f"options.{e}") from None
+        return options.max_output_tokens or limit, search
 
     def _source(self, field: str, text: str) -> list[int]:
         if not text.strip():
@@ -91,7 +103,8 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         return ids
 
     # -- engine round trip
-    def _request(self, rpc: str, ids: list[int], max_tokens: int, context, on_token=None, on_done=None):
+    def _request(self, rpc: str, ids: list[int], options: tuple[int, DecodingOptions], context, on_token=None,
+                 on_done=None):
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         remaining = context.time_remaining()
@@ -102,7 +115,8 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             if on_done:
                 on_done()
 
-        request = Request(ids, max_decoding_length=max_tokens, on_token=on_token, on_finish=on_finish,
+        max_tokens, search = options
+        request = Request(ids, max_decoding_length=max_tokens, options=search, on_token=on_token, on_finish=on_finish,
                           deadline=None if remaining is None else time.monotonic() + remaining)
         return request, future
 
@@ -139,9 +153,12 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         timings = pb.Timings(queue_ns=_ns((request.admitted or arrived) - arrived),
                              time_to_first_token_ns=_ns((request.first_token or arrived) - arrived),
                              total_ns=_ns((request.finished or arrived) - arrived))
+        alternatives = [pb.Hypothesis(text=self.tokenizer.decode(h.tokens), output_tokens=len(h.tokens), score=h.score)
+                        for h in request.hypotheses[1:]]
         return pb.Translation(text=self.tokenizer.decode(request.tokens), input_tokens=len(request.src_ids),
                               output_tokens=len(request.tokens), score=request.score if return_scores else 0.0,
-                              finish_reason=_FINISH.get(request.finish, pb.FINISH_REASON_UNSPECIFIED), timings=timings)
+                              finish_reason=_FINISH.get(request.finish, pb.FINISH_REASON_UNSPECIFIED), timings=timings,
+                              alternatives=alternatives)
 
     async def _check_finished(self, rpc: str, requests: list[Request], context, started: float) -> None:
         for request in requests:
@@ -168,9 +185,9 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             n = len(request.sentences)
             if not 1 <= n <= self.config.max_sentences:
                 raise InvalidRequest(f"sentences: {n} given, between 1 and {self.config.max_sentences} accepted")
-            max_tokens = self._options(request.options)
+            options = self._options(request.options)
             sources = [self._source(f"sentences[{i}]", s) for i, s in enumerate(request.sentences)]
-            pairs = [self._request("Translate", ids, max_tokens, context) for ids in sources]
+            pairs = [self._request("Translate", ids, options, context) for ids in sources]
             for engine_request, _ in pairs:
                 self._submit(engine_request)
                 submitted.append(engine_request)
@@ -195,10 +212,10 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         tokens: asyncio.Queue = asyncio.Queue()
         started = time.monotonic()
         try:
-            max_tokens = self._options(request.options)
+            options = self._options(request.options)
             ids = self._source("sentence", request.sentence)
             engine_request, future = self._request(
-                "TranslateStream", ids, max_tokens, context,
+                "TranslateStream", ids, options, context,
                 on_token=lambda r, t: loop.call_soon_threadsafe(tokens.put_nowait, t),
                 on_done=lambda: loop.call_soon_threadsafe(tokens.put_nowait, None))  # after the last token
             self._submit(engine_request)
@@ -245,7 +262,8 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             bundle_id=hashlib.sha256(self.manifest_path.read_bytes()).hexdigest(), variant=self.engine.tr.variant,
             device=self.engine.tr.device, model_json=json.dumps(manifest["model"], sort_keys=True),
             limits=pb.Limits(max_sentences=self.config.max_sentences, max_sentence_chars=self.config.max_sentence_chars,
-                             max_source_tokens=self.max_source_tokens, max_output_tokens=self.max_output_tokens))
+                             max_source_tokens=self.max_source_tokens, max_output_tokens=self.max_output_tokens,
+                             max_beam_size=self.config.max_beam_size))
 
 
 def _resolve(future: asyncio.Future, request: Request) -> None:

@@ -17,12 +17,28 @@ FINISH_REASON_EOS: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
 class DecodingOptions(_message.Message):
-    __slots__ = ("max_output_tokens", "return_scores")
+    __slots__ = ("max_output_tokens", "return_scores", "beam_size", "num_hypotheses", "length_penalty", "patience", "sampling_topk", "sampling_topp", "sampling_temperature", "seed")
     MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETURN_SCORES_FIELD_NUMBER: _ClassVar[int]
+    BEAM_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HYPOTHESES_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PATIENCE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_TOPK_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_TOPP_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     max_output_tokens: int
     return_scores: bool
-    def __init__(self, max_output_tokens: _Optional[int] = ..., return_scores: _Optional[bool] = ...) -> None: ...
+    beam_size: int
+    num_hypotheses: int
+    length_penalty: float
+    patience: float
+    sampling_topk: int
+    sampling_topp: float
+    sampling_temperature: float
+    seed: int
+    def __init__(self, max_output_tokens: _Optional[int] = ..., return_scores: _Optional[bool] = ..., beam_size: _Optional[int] = ..., num_hypotheses: _Optional[int] = ..., length_penalty: _Optional[float] = ..., patience: _Optional[float] = ..., sampling_topk: _Optional[int] = ..., sampling_topp: _Optional[float] = ..., sampling_temperature: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_ns", "time_to_first_token_ns", "total_ns")
@@ -34,21 +50,33 @@ class Timings(_message.Message):
     total_ns: int
     def __init__(self, queue_ns: _Optional[int] = ..., time_to_first_token_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
 
+class Hypothesis(_message.Message):
+    __slots__ = ("text", "output_tokens", "score")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    output_tokens: int
+    score: float
+    def __init__(self, text: _Optional[str] = ..., output_tokens: _Optional[int] = ..., score: _Optional[float] = ...) -> None: ...
+
 class Translation(_message.Message):
-    __slots__ = ("text", "input_tokens", "output_tokens", "score", "finish_reason", "timings")
+    __slots__ = ("text", "input_tokens", "output_tokens", "score", "finish_reason", "timings", "alternatives")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     text: str
     input_tokens: int
     output_tokens: int
     score: float
     finish_reason: FinishReason
     timings: Timings
-    def __init__(self, text: _Optional[str] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., score: _Optional[float] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    alternatives: _containers.RepeatedCompositeFieldContainer[Hypothesis]
+    def __init__(self, text: _Optional[str] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., score: _Optional[float] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., alternatives: _Optional[_Iterable[_Union[Hypothesis, _Mapping]]] = ...) -> None: ...
 
 class TranslateRequest(_message.Message):
     __slots__ = ("sentences", "options")
@@ -85,16 +113,18 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_sentences", "max_sentence_chars", "max_source_tokens", "max_output_tokens")
+    __slots__ = ("max_sentences", "max_sentence_chars", "max_source_tokens", "max_output_tokens", "max_beam_size")
     MAX_SENTENCES_FIELD_NUMBER: _ClassVar[int]
     MAX_SENTENCE_CHARS_FIELD_NUMBER: _ClassVar[int]
     MAX_SOURCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BEAM_SIZE_FIELD_NUMBER: _ClassVar[int]
     max_sentences: int
     max_sentence_chars: int
     max_source_tokens: int
     max_output_tokens: int
-    def __init__(self, max_sentences: _Optional[int] = ..., max_sentence_chars: _Optional[int] = ..., max_source_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ...) -> None: ...
+    max_beam_size: int
+    def __init__(self, max_sentences: _Optional[int] = ..., max_sentence_chars: _Optional[int] = ..., max_source_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., max_beam_size: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("source_language", "target_language", "bundle_id", "variant", "device", "model_json", "limits")

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 
-FIELDS = ("sentences", "sentence", "options.max_output_tokens")
+FIELDS = ("sentences", "sentence", "options.")
 SETTINGS = settings(max_examples=120, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
@@ -20,8 +20,12 @@ ODD = st.sampled_from(["\x00", "\x07", "\x1b[0m", "\t", "\r\n", "\u200b", "\u200
                        "\u0645\u0631\u062d\u0628\u0627", "e\u0301", " "])
 SENTENCE = st.one_of(st.text(max_size=40), st.lists(ODD | st.text(max_size=5), max_size=20).map("".join),
                      st.text(min_size=290, max_size=310), st.just("The cat sleeps."))
+FLOAT = st.floats(width=32)  # NaN and infinities included
 OPTIONS = st.builds(pb.DecodingOptions, max_output_tokens=st.one_of(st.integers(0, 70), st.integers(0, 2**32 - 1)),
-                    return_scores=st.booleans())
+                    return_scores=st.booleans(), beam_size=st.one_of(st.integers(0, 3), st.integers(0, 2**32 - 1)),
+                    num_hypotheses=st.integers(0, 4), length_penalty=FLOAT, seed=st.integers(0, 2**64 - 1),
+                    patience=st.none() | FLOAT, sampling_topk=st.none() | st.integers(0, 2**32 - 1),
+                    sampling_topp=st.none() | FLOAT, sampling_temperature=st.none() | FLOAT)
 
 
 def _answered(served, call):

@@ -1,0 +1,87 @@
+"""Beam search, n-best lists and sampling over gRPC, on a real server (tests/server/conftest.py): each
+sentence gets what OnnxTranslator gives it alone, whatever traffic shares the running batch."""
+
+import concurrent.futures
+
+import grpc
+import pytest
+
+from nmtserve.export.runtime.translator import OnnxTranslator
+from nmtserve.training.data import read_tsv
+from nmtserve.v1 import translation_pb2 as pb
+from nmtserve.v1 import translation_pb2_grpc as pb_grpc
+
+# (request options, the same as OnnxTranslator.translate_batch keywords); the server's limit is 64 tokens
+MODES = [
+    (pb.DecodingOptions(), {}),
+    (pb.DecodingOptions(beam_size=4, num_hypotheses=3, return_scores=True), dict(beam_size=4, num_hypotheses=3)),
+    (pb.DecodingOptions(beam_size=2, length_penalty=1.0), dict(beam_size=2, length_penalty=1.0)),
+    (pb.DecodingOptions(sampling_topk=0, seed=11), dict(sampling_topk=0, seed=11)),
+    (pb.DecodingOptions(sampling_topk=8, sampling_topp=0.8, sampling_temperature=0.6, seed=5),
+     dict(sampling_topk=8, sampling_topp=0.8, sampling_temperature=0.6, seed=5)),
+]
+
+
+@pytest.fixture(scope="module")
+def sentences(tiny_corpus) -> list[str]:
+    return [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs[:10]]
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_bundle, sentences) -> list[list]:
+    """alone[m][i]: mode m's Translation of sentence i, each sentence in a batch of its own."""
+    tr = OnnxTranslator(tiny_bundle)
+    return [tr.translate_batch(sentences, max_batch_size=1, max_decoding_length=64, return_scores=True, **kw)
+            for _, kw in MODES]
+
+
+def test_every_mode_in_concurrent_mixed_traffic_gets_its_alone_result(served, sentences, alone):
+    """Unary calls of every mode and streams with a beam, 4 client threads at once, twice over."""
+    def call(job):
+        m, i = job
+        with served.channel() as channel:
+            stub = pb_grpc.TranslationServiceStub(channel)
+            if m == 1 and i % 2:  # a beam streamed: deltas then the final translation
+                messages = list(stub.TranslateStream(pb.TranslateStreamRequest(sentence=sentences[i],
+                                                                               options=MODES[m][0]), timeout=60))
+                final = messages[-1].final
+                assert "".join(msg.delta for msg in messages[:-1]) == final.text
+                return m, i, final
+            return m, i, stub.Translate(pb.TranslateRequest(sentences=[sentences[i]], options=MODES[m][0]),
+                                        timeout=60).translations[0]
+
+    jobs = [(m, i) for _ in range(2) for i in range(len(sentences)) for m in range(len(MODES))]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(call, jobs))
+    for m, i, got in results:
+        expected = alone[m][i]
+        assert got.text == expected.text, (MODES[m][1], i)
+        assert [a.text for a in got.alternatives] == [a.text for a in expected.alternatives]
+        if m == 1:
+            assert len(got.alternatives) == 2 and got.score == pytest.approx(expected.score, abs=1e-3)
+            assert [a.score for a in got.alternatives] == pytest.approx([a.score for a in expected.alternatives],
+                                                                         abs=1e-3)
+            assert got.score >= got.alternatives[0].score >= got.alternatives[1].score
+
+
+@pytest.mark.parametrize("options, message", [
+    (pb.DecodingOptions(beam_size=9), "options.beam_size 9: must be at most 8 (the server's --max-beam-size)"),
+    (pb.DecodingOptions(beam_size=2, num_hypotheses=3), "options.num_hypotheses 3: must be between 1 and beam_size (2)"),
+    (pb.DecodingOptions(sampling_topk=0, sampling_topp=1.5), "options.sampling_topp 1.5: must be in (0, 1]"),
+    (pb.DecodingOptions(sampling_topk=0, sampling_temperature=-1.0), "options.sampling_temperature -1.0: must be above 0"),
+    (pb.DecodingOptions(beam_size=3, sampling_topk=5), "options.sampling_topk 5: must be 1 (no sampling) with beam_size"),
+])
+def test_an_out_of_range_option_is_invalid_argument_naming_the_field_value_and_limit(served, options, message):
+    with served.channel() as channel:
+        stub = pb_grpc.TranslationServiceStub(channel)
+        for call in (lambda: stub.Translate(pb.TranslateRequest(sentences=["The cat sleeps."], options=options)),
+                     lambda: list(stub.TranslateStream(pb.TranslateStreamRequest(sentence="The cat.", options=options)))):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(message)
+
+
+def test_model_info_reports_the_beam_limit(served):
+    with served.channel() as channel:
+        info = pb_grpc.TranslationServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest())
+    assert info.limits.max_beam_size == 8
