@@ -1,17 +1,25 @@
-"""The `translate` command: through a running server (gRPC; the base install), or with a checkpoint
-(the PyTorch reference; the train extra).
+"""The `translate` command: through a running server (gRPC; the base install), with a bundle (ONNX
+Runtime; the base install), or with a checkpoint (the PyTorch reference; the train extra). Greedy by
+default; --beam-size, --num-hypotheses and the --sampling-* options as CTranslate2's.
 
     nmtserve translate --server localhost:50051 --wait 60 "The cat sleeps."
     nmtserve translate --server dns:///nmtserve.default.svc:50051 --stream < sentences.txt
-    nmtserve translate runs/default/best.pt "The cat sleeps." "Did the dogs eat?"
+    nmtserve translate --beam-size 4 --num-hypotheses 2 --json bundles/default "The cat sleeps."
+    nmtserve translate --sampling-topk 10 --seed 1 runs/default/best.pt "The cat sleeps." "Did the dogs eat?"
 """
 
 from __future__ import annotations
 
 import json
+import random
 import sys
+from pathlib import Path
 
 from nmtserve.errors import NmtserveError
+from nmtserve.search import DecodingOptions
+
+SEARCH_FLAGS = ("beam_size", "num_hypotheses", "length_penalty", "patience", "sampling_topk", "sampling_topp",
+                "sampling_temperature", "seed")
 
 
 def cmd_translate(args) -> int:
@@ -21,22 +29,64 @@ def cmd_translate(args) -> int:
         raise NmtserveError("--stream prints text as it is decoded; use --json without --stream")
     if args.server:
         return _translate_remote(args)
-    from nmtserve.training.checkpoint import load_model
-    from nmtserve.training.decode import translate
-
     if not args.inputs:
-        raise NmtserveError("give a checkpoint (or --server HOST:PORT) and the sentences")
-    checkpoint, texts = args.inputs[0], args.inputs[1:] or [line.rstrip("\n") for line in sys.stdin]
-    loaded = load_model(checkpoint, device=args.device)
-    outputs = translate(loaded.model, loaded.tokenizer, texts, max_batch_size=args.batch_size,
-                        max_decoding_length=args.max_length or 256, device=args.device)
-    _print_translations(texts, outputs, args.json)
+        raise NmtserveError("give a bundle or checkpoint (or --server HOST:PORT) and the sentences")
+    model, texts = args.inputs[0], args.inputs[1:] or [line.rstrip("\n") for line in sys.stdin]
+    options = DecodingOptions(max_decoding_length=args.max_length or 256,
+                              **{name: getattr(args, name) for name in SEARCH_FLAGS})
+    found = _translate_bundle(model, texts, options, args) if Path(model).is_dir() else \
+        _translate_checkpoint(model, texts, options, args)
+    _print_translations(texts, found, args.json)
     return 0
 
 
-def _print_translations(texts: list[str], outputs: list[str], as_json: bool) -> None:
-    for text, out in zip(texts, outputs):
-        print(json.dumps({"source": text, "translation": out}, ensure_ascii=False) if as_json else out)
+def _translate_bundle(path: str, texts: list[str], options: DecodingOptions, args) -> list[list[tuple[str, float]]]:
+    from nmtserve.export.runtime.translator import OnnxTranslator
+
+    tr = OnnxTranslator(path, device=args.device)
+    ids = [tr.tokenizer.encode(t)[: tr.limits.max_source_tokens] or [tr.eos_id] for t in texts]
+    return [[(tr.tokenizer.decode(h.tokens), h.score) for h in hypotheses]
+            for hypotheses in tr.search_ids(ids, options, max_batch_size=args.batch_size)]
+
+
+def _translate_checkpoint(path: str, texts: list[str], options: DecodingOptions, args) -> list[list[tuple[str, float]]]:
+    """The PyTorch reference, one sentence at a time for beam search and sampling."""
+    from nmtserve.training.checkpoint import load_model
+    from nmtserve.training.data import pad
+    from nmtserve.training.decode import beam_search, sample, translate
+
+    loaded = load_model(path, device=args.device)
+    options.check(loaded.model.config.vocab_size)
+    if options.greedy:
+        return [[(text, 0.0)] for text in translate(loaded.model, loaded.tokenizer, texts, max_batch_size=args.batch_size,
+                                                     max_decoding_length=options.max_decoding_length, device=args.device)]
+    found = []
+    for text in texts:
+        src, mask = pad([loaded.tokenizer.encode(text)[: loaded.model.config.max_len] or [loaded.tokenizer.eos_id]], 0)
+        src, mask = src.to(args.device), mask.to(args.device)
+        if options.sampling:
+            hypotheses = sample(loaded.model, src, mask, sampling_topk=options.sampling_topk,
+                                sampling_topp=options.sampling_topp, sampling_temperature=options.sampling_temperature,
+                                seed=options.seed or random.randrange(1, 2 ** 63), max_decoding_length=options.max_decoding_length)
+        else:
+            hypotheses = beam_search(loaded.model, src, mask, beam_size=options.beam_size,
+                                     num_hypotheses=options.num_hypotheses, length_penalty=options.length_penalty,
+                                     patience=options.patience, max_decoding_length=options.max_decoding_length)[0]
+        found.append([(loaded.tokenizer.decode(tokens), score) for tokens, score in hypotheses])
+    return found
+
+
+def _print_translations(texts: list[str], found: list[list[tuple[str, float]]], as_json: bool) -> None:
+    """One line per source: the best translation, or JSON with the source, the translation and, for an
+    n-best list, every hypothesis with its score."""
+    for text, hypotheses in zip(texts, found):
+        if not as_json:
+            print(hypotheses[0][0])
+            continue
+        line = {"source": text, "translation": hypotheses[0][0]}
+        if len(hypotheses) > 1:
+            line["hypotheses"] = [{"text": t, "score": round(score, 4)} for t, score in hypotheses]
+        print(json.dumps(line, ensure_ascii=False))
 
 
 def _translate_remote(args) -> int:
@@ -48,7 +98,11 @@ def _translate_remote(args) -> int:
     from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 
     texts = args.inputs or [line.rstrip("\n") for line in sys.stdin]
-    options = pb.DecodingOptions(max_output_tokens=args.max_length or 0)
+    options = pb.DecodingOptions(max_output_tokens=args.max_length or 0, beam_size=args.beam_size,
+                                 num_hypotheses=args.num_hypotheses, length_penalty=args.length_penalty,
+                                 patience=args.patience, sampling_topk=args.sampling_topk,
+                                 sampling_topp=args.sampling_topp, sampling_temperature=args.sampling_temperature,
+                                 seed=args.seed)
     with open_channel(args.server, TlsFiles(args.tls_ca, args.tls_cert, args.tls_key)) as channel:
         if args.wait:
             wait_serving(channel, args.server, args.wait)
@@ -63,14 +117,16 @@ def _translate_remote(args) -> int:
             response = stub.Translate(pb.TranslateRequest(sentences=texts, options=options), timeout=args.timeout)
         except grpc.RpcError as e:
             raise NmtserveError(f"{args.server}: {e.code().name}: {e.details()}") from None
-    _print_translations(texts, [t.text for t in response.translations], args.json)
+    _print_translations(texts, [[(t.text, t.score)] + [(a.text, a.score) for a in t.alternatives]
+                                for t in response.translations], args.json)
     return 0
 
 
 def add_parser(sub, name: str, help_text: str) -> None:
     p = sub.add_parser(name, help=help_text)
-    p.add_argument("inputs", nargs="*", metavar="CHECKPOINT_OR_TEXT",
-                   help="TEXT… with --server, or CHECKPOINT TEXT… (PyTorch reference); stdin lines if no TEXT")
+    p.add_argument("inputs", nargs="*", metavar="MODEL_OR_TEXT",
+                   help="TEXT… with --server, or BUNDLE_DIR TEXT… (ONNX Runtime), or CHECKPOINT TEXT… (PyTorch "
+                        "reference); stdin lines if no TEXT")
     p.add_argument("--server", help="HOST:PORT (or dns:///HOST:PORT) of `nmtserve serve`")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds, with --server")
     p.add_argument("--wait", type=float, default=0.0, help="with --server: first wait up to this many seconds for SERVING")
@@ -83,5 +139,14 @@ def add_parser(sub, name: str, help_text: str) -> None:
     p.add_argument("--max-length", type=int, default=None,
                    help="most target tokens per sentence (default: 256 locally; the server's own limit with --server)")
     p.add_argument("--device", default="cpu")
+    search = p.add_argument_group("decoding (CTranslate2's options; greedy by default)")
+    search.add_argument("--beam-size", type=int, default=1)
+    search.add_argument("--num-hypotheses", type=int, default=1, help="n-best list length (--json prints it)")
+    search.add_argument("--length-penalty", type=float, default=0.0, help="beam: score / length ** this")
+    search.add_argument("--patience", type=float, default=1.0)
+    search.add_argument("--sampling-topk", type=int, default=1, help="1: no sampling; 0: the whole vocabulary")
+    search.add_argument("--sampling-topp", type=float, default=1.0)
+    search.add_argument("--sampling-temperature", type=float, default=1.0)
+    search.add_argument("--seed", type=int, default=0, help="sampling: 0 picks one at random")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_translate)

@@ -49,3 +49,28 @@ def test_translate_cli_streams_the_same_text(served):
     out = run_cli("translate", "--server", served.target, "--stream", *sentences, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == expected
+
+
+def test_translate_cli_decodes_with_a_beam_or_samples_locally_and_through_the_server(served, tiny_bundle,
+                                                                                    tiny_checkpoint):
+    """--beam-size/--num-hypotheses/--sampling-*: the same n-best list from the bundle (ONNX Runtime), the
+    server and the checkpoint (the PyTorch reference)."""
+    import json
+
+    from nmtserve.export.runtime.translator import OnnxTranslator
+
+    sentences = ["the cat sleeps .", "a dog eats the bread ."]
+    expected = OnnxTranslator(tiny_bundle).translate_batch(sentences, beam_size=4, num_hypotheses=2,
+                                                           max_decoding_length=64, return_scores=True)
+    beam = ["--beam-size", "4", "--num-hypotheses", "2", "--max-length", "64", "--json"]
+    for model in (["--server", served.target], [str(tiny_bundle)], [str(tiny_checkpoint)]):
+        out = run_cli("translate", *beam, *model, *sentences, timeout=120)
+        assert out.returncode == 0, out.stderr
+        lines = [json.loads(line) for line in out.stdout.splitlines()]
+        assert [[h["text"] for h in line["hypotheses"]] for line in lines] == \
+               [[h.text for h in t.hypotheses] for t in expected], model
+    sampled = [run_cli("translate", "--sampling-topk", "0", "--seed", "9", *model, *sentences, timeout=120).stdout
+               for model in (["--server", served.target], [str(tiny_bundle)], [str(tiny_checkpoint)])]
+    assert sampled[0] == sampled[1] == sampled[2] and sampled[0].count("\n") == 2
+    bad = run_cli("translate", "--beam-size", "2", "--num-hypotheses", "3", str(tiny_bundle), "hi")
+    assert bad.returncode == 2 and bad.stderr.strip().endswith("num_hypotheses 3: must be between 1 and beam_size (2)")
