@@ -80,9 +80,8 @@ async def start_server(config: ServerConfig) -> RunningServer:
     io_binding = {"auto": None, "on": True, "off": False}.get(config.io_binding, "bad")
     if io_binding == "bad":
         raise ConfigError(f"--io-binding {config.io_binding!r}: choose auto, on or off")
-    if not 1 <= config.max_beam_size <= config.max_running_rows:
-        raise ConfigError(f"--max-beam-size {config.max_beam_size}: must be between 1 and --max-running-rows "
-                          f"({config.max_running_rows}), the rows a beam takes")
+    if config.max_beam_size < 1:
+        raise ConfigError(f"--max-beam-size {config.max_beam_size}: must be at least 1")
     bundle = load_bundle(config.bundle)
     translator = OnnxTranslator(bundle, device=config.device, variant=config.variant, intra_op_threads=config.threads,
                                 io_binding=io_binding)

@@ -11,7 +11,7 @@ from dataclasses import fields
 HELPS = {"threads": "ONNX Runtime intra-op threads", "device": "cpu or cuda",
          "io_binding": "auto, on or off: keep K/V caches on the device between steps (auto: on for cuda)",
          "max_running_rows": "rows in the running decoder batch (a beam search takes beam_size rows)",
-         "max_beam_size": "highest DecodingOptions.beam_size accepted (at most --max-running-rows)",
+         "max_beam_size": "highest DecodingOptions.beam_size accepted (lowered to --max-running-rows)",
          "max_batch_tokens": "Σ source + output-budget tokens of running rows",
          "max_waiting": "waiting requests before RESOURCE_EXHAUSTED",
          "drain_timeout": "seconds to finish in-flight work on SIGTERM",

@@ -25,7 +25,7 @@ class ServerConfig:
     max_sentences: int = 64
     max_sentence_chars: int = 1000
     max_output_tokens: int = 256
-    max_beam_size: int = 8  # a beam takes beam_size rows of the running batch: at most max_running_rows
+    max_beam_size: int = 8  # a beam takes beam_size rows of the running batch: lowered to max_running_rows
     drain_timeout: float = 30.0
     max_message_bytes: int = 4 * 1024 * 1024
     tls_cert: str = ""  # PEM certificate chain; with tls_key, the port speaks TLS

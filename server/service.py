@@ -69,6 +69,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         self.max_source_tokens = engine.tr.limits.max_source_tokens
         # a budget past the decoder's position table could never be spent: the smaller limit is the one told
         self.max_output_tokens = min(config.max_output_tokens, engine.tr.limits.max_target_tokens)
+        self.max_beam_size = min(config.max_beam_size, config.max_running_rows)  # a beam takes beam_size rows
         self.manifest_path = bundle_manifest_path
         self.accepting = True
 
@@ -85,7 +86,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         search = DecodingOptions(beam_size=options.beam_size or 1, num_hypotheses=options.num_hypotheses or 1,
                                  length_penalty=options.length_penalty, seed=options.seed, **given)
         try:
-            search.check(self.engine.tr.vocab_size, self.config.max_beam_size)
+            search.check(self.engine.tr.vocab_size, self.max_beam_size)
         except ConfigError as e:
             raise InvalidRequest(f"options.{e}") from None
         return options.max_output_tokens or limit, search
@@ -263,7 +264,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             device=self.engine.tr.device, model_json=json.dumps(manifest["model"], sort_keys=True),
             limits=pb.Limits(max_sentences=self.config.max_sentences, max_sentence_chars=self.config.max_sentence_chars,
                              max_source_tokens=self.max_source_tokens, max_output_tokens=self.max_output_tokens,
-                             max_beam_size=self.config.max_beam_size))
+                             max_beam_size=self.max_beam_size))
 
 
 def _resolve(future: asyncio.Future, request: Request) -> None:
