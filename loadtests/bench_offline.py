@@ -138,7 +138,7 @@ def _spec(cfg: BenchConfig, workdir: Path) -> dict:
     bundle = load_bundle(cfg.bundle)
     tokenizer = bundle.tokenizer()
     texts = read_sentences(cfg.sentences_file or default_sentence_file(cfg.bundle))[: cfg.sentences]
-    sources = [tokenizer.encode(t)[: bundle.limits.max_source_tokens] or [tokenizer.special_ids()["eos"]]
+    sources = [tokenizer.encode(t, bundle.limits.max_source_tokens) or [tokenizer.special_ids()["eos"]]
                for t in texts]
     checkpoint = cfg.checkpoint or bundle.manifest["source"]["checkpoint"]
     spec = {"bundle": cfg.bundle, "checkpoint": checkpoint, "sources": sources, "batch_sizes": list(cfg.batch_sizes),

@@ -101,7 +101,7 @@ class Baseline:
         tr = self.tr
         latencies, tokens = [], 0
         for sentence in sentences:
-            source = tr.tokenizer.encode(sentence)[: tr.limits.max_source_tokens] or [tr.eos_id]
+            source = tr.tokenizer.encode(sentence, tr.limits.max_source_tokens) or [tr.eos_id]
             t0 = time.perf_counter()
             (out, _), = tr.translate_ids([source], max_batch_size=1)
             latencies.append(time.perf_counter() - t0)

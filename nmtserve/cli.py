@@ -4,6 +4,7 @@
     nmtserve train --data data/ --out runs/small --max-minutes 20
     nmtserve evaluate runs/small/best.pt --split test --json
     nmtserve average runs/small/step_*.pt --out runs/small/average.pt
+    nmtserve import-marian ~/models/opus-mt-en-de --out runs/opus-en-de.pt
     nmtserve export runs/small/average.pt --out bundles/small --verify  # nmtserve.export (train extra)
     nmtserve serve bundles/small --port 50051                           # nmtserve.server (base install)
     nmtserve translate --server localhost:50051 "The cat sleeps."       # base install; CHECKPOINT TEXT… needs train
@@ -33,6 +34,7 @@ COMMANDS = {
     "data": ("nmtserve.training.cli", "generate the built-in English→French corpus"),
     "train": ("nmtserve.training.cli", "train a model"),
     "average": ("nmtserve.training.cli", "average checkpoints of one run"),
+    "import-marian": ("nmtserve.training.cli", "import a local Hugging Face Marian (OPUS-MT) model as a checkpoint"),
     "evaluate": ("nmtserve.training.cli", "BLEU and chrF of greedy translations"),
     "translate": ("nmtserve.translate", "translate sentences through a server, or with a checkpoint"),
     "export": ("nmtserve.export.cli", "export a checkpoint to an ONNX bundle"),
@@ -45,6 +47,7 @@ COMMANDS = {
 
 # top-level module of an optional dependency -> the extra that installs it
 EXTRAS = {"torch": "train", "pyrealb": "train", "sacrebleu": "train", "tensorboard": "train", "tqdm": "train",
+          "safetensors": "train",
           "locust": "loadtest", "gevent": "loadtest", "matplotlib": "loadtest", "ctranslate2": "bench"}
 
 

@@ -1,21 +1,35 @@
-"""A joint SentencePiece model over source and target text, with fixed special ids.
+"""Tokenizers: text <-> the ids a model reads and writes. Torch-free: training, the bundle reader
+and the server all use them.
 
-Torch-free: training, the bundle reader and the server all use it."""
+Two schemes, named in checkpoints and in the bundle's manifest ("tokenizer": {"scheme": …}):
+- "sentencepiece": one SentencePiece model over source and target text, with fixed special ids
+  (the models nmtserve trains);
+- "marian": as Hugging Face's MarianTokenizer does it for OPUS-MT models: source text through
+  source.spm, pieces mapped to ids by vocab.json (unknown pieces to <unk>, never SentencePiece's own
+  ids), eos appended; output ids mapped back to pieces and detokenized by target.spm. Multilingual
+  models take a `>>xx<<` target-language token first.
+"""
 
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Iterable
+from pathlib import Path
 
 import sentencepiece as spm
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+TOKENIZER_FILE = "spm.model"  # the "sentencepiece" scheme's file in a bundle
+MARIAN_FILES = ("source.spm", "target.spm", "vocab.json")
 
 
 class Tokenizer:
     """Wraps a SentencePiece processor; the serialized model travels inside checkpoints and bundles."""
 
+    scheme = "sentencepiece"
     pad_id, unk_id, bos_id, eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
+    target_languages: list[str] = []  # one target language: no language token
 
     def __init__(self, model_proto: bytes):
         self.model_proto = model_proto
@@ -48,12 +62,22 @@ class Tokenizer:
         with open(path, "wb") as f:
             f.write(self.model_proto)
 
+    def payload(self) -> bytes:
+        """What a checkpoint stores (`from_payload` reads it back)."""
+        return self.model_proto
+
+    def save_files(self, directory: Path) -> dict:
+        """Write the bundle's tokenizer files; returns the manifest's "tokenizer" entry."""
+        self.save(Path(directory) / TOKENIZER_FILE)
+        return {"scheme": self.scheme, "files": [TOKENIZER_FILE]}
+
     @property
     def vocab_size(self) -> int:
         return self.sp.get_piece_size()
 
-    def encode(self, text: str) -> list[int]:
-        return self.sp.encode(text)
+    def encode(self, text: str, max_tokens: int | None = None, target_language: str = "") -> list[int]:
+        """The ids the encoder reads, at most max_tokens; [] when nothing is left after normalisation."""
+        return self.sp.encode(text)[:max_tokens]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self.sp.encode(texts)
@@ -63,3 +87,108 @@ class Tokenizer:
 
     def special_ids(self) -> dict[str, int]:
         return {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID}
+
+
+class MarianTokenizer:
+    """MarianTokenizer's encoding and decoding (transformers' models/marian/tokenization_marian.py),
+    without transformers: two SentencePiece models and one vocabulary shared by source and target.
+
+    bos_id is where decoding starts: Marian's decoder_start_token_id, which is pad.
+    """
+
+    scheme = "marian"
+
+    def __init__(self, source_spm: bytes, target_spm: bytes, vocab: dict[str, int], *, eos: str = "</s>",
+                 unk: str = "<unk>", pad: str = "<pad>", decoder_start_id: int | None = None):
+        for name, piece in (("eos", eos), ("unk", unk), ("pad", pad)):
+            if piece not in vocab:
+                raise ValueError(f"vocab.json: no {name} token {piece!r}")
+        self.source_spm, self.target_spm, self.vocab = source_spm, target_spm, vocab
+        self.source = spm.SentencePieceProcessor(model_proto=source_spm)
+        self.target = spm.SentencePieceProcessor(model_proto=target_spm)
+        self.pieces = {i: p for p, i in vocab.items()}
+        self.eos_id, self.unk_id, self.pad_id = vocab[eos], vocab[unk], vocab[pad]
+        self.bos_id = self.pad_id if decoder_start_id is None else decoder_start_id
+        self.language_ids = {p[2:-2]: i for p, i in vocab.items() if p.startswith(">>") and p.endswith("<<")}
+        self.target_languages = sorted(self.language_ids)
+
+    @classmethod
+    def from_files(cls, directory: Path, decoder_start_id: int | None = None) -> MarianTokenizer:
+        directory = Path(directory)
+        source, target, vocab = (directory / name for name in MARIAN_FILES)
+        for path in (source, target, vocab):
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: missing (a Marian tokenizer needs {', '.join(MARIAN_FILES)})")
+        try:
+            table = json.loads(vocab.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{vocab}: not valid JSON ({e})") from None
+        if not isinstance(table, dict) or not all(isinstance(i, int) for i in table.values()):
+            raise ValueError(f"{vocab}: not a Marian vocabulary (an object of piece: id)")
+        return cls(source.read_bytes(), target.read_bytes(), table, decoder_start_id=decoder_start_id)
+
+    def payload(self) -> dict:
+        return {"scheme": self.scheme, "source_spm": self.source_spm, "target_spm": self.target_spm,
+                "vocab": self.vocab, "decoder_start_id": self.bos_id}
+
+    def save_files(self, directory: Path) -> dict:
+        directory = Path(directory)
+        (directory / MARIAN_FILES[0]).write_bytes(self.source_spm)
+        (directory / MARIAN_FILES[1]).write_bytes(self.target_spm)
+        (directory / MARIAN_FILES[2]).write_text(json.dumps(self.vocab, ensure_ascii=False, indent=1), encoding="utf-8")
+        return {"scheme": self.scheme, "files": list(MARIAN_FILES), "decoder_start_id": self.bos_id}
+
+    @property
+    def vocab_size(self) -> int:
+        return max(self.vocab.values()) + 1
+
+    def encode(self, text: str, max_tokens: int | None = None, target_language: str = "") -> list[int]:
+        """[>>xx<<] pieces eos, at most max_tokens (eos kept last); [] when no piece is left.
+
+        A text that starts with a language token (">>fr<< …") keeps it, as MarianTokenizer does;
+        otherwise target_language adds one (a ValueError names an unknown language).
+        """
+        code: list[int] = []
+        if text.startswith(">>") and (end := text.find("<<")) != -1:  # MarianTokenizer.remove_language_code
+            code, text = [self.vocab.get(text[: end + 2], self.unk_id)], text[end + 2:]
+        elif target_language and self.language_ids:
+            if target_language not in self.language_ids:
+                raise ValueError(f"target language {target_language!r}: this model translates into "
+                                 f"{', '.join(self.target_languages)}")
+            code = [self.language_ids[target_language]]
+        ids = [self.vocab.get(p, self.unk_id) for p in self.source.encode(text, out_type=str)]
+        if not ids and not code:
+            return []
+        ids = code + ids
+        if max_tokens is not None:
+            ids = ids[: max_tokens - 1]
+        return ids + [self.eos_id]
+
+    def decode(self, ids: list[int]) -> str:
+        """MarianTokenizer.decode(ids, skip_special_tokens=True) with the target SentencePiece model."""
+        skip = (self.eos_id, self.pad_id, self.unk_id)
+        pieces = [self.pieces.get(i) or self.target.id_to_piece(i) for i in ids if i not in skip]
+        return self.target.decode_pieces(pieces).replace("▁", " ").strip()
+
+    def special_ids(self) -> dict[str, int]:
+        return {"pad": self.pad_id, "unk": self.unk_id, "bos": self.bos_id, "eos": self.eos_id}
+
+
+def from_payload(payload: bytes | dict) -> Tokenizer | MarianTokenizer:
+    """The tokenizer a checkpoint stores: SentencePiece bytes, or a dict naming its scheme."""
+    if isinstance(payload, bytes):
+        return Tokenizer(payload)
+    if payload.get("scheme") == MarianTokenizer.scheme:
+        return MarianTokenizer(payload["source_spm"], payload["target_spm"], payload["vocab"],
+                               decoder_start_id=payload["decoder_start_id"])
+    raise ValueError(f"unknown tokenizer scheme {payload.get('scheme')!r}")
+
+
+def from_bundle(directory: Path, entry: dict | None) -> Tokenizer | MarianTokenizer:
+    """The tokenizer of a bundle, from its manifest's "tokenizer" entry (absent: "sentencepiece")."""
+    scheme = (entry or {}).get("scheme", Tokenizer.scheme)
+    if scheme == Tokenizer.scheme:
+        return Tokenizer.load(Path(directory) / TOKENIZER_FILE)
+    if scheme == MarianTokenizer.scheme:
+        return MarianTokenizer.from_files(directory, entry.get("decoder_start_id"))
+    raise ValueError(f"{directory}: unknown tokenizer scheme {scheme!r}")

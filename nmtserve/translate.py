@@ -44,7 +44,7 @@ def _translate_bundle(path: str, texts: list[str], options: DecodingOptions, arg
     from nmtserve.export.runtime.translator import OnnxTranslator
 
     tr = OnnxTranslator(path, device=args.device)
-    ids = [tr.tokenizer.encode(t)[: tr.limits.max_source_tokens] or [tr.eos_id] for t in texts]
+    ids = [tr.tokenizer.encode(t, tr.limits.max_source_tokens) or [tr.eos_id] for t in texts]
     return [[(tr.tokenizer.decode(h.tokens), h.score) for h in hypotheses]
             for hypotheses in tr.search_ids(ids, options, max_batch_size=args.batch_size)]
 
@@ -62,7 +62,8 @@ def _translate_checkpoint(path: str, texts: list[str], options: DecodingOptions,
                                                      max_decoding_length=options.max_decoding_length, device=args.device)]
     found = []
     for text in texts:
-        src, mask = pad([loaded.tokenizer.encode(text)[: loaded.model.config.max_len] or [loaded.tokenizer.eos_id]], 0)
+        src, mask = pad([loaded.tokenizer.encode(text, loaded.model.config.max_len) or [loaded.tokenizer.eos_id]],
+                        loaded.tokenizer.pad_id)
         src, mask = src.to(args.device), mask.to(args.device)
         if options.sampling:
             hypotheses = sample(loaded.model, src, mask, sampling_topk=options.sampling_topk,

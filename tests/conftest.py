@@ -35,3 +35,27 @@ def tiny_bundle(tiny_checkpoint, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bundle")
     export_bundle(ExportConfig(str(tiny_checkpoint), str(out), ["fp32", "int8"]))
     return out
+
+
+# two tiny random Marian (OPUS-MT layout) directories, as issue 18 asks: swish with scaled embeddings,
+# relu with unscaled embeddings and different encoder and decoder depths
+MARIAN_CONFIGS = {
+    "swish": dict(activation="swish", scale_embedding=True, encoder_layers=2, decoder_layers=2, seed=0),
+    "relu": dict(activation="relu", scale_embedding=False, encoder_layers=3, decoder_layers=1, seed=1, fp16=True),
+}
+
+
+@pytest.fixture(scope="session", params=list(MARIAN_CONFIGS))
+def marian_dir(request, tmp_path_factory) -> Path:
+    from tests.marian import build_marian_dir
+
+    return build_marian_dir(tmp_path_factory.mktemp(f"marian-{request.param}"), **MARIAN_CONFIGS[request.param])
+
+
+@pytest.fixture(scope="session")
+def marian_checkpoint(marian_dir, tmp_path_factory) -> Path:
+    from nmtserve.training.marian import import_marian
+
+    out = tmp_path_factory.mktemp("marian-ckpt") / "model.pt"
+    import_marian(marian_dir, out, "en", "fr")
+    return out

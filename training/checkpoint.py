@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from nmtserve.errors import CheckpointError
-from nmtserve.tokenizer import Tokenizer
+from nmtserve.tokenizer import MarianTokenizer, Tokenizer, from_payload
 from nmtserve.training.model import EncoderDecoder, ModelConfig
 
 FORMAT_VERSION = 1
@@ -19,7 +19,7 @@ FORMAT_VERSION = 1
 @dataclass
 class LoadedModel:
     model: EncoderDecoder
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | MarianTokenizer
     payload: dict  # everything else saved: metrics, train config, step, data source
 
 
@@ -57,7 +57,7 @@ def load_model(path: str | Path, device="cpu") -> LoadedModel:
     except RuntimeError as e:
         raise CheckpointError(f"{path}: weights do not fit the recorded config ({str(e).splitlines()[0][:200]})") from None
     model.to(device).eval()
-    return LoadedModel(model, Tokenizer(payload["tokenizer"]), payload)
+    return LoadedModel(model, from_payload(payload["tokenizer"]), payload)
 
 
 def average(paths: list[str | Path], out: str | Path) -> Path:

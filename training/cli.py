@@ -1,8 +1,9 @@
-"""Commands of nmtserve.training: data, train, average, evaluate (the train extra).
+"""Commands of nmtserve.training: data, train, average, import-marian, evaluate (the train extra).
 
     nmtserve data --out data/default --pairs 200000 --seed 1
     nmtserve train --data data/default --out runs/default --max-minutes 20
     nmtserve average runs/default/step_*.pt --out runs/default/average.pt
+    nmtserve import-marian ~/models/opus-mt-en-de --out runs/opus-en-de.pt
     nmtserve evaluate runs/default/best.pt --split test --json
 """
 
@@ -51,6 +52,19 @@ def cmd_average(args) -> int:
     from nmtserve.training.checkpoint import average
 
     print(average(args.checkpoints, args.out))
+    return 0
+
+
+def cmd_import_marian(args) -> int:
+    from nmtserve.training.marian import import_marian
+
+    summary = import_marian(args.directory, args.out, args.source_lang, args.target_lang)
+    if args.json:
+        print_json(summary)
+    else:
+        c = summary["model_config"]
+        print(f"imported {args.directory}: {summary['parameters']:,} parameters, {c['n_encoder_layers']}+"
+              f"{c['n_decoder_layers']} layers, d_model {c['d_model']}, {c['activation']}; wrote {args.out}")
     return 0
 
 
@@ -147,6 +161,13 @@ def add_parser(sub, name: str, help_text: str) -> None:
         p.add_argument("checkpoints", nargs="+")
         p.add_argument("--out", required=True)
         p.set_defaults(func=cmd_average)
+    elif name == "import-marian":
+        p.add_argument("directory", help="a local Hugging Face Marian (OPUS-MT) model directory")
+        p.add_argument("--out", required=True, help="the checkpoint to write")
+        p.add_argument("--source-lang", default="", help="source language code (default: tokenizer_config.json's)")
+        p.add_argument("--target-lang", default="", help="target language code (default: tokenizer_config.json's)")
+        p.add_argument("--json", action="store_true")
+        p.set_defaults(func=cmd_import_marian)
     elif name == "evaluate":
         p.add_argument("checkpoint")
         p.add_argument("--split", default="test", help="split of the data directory (default %(default)s)")

@@ -14,7 +14,7 @@ import torch
 
 from nmtserve.decoding import output_budget, sorted_batches
 from nmtserve.search import sample_index
-from nmtserve.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from nmtserve.tokenizer import MarianTokenizer, Tokenizer
 from nmtserve.training.data import pad
 from nmtserve.training.model import EncoderDecoder, KVCache
 
@@ -44,7 +44,7 @@ def greedy_decode(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tens
     batch = src.shape[0]
     cross_k, cross_v = prefill(model, src, src_mask)
     cache = KVCache.empty(model.config, batch, device=src.device, dtype=cross_k.dtype)
-    tokens = torch.full((batch,), BOS_ID, dtype=torch.long, device=src.device)
+    tokens = torch.full((batch,), model.config.bos_id, dtype=torch.long, device=src.device)
     done = torch.zeros(batch, dtype=torch.bool, device=src.device)
     outputs = torch.zeros(batch, 0, dtype=torch.long, device=src.device)
     scores = torch.zeros(batch, device=src.device)
@@ -53,12 +53,12 @@ def greedy_decode(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tens
         positions = torch.full((batch,), step, dtype=torch.long, device=src.device)
         tokens, score = decode_one_token(model, tokens, positions, cache, cross_k, cross_v, src_mask)
         scores += torch.where(done, torch.zeros_like(score), score)
-        tokens = torch.where(done, torch.full_like(tokens, PAD_ID), tokens)
+        tokens = torch.where(done, torch.full_like(tokens, model.config.pad_id), tokens)
         outputs = torch.cat([outputs, tokens[:, None]], dim=1)
-        done |= (tokens == EOS_ID) | (step + 1 >= budget)
+        done |= (tokens == model.config.eos_id) | (step + 1 >= budget)
         if bool(done.all()):
             break
-    return [_strip(row) for row in outputs.tolist()], scores.tolist()
+    return [_strip(row, model.config.eos_id, model.config.pad_id) for row in outputs.tolist()], scores.tolist()
 
 
 @torch.inference_mode()
@@ -67,18 +67,18 @@ def greedy_decode_uncached(model: EncoderDecoder, src: torch.Tensor, src_mask: t
     """Greedy search that re-runs the decoder over the whole prefix every step (the reference for the cache)."""
     batch = src.shape[0]
     memory = model.encode(src, src_mask)
-    prefix = torch.full((batch, 1), BOS_ID, dtype=torch.long, device=src.device)
+    prefix = torch.full((batch, 1), model.config.bos_id, dtype=torch.long, device=src.device)
     done = torch.zeros(batch, dtype=torch.bool, device=src.device)
     budget = budgets(src_mask, max_len, model.config.max_len)
     for step in range(int(budget.max())):
         log_probs = model.decode(prefix, memory, src_mask, torch.ones_like(prefix, dtype=torch.bool))
         tokens = log_probs[:, -1].argmax(dim=-1)
-        tokens = torch.where(done, torch.full_like(tokens, PAD_ID), tokens)
+        tokens = torch.where(done, torch.full_like(tokens, model.config.pad_id), tokens)
         prefix = torch.cat([prefix, tokens[:, None]], dim=1)
-        done |= (tokens == EOS_ID) | (step + 1 >= budget)
+        done |= (tokens == model.config.eos_id) | (step + 1 >= budget)
         if bool(done.all()):
             break
-    return [_strip(row) for row in prefix[:, 1:].tolist()]
+    return [_strip(row, model.config.eos_id, model.config.pad_id) for row in prefix[:, 1:].tolist()]
 
 
 @torch.inference_mode()
@@ -99,7 +99,7 @@ def beam_search(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tensor
     beams = torch.arange(n, device=device).repeat_interleave(k)  # (n·k,) the source of each row
     cross_k, cross_v, mask = cross_k[:, beams], cross_v[:, beams], src_mask[beams]
     cache = KVCache.empty(model.config, n * k, device=device, dtype=cross_k.dtype)
-    tokens = torch.full((n * k,), BOS_ID, dtype=torch.long, device=device)
+    tokens = torch.full((n * k,), model.config.bos_id, dtype=torch.long, device=device)
     scores = torch.full((n, k), float("-inf"), device=device)
     scores[:, 0] = 0.0  # the first step extends beam 0 only: every beam holds the same start
     seqs: list[list[int]] = [[] for _ in range(n * k)]
@@ -120,12 +120,12 @@ def beam_search(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tensor
             last, spare, row = step + 1 == budget[b], k, []
             for i in range(k):
                 c = i
-                if not done[b] and (cand_token[b][i] == EOS_ID or last):
-                    eos = cand_token[b][i] == EOS_ID
+                if not done[b] and (cand_token[b][i] == model.config.eos_id or last):
+                    eos = cand_token[b][i] == model.config.eos_id
                     hyp = seqs[b * k + cand_beam[b][i]] + ([] if eos else [cand_token[b][i]])
                     finished[b].append((hyp, cand_scores[b][i], eos))
                     top_finished[b] |= i == 0
-                    spare = next((j for j in range(spare, 2 * k) if cand_token[b][j] != EOS_ID), 2 * k)
+                    spare = next((j for j in range(spare, 2 * k) if cand_token[b][j] != model.config.eos_id), 2 * k)
                     if spare < 2 * k:
                         c, spare = spare, spare + 1
                 row.append(c)
@@ -179,7 +179,7 @@ def sample(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tensor, *, 
     cross_k, cross_v = prefill(model, src, src_mask)
     cache = KVCache.empty(model.config, n, device=device, dtype=cross_k.dtype)
     rngs = [np.random.Generator(np.random.PCG64(seed)) for _ in range(n)]
-    tokens = torch.full((n,), BOS_ID, dtype=torch.long, device=device)
+    tokens = torch.full((n,), model.config.bos_id, dtype=torch.long, device=device)
     budget = budgets(src_mask, max_decoding_length, model.config.max_len).tolist()
     outputs: list[list[int]] = [[] for _ in range(n)]
     scores, done = [0.0] * n, [False] * n
@@ -198,7 +198,7 @@ def sample(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tensor, *, 
             if done[r]:
                 continue
             scores[r] += float(best[r, i])
-            if token == EOS_ID:
+            if token == model.config.eos_id:
                 done[r] = True
             else:
                 outputs[r].append(token)
@@ -209,19 +209,19 @@ def sample(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tensor, *, 
     return list(zip(outputs, scores))
 
 
-def _strip(row: list[int]) -> list[int]:
+def _strip(row: list[int], eos_id: int, pad_id: int) -> list[int]:
     """Tokens up to (not including) eos."""
-    return row[: row.index(EOS_ID)] if EOS_ID in row else [t for t in row if t != PAD_ID]
+    return row[: row.index(eos_id)] if eos_id in row else [t for t in row if t != pad_id]
 
 
-def translate(model: EncoderDecoder, tokenizer: Tokenizer, texts: list[str], *, max_batch_size: int = 64,
+def translate(model: EncoderDecoder, tokenizer: Tokenizer | MarianTokenizer, texts: list[str], *, max_batch_size: int = 64,
               max_decoding_length: int = 256, device="cpu") -> list[str]:
     """Translate texts greedily, batching them sorted by length to cut padding."""
-    ids = [tokenizer.encode(t)[: model.config.max_len] or [EOS_ID] for t in texts]
+    ids = [tokenizer.encode(t, model.config.max_len) or [tokenizer.eos_id] for t in texts]
     results: list[str] = [""] * len(texts)
     model.eval()
     for rows in sorted_batches([len(i) for i in ids], max_batch_size):
-        src, src_mask = pad([ids[i] for i in rows], PAD_ID)
+        src, src_mask = pad([ids[i] for i in rows], model.config.pad_id)
         out, _ = greedy_decode(model, src.to(device), src_mask.to(device), max_decoding_length)
         for i, tokens in zip(rows, out):
             results[i] = tokenizer.decode(tokens)

@@ -25,6 +25,10 @@ PRESETS = {
 }
 
 
+ACTIVATIONS = {"relu": F.relu, "swish": F.silu, "gelu": F.gelu}
+POSITIONS = ("interleaved", "halves")
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 4000
@@ -37,6 +41,23 @@ class ModelConfig:
     pre_norm: bool = False  # the paper is post-LN; pre-LN trains more stably when deep
     max_len: int = 256  # longest source or target, in tokens, that positions cover
     pad_id: int = 0
+    # decoding starts from bos_id and ends at eos_id (Marian starts from pad)
+    bos_id: int = 2
+    eos_id: int = 3
+    # what imported models need (training/marian.py); the defaults are the paper's model
+    positions: str = "interleaved"  # sin/cos interleaved (the paper) or "halves": sin then cos (Marian)
+    activation: str = "relu"  # or "swish" (= silu) or "gelu" (exact, with erf)
+    scale_embedding: bool = True  # embeddings times sqrt(d_model)
+    output_bias: bool = False  # a bias on the output logits (Marian's final_logits_bias)
+    suppressed_ids: tuple[int, ...] = ()  # never generated (Marian never generates pad)
+    renormalize: bool = True  # suppressed before the softmax; False: after it, the rest not renormalised
+
+    def __post_init__(self):
+        self.suppressed_ids = tuple(self.suppressed_ids)
+        if self.positions not in POSITIONS:
+            raise ValueError(f"positions {self.positions!r}: choose one of {', '.join(POSITIONS)}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r}: choose one of {', '.join(ACTIVATIONS)}")
 
     @classmethod
     def preset(cls, name: str, **overrides) -> ModelConfig:
@@ -89,26 +110,41 @@ class ScaledEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.scale = math.sqrt(config.d_model)
+        self.scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
         self.weight = nn.Parameter(torch.randn(config.vocab_size, config.d_model) * config.d_model ** -0.5)
+        if config.output_bias:
+            self.register_buffer("bias", torch.zeros(config.vocab_size))
+        else:
+            self.bias = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight) * self.scale  # (B, T, D)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight.t()  # (B, T, V)
+        logits = x @ self.weight.t()  # (B, T, V)
+        return logits if self.bias is None else logits + self.bias
 
 
 class SinusoidalPositions(nn.Module):
-    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...)."""
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...).
+
+    "halves" lays the same values out as Marian does: every sin first, then every cos,
+    computed in float64 as transformers' MarianSinusoidalPositionalEmbedding does.
+    """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        pos = torch.arange(config.max_len, dtype=torch.float32)[:, None]
-        div = torch.exp(torch.arange(0, config.d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / config.d_model))
-        table = torch.zeros(config.max_len, config.d_model)
-        table[:, 0::2] = torch.sin(pos * div)
-        table[:, 1::2] = torch.cos(pos * div)
+        if config.positions == "halves":
+            angles = torch.arange(config.max_len, dtype=torch.float64)[:, None] / torch.pow(
+                10000.0, torch.arange(0, config.d_model, 2, dtype=torch.float64) / config.d_model)
+            table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1).float()
+        else:
+            pos = torch.arange(config.max_len, dtype=torch.float32)[:, None]
+            div = torch.exp(torch.arange(0, config.d_model, 2, dtype=torch.float32)
+                            * (-math.log(10000.0) / config.d_model))
+            table = torch.zeros(config.max_len, config.d_model)
+            table[:, 0::2] = torch.sin(pos * div)
+            table[:, 1::2] = torch.cos(pos * div)
         self.register_buffer("table", table, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
@@ -160,16 +196,17 @@ class MultiHeadAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """FFN(x) = max(0, x W1 + b1) W2 + b2."""
+    """FFN(x) = max(0, x W1 + b1) W2 + b2 (or swish/gelu in place of max(0, ·))."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.w1 = nn.Linear(config.d_model, config.d_ff)
         self.w2 = nn.Linear(config.d_ff, config.d_model)
         self.dropout = nn.Dropout(config.dropout)
+        self.activation = ACTIVATIONS[config.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.dropout(F.relu(self.w1(x))))
+        return self.w2(self.dropout(self.activation(self.w1(x))))
 
 
 class Residual(nn.Module):
@@ -251,9 +288,24 @@ class EncoderDecoder(nn.Module):
         # pre-LN stacks end with a LayerNorm; post-LN outputs are already normalised
         self.encoder_norm = nn.LayerNorm(config.d_model) if config.pre_norm else nn.Identity()
         self.decoder_norm = nn.LayerNorm(config.d_model) if config.pre_norm else nn.Identity()
+        if config.suppressed_ids:  # 0, or -inf at each suppressed id
+            suppress = torch.zeros(config.vocab_size)
+            suppress[list(config.suppressed_ids)] = float("-inf")
+            self.register_buffer("suppress", suppress, persistent=False)
+        else:
+            self.suppress = None
         for name, p in self.named_parameters():
             if p.dim() > 1 and not name.startswith("embed."):
                 nn.init.xavier_uniform_(p)
+
+    def _log_probs(self, x: torch.Tensor) -> torch.Tensor:
+        """Output log-probabilities (…, V) of decoder states x (…, D); suppressed ids get -inf."""
+        logits = self.embed.logits(x).float()
+        if self.suppress is None:
+            return F.log_softmax(logits, dim=-1)
+        if self.config.renormalize:
+            return F.log_softmax(logits + self.suppress, dim=-1)
+        return F.log_softmax(logits, dim=-1) + self.suppress
 
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.embed_dropout(self.embed(ids) + self.positions(positions))
@@ -286,7 +338,7 @@ class EncoderDecoder(nn.Module):
         cross_mask = src_mask[:, None, None, :]
         for i, layer in enumerate(self.decoder):
             x = layer(x, self_mask, cross_k[i], cross_v[i], cross_mask)
-        return F.log_softmax(self.embed.logits(self.decoder_norm(x)).float(), dim=-1)
+        return self._log_probs(self.decoder_norm(x))
 
     def forward(self, src, src_mask, tgt, tgt_mask) -> torch.Tensor:
         return self.decode(tgt, self.encode(src, src_mask), src_mask, tgt_mask)
@@ -314,7 +366,7 @@ class EncoderDecoder(nn.Module):
             x, k, v = layer.step(x, pk, pv, past_valid, ck, cv, cross_mask)
             new_k.append(k)
             new_v.append(v)
-        log_probs = F.log_softmax(self.embed.logits(self.decoder_norm(x))[:, 0].float(), dim=-1)  # (B, V)
+        log_probs = self._log_probs(self.decoder_norm(x)[:, 0])  # (B, V)
         return log_probs, torch.stack(new_k), torch.stack(new_v)
 
     def num_parameters(self) -> int:

@@ -14,7 +14,7 @@ from nmtserve.errors import ConfigError
 from nmtserve.export.build.graphs import OPSET, dynamic_axes, export_graphs
 from nmtserve.export.build.manifest import graph_signature, write_manifest
 from nmtserve.export.build.variants import VARIANTS, fusion_report, write_variant
-from nmtserve.export.runtime.bundle import MANIFEST, TOKENIZER_FILE, load_bundle, sha256_of
+from nmtserve.export.runtime.bundle import MANIFEST, load_bundle, sha256_of
 from nmtserve.training.checkpoint import load_model
 
 
@@ -31,11 +31,12 @@ class ExportConfig:
 
 
 def languages(cfg: ExportConfig, payload: dict) -> dict:
-    """{"source", "target"} language codes: the flags, else the training data's corpus.json, else ""."""
-    found = {"source": "", "target": ""}
+    """{"source", "target"} language codes: the flags, else the checkpoint's (an imported model's), else
+    the training data's corpus.json, else ""."""
+    found = {"source": "", "target": "", **(payload.get("languages") or {})}
     data = (payload.get("train_config") or {}).get("data")
     summary = Path(data) / "corpus.json" if data else None
-    if summary is not None and summary.is_file():
+    if summary is not None and summary.is_file() and not payload.get("languages"):
         try:
             found.update(json.loads(summary.read_text(encoding="utf-8")).get("languages") or {})
         except (OSError, ValueError):
@@ -63,7 +64,7 @@ def export_bundle(cfg: ExportConfig) -> dict:
         raise ConfigError(f"--out {out}: exists, is not empty and is not a bundle; choose another directory")
     out.mkdir(parents=True, exist_ok=True)
     paths = export_graphs(loaded.model, out)
-    loaded.tokenizer.save(out / TOKENIZER_FILE)
+    tokenizer = loaded.tokenizer.save_files(out)
     variants = {"fp32": {"encoder": "encoder.onnx", "decoder": "decoder.onnx", **VARIANTS["fp32"]}}
     for name in cfg.variants:
         if name == "fp32":
@@ -82,8 +83,10 @@ def export_bundle(cfg: ExportConfig) -> dict:
         "format": "nmtserve-bundle",
         "created_by": f"nmtserve {nmtserve.__version__}",
         "model": {k: getattr(c, k) for k in ("vocab_size", "d_model", "n_heads", "d_ff", "n_encoder_layers",
-                                             "n_decoder_layers", "pre_norm", "max_len")},
+                                             "n_decoder_layers", "pre_norm", "max_len", "positions",
+                                             "activation", "scale_embedding", "output_bias")},
         "languages": languages(cfg, payload),
+        "tokenizer": tokenizer,
         "special_ids": loaded.tokenizer.special_ids(),
         "limits": {"max_source_tokens": c.max_len, "max_target_tokens": c.max_len},
         "opset": OPSET,
@@ -91,10 +94,14 @@ def export_bundle(cfg: ExportConfig) -> dict:
                    for g in paths},
         "variants": variants,
         "optimization": {g: fusion_report(paths[g]) for g in paths},
+        # an imported model's generation defaults (DecodingOptions names): the server's defaults
+        "decoding_defaults": payload.get("decoding_defaults") or {},
         "source": {"checkpoint": str(cfg.checkpoint), "sha256": sha256_of(Path(cfg.checkpoint)),
                    "step": payload.get("step"), "metrics": payload.get("metrics"),
                    "data": (payload.get("train_config") or {}).get("data")},
     }
+    if "imported_from" in payload:
+        manifest["source"]["imported_from"] = {k: payload["imported_from"][k] for k in ("format", "directory", "files")}
     if cfg.verify:
         from nmtserve.export.build.verify import verify_bundle
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import onnx
 
-from nmtserve.export.runtime.bundle import MANIFEST, SCHEMA_VERSION, TOKENIZER_FILE, sha256_of
+from nmtserve.export.runtime.bundle import MANIFEST, SCHEMA_VERSION, sha256_of
 
 
 def file_entry(path: Path) -> dict:
@@ -31,7 +31,7 @@ def graph_signature(onnx_path: Path) -> dict:
 
 def write_manifest(bundle_dir: Path, manifest: dict) -> Path:
     """Add the hash of every listed file and write manifest.json."""
-    files = sorted({TOKENIZER_FILE} | {f for v in manifest["variants"].values() for f in (v["encoder"], v["decoder"])})
+    files = sorted(set(manifest["tokenizer"]["files"]) | {f for v in manifest["variants"].values() for f in (v["encoder"], v["decoder"])})
     manifest = {"schema_version": SCHEMA_VERSION, **manifest,
                 "files": {name: file_entry(bundle_dir / name) for name in files}}
     path = bundle_dir / MANIFEST

@@ -25,7 +25,6 @@ from nmtserve.decoding import sorted_batches
 from nmtserve.export.build.variants import VARIANTS
 from nmtserve.export.runtime.bundle import load_bundle
 from nmtserve.export.runtime.translator import OnnxTranslator
-from nmtserve.tokenizer import BOS_ID, PAD_ID
 from nmtserve.training.checkpoint import LoadedModel
 from nmtserve.training.data import pad, read_corpus, split_file
 from nmtserve.training.decode import greedy_decode
@@ -158,11 +157,10 @@ def diverging_off_a_tie(model, sources: list[list[int]], got: list[list[int]], e
         if g == e:
             continue
         j = next((k for k, (a, b) in enumerate(zip(g, e)) if a != b), min(len(g), len(e)))
-        src_ids = torch.tensor([src])
-        prefix = torch.tensor([[BOS_ID] + e[:j]])
+        src_ids, src_mask = torch.tensor([src]), torch.ones(1, len(src), dtype=torch.bool)
+        prefix = torch.tensor([[model.config.bos_id] + e[:j]])
         with torch.no_grad():
-            log_probs = model.decode(prefix, model.encode(src_ids, src_ids != PAD_ID), src_ids != PAD_ID,
-                                     prefix != PAD_ID)[0, -1]
+            log_probs = model.decode(prefix, model.encode(src_ids, src_mask), src_mask, torch.ones_like(prefix).bool())[0, -1]
         best, second = log_probs.topk(2).values.tolist()
         if best - second > TIE:
             bad.append(i)
@@ -204,7 +202,7 @@ def verify_bundle(bundle_dir: Path, loaded: LoadedModel, split: str = "test", li
     pairs = read_corpus([split_file(data_dir, split)]).pairs if data_dir else []
     pairs = pairs[:limit] if limit else pairs
     tok = loaded.tokenizer
-    sources = [tok.encode(s)[: model.config.max_len] or [tok.eos_id] for s, _ in pairs]
+    sources = [tok.encode(s, model.config.max_len) or [tok.eos_id] for s, _ in pairs]
     references = [t for _, t in pairs]
     ref_tokens = reference_tokens(model, sources, batch_size) if pairs else []
     if pairs:

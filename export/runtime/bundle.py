@@ -19,7 +19,6 @@ from nmtserve.errors import BundleError
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
-TOKENIZER_FILE = "spm.model"
 
 
 def sha256_of(path: Path) -> str:
@@ -59,9 +58,12 @@ class Bundle:
         return self.path / self.manifest["variants"][variant][graph]
 
     def tokenizer(self):
-        from nmtserve.tokenizer import Tokenizer
+        from nmtserve.tokenizer import from_bundle
 
-        return Tokenizer.load(self.path / TOKENIZER_FILE)
+        try:
+            return from_bundle(self.path, self.manifest.get("tokenizer"))
+        except (OSError, ValueError) as e:
+            raise BundleError(f"{self.path}: tokenizer: {e}") from None
 
 
 def load_bundle(path: str | Path, verify_hashes: bool = True) -> Bundle:

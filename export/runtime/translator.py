@@ -286,7 +286,7 @@ class OnnxTranslator:
         sorted by length so that each batch has little padding."""
         options = DecodingOptions(beam_size, num_hypotheses, length_penalty, patience, sampling_topk, sampling_topp,
                                   sampling_temperature, seed, max_decoding_length)
-        ids = [self.tokenizer.encode(t)[: self.limits.max_source_tokens] or [self.eos_id] for t in texts]
+        ids = [self.tokenizer.encode(t, self.limits.max_source_tokens) or [self.eos_id] for t in texts]
         found = self.search_ids(ids, options, max_batch_size=max_batch_size)
         return [self._translation(hypotheses, return_scores) for hypotheses in found]
 

@@ -1,0 +1,83 @@
+"""Tiny random Hugging Face Marian model directories, built offline the way OPUS-MT's are laid out:
+config.json + model.safetensors (MarianConfig + MarianMTModel.save_pretrained), generation_config.json,
+source.spm and target.spm (SentencePiece trained here on a few hundred sentences) and a vocab.json
+that joins both sides' pieces in Marian's layout (</s> 0, <unk> 1, …, <pad> last). Needs the
+`marian` extra (transformers)."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+from pathlib import Path
+
+import sentencepiece as spm
+import torch
+
+ENGLISH = ("the cat dog girl boy lawyer teacher house garden city river small big old happy sad red green "
+           "sees likes eats reads writes finds walks sleeps runs quickly slowly today yesterday often never").split()
+FRENCH = ("le la chat chien fille garçon avocat professeur maison jardin ville rivière petit grand vieux heureux "
+          "triste rouge vert voit aime mange lit écrit trouve marche dort court vite lentement aujourd'hui hier "
+          "souvent jamais").split()
+# outside both SentencePiece models' training text: unknown characters, digits, emoji, right-to-left
+ODD = ["The cat λ sleeps.", "Über 42 Katzen!", "a 🙂 b", "שלום the dog", "", "   ", "zzz qqq xxx",
+       ">>fr<< the cat sees the dog"]
+
+
+def sentences(words: list[str], n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(2, 9)))
+        out.append(text[0].upper() + text[1:] + rng.choice([".", "!", "?", ""]))
+    return out
+
+
+def _train_spm(texts: list[str], vocab_size: int) -> bytes:
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=model, vocab_size=vocab_size,
+                                   model_type="unigram", character_coverage=1.0, hard_vocab_limit=False,
+                                   num_threads=1, minloglevel=2)
+    return model.getvalue()
+
+
+def build_marian_dir(out: Path, *, activation: str = "swish", scale_embedding: bool = True, encoder_layers: int = 2,
+                     decoder_layers: int = 2, languages: tuple[str, ...] = (), fp16: bool = False, max_length: int = 40,
+                     seed: int = 0, config_overrides: dict | None = None) -> Path:
+    """Write a tiny random Marian model directory; `languages` makes it multilingual (>>xx<< tokens)."""
+    from transformers import GenerationConfig, MarianConfig, MarianMTModel
+
+    out.mkdir(parents=True, exist_ok=True)
+    source_spm, target_spm = _train_spm(sentences(ENGLISH, 400, 1), 80), _train_spm(sentences(FRENCH, 400, 2), 90)
+    (out / "source.spm").write_bytes(source_spm)
+    (out / "target.spm").write_bytes(target_spm)
+    pieces: list[str] = []
+    for proto in (source_spm, target_spm):
+        sp = spm.SentencePieceProcessor(model_proto=proto)
+        pieces += [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if not sp.is_control(i) and not sp.is_unknown(i)]
+    pieces = [p for p in dict.fromkeys(pieces) if "y" not in p]  # pieces with a "y" fall back to <unk>
+    vocab = {"</s>": 0, "<unk>": 1}
+    for piece in [*(f">>{lang}<<" for lang in languages), *pieces, "<pad>"]:
+        vocab.setdefault(piece, len(vocab))
+    (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    pad = vocab["<pad>"]
+    config = MarianConfig(
+        vocab_size=len(vocab), d_model=32, encoder_layers=encoder_layers, decoder_layers=decoder_layers,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_position_embeddings=64, activation_function=activation, scale_embedding=scale_embedding,
+        pad_token_id=pad, decoder_start_token_id=pad, eos_token_id=0, forced_eos_token_id=0, dropout=0.0,
+        **(config_overrides or {}))
+    torch.manual_seed(seed)
+    model = MarianMTModel(config).eval()
+    with torch.no_grad():  # peaked distributions: few near-ties between the best tokens
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 1.5 / p.shape[-1] ** 0.5 * (3 if "embed" in name or "shared" in name else 1))
+        model.final_logits_bias.normal_(0.0, 1.0)
+        model.final_logits_bias[0, 0] += 2.0
+    if fp16:
+        model = model.half()
+    model.save_pretrained(out)
+    GenerationConfig(bad_words_ids=[[pad]], decoder_start_token_id=pad, eos_token_id=0, forced_eos_token_id=0,
+                     pad_token_id=pad, max_length=max_length, num_beams=4, renormalize_logits=True).save_pretrained(out)
+    return out

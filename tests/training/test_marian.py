@@ -1,0 +1,117 @@
+"""Marian import (issue 18): tokenization, weights and log-probabilities equal transformers'; variants
+nmtserve cannot represent are refused with one line naming the key."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from nmtserve.tokenizer import MarianTokenizer
+from nmtserve.training.checkpoint import load_model
+from nmtserve.training.marian import MarianError, import_marian
+from nmtserve.training.model import KVCache
+from tests.helpers import run_cli
+from tests.marian import ENGLISH, ODD, build_marian_dir, sentences
+
+
+def reference(marian_dir):
+    from transformers import MarianMTModel
+    from transformers import MarianTokenizer as HFTokenizer
+
+    tok = HFTokenizer(str(marian_dir / "source.spm"), str(marian_dir / "target.spm"), str(marian_dir / "vocab.json"))
+    return tok, MarianMTModel.from_pretrained(marian_dir, dtype=torch.float32).eval()
+
+
+def test_token_ids_and_text_equal_marian_tokenizers(marian_dir):
+    hf, _ = reference(marian_dir)
+    ours = MarianTokenizer.from_files(marian_dir)
+    texts = sentences(ENGLISH, 60, 3) + ODD
+    for text in texts:  # an empty text is [] for nmtserve (nothing to translate), [eos] for transformers
+        assert (ours.encode(text) or [ours.eos_id]) == hf(text)["input_ids"], text
+    assert any(hf.unk_token_id in hf(t)["input_ids"] for t in texts)  # the <unk> fallback was exercised
+    for text in texts[:20]:
+        ids = ours.encode(text)
+        assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True, use_source_tokenizer=False)
+    assert ours.encode(texts[0], max_tokens=3)[-1] == ours.eos_id and len(ours.encode(texts[0], max_tokens=3)) == 3
+
+
+def test_log_probs_equal_marian_mt_models(marian_dir, marian_checkpoint):
+    tok, hf = reference(marian_dir)
+    loaded = load_model(marian_checkpoint)
+    model, c = loaded.model, loaded.model.config
+    suppress = torch.zeros(c.vocab_size)
+    suppress[list(c.suppressed_ids)] = float("-inf")  # generate's bad_words_ids, renormalised
+    worst = 0.0
+    for batch, src_len, tgt_len in [(1, 1, 1), (1, 9, 5), (3, 7, 12), (4, 30, 20)]:
+        g = torch.Generator().manual_seed(batch * 100 + src_len)
+        src = torch.randint(2, c.vocab_size - 1, (batch, src_len), generator=g)
+        src_mask = torch.ones(batch, src_len, dtype=torch.bool)
+        src_mask[1:, src_len // 2 + 1:] = False  # padded rows
+        src = src.masked_fill(~src_mask, c.pad_id)
+        tgt = torch.cat([torch.full((batch, 1), c.bos_id), torch.randint(2, c.vocab_size - 1, (batch, tgt_len - 1),
+                                                                         generator=g)], dim=1)
+        with torch.no_grad():
+            logits = hf(input_ids=src, attention_mask=src_mask.long(), decoder_input_ids=tgt).logits
+            expected = torch.log_softmax(logits + suppress, dim=-1)
+            got = model(src, src_mask, tgt, torch.ones_like(tgt, dtype=torch.bool))
+            # and step by step through the KV cache, as the ONNX decoder does
+            cross_k, cross_v = model.cross_kv(model.encode(src, src_mask))
+            cache = KVCache.empty(c, batch)
+            for t in range(tgt_len):
+                step, new_k, new_v = model.decode_step(tgt[:, t], torch.full((batch,), t), cache, cross_k, cross_v,
+                                                       src_mask)
+                cache.append(new_k, new_v)
+                finite = torch.isfinite(expected[:, t])
+                worst = max(worst, float((step - expected[:, t])[finite].abs().max()))
+        finite = torch.isfinite(expected)
+        assert torch.equal(finite, torch.isfinite(got))
+        worst = max(worst, float((got - expected)[finite].abs().max()))
+    assert worst < 1e-4, worst
+
+
+def test_checkpoint_records_origin_and_generation_defaults(marian_dir, marian_checkpoint):
+    payload = torch.load(marian_checkpoint, weights_only=False)
+    origin = payload["imported_from"]
+    assert origin["format"] == "marian" and set(origin["files"]) >= {"config.json", "vocab.json", "source.spm"}
+    assert origin["config"] == json.loads((marian_dir / "config.json").read_text())
+    assert payload["decoding_defaults"] == {"beam_size": 4, "length_penalty": 1.0, "beam_stopping": "transformers",
+                                           "max_decoding_length": 39}
+    assert payload["languages"] == {"source": "en", "target": "fr"}
+    assert list(payload["model_config"]["suppressed_ids"]) == [payload["special_ids"]["pad"]]
+
+
+@pytest.mark.parametrize("key, value", [
+    ("share_encoder_decoder_embeddings", False),
+    ("decoder_attention_heads", 2),
+    ("activation_function", "tanh"),
+    ("normalize_before", True),
+    ("model_type", "bart"),
+])
+def test_unrepresentable_variants_are_refused_naming_the_key(marian_dir, tmp_path, key, value):
+    bad = tmp_path / "bad"
+    shutil.copytree(marian_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config[key] = value
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(MarianError, match=f"config.json: {key}={json.dumps(value)}"):
+        import_marian(bad, tmp_path / "x.pt")
+    result = run_cli("import-marian", str(bad), "--out", str(tmp_path / "x.pt"))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert key in result.stderr and not (tmp_path / "x.pt").exists()
+
+
+def test_missing_files_and_multilingual_target_are_named(tmp_path):
+    d = build_marian_dir(tmp_path / "multi", languages=("fr", "de"))
+    tok = MarianTokenizer.from_files(d)
+    assert tok.target_languages == ["de", "fr"]
+    assert tok.encode("the cat", target_language="de")[0] == tok.vocab[">>de<<"]
+    with pytest.raises(ValueError, match="'es'.*de, fr"):
+        tok.encode("the cat", target_language="es")
+    with pytest.raises(MarianError, match="--target-lang es"):
+        import_marian(d, tmp_path / "m.pt", "en", "es")
+    (d / "target.spm").unlink()
+    result = run_cli("import-marian", str(d), "--out", str(tmp_path / "m.pt"))
+    assert result.returncode == 2 and "target.spm: missing" in result.stderr

@@ -1,0 +1,209 @@
+"""Import a Hugging Face Marian (OPUS-MT) model directory as an nmtserve checkpoint.
+
+    nmtserve import-marian ~/models/opus-mt-en-de --out runs/opus-en-de.pt --source-lang en --target-lang de
+
+Reads config.json, model.safetensors or pytorch_model.bin (fp16 is widened to fp32), source.spm,
+target.spm, vocab.json and generation_config.json when present; nothing is downloaded. The checkpoint
+holds the weights under nmtserve's names, a ModelConfig with Marian's options (positions in halves,
+its activation, embedding scale, final_logits_bias, pad as the decoder start and never generated),
+the Marian tokenizer, where it came from (directory, sha256 of every file read, the config) and the
+generation defaults as decoding options. A variant nmtserve cannot represent is refused with one line
+naming the config key and its value (MarianError, exit 2). Torch is needed, transformers is not.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from nmtserve.errors import NmtserveError
+from nmtserve.export.runtime.bundle import sha256_of
+from nmtserve.tokenizer import MarianTokenizer
+from nmtserve.training.checkpoint import save
+from nmtserve.training.model import EncoderDecoder, ModelConfig
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# config.json activation_function -> ModelConfig.activation (transformers' ACT2FN names)
+ACTIVATION_OF = {"relu": "relu", "swish": "swish", "silu": "swish", "gelu": "gelu"}
+# keys of BART-family configs whose non-default value changes the architecture: value nmtserve needs
+UNSUPPORTED_IF_SET = {"normalize_before": False, "normalize_embedding": False, "add_final_layer_norm": False,
+                      "static_position_embeddings": True, "add_bias_logits": False}
+
+
+class MarianError(NmtserveError):
+    """A Marian directory nmtserve cannot import: the message names the file or config key and value."""
+
+
+def _read_json(path: Path, required: bool = True) -> dict:
+    if not path.is_file():
+        if required:
+            raise MarianError(f"{path}: missing; a Marian model directory has config.json, weights, "
+                              "source.spm, target.spm and vocab.json")
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise MarianError(f"{path}: not valid JSON ({e})") from None
+
+
+def model_config(config: dict, generation: dict) -> ModelConfig:
+    """nmtserve's ModelConfig for a Marian config.json, or MarianError naming what cannot be represented."""
+
+    def refuse(key: str, why: str):
+        raise MarianError(f"config.json: {key}={json.dumps(config.get(key))}: {why}")
+
+    if config.get("model_type") != "marian":
+        refuse("model_type", "not a Marian model (expected \"marian\")")
+    if not config.get("share_encoder_decoder_embeddings", True):
+        refuse("share_encoder_decoder_embeddings", "separate source and target vocabularies are not supported")
+    if config.get("decoder_vocab_size") not in (None, config.get("vocab_size")):
+        refuse("decoder_vocab_size", "a target vocabulary apart from the source's is not supported")
+    if not config.get("tie_word_embeddings", True):
+        refuse("tie_word_embeddings", "an output projection apart from the embeddings is not supported")
+    for key, needed in UNSUPPORTED_IF_SET.items():
+        if key in config and config[key] != needed:
+            refuse(key, f"only {json.dumps(needed)} is supported (post-norm Marian without embedding layer norm)")
+    for enc, dec in (("encoder_attention_heads", "decoder_attention_heads"), ("encoder_ffn_dim", "decoder_ffn_dim")):
+        if config.get(enc) != config.get(dec):
+            refuse(dec, f"differs from {enc}={config.get(enc)}; nmtserve's layers share one value")
+    activation = ACTIVATION_OF.get(config.get("activation_function", "gelu"))
+    if activation is None:
+        refuse("activation_function", f"supported: {', '.join(ACTIVATION_OF)}")
+    d_model, heads = config.get("d_model"), config.get("encoder_attention_heads")
+    if not isinstance(d_model, int) or not isinstance(heads, int) or d_model % heads or d_model % 2:
+        refuse("d_model", f"must be even and divisible by encoder_attention_heads={heads}")
+    eos = config.get("eos_token_id", 0)
+    if not isinstance(eos, int):
+        refuse("eos_token_id", "one end-of-sentence id is supported")
+    pad = config.get("pad_token_id", 58100)
+    bad_words = generation.get("bad_words_ids") or []
+    if any(len(ids) != 1 for ids in bad_words):
+        raise MarianError(f"generation_config.json: bad_words_ids={json.dumps(bad_words)}: only single-token "
+                          "entries are supported")
+    return ModelConfig(
+        vocab_size=config["vocab_size"], d_model=d_model, n_heads=heads, d_ff=config["encoder_ffn_dim"],
+        n_encoder_layers=config["encoder_layers"], n_decoder_layers=config["decoder_layers"], dropout=0.0,
+        max_len=config.get("max_position_embeddings", 1024), pad_id=pad,
+        bos_id=config.get("decoder_start_token_id", pad), eos_id=eos, positions="halves", activation=activation,
+        scale_embedding=bool(config.get("scale_embedding", False)), output_bias=True,
+        suppressed_ids=tuple(sorted({ids[0] for ids in bad_words})),
+        renormalize=bool(generation.get("renormalize_logits", False)))
+
+
+def decoding_defaults(generation: dict, config: ModelConfig) -> dict:
+    """generation_config.json as nmtserve's decoding options (DecodingOptions names).
+
+    transformers' max_length counts the decoder start token; max_decoding_length does not.
+    """
+    early_stopping = generation.get("early_stopping", False)
+    if early_stopping not in (True, False):
+        raise MarianError(f"generation_config.json: early_stopping={json.dumps(early_stopping)}: true or false")
+    defaults = {"beam_size": int(generation.get("num_beams", 1)),
+                "length_penalty": float(generation.get("length_penalty", 1.0)),
+                # early_stopping=true stops at beam_size finished hypotheses: CTranslate2's rule with patience 1
+                "beam_stopping": "ctranslate2" if early_stopping else "transformers"}
+    if generation.get("max_length"):
+        defaults["max_decoding_length"] = min(int(generation["max_length"]) - 1, config.max_len)
+    return defaults
+
+
+def _load_weights(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    for name in WEIGHT_FILES:
+        path = directory / name
+        if path.is_file():
+            break
+    else:
+        raise MarianError(f"{directory}: no weights ({' or '.join(WEIGHT_FILES)})")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            weights = load_file(path)
+        else:
+            weights = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a damaged file raises many types
+        raise MarianError(f"{path}: not readable ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    return {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}, path
+
+
+def state_dict(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """transformers' MarianMTModel names -> EncoderDecoder names; an unknown or missing tensor is an error."""
+    weights = {k.removeprefix("model."): v for k, v in weights.items()}
+    out = {}
+    embedding = next((weights.pop(k) for k in ("shared.weight", "encoder.embed_tokens.weight",
+                                               "decoder.embed_tokens.weight", "lm_head.weight") if k in weights), None)
+    if embedding is None:
+        raise MarianError("weights: no shared embedding (model.shared.weight)")
+    for k in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"):
+        if k in weights and not torch.equal(weights.pop(k), embedding):
+            raise MarianError(f"weights: {k} differs from the shared embedding; untied embeddings are not supported")
+    out["embed.weight"] = embedding
+    out["embed.bias"] = weights.pop("final_logits_bias", torch.zeros(1, config.vocab_size)).reshape(-1)
+    table = EncoderDecoder(config).positions.table  # Marian's positions are not learned: check, then regenerate
+    for side in ("encoder", "decoder"):
+        stored = weights.pop(f"{side}.embed_positions.weight", None)
+        if stored is not None and (stored.shape != table.shape or (stored - table).abs().max() > 1e-4):
+            raise MarianError(f"weights: {side}.embed_positions.weight is not Marian's sinusoidal table "
+                              "(learned positions are not supported)")
+    sublayers = {"encoder": {"self_attn": "self_attn", "self_attn_layer_norm": "res1.norm", "fc1": "ffn.w1",
+                             "fc2": "ffn.w2", "final_layer_norm": "res2.norm"},
+                 "decoder": {"self_attn": "self_attn", "self_attn_layer_norm": "res1.norm", "encoder_attn": "cross_attn",
+                             "encoder_attn_layer_norm": "res2.norm", "fc1": "ffn.w1", "fc2": "ffn.w2",
+                             "final_layer_norm": "res3.norm"}}
+    for name in list(weights):
+        parts = name.split(".")  # encoder.layers.3.self_attn.q_proj.weight
+        if len(parts) >= 5 and parts[0] in sublayers and parts[1] == "layers" and parts[3] in sublayers[parts[0]]:
+            out[".".join([parts[0], parts[2], sublayers[parts[0]][parts[3]], *parts[4:]])] = weights.pop(name)
+    if weights:
+        raise MarianError(f"weights: {len(weights)} tensors nmtserve does not know, e.g. {sorted(weights)[0]}")
+    return out
+
+
+def import_marian(directory: str | Path, out: str | Path, source_lang: str = "", target_lang: str = "") -> dict:
+    """Write the checkpoint `out`; returns a summary of what was imported."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise MarianError(f"{directory}: no such directory")
+    raw_config = _read_json(directory / "config.json")
+    generation = _read_json(directory / "generation_config.json", required=False)
+    tokenizer_config = _read_json(directory / "tokenizer_config.json", required=False)
+    if tokenizer_config.get("separate_vocabs") or (directory / "target_vocab.json").is_file():
+        raise MarianError(f"{directory / 'tokenizer_config.json'}: separate_vocabs=true: separate source and "
+                          "target vocabularies are not supported")
+    config = model_config(raw_config, generation)
+    try:
+        tokenizer = MarianTokenizer.from_files(directory, decoder_start_id=config.bos_id)
+    except (OSError, ValueError) as e:
+        raise MarianError(str(e)) from None
+    if tokenizer.vocab_size > config.vocab_size or (tokenizer.eos_id, tokenizer.pad_id) != (config.eos_id, config.pad_id):
+        raise MarianError(f"{directory / 'vocab.json'}: {tokenizer.vocab_size} pieces, eos {tokenizer.eos_id}, pad "
+                          f"{tokenizer.pad_id}; config.json says vocab_size {config.vocab_size}, eos_token_id "
+                          f"{config.eos_id}, pad_token_id {config.pad_id}")
+    weights, weights_path = _load_weights(directory)
+    model = EncoderDecoder(config)
+    try:
+        model.load_state_dict(state_dict(weights, config))
+    except RuntimeError as e:
+        raise MarianError(f"{weights_path}: weights do not fit config.json ({str(e).splitlines()[-1].strip()[:200]})") \
+            from None
+    read = ["config.json", weights_path.name, "source.spm", "target.spm", "vocab.json",
+            *[n for n in ("generation_config.json", "tokenizer_config.json") if (directory / n).is_file()]]
+    languages = {"source": source_lang or str(tokenizer_config.get("source_lang") or ""),
+                 "target": target_lang or str(tokenizer_config.get("target_lang") or "")}
+    if tokenizer.target_languages and languages["target"] and languages["target"] not in tokenizer.target_languages:
+        raise MarianError(f"--target-lang {languages['target']}: this multilingual model translates into "
+                          f"{', '.join(tokenizer.target_languages)}")
+    save(Path(out), {
+        "model": model.state_dict(), "model_config": asdict(config), "tokenizer": tokenizer.payload(),
+        "special_ids": tokenizer.special_ids(), "languages": languages,
+        "decoding_defaults": decoding_defaults(generation, config),
+        "imported_from": {"format": "marian", "directory": str(directory.resolve()),
+                          "files": {n: sha256_of(directory / n) for n in read},
+                          "config": raw_config, "generation_config": generation}})
+    return {"out": str(out), "parameters": model.num_parameters(), "languages": languages,
+            "target_languages": tokenizer.target_languages, "decoding_defaults": decoding_defaults(generation, config),
+            "model_config": {k: v for k, v in asdict(config).items() if k != "suppressed_ids"}}
+
