@@ -29,6 +29,8 @@ import numpy as np
 
 from nmtserve.errors import ConfigError
 
+BEAM_STOPPING = ("ctranslate2", "transformers")
+
 
 @dataclass(frozen=True)
 class DecodingOptions:
@@ -43,6 +45,7 @@ class DecodingOptions:
     sampling_temperature: float = 1.0  # log-probabilities are divided by it before sampling
     seed: int = 0  # of the request's own random generator; 0 draws one from the operating system
     max_decoding_length: int = 256
+    beam_stopping: str = "ctranslate2"  # or "transformers": when beam search stops (BeamSearch says how)
 
     @property
     def sampling(self) -> bool:
@@ -74,6 +77,8 @@ class DecodingOptions:
              "above 0"),
             ("seed", self.seed, lambda: 0 <= self.seed < 2 ** 64, "between 0 and 2^64 - 1"),
             ("max_decoding_length", self.max_decoding_length, lambda: self.max_decoding_length >= 1, "at least 1"),
+            ("beam_stopping", self.beam_stopping, lambda: self.beam_stopping in BEAM_STOPPING,
+             " or ".join(BEAM_STOPPING)),
         ]
         for name, value, ok, limit in rules:
             if not ok():
@@ -98,10 +103,14 @@ class BeamSearch:
     candidate's place goes to the next candidate from i = beam_size on that is not eos. Eos candidates
     past beam_size are dropped, never finished. A finished hypothesis's length counts its eos.
 
-    The search stops after the step where: the budget is spent; or, without a length penalty, the best
-    candidate (i = 0) has finished at some step and at least num_hypotheses hypotheses have; or, with a
-    length penalty, round(beam_size × patience) hypotheses have finished. The result is the finished
-    hypotheses, scored sum / length ** length_penalty, the num_hypotheses best, best first.
+    The search stops after the step where the budget is spent, or, with beam_stopping "ctranslate2"
+    (CTranslate2's rule): without a length penalty, the best candidate (i = 0) has finished at some
+    step and at least num_hypotheses hypotheses have; with a length penalty, round(beam_size ×
+    patience) hypotheses have finished. With beam_stopping "transformers" (transformers' beam search
+    with early_stopping=False, its default and OPUS-MT's): once beam_size hypotheses have finished and
+    the best live hypothesis, scored at its current length (sum / steps ** length_penalty), does not
+    beat the worst of the beam_size best finished ones. The result is the finished hypotheses, scored
+    sum / length ** length_penalty, the num_hypotheses best, best first.
     """
 
     def __init__(self, options: DecodingOptions, budget: int, eos_id: int):
@@ -141,18 +150,23 @@ class BeamSearch:
         parents, tokens = cand_row[chosen], cand_id[chosen].astype(np.int64)
         self.live = [self.live[p] + [int(t)] for p, t in zip(parents, tokens)]
         self.scores = cand_score[chosen].astype(np.float64)
-        if self.options.length_penalty == 0:
+        if self.options.beam_stopping == "transformers":
+            stop = len(self.finished) >= k and self.scores.max() / self.steps ** self.options.length_penalty \
+                <= sorted(self._scored(), key=lambda h: -h.score)[k - 1].score
+        elif self.options.length_penalty == 0:
             stop = self.top_finished and len(self.finished) >= self.options.num_hypotheses
         else:
             stop = len(self.finished) >= round(k * self.options.patience)
         self.done = last or stop
         return parents, tokens
 
-    def results(self) -> list[Hypothesis]:
+    def _scored(self) -> list[Hypothesis]:
         penalty = self.options.length_penalty
-        scored = [Hypothesis(tokens, score / (len(tokens) + eos) ** penalty if penalty else score,
-                             "eos" if eos else "length") for tokens, score, eos in self.finished]
-        return sorted(scored, key=lambda h: -h.score)[: self.options.num_hypotheses]
+        return [Hypothesis(tokens, score / (len(tokens) + eos) ** penalty if penalty else score,
+                           "eos" if eos else "length") for tokens, score, eos in self.finished]
+
+    def results(self) -> list[Hypothesis]:
+        return sorted(self._scored(), key=lambda h: -h.score)[: self.options.num_hypotheses]
 
     def settled(self) -> list[int]:
         """The tokens every hypothesis that can still be in the result starts with: they never change."""

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import time
+from dataclasses import replace
 
 import grpc
 
@@ -70,26 +71,33 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         # a budget past the decoder's position table could never be spent: the smaller limit is the one told
         self.max_output_tokens = min(config.max_output_tokens, engine.tr.limits.max_target_tokens)
         self.max_beam_size = min(config.max_beam_size, config.max_running_rows)  # a beam takes beam_size rows
+        # the bundle's decoding defaults (an imported Marian model's generation_config.json; else CTranslate2's)
+        defaults = dict(engine.tr.bundle.manifest.get("decoding_defaults") or {})
+        self.default_output_tokens = min(self.max_output_tokens, defaults.pop("max_decoding_length", self.max_output_tokens))
+        self.defaults = DecodingOptions(**defaults)
         self.manifest_path = bundle_manifest_path
         self.accepting = True
 
     # -- validation
     def _options(self, options: pb.DecodingOptions) -> tuple[int, DecodingOptions]:
         """(most output tokens, the search's options); InvalidRequest naming `options.FIELD`, its value and
-        the limit. proto3 zeros mean "unset": beam_size and num_hypotheses 1, and CTranslate2's defaults
-        for the fields that have presence."""
+        the limit. proto3 zeros and absent fields mean "unset": the model's defaults (`self.defaults`),
+        num_hypotheses 1, and beam_size 1 for a sampled request."""
         limit = self.max_output_tokens
         if options.max_output_tokens > limit:
             raise InvalidRequest(f"options.max_output_tokens {options.max_output_tokens} exceeds the limit {limit}")
-        given = {name: getattr(options, name) for name in ("patience", "sampling_topk", "sampling_topp",
-                                                              "sampling_temperature") if options.HasField(name)}
-        search = DecodingOptions(beam_size=options.beam_size or 1, num_hypotheses=options.num_hypotheses or 1,
-                                 length_penalty=options.length_penalty, seed=options.seed, **given)
+        given = {name: getattr(options, name) for name in ("length_penalty", "patience", "sampling_topk",
+                                                              "sampling_topp", "sampling_temperature")
+                 if options.HasField(name)}
+        sampled = given.get("sampling_topk", 1) != 1
+        stopping = _BEAM_STOPPING.get(options.beam_stopping, self.defaults.beam_stopping)
+        search = replace(self.defaults, beam_size=options.beam_size or (1 if sampled else self.defaults.beam_size),
+                         num_hypotheses=options.num_hypotheses or 1, seed=options.seed, beam_stopping=stopping, **given)
         try:
             search.check(self.engine.tr.vocab_size, self.max_beam_size)
         except ConfigError as e:
             raise InvalidRequest(f"options.{e}") from None
-        return options.max_output_tokens or limit, search
+        return options.max_output_tokens or self.default_output_tokens, search
 
     def _source(self, field: str, text: str) -> list[int]:
         if not text.strip():
@@ -264,7 +272,15 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             device=self.engine.tr.device, model_json=json.dumps(manifest["model"], sort_keys=True),
             limits=pb.Limits(max_sentences=self.config.max_sentences, max_sentence_chars=self.config.max_sentence_chars,
                              max_source_tokens=self.max_source_tokens, max_output_tokens=self.max_output_tokens,
-                             max_beam_size=self.max_beam_size))
+                             max_beam_size=self.max_beam_size),
+            default_options=pb.DecodingOptions(
+                max_output_tokens=self.default_output_tokens, beam_size=self.defaults.beam_size,
+                num_hypotheses=1, length_penalty=self.defaults.length_penalty, patience=self.defaults.patience,
+                sampling_topk=1, sampling_topp=1.0, sampling_temperature=1.0,
+                beam_stopping=next(k for k, v in _BEAM_STOPPING.items() if v == self.defaults.beam_stopping)))
+
+
+_BEAM_STOPPING = {pb.BEAM_STOPPING_CTRANSLATE2: "ctranslate2", pb.BEAM_STOPPING_TRANSFORMERS: "transformers"}
 
 
 def _resolve(future: asyncio.Future, request: Request) -> None:

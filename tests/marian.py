@@ -74,7 +74,7 @@ def build_marian_dir(out: Path, *, activation: str = "swish", scale_embedding: b
             if p.dim() > 1:
                 p.normal_(0.0, 1.5 / p.shape[-1] ** 0.5 * (3 if "embed" in name or "shared" in name else 1))
         model.final_logits_bias.normal_(0.0, 1.0)
-        model.final_logits_bias[0, 0] += 2.0
+        model.final_logits_bias[0, 0] += 7.5  # eos: some hypotheses end early, most run long
     if fp16:
         model = model.half()
     model.save_pretrained(out)

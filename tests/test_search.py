@@ -73,6 +73,24 @@ def test_with_a_length_penalty_patience_sets_how_many_hypotheses_finish_and_long
     assert len(patient.finished) == 3 and not patient.done  # round(2 × 2.0) = 4 must finish
 
 
+def test_transformers_stopping_goes_on_while_a_live_beam_can_beat_the_worst_of_the_beam_best_finished():
+    steps = [table([{5: -0.1, 6: -0.2}] * 2),
+             table([{7: -0.1, EOS: -0.5}, {8: -0.5}]),  # [5] finishes at -0.6 / 2; live [5, 7], [6, 8]
+             table([{9: -0.1, EOS: -0.3}, {4: -5.0}]),  # [5, 7] finishes at -0.5 / 3; live [5, 7, 9] at -0.3
+             table([{EOS: -0.05, 1: -2.0}, {2: -5.0}])]  # [5, 7, 9] finishes at -0.35 / 4
+    ct2, hf = (BeamSearch(DecodingOptions(beam_size=2, length_penalty=1.0, beam_stopping=rule), 10, EOS)
+               for rule in ("ctranslate2", "transformers"))
+    for search in (ct2, hf):
+        for log_probs in steps[:3]:
+            step(search, log_probs)
+    # CTranslate2: round(2 × patience 1) hypotheses have finished: stop. transformers: the best live
+    # beam, -0.3 / 3 steps, beats the worst finished (-0.6 / 2): go on
+    assert ct2.done and not hf.done
+    assert ct2.results()[0].tokens == [5, 7]
+    step(hf, steps[3])  # now the best live beam (-2.3 / 4) cannot beat the worst of the best two
+    assert hf.done and hf.results()[0].tokens == [5, 7, 9] and hf.results()[0].score == pytest.approx(-0.35 / 4)
+
+
 def test_the_last_step_of_the_budget_finishes_every_beam_with_length():
     search = BeamSearch(DecodingOptions(beam_size=2, num_hypotheses=2), budget=2, eos_id=EOS)
     step(search, table([{5: -0.1, 6: -0.2}] * 2))
@@ -120,6 +138,7 @@ def test_sampling_follows_the_distribution_and_a_seed_repeats_it():
     (DecodingOptions(sampling_topk=0, sampling_temperature=-1.0), "sampling_temperature -1.0: must be above 0"),
     (DecodingOptions(beam_size=4, num_hypotheses=4, patience=0.5, length_penalty=1.0),
      "patience 0.5: must be enough for num_hypotheses (4) finished hypotheses"),
+    (DecodingOptions(beam_stopping="marian"), "beam_stopping marian: must be ctranslate2 or transformers"),
 ])
 def test_an_out_of_range_option_is_refused_naming_it_its_value_and_the_limit(options, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -7,17 +7,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class BeamStopping(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BEAM_STOPPING_UNSPECIFIED: _ClassVar[BeamStopping]
+    BEAM_STOPPING_CTRANSLATE2: _ClassVar[BeamStopping]
+    BEAM_STOPPING_TRANSFORMERS: _ClassVar[BeamStopping]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_EOS: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+BEAM_STOPPING_UNSPECIFIED: BeamStopping
+BEAM_STOPPING_CTRANSLATE2: BeamStopping
+BEAM_STOPPING_TRANSFORMERS: BeamStopping
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
 class DecodingOptions(_message.Message):
-    __slots__ = ("max_output_tokens", "return_scores", "beam_size", "num_hypotheses", "length_penalty", "patience", "sampling_topk", "sampling_topp", "sampling_temperature", "seed")
+    __slots__ = ("max_output_tokens", "return_scores", "beam_size", "num_hypotheses", "length_penalty", "patience", "sampling_topk", "sampling_topp", "sampling_temperature", "seed", "beam_stopping")
     MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETURN_SCORES_FIELD_NUMBER: _ClassVar[int]
     BEAM_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +37,7 @@ class DecodingOptions(_message.Message):
     SAMPLING_TOPP_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    BEAM_STOPPING_FIELD_NUMBER: _ClassVar[int]
     max_output_tokens: int
     return_scores: bool
     beam_size: int
@@ -38,7 +48,8 @@ class DecodingOptions(_message.Message):
     sampling_topp: float
     sampling_temperature: float
     seed: int
-    def __init__(self, max_output_tokens: _Optional[int] = ..., return_scores: _Optional[bool] = ..., beam_size: _Optional[int] = ..., num_hypotheses: _Optional[int] = ..., length_penalty: _Optional[float] = ..., patience: _Optional[float] = ..., sampling_topk: _Optional[int] = ..., sampling_topp: _Optional[float] = ..., sampling_temperature: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    beam_stopping: BeamStopping
+    def __init__(self, max_output_tokens: _Optional[int] = ..., return_scores: _Optional[bool] = ..., beam_size: _Optional[int] = ..., num_hypotheses: _Optional[int] = ..., length_penalty: _Optional[float] = ..., patience: _Optional[float] = ..., sampling_topk: _Optional[int] = ..., sampling_topp: _Optional[float] = ..., sampling_temperature: _Optional[float] = ..., seed: _Optional[int] = ..., beam_stopping: _Optional[_Union[BeamStopping, str]] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_ns", "time_to_first_token_ns", "total_ns")
@@ -127,7 +138,7 @@ class Limits(_message.Message):
     def __init__(self, max_sentences: _Optional[int] = ..., max_sentence_chars: _Optional[int] = ..., max_source_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., max_beam_size: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("source_language", "target_language", "bundle_id", "variant", "device", "model_json", "limits")
+    __slots__ = ("source_language", "target_language", "bundle_id", "variant", "device", "model_json", "limits", "default_options")
     SOURCE_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     TARGET_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +146,7 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MODEL_JSON_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     source_language: str
     target_language: str
     bundle_id: str
@@ -142,4 +154,5 @@ class ModelInfo(_message.Message):
     device: str
     model_json: str
     limits: Limits
-    def __init__(self, source_language: _Optional[str] = ..., target_language: _Optional[str] = ..., bundle_id: _Optional[str] = ..., variant: _Optional[str] = ..., device: _Optional[str] = ..., model_json: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ...) -> None: ...
+    default_options: DecodingOptions
+    def __init__(self, source_language: _Optional[str] = ..., target_language: _Optional[str] = ..., bundle_id: _Optional[str] = ..., variant: _Optional[str] = ..., device: _Optional[str] = ..., model_json: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., default_options: _Optional[_Union[DecodingOptions, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,70 @@
+"""An imported Marian model, exported to ONNX, gives transformers' MarianMTModel.generate tokens
+(issue 18 item 4): greedy, and beam 4 with its n-best list under beam_stopping="transformers".
+
+Both sides get the same budget per sentence (nmtserve's: min(max_decoding_length, 2 × source + 10,
+the position table)) and generate runs without forced_eos_token_id, which nmtserve does not have: at
+the budget, transformers forces eos as the last token where nmtserve ends with a real token
+(FINISH_REASON_LENGTH)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nmtserve.export.build.exporter import ExportConfig, export_bundle
+from nmtserve.export.runtime.translator import OnnxTranslator
+from nmtserve.search import DecodingOptions
+from tests.marian import ENGLISH, sentences
+
+MAX_LENGTH = 39  # generation_config.json's max_length 40, less the decoder start token
+
+
+@pytest.fixture(scope="module")
+def marian_pair(marian_dir, marian_checkpoint, tmp_path_factory):
+    from transformers import MarianMTModel
+
+    out = tmp_path_factory.mktemp("marian-bundle")
+    export_bundle(ExportConfig(str(marian_checkpoint), str(out), ["fp32"]))
+    translator = OnnxTranslator(out)
+    sources = [translator.tokenizer.encode(t, translator.limits.max_source_tokens) for t in sentences(ENGLISH, 50, 11)]
+    return translator, MarianMTModel.from_pretrained(marian_dir, dtype=torch.float32).eval(), sources
+
+
+def generate(model, translator, source: list[int], **kwargs):
+    budget = translator.limits.output_budget(len(source), MAX_LENGTH)
+    return model.generate(torch.tensor([source]), max_new_tokens=budget, forced_eos_token_id=None,
+                          return_dict_in_generate=True, output_scores=True, **kwargs)
+
+
+def strip(translator, ids: list[int]) -> list[int]:
+    """generate's sequences: decoder start first, then eos and pad after the hypothesis."""
+    return [t for t in ids[1:] if t not in (translator.eos_id, translator.pad_id)]
+
+
+def test_manifest_names_the_marian_tokenizer_and_generation_defaults(marian_pair):
+    translator, _, _ = marian_pair
+    manifest = translator.bundle.manifest
+    assert manifest["tokenizer"] == {"scheme": "marian", "files": ["source.spm", "target.spm", "vocab.json"],
+                                     "decoder_start_id": translator.pad_id}
+    assert manifest["decoding_defaults"]["beam_stopping"] == "transformers"
+    assert manifest["languages"] == {"source": "en", "target": "fr"}
+    assert manifest["source"]["imported_from"]["format"] == "marian"
+
+
+def test_greedy_tokens_equal_generate(marian_pair):
+    translator, model, sources = marian_pair
+    got = translator.search_ids(sources, DecodingOptions(max_decoding_length=MAX_LENGTH), max_batch_size=16)
+    expected = [strip(translator, generate(model, translator, s, num_beams=1).sequences[0].tolist()) for s in sources]
+    assert [h[0].tokens for h in got] == expected
+    assert len({len(e) for e in expected}) > 3  # outputs of many lengths: some end at eos
+
+
+def test_beam4_nbest_equals_generate_with_transformers_stopping(marian_pair):
+    translator, model, sources = marian_pair
+    options = DecodingOptions(beam_size=4, num_hypotheses=4, length_penalty=1.0, beam_stopping="transformers",
+                              max_decoding_length=MAX_LENGTH)
+    got = translator.search_ids(sources, options, max_batch_size=16)
+    for source, hypotheses in zip(sources, got):
+        out = generate(model, translator, source, num_beams=4, num_return_sequences=4, length_penalty=1.0)
+        assert [h.tokens for h in hypotheses] == [strip(translator, s) for s in out.sequences.tolist()]
+        assert [h.score for h in hypotheses] == pytest.approx(out.sequences_scores.tolist(), abs=1e-4)

@@ -1,0 +1,51 @@
+"""An imported Marian bundle served over gRPC (issue 18 item 5): the model's generation defaults
+(beam 4, transformers' stopping) apply to requests that leave the options unset, GetModelInfo tells
+them and the languages, and the translations are transformers' generate's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nmtserve.export.build.exporter import ExportConfig, export_bundle
+from nmtserve.server.config import ServerConfig
+from nmtserve.v1 import translation_pb2 as pb
+from nmtserve.v1 import translation_pb2_grpc as pb_grpc
+from tests.helpers import ServerThread
+from tests.marian import ENGLISH, sentences
+
+
+@pytest.fixture(scope="module")
+def marian_served(marian_checkpoint, tmp_path_factory):
+    bundle = tmp_path_factory.mktemp("marian-bundle")
+    export_bundle(ExportConfig(str(marian_checkpoint), str(bundle), ["fp32"]))
+    server = ServerThread(ServerConfig(bundle=str(bundle), host="127.0.0.1", port=0, metrics_port=0))
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("marian_dir", ["swish"], indirect=True)  # one configuration is enough over gRPC
+def test_defaults_languages_and_translations_follow_the_marian_model(marian_dir, marian_served):
+    from transformers import MarianMTModel
+    from transformers import MarianTokenizer as HFTokenizer
+
+    hf_tok = HFTokenizer(str(marian_dir / "source.spm"), str(marian_dir / "target.spm"), str(marian_dir / "vocab.json"))
+    model = MarianMTModel.from_pretrained(marian_dir, dtype=torch.float32).eval()
+    texts = sentences(ENGLISH, 12, 21)
+    with marian_served.channel() as channel:
+        stub = pb_grpc.TranslationServiceStub(channel)
+        info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+        assert (info.source_language, info.target_language) == ("en", "fr")
+        d = info.default_options
+        assert (d.beam_size, d.length_penalty, d.beam_stopping, d.max_output_tokens) == \
+            (4, 1.0, pb.BEAM_STOPPING_TRANSFORMERS, 39)
+        translations = stub.Translate(pb.TranslateRequest(sentences=texts), timeout=60).translations
+        greedy = stub.Translate(pb.TranslateRequest(sentences=texts, options=pb.DecodingOptions(beam_size=1)),
+                                timeout=60).translations
+    for text, beam, first in zip(texts, translations, greedy):
+        src = hf_tok(text, return_tensors="pt")
+        budget = min(39, 2 * src["input_ids"].shape[1] + 10)
+        expected = model.generate(**src, num_beams=4, max_new_tokens=budget, forced_eos_token_id=None)
+        assert beam.text == hf_tok.decode(expected[0], skip_special_tokens=True, use_source_tokenizer=False)
+        expected = model.generate(**src, num_beams=1, max_new_tokens=budget, forced_eos_token_id=None)
+        assert first.text == hf_tok.decode(expected[0], skip_special_tokens=True, use_source_tokenizer=False)
