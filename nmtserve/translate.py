@@ -13,13 +13,30 @@ from __future__ import annotations
 import json
 import random
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from nmtserve.errors import NmtserveError
-from nmtserve.search import DecodingOptions
+from nmtserve.search import BEAM_STOPPING, DecodingOptions
 
 SEARCH_FLAGS = ("beam_size", "num_hypotheses", "length_penalty", "patience", "sampling_topk", "sampling_topp",
-                "sampling_temperature", "seed")
+                "sampling_temperature", "seed", "beam_stopping")
+
+
+def given_options(args) -> dict:
+    """The decoding flags given on the command line; the rest are the model's defaults. A sampled
+    request decodes one row unless told otherwise."""
+    given = {name: getattr(args, name) for name in SEARCH_FLAGS if getattr(args, name) is not None}
+    if given.get("sampling_topk", 1) != 1:
+        given.setdefault("beam_size", 1)
+    return given
+
+
+def local_options(args, defaults: dict) -> DecodingOptions:
+    """The options of a local translation: the model's decoding defaults (an imported Marian model's
+    generation_config.json; else CTranslate2's), then the flags given."""
+    options = DecodingOptions(**{**defaults, **given_options(args)})
+    return replace(options, max_decoding_length=args.max_length) if args.max_length else options
 
 
 def cmd_translate(args) -> int:
@@ -32,30 +49,29 @@ def cmd_translate(args) -> int:
     if not args.inputs:
         raise NmtserveError("give a bundle or checkpoint (or --server HOST:PORT) and the sentences")
     model, texts = args.inputs[0], args.inputs[1:] or [line.rstrip("\n") for line in sys.stdin]
-    options = DecodingOptions(max_decoding_length=args.max_length or 256,
-                              **{name: getattr(args, name) for name in SEARCH_FLAGS})
-    found = _translate_bundle(model, texts, options, args) if Path(model).is_dir() else \
-        _translate_checkpoint(model, texts, options, args)
+    found = _translate_bundle(model, texts, args) if Path(model).is_dir() else _translate_checkpoint(model, texts, args)
     _print_translations(texts, found, args.json)
     return 0
 
 
-def _translate_bundle(path: str, texts: list[str], options: DecodingOptions, args) -> list[list[tuple[str, float]]]:
+def _translate_bundle(path: str, texts: list[str], args) -> list[list[tuple[str, float]]]:
     from nmtserve.export.runtime.translator import OnnxTranslator
 
     tr = OnnxTranslator(path, device=args.device)
+    options = local_options(args, tr.bundle.manifest.get("decoding_defaults") or {})
     ids = [tr.tokenizer.encode(t, tr.limits.max_source_tokens) or [tr.eos_id] for t in texts]
     return [[(tr.tokenizer.decode(h.tokens), h.score) for h in hypotheses]
             for hypotheses in tr.search_ids(ids, options, max_batch_size=args.batch_size)]
 
 
-def _translate_checkpoint(path: str, texts: list[str], options: DecodingOptions, args) -> list[list[tuple[str, float]]]:
+def _translate_checkpoint(path: str, texts: list[str], args) -> list[list[tuple[str, float]]]:
     """The PyTorch reference, one sentence at a time for beam search and sampling."""
     from nmtserve.training.checkpoint import load_model
     from nmtserve.training.data import pad
     from nmtserve.training.decode import beam_search, sample, translate
 
     loaded = load_model(path, device=args.device)
+    options = local_options(args, loaded.payload.get("decoding_defaults") or {})
     options.check(loaded.model.config.vocab_size)
     if options.greedy:
         return [[(text, 0.0)] for text in translate(loaded.model, loaded.tokenizer, texts, max_batch_size=args.batch_size,
@@ -72,7 +88,8 @@ def _translate_checkpoint(path: str, texts: list[str], options: DecodingOptions,
         else:
             hypotheses = beam_search(loaded.model, src, mask, beam_size=options.beam_size,
                                      num_hypotheses=options.num_hypotheses, length_penalty=options.length_penalty,
-                                     patience=options.patience, max_decoding_length=options.max_decoding_length)[0]
+                                     patience=options.patience, beam_stopping=options.beam_stopping,
+                                     max_decoding_length=options.max_decoding_length)[0]
         found.append([(loaded.tokenizer.decode(tokens), score) for tokens, score in hypotheses])
     return found
 
@@ -99,11 +116,10 @@ def _translate_remote(args) -> int:
     from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 
     texts = args.inputs or [line.rstrip("\n") for line in sys.stdin]
-    options = pb.DecodingOptions(max_output_tokens=args.max_length or 0, beam_size=args.beam_size,
-                                 num_hypotheses=args.num_hypotheses, length_penalty=args.length_penalty,
-                                 patience=args.patience, sampling_topk=args.sampling_topk,
-                                 sampling_topp=args.sampling_topp, sampling_temperature=args.sampling_temperature,
-                                 seed=args.seed)
+    given = given_options(args)
+    if "beam_stopping" in given:
+        given["beam_stopping"] = pb.BeamStopping.Value(f"BEAM_STOPPING_{given['beam_stopping'].upper()}")
+    options = pb.DecodingOptions(max_output_tokens=args.max_length or 0, **given)
     with open_channel(args.server, TlsFiles(args.tls_ca, args.tls_cert, args.tls_key)) as channel:
         if args.wait:
             wait_serving(channel, args.server, args.wait)
@@ -140,14 +156,16 @@ def add_parser(sub, name: str, help_text: str) -> None:
     p.add_argument("--max-length", type=int, default=None,
                    help="most target tokens per sentence (default: 256 locally; the server's own limit with --server)")
     p.add_argument("--device", default="cpu")
-    search = p.add_argument_group("decoding (CTranslate2's options; greedy by default)")
-    search.add_argument("--beam-size", type=int, default=1)
-    search.add_argument("--num-hypotheses", type=int, default=1, help="n-best list length (--json prints it)")
-    search.add_argument("--length-penalty", type=float, default=0.0, help="beam: score / length ** this")
-    search.add_argument("--patience", type=float, default=1.0)
-    search.add_argument("--sampling-topk", type=int, default=1, help="1: no sampling; 0: the whole vocabulary")
-    search.add_argument("--sampling-topp", type=float, default=1.0)
-    search.add_argument("--sampling-temperature", type=float, default=1.0)
-    search.add_argument("--seed", type=int, default=0, help="sampling: 0 picks one at random")
+    search = p.add_argument_group("decoding (CTranslate2's options; unset: the model's defaults, greedy for the "
+                                  "models nmtserve trains, generation_config.json's for an imported Marian model)")
+    search.add_argument("--beam-size", type=int)
+    search.add_argument("--num-hypotheses", type=int, help="n-best list length (--json prints it)")
+    search.add_argument("--length-penalty", type=float, help="beam: score / length ** this")
+    search.add_argument("--patience", type=float)
+    search.add_argument("--beam-stopping", choices=BEAM_STOPPING, help="whose rule stops beam search")
+    search.add_argument("--sampling-topk", type=int, help="1: no sampling; 0: the whole vocabulary")
+    search.add_argument("--sampling-topp", type=float)
+    search.add_argument("--sampling-temperature", type=float)
+    search.add_argument("--seed", type=int, help="sampling: 0 picks one at random")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_translate)

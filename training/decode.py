@@ -84,7 +84,7 @@ def greedy_decode_uncached(model: EncoderDecoder, src: torch.Tensor, src_mask: t
 @torch.inference_mode()
 def beam_search(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tensor, *, beam_size: int = 4,
                 num_hypotheses: int = 1, length_penalty: float = 0.0, patience: float = 1.0,
-                max_decoding_length: int = 256, no_repeat_ngram_size: int = 0,
+                beam_stopping: str = "ctranslate2", max_decoding_length: int = 256, no_repeat_ngram_size: int = 0,
                 repetition_penalty: float = 1.0) -> list[list[tuple[list[int], float]]]:
     """The n-best (tokens, score) of each source, best first, by nmtserve/search.py's BeamSearch rules.
 
@@ -132,7 +132,11 @@ def beam_search(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tensor
             parents += [b * k + cand_beam[b][c] for c in row]
             next_tokens += [cand_token[b][c] for c in row]
             next_scores.append([cand_scores[b][c] for c in row])
-            if length_penalty == 0:
+            if beam_stopping == "transformers":  # can the best live beam beat the worst of the k best finished?
+                normalised = sorted(score / (len(hyp) + eos) ** length_penalty for hyp, score, eos in finished[b])
+                stop = len(normalised) >= k and max(next_scores[-1]) / (step + 1) ** length_penalty \
+                    <= normalised[-k]
+            elif length_penalty == 0:
                 stop = top_finished[b] and len(finished[b]) >= num_hypotheses
             else:
                 stop = len(finished[b]) >= round(k * patience)

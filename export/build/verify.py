@@ -7,7 +7,10 @@
 4. end-to-end greedy translation of a data split: share of sentences with tokens identical to
    the PyTorch reference (or leaving it only where PyTorch's best two tokens tie), and BLEU/chrF of
    every variant that runs here;
-5. decoder-step latency at steps 1, 16, 64 and 128 (it should stay nearly flat).
+5. decoder-step latency at steps 1, 16, 64 and 128 (it should stay nearly flat);
+6. for a checkpoint imported from Marian, against transformers (the marian extra) on the directory it
+   came from: log-probabilities of MarianMTModel and of the imported model, and the fp32 bundle's greedy
+   and beam-4 tokens against MarianMTModel.generate's, on random sources of the model's own pieces.
 """
 
 from __future__ import annotations
@@ -168,13 +171,14 @@ def diverging_off_a_tie(model, sources: list[list[int]], got: list[list[int]], e
 
 
 def step_latency(translator: OnnxTranslator, batch: int, repeats: int = 20) -> dict:
-    """Median decoder-step milliseconds with a cache of each length in LATENCY_STEPS."""
+    """Median decoder-step milliseconds with a cache of each length in LATENCY_STEPS (within the model's
+    position table)."""
     rng = np.random.default_rng(0)
     src_len = 16
     ck = rng.standard_normal((translator.n_layers, batch, translator.n_heads, src_len, translator.head_dim)).astype(translator.kv_dtype)
     src_mask = np.ones((batch, src_len), bool)
     result = {}
-    for step in LATENCY_STEPS:
+    for step in [s for s in LATENCY_STEPS if s <= translator.limits.max_target_tokens]:
         kv = rng.standard_normal((translator.n_layers, batch, translator.n_heads, step - 1, translator.head_dim)).astype(translator.kv_dtype)
         args = (np.full(batch, 5, np.int64), np.full(batch, step - 1, np.int64), kv, kv, np.ones((batch, step - 1), bool), ck, ck, src_mask)
         translator.step(*args)  # warm-up
@@ -223,8 +227,59 @@ def verify_bundle(bundle_dir: Path, loaded: LoadedModel, split: str = "test", li
             entry["identical_or_tie"] = round((len(pairs) - off_a_tie) / len(pairs), 4)
             entry["scores"] = score([tok.decode(t) for t in got], references).to_dict()
         report["variants"][variant] = entry
+    if "imported_from" in loaded.payload:
+        report["transformers"] = transformers_parity(loaded, OnnxTranslator(bundle, variant="fp32"))
     report["checks"] = _judge(report)
     report["passed"] = all(report["checks"].values())
+    return report
+
+
+def transformers_parity(loaded: LoadedModel, tr: OnnxTranslator, sentences: int = 50) -> dict:
+    """The imported model against transformers' MarianMTModel loaded from the directory it came from
+    (every file's sha256 must still match). Sources are random sequences of the vocabulary's pieces, so
+    no text in the model's language is needed; budgets are nmtserve's, and generate runs without
+    forced eos (nmtserve has none: README, OPUS-MT)."""
+    from transformers import MarianMTModel
+    from transformers.utils import logging as transformers_logging
+
+    from nmtserve.errors import CheckpointError
+    from nmtserve.export.runtime.bundle import sha256_of
+    from nmtserve.search import DecodingOptions
+
+    origin = loaded.payload["imported_from"]
+    directory = Path(origin["directory"])
+    for name, digest in origin["files"].items():
+        if not (directory / name).is_file() or sha256_of(directory / name) != digest:
+            raise CheckpointError(f"{directory / name}: missing or changed since import; verification against "
+                                  "transformers needs the directory the checkpoint came from")
+    transformers_logging.set_verbosity_error()  # generate warns that max_new_tokens overrides max_length
+    hf = MarianMTModel.from_pretrained(directory, dtype=torch.float32).eval()
+    model, c = loaded.model.eval(), loaded.model.config
+    specials = {c.pad_id, c.eos_id, c.bos_id, loaded.tokenizer.unk_id}
+    pieces = [i for i in range(c.vocab_size) if i not in specials]
+    rng = np.random.default_rng(0)
+    sources = [[int(i) for i in rng.choice(pieces, rng.integers(3, 30))] + [c.eos_id] for _ in range(sentences)]
+    worst = 0.0
+    with torch.no_grad():
+        for src in sources[:8]:
+            src_ids = torch.tensor([src])
+            tgt = torch.tensor([[c.bos_id] + [int(i) for i in rng.choice(pieces, 12)]])
+            logits = hf(input_ids=src_ids, decoder_input_ids=tgt).logits[0]
+            expected = torch.log_softmax(logits + (model.suppress if model.suppress is not None else 0), dim=-1)
+            got = model(src_ids, torch.ones_like(src_ids).bool(), tgt, torch.ones_like(tgt).bool())[0]
+            finite = torch.isfinite(expected)
+            worst = max(worst, float((got - expected)[finite].abs().max()))
+    report = {"directory": str(directory), "sentences": sentences, "log_prob_diff": worst}
+    for name, k in (("greedy", 1), ("beam4", 4)):
+        options = DecodingOptions(beam_size=k, length_penalty=1.0, beam_stopping="transformers")
+        got = [h[0].tokens for h in tr.search_ids(sources, options, max_batch_size=16)]
+        same = 0
+        for src, tokens in zip(sources, got):
+            budget = tr.limits.output_budget(len(src), options.max_decoding_length)
+            out = hf.generate(torch.tensor([src]), num_beams=k, length_penalty=1.0, max_new_tokens=budget,
+                              forced_eos_token_id=None, bad_words_ids=[[i] for i in c.suppressed_ids] or None)
+            same += tokens == [t for t in out[0].tolist()[1:] if t not in (c.eos_id, c.pad_id)]
+        report[f"{name}_identical"] = round(same / sentences, 4)
     return report
 
 
@@ -239,6 +294,11 @@ def _judge(report: dict) -> dict:
                                                     and cached["same_best_token"] >= IDENTICAL_SHARE_REQUIRED)
         if "identical_or_tie" in fp32:
             checks["fp32_identical_tokens_at_least_99%"] = fp32["identical_or_tie"] >= IDENTICAL_SHARE_REQUIRED
+    hf = report.get("transformers")
+    if hf:
+        checks["log_probs_within_1e-4_of_transformers"] = hf["log_prob_diff"] < FP32_TOLERANCE
+        checks["fp32_greedy_and_beam4_equal_generate_at_least_99%"] = \
+            min(hf["greedy_identical"], hf["beam4_identical"]) >= IDENTICAL_SHARE_REQUIRED
     for variant, allowed in (("int8", INT8_BLEU_DROP_ALLOWED), ("fp16", FP16_BLEU_DROP_ALLOWED)):
         entry = report["variants"].get(variant)
         if entry and fp32 and "scores" in entry:

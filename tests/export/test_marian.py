@@ -68,3 +68,12 @@ def test_beam4_nbest_equals_generate_with_transformers_stopping(marian_pair):
         out = generate(model, translator, source, num_beams=4, num_return_sequences=4, length_penalty=1.0)
         assert [h.tokens for h in hypotheses] == [strip(translator, s) for s in out.sequences.tolist()]
         assert [h.score for h in hypotheses] == pytest.approx(out.sequences_scores.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("marian_dir", ["relu"], indirect=True)
+def test_export_verify_checks_an_imported_model_against_transformers(marian_checkpoint, tmp_path):
+    manifest = export_bundle(ExportConfig(str(marian_checkpoint), str(tmp_path / "bundle"), ["fp32"], verify=True))
+    report = manifest["verification"]
+    assert report["passed"], report["checks"]
+    assert report["checks"]["log_probs_within_1e-4_of_transformers"]
+    assert report["transformers"]["greedy_identical"] == report["transformers"]["beam4_identical"] == 1.0

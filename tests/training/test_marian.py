@@ -115,3 +115,31 @@ def test_missing_files_and_multilingual_target_are_named(tmp_path):
     (d / "target.spm").unlink()
     result = run_cli("import-marian", str(d), "--out", str(tmp_path / "m.pt"))
     assert result.returncode == 2 and "target.spm: missing" in result.stderr
+
+
+def test_reference_beam_search_with_transformers_stopping_equals_generate(marian_dir, marian_checkpoint):
+    from nmtserve.decoding import output_budget
+    from nmtserve.training.decode import beam_search
+
+    _, hf = reference(marian_dir)
+    loaded = load_model(marian_checkpoint)
+    for text in sentences(ENGLISH, 20, 11):
+        ids = loaded.tokenizer.encode(text)
+        src = torch.tensor([ids])
+        budget = output_budget(len(ids), 39, loaded.model.config.max_len)
+        got = beam_search(loaded.model, src, torch.ones_like(src, dtype=torch.bool), beam_size=4, num_hypotheses=4,
+                          length_penalty=1.0, beam_stopping="transformers", max_decoding_length=39)[0]
+        out = hf.generate(src, num_beams=4, num_return_sequences=4, length_penalty=1.0, max_new_tokens=budget,
+                          forced_eos_token_id=None)
+        expected = [[t for t in seq[1:] if t not in (loaded.tokenizer.eos_id, loaded.tokenizer.pad_id)]
+                    for seq in out.tolist()]
+        assert [tokens for tokens, _ in got] == expected, text
+
+
+def test_translate_cli_uses_the_imported_models_defaults(marian_checkpoint):
+    text = "The cat sees the dog."
+    default = run_cli("translate", "--json", str(marian_checkpoint), text)
+    explicit = run_cli("translate", "--json", "--beam-size", "4", "--length-penalty", "1", "--beam-stopping",
+                       "transformers", str(marian_checkpoint), text)
+    assert default.returncode == explicit.returncode == 0, default.stderr + explicit.stderr
+    assert default.stdout == explicit.stdout
