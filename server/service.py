@@ -76,6 +76,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         self.default_output_tokens = min(self.max_output_tokens, defaults.pop("max_decoding_length", self.max_output_tokens))
         self.defaults = DecodingOptions(**defaults)
         self.manifest_path = bundle_manifest_path
+        self.target_language = (engine.tr.bundle.manifest.get("languages") or {}).get("target", "")
         self.accepting = True
 
     # -- validation
@@ -99,12 +100,22 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             raise InvalidRequest(f"options.{e}") from None
         return options.max_output_tokens or self.default_output_tokens, search
 
-    def _source(self, field: str, text: str) -> list[int]:
+    def _target_language(self, requested: str) -> str:
+        """The language whose >>xx<< token a multilingual model reads ("" for others); InvalidRequest for a
+        language the model does not translate into."""
+        multilingual = self.tokenizer.target_languages
+        served = multilingual or ([self.target_language] if self.target_language else [])
+        language = requested or self.target_language
+        if (requested and served and requested not in served) or (multilingual and language not in multilingual):
+            raise InvalidRequest(f"target_language {requested!r}: this model translates into {', '.join(served)}")
+        return language if multilingual else ""
+
+    def _source(self, field: str, text: str, target_language: str = "") -> list[int]:
         if not text.strip():
             raise InvalidRequest(f"{field}: empty sentence")
         if len(text) > self.config.max_sentence_chars:
             raise InvalidRequest(f"{field}: {len(text)} characters, the limit is {self.config.max_sentence_chars}")
-        ids = self.tokenizer.encode(text)
+        ids = self.tokenizer.encode(text, target_language=target_language)
         if not ids:  # only characters the tokenizer's normalisation removes (zero-width, controls)
             raise InvalidRequest(f"{field}: nothing to translate in {text[:40]!r} (no token after normalisation)")
         if len(ids) > self.max_source_tokens:
@@ -195,7 +206,8 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             if not 1 <= n <= self.config.max_sentences:
                 raise InvalidRequest(f"sentences: {n} given, between 1 and {self.config.max_sentences} accepted")
             options = self._options(request.options)
-            sources = [self._source(f"sentences[{i}]", s) for i, s in enumerate(request.sentences)]
+            language = self._target_language(request.target_language)
+            sources = [self._source(f"sentences[{i}]", s, language) for i, s in enumerate(request.sentences)]
             pairs = [self._request("Translate", ids, options, context) for ids in sources]
             for engine_request, _ in pairs:
                 self._submit(engine_request)
@@ -222,7 +234,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         started = time.monotonic()
         try:
             options = self._options(request.options)
-            ids = self._source("sentence", request.sentence)
+            ids = self._source("sentence", request.sentence, self._target_language(request.target_language))
             engine_request, future = self._request(
                 "TranslateStream", ids, options, context,
                 on_token=lambda r, t: loop.call_soon_threadsafe(tokens.put_nowait, t),
@@ -277,7 +289,8 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                 max_output_tokens=self.default_output_tokens, beam_size=self.defaults.beam_size,
                 num_hypotheses=1, length_penalty=self.defaults.length_penalty, patience=self.defaults.patience,
                 sampling_topk=1, sampling_topp=1.0, sampling_temperature=1.0,
-                beam_stopping=next(k for k, v in _BEAM_STOPPING.items() if v == self.defaults.beam_stopping)))
+                beam_stopping=next(k for k, v in _BEAM_STOPPING.items() if v == self.defaults.beam_stopping)),
+            target_languages=self.tokenizer.target_languages)
 
 
 _BEAM_STOPPING = {pb.BEAM_STOPPING_CTRANSLATE2: "ctranslate2", pb.BEAM_STOPPING_TRANSFORMERS: "transformers"}

@@ -4,10 +4,12 @@ them and the languages, and the translations are transformers' generate's."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 import torch
 
 from nmtserve.export.build.exporter import ExportConfig, export_bundle
+from nmtserve.search import DecodingOptions
 from nmtserve.server.config import ServerConfig
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
@@ -49,3 +51,42 @@ def test_defaults_languages_and_translations_follow_the_marian_model(marian_dir,
         assert beam.text == hf_tok.decode(expected[0], skip_special_tokens=True, use_source_tokenizer=False)
         expected = model.generate(**src, num_beams=1, max_new_tokens=budget, forced_eos_token_id=None)
         assert first.text == hf_tok.decode(expected[0], skip_special_tokens=True, use_source_tokenizer=False)
+
+
+@pytest.mark.parametrize("marian_dir", ["swish"], indirect=True)
+def test_target_language_must_be_the_models(marian_served):
+    with marian_served.channel() as channel:
+        stub = pb_grpc.TranslationServiceStub(channel)
+        assert stub.Translate(pb.TranslateRequest(sentences=["The cat."], target_language="fr"), timeout=30)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Translate(pb.TranslateRequest(sentences=["The cat."], target_language="de"), timeout=30)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details() == "target_language 'de': this model translates into fr"
+
+
+def test_a_multilingual_model_reads_the_requests_language_token(tmp_path):
+    from nmtserve.export.runtime.translator import OnnxTranslator
+    from nmtserve.training.marian import import_marian
+    from tests.marian import build_marian_dir
+
+    directory = build_marian_dir(tmp_path / "multi", languages=("de", "fr"))
+    import_marian(directory, tmp_path / "multi.pt", "en", "de")
+    export_bundle(ExportConfig(str(tmp_path / "multi.pt"), str(tmp_path / "bundle"), ["fp32"]))
+    tr = OnnxTranslator(tmp_path / "bundle")
+    server = ServerThread(ServerConfig(bundle=str(tmp_path / "bundle"), host="127.0.0.1", port=0, metrics_port=0))
+    try:
+        with server.channel() as channel:
+            stub = pb_grpc.TranslationServiceStub(channel)
+            assert list(stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).target_languages) == ["de", "fr"]
+            greedy = pb.DecodingOptions(beam_size=1)
+            for language in ("de", "fr", ""):  # "" is the bundle's target language, de
+                got = stub.Translate(pb.TranslateRequest(sentences=["The cat sees the dog."], target_language=language,
+                                                         options=greedy), timeout=30).translations[0]
+                ids = tr.tokenizer.encode("The cat sees the dog.", target_language=language or "de")
+                assert ids[0] == tr.tokenizer.vocab[f">>{language or 'de'}<<"] and got.input_tokens == len(ids)
+                assert got.text == tr.tokenizer.decode(tr.search_ids([ids], DecodingOptions())[0][0].tokens)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Translate(pb.TranslateRequest(sentences=["The cat."], target_language="es"), timeout=30)
+            assert refused.value.details() == "target_language 'es': this model translates into de, fr"
+    finally:
+        server.stop()
