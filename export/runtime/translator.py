@@ -279,13 +279,14 @@ class OnnxTranslator:
     def translate_batch(self, texts: list[str], *, max_batch_size: int = 32, beam_size: int = 1,
                         num_hypotheses: int = 1, length_penalty: float = 0.0, patience: float = 1.0,
                         sampling_topk: int = 1, sampling_topp: float = 1.0, sampling_temperature: float = 1.0,
-                        seed: int = 0, max_decoding_length: int = 256, return_scores: bool = False) -> list[Translation]:
+                        seed: int = 0, max_decoding_length: int = 256, beam_stopping: str = "ctranslate2",
+                        return_scores: bool = False) -> list[Translation]:
         """Translate texts, with CTranslate2's decoding options (nmtserve/search.py says what each does):
         greedy by default, beam search with beam_size > 1, random sampling with sampling_topk != 1. Each
         Translation is the best hypothesis, with the rest of the n-best list in `alternatives`. Inputs are
         sorted by length so that each batch has little padding."""
         options = DecodingOptions(beam_size, num_hypotheses, length_penalty, patience, sampling_topk, sampling_topp,
-                                  sampling_temperature, seed, max_decoding_length)
+                                  sampling_temperature, seed, max_decoding_length, beam_stopping)
         ids = [self.tokenizer.encode(t, self.limits.max_source_tokens) or [self.eos_id] for t in texts]
         found = self.search_ids(ids, options, max_batch_size=max_batch_size)
         return [self._translation(hypotheses, return_scores) for hypotheses in found]
