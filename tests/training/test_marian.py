@@ -83,6 +83,7 @@ def test_checkpoint_records_origin_and_generation_defaults(marian_dir, marian_ch
     assert list(payload["model_config"]["suppressed_ids"]) == [payload["special_ids"]["pad"]]
 
 
+@pytest.mark.parametrize("marian_dir", ["swish"], indirect=True)
 @pytest.mark.parametrize("key, value", [
     ("share_encoder_decoder_embeddings", False),
     ("decoder_attention_heads", 2),
