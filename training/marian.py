@@ -26,10 +26,11 @@ from nmtserve.training.checkpoint import save
 from nmtserve.training.model import EncoderDecoder, ModelConfig
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+GENERATION_KEYS = ("num_beams", "max_length", "length_penalty", "early_stopping", "bad_words_ids", "renormalize_logits")
 # config.json activation_function -> ModelConfig.activation (transformers' ACT2FN names)
 ACTIVATION_OF = {"relu": "relu", "swish": "swish", "silu": "swish", "gelu": "gelu"}
-# keys of BART-family configs whose non-default value changes the architecture: value nmtserve needs
-UNSUPPORTED_IF_SET = {"normalize_before": False, "normalize_embedding": False, "add_final_layer_norm": False,
+# keys of BART-family configs whose non-default value changes the architecture: the value nmtserve needs
+REQUIRED_IF_PRESENT = {"normalize_before": False, "normalize_embedding": False, "add_final_layer_norm": False,
                       "static_position_embeddings": True, "add_bias_logits": False}
 
 
@@ -63,7 +64,7 @@ def model_config(config: dict, generation: dict) -> ModelConfig:
         refuse("decoder_vocab_size", "a target vocabulary apart from the source's is not supported")
     if not config.get("tie_word_embeddings", True):
         refuse("tie_word_embeddings", "an output projection apart from the embeddings is not supported")
-    for key, needed in UNSUPPORTED_IF_SET.items():
+    for key, needed in REQUIRED_IF_PRESENT.items():
         if key in config and config[key] != needed:
             refuse(key, f"only {json.dumps(needed)} is supported (post-norm Marian without embedding layer norm)")
     for enc, dec in (("encoder_attention_heads", "decoder_attention_heads"), ("encoder_ffn_dim", "decoder_ffn_dim")):
@@ -168,7 +169,9 @@ def import_marian(directory: str | Path, out: str | Path, source_lang: str = "",
     if not directory.is_dir():
         raise MarianError(f"{directory}: no such directory")
     raw_config = _read_json(directory / "config.json")
-    generation = _read_json(directory / "generation_config.json", required=False)
+    # older OPUS-MT directories keep the generation settings in config.json, as transformers then reads them
+    generation = _read_json(directory / "generation_config.json", required=False) or \
+        {k: raw_config[k] for k in GENERATION_KEYS if k in raw_config}
     tokenizer_config = _read_json(directory / "tokenizer_config.json", required=False)
     if tokenizer_config.get("separate_vocabs") or (directory / "target_vocab.json").is_file():
         raise MarianError(f"{directory / 'tokenizer_config.json'}: separate_vocabs=true: separate source and "

@@ -144,3 +144,17 @@ def test_translate_cli_uses_the_imported_models_defaults(marian_checkpoint):
                        "transformers", str(marian_checkpoint), text)
     assert default.returncode == explicit.returncode == 0, default.stderr + explicit.stderr
     assert default.stdout == explicit.stdout
+
+
+@pytest.mark.parametrize("marian_dir", ["swish"], indirect=True)
+def test_generation_settings_in_config_json_are_read_when_there_is_no_generation_config(marian_dir, tmp_path):
+    old = tmp_path / "old"
+    shutil.copytree(marian_dir, old)
+    (old / "generation_config.json").unlink()
+    config = json.loads((old / "config.json").read_text())
+    (old / "config.json").write_text(json.dumps({**config, "num_beams": 6, "max_length": 20,
+                                                 "bad_words_ids": [[config["pad_token_id"]]]}))
+    summary = import_marian(old, tmp_path / "old.pt")
+    assert summary["decoding_defaults"] == {"beam_size": 6, "length_penalty": 1.0, "beam_stopping": "transformers",
+                                            "max_decoding_length": 19}
+    assert load_model(tmp_path / "old.pt").model.config.suppressed_ids == (config["pad_token_id"],)
