@@ -115,7 +115,8 @@ def _log_prob_diff(a: np.ndarray, b: torch.Tensor) -> float:
     with the size of the log-prob (measured: up to 3.8e-5 at log-prob -7.7 on a default run)."""
     ref = b.numpy()
     mass = (ref >= np.log(MASS_PROB)) | (ref == ref.max(-1, keepdims=True))
-    return float((np.abs(a.astype(np.float32) - ref) / np.maximum(1.0, np.abs(ref)))[mass].max())
+    with np.errstate(invalid="ignore"):  # suppressed ids: -inf - -inf, outside the mass
+        return float((np.abs(a.astype(np.float32) - ref) / np.maximum(1.0, np.abs(ref)))[mass].max())
 
 
 def cached_decode_parity(model, translator: OnnxTranslator, sources: list[list[int]], steps: int = 24) -> dict:
@@ -268,7 +269,9 @@ def transformers_parity(loaded: LoadedModel, tr: OnnxTranslator, sentences: int 
             src_ids = torch.tensor([src])
             tgt = torch.tensor([[c.bos_id] + [int(i) for i in rng.choice(pieces, 12)]])
             logits = hf(input_ids=src_ids, decoder_input_ids=tgt).logits[0]
-            expected = torch.log_softmax(logits + (model.suppress if model.suppress is not None else 0), dim=-1)
+            suppress = model.suppress if model.suppress is not None else 0  # generate's bad_words_ids
+            expected = torch.log_softmax(logits + suppress, dim=-1) if c.renormalize else \
+                torch.log_softmax(logits, dim=-1) + suppress
             got = model(src_ids, torch.ones_like(src_ids).bool(), tgt, torch.ones_like(tgt).bool())[0]
             finite = torch.isfinite(expected)
             worst = max(worst, float((got - expected)[finite].abs().max()))
