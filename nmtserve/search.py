@@ -22,8 +22,9 @@ the search stops.
 
 from __future__ import annotations
 
+import heapq
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -46,6 +47,13 @@ class DecodingOptions:
     seed: int = 0  # of the request's own random generator; 0 draws one from the operating system
     max_decoding_length: int = 256
     beam_stopping: str = "ctranslate2"  # or "transformers": when beam search stops (BeamSearch says how)
+
+    def override(self, **given) -> DecodingOptions:
+        """These options (a model's defaults) with what a request gives; a sampled request decodes one
+        row unless it gives beam_size."""
+        if given.get("sampling_topk", 1) != 1:
+            given.setdefault("beam_size", 1)
+        return replace(self, **given)
 
     @property
     def sampling(self) -> bool:
@@ -152,7 +160,7 @@ class BeamSearch:
         self.scores = cand_score[chosen].astype(np.float64)
         if self.options.beam_stopping == "transformers":
             stop = len(self.finished) >= k and self.scores.max() / self.steps ** self.options.length_penalty \
-                <= sorted(self._scored(), key=lambda h: -h.score)[k - 1].score
+                <= heapq.nlargest(k, (h.score for h in self._scored()))[-1]
         elif self.options.length_penalty == 0:
             stop = self.top_finished and len(self.finished) >= self.options.num_hypotheses
         else:

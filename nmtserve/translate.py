@@ -24,18 +24,14 @@ SEARCH_FLAGS = ("beam_size", "num_hypotheses", "length_penalty", "patience", "sa
 
 
 def given_options(args) -> dict:
-    """The decoding flags given on the command line; the rest are the model's defaults. A sampled
-    request decodes one row unless told otherwise."""
-    given = {name: getattr(args, name) for name in SEARCH_FLAGS if getattr(args, name) is not None}
-    if given.get("sampling_topk", 1) != 1:
-        given.setdefault("beam_size", 1)
-    return given
+    """The decoding flags given on the command line; the rest are the model's defaults."""
+    return {name: getattr(args, name) for name in SEARCH_FLAGS if getattr(args, name) is not None}
 
 
 def local_options(args, defaults: dict) -> DecodingOptions:
     """The options of a local translation: the model's decoding defaults (an imported Marian model's
     generation_config.json; else CTranslate2's), then the flags given."""
-    options = DecodingOptions(**{**defaults, **given_options(args)})
+    options = DecodingOptions(**defaults).override(**given_options(args))
     return replace(options, max_decoding_length=args.max_length) if args.max_length else options
 
 

@@ -11,7 +11,6 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import replace
 
 import grpc
 
@@ -90,10 +89,11 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         given = {name: getattr(options, name) for name in ("length_penalty", "patience", "sampling_topk",
                                                               "sampling_topp", "sampling_temperature")
                  if options.HasField(name)}
-        sampled = given.get("sampling_topk", 1) != 1
-        stopping = _BEAM_STOPPING.get(options.beam_stopping, self.defaults.beam_stopping)
-        search = replace(self.defaults, beam_size=options.beam_size or (1 if sampled else self.defaults.beam_size),
-                         num_hypotheses=options.num_hypotheses or 1, seed=options.seed, beam_stopping=stopping, **given)
+        given.update({name: getattr(options, name) for name in ("beam_size", "num_hypotheses", "seed")
+                      if getattr(options, name)})
+        if options.beam_stopping:
+            given["beam_stopping"] = pb.BeamStopping.Name(options.beam_stopping).removeprefix("BEAM_STOPPING_").lower()
+        search = self.defaults.override(**given)
         try:
             search.check(self.engine.tr.vocab_size, self.max_beam_size)
         except ConfigError as e:
@@ -289,11 +289,8 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                 max_output_tokens=self.default_output_tokens, beam_size=self.defaults.beam_size,
                 num_hypotheses=1, length_penalty=self.defaults.length_penalty, patience=self.defaults.patience,
                 sampling_topk=1, sampling_topp=1.0, sampling_temperature=1.0,
-                beam_stopping=next(k for k, v in _BEAM_STOPPING.items() if v == self.defaults.beam_stopping)),
+                beam_stopping=pb.BeamStopping.Value(f"BEAM_STOPPING_{self.defaults.beam_stopping.upper()}")),
             target_languages=self.tokenizer.target_languages)
-
-
-_BEAM_STOPPING = {pb.BEAM_STOPPING_CTRANSLATE2: "ctranslate2", pb.BEAM_STOPPING_TRANSFORMERS: "transformers"}
 
 
 def _resolve(future: asyncio.Future, request: Request) -> None:

@@ -199,14 +199,14 @@ def import_marian(directory: str | Path, out: str | Path, source_lang: str = "",
     if tokenizer.target_languages and languages["target"] and languages["target"] not in tokenizer.target_languages:
         raise MarianError(f"--target-lang {languages['target']}: this multilingual model translates into "
                           f"{', '.join(tokenizer.target_languages)}")
+    defaults = decoding_defaults(generation, config)
     save(Path(out), {
         "model": model.state_dict(), "model_config": asdict(config), "tokenizer": tokenizer.payload(),
-        "special_ids": tokenizer.special_ids(), "languages": languages,
-        "decoding_defaults": decoding_defaults(generation, config),
+        "special_ids": tokenizer.special_ids(), "languages": languages, "decoding_defaults": defaults,
         "imported_from": {"format": "marian", "directory": str(directory.resolve()),
                           "files": {n: sha256_of(directory / n) for n in read},
                           "config": raw_config, "generation_config": generation}})
     return {"out": str(out), "parameters": model.num_parameters(), "languages": languages,
-            "target_languages": tokenizer.target_languages, "decoding_defaults": decoding_defaults(generation, config),
+            "target_languages": tokenizer.target_languages, "decoding_defaults": defaults,
             "model_config": {k: v for k, v in asdict(config).items() if k != "suppressed_ids"}}
 

@@ -217,9 +217,10 @@ def verify_bundle(bundle_dir: Path, loaded: LoadedModel, split: str = "test", li
         report["pytorch"] = score([tok.decode(t) for t in ref_tokens], references).to_dict()
         report["data"] = {"split": split, "sentences": len(pairs), "source": str(split_file(data_dir, split))}
 
+    translators = {}
     for variant in runnable:
         device = "cpu" if "cpu" in VARIANTS[variant]["devices"] else "cuda"
-        tr = OnnxTranslator(bundle, device=device, variant=variant)
+        tr = translators[variant] = OnnxTranslator(bundle, device=device, variant=variant)
         entry = {"device": device, "graph_parity": graph_parity(model, tr),
                  "cached_decode": cached_decode_parity(model, tr, sources[:8] or [[5, 6, 7]]),
                  "step_latency_ms": {"batch_1": step_latency(tr, 1), "batch_32": step_latency(tr, 32)}}
@@ -232,7 +233,7 @@ def verify_bundle(bundle_dir: Path, loaded: LoadedModel, split: str = "test", li
             entry["scores"] = score([tok.decode(t) for t in got], references).to_dict()
         report["variants"][variant] = entry
     if "imported_from" in loaded.payload:
-        report["transformers"] = transformers_parity(loaded, OnnxTranslator(bundle, variant="fp32"))
+        report["transformers"] = transformers_parity(loaded, translators["fp32"])
     report["checks"] = _judge(report)
     report["passed"] = all(report["checks"].values())
     return report
