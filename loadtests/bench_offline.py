@@ -13,13 +13,23 @@ Fair by construction:
 - thread counts are swept (half the usable cores and all of them, by default) and each engine is
   reported, per batch size, at its best thread count, as the median with min–max over runs;
 - the report records the CPU model and flags, cores and the libraries' versions.
-Ratios are ours over CTranslate2's of the same precision, each at its best thread count.
+Ratios are ours over CTranslate2's of the same precision, each at its best thread count. Each
+worker's peak resident memory (ru_maxrss: the model loaded and every batch size run) is reported too.
+
+A bundle imported from a Hugging Face Marian directory (`nmtserve import-marian`) is measured against
+that directory: CTranslate2 converts it with its own converter (TransformersConverter, as
+`ct2-transformers-converter` does) and transformers' `MarianMTModel.generate` takes PyTorch's place.
+
+    python -m nmtserve.loadtests.marian_model runs/opus-shaped     # random, OPUS-MT's shapes, eos never wins
+    nmtserve import-marian runs/opus-shaped --out runs/opus-shaped.pt && nmtserve export runs/opus-shaped.pt --out bundles/opus-shaped
+    nmtserve bench offline bundles/opus-shaped --sentences-file runs/opus-shaped/sentences.txt --max-decoding-length 32 --beam-size 4
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -32,10 +42,13 @@ from nmtserve.errors import NmtserveError
 from nmtserve.loadtests.machine import describe, machine_info, usable_cores
 
 BATCH_SIZES = (1, 8, 32, 64)
-ENGINES = ("pytorch", "ort_fp32", "ort_int8", "ct2_fp32", "ct2_int8")
-ENGINE_MODULES = ("torch", "onnxruntime", "ctranslate2")
-OWN_MODULE = {"pytorch": "torch", "ort": "onnxruntime", "ct2": "ctranslate2"}
-RATIOS = (("ort_fp32", "ct2_fp32"), ("ort_int8", "ct2_int8"), ("pytorch", "ct2_fp32"))
+ENGINES = ("pytorch", "transformers", "ort_fp32", "ort_int8", "ct2_fp32", "ct2_int8")
+OWN_ENGINES = ("pytorch", "ort_fp32", "ort_int8", "ct2_fp32", "ct2_int8")  # our own model's bundle
+MARIAN_ENGINES = ("transformers", "ort_fp32", "ort_int8", "ct2_fp32", "ct2_int8")  # an imported Marian bundle
+ENGINE_MODULES = ("torch", "transformers", "onnxruntime", "ctranslate2")
+OWN_MODULES = {"pytorch": ("torch",), "transformers": ("torch", "transformers"), "ort": ("onnxruntime",),
+               "ct2": ("ctranslate2",)}
+RATIOS = (("ort_fp32", "ct2_fp32"), ("ort_int8", "ct2_int8"), ("pytorch", "ct2_fp32"), ("ort_fp32", "transformers"))
 
 
 def default_threads() -> tuple[int, ...]:
@@ -54,6 +67,19 @@ class BenchConfig:
     engines: tuple[str, ...] = ENGINES
     sentences_file: str | None = None  # default: the test split of the bundle's training data
     max_decoding_length: int = 256
+    beam_size: int = 1
+
+
+def marian_directory(bundle: str) -> str | None:
+    """The Hugging Face Marian directory an imported bundle came from; None for our own model's."""
+    from nmtserve.export.runtime.bundle import load_bundle
+
+    imported = load_bundle(bundle).manifest["source"].get("imported_from")
+    return imported["directory"] if imported else None
+
+
+def default_engines(bundle: str) -> tuple[str, ...]:
+    return MARIAN_ENGINES if marian_directory(bundle) else OWN_ENGINES
 
 
 # -- the worker: one engine, one thread count, every batch size
@@ -66,25 +92,56 @@ def _load_engine(engine: str, threads: int, spec: dict):
         from nmtserve.decoding import sorted_batches
         from nmtserve.training.checkpoint import load_model
         from nmtserve.training.data import pad
-        from nmtserve.training.decode import greedy_decode
+        from nmtserve.training.decode import beam_search, greedy_decode
 
         torch.set_num_threads(threads)
         model = load_model(spec["checkpoint"]).model
+        beam, limit = spec["beam_size"], spec["max_decoding_length"]
+
+        def decode(src, mask):
+            if beam == 1:
+                return greedy_decode(model, src, mask, limit)[0]
+            return [found[0][0] for found in beam_search(model, src, mask, beam_size=beam, max_decoding_length=limit)]
 
         def run(sources, batch_size):
             out = [None] * len(sources)
             for rows in sorted_batches([len(s) for s in sources], batch_size):
-                src, mask = pad([sources[i] for i in rows], 0)
-                for i, tokens in zip(rows, greedy_decode(model, src, mask, spec["max_decoding_length"])[0]):
+                src, mask = pad([sources[i] for i in rows], model.config.pad_id)
+                for i, tokens in zip(rows, decode(src, mask)):
                     out[i] = tokens
+            return out
+        return run
+    if engine == "transformers":
+        import torch
+        from transformers import MarianMTModel
+
+        from nmtserve.decoding import sorted_batches
+
+        torch.set_num_threads(threads)
+        model = MarianMTModel.from_pretrained(spec["marian_directory"], dtype=torch.float32).eval()
+        pad_id, eos_id = model.config.pad_token_id, model.config.eos_token_id
+
+        def run(sources, batch_size):
+            out = [None] * len(sources)
+            for rows in sorted_batches([len(s) for s in sources], batch_size):
+                width = max(len(sources[i]) for i in rows)
+                ids = torch.tensor([sources[i] + [pad_id] * (width - len(sources[i])) for i in rows])
+                with torch.inference_mode():
+                    generated = model.generate(input_ids=ids, attention_mask=ids != pad_id, do_sample=False,
+                                               num_beams=spec["beam_size"], max_new_tokens=spec["max_decoding_length"],
+                                               forced_eos_token_id=None)
+                for i, row in zip(rows, generated[:, 1:].tolist()):  # after the decoder start token
+                    out[i] = row[:row.index(eos_id)] if eos_id in row else [t for t in row if t != pad_id]
             return out
         return run
     if engine.startswith("ort_"):
         from nmtserve.export.runtime.translator import OnnxTranslator
+        from nmtserve.search import DecodingOptions
 
         tr = OnnxTranslator(spec["bundle"], variant=engine[4:], intra_op_threads=threads)
-        return lambda sources, batch_size: [t for t, _ in tr.translate_ids(
-            sources, max_batch_size=batch_size, max_decoding_length=spec["max_decoding_length"])]
+        options = DecodingOptions(beam_size=spec["beam_size"], max_decoding_length=spec["max_decoding_length"])
+        return lambda sources, batch_size: [found[0].tokens for found in tr.search_ids(
+            sources, options, max_batch_size=batch_size)]
     if engine.startswith("ct2_"):
         import ctranslate2
 
@@ -94,12 +151,21 @@ def _load_engine(engine: str, threads: int, spec: dict):
         ids = {piece: i for i, piece in enumerate(vocab)}
 
         def run(sources, batch_size):
-            results = ct.translate_batch([[vocab[i] for i in s] for s in sources], beam_size=1,
+            results = ct.translate_batch([[vocab[i] for i in s] for s in sources], beam_size=spec["beam_size"],
                                          max_batch_size=batch_size, batch_type="examples",
                                          max_decoding_length=spec["max_decoding_length"])
             return [[ids[p] for p in r.hypotheses[0]] for r in results]
         return run
     raise NmtserveError(f"unknown engine {engine!r}")
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory: VmHWM (Linux), which starts afresh at exec, where ru_maxrss
+    would carry the runner's peak over into the worker."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def measure(engine: str, threads: int, spec: dict) -> dict:
@@ -117,6 +183,7 @@ def measure(engine: str, threads: int, spec: dict) -> dict:
     first = outputs[str(spec["batch_sizes"][0])]
     return {"seconds": seconds, "tokens": tokens, "outputs": outputs[str(spec["batch_sizes"][-1])],
             "same_output_at_every_batch_size": all(o == first for o in outputs.values()),
+            "peak_rss_mb": _peak_rss_mb(),
             "modules_loaded": [m for m in ENGINE_MODULES if m in sys.modules]}
 
 
@@ -141,15 +208,24 @@ def _spec(cfg: BenchConfig, workdir: Path) -> dict:
     sources = [tokenizer.encode(t, bundle.limits.max_source_tokens) or [tokenizer.special_ids()["eos"]]
                for t in texts]
     checkpoint = cfg.checkpoint or bundle.manifest["source"]["checkpoint"]
-    spec = {"bundle": cfg.bundle, "checkpoint": checkpoint, "sources": sources, "batch_sizes": list(cfg.batch_sizes),
-            "max_decoding_length": cfg.max_decoding_length}
+    marian = marian_directory(cfg.bundle)
+    if "transformers" in cfg.engines and not marian:
+        raise NmtserveError(f"--engines transformers: {cfg.bundle} was not imported from a Marian directory")
+    spec = {"bundle": cfg.bundle, "checkpoint": checkpoint, "marian_directory": marian, "sources": sources,
+            "batch_sizes": list(cfg.batch_sizes), "max_decoding_length": cfg.max_decoding_length,
+            "beam_size": cfg.beam_size}
     if any(e.startswith("ct2_") for e in cfg.engines):
         # converted here, once, in the runner (torch), never in a measuring process
-        from nmtserve.export.build.to_ctranslate2 import convert
-        from nmtserve.training.checkpoint import load_model
+        if marian:  # by CTranslate2's own converter, from the directory the bundle was imported from
+            from ctranslate2.converters import TransformersConverter
 
-        spec["ct2_model"] = str(convert(load_model(checkpoint), workdir / "ct2"))
-        spec["vocab"] = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
+            spec["ct2_model"] = TransformersConverter(marian).convert(str(workdir / "ct2"))
+        else:
+            from nmtserve.export.build.to_ctranslate2 import convert
+            from nmtserve.training.checkpoint import load_model
+
+            spec["ct2_model"] = str(convert(load_model(checkpoint), workdir / "ct2"))
+        spec["vocab"] = [tokenizer.piece(i) for i in range(tokenizer.vocab_size)]
     return spec
 
 
@@ -186,10 +262,11 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences:
             best.setdefault(engine, {})[b] = {"threads": int(t), **{k: by_t[t][b][k] for k in ("median", "min", "max")}}
     ratios = {f"{ours}/{theirs}": {b: round(best[ours][b]["median"] / best[theirs][b]["median"], 3) for b in batches}
               for ours, theirs in RATIOS if ours in best and theirs in best}
-    reference = "pytorch" if "pytorch" in cfg.engines else "ort_fp32"
-    agreement, modules, batch_independent = {}, {}, {}
+    reference = next(e for e in ("pytorch", "transformers", "ort_fp32", *cfg.engines) if e in cfg.engines)
+    agreement, modules, batch_independent, peak_rss = {}, {}, {}, {}
     for (engine, t), measured in runs.items():
         modules.setdefault(engine, set()).update(*(m["modules_loaded"] for m in measured))
+        peak_rss[engine] = max(peak_rss.get(engine, 0), *(m["peak_rss_mb"] for m in measured))
         batch_independent[engine] = batch_independent.get(engine, True) and all(
             m["same_output_at_every_batch_size"] for m in measured)
         if (reference, threads[0]) in runs and engine != reference and t == threads[0]:
@@ -198,16 +275,22 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences:
                 sum(a == b for a, b in zip(measured[0]["outputs"], ref)) / n_sentences, 4)
     return {"machine": machine_info(), "checkpoint": checkpoint, "bundle": cfg.bundle, "sentences": n_sentences,
             "runs": cfg.runs, "threads_swept": list(threads), "batch_sizes": list(cfg.batch_sizes),
-            "unit": "target tokens/s (eos excluded), greedy",
+            "unit": f"target tokens/s (eos excluded), {decoding_name(cfg.beam_size)}",
+            "max_decoding_length": cfg.max_decoding_length, "beam_size": cfg.beam_size,
             "results": results, "best": best, "ratios": ratios, "token_agreement": agreement,
+            "peak_rss_mb": peak_rss,
             "same_output_at_every_batch_size": batch_independent,
             "worker_modules_loaded": {e: sorted(m) for e, m in modules.items()}}
+
+
+def decoding_name(beam_size: int) -> str:
+    return "greedy" if beam_size == 1 else f"beam {beam_size}"
 
 
 def check_isolation(report: dict) -> list[str]:
     """'engine: module' for each other engine's library a measuring process of `engine` had loaded."""
     return [f"{engine}: {module}" for engine, loaded in report["worker_modules_loaded"].items()
-            for module in loaded if module != OWN_MODULE[engine.split("_")[0]]]
+            for module in loaded if module not in OWN_MODULES[engine.split("_")[0]]]
 
 
 def format_table(report: dict) -> str:
@@ -224,6 +307,7 @@ def format_table(report: dict) -> str:
         lines.append(f"{name:<18}" + "".join(f"{row[b]:>8.2f}" for b in batches))
     for name, share in report["token_agreement"].items():
         lines.append(f"{name}: {share:.1%}")
+    lines.append("peak RSS (MB): " + ", ".join(f"{e} {mb:,.0f}" for e, mb in report["peak_rss_mb"].items()))
     return "\n".join(lines)
 
 
@@ -237,7 +321,7 @@ def draw_chart(report: dict, path: Path) -> None:
 
     batches = report["batch_sizes"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = {"pytorch": "tab:gray", "ort": "tab:blue", "ct2": "tab:orange"}
+    colors = {"pytorch": "tab:gray", "transformers": "tab:green", "ort": "tab:blue", "ct2": "tab:orange"}
     for engine, cells in report["best"].items():
         kind = engine.split("_")[0]
         medians = [cells[str(b)]["median"] for b in batches]
@@ -250,7 +334,8 @@ def draw_chart(report: dict, path: Path) -> None:
     ax.set_xlabel("batch size (sentences)")
     ax.set_ylabel("target tokens/s")
     machine = report["machine"]
-    ax.set_title(f"greedy, each engine at its best thread count, median and min–max of {report['runs']} runs\n"
+    ax.set_title(f"{decoding_name(report['beam_size'])}, each engine at its best thread count, median and min–max "
+                 f"of {report['runs']} runs\n"
                  f"{machine['cpu']}, {machine['usable_cores']} cores", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend()

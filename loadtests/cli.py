@@ -33,17 +33,19 @@ def cmd_bench_offline(args) -> int:
         ENGINES,
         BenchConfig,
         check_isolation,
+        default_engines,
         draw_chart,
         format_table,
         run_bench,
     )
 
-    engines = tuple(e.strip() for e in args.engines.split(","))
+    engines = tuple(e.strip() for e in args.engines.split(",")) if args.engines else default_engines(args.bundle)
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
         raise NmtserveError(f"--engines: unknown {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
     report = run_bench(BenchConfig(args.bundle, args.checkpoint, args.sentences, args.runs, args.threads or (),
-                                   args.batch_sizes, engines, args.sentences_file),
+                                   args.batch_sizes, engines, args.sentences_file, args.max_decoding_length,
+                                   args.beam_size),
                        progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_table(report))
     if args.json:
@@ -121,7 +123,11 @@ def _add_bench(p) -> None:
                    "median and min–max are reported")
     p.add_argument("--threads", type=_int_list, help="thread counts to sweep (default: half the usable cores, and all)")
     p.add_argument("--batch-sizes", type=_int_list, default=(1, 8, 32, 64))
-    p.add_argument("--engines", default="pytorch,ort_fp32,ort_int8,ct2_fp32,ct2_int8")
+    p.add_argument("--engines", help="comma-separated, of pytorch, transformers, ort_fp32, ort_int8, ct2_fp32, "
+                   "ct2_int8 (default: all but transformers; for a bundle imported from Marian, all but pytorch)")
+    p.add_argument("--beam-size", type=int, default=1, help="1: greedy (default)")
+    p.add_argument("--max-decoding-length", type=int, default=256,
+                   help="output tokens per sentence at most (default %(default)s)")
     p.add_argument("--json", metavar="FILE", help="also write the report here, and its chart beside it (.png)")
     p.set_defaults(func=cmd_bench_offline)
     p = bench.add_parser("served", help="served throughput and latency: continuous vs static batching, vs batch-1 ORT")

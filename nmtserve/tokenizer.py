@@ -79,6 +79,9 @@ class Tokenizer:
         """The ids the encoder reads, at most max_tokens; [] when nothing is left after normalisation."""
         return self.sp.encode(text)[:max_tokens]
 
+    def piece(self, token_id: int) -> str:
+        return self.sp.id_to_piece(token_id)
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self.sp.encode(texts)
 
@@ -163,6 +166,9 @@ class MarianTokenizer:
         if max_tokens is not None:
             ids = ids[: max_tokens - 1]
         return ids + [self.eos_id]
+
+    def piece(self, token_id: int) -> str:
+        return self.pieces[token_id]
 
     def decode(self, ids: list[int]) -> str:
         """MarianTokenizer.decode(ids, skip_special_tokens=True) with the target SentencePiece model."""

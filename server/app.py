@@ -1,6 +1,7 @@
-"""Process lifecycle: load and warm the bundle, serve gRPC (+ health, reflection), drain on SIGTERM.
+"""Process lifecycle: load and warm each model's bundle, serve gRPC (+ health, reflection), drain on SIGTERM.
 
     nmtserve serve bundles/default --port 50051
+    nmtserve serve bundles/en-fr bundles/fr-en      # one engine per model (server/models.py)
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -17,11 +17,12 @@ from grpc_reflection.v1alpha import reflection
 
 from nmtserve.client import read_pem
 from nmtserve.errors import ConfigError
-from nmtserve.export.runtime.bundle import MANIFEST, load_bundle
+from nmtserve.export.runtime.bundle import load_bundle
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.server.config import ServerConfig
 from nmtserve.server.engine import Engine, EngineConfig, Request
 from nmtserve.server.metrics import ServerMetrics
+from nmtserve.server.models import ModelSpec, ServedModel, model_specs
 from nmtserve.server.service import TranslationServicer
 from nmtserve.v1 import translation_pb2, translation_pb2_grpc
 
@@ -29,14 +30,27 @@ log = logging.getLogger("nmtserve.server")
 SERVICE_NAME = translation_pb2.DESCRIPTOR.services_by_name["TranslationService"].full_name
 
 
+def health_names(models) -> list[str]:
+    """grpc.health.v1 service names: the server as a whole (""), the service, and each model's."""
+    return ["", SERVICE_NAME, *(f"{SERVICE_NAME}/{m}" for m in models)]
+
+
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
     port: int
-    engine: Engine
+    models: dict[str, ServedModel]
     servicer: TranslationServicer
     health: health.aio.HealthServicer
     metrics_port: int | None = None
+
+    @property
+    def engine(self) -> Engine:
+        """The first model's engine (a one-model server's only one)."""
+        return next(iter(self.models.values())).engine
+
+    def idle(self) -> bool:
+        return all(m.engine.idle() for m in self.models.values())
 
     async def drain_and_stop(self, timeout: float) -> None:
         """NOT_SERVING, refuse new work (UNAVAILABLE), let in-flight calls finish within `timeout`, stop.
@@ -46,15 +60,16 @@ class RunningServer:
         received but not yet handed to a handler with CANCELLED (grpc/grpc#41785), which a client
         would not retry; only calls arriving in the moment of the final stop can still meet it.
         """
-        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in health_names(self.models):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.servicer.accepting = False
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while loop.time() < deadline and not self.engine.idle():
+        while loop.time() < deadline and not self.idle():
             await asyncio.sleep(0.05)
         await self.server.stop(grace=max(0.0, deadline - loop.time()))
-        await loop.run_in_executor(None, self.engine.stop)
+        for model in self.models.values():
+            await loop.run_in_executor(None, model.engine.stop)
 
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
@@ -74,6 +89,20 @@ def warm_up(engine: Engine) -> None:
     request.done.wait(60)
 
 
+def load_model(spec: ModelSpec, config: ServerConfig, io_binding: bool | None, metrics: ServerMetrics) -> ServedModel:
+    """The model's sessions and its own engine (its own thread: a flood on one model never waits for
+    another's steps; the operating system shares the cores between the engines' threads)."""
+    translator = OnnxTranslator(load_bundle(spec.bundle), device=spec.device, variant=spec.variant,
+                                intra_op_threads=spec.threads, io_binding=io_binding)
+    engine = Engine(translator, EngineConfig(max_running_rows=config.max_running_rows,
+                                             max_batch_tokens=config.max_batch_tokens,
+                                             max_waiting=config.max_waiting,
+                                             batching=config.batching), on_step=metrics.step).start()
+    metrics.model.labels(spec.id).info({"bundle": spec.bundle, "variant": spec.variant, "device": spec.device,
+                                        "io_binding": str(translator.io_binding).lower(), "batching": config.batching})
+    return ServedModel(spec, engine, config)
+
+
 async def start_server(config: ServerConfig) -> RunningServer:
     """Load, warm up, bind (port 0 picks a free port) and start; health says SERVING only after warm-up."""
     credentials = server_credentials(config)  # a bad certificate path fails before the model loads
@@ -82,38 +111,42 @@ async def start_server(config: ServerConfig) -> RunningServer:
         raise ConfigError(f"--io-binding {config.io_binding!r}: choose auto, on or off")
     if config.max_beam_size < 1:
         raise ConfigError(f"--max-beam-size {config.max_beam_size}: must be at least 1")
-    bundle = load_bundle(config.bundle)
-    translator = OnnxTranslator(bundle, device=config.device, variant=config.variant, intra_op_threads=config.threads,
-                                io_binding=io_binding)
+    specs = model_specs(config)
     metrics = ServerMetrics()
-    engine = Engine(translator, EngineConfig(max_running_rows=config.max_running_rows,
-                                             max_batch_tokens=config.max_batch_tokens,
-                                             max_waiting=config.max_waiting,
-                                             batching=config.batching), on_step=metrics.step).start()
-    metrics.watch_engine(engine)
-    metrics.model.info({"bundle": str(config.bundle), "variant": config.variant, "device": config.device,
-                        "io_binding": str(translator.io_binding).lower(), "batching": config.batching})
+    models: dict[str, ServedModel] = {}
+    try:
+        for spec in specs:
+            models[spec.id] = load_model(spec, config, io_binding, metrics)
+    except BaseException:
+        for model in models.values():
+            model.engine.stop()
+        raise
+    metrics.watch_engines([m.engine for m in models.values()])
     metrics_port = metrics.serve(config.metrics_port, addr="127.0.0.1" if config.host.startswith("127.") else "0.0.0.0") \
         if config.metrics_port >= 0 else None
     options = [("grpc.max_receive_message_length", config.max_message_bytes),
                ("grpc.max_send_message_length", config.max_message_bytes)]
     server = grpc.aio.server(options=options)
-    servicer = TranslationServicer(engine, config, Path(config.bundle) / MANIFEST, metrics)
+    servicer = TranslationServicer(models, config, metrics)
     translation_pb2_grpc.add_TranslationServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE_NAME):
+    for name in health_names(models):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     await server.start()
-    await asyncio.get_running_loop().run_in_executor(None, warm_up, engine)
+    for model in models.values():
+        await asyncio.get_running_loop().run_in_executor(None, warm_up, model.engine)
+        await health_servicer.set(f"{SERVICE_NAME}/{model.id}", health_pb2.HealthCheckResponse.SERVING)
+        tr = model.engine.tr
+        log.info("model %s: %s (%s, %s%s, %s batching)", model.id, model.spec.bundle, tr.variant, tr.device,
+                 " + IOBinding" if tr.io_binding else "", config.batching)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %s (%s, %s%s, %s batching) on port %d, metrics on %s", config.bundle, config.variant,
-             config.device, " + IOBinding" if translator.io_binding else "", config.batching, port, metrics_port)
-    return RunningServer(server, port, engine, servicer, health_servicer, metrics_port)
+    log.info("serving %d model(s) on port %d, metrics on %s", len(models), port, metrics_port)
+    return RunningServer(server, port, models, servicer, health_servicer, metrics_port)
 
 
 async def serve(config: ServerConfig) -> int:

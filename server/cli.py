@@ -1,6 +1,7 @@
 """The `serve` command (the base install): flags, each also an NMTSERVE_* variable (server/config.py).
 
     nmtserve serve bundles/default --port 50051
+    nmtserve serve bundles/en-fr bundles/fr-en          # several models, one engine each
     NMTSERVE_VARIANT=int8 NMTSERVE_THREADS=1 nmtserve serve bundles/default
 """
 
@@ -8,12 +9,13 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-HELPS = {"threads": "ONNX Runtime intra-op threads", "device": "cpu or cuda",
+HELPS = {"models": "TOML file of the models to serve: bundle, id, variant, device, threads each (server/models.py)",
+         "threads": "ONNX Runtime intra-op threads", "device": "cpu or cuda",
          "io_binding": "auto, on or off: keep K/V caches on the device between steps (auto: on for cuda)",
-         "max_running_rows": "rows in the running decoder batch (a beam search takes beam_size rows)",
+         "max_running_rows": "rows in each model's running decoder batch (a beam search takes beam_size rows)",
          "max_beam_size": "highest DecodingOptions.beam_size accepted (lowered to --max-running-rows)",
          "max_batch_tokens": "Σ source + output-budget tokens of running rows",
-         "max_waiting": "waiting requests before RESOURCE_EXHAUSTED",
+         "max_waiting": "waiting requests per model before RESOURCE_EXHAUSTED",
          "drain_timeout": "seconds to finish in-flight work on SIGTERM",
          "tls_cert": "server certificate chain (PEM); turns TLS on", "tls_key": "its private key (PEM)",
          "tls_client_ca": "PEM roots for client certificates; turns mutual TLS on (clients must present one)"}
@@ -27,7 +29,10 @@ def cmd_serve(args) -> int:
     from nmtserve.server.config import ServerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    config = ServerConfig(**{f.name: getattr(args, f.name) for f in fields(ServerConfig)})
+    values = {f.name: getattr(args, f.name) for f in fields(ServerConfig)}
+    if isinstance(values["bundle"], list):  # BUNDLE [BUNDLE …]
+        values["bundle"] = ",".join(values["bundle"])
+    config = ServerConfig(**values)
     return asyncio.run(serve(config))
 
 
@@ -36,7 +41,8 @@ def add_parser(sub, name: str, help_text: str) -> None:
 
     d = ServerConfig(**defaults_from_env())  # a bad NMTSERVE_* value is a ConfigError naming it
     p = sub.add_parser(name, help=help_text)
-    p.add_argument("bundle", nargs="?" if d.bundle else None, default=d.bundle)
+    p.add_argument("bundle", nargs="*", default=d.bundle,
+                   help=f"bundle directories, one model each (env {env_name('bundle')}, comma-separated)")
     for f in fields(ServerConfig):
         if f.name == "bundle":
             continue

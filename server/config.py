@@ -10,7 +10,8 @@ from nmtserve.errors import ConfigError
 
 @dataclass
 class ServerConfig:
-    bundle: str = ""
+    bundle: str = ""  # one or more bundle directories (NMTSERVE_BUNDLE: comma-separated)
+    models: str = ""  # a TOML file naming the models to serve (server/models.py)
     host: str = "[::]"
     port: int = 50051
     metrics_port: int = 9090  # Prometheus /metrics on its own HTTP port; -1 turns it off

@@ -42,7 +42,7 @@ class ServerMetrics:
                                 ["code"], registry=r)
         self.running = Gauge("nmtserve_requests_running", "Rows in the running batch", registry=r)
         self.waiting = Gauge("nmtserve_requests_waiting", "Requests waiting for admission", registry=r)
-        self.model = Info("nmtserve_model", "The bundle being served", registry=r)
+        self.model = Info("nmtserve_model", "The bundles being served, one series per model", ["model"], registry=r)
         # process_resident_memory_bytes, process_open_fds, process_cpu_seconds_total, … (Linux /proc)
         ProcessCollector(registry=r)
 
@@ -52,9 +52,10 @@ class ServerMetrics:
         return server.server_port
 
     # -- reported by the engine
-    def watch_engine(self, engine) -> None:
-        self.running.set_function(lambda: engine.stats()["running"])
-        self.waiting.set_function(lambda: engine.stats()["waiting"])
+    def watch_engines(self, engines: list) -> None:
+        """Running rows and waiting requests of the server: summed over its models' engines."""
+        self.running.set_function(lambda: sum(e.stats()["running"] for e in engines))
+        self.waiting.set_function(lambda: sum(e.stats()["waiting"] for e in engines))
 
     def step(self, rows: int, cache_tokens: int, seconds: float) -> None:
         self.step_rows.observe(rows)

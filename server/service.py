@@ -7,28 +7,24 @@ raised while a call is validated and submitted, `_EARLY_FINISH` for requests the
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import time
 
 import grpc
 
-from nmtserve.errors import ConfigError, NmtserveError
+from nmtserve.errors import NmtserveError
 from nmtserve.search import DecodingOptions
 from nmtserve.server.config import ServerConfig
-from nmtserve.server.engine import Engine, EngineOverloaded, EngineStopped, FinishReason, Request
+from nmtserve.server.engine import EngineOverloaded, EngineStopped, FinishReason, Request
 from nmtserve.server.metrics import ServerMetrics
+from nmtserve.server.models import InvalidRequest, ServedModel, route
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 
 log = logging.getLogger("nmtserve.server")
 
 _FINISH = {FinishReason.EOS: pb.FINISH_REASON_EOS, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
-
-
-class InvalidRequest(NmtserveError):
-    """A request field is out of range; the message names the field, the value and the limit."""
 
 
 class ResponseTooLarge(NmtserveError):
@@ -61,66 +57,15 @@ def _log_line(rpc: str, code: str, requests: list[Request], started: float) -> N
 
 
 class TranslationServicer(pb_grpc.TranslationServiceServicer):
-    """Thin: validates, submits one engine Request per sentence, awaits them, converts back."""
+    """Thin: routes to a model, validates, submits one engine Request per sentence to that model's
+    engine, awaits them, converts back."""
 
-    def __init__(self, engine: Engine, config: ServerConfig, bundle_manifest_path, metrics: ServerMetrics):
-        self.engine, self.config, self.metrics = engine, config, metrics
-        self.tokenizer = engine.tr.tokenizer
-        self.max_source_tokens = engine.tr.limits.max_source_tokens
-        # a budget past the decoder's position table could never be spent: the smaller limit is the one told
-        self.max_output_tokens = min(config.max_output_tokens, engine.tr.limits.max_target_tokens)
-        self.max_beam_size = min(config.max_beam_size, config.max_running_rows)  # a beam takes beam_size rows
-        # the bundle's decoding defaults (an imported Marian model's generation_config.json; else CTranslate2's)
-        defaults = dict(engine.tr.bundle.manifest.get("decoding_defaults") or {})
-        self.default_output_tokens = min(self.max_output_tokens, defaults.pop("max_decoding_length", self.max_output_tokens))
-        self.defaults = DecodingOptions(**defaults)
-        self.manifest_path = bundle_manifest_path
-        self.target_language = (engine.tr.bundle.manifest.get("languages") or {}).get("target", "")
+    def __init__(self, models: dict[str, ServedModel], config: ServerConfig, metrics: ServerMetrics):
+        self.models, self.config, self.metrics = models, config, metrics
         self.accepting = True
 
-    # -- validation
-    def _options(self, options: pb.DecodingOptions) -> tuple[int, DecodingOptions]:
-        """(most output tokens, the search's options); InvalidRequest naming `options.FIELD`, its value and
-        the limit. proto3 zeros and absent fields mean "unset": the model's defaults (`self.defaults`),
-        num_hypotheses 1, and beam_size 1 for a sampled request."""
-        limit = self.max_output_tokens
-        if options.max_output_tokens > limit:
-            raise InvalidRequest(f"options.max_output_tokens {options.max_output_tokens} exceeds the limit {limit}")
-        given = {name: getattr(options, name) for name in ("length_penalty", "patience", "sampling_topk",
-                                                              "sampling_topp", "sampling_temperature")
-                 if options.HasField(name)}
-        given.update({name: getattr(options, name) for name in ("beam_size", "num_hypotheses", "seed")
-                      if getattr(options, name)})
-        if options.beam_stopping:
-            given["beam_stopping"] = pb.BeamStopping.Name(options.beam_stopping).removeprefix("BEAM_STOPPING_").lower()
-        search = self.defaults.override(**given)
-        try:
-            search.check(self.engine.tr.vocab_size, self.max_beam_size)
-        except ConfigError as e:
-            raise InvalidRequest(f"options.{e}") from None
-        return options.max_output_tokens or self.default_output_tokens, search
-
-    def _target_language(self, requested: str) -> str:
-        """The language whose >>xx<< token a multilingual model reads ("" for others); InvalidRequest for a
-        language the model does not translate into."""
-        multilingual = self.tokenizer.target_languages
-        served = multilingual or ([self.target_language] if self.target_language else [])
-        language = requested or self.target_language
-        if (requested and served and requested not in served) or (multilingual and language not in multilingual):
-            raise InvalidRequest(f"target_language {requested!r}: this model translates into {', '.join(served)}")
-        return language if multilingual else ""
-
-    def _source(self, field: str, text: str, target_language: str = "") -> list[int]:
-        if not text.strip():
-            raise InvalidRequest(f"{field}: empty sentence")
-        if len(text) > self.config.max_sentence_chars:
-            raise InvalidRequest(f"{field}: {len(text)} characters, the limit is {self.config.max_sentence_chars}")
-        ids = self.tokenizer.encode(text, target_language=target_language)
-        if not ids:  # only characters the tokenizer's normalisation removes (zero-width, controls)
-            raise InvalidRequest(f"{field}: nothing to translate in {text[:40]!r} (no token after normalisation)")
-        if len(ids) > self.max_source_tokens:
-            raise InvalidRequest(f"{field}: {len(ids)} tokens, the limit is {self.max_source_tokens}")
-        return ids
+    def _model(self, request) -> ServedModel:
+        return route(self.models, request.model, request.source_language, request.target_language)
 
     # -- engine round trip
     def _request(self, rpc: str, ids: list[int], options: tuple[int, DecodingOptions], context, on_token=None,
@@ -163,19 +108,20 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         self.metrics.rpc(rpc, "OK")
         _log_line(rpc, "OK", requests, started)
 
-    def _submit(self, request: Request) -> None:
+    def _submit(self, model: ServedModel, request: Request) -> None:
         if not self.accepting:
             raise EngineStopped("the server is draining; retry on another replica")
-        self.engine.submit(request)
+        model.engine.submit(request)
 
-    def _translation(self, request: Request, return_scores: bool) -> pb.Translation:
+    @staticmethod
+    def _translation(model: ServedModel, request: Request, return_scores: bool) -> pb.Translation:
         arrived = request.arrived
         timings = pb.Timings(queue_ns=_ns((request.admitted or arrived) - arrived),
                              time_to_first_token_ns=_ns((request.first_token or arrived) - arrived),
                              total_ns=_ns((request.finished or arrived) - arrived))
-        alternatives = [pb.Hypothesis(text=self.tokenizer.decode(h.tokens), output_tokens=len(h.tokens), score=h.score)
+        alternatives = [pb.Hypothesis(text=model.tokenizer.decode(h.tokens), output_tokens=len(h.tokens), score=h.score)
                         for h in request.hypotheses[1:]]
-        return pb.Translation(text=self.tokenizer.decode(request.tokens), input_tokens=len(request.src_ids),
+        return pb.Translation(text=model.tokenizer.decode(request.tokens), input_tokens=len(request.src_ids),
                               output_tokens=len(request.tokens), score=request.score if return_scores else 0.0,
                               finish_reason=_FINISH.get(request.finish, pb.FINISH_REASON_UNSPECIFIED), timings=timings,
                               alternatives=alternatives)
@@ -205,12 +151,13 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             n = len(request.sentences)
             if not 1 <= n <= self.config.max_sentences:
                 raise InvalidRequest(f"sentences: {n} given, between 1 and {self.config.max_sentences} accepted")
-            options = self._options(request.options)
-            language = self._target_language(request.target_language)
-            sources = [self._source(f"sentences[{i}]", s, language) for i, s in enumerate(request.sentences)]
+            model = self._model(request)
+            options = model.options(request.options)
+            language = model.language_token(request.target_language)
+            sources = [model.source(f"sentences[{i}]", s, language) for i, s in enumerate(request.sentences)]
             pairs = [self._request("Translate", ids, options, context) for ids in sources]
             for engine_request, _ in pairs:
-                self._submit(engine_request)
+                self._submit(model, engine_request)
                 submitted.append(engine_request)
             done = await asyncio.gather(*(f for _, f in pairs))
         except NmtserveError as e:
@@ -223,7 +170,8 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             self.metrics.rpc("Translate", "CANCELLED")
             raise
         await self._check_finished("Translate", done, context, started)
-        response = pb.TranslateResponse(translations=[self._translation(r, request.options.return_scores) for r in done])
+        response = pb.TranslateResponse(translations=[self._translation(model, r, request.options.return_scores)
+                                                      for r in done])
         response = await self._fit("Translate", response, context, done, started)
         self._succeed("Translate", done, started)
         return response
@@ -233,13 +181,14 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         tokens: asyncio.Queue = asyncio.Queue()
         started = time.monotonic()
         try:
-            options = self._options(request.options)
-            ids = self._source("sentence", request.sentence, self._target_language(request.target_language))
+            model = self._model(request)
+            options = model.options(request.options)
+            ids = model.source("sentence", request.sentence, model.language_token(request.target_language))
             engine_request, future = self._request(
                 "TranslateStream", ids, options, context,
                 on_token=lambda r, t: loop.call_soon_threadsafe(tokens.put_nowait, t),
                 on_done=lambda: loop.call_soon_threadsafe(tokens.put_nowait, None))  # after the last token
-            self._submit(engine_request)
+            self._submit(model, engine_request)
         except NmtserveError as e:
             await self._fail("TranslateStream", context, e, [], started)
         emitted, seen, finished = "", [], False
@@ -252,7 +201,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                     items.append(tokens.get_nowait())
                 finished = items[-1] is None
                 seen.extend(t for t in items if t is not None)
-                text = self.tokenizer.decode(seen)
+                text = model.tokenizer.decode(seen)
                 if text.startswith(emitted) and len(text) > len(emitted):  # pieces may re-segment; wait if so
                     yield await self._fit("TranslateStream", pb.TranslateStreamResponse(delta=text[len(emitted):]),
                                           context, [engine_request], started)
@@ -263,7 +212,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             self.metrics.rpc("TranslateStream", "CANCELLED")
             raise
         await self._check_finished("TranslateStream", [engine_request], context, started)
-        final = self._translation(engine_request, request.options.return_scores)
+        final = self._translation(model, engine_request, request.options.return_scores)
         if final.text != emitted:
             if not final.text.startswith(emitted):
                 log.error("request %s: streamed text is not a prefix of the final text", engine_request.id)
@@ -275,22 +224,16 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         self._succeed("TranslateStream", [engine_request], started)
         yield last
 
-    async def GetModelInfo(self, request, context) -> pb.ModelInfo:
-        manifest = json.loads(self.manifest_path.read_text(encoding="utf-8"))
-        languages = manifest.get("languages", {})
-        return pb.ModelInfo(
-            source_language=languages.get("source", ""), target_language=languages.get("target", ""),
-            bundle_id=hashlib.sha256(self.manifest_path.read_bytes()).hexdigest(), variant=self.engine.tr.variant,
-            device=self.engine.tr.device, model_json=json.dumps(manifest["model"], sort_keys=True),
-            limits=pb.Limits(max_sentences=self.config.max_sentences, max_sentence_chars=self.config.max_sentence_chars,
-                             max_source_tokens=self.max_source_tokens, max_output_tokens=self.max_output_tokens,
-                             max_beam_size=self.max_beam_size),
-            default_options=pb.DecodingOptions(
-                max_output_tokens=self.default_output_tokens, beam_size=self.defaults.beam_size,
-                num_hypotheses=1, length_penalty=self.defaults.length_penalty, patience=self.defaults.patience,
-                sampling_topk=1, sampling_topp=1.0, sampling_temperature=1.0,
-                beam_stopping=pb.BeamStopping.Value(f"BEAM_STOPPING_{self.defaults.beam_stopping.upper()}")),
-            target_languages=self.tokenizer.target_languages)
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
+        if request.model not in self.models and not (len(self.models) == 1 and not request.model):
+            served = ", ".join(self.models)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"model {request.model!r}: " + ("not served here" if request.model else "required")
+                                + f"; this server serves {served}")
+        return (self.models.get(request.model) or next(iter(self.models.values()))).info()
+
+    async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(models=[m.info() for m in self.models.values()])
 
 
 def _resolve(future: asyncio.Future, request: Request) -> None:

@@ -47,7 +47,7 @@ MARIAN_CONFIGS = {
 
 @pytest.fixture(scope="session", params=list(MARIAN_CONFIGS))
 def marian_dir(request, tmp_path_factory) -> Path:
-    from tests.marian import build_marian_dir
+    from nmtserve.loadtests.marian_model import build_marian_dir
 
     return build_marian_dir(tmp_path_factory.mktemp(f"marian-{request.param}"), **MARIAN_CONFIGS[request.param])
 

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dnmtserve/v1/translation.proto\x12\x0bnmtserve.v1\"\x9a\x03\n\x0f\x44\x65\x63odingOptions\x12\x19\n\x11max_output_tokens\x18\x01 \x01(\r\x12\x15\n\rreturn_scores\x18\x02 \x01(\x08\x12\x11\n\tbeam_size\x18\x03 \x01(\r\x12\x16\n\x0enum_hypotheses\x18\x04 \x01(\r\x12\x1b\n\x0elength_penalty\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12\x15\n\x08patience\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x1a\n\rsampling_topk\x18\x07 \x01(\rH\x02\x88\x01\x01\x12\x1a\n\rsampling_topp\x18\x08 \x01(\x02H\x03\x88\x01\x01\x12!\n\x14sampling_temperature\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x30\n\rbeam_stopping\x18\x0b \x01(\x0e\x32\x19.nmtserve.v1.BeamStoppingB\x11\n\x0f_length_penaltyB\x0b\n\t_patienceB\x10\n\x0e_sampling_topkB\x10\n\x0e_sampling_toppB\x17\n\x15_sampling_temperature\"M\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x1e\n\x16time_to_first_token_ns\x18\x02 \x01(\x04\x12\x10\n\x08total_ns\x18\x03 \x01(\x04\"@\n\nHypothesis\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\r\n\x05score\x18\x03 \x01(\x02\"\xdf\x01\n\x0bTranslation\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x14\n\x0cinput_tokens\x18\x02 \x01(\r\x12\x15\n\routput_tokens\x18\x03 \x01(\r\x12\r\n\x05score\x18\x04 \x01(\x02\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.nmtserve.v1.FinishReason\x12%\n\x07timings\x18\x06 \x01(\x0b\x32\x14.nmtserve.v1.Timings\x12-\n\x0c\x61lternatives\x18\x07 \x03(\x0b\x32\x17.nmtserve.v1.Hypothesis\"m\n\x10TranslateRequest\x12\x11\n\tsentences\x18\x01 \x03(\t\x12-\n\x07options\x18\x02 \x01(\x0b\x32\x1c.nmtserve.v1.DecodingOptions\x12\x17\n\x0ftarget_language\x18\x03 \x01(\t\"C\n\x11TranslateResponse\x12.\n\x0ctranslations\x18\x01 \x03(\x0b\x32\x18.nmtserve.v1.Translation\"r\n\x16TranslateStreamRequest\x12\x10\n\x08sentence\x18\x01 \x01(\t\x12-\n\x07options\x18\x02 \x01(\x0b\x32\x1c.nmtserve.v1.DecodingOptions\x12\x17\n\x0ftarget_language\x18\x03 \x01(\t\"^\n\x17TranslateStreamResponse\x12\x0f\n\x05\x64\x65lta\x18\x01 \x01(\tH\x00\x12)\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x18.nmtserve.v1.TranslationH\x00\x42\x07\n\x05\x65vent\"\x15\n\x13GetModelInfoRequest\"\x88\x01\n\x06Limits\x12\x15\n\rmax_sentences\x18\x01 \x01(\r\x12\x1a\n\x12max_sentence_chars\x18\x02 \x01(\r\x12\x19\n\x11max_source_tokens\x18\x03 \x01(\r\x12\x19\n\x11max_output_tokens\x18\x04 \x01(\r\x12\x15\n\rmax_beam_size\x18\x05 \x01(\r\"\xfb\x01\n\tModelInfo\x12\x17\n\x0fsource_language\x18\x01 \x01(\t\x12\x17\n\x0ftarget_language\x18\x02 \x01(\t\x12\x11\n\tbundle_id\x18\x03 \x01(\t\x12\x0f\n\x07variant\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nmodel_json\x18\x06 \x01(\t\x12#\n\x06limits\x18\x07 \x01(\x0b\x32\x13.nmtserve.v1.Limits\x12\x35\n\x0f\x64\x65\x66\x61ult_options\x18\x08 \x01(\x0b\x32\x1c.nmtserve.v1.DecodingOptions\x12\x18\n\x10target_languages\x18\t \x03(\t*l\n\x0c\x42\x65\x61mStopping\x12\x1d\n\x19\x42\x45\x41M_STOPPING_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x42\x45\x41M_STOPPING_CTRANSLATE2\x10\x01\x12\x1e\n\x1a\x42\x45\x41M_STOPPING_TRANSFORMERS\x10\x02*^\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\x8a\x02\n\x12TranslationService\x12J\n\tTranslate\x12\x1d.nmtserve.v1.TranslateRequest\x1a\x1e.nmtserve.v1.TranslateResponse\x12^\n\x0fTranslateStream\x12#.nmtserve.v1.TranslateStreamRequest\x1a$.nmtserve.v1.TranslateStreamResponse0\x01\x12H\n\x0cGetModelInfo\x12 .nmtserve.v1.GetModelInfoRequest\x1a\x16.nmtserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dnmtserve/v1/translation.proto\x12\x0bnmtserve.v1\"\x9a\x03\n\x0f\x44\x65\x63odingOptions\x12\x19\n\x11max_output_tokens\x18\x01 \x01(\r\x12\x15\n\rreturn_scores\x18\x02 \x01(\x08\x12\x11\n\tbeam_size\x18\x03 \x01(\r\x12\x16\n\x0enum_hypotheses\x18\x04 \x01(\r\x12\x1b\n\x0elength_penalty\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12\x15\n\x08patience\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x1a\n\rsampling_topk\x18\x07 \x01(\rH\x02\x88\x01\x01\x12\x1a\n\rsampling_topp\x18\x08 \x01(\x02H\x03\x88\x01\x01\x12!\n\x14sampling_temperature\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x30\n\rbeam_stopping\x18\x0b \x01(\x0e\x32\x19.nmtserve.v1.BeamStoppingB\x11\n\x0f_length_penaltyB\x0b\n\t_patienceB\x10\n\x0e_sampling_topkB\x10\n\x0e_sampling_toppB\x17\n\x15_sampling_temperature\"M\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x1e\n\x16time_to_first_token_ns\x18\x02 \x01(\x04\x12\x10\n\x08total_ns\x18\x03 \x01(\x04\"@\n\nHypothesis\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\r\n\x05score\x18\x03 \x01(\x02\"\xdf\x01\n\x0bTranslation\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x14\n\x0cinput_tokens\x18\x02 \x01(\r\x12\x15\n\routput_tokens\x18\x03 \x01(\r\x12\r\n\x05score\x18\x04 \x01(\x02\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.nmtserve.v1.FinishReason\x12%\n\x07timings\x18\x06 \x01(\x0b\x32\x14.nmtserve.v1.Timings\x12-\n\x0c\x61lternatives\x18\x07 \x03(\x0b\x32\x17.nmtserve.v1.Hypothesis\"\x95\x01\n\x10TranslateRequest\x12\x11\n\tsentences\x18\x01 \x03(\t\x12-\n\x07options\x18\x02 \x01(\x0b\x32\x1c.nmtserve.v1.DecodingOptions\x12\x17\n\x0ftarget_language\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x17\n\x0fsource_language\x18\x05 \x01(\t\"C\n\x11TranslateResponse\x12.\n\x0ctranslations\x18\x01 \x03(\x0b\x32\x18.nmtserve.v1.Translation\"\x9a\x01\n\x16TranslateStreamRequest\x12\x10\n\x08sentence\x18\x01 \x01(\t\x12-\n\x07options\x18\x02 \x01(\x0b\x32\x1c.nmtserve.v1.DecodingOptions\x12\x17\n\x0ftarget_language\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x17\n\x0fsource_language\x18\x05 \x01(\t\"^\n\x17TranslateStreamResponse\x12\x0f\n\x05\x64\x65lta\x18\x01 \x01(\tH\x00\x12)\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x18.nmtserve.v1.TranslationH\x00\x42\x07\n\x05\x65vent\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.nmtserve.v1.ModelInfo\"\x88\x01\n\x06Limits\x12\x15\n\rmax_sentences\x18\x01 \x01(\r\x12\x1a\n\x12max_sentence_chars\x18\x02 \x01(\r\x12\x19\n\x11max_source_tokens\x18\x03 \x01(\r\x12\x19\n\x11max_output_tokens\x18\x04 \x01(\r\x12\x15\n\rmax_beam_size\x18\x05 \x01(\r\"\x8a\x02\n\tModelInfo\x12\x17\n\x0fsource_language\x18\x01 \x01(\t\x12\x17\n\x0ftarget_language\x18\x02 \x01(\t\x12\x11\n\tbundle_id\x18\x03 \x01(\t\x12\x0f\n\x07variant\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nmodel_json\x18\x06 \x01(\t\x12#\n\x06limits\x18\x07 \x01(\x0b\x32\x13.nmtserve.v1.Limits\x12\x35\n\x0f\x64\x65\x66\x61ult_options\x18\x08 \x01(\x0b\x32\x1c.nmtserve.v1.DecodingOptions\x12\x18\n\x10target_languages\x18\t \x03(\t\x12\r\n\x05model\x18\n \x01(\t*l\n\x0c\x42\x65\x61mStopping\x12\x1d\n\x19\x42\x45\x41M_STOPPING_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x42\x45\x41M_STOPPING_CTRANSLATE2\x10\x01\x12\x1e\n\x1a\x42\x45\x41M_STOPPING_TRANSFORMERS\x10\x02*^\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xd9\x02\n\x12TranslationService\x12J\n\tTranslate\x12\x1d.nmtserve.v1.TranslateRequest\x1a\x1e.nmtserve.v1.TranslateResponse\x12^\n\x0fTranslateStream\x12#.nmtserve.v1.TranslateStreamRequest\x1a$.nmtserve.v1.TranslateStreamResponse0\x01\x12H\n\x0cGetModelInfo\x12 .nmtserve.v1.GetModelInfoRequest\x1a\x16.nmtserve.v1.ModelInfo\x12M\n\nListModels\x12\x1e.nmtserve.v1.ListModelsRequest\x1a\x1f.nmtserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nmtserve.v1.translation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BEAMSTOPPING']._serialized_start=1638
-  _globals['_BEAMSTOPPING']._serialized_end=1746
-  _globals['_FINISHREASON']._serialized_start=1748
-  _globals['_FINISHREASON']._serialized_end=1842
+  _globals['_BEAMSTOPPING']._serialized_start=1833
+  _globals['_BEAMSTOPPING']._serialized_end=1941
+  _globals['_FINISHREASON']._serialized_start=1943
+  _globals['_FINISHREASON']._serialized_end=2037
   _globals['_DECODINGOPTIONS']._serialized_start=47
   _globals['_DECODINGOPTIONS']._serialized_end=457
   _globals['_TIMINGS']._serialized_start=459
@@ -43,20 +43,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HYPOTHESIS']._serialized_end=602
   _globals['_TRANSLATION']._serialized_start=605
   _globals['_TRANSLATION']._serialized_end=828
-  _globals['_TRANSLATEREQUEST']._serialized_start=830
-  _globals['_TRANSLATEREQUEST']._serialized_end=939
-  _globals['_TRANSLATERESPONSE']._serialized_start=941
-  _globals['_TRANSLATERESPONSE']._serialized_end=1008
-  _globals['_TRANSLATESTREAMREQUEST']._serialized_start=1010
-  _globals['_TRANSLATESTREAMREQUEST']._serialized_end=1124
-  _globals['_TRANSLATESTREAMRESPONSE']._serialized_start=1126
-  _globals['_TRANSLATESTREAMRESPONSE']._serialized_end=1220
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1222
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1243
-  _globals['_LIMITS']._serialized_start=1246
-  _globals['_LIMITS']._serialized_end=1382
-  _globals['_MODELINFO']._serialized_start=1385
-  _globals['_MODELINFO']._serialized_end=1636
-  _globals['_TRANSLATIONSERVICE']._serialized_start=1845
-  _globals['_TRANSLATIONSERVICE']._serialized_end=2111
+  _globals['_TRANSLATEREQUEST']._serialized_start=831
+  _globals['_TRANSLATEREQUEST']._serialized_end=980
+  _globals['_TRANSLATERESPONSE']._serialized_start=982
+  _globals['_TRANSLATERESPONSE']._serialized_end=1049
+  _globals['_TRANSLATESTREAMREQUEST']._serialized_start=1052
+  _globals['_TRANSLATESTREAMREQUEST']._serialized_end=1206
+  _globals['_TRANSLATESTREAMRESPONSE']._serialized_start=1208
+  _globals['_TRANSLATESTREAMRESPONSE']._serialized_end=1302
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1304
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1340
+  _globals['_LISTMODELSREQUEST']._serialized_start=1342
+  _globals['_LISTMODELSREQUEST']._serialized_end=1361
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1363
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1423
+  _globals['_LIMITS']._serialized_start=1426
+  _globals['_LIMITS']._serialized_end=1562
+  _globals['_MODELINFO']._serialized_start=1565
+  _globals['_MODELINFO']._serialized_end=1831
+  _globals['_TRANSLATIONSERVICE']._serialized_start=2040
+  _globals['_TRANSLATIONSERVICE']._serialized_end=2385
 # @@protoc_insertion_point(module_scope)

@@ -90,14 +90,18 @@ class Translation(_message.Message):
     def __init__(self, text: _Optional[str] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., score: _Optional[float] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., alternatives: _Optional[_Iterable[_Union[Hypothesis, _Mapping]]] = ...) -> None: ...
 
 class TranslateRequest(_message.Message):
-    __slots__ = ("sentences", "options", "target_language")
+    __slots__ = ("sentences", "options", "target_language", "model", "source_language")
     SENTENCES_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     TARGET_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     sentences: _containers.RepeatedScalarFieldContainer[str]
     options: DecodingOptions
     target_language: str
-    def __init__(self, sentences: _Optional[_Iterable[str]] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., target_language: _Optional[str] = ...) -> None: ...
+    model: str
+    source_language: str
+    def __init__(self, sentences: _Optional[_Iterable[str]] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., target_language: _Optional[str] = ..., model: _Optional[str] = ..., source_language: _Optional[str] = ...) -> None: ...
 
 class TranslateResponse(_message.Message):
     __slots__ = ("translations",)
@@ -106,14 +110,18 @@ class TranslateResponse(_message.Message):
     def __init__(self, translations: _Optional[_Iterable[_Union[Translation, _Mapping]]] = ...) -> None: ...
 
 class TranslateStreamRequest(_message.Message):
-    __slots__ = ("sentence", "options", "target_language")
+    __slots__ = ("sentence", "options", "target_language", "model", "source_language")
     SENTENCE_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     TARGET_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     sentence: str
     options: DecodingOptions
     target_language: str
-    def __init__(self, sentence: _Optional[str] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., target_language: _Optional[str] = ...) -> None: ...
+    model: str
+    source_language: str
+    def __init__(self, sentence: _Optional[str] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., target_language: _Optional[str] = ..., model: _Optional[str] = ..., source_language: _Optional[str] = ...) -> None: ...
 
 class TranslateStreamResponse(_message.Message):
     __slots__ = ("delta", "final")
@@ -124,8 +132,20 @@ class TranslateStreamResponse(_message.Message):
     def __init__(self, delta: _Optional[str] = ..., final: _Optional[_Union[Translation, _Mapping]] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("max_sentences", "max_sentence_chars", "max_source_tokens", "max_output_tokens", "max_beam_size")
@@ -142,7 +162,7 @@ class Limits(_message.Message):
     def __init__(self, max_sentences: _Optional[int] = ..., max_sentence_chars: _Optional[int] = ..., max_source_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., max_beam_size: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("source_language", "target_language", "bundle_id", "variant", "device", "model_json", "limits", "default_options", "target_languages")
+    __slots__ = ("source_language", "target_language", "bundle_id", "variant", "device", "model_json", "limits", "default_options", "target_languages", "model")
     SOURCE_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     TARGET_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +172,7 @@ class ModelInfo(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     TARGET_LANGUAGES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     source_language: str
     target_language: str
     bundle_id: str
@@ -161,4 +182,5 @@ class ModelInfo(_message.Message):
     limits: Limits
     default_options: DecodingOptions
     target_languages: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, source_language: _Optional[str] = ..., target_language: _Optional[str] = ..., bundle_id: _Optional[str] = ..., variant: _Optional[str] = ..., device: _Optional[str] = ..., model_json: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., default_options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., target_languages: _Optional[_Iterable[str]] = ...) -> None: ...
+    model: str
+    def __init__(self, source_language: _Optional[str] = ..., target_language: _Optional[str] = ..., bundle_id: _Optional[str] = ..., variant: _Optional[str] = ..., device: _Optional[str] = ..., model_json: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., default_options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., target_languages: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ...) -> None: ...

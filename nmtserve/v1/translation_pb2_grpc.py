@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class TranslationServiceStub:
-    """Translates text with the model of the bundle the server loaded.
+    """Translates text with the models of the bundles the server loaded: one, or several (each with its own
+    engine), chosen per request by `model` or by its source and target languages.
     """
 
     def __init__(self, channel):
@@ -50,10 +51,16 @@ class TranslationServiceStub:
                 request_serializer=nmtserve_dot_v1_dot_translation__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=nmtserve_dot_v1_dot_translation__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/nmtserve.v1.TranslationService/ListModels',
+                request_serializer=nmtserve_dot_v1_dot_translation__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=nmtserve_dot_v1_dot_translation__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
 
 
 class TranslationServiceServicer:
-    """Translates text with the model of the bundle the server loaded.
+    """Translates text with the models of the bundles the server loaded: one, or several (each with its own
+    engine), chosen per request by `model` or by its source and target languages.
     """
 
     def Translate(self, request, context):
@@ -71,7 +78,14 @@ class TranslationServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """Describes the loaded model, its bundle and the server's limits.
+        """Describes one served model, its bundle and the server's limits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListModels(self, request, context):
+        """Describes every served model.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -95,6 +109,11 @@ def add_TranslationServiceServicer_to_server(servicer, server):
                     request_deserializer=nmtserve_dot_v1_dot_translation__pb2.GetModelInfoRequest.FromString,
                     response_serializer=nmtserve_dot_v1_dot_translation__pb2.ModelInfo.SerializeToString,
             ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=nmtserve_dot_v1_dot_translation__pb2.ListModelsRequest.FromString,
+                    response_serializer=nmtserve_dot_v1_dot_translation__pb2.ListModelsResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'nmtserve.v1.TranslationService', rpc_method_handlers)
@@ -104,7 +123,8 @@ def add_TranslationServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class TranslationService:
-    """Translates text with the model of the bundle the server loaded.
+    """Translates text with the models of the bundles the server loaded: one, or several (each with its own
+    engine), chosen per request by `model` or by its source and target languages.
     """
 
     @staticmethod
@@ -178,6 +198,33 @@ class TranslationService:
             '/nmtserve.v1.TranslationService/GetModelInfo',
             nmtserve_dot_v1_dot_translation__pb2.GetModelInfoRequest.SerializeToString,
             nmtserve_dot_v1_dot_translation__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nmtserve.v1.TranslationService/ListModels',
+            nmtserve_dot_v1_dot_translation__pb2.ListModelsRequest.SerializeToString,
+            nmtserve_dot_v1_dot_translation__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,7 +14,7 @@ import torch
 from nmtserve.export.build.exporter import ExportConfig, export_bundle
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.search import DecodingOptions
-from tests.marian import ENGLISH, sentences
+from nmtserve.loadtests.marian_model import ENGLISH, sentences
 
 MAX_LENGTH = 39  # generation_config.json's max_length 40, less the decoder start token
 

@@ -70,7 +70,7 @@ def test_bad_slo_files_and_results_are_one_line_errors(steady_run, tmp_path):
 @pytest.mark.parametrize("marian_dir", ["swish"], indirect=True)
 def test_steady_run_against_an_imported_marian_bundle(marian_checkpoint, tmp_path):
     from nmtserve.export.build.exporter import ExportConfig, export_bundle
-    from tests.marian import ENGLISH, sentences
+    from nmtserve.loadtests.marian_model import ENGLISH, sentences
 
     export_bundle(ExportConfig(str(marian_checkpoint), str(tmp_path / "bundle"), ["fp32"]))
     (tmp_path / "en.txt").write_text("\n".join(sentences(ENGLISH, 100, 5)) + "\n", encoding="utf-8")

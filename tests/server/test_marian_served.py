@@ -14,7 +14,7 @@ from nmtserve.server.config import ServerConfig
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 from tests.helpers import ServerThread
-from tests.marian import ENGLISH, sentences
+from nmtserve.loadtests.marian_model import ENGLISH, sentences
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +61,13 @@ def test_target_language_must_be_the_models(marian_served):
         with pytest.raises(grpc.RpcError) as refused:
             stub.Translate(pb.TranslateRequest(sentences=["The cat."], target_language="de"), timeout=30)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert refused.value.details() == "target_language 'de': this model translates into fr"
+    assert refused.value.details() == "target_language 'de': model en-fr translates into fr"
 
 
 def test_a_multilingual_model_reads_the_requests_language_token(tmp_path):
     from nmtserve.export.runtime.translator import OnnxTranslator
     from nmtserve.training.marian import import_marian
-    from tests.marian import build_marian_dir
+    from nmtserve.loadtests.marian_model import build_marian_dir
 
     directory = build_marian_dir(tmp_path / "multi", languages=("de", "fr"))
     import_marian(directory, tmp_path / "multi.pt", "en", "de")
@@ -87,6 +87,6 @@ def test_a_multilingual_model_reads_the_requests_language_token(tmp_path):
                 assert got.text == tr.tokenizer.decode(tr.search_ids([ids], DecodingOptions())[0][0].tokens)
             with pytest.raises(grpc.RpcError) as refused:
                 stub.Translate(pb.TranslateRequest(sentences=["The cat."], target_language="es"), timeout=30)
-            assert refused.value.details() == "target_language 'es': this model translates into de, fr"
+            assert refused.value.details() == "target_language 'es': model en-de translates into de, fr"
     finally:
         server.stop()

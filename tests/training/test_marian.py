@@ -14,7 +14,7 @@ from nmtserve.training.checkpoint import load_model
 from nmtserve.training.marian import MarianError, import_marian
 from nmtserve.training.model import KVCache
 from tests.helpers import run_cli
-from tests.marian import ENGLISH, ODD, build_marian_dir, sentences
+from nmtserve.loadtests.marian_model import ENGLISH, ODD, build_marian_dir, sentences
 
 
 def reference(marian_dir):

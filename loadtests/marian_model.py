@@ -1,8 +1,11 @@
-"""Tiny random Hugging Face Marian model directories, built offline the way OPUS-MT's are laid out:
+"""Random Hugging Face Marian model directories, built offline the way OPUS-MT's are laid out:
 config.json + model.safetensors (MarianConfig + MarianMTModel.save_pretrained), generation_config.json,
 source.spm and target.spm (SentencePiece trained here on a few hundred sentences) and a vocab.json
 that joins both sides' pieces in Marian's layout (</s> 0, <unk> 1, …, <pad> last). Needs the
-`marian` extra (transformers)."""
+`marian` extra (transformers). Tiny ones for the tests; an OPUS-MT-shaped one for the benchmark:
+
+    python -m nmtserve.loadtests.marian_model runs/opus-shaped    # 512 dims, 8 heads, 2048 FFN, 6+6, 58,101 pieces
+"""
 
 from __future__ import annotations
 
@@ -41,14 +44,25 @@ def _train_spm(texts: list[str], vocab_size: int) -> bytes:
     return model.getvalue()
 
 
+# OPUS-MT's shapes (Helsinki-NLP/opus-mt-en-de and most others)
+OPUS_SHAPES = {"d_model": 512, "heads": 8, "ffn": 2048, "encoder_layers": 6, "decoder_layers": 6, "vocab_size": 58101,
+               "max_positions": 512, "max_length": 512}
+
+
 def build_marian_dir(out: Path, *, activation: str = "swish", scale_embedding: bool = True, encoder_layers: int = 2,
-                     decoder_layers: int = 2, languages: tuple[str, ...] = (), fp16: bool = False, max_length: int = 40,
-                     seed: int = 0, config_overrides: dict | None = None) -> Path:
-    """Write a tiny random Marian model directory; `languages` makes it multilingual (>>xx<< tokens)."""
+                     decoder_layers: int = 2, d_model: int = 32, heads: int = 4, ffn: int = 64,
+                     vocab_size: int | None = None, max_positions: int = 64, languages: tuple[str, ...] = (),
+                     fp16: bool = False, max_length: int = 40, never_stop: bool = False, seed: int = 0,
+                     source_words: list[str] = ENGLISH, target_words: list[str] = FRENCH,
+                     config_overrides: dict | None = None) -> Path:
+    """Write a random Marian model directory; `languages` makes it multilingual (>>xx<< tokens),
+    `vocab_size` pads the vocabulary with filler pieces, `never_stop` gives eos a logit bias of −100
+    so that every engine decodes every sentence to its length limit (fixed lengths for benchmarks);
+    source_words and target_words are what the two SentencePiece models learn (FRENCH, ENGLISH: fr→en)."""
     from transformers import GenerationConfig, MarianConfig, MarianMTModel
 
     out.mkdir(parents=True, exist_ok=True)
-    source_spm, target_spm = _train_spm(sentences(ENGLISH, 400, 1), 80), _train_spm(sentences(FRENCH, 400, 2), 90)
+    source_spm, target_spm = _train_spm(sentences(source_words, 400, 1), 80), _train_spm(sentences(target_words, 400, 2), 90)
     (out / "source.spm").write_bytes(source_spm)
     (out / "target.spm").write_bytes(target_spm)
     pieces: list[str] = []
@@ -57,14 +71,17 @@ def build_marian_dir(out: Path, *, activation: str = "swish", scale_embedding: b
         pieces += [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if not sp.is_control(i) and not sp.is_unknown(i)]
     pieces = [p for p in dict.fromkeys(pieces) if "y" not in p]  # pieces with a "y" fall back to <unk>
     vocab = {"</s>": 0, "<unk>": 1}
-    for piece in [*(f">>{lang}<<" for lang in languages), *pieces, "<pad>"]:
+    for piece in [*(f">>{lang}<<" for lang in languages), *pieces]:
         vocab.setdefault(piece, len(vocab))
+    while vocab_size and len(vocab) < vocab_size - 1:
+        vocab[f"▁filler{len(vocab)}"] = len(vocab)
+    vocab["<pad>"] = len(vocab)
     (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
     pad = vocab["<pad>"]
     config = MarianConfig(
-        vocab_size=len(vocab), d_model=32, encoder_layers=encoder_layers, decoder_layers=decoder_layers,
-        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
-        max_position_embeddings=64, activation_function=activation, scale_embedding=scale_embedding,
+        vocab_size=len(vocab), d_model=d_model, encoder_layers=encoder_layers, decoder_layers=decoder_layers,
+        encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=ffn, decoder_ffn_dim=ffn,
+        max_position_embeddings=max_positions, activation_function=activation, scale_embedding=scale_embedding,
         pad_token_id=pad, decoder_start_token_id=pad, eos_token_id=0, forced_eos_token_id=0, dropout=0.0,
         **(config_overrides or {}))
     torch.manual_seed(seed)
@@ -74,10 +91,19 @@ def build_marian_dir(out: Path, *, activation: str = "swish", scale_embedding: b
             if p.dim() > 1:
                 p.normal_(0.0, 1.5 / p.shape[-1] ** 0.5 * (3 if "embed" in name or "shared" in name else 1))
         model.final_logits_bias.normal_(0.0, 1.0)
-        model.final_logits_bias[0, 0] += 7.5  # eos: some hypotheses end early, most run long
+        # eos: some hypotheses end early and most run long, or (never_stop) none ends before its limit
+        model.final_logits_bias[0, 0] = -100.0 if never_stop else model.final_logits_bias[0, 0] + 7.5
     if fp16:
         model = model.half()
     model.save_pretrained(out)
     GenerationConfig(bad_words_ids=[[pad]], decoder_start_token_id=pad, eos_token_id=0, forced_eos_token_id=0,
                      pad_token_id=pad, max_length=max_length, num_beams=4, renormalize_logits=True).save_pretrained(out)
     return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    directory = build_marian_dir(Path(sys.argv[1]), **OPUS_SHAPES, never_stop=True)
+    (directory / "sentences.txt").write_text("\n".join(sentences(ENGLISH, 200, 3)) + "\n", encoding="utf-8")
+    print(directory)

@@ -1,0 +1,210 @@
+"""The models one server serves: which bundles (flags or a --models file), under which ids, and each
+model's half of a request — validation against its limits and languages, its decoding defaults, its
+ModelInfo. Protobuf in, engine requests out; the servicer (server/service.py) routes to a model.
+
+    nmtserve serve bundles/en-fr bundles/fr-en          # ids from the bundles' languages: en-fr, fr-en
+    nmtserve serve --models models.toml                 # ids, bundles and per-model settings in a file
+
+models.toml:
+
+    [[models]]
+    bundle = "/models/en-fr"     # required
+    id = "en-fr"                 # default: the bundle's languages ("en-fr"), else its directory's name
+    variant = "int8"             # default: --variant; also device, threads
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from nmtserve.errors import ConfigError, NmtserveError
+from nmtserve.export.runtime.bundle import MANIFEST, load_bundle
+from nmtserve.search import DecodingOptions
+from nmtserve.server.config import ServerConfig
+from nmtserve.server.engine import Engine
+from nmtserve.v1 import translation_pb2 as pb
+
+SPEC_KEYS = ("bundle", "id", "variant", "device", "threads")
+
+
+class InvalidRequest(NmtserveError):
+    """A request field is out of range; the message names the field, the value and the limit."""
+
+
+@dataclass
+class ModelSpec:
+    """One model to serve: its id on this server, its bundle and how to run it."""
+
+    id: str
+    bundle: str
+    variant: str
+    device: str
+    threads: int
+
+
+def default_id(bundle: str) -> str:
+    """The bundle's languages ("en-fr"), or its directory's name when the manifest names none."""
+    languages = load_bundle(bundle).manifest.get("languages") or {}
+    if languages.get("source") and languages.get("target"):
+        return f"{languages['source']}-{languages['target']}"
+    return Path(bundle).resolve().name
+
+
+def model_specs(config: ServerConfig) -> list[ModelSpec]:
+    """The models of --models FILE, then of the bundle arguments (comma-separated in NMTSERVE_BUNDLE);
+    ConfigError for none, a bad file, or two models under one id."""
+    entries: list[dict] = []
+    if config.models:
+        try:
+            parsed = tomllib.loads(Path(config.models).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"--models {config.models}: {e}") from None
+        extra = sorted(set(parsed) - {"models"})
+        if extra or not isinstance(parsed.get("models"), list):
+            raise ConfigError(f"--models {config.models}: expected [[models]] tables only, found {extra or 'none'}")
+        for i, entry in enumerate(parsed["models"]):
+            unknown = sorted(set(entry) - set(SPEC_KEYS))
+            if unknown or "bundle" not in entry:
+                raise ConfigError(f"--models {config.models}: models[{i}]: "
+                                  + (f"unknown key {unknown[0]!r}; keys are {', '.join(SPEC_KEYS)}" if unknown
+                                     else "bundle is required"))
+            entries.append(entry)
+    entries += [{"bundle": b.strip()} for b in config.bundle.split(",") if b.strip()]
+    if not entries:
+        raise ConfigError("no model to serve: give one or more bundle directories, or --models FILE")
+    specs = [ModelSpec(str(e.get("id") or default_id(str(e["bundle"]))), str(e["bundle"]),
+                       str(e.get("variant", config.variant)), str(e.get("device", config.device)),
+                       int(e.get("threads", config.threads))) for e in entries]
+    seen: dict[str, str] = {}
+    for spec in specs:
+        if spec.id in seen:
+            raise ConfigError(f"model id {spec.id!r} names both {seen[spec.id]} and {spec.bundle}: "
+                              "give each an id in a --models file")
+        seen[spec.id] = spec.bundle
+    return specs
+
+
+class ServedModel:
+    """One model behind the server: its engine, and the checks and defaults of its requests."""
+
+    def __init__(self, spec: ModelSpec, engine: Engine, config: ServerConfig):
+        self.id, self.spec, self.engine, self.config = spec.id, spec, engine, config
+        tr = engine.tr
+        self.tokenizer = tr.tokenizer
+        self.max_source_tokens = tr.limits.max_source_tokens
+        # a budget past the decoder's position table could never be spent: the smaller limit is the one told
+        self.max_output_tokens = min(config.max_output_tokens, tr.limits.max_target_tokens)
+        self.max_beam_size = min(config.max_beam_size, config.max_running_rows)  # a beam takes beam_size rows
+        # the bundle's decoding defaults (an imported Marian model's generation_config.json; else CTranslate2's)
+        defaults = dict(tr.bundle.manifest.get("decoding_defaults") or {})
+        self.default_output_tokens = min(self.max_output_tokens, defaults.pop("max_decoding_length", self.max_output_tokens))
+        self.defaults = DecodingOptions(**defaults)
+        self.manifest_path = Path(spec.bundle) / MANIFEST
+        languages = tr.bundle.manifest.get("languages") or {}
+        self.source_language, self.target_language = languages.get("source", ""), languages.get("target", "")
+
+    @property
+    def target_languages(self) -> list[str]:
+        """Every language this model translates into ([] when its bundle does not say)."""
+        return self.tokenizer.target_languages or ([self.target_language] if self.target_language else [])
+
+    def describe(self) -> str:
+        """'en-fr (en→fr)', as error messages list the served models."""
+        return f"{self.id} ({self.source_language or '?'}→{'/'.join(self.target_languages) or '?'})"
+
+    # -- validation
+    def options(self, options: pb.DecodingOptions) -> tuple[int, DecodingOptions]:
+        """(most output tokens, the search's options); InvalidRequest naming `options.FIELD`, its value and
+        the limit. proto3 zeros and absent fields mean "unset": the model's defaults (`self.defaults`),
+        num_hypotheses 1, and beam_size 1 for a sampled request."""
+        limit = self.max_output_tokens
+        if options.max_output_tokens > limit:
+            raise InvalidRequest(f"options.max_output_tokens {options.max_output_tokens} exceeds the limit {limit}")
+        given = {name: getattr(options, name) for name in ("length_penalty", "patience", "sampling_topk",
+                                                              "sampling_topp", "sampling_temperature")
+                 if options.HasField(name)}
+        given.update({name: getattr(options, name) for name in ("beam_size", "num_hypotheses", "seed")
+                      if getattr(options, name)})
+        if options.beam_stopping:
+            given["beam_stopping"] = pb.BeamStopping.Name(options.beam_stopping).removeprefix("BEAM_STOPPING_").lower()
+        search = self.defaults.override(**given)
+        try:
+            search.check(self.engine.tr.vocab_size, self.max_beam_size)
+        except ConfigError as e:
+            raise InvalidRequest(f"options.{e}") from None
+        return options.max_output_tokens or self.default_output_tokens, search
+
+    def language_token(self, requested: str) -> str:
+        """The language whose >>xx<< token a multilingual model reads ("" for others); InvalidRequest for a
+        language the model does not translate into."""
+        multilingual, served = self.tokenizer.target_languages, self.target_languages
+        language = requested or self.target_language
+        if (requested and served and requested not in served) or (multilingual and language not in multilingual):
+            raise InvalidRequest(f"target_language {requested!r}: model {self.id} translates into {', '.join(served)}")
+        return language if multilingual else ""
+
+    def source(self, field: str, text: str, target_language: str = "") -> list[int]:
+        if not text.strip():
+            raise InvalidRequest(f"{field}: empty sentence")
+        if len(text) > self.config.max_sentence_chars:
+            raise InvalidRequest(f"{field}: {len(text)} characters, the limit is {self.config.max_sentence_chars}")
+        ids = self.tokenizer.encode(text, target_language=target_language)
+        if not ids:  # only characters the tokenizer's normalisation removes (zero-width, controls)
+            raise InvalidRequest(f"{field}: nothing to translate in {text[:40]!r} (no token after normalisation)")
+        if len(ids) > self.max_source_tokens:
+            raise InvalidRequest(f"{field}: {len(ids)} tokens, the limit is {self.max_source_tokens}")
+        return ids
+
+    # -- description
+    def info(self) -> pb.ModelInfo:
+        manifest_bytes = self.manifest_path.read_bytes()
+        manifest = json.loads(manifest_bytes)
+        return pb.ModelInfo(
+            model=self.id, source_language=self.source_language, target_language=self.target_language,
+            bundle_id=hashlib.sha256(manifest_bytes).hexdigest(), variant=self.engine.tr.variant,
+            device=self.engine.tr.device, model_json=json.dumps(manifest["model"], sort_keys=True),
+            limits=pb.Limits(max_sentences=self.config.max_sentences, max_sentence_chars=self.config.max_sentence_chars,
+                             max_source_tokens=self.max_source_tokens, max_output_tokens=self.max_output_tokens,
+                             max_beam_size=self.max_beam_size),
+            default_options=pb.DecodingOptions(
+                max_output_tokens=self.default_output_tokens, beam_size=self.defaults.beam_size,
+                num_hypotheses=1, length_penalty=self.defaults.length_penalty, patience=self.defaults.patience,
+                sampling_topk=1, sampling_topp=1.0, sampling_temperature=1.0,
+                beam_stopping=pb.BeamStopping.Value(f"BEAM_STOPPING_{self.defaults.beam_stopping.upper()}")),
+            target_languages=self.tokenizer.target_languages)
+
+
+def route(models: dict[str, ServedModel], model: str, source_language: str, target_language: str) -> ServedModel:
+    """The model a request names, or the one whose languages match; InvalidRequest listing what is served."""
+    served = "; ".join(m.describe() for m in models.values())
+    if model:
+        if model not in models:
+            raise InvalidRequest(f"model {model!r}: not served here; this server serves {served}")
+        chosen = models[model]
+        if source_language and chosen.source_language and source_language != chosen.source_language:
+            raise InvalidRequest(f"source_language {source_language!r}: model {model} translates from "
+                                 f"{chosen.source_language}")
+        return chosen
+    if len(models) == 1:
+        chosen = next(iter(models.values()))
+        if source_language and chosen.source_language and source_language != chosen.source_language:
+            raise InvalidRequest(f"source_language {source_language!r}: this server translates from "
+                                 f"{chosen.source_language}")
+        return chosen
+    if not (source_language or target_language):
+        raise InvalidRequest(f"model: not given, and this server serves several: {served}; name one, or give "
+                             "source_language and target_language")
+    matching = [m for m in models.values()
+                if (not source_language or m.source_language == source_language)
+                and (not target_language or target_language in m.target_languages)]
+    pair = f"source_language {source_language!r}, target_language {target_language!r}"
+    if not matching:
+        raise InvalidRequest(f"{pair}: no model serves this pair; this server serves {served}")
+    if len(matching) > 1:
+        raise InvalidRequest(f"{pair}: served by several models ({', '.join(m.id for m in matching)}); name one "
+                             "with model")
+    return matching[0]

@@ -1,0 +1,166 @@
+"""Several models behind one server (issue 19): the tiny en→fr bundle trained here and a tiny random
+Marian model imported as fr→en (its SentencePiece models learnt French sources and English targets),
+each with its own engine. Routing by model or language pair, ListModels, per-model GetModelInfo and
+health, the --models file, and one model's flood never holding up the other's requests."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from nmtserve.errors import ConfigError
+from nmtserve.export.build.exporter import ExportConfig, export_bundle
+from nmtserve.export.runtime.translator import OnnxTranslator
+from nmtserve.loadtests.marian_model import ENGLISH, FRENCH, build_marian_dir, sentences
+from nmtserve.search import DecodingOptions
+from nmtserve.server.config import ServerConfig
+from nmtserve.server.models import model_specs
+from nmtserve.v1 import translation_pb2 as pb
+from nmtserve.v1 import translation_pb2_grpc as pb_grpc
+from tests.helpers import ServerThread, run_cli
+
+SERVICE = "nmtserve.v1.TranslationService"
+
+
+@pytest.fixture(scope="module")
+def fr_en_bundle(tmp_path_factory):
+    from nmtserve.training.marian import import_marian
+
+    tmp = tmp_path_factory.mktemp("fr-en")
+    directory = build_marian_dir(tmp / "marian", source_words=FRENCH, target_words=ENGLISH, seed=3)
+    import_marian(directory, tmp / "model.pt", "fr", "en")
+    export_bundle(ExportConfig(str(tmp / "model.pt"), str(tmp / "bundle"), ["fp32"]))
+    return tmp / "bundle"
+
+
+@pytest.fixture(scope="module")
+def two_models(tiny_bundle, fr_en_bundle):
+    server = ServerThread(ServerConfig(bundle=f"{tiny_bundle},{fr_en_bundle}", host="127.0.0.1", port=0,
+                                       metrics_port=0, max_output_tokens=64))
+    yield server
+    server.stop()
+
+
+def _alone(bundle, text: str, options: DecodingOptions) -> str:
+    tr = OnnxTranslator(bundle)
+    return tr.tokenizer.decode(tr.search_ids([tr.tokenizer.encode(text)], options)[0][0].tokens)
+
+
+def test_list_models_and_model_info_describe_each_model(two_models, tiny_bundle, fr_en_bundle):
+    with two_models.channel() as channel:
+        stub = pb_grpc.TranslationServiceStub(channel)
+        listed = stub.ListModels(pb.ListModelsRequest(), timeout=30).models
+        assert [(m.model, m.source_language, m.target_language) for m in listed] == [("en-fr", "en", "fr"),
+                                                                                      ("fr-en", "fr", "en")]
+        assert [m.default_options.beam_size for m in listed] == [1, 4]  # ours greedy; Marian's num_beams
+        assert all(m.variant == "fp32" and m.device == "cpu" and m.limits.max_output_tokens == 64 for m in listed)
+        assert stub.GetModelInfo(pb.GetModelInfoRequest(model="fr-en"), timeout=30) == listed[1]
+        for model, message in (("", "model '': required; this server serves en-fr, fr-en"),
+                               ("de-en", "model 'de-en': not served here; this server serves en-fr, fr-en")):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.GetModelInfo(pb.GetModelInfoRequest(model=model), timeout=30)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert refused.value.details() == message
+
+
+def test_requests_reach_the_model_they_name_or_whose_languages_match(two_models, tiny_bundle, fr_en_bundle):
+    english, french = sentences(ENGLISH, 1, 11)[0], sentences(FRENCH, 1, 12)[0]
+    greedy = pb.DecodingOptions(beam_size=1, max_output_tokens=20)
+    expected_fr = _alone(tiny_bundle, "the cat sees the dog", DecodingOptions(max_decoding_length=20))
+    expected_en = _alone(fr_en_bundle, french, DecodingOptions(max_decoding_length=20))
+    with two_models.channel() as channel:
+        stub = pb_grpc.TranslationServiceStub(channel)
+        for route in (dict(model="en-fr"), dict(target_language="fr"), dict(source_language="en"),
+                      dict(source_language="en", target_language="fr")):
+            got = stub.Translate(pb.TranslateRequest(sentences=["the cat sees the dog"], options=greedy, **route),
+                                 timeout=30)
+            assert got.translations[0].text == expected_fr, route
+        for route in (dict(model="fr-en"), dict(target_language="en"), dict(source_language="fr", target_language="en")):
+            got = stub.Translate(pb.TranslateRequest(sentences=[french], options=greedy, **route), timeout=30)
+            assert got.translations[0].text == expected_en, route
+        streamed = list(stub.TranslateStream(pb.TranslateStreamRequest(sentence=french, options=greedy, model="fr-en"),
+                                             timeout=30))
+        assert streamed[-1].final.text == expected_en == "".join(m.delta for m in streamed[:-1])
+        served = "en-fr (en→fr); fr-en (fr→en)"
+        for route, message in (
+                (dict(), f"model: not given, and this server serves several: {served}; name one, or give "
+                         "source_language and target_language"),
+                (dict(model="de-en"), f"model 'de-en': not served here; this server serves {served}"),
+                (dict(source_language="de", target_language="fr"),
+                 f"source_language 'de', target_language 'fr': no model serves this pair; this server serves {served}"),
+                (dict(model="fr-en", source_language="en"), "source_language 'en': model fr-en translates from fr"),
+                (dict(model="fr-en", target_language="fr"), "target_language 'fr': model fr-en translates into en")):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Translate(pb.TranslateRequest(sentences=[english], **route), timeout=30)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, route
+            assert refused.value.details() == message
+
+
+def test_health_reports_each_model_and_the_server(two_models):
+    with two_models.channel() as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", SERVICE, f"{SERVICE}/en-fr", f"{SERVICE}/fr-en"):
+            status = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.SERVING, name
+        with pytest.raises(grpc.RpcError) as unknown:
+            health.Check(health_pb2.HealthCheckRequest(service=f"{SERVICE}/de-en"), timeout=10)
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_flood_on_one_model_does_not_hold_up_the_other(two_models, fr_en_bundle):
+    """While en-fr has more requests than its batch holds (some wait), fr-en's requests are translated
+    one after another, each exactly as alone: each model's engine runs its own steps."""
+    flood_engine = two_models.running.models["en-fr"].engine
+    french = sentences(FRENCH, 6, 13)
+    expected = [_alone(fr_en_bundle, s, DecodingOptions(max_decoding_length=20)) for s in french]
+    long = pb.DecodingOptions(beam_size=1, max_output_tokens=64)
+    busy_when_done: list[bool] = []
+    with two_models.channel() as channel, ThreadPoolExecutor(8) as pool:
+        stub = pb_grpc.TranslationServiceStub(channel)
+        flood = [pool.submit(stub.Translate, pb.TranslateRequest(sentences=["the cat sees the dog"] * 8, options=long,
+                                                                 model="en-fr"), timeout=120) for _ in range(24)]
+        started = threading.Event()
+        while not started.is_set():
+            started.wait(0.01)
+            if flood_engine.stats()["running"] > 0:
+                started.set()
+        for text, want in zip(french, expected):
+            got = stub.Translate(pb.TranslateRequest(sentences=[text], model="fr-en", options=pb.DecodingOptions(
+                beam_size=1, max_output_tokens=20)), timeout=60).translations[0]
+            assert got.text == want
+            stats = flood_engine.stats()
+            busy_when_done.append(stats["running"] + stats["waiting"] > 0)
+        assert all(f.result().translations for f in flood)
+    assert busy_when_done[0], "the flood had finished before fr-en's first request: nothing was shown"
+
+
+def test_the_models_file_names_ids_and_settings(tiny_bundle, fr_en_bundle, tmp_path):
+    models = tmp_path / "models.toml"
+    models.write_text(f'[[models]]\nbundle = "{tiny_bundle}"\nid = "ours"\nvariant = "int8"\n\n'
+                      f'[[models]]\nbundle = "{fr_en_bundle}"\nthreads = 2\n', encoding="utf-8")
+    specs = model_specs(ServerConfig(models=str(models)))
+    assert [(s.id, s.variant, s.threads) for s in specs] == [("ours", "int8", 1), ("fr-en", "fp32", 2)]
+    server = ServerThread(ServerConfig(models=str(models), host="127.0.0.1", port=0, metrics_port=0))
+    try:
+        with server.channel() as channel:
+            listed = pb_grpc.TranslationServiceStub(channel).ListModels(pb.ListModelsRequest(), timeout=30).models
+        assert [(m.model, m.variant) for m in listed] == [("ours", "int8"), ("fr-en", "fp32")]
+    finally:
+        server.stop()
+    bad = tmp_path / "bad.toml"
+    for text, message in ((f'[[models]]\nbundle = "{tiny_bundle}"\nvariants = "int8"\n',
+                           f"--models {bad}: models[0]: unknown key 'variants'; keys are bundle, id, variant, device, "
+                           "threads"),
+                          ('[[models]]\nid = "x"\n', f"--models {bad}: models[0]: bundle is required")):
+        bad.write_text(text, encoding="utf-8")
+        with pytest.raises(ConfigError) as refused:
+            model_specs(ServerConfig(models=str(bad)))
+        assert str(refused.value) == message
+    with pytest.raises(ConfigError, match="model id 'en-fr' names both"):
+        model_specs(ServerConfig(bundle=f"{tiny_bundle},{tiny_bundle}"))
+    result = run_cli("serve", "--models", str(bad), "--port", "0", timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().endswith("bundle is required"), result.stderr
