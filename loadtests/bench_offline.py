@@ -35,11 +35,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from nmtserve.errors import NmtserveError
 from nmtserve.loadtests.machine import describe, machine_info, usable_cores
+from nmtserve.search import DecodingOptions
 
 BATCH_SIZES = (1, 8, 32, 64)
 ENGINES = ("pytorch", "transformers", "ort_fp32", "ort_int8", "ct2_fp32", "ct2_int8")
@@ -96,12 +97,15 @@ def _load_engine(engine: str, threads: int, spec: dict):
 
         torch.set_num_threads(threads)
         model = load_model(spec["checkpoint"]).model
-        beam, limit = spec["beam_size"], spec["max_decoding_length"]
+        search = spec["search"]
 
         def decode(src, mask):
-            if beam == 1:
-                return greedy_decode(model, src, mask, limit)[0]
-            return [found[0][0] for found in beam_search(model, src, mask, beam_size=beam, max_decoding_length=limit)]
+            if search["beam_size"] == 1:
+                return greedy_decode(model, src, mask, search["max_decoding_length"])[0]
+            return [found[0][0] for found in beam_search(
+                model, src, mask, beam_size=search["beam_size"], length_penalty=search["length_penalty"],
+                patience=search["patience"], beam_stopping=search["beam_stopping"],
+                max_decoding_length=search["max_decoding_length"])]
 
         def run(sources, batch_size):
             out = [None] * len(sources)
@@ -136,10 +140,9 @@ def _load_engine(engine: str, threads: int, spec: dict):
         return run
     if engine.startswith("ort_"):
         from nmtserve.export.runtime.translator import OnnxTranslator
-        from nmtserve.search import DecodingOptions
 
         tr = OnnxTranslator(spec["bundle"], variant=engine[4:], intra_op_threads=threads)
-        options = DecodingOptions(beam_size=spec["beam_size"], max_decoding_length=spec["max_decoding_length"])
+        options = DecodingOptions(**spec["search"])
         return lambda sources, batch_size: [found[0].tokens for found in tr.search_ids(
             sources, options, max_batch_size=batch_size)]
     if engine.startswith("ct2_"):
@@ -152,6 +155,7 @@ def _load_engine(engine: str, threads: int, spec: dict):
 
         def run(sources, batch_size):
             results = ct.translate_batch([[vocab[i] for i in s] for s in sources], beam_size=spec["beam_size"],
+                                         length_penalty=spec["search"]["length_penalty"],
                                          max_batch_size=batch_size, batch_type="examples",
                                          max_decoding_length=spec["max_decoding_length"])
             return [[ids[p] for p in r.hypotheses[0]] for r in results]
@@ -211,9 +215,13 @@ def _spec(cfg: BenchConfig, workdir: Path) -> dict:
     marian = marian_directory(cfg.bundle)
     if "transformers" in cfg.engines and not marian:
         raise NmtserveError(f"--engines transformers: {cfg.bundle} was not imported from a Marian directory")
+    # our engines search as the model's defaults say (an imported Marian model's length penalty and
+    # stopping rule: what transformers' generate does with the same directory), at the asked beam and length
+    search = replace(DecodingOptions(**(bundle.manifest.get("decoding_defaults") or {})).override(
+        beam_size=cfg.beam_size), max_decoding_length=cfg.max_decoding_length)
     spec = {"bundle": cfg.bundle, "checkpoint": checkpoint, "marian_directory": marian, "sources": sources,
             "batch_sizes": list(cfg.batch_sizes), "max_decoding_length": cfg.max_decoding_length,
-            "beam_size": cfg.beam_size}
+            "beam_size": cfg.beam_size, "search": asdict(search)}
     if any(e.startswith("ct2_") for e in cfg.engines):
         # converted here, once, in the runner (torch), never in a measuring process
         if marian:  # by CTranslate2's own converter, from the directory the bundle was imported from

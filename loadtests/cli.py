@@ -2,6 +2,7 @@
 
     nmtserve bench offline bundles/default          # PyTorch (train extra) vs ONNX Runtime vs CTranslate2 (bench extra)
     nmtserve bench served bundles/default           # continuous vs static batching, served over gRPC
+    nmtserve bench models bundles/en-fr bundles/fr-en   # one server, two models: a flood on one, the other's latency
     nmtserve loadtest --scenario steady --peak-users 32 --seconds 60 --slo loadtests/slo.toml
     nmtserve check-slo runs/loadtest/steady --slo loadtests/slo.toml
     nmtserve soak --bundle bundles/default --seconds 600 --clients 24 --out runs/soak
@@ -145,6 +146,34 @@ def _add_bench(p) -> None:
                    help="extra flag for both servers, e.g. --server-flag=--io-binding=off")
     p.add_argument("--json", metavar="FILE", help="also write the report here")
     p.set_defaults(func=cmd_bench_served)
+    p = bench.add_parser("models", help="two models behind one server: a flood on one, the other's latency")
+    p.add_argument("flooded", help="bundle whose model is flooded")
+    p.add_argument("probed", help="bundle whose model is probed, one sentence at a time")
+    p.add_argument("--flooded-sentences", help="sentence file for the flood (default: the bundle's test split)")
+    p.add_argument("--probed-sentences", help="sentence file for the probes (default: the bundle's test split)")
+    p.add_argument("--flood-clients", type=int, default=16)
+    p.add_argument("--flood-sentences", type=int, default=8, help="sentences per flood call")
+    p.add_argument("--probes", type=int, default=30, help="probe calls per run and phase")
+    p.add_argument("--seconds", type=float, default=15.0, help="seconds the flood alone is measured")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads of each model")
+    p.add_argument("--json", metavar="FILE", help="also write the report here")
+    p.set_defaults(func=cmd_bench_models)
+
+
+def cmd_bench_models(args) -> int:
+    from nmtserve.loadtests.bench_models import ModelsBenchConfig, format_table, run_models_bench
+
+    report = run_models_bench(ModelsBenchConfig(args.flooded, args.probed, args.flooded_sentences,
+                                                args.probed_sentences, args.flood_clients, args.flood_sentences,
+                                                args.probes, args.seconds, args.runs, args.threads),
+                              progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(format_table(report))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        print(f"report: {args.json}")
+    return 0
 
 
 def _add_loadtest(p) -> None:

@@ -39,7 +39,7 @@ COMMANDS = {
     "translate": ("nmtserve.translate", "translate sentences through a server, or with a checkpoint"),
     "export": ("nmtserve.export.cli", "export a checkpoint to an ONNX bundle"),
     "serve": ("nmtserve.server.cli", "serve a bundle over gRPC (flags also read NMTSERVE_* variables)"),
-    "bench": ("nmtserve.loadtests.cli", "benchmarks: offline (engines side by side) and served"),
+    "bench": ("nmtserve.loadtests.cli", "benchmarks: offline (engines side by side), served, models (two behind one server)"),
     "loadtest": ("nmtserve.loadtests.cli", "run a locust scenario headless against a server"),
     "check-slo": ("nmtserve.loadtests.cli", "check a load test's results against service-level objectives"),
     "soak": ("nmtserve.loadtests.cli", "sustained mixed and odd traffic; exit 1 on a wrong status, a leak or a stuck gauge"),

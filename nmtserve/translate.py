@@ -4,6 +4,8 @@ default; --beam-size, --num-hypotheses and the --sampling-* options as CTranslat
 
     nmtserve translate --server localhost:50051 --wait 60 "The cat sleeps."
     nmtserve translate --server dns:///nmtserve.default.svc:50051 --stream < sentences.txt
+    nmtserve translate --server localhost:50051 --model fr-en "Le chat dort."     # a server of several models
+    nmtserve translate --server localhost:50051 --target-language fr "The cat sleeps."
     nmtserve translate --beam-size 4 --num-hypotheses 2 --json bundles/default "The cat sleeps."
     nmtserve translate --sampling-topk 10 --seed 1 runs/default/best.pt "The cat sleeps." "Did the dogs eat?"
 """
@@ -42,6 +44,8 @@ def cmd_translate(args) -> int:
         raise NmtserveError("--stream prints text as it is decoded; use --json without --stream")
     if args.server:
         return _translate_remote(args)
+    if args.model or args.source_language:
+        raise NmtserveError("--model and --source-language choose among a server's models: they need --server")
     if not args.inputs:
         raise NmtserveError("give a bundle or checkpoint (or --server HOST:PORT) and the sentences")
     model, texts = args.inputs[0], args.inputs[1:] or [line.rstrip("\n") for line in sys.stdin]
@@ -55,7 +59,10 @@ def _translate_bundle(path: str, texts: list[str], args) -> list[list[tuple[str,
 
     tr = OnnxTranslator(path, device=args.device)
     options = local_options(args, tr.bundle.manifest.get("decoding_defaults") or {})
-    ids = [tr.tokenizer.encode(t, tr.limits.max_source_tokens) or [tr.eos_id] for t in texts]
+    try:
+        ids = [tr.tokenizer.encode(t, tr.limits.max_source_tokens, args.target_language) or [tr.eos_id] for t in texts]
+    except ValueError as e:  # a language the multilingual model has no >>xx<< token for
+        raise NmtserveError(f"--target-language: {e}") from None
     return [[(tr.tokenizer.decode(h.tokens), h.score) for h in hypotheses]
             for hypotheses in tr.search_ids(ids, options, max_batch_size=args.batch_size)]
 
@@ -66,6 +73,8 @@ def _translate_checkpoint(path: str, texts: list[str], args) -> list[list[tuple[
     from nmtserve.training.data import pad
     from nmtserve.training.decode import beam_search, sample, translate
 
+    if args.target_language:
+        raise NmtserveError("--target-language: give a bundle or --server (the PyTorch reference reads no language token)")
     loaded = load_model(path, device=args.device)
     options = local_options(args, loaded.payload.get("decoding_defaults") or {})
     options.check(loaded.model.config.vocab_size)
@@ -116,6 +125,7 @@ def _translate_remote(args) -> int:
     if "beam_stopping" in given:
         given["beam_stopping"] = pb.BeamStopping.Value(f"BEAM_STOPPING_{given['beam_stopping'].upper()}")
     options = pb.DecodingOptions(max_output_tokens=args.max_length or 0, **given)
+    route = {"model": args.model, "source_language": args.source_language, "target_language": args.target_language}
     with open_channel(args.server, TlsFiles(args.tls_ca, args.tls_cert, args.tls_key)) as channel:
         if args.wait:
             wait_serving(channel, args.server, args.wait)
@@ -123,11 +133,12 @@ def _translate_remote(args) -> int:
         try:
             if args.stream:  # TranslateStream per sentence: text is printed as the server decides it
                 for text in texts:
-                    for message in stub.TranslateStream(pb.TranslateStreamRequest(sentence=text, options=options),
-                                                        timeout=args.timeout):
+                    for message in stub.TranslateStream(pb.TranslateStreamRequest(sentence=text, options=options,
+                                                                                  **route), timeout=args.timeout):
                         print(message.delta if message.HasField("delta") else "\n", end="", flush=True)
                 return 0
-            response = stub.Translate(pb.TranslateRequest(sentences=texts, options=options), timeout=args.timeout)
+            response = stub.Translate(pb.TranslateRequest(sentences=texts, options=options, **route),
+                                      timeout=args.timeout)
         except grpc.RpcError as e:
             raise NmtserveError(f"{args.server}: {e.code().name}: {e.details()}") from None
     _print_translations(texts, [[(t.text, t.score)] + [(a.text, a.score) for a in t.alternatives]
@@ -142,6 +153,11 @@ def add_parser(sub, name: str, help_text: str) -> None:
                         "reference); stdin lines if no TEXT")
     p.add_argument("--server", help="HOST:PORT (or dns:///HOST:PORT) of `nmtserve serve`")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds, with --server")
+    p.add_argument("--model", default="", help="with --server: the served model (ListModels; e.g. en-fr)")
+    p.add_argument("--source-language", default="", help="with --server: choose the model by its languages")
+    p.add_argument("--target-language", default="",
+                   help="the language to translate into: chooses the model on a server of several, and the "
+                        ">>xx<< token of a multilingual Marian model")
     p.add_argument("--wait", type=float, default=0.0, help="with --server: first wait up to this many seconds for SERVING")
     p.add_argument("--stream", action="store_true",
                    help="with --server: print each translation as it is decoded (TranslateStream)")

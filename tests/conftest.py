@@ -59,3 +59,28 @@ def marian_checkpoint(marian_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("marian-ckpt") / "model.pt"
     import_marian(marian_dir, out, "en", "fr")
     return out
+
+
+@pytest.fixture(scope="session")
+def marian_bundle(marian_checkpoint, tmp_path_factory) -> Path:
+    """The imported Marian checkpoint exported (fp32)."""
+    from nmtserve.export.build.exporter import ExportConfig, export_bundle
+
+    out = tmp_path_factory.mktemp("marian-bundle")
+    export_bundle(ExportConfig(str(marian_checkpoint), str(out), ["fp32"]))
+    return out
+
+
+@pytest.fixture(scope="session")
+def fr_en_bundle(tmp_path_factory) -> Path:
+    """A tiny random Marian model whose SentencePiece models learnt French sources and English targets,
+    imported as fr→en and exported (fp32): a second model with other languages than tiny_bundle's."""
+    from nmtserve.export.build.exporter import ExportConfig, export_bundle
+    from nmtserve.loadtests.marian_model import ENGLISH, FRENCH, build_marian_dir
+    from nmtserve.training.marian import import_marian
+
+    tmp = tmp_path_factory.mktemp("fr-en")
+    directory = build_marian_dir(tmp / "marian", source_words=FRENCH, target_words=ENGLISH, seed=3)
+    import_marian(directory, tmp / "model.pt", "fr", "en")
+    export_bundle(ExportConfig(str(tmp / "model.pt"), str(tmp / "bundle"), ["fp32"]))
+    return tmp / "bundle"

@@ -13,8 +13,8 @@ import torch
 
 from nmtserve.export.build.exporter import ExportConfig, export_bundle
 from nmtserve.export.runtime.translator import OnnxTranslator
-from nmtserve.search import DecodingOptions
 from nmtserve.loadtests.marian_model import ENGLISH, sentences
+from nmtserve.search import DecodingOptions
 
 MAX_LENGTH = 39  # generation_config.json's max_length 40, less the decoder start token
 

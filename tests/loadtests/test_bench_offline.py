@@ -4,6 +4,8 @@ machine (figures are not judged here)."""
 
 import json
 
+import pytest
+
 from tests.helpers import run_cli
 
 
@@ -36,3 +38,32 @@ def test_offline_bench_measures_each_engine_alone_and_reports_its_best(tiny_bund
         set(machine["versions"])
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "ort_fp32/ct2_fp32" in result.stdout and machine["cpu"] in result.stdout
+
+
+@pytest.mark.parametrize("marian_dir", ["swish"], indirect=True)
+def test_offline_bench_of_an_imported_marian_bundle_measures_transformers_and_ctranslate2s_conversion(
+        marian_bundle, tmp_path):
+    """Against the Marian directory the bundle came from: CTranslate2 converted by its own converter,
+    transformers' generate; beam search; peak memory of each measuring process."""
+    from nmtserve.loadtests.marian_model import ENGLISH, sentences
+
+    (tmp_path / "en.txt").write_text("\n".join(sentences(ENGLISH, 6, 21)) + "\n", encoding="utf-8")
+    out = tmp_path / "marian.json"
+    result = run_cli("bench", "offline", str(marian_bundle), "--sentences-file", str(tmp_path / "en.txt"),
+                     "--runs", "1", "--threads", "1", "--batch-sizes", "1,3", "--beam-size", "2",
+                     "--max-decoding-length", "12", "--engines", "transformers,ort_fp32,ct2_fp32", "--json", str(out),
+                     timeout=600)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["worker_modules_loaded"] == {"transformers": ["torch", "transformers"], "ort_fp32": ["onnxruntime"],
+                                               "ct2_fp32": ["ctranslate2"]}
+    assert report["unit"].endswith("beam 2") and set(report["ratios"]) == {"ort_fp32/ct2_fp32", "ort_fp32/transformers"}
+    # the same model three ways: ours matches transformers' beam search, as export --verify checks
+    assert report["token_agreement"]["ort_fp32_vs_transformers_identical"] == 1.0
+    assert all(report["peak_rss_mb"][e] > 20 for e in ("transformers", "ort_fp32", "ct2_fp32"))
+
+
+def test_transformers_is_an_engine_of_imported_bundles_only(tiny_bundle):
+    result = run_cli("bench", "offline", str(tiny_bundle), "--engines", "transformers,ort_fp32", timeout=120)
+    assert result.returncode != 0
+    assert f"--engines transformers: {tiny_bundle} was not imported from a Marian directory" in result.stderr

@@ -68,14 +68,12 @@ def test_bad_slo_files_and_results_are_one_line_errors(steady_run, tmp_path):
 
 
 @pytest.mark.parametrize("marian_dir", ["swish"], indirect=True)
-def test_steady_run_against_an_imported_marian_bundle(marian_checkpoint, tmp_path):
-    from nmtserve.export.build.exporter import ExportConfig, export_bundle
+def test_steady_run_against_an_imported_marian_bundle(marian_bundle, tmp_path):
     from nmtserve.loadtests.marian_model import ENGLISH, sentences
 
-    export_bundle(ExportConfig(str(marian_checkpoint), str(tmp_path / "bundle"), ["fp32"]))
     (tmp_path / "en.txt").write_text("\n".join(sentences(ENGLISH, 100, 5)) + "\n", encoding="utf-8")
     out = tmp_path / "run"
-    result = run_cli("loadtest", "--bundle", str(tmp_path / "bundle"), "--sentences", str(tmp_path / "en.txt"),
+    result = run_cli("loadtest", "--bundle", str(marian_bundle), "--sentences", str(tmp_path / "en.txt"),
                      "--scenario", "steady", "--seconds", "8", "--peak-users", "4", "--out", str(out), timeout=240)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     stats = read_stats(out / "stats_stats.csv")

@@ -9,19 +9,17 @@ import pytest
 import torch
 
 from nmtserve.export.build.exporter import ExportConfig, export_bundle
+from nmtserve.loadtests.marian_model import ENGLISH, sentences
 from nmtserve.search import DecodingOptions
 from nmtserve.server.config import ServerConfig
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 from tests.helpers import ServerThread
-from nmtserve.loadtests.marian_model import ENGLISH, sentences
 
 
 @pytest.fixture(scope="module")
-def marian_served(marian_checkpoint, tmp_path_factory):
-    bundle = tmp_path_factory.mktemp("marian-bundle")
-    export_bundle(ExportConfig(str(marian_checkpoint), str(bundle), ["fp32"]))
-    server = ServerThread(ServerConfig(bundle=str(bundle), host="127.0.0.1", port=0, metrics_port=0))
+def marian_served(marian_bundle):
+    server = ServerThread(ServerConfig(bundle=str(marian_bundle), host="127.0.0.1", port=0, metrics_port=0))
     yield server
     server.stop()
 
@@ -66,8 +64,8 @@ def test_target_language_must_be_the_models(marian_served):
 
 def test_a_multilingual_model_reads_the_requests_language_token(tmp_path):
     from nmtserve.export.runtime.translator import OnnxTranslator
-    from nmtserve.training.marian import import_marian
     from nmtserve.loadtests.marian_model import build_marian_dir
+    from nmtserve.training.marian import import_marian
 
     directory = build_marian_dir(tmp_path / "multi", languages=("de", "fr"))
     import_marian(directory, tmp_path / "multi.pt", "en", "de")

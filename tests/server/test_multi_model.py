@@ -13,9 +13,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nmtserve.errors import ConfigError
-from nmtserve.export.build.exporter import ExportConfig, export_bundle
 from nmtserve.export.runtime.translator import OnnxTranslator
-from nmtserve.loadtests.marian_model import ENGLISH, FRENCH, build_marian_dir, sentences
+from nmtserve.loadtests.marian_model import ENGLISH, FRENCH, sentences
 from nmtserve.search import DecodingOptions
 from nmtserve.server.config import ServerConfig
 from nmtserve.server.models import model_specs
@@ -24,17 +23,6 @@ from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 from tests.helpers import ServerThread, run_cli
 
 SERVICE = "nmtserve.v1.TranslationService"
-
-
-@pytest.fixture(scope="module")
-def fr_en_bundle(tmp_path_factory):
-    from nmtserve.training.marian import import_marian
-
-    tmp = tmp_path_factory.mktemp("fr-en")
-    directory = build_marian_dir(tmp / "marian", source_words=FRENCH, target_words=ENGLISH, seed=3)
-    import_marian(directory, tmp / "model.pt", "fr", "en")
-    export_bundle(ExportConfig(str(tmp / "model.pt"), str(tmp / "bundle"), ["fp32"]))
-    return tmp / "bundle"
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +152,14 @@ def test_the_models_file_names_ids_and_settings(tiny_bundle, fr_en_bundle, tmp_p
         model_specs(ServerConfig(bundle=f"{tiny_bundle},{tiny_bundle}"))
     result = run_cli("serve", "--models", str(bad), "--port", "0", timeout=120)
     assert result.returncode == 2 and result.stderr.strip().endswith("bundle is required"), result.stderr
+
+
+def test_translate_cli_names_the_model_or_the_target_language(two_models, fr_en_bundle):
+    french = sentences(FRENCH, 1, 14)[0]
+    expected = _alone(fr_en_bundle, french, DecodingOptions(max_decoding_length=20))
+    for route in (["--model", "fr-en"], ["--target-language", "en"], ["--source-language", "fr"]):
+        out = run_cli("translate", "--server", two_models.target, *route, "--beam-size", "1", "--max-length", "20",
+                      french, timeout=120)
+        assert out.returncode == 0 and out.stdout == expected + "\n", (route, out.stderr)
+    out = run_cli("translate", "--server", two_models.target, "--model", "de-en", french, timeout=120)
+    assert out.returncode != 0 and "model 'de-en': not served here; this server serves" in out.stderr

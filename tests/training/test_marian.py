@@ -9,12 +9,12 @@ import shutil
 import pytest
 import torch
 
+from nmtserve.loadtests.marian_model import ENGLISH, ODD, build_marian_dir, sentences
 from nmtserve.tokenizer import MarianTokenizer
 from nmtserve.training.checkpoint import load_model
 from nmtserve.training.marian import MarianError, import_marian
 from nmtserve.training.model import KVCache
 from tests.helpers import run_cli
-from nmtserve.loadtests.marian_model import ENGLISH, ODD, build_marian_dir, sentences
 
 
 def reference(marian_dir):
