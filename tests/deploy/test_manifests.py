@@ -14,7 +14,7 @@ from nmtserve.server.config import ServerConfig, env_name
 from tests.helpers import ROOT
 
 KUBE = ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "multi-model")
 KUBERNETES_VERSION = "1.30.0"  # the oldest release with the preStop `sleep` action (beta, on by default)
 
 
@@ -23,7 +23,9 @@ def render(overlay: str) -> dict[str, dict]:
     assert kubectl, "kubectl (with kustomize) is needed to render the manifests"
     out = subprocess.run([kubectl, "kustomize", str(KUBE / "overlays" / overlay)], capture_output=True, text=True,
                          timeout=60, check=True).stdout
-    return {doc["kind"]: doc for doc in yaml.safe_load_all(out)}
+    # one object per kind; of the ConfigMaps, the NMTSERVE_* variables (multi-model's models.toml has its own test)
+    return {doc["kind"]: doc for doc in yaml.safe_load_all(out)
+            if doc["kind"] != "ConfigMap" or any(key.startswith("NMTSERVE_") for key in doc["data"])}
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
@@ -78,3 +80,24 @@ def test_pod_security_is_restricted(rendered):
     selector = docs["Deployment"]["spec"]["selector"]["matchLabels"]
     assert docs["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"] == selector
     assert docs["NetworkPolicy"]["spec"]["podSelector"]["matchLabels"] == selector
+
+
+def test_the_multi_model_overlay_mounts_the_models_file_the_server_reads():
+    import tomllib
+    from pathlib import PurePosixPath
+
+    from nmtserve.server.models import SPEC_KEYS
+
+    kubectl = shutil.which("kubectl")
+    docs = list(yaml.safe_load_all(subprocess.run([kubectl, "kustomize", str(KUBE / "overlays" / "multi-model")],
+                                                  capture_output=True, text=True, timeout=60, check=True).stdout))
+    env = next(d["data"] for d in docs if d["kind"] == "ConfigMap" and "NMTSERVE_MODELS" in d["data"])
+    models = next(d for d in docs if d["kind"] == "ConfigMap" and "models.toml" in d["data"])
+    pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert env["NMTSERVE_BUNDLE"] == ""
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "models-file")
+    volume = next(v for v in pod["volumes"] if v["name"] == "models-file")
+    assert str(PurePosixPath(mount["mountPath"]) / "models.toml") == env["NMTSERVE_MODELS"]
+    assert volume["configMap"]["name"] == models["metadata"]["name"]
+    entries = tomllib.loads(models["data"]["models.toml"])["models"]
+    assert len(entries) == 2 and all(set(e) <= set(SPEC_KEYS) and "bundle" in e for e in entries)
