@@ -271,10 +271,11 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences:
     ratios = {f"{ours}/{theirs}": {b: round(best[ours][b]["median"] / best[theirs][b]["median"], 3) for b in batches}
               for ours, theirs in RATIOS if ours in best and theirs in best}
     reference = next(e for e in ("pytorch", "transformers", "ort_fp32", *cfg.engines) if e in cfg.engines)
-    agreement, modules, batch_independent, peak_rss = {}, {}, {}, {}
+    agreement, modules, batch_independent, peak_rss, output_tokens = {}, {}, {}, {}, {}
     for (engine, t), measured in runs.items():
         modules.setdefault(engine, set()).update(*(m["modules_loaded"] for m in measured))
         peak_rss[engine] = max(peak_rss.get(engine, 0), *(m["peak_rss_mb"] for m in measured))
+        output_tokens[engine] = round(measured[0]["tokens"][batches[-1]] / n_sentences, 2)
         batch_independent[engine] = batch_independent.get(engine, True) and all(
             m["same_output_at_every_batch_size"] for m in measured)
         if (reference, threads[0]) in runs and engine != reference and t == threads[0]:
@@ -286,7 +287,7 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences:
             "unit": f"target tokens/s (eos excluded), {decoding_name(cfg.beam_size)}",
             "max_decoding_length": cfg.max_decoding_length, "beam_size": cfg.beam_size,
             "results": results, "best": best, "ratios": ratios, "token_agreement": agreement,
-            "peak_rss_mb": peak_rss,
+            "peak_rss_mb": peak_rss, "mean_output_tokens": output_tokens,
             "same_output_at_every_batch_size": batch_independent,
             "worker_modules_loaded": {e: sorted(m) for e, m in modules.items()}}
 
@@ -316,6 +317,7 @@ def format_table(report: dict) -> str:
     for name, share in report["token_agreement"].items():
         lines.append(f"{name}: {share:.1%}")
     lines.append("peak RSS (MB): " + ", ".join(f"{e} {mb:,.0f}" for e, mb in report["peak_rss_mb"].items()))
+    lines.append("output tokens per sentence: " + ", ".join(f"{e} {n:.1f}" for e, n in report["mean_output_tokens"].items()))
     return "\n".join(lines)
 
 

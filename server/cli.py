@@ -25,12 +25,15 @@ def cmd_serve(args) -> int:
     import asyncio
     import logging
 
+    from nmtserve.errors import ConfigError
     from nmtserve.server.app import serve
     from nmtserve.server.config import ServerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     values = {f.name: getattr(args, f.name) for f in fields(ServerConfig)}
-    if isinstance(values["bundle"], list):  # BUNDLE [BUNDLE …]
+    if isinstance(values["bundle"], list):  # BUNDLE [BUNDLE …] given
+        if values["bundle"] and values["models"]:
+            raise ConfigError("give bundle directories or --models FILE, not both")
         values["bundle"] = ",".join(values["bundle"])
     config = ServerConfig(**values)
     return asyncio.run(serve(config))

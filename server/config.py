@@ -25,6 +25,8 @@ class ServerConfig:
     max_waiting: int = 256
     max_sentences: int = 64
     max_sentence_chars: int = 1000
+    max_text_chars: int = 20000  # one text of TranslateText(Stream): split into sentences by the server
+    max_call_chars: int = 100000  # all texts of one TranslateText call
     max_output_tokens: int = 256
     max_beam_size: int = 8  # a beam takes beam_size rows of the running batch: lowered to max_running_rows
     drain_timeout: float = 30.0

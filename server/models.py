@@ -25,6 +25,7 @@ from nmtserve.errors import ConfigError, NmtserveError
 from nmtserve.export.runtime.bundle import MANIFEST, load_bundle
 from nmtserve.search import DecodingOptions
 from nmtserve.server.config import ServerConfig
+from nmtserve.server.documents import fit, sentence_spans
 from nmtserve.server.engine import Engine
 from nmtserve.v1 import translation_pb2 as pb
 
@@ -55,8 +56,9 @@ def default_id(bundle: str) -> str:
 
 
 def model_specs(config: ServerConfig) -> list[ModelSpec]:
-    """The models of --models FILE, then of the bundle arguments (comma-separated in NMTSERVE_BUNDLE);
-    ConfigError for none, a bad file, or two models under one id."""
+    """The models of --models FILE, or else of the bundle arguments (comma-separated in NMTSERVE_BUNDLE,
+    which the images set: a models file replaces it); ConfigError for none, a bad file, or two models
+    under one id."""
     entries: list[dict] = []
     if config.models:
         try:
@@ -67,18 +69,22 @@ def model_specs(config: ServerConfig) -> list[ModelSpec]:
         if extra or not isinstance(parsed.get("models"), list):
             raise ConfigError(f"--models {config.models}: expected [[models]] tables only, found {extra or 'none'}")
         for i, entry in enumerate(parsed["models"]):
+            where = f"--models {config.models}: models[{i}]"
             unknown = sorted(set(entry) - set(SPEC_KEYS))
             if unknown or "bundle" not in entry:
-                raise ConfigError(f"--models {config.models}: models[{i}]: "
-                                  + (f"unknown key {unknown[0]!r}; keys are {', '.join(SPEC_KEYS)}" if unknown
-                                     else "bundle is required"))
+                raise ConfigError(f"{where}: " + (f"unknown key {unknown[0]!r}; keys are {', '.join(SPEC_KEYS)}"
+                                                  if unknown else "bundle is required"))
+            for key, value in entry.items():
+                if not isinstance(value, int if key == "threads" else str) or isinstance(value, bool):
+                    raise ConfigError(f"{where}.{key} = {value!r}: expected "
+                                      + ("an integer" if key == "threads" else "a string"))
             entries.append(entry)
-    entries += [{"bundle": b.strip()} for b in config.bundle.split(",") if b.strip()]
+    else:
+        entries = [{"bundle": b.strip()} for b in config.bundle.split(",") if b.strip()]
     if not entries:
         raise ConfigError("no model to serve: give one or more bundle directories, or --models FILE")
-    specs = [ModelSpec(str(e.get("id") or default_id(str(e["bundle"]))), str(e["bundle"]),
-                       str(e.get("variant", config.variant)), str(e.get("device", config.device)),
-                       int(e.get("threads", config.threads))) for e in entries]
+    specs = [ModelSpec(e.get("id") or default_id(e["bundle"]), e["bundle"], e.get("variant", config.variant),
+                       e.get("device", config.device), e.get("threads", config.threads)) for e in entries]
     seen: dict[str, str] = {}
     for spec in specs:
         if spec.id in seen:
@@ -159,6 +165,21 @@ class ServedModel:
             raise InvalidRequest(f"{field}: {len(ids)} tokens, the limit is {self.max_source_tokens}")
         return ids
 
+    def text_pieces(self, field: str, text: str, target_language: str) -> tuple[list[tuple[int, int]], list[list[int]]]:
+        """A whole text's sentences (pieces of those over the character or token limit) as spans and
+        token ids; a piece of nothing but what the tokenizer drops has no ids and is kept as it is."""
+        if len(text) > self.config.max_text_chars:
+            raise InvalidRequest(f"{field}: {len(text)} characters, the limit is {self.config.max_text_chars}")
+
+        def encode(piece: str) -> list[int]:
+            return self.tokenizer.encode(piece, target_language=target_language)
+
+        def too_long(piece: str) -> bool:
+            return len(piece) > self.config.max_sentence_chars or len(encode(piece)) > self.max_source_tokens
+
+        spans = [piece for span in sentence_spans(text, self.source_language) for piece in fit(text, span, too_long)]
+        return spans, [encode(text[start:end]) for start, end in spans]
+
     # -- description
     def info(self) -> pb.ModelInfo:
         manifest_bytes = self.manifest_path.read_bytes()
@@ -169,7 +190,8 @@ class ServedModel:
             device=self.engine.tr.device, model_json=json.dumps(manifest["model"], sort_keys=True),
             limits=pb.Limits(max_sentences=self.config.max_sentences, max_sentence_chars=self.config.max_sentence_chars,
                              max_source_tokens=self.max_source_tokens, max_output_tokens=self.max_output_tokens,
-                             max_beam_size=self.max_beam_size),
+                             max_beam_size=self.max_beam_size, max_text_chars=self.config.max_text_chars,
+                             max_call_chars=self.config.max_call_chars),
             default_options=pb.DecodingOptions(
                 max_output_tokens=self.default_output_tokens, beam_size=self.defaults.beam_size,
                 num_hypotheses=1, length_penalty=self.defaults.length_penalty, patience=self.defaults.patience,

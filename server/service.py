@@ -16,6 +16,7 @@ import grpc
 from nmtserve.errors import NmtserveError
 from nmtserve.search import DecodingOptions
 from nmtserve.server.config import ServerConfig
+from nmtserve.server.documents import MIME_TYPES, rejoin
 from nmtserve.server.engine import EngineOverloaded, EngineStopped, FinishReason, Request
 from nmtserve.server.metrics import ServerMetrics
 from nmtserve.server.models import InvalidRequest, ServedModel, route
@@ -224,6 +225,102 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         self._succeed("TranslateStream", [engine_request], started)
         yield last
 
+    # -- whole texts: one engine request per sentence, rejoined around the source's whitespace
+    def _text_requests(self, rpc: str, model: ServedModel, texts: list[tuple[str, str]], request, context):
+        """Split and submit each (field, text): per text its spans, and per span the engine request and
+        its future, or None where the span is kept as it is."""
+        if request.mime_type not in ("", *MIME_TYPES):
+            raise InvalidRequest(f"mime_type {request.mime_type!r}: "
+                                 + ("HTML is not supported yet" if "html" in request.mime_type else "not supported")
+                                 + f"; send {', '.join(MIME_TYPES)}")
+        options = model.options(request.options)
+        language = model.language_token(request.target_language)
+        pieces = [model.text_pieces(field, text, language) for field, text in texts]
+        documents = [(spans, [self._request(rpc, piece, options, context) if piece else None for piece in ids])
+                     for spans, ids in pieces]
+        submitted = []
+        try:
+            for request_ in _engine_requests(documents):
+                self._submit(model, request_)
+                submitted.append(request_)
+        except NmtserveError:  # a full queue: none of the text is translated
+            for request_ in submitted:
+                request_.cancel()
+            raise
+        return documents
+
+    @staticmethod
+    def _piece_text(model: ServedModel, text: str, span: tuple[int, int], pair) -> str:
+        return model.tokenizer.decode(pair[0].tokens) if pair else text[span[0]:span[1]]
+
+    async def TranslateText(self, request: pb.TranslateTextRequest, context) -> pb.TranslateTextResponse:
+        documents: list = []
+        started = time.monotonic()
+        try:
+            n, chars = len(request.texts), sum(len(t) for t in request.texts)
+            if not 1 <= n <= self.config.max_sentences:
+                raise InvalidRequest(f"texts: {n} given, between 1 and {self.config.max_sentences} accepted")
+            if chars > self.config.max_call_chars:
+                raise InvalidRequest(f"texts: {chars} characters in all, the limit is {self.config.max_call_chars}")
+            model = self._model(request)
+            documents = self._text_requests("TranslateText", model, [(f"texts[{i}]", t) for i, t in
+                                                                     enumerate(request.texts)], request, context)
+            await asyncio.gather(*(pair[1] for _, pairs in documents for pair in pairs if pair))
+        except NmtserveError as e:
+            await self._fail("TranslateText", context, e, [], started)
+        except asyncio.CancelledError:
+            for r in _engine_requests(documents):
+                r.cancel()
+            self.metrics.rpc("TranslateText", "CANCELLED")
+            raise
+        submitted = _engine_requests(documents)
+        await self._check_finished("TranslateText", submitted, context, started)
+        translations = []
+        for text, (spans, pairs) in zip(request.texts, documents):
+            joined, alignment = rejoin(text, spans, [self._piece_text(model, text, span, pair)
+                                                     for span, pair in zip(spans, pairs)])
+            done = [pair[0] for pair in pairs if pair]
+            translations.append(pb.TextTranslation(
+                text=joined, sentences=len(spans), input_tokens=sum(len(r.src_ids) for r in done),
+                output_tokens=sum(len(r.tokens) for r in done),
+                alignment=[pb.SentenceAlignment(source_start=a, source_end=b, target_start=c, target_end=d)
+                           for a, b, c, d in alignment] if request.return_alignment else []))
+        response = await self._fit("TranslateText", pb.TranslateTextResponse(translations=translations), context,
+                                   submitted, started)
+        self._succeed("TranslateText", submitted, started)
+        return response
+
+    async def TranslateTextStream(self, request: pb.TranslateTextStreamRequest, context):
+        started = time.monotonic()
+        try:
+            model = self._model(request)
+            documents = self._text_requests("TranslateTextStream", model, [("text", request.text)], request, context)
+        except NmtserveError as e:
+            await self._fail("TranslateTextStream", context, e, [], started)
+        [(spans, pairs)], submitted = documents, _engine_requests(documents)
+        position, length = 0, 0
+        try:
+            for span, pair in zip(spans, pairs):
+                if pair:
+                    await pair[1]
+                    await self._check_finished("TranslateTextStream", [pair[0]], context, started)
+                translation = self._piece_text(model, request.text, span, pair)
+                delta = request.text[position:span[0]] + translation
+                target_start = length + span[0] - position
+                yield await self._fit("TranslateTextStream", pb.TranslateTextStreamResponse(
+                    delta=delta, alignment=pb.SentenceAlignment(source_start=span[0], source_end=span[1],
+                                                                target_start=target_start,
+                                                                target_end=target_start + len(translation))),
+                    context, submitted, started)
+                position, length = span[1], length + len(delta)
+        except asyncio.CancelledError:
+            for r in submitted:
+                r.cancel()
+            self.metrics.rpc("TranslateTextStream", "CANCELLED")
+            raise
+        self._succeed("TranslateTextStream", submitted, started)
+        yield pb.TranslateTextStreamResponse(delta=request.text[position:])
+
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         if request.model not in self.models and not (len(self.models) == 1 and not request.model):
             served = ", ".join(self.models)
@@ -234,6 +331,11 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
 
     async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[m.info() for m in self.models.values()])
+
+
+def _engine_requests(documents: list) -> list[Request]:
+    """The engine requests of _text_requests' documents (spans kept as they are have none)."""
+    return [pair[0] for _, pairs in documents for pair in pairs if pair]
 
 
 def _resolve(future: asyncio.Future, request: Request) -> None:

@@ -131,6 +131,80 @@ class TranslateStreamResponse(_message.Message):
     final: Translation
     def __init__(self, delta: _Optional[str] = ..., final: _Optional[_Union[Translation, _Mapping]] = ...) -> None: ...
 
+class TranslateTextRequest(_message.Message):
+    __slots__ = ("texts", "mime_type", "options", "model", "source_language", "target_language", "return_alignment")
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    RETURN_ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    mime_type: str
+    options: DecodingOptions
+    model: str
+    source_language: str
+    target_language: str
+    return_alignment: bool
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., mime_type: _Optional[str] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., model: _Optional[str] = ..., source_language: _Optional[str] = ..., target_language: _Optional[str] = ..., return_alignment: _Optional[bool] = ...) -> None: ...
+
+class SentenceAlignment(_message.Message):
+    __slots__ = ("source_start", "source_end", "target_start", "target_end")
+    SOURCE_START_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_END_FIELD_NUMBER: _ClassVar[int]
+    TARGET_START_FIELD_NUMBER: _ClassVar[int]
+    TARGET_END_FIELD_NUMBER: _ClassVar[int]
+    source_start: int
+    source_end: int
+    target_start: int
+    target_end: int
+    def __init__(self, source_start: _Optional[int] = ..., source_end: _Optional[int] = ..., target_start: _Optional[int] = ..., target_end: _Optional[int] = ...) -> None: ...
+
+class TextTranslation(_message.Message):
+    __slots__ = ("text", "sentences", "input_tokens", "output_tokens", "alignment")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    SENTENCES_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    sentences: int
+    input_tokens: int
+    output_tokens: int
+    alignment: _containers.RepeatedCompositeFieldContainer[SentenceAlignment]
+    def __init__(self, text: _Optional[str] = ..., sentences: _Optional[int] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., alignment: _Optional[_Iterable[_Union[SentenceAlignment, _Mapping]]] = ...) -> None: ...
+
+class TranslateTextResponse(_message.Message):
+    __slots__ = ("translations",)
+    TRANSLATIONS_FIELD_NUMBER: _ClassVar[int]
+    translations: _containers.RepeatedCompositeFieldContainer[TextTranslation]
+    def __init__(self, translations: _Optional[_Iterable[_Union[TextTranslation, _Mapping]]] = ...) -> None: ...
+
+class TranslateTextStreamRequest(_message.Message):
+    __slots__ = ("text", "mime_type", "options", "model", "source_language", "target_language")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    mime_type: str
+    options: DecodingOptions
+    model: str
+    source_language: str
+    target_language: str
+    def __init__(self, text: _Optional[str] = ..., mime_type: _Optional[str] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., model: _Optional[str] = ..., source_language: _Optional[str] = ..., target_language: _Optional[str] = ...) -> None: ...
+
+class TranslateTextStreamResponse(_message.Message):
+    __slots__ = ("delta", "alignment")
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    delta: str
+    alignment: SentenceAlignment
+    def __init__(self, delta: _Optional[str] = ..., alignment: _Optional[_Union[SentenceAlignment, _Mapping]] = ...) -> None: ...
+
 class GetModelInfoRequest(_message.Message):
     __slots__ = ("model",)
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -148,18 +222,22 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_sentences", "max_sentence_chars", "max_source_tokens", "max_output_tokens", "max_beam_size")
+    __slots__ = ("max_sentences", "max_sentence_chars", "max_source_tokens", "max_output_tokens", "max_beam_size", "max_text_chars", "max_call_chars")
     MAX_SENTENCES_FIELD_NUMBER: _ClassVar[int]
     MAX_SENTENCE_CHARS_FIELD_NUMBER: _ClassVar[int]
     MAX_SOURCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_BEAM_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CALL_CHARS_FIELD_NUMBER: _ClassVar[int]
     max_sentences: int
     max_sentence_chars: int
     max_source_tokens: int
     max_output_tokens: int
     max_beam_size: int
-    def __init__(self, max_sentences: _Optional[int] = ..., max_sentence_chars: _Optional[int] = ..., max_source_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., max_beam_size: _Optional[int] = ...) -> None: ...
+    max_text_chars: int
+    max_call_chars: int
+    def __init__(self, max_sentences: _Optional[int] = ..., max_sentence_chars: _Optional[int] = ..., max_source_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., max_beam_size: _Optional[int] = ..., max_text_chars: _Optional[int] = ..., max_call_chars: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("source_language", "target_language", "bundle_id", "variant", "device", "model_json", "limits", "default_options", "target_languages", "model")

@@ -46,6 +46,16 @@ class TranslationServiceStub:
                 request_serializer=nmtserve_dot_v1_dot_translation__pb2.TranslateStreamRequest.SerializeToString,
                 response_deserializer=nmtserve_dot_v1_dot_translation__pb2.TranslateStreamResponse.FromString,
                 _registered_method=True)
+        self.TranslateText = channel.unary_unary(
+                '/nmtserve.v1.TranslationService/TranslateText',
+                request_serializer=nmtserve_dot_v1_dot_translation__pb2.TranslateTextRequest.SerializeToString,
+                response_deserializer=nmtserve_dot_v1_dot_translation__pb2.TranslateTextResponse.FromString,
+                _registered_method=True)
+        self.TranslateTextStream = channel.unary_stream(
+                '/nmtserve.v1.TranslationService/TranslateTextStream',
+                request_serializer=nmtserve_dot_v1_dot_translation__pb2.TranslateTextStreamRequest.SerializeToString,
+                response_deserializer=nmtserve_dot_v1_dot_translation__pb2.TranslateTextStreamResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/nmtserve.v1.TranslationService/GetModelInfo',
                 request_serializer=nmtserve_dot_v1_dot_translation__pb2.GetModelInfoRequest.SerializeToString,
@@ -77,6 +87,21 @@ class TranslationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TranslateText(self, request, context):
+        """Translates whole texts (paragraphs of sentences): the server splits them into sentences, translates
+        each as its own request in the running batch, and rejoins them with the source's whitespace.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TranslateTextStream(self, request, context):
+        """Translates one whole text, streaming it sentence by sentence, in order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetModelInfo(self, request, context):
         """Describes one served model, its bundle and the server's limits.
         """
@@ -103,6 +128,16 @@ def add_TranslationServiceServicer_to_server(servicer, server):
                     servicer.TranslateStream,
                     request_deserializer=nmtserve_dot_v1_dot_translation__pb2.TranslateStreamRequest.FromString,
                     response_serializer=nmtserve_dot_v1_dot_translation__pb2.TranslateStreamResponse.SerializeToString,
+            ),
+            'TranslateText': grpc.unary_unary_rpc_method_handler(
+                    servicer.TranslateText,
+                    request_deserializer=nmtserve_dot_v1_dot_translation__pb2.TranslateTextRequest.FromString,
+                    response_serializer=nmtserve_dot_v1_dot_translation__pb2.TranslateTextResponse.SerializeToString,
+            ),
+            'TranslateTextStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.TranslateTextStream,
+                    request_deserializer=nmtserve_dot_v1_dot_translation__pb2.TranslateTextStreamRequest.FromString,
+                    response_serializer=nmtserve_dot_v1_dot_translation__pb2.TranslateTextStreamResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -171,6 +206,60 @@ class TranslationService:
             '/nmtserve.v1.TranslationService/TranslateStream',
             nmtserve_dot_v1_dot_translation__pb2.TranslateStreamRequest.SerializeToString,
             nmtserve_dot_v1_dot_translation__pb2.TranslateStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TranslateText(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nmtserve.v1.TranslationService/TranslateText',
+            nmtserve_dot_v1_dot_translation__pb2.TranslateTextRequest.SerializeToString,
+            nmtserve_dot_v1_dot_translation__pb2.TranslateTextResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TranslateTextStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/nmtserve.v1.TranslationService/TranslateTextStream',
+            nmtserve_dot_v1_dot_translation__pb2.TranslateTextStreamRequest.SerializeToString,
+            nmtserve_dot_v1_dot_translation__pb2.TranslateTextStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

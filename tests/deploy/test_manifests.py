@@ -94,7 +94,6 @@ def test_the_multi_model_overlay_mounts_the_models_file_the_server_reads():
     env = next(d["data"] for d in docs if d["kind"] == "ConfigMap" and "NMTSERVE_MODELS" in d["data"])
     models = next(d for d in docs if d["kind"] == "ConfigMap" and "models.toml" in d["data"])
     pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
-    assert env["NMTSERVE_BUNDLE"] == ""
     mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "models-file")
     volume = next(v for v in pod["volumes"] if v["name"] == "models-file")
     assert str(PurePosixPath(mount["mountPath"]) / "models.toml") == env["NMTSERVE_MODELS"]

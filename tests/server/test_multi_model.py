@@ -143,7 +143,9 @@ def test_the_models_file_names_ids_and_settings(tiny_bundle, fr_en_bundle, tmp_p
     for text, message in ((f'[[models]]\nbundle = "{tiny_bundle}"\nvariants = "int8"\n',
                            f"--models {bad}: models[0]: unknown key 'variants'; keys are bundle, id, variant, device, "
                            "threads"),
-                          ('[[models]]\nid = "x"\n', f"--models {bad}: models[0]: bundle is required")):
+                          ('[[models]]\nid = "x"\n', f"--models {bad}: models[0]: bundle is required"),
+                          (f'[[models]]\nbundle = "{tiny_bundle}"\nthreads = "two"\n',
+                           f"--models {bad}: models[0].threads = 'two': expected an integer")):
         bad.write_text(text, encoding="utf-8")
         with pytest.raises(ConfigError) as refused:
             model_specs(ServerConfig(models=str(bad)))
@@ -151,7 +153,9 @@ def test_the_models_file_names_ids_and_settings(tiny_bundle, fr_en_bundle, tmp_p
     with pytest.raises(ConfigError, match="model id 'en-fr' names both"):
         model_specs(ServerConfig(bundle=f"{tiny_bundle},{tiny_bundle}"))
     result = run_cli("serve", "--models", str(bad), "--port", "0", timeout=120)
-    assert result.returncode == 2 and result.stderr.strip().endswith("bundle is required"), result.stderr
+    assert result.returncode == 2 and result.stderr.strip().endswith("expected an integer"), result.stderr
+    result = run_cli("serve", str(tiny_bundle), "--models", str(models), "--port", "0", timeout=120)
+    assert result.returncode == 2 and "give bundle directories or --models FILE, not both" in result.stderr
 
 
 def test_translate_cli_names_the_model_or_the_target_language(two_models, fr_en_bundle):
