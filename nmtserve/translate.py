@@ -6,6 +6,7 @@ default; --beam-size, --num-hypotheses and the --sampling-* options as CTranslat
     nmtserve translate --server dns:///nmtserve.default.svc:50051 --stream < sentences.txt
     nmtserve translate --server localhost:50051 --model fr-en "Le chat dort."     # a server of several models
     nmtserve translate --server localhost:50051 --target-language fr "The cat sleeps."
+    nmtserve translate --server localhost:50051 --file report.txt > report.fr.txt   # a whole text (TranslateText)
     nmtserve translate --beam-size 4 --num-hypotheses 2 --json bundles/default "The cat sleeps."
     nmtserve translate --sampling-topk 10 --seed 1 runs/default/best.pt "The cat sleeps." "Did the dogs eat?"
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -44,8 +46,8 @@ def cmd_translate(args) -> int:
         raise NmtserveError("--stream prints text as it is decoded; use --json without --stream")
     if args.server:
         return _translate_remote(args)
-    if args.model or args.source_language:
-        raise NmtserveError("--model and --source-language choose among a server's models: they need --server")
+    if args.model or args.source_language or args.file:
+        raise NmtserveError("--model, --source-language and --file need --server")
     if not args.inputs:
         raise NmtserveError("give a bundle or checkpoint (or --server HOST:PORT) and the sentences")
     model, texts = args.inputs[0], args.inputs[1:] or [line.rstrip("\n") for line in sys.stdin]
@@ -120,7 +122,9 @@ def _translate_remote(args) -> int:
     from nmtserve.v1 import translation_pb2 as pb
     from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 
-    texts = args.inputs or [line.rstrip("\n") for line in sys.stdin]
+    if args.file and (args.inputs or args.stream):
+        raise NmtserveError("--file translates the whole file: give no TEXT and no --stream")
+    texts = [] if args.file else args.inputs or [line.rstrip("\n") for line in sys.stdin]
     given = given_options(args)
     if "beam_stopping" in given:
         given["beam_stopping"] = pb.BeamStopping.Value(f"BEAM_STOPPING_{given['beam_stopping'].upper()}")
@@ -131,6 +135,9 @@ def _translate_remote(args) -> int:
             wait_serving(channel, args.server, args.wait)
         stub = pb_grpc.TranslationServiceStub(channel)
         try:
+            if args.file:
+                sys.stdout.write(_translate_file(stub, args.file, options, route, args.timeout))
+                return 0
             if args.stream:  # TranslateStream per sentence: text is printed as the server decides it
                 for text in texts:
                     for message in stub.TranslateStream(pb.TranslateStreamRequest(sentence=text, options=options,
@@ -146,6 +153,40 @@ def _translate_remote(args) -> int:
     return 0
 
 
+def _chunks(text: str, max_chars: int) -> list[str]:
+    """The text cut after line breaks into pieces of at most max_chars (a longer line is cut anywhere)."""
+    chunks, current = [], ""
+    for line in re.findall(r"[^\n]*\n|[^\n]+", text):  # the server's paragraphs end at "\n" only
+        while len(line) > max_chars:
+            chunks.append(line[:max_chars])
+            line = line[max_chars:]
+        if len(current) + len(line) > max_chars:
+            chunks.append(current)
+            current = ""
+        current += line
+    return [*chunks, current] if current else chunks
+
+
+def _translate_file(stub, path: str, options, route: dict, timeout: float) -> str:
+    """A whole text file through TranslateText: cut at line breaks to the server's per-text limit,
+    as many texts per call as its limits allow; the translation keeps the file's whitespace."""
+    from nmtserve.v1 import translation_pb2 as pb
+
+    try:
+        text = Path(path).read_bytes().decode("utf-8")  # as it is: CRLF stays CRLF
+    except (OSError, UnicodeDecodeError) as e:
+        raise NmtserveError(f"--file {path}: {e}") from None
+    limits = stub.ListModels(pb.ListModelsRequest(), timeout=timeout).models[0].limits
+    calls: list[list[str]] = []
+    for chunk in _chunks(text, limits.max_text_chars):
+        if not calls or len(calls[-1]) == limits.max_sentences or \
+                sum(map(len, calls[-1])) + len(chunk) > limits.max_call_chars:
+            calls.append([])
+        calls[-1].append(chunk)
+    return "".join(t.text for texts in calls for t in stub.TranslateText(
+        pb.TranslateTextRequest(texts=texts, options=options, **route), timeout=timeout).translations)
+
+
 def add_parser(sub, name: str, help_text: str) -> None:
     p = sub.add_parser(name, help=help_text)
     p.add_argument("inputs", nargs="*", metavar="MODEL_OR_TEXT",
@@ -154,6 +195,7 @@ def add_parser(sub, name: str, help_text: str) -> None:
     p.add_argument("--server", help="HOST:PORT (or dns:///HOST:PORT) of `nmtserve serve`")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds, with --server")
     p.add_argument("--model", default="", help="with --server: the served model (ListModels; e.g. en-fr)")
+    p.add_argument("--file", help="with --server: translate this whole text file (TranslateText), keeping its layout")
     p.add_argument("--source-language", default="", help="with --server: choose the model by its languages")
     p.add_argument("--target-language", default="",
                    help="the language to translate into: chooses the model on a server of several, and the "

@@ -3,6 +3,8 @@ for byte around the translations; alignment spans, over-long sentences, limits, 
 
 from __future__ import annotations
 
+import subprocess
+
 import grpc
 import pytest
 
@@ -10,7 +12,7 @@ from nmtserve.server.config import ServerConfig
 from nmtserve.server.documents import fit, rejoin, sentence_spans
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
-from tests.helpers import ServerThread
+from tests.helpers import NMTSERVE, ServerThread
 
 # paragraphs, blank lines, CRLF, tabs, runs of spaces, leading and trailing whitespace, abbreviations
 DOCUMENT = ("  The cat sees the dog.  Dr. Smith reads a book at 3 p.m. today!\r\n\r\n"
@@ -105,3 +107,15 @@ def test_bad_texts_are_refused_naming_the_field(server, request_, message):
         list(pb_grpc.TranslationServiceStub(channel).TranslateTextStream(
             pb.TranslateTextStreamRequest(text="x " * 300), timeout=30))
     assert refused.value.details() == "text: 600 characters, the limit is 400"
+
+
+def test_translate_cli_translates_a_whole_file_over_the_per_text_limit(server, tmp_path):
+    path = tmp_path / "document.txt"
+    path.write_bytes((DOCUMENT * 3).encode())  # 450 characters: cut at line breaks into two texts of ≤ 400
+    with server.channel() as channel:
+        whole = pb_grpc.TranslationServiceStub(channel).TranslateText(
+            pb.TranslateTextRequest(texts=[DOCUMENT], options=GREEDY), timeout=60).translations[0]
+    out = subprocess.run([NMTSERVE, "translate", "--server", server.target, "--file", str(path), "--beam-size", "1",
+                          "--max-length", "20"], capture_output=True, timeout=120)  # bytes: CRLF must stay CRLF
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == (whole.text * 3).encode()
