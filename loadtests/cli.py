@@ -3,6 +3,7 @@
     nmtserve bench offline bundles/default          # PyTorch (train extra) vs ONNX Runtime vs CTranslate2 (bench extra)
     nmtserve bench served bundles/default           # continuous vs static batching, served over gRPC
     nmtserve bench models bundles/en-fr bundles/fr-en   # one server, two models: a flood on one, the other's latency
+    nmtserve bench documents bundles/default        # a document in one TranslateText call vs separate calls
     nmtserve loadtest --scenario steady --peak-users 32 --seconds 60 --slo loadtests/slo.toml
     nmtserve check-slo runs/loadtest/steady --slo loadtests/slo.toml
     nmtserve soak --bundle bundles/default --seconds 600 --clients 24 --out runs/soak
@@ -159,6 +160,15 @@ def _add_bench(p) -> None:
     p.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads of each model")
     p.add_argument("--json", metavar="FILE", help="also write the report here")
     p.set_defaults(func=cmd_bench_models)
+    p = bench.add_parser("documents", help="a document in one TranslateText call vs its sentences in separate calls")
+    p.add_argument("bundle")
+    p.add_argument("--sentences-file", help="sentence file (default: the bundle's test split)")
+    p.add_argument("--sentences", type=int, default=50, help="sentences in the document (default %(default)s)")
+    p.add_argument("--max-output-tokens", type=int, default=32)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads of the server")
+    p.add_argument("--json", metavar="FILE", help="also write the report here")
+    p.set_defaults(func=cmd_bench_documents)
 
 
 def cmd_bench_models(args) -> int:
@@ -170,9 +180,25 @@ def cmd_bench_models(args) -> int:
                               progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_table(report))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        print(f"report: {args.json}")
+        _write_json(report, Path(args.json))
+    return 0
+
+
+def _write_json(report: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(f"report: {path}")
+
+
+def cmd_bench_documents(args) -> int:
+    from nmtserve.loadtests.bench_documents import DocumentsBenchConfig, format_table, run_documents_bench
+
+    report = run_documents_bench(DocumentsBenchConfig(args.bundle, args.sentences_file, args.sentences,
+                                                      args.max_output_tokens, args.runs, args.threads),
+                                 progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(format_table(report))
+    if args.json:
+        _write_json(report, Path(args.json))
     return 0
 
 
