@@ -7,13 +7,14 @@ Runtime threads. Each run, in this order:
 - probes alone: `probes` Translate calls of one sentence to the probed model, one after another;
 - flood alone: `flood_clients` closed-loop clients send the flooded model calls of `flood_sentences`
   sentences each (more than its running batch holds: requests wait) for `seconds`;
-- both: the same flood and, once it runs, the same probes.
+- both: the same flood and, once it runs, the same probes, again and again for `seconds`.
 Reported, as the median and min–max over runs: the probes' p50 and p90 latency alone and under the
 flood, and the flood's sentences/s alone and while the probes run. Every call must succeed.
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import tempfile
 import threading
@@ -39,17 +40,18 @@ class ModelsBenchConfig:
     seconds: float = 15.0
     runs: int = 3
     threads: int = 1  # ONNX Runtime intra-op threads of each model
+    max_output_tokens: int = 32  # of every call, flood and probes
 
 
 class Flood:
     """Closed-loop clients calling one model until stopped; counts the sentences translated."""
 
-    def __init__(self, stub, model: str, pool: list[str], clients: int, per_call: int, seed: int):
+    def __init__(self, stub, model: str, pool: list[str], clients: int, per_call: int, seed: int, options):
         from nmtserve.v1 import translation_pb2 as pb
 
         self.done, self.errors, self.lock, self.stop = 0, [], threading.Lock(), threading.Event()
-        calls = [pb.TranslateRequest(sentences=mixed(pool, per_call, seed=seed * 1000 + i), model=model)
-                 for i in range(clients)]
+        calls = [pb.TranslateRequest(sentences=mixed(pool, per_call, seed=seed * 1000 + i), model=model,
+                                     options=options) for i in range(clients)]
         self.threads = [threading.Thread(target=self._client, args=(stub, call)) for call in calls]
 
     def _client(self, stub, call) -> None:
@@ -75,13 +77,16 @@ class Flood:
             t.join()
 
 
-def _probe(stub, model: str, sentences: list[str]) -> list[float]:
+def _probe(stub, model: str, sentences: list[str], options, seconds: float = 0.0) -> list[float]:
+    """Latencies of one call per sentence, one after another; with `seconds`, over the sentences again
+    until that long has passed."""
     from nmtserve.v1 import translation_pb2 as pb
 
-    latencies = []
-    for sentence in sentences:
+    latencies, end = [], time.perf_counter() + seconds
+    for sentence in itertools.chain(sentences, itertools.takewhile(lambda _: time.perf_counter() < end,
+                                                                   itertools.cycle(sentences))):
         t0 = time.perf_counter()
-        stub.Translate(pb.TranslateRequest(sentences=[sentence], model=model), timeout=300)
+        stub.Translate(pb.TranslateRequest(sentences=[sentence], model=model, options=options), timeout=300)
         latencies.append(time.perf_counter() - t0)
     return latencies
 
@@ -106,21 +111,25 @@ def run_models_bench(cfg: ModelsBenchConfig, progress=print) -> dict:
                           log=Path(logs) / "server.log") as server, open_channel(server.target) as channel:
         stub = pb_grpc.TranslationServiceStub(channel)
         flooded, probed = [m.model for m in stub.ListModels(pb.ListModelsRequest(), timeout=30).models]
-        _probe(stub, probed, probe_pool[:4])  # warm-up: a channel's and a process's first calls
-        _probe(stub, flooded, flood_pool[:4])
+        options = pb.DecodingOptions(max_output_tokens=cfg.max_output_tokens)
+        _probe(stub, probed, probe_pool[:4], options)  # warm-up: a channel's and a process's first calls
+        _probe(stub, flooded, flood_pool[:4], options)
         for run in range(cfg.runs):
             probes = mixed(probe_pool, cfg.probes, seed=run)
             progress(f"run {run + 1}/{cfg.runs}: {probed} alone, {flooded} alone, both")
-            alone = _probe(stub, probed, probes)
-            with Flood(stub, flooded, flood_pool, cfg.flood_clients, cfg.flood_sentences, run) as flood:
-                flood_alone = _rate(flood, cfg.seconds)
-            with Flood(stub, flooded, flood_pool, cfg.flood_clients, cfg.flood_sentences, run) as flood:
+            alone = _probe(stub, probed, probes, options)
+            flood = (stub, flooded, flood_pool, cfg.flood_clients, cfg.flood_sentences, run, options)
+            with Flood(*flood) as flooding:
+                flood_alone = _rate(flooding, cfg.seconds)
+            with Flood(*flood) as flooding:
                 time.sleep(min(2.0, cfg.seconds / 4))  # the flood's first calls fill the running batch
-                start, t0 = flood.done, time.perf_counter()
-                under = _probe(stub, probed, probes)
-                flood_with_probes = (flood.done - start) / (time.perf_counter() - t0)
-            if flood.errors:
-                raise NmtserveError(f"{len(flood.errors)} flood call(s) failed, e.g. {flood.errors[0]}")
+                start, t0 = flooding.done, time.perf_counter()
+                under = _probe(stub, probed, probes, options, cfg.seconds)
+                flood_with_probes = (flooding.done - start) / (time.perf_counter() - t0)
+            if flooding.errors:
+                raise NmtserveError(f"{len(flooding.errors)} flood call(s) failed, e.g. {flooding.errors[0]}")
+            if not flood_alone:
+                raise NmtserveError(f"no flood call finished in {cfg.seconds} s: give more --seconds")
             runs.append({"probe_alone_p50_ms": percentile(alone, 50) * 1e3,
                          "probe_alone_p90_ms": percentile(alone, 90) * 1e3,
                          "probe_flooded_p50_ms": percentile(under, 50) * 1e3,

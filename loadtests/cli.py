@@ -158,6 +158,7 @@ def _add_bench(p) -> None:
     p.add_argument("--seconds", type=float, default=15.0, help="seconds the flood alone is measured")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads of each model")
+    p.add_argument("--max-output-tokens", type=int, default=32, help="of every call (default %(default)s)")
     p.add_argument("--json", metavar="FILE", help="also write the report here")
     p.set_defaults(func=cmd_bench_models)
     p = bench.add_parser("documents", help="a document in one TranslateText call vs its sentences in separate calls")
@@ -176,7 +177,8 @@ def cmd_bench_models(args) -> int:
 
     report = run_models_bench(ModelsBenchConfig(args.flooded, args.probed, args.flooded_sentences,
                                                 args.probed_sentences, args.flood_clients, args.flood_sentences,
-                                                args.probes, args.seconds, args.runs, args.threads),
+                                                args.probes, args.seconds, args.runs, args.threads,
+                                                args.max_output_tokens),
                               progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_table(report))
     if args.json:
