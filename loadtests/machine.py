@@ -8,7 +8,7 @@ import platform
 from importlib import metadata
 from pathlib import Path
 
-LIBRARIES = ("onnxruntime", "onnxruntime-gpu", "ctranslate2", "torch", "numpy", "grpcio")
+LIBRARIES = ("onnxruntime", "onnxruntime-gpu", "ctranslate2", "torch", "transformers", "numpy", "grpcio")
 # the flags that decide which GEMM and int8 kernels the engines can use
 CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
              "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")

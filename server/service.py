@@ -240,12 +240,12 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                      for spans, ids in pieces]
         submitted = []
         try:
-            for request_ in _engine_requests(documents):
-                self._submit(model, request_)
-                submitted.append(request_)
+            for engine_request in _engine_requests(documents):
+                self._submit(model, engine_request)
+                submitted.append(engine_request)
         except NmtserveError:  # a full queue: none of the text is translated
-            for request_ in submitted:
-                request_.cancel()
+            for engine_request in submitted:
+                engine_request.cancel()
             raise
         return documents
 
