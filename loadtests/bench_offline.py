@@ -132,7 +132,8 @@ def _load_engine(engine: str, threads: int, spec: dict):
                 ids = torch.tensor([sources[i] + [pad_id] * (width - len(sources[i])) for i in rows])
                 with torch.inference_mode():
                     generated = model.generate(input_ids=ids, attention_mask=ids != pad_id, do_sample=False,
-                                               num_beams=spec["beam_size"], max_new_tokens=spec["max_decoding_length"],
+                                               num_beams=spec["search"]["beam_size"],
+                                               max_new_tokens=spec["search"]["max_decoding_length"],
                                                forced_eos_token_id=None)
                 for i, row in zip(rows, generated[:, 1:].tolist()):  # after the decoder start token
                     out[i] = row[:row.index(eos_id)] if eos_id in row else [t for t in row if t != pad_id]
@@ -154,10 +155,10 @@ def _load_engine(engine: str, threads: int, spec: dict):
         ids = {piece: i for i, piece in enumerate(vocab)}
 
         def run(sources, batch_size):
-            results = ct.translate_batch([[vocab[i] for i in s] for s in sources], beam_size=spec["beam_size"],
+            results = ct.translate_batch([[vocab[i] for i in s] for s in sources], beam_size=spec["search"]["beam_size"],
                                          length_penalty=spec["search"]["length_penalty"],
                                          max_batch_size=batch_size, batch_type="examples",
-                                         max_decoding_length=spec["max_decoding_length"])
+                                         max_decoding_length=spec["search"]["max_decoding_length"])
             return [[ids[p] for p in r.hypotheses[0]] for r in results]
         return run
     raise NmtserveError(f"unknown engine {engine!r}")
@@ -220,8 +221,7 @@ def _spec(cfg: BenchConfig, workdir: Path) -> dict:
     search = replace(DecodingOptions(**(bundle.manifest.get("decoding_defaults") or {})).override(
         beam_size=cfg.beam_size), max_decoding_length=cfg.max_decoding_length)
     spec = {"bundle": cfg.bundle, "checkpoint": checkpoint, "marian_directory": marian, "sources": sources,
-            "batch_sizes": list(cfg.batch_sizes), "max_decoding_length": cfg.max_decoding_length,
-            "beam_size": cfg.beam_size, "search": asdict(search)}
+            "batch_sizes": list(cfg.batch_sizes), "search": asdict(search)}
     if any(e.startswith("ct2_") for e in cfg.engines):
         # converted here, once, in the runner (torch), never in a measuring process
         if marian:  # by CTranslate2's own converter, from the directory the bundle was imported from

@@ -15,6 +15,7 @@ models.toml:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import tomllib
@@ -171,6 +172,7 @@ class ServedModel:
         if len(text) > self.config.max_text_chars:
             raise InvalidRequest(f"{field}: {len(text)} characters, the limit is {self.config.max_text_chars}")
 
+        @functools.cache  # fit() measures a piece, then its ids are kept: each piece is encoded once
         def encode(piece: str) -> list[int]:
             return self.tokenizer.encode(piece, target_language=target_language)
 
