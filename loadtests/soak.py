@@ -170,13 +170,17 @@ def expected_codes(kind: str) -> set[str]:
 
 
 def scrape(url: str) -> dict[str, float]:
-    """Resident memory, running and waiting rows from one /metrics page."""
+    """Resident memory, running and waiting rows (summed over the served models) from one /metrics page."""
     wanted = {"process_resident_memory_bytes": "rss_bytes", "nmtserve_requests_running": "running",
               "nmtserve_requests_waiting": "waiting"}
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode("utf-8")
-    return {wanted[s.name]: s.value for family in text_string_to_metric_families(text)
-            for s in family.samples if s.name in wanted}
+    values = dict.fromkeys(wanted.values(), 0.0)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in wanted:
+                values[wanted[s.name]] += s.value
+    return values
 
 
 class Sampler(threading.Thread):

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 from dataclasses import dataclass
@@ -97,7 +98,9 @@ def load_model(spec: ModelSpec, config: ServerConfig, io_binding: bool | None, m
     engine = Engine(translator, EngineConfig(max_running_rows=config.max_running_rows,
                                              max_batch_tokens=config.max_batch_tokens,
                                              max_waiting=config.max_waiting,
-                                             batching=config.batching), on_step=metrics.step).start()
+                                             batching=config.batching),
+                    on_step=functools.partial(metrics.step, spec.id)).start()
+    metrics.watch_engine(spec.id, engine)
     metrics.model.labels(spec.id).info({"bundle": spec.bundle, "variant": spec.variant, "device": spec.device,
                                         "io_binding": str(translator.io_binding).lower(), "batching": config.batching})
     return ServedModel(spec, engine, config)
@@ -121,7 +124,6 @@ async def start_server(config: ServerConfig) -> RunningServer:
         for model in models.values():
             model.engine.stop()
         raise
-    metrics.watch_engines([m.engine for m in models.values()])
     metrics_port = metrics.serve(config.metrics_port, addr="127.0.0.1" if config.host.startswith("127.") else "0.0.0.0") \
         if config.metrics_port >= 0 else None
     options = [("grpc.max_receive_message_length", config.max_message_bytes),

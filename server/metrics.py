@@ -2,6 +2,8 @@
 
 The engine and the servicer report plain numbers through ServerMetrics' methods; nothing else
 touches prometheus_client. Each server has its own registry (tests run several in one process).
+Every request and engine series carries the `model` label: the id of a served model, so its values are
+bounded by the models served; empty for a call refused before it could be routed to one.
 """
 
 from __future__ import annotations
@@ -20,28 +22,28 @@ class ServerMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
         self.request_duration = Histogram("nmtserve_request_duration_seconds", "Arrival to end of decoding, per sentence",
-                                          ["rpc"], buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("nmtserve_request_queue_seconds", "Arrival to admission into the running batch",
+                                          ["model", "rpc"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("nmtserve_request_queue_seconds", "Arrival to admission into the running batch", ["model"],
                                     buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("nmtserve_time_to_first_token_seconds", "Arrival to the first target token",
+        self.ttft = Histogram("nmtserve_time_to_first_token_seconds", "Arrival to the first target token", ["model"],
                               buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("nmtserve_time_per_output_token_seconds", "Mean time between target tokens of a sentence",
+        self.tpot = Histogram("nmtserve_time_per_output_token_seconds", "Mean time between target tokens of a sentence", ["model"],
                               buckets=PER_TOKEN_BUCKETS, registry=r)
-        self.step_duration = Histogram("nmtserve_step_duration_seconds", "One engine iteration (encode + decoder step)",
+        self.step_duration = Histogram("nmtserve_step_duration_seconds", "One engine iteration (encode + decoder step)", ["model"],
                                        buckets=STEP_BUCKETS, registry=r)
-        self.step_rows = Histogram("nmtserve_step_rows", "Rows in the decoder batch per step", buckets=ROW_BUCKETS, registry=r)
-        self.step_tokens = Histogram("nmtserve_step_cache_tokens", "Valid self-attention cache slots per step, all rows",
+        self.step_rows = Histogram("nmtserve_step_rows", "Rows in the decoder batch per step", ["model"], buckets=ROW_BUCKETS, registry=r)
+        self.step_tokens = Histogram("nmtserve_step_cache_tokens", "Valid self-attention cache slots per step, all rows", ["model"],
                                      buckets=TOKEN_BUCKETS, registry=r)
-        self.input_tokens = Counter("nmtserve_input_tokens", "Source tokens of finished sentences", registry=r)
-        self.output_tokens = Counter("nmtserve_output_tokens", "Target tokens produced", registry=r)
-        self.requests = Counter("nmtserve_requests", "Finished RPCs by status code", ["rpc", "code"], registry=r)
-        self.sentences = Counter("nmtserve_sentences", "Finished sentences by finish reason", ["finish_reason"], registry=r)
+        self.input_tokens = Counter("nmtserve_input_tokens", "Source tokens of finished sentences", ["model"], registry=r)
+        self.output_tokens = Counter("nmtserve_output_tokens", "Target tokens produced", ["model"], registry=r)
+        self.requests = Counter("nmtserve_requests", "Finished RPCs by status code", ["model", "rpc", "code"], registry=r)
+        self.sentences = Counter("nmtserve_sentences", "Finished sentences by finish reason", ["model", "finish_reason"], registry=r)
         self.cancelled = Counter("nmtserve_cancelled_sentences", "Sentences dropped by client cancellation or deadline",
-                                 ["reason"], registry=r)
+                                 ["model", "reason"], registry=r)
         self.rejected = Counter("nmtserve_rejected_requests", "RPCs refused before any work, by status code",
-                                ["code"], registry=r)
-        self.running = Gauge("nmtserve_requests_running", "Rows in the running batch", registry=r)
-        self.waiting = Gauge("nmtserve_requests_waiting", "Requests waiting for admission", registry=r)
+                                ["model", "code"], registry=r)
+        self.running = Gauge("nmtserve_requests_running", "Rows in the running batch", ["model"], registry=r)
+        self.waiting = Gauge("nmtserve_requests_waiting", "Requests waiting for admission", ["model"], registry=r)
         self.model = Info("nmtserve_model", "The bundles being served, one series per model", ["model"], registry=r)
         # process_resident_memory_bytes, process_open_fds, process_cpu_seconds_total, … (Linux /proc)
         ProcessCollector(registry=r)
@@ -52,36 +54,36 @@ class ServerMetrics:
         return server.server_port
 
     # -- reported by the engine
-    def watch_engines(self, engines: list) -> None:
-        """Running rows and waiting requests of the server: summed over its models' engines."""
-        self.running.set_function(lambda: sum(e.stats()["running"] for e in engines))
-        self.waiting.set_function(lambda: sum(e.stats()["waiting"] for e in engines))
+    def watch_engine(self, model: str, engine) -> None:
+        """The model's running rows and waiting requests, read from its engine at each scrape."""
+        self.running.labels(model).set_function(lambda: engine.stats()["running"])
+        self.waiting.labels(model).set_function(lambda: engine.stats()["waiting"])
 
-    def step(self, rows: int, cache_tokens: int, seconds: float) -> None:
-        self.step_rows.observe(rows)
-        self.step_tokens.observe(cache_tokens)
-        self.step_duration.observe(seconds)
+    def step(self, model: str, rows: int, cache_tokens: int, seconds: float) -> None:
+        self.step_rows.labels(model).observe(rows)
+        self.step_tokens.labels(model).observe(cache_tokens)
+        self.step_duration.labels(model).observe(seconds)
 
     # -- reported by the servicer
-    def sentence(self, rpc: str, request) -> None:
+    def sentence(self, model: str, rpc: str, request) -> None:
         """One finished engine request (a sentence)."""
         reason = request.finish.value if request.finish else "unknown"
         if reason in ("cancelled", "deadline"):
-            self.cancelled.labels(reason).inc()
+            self.cancelled.labels(model, reason).inc()
             return
-        self.sentences.labels(reason).inc()
-        self.input_tokens.inc(len(request.src_ids))
-        self.output_tokens.inc(len(request.tokens))
+        self.sentences.labels(model, reason).inc()
+        self.input_tokens.labels(model).inc(len(request.src_ids))
+        self.output_tokens.labels(model).inc(len(request.tokens))
         if request.admitted is not None:
-            self.queue_time.observe(request.admitted - request.arrived)
+            self.queue_time.labels(model).observe(request.admitted - request.arrived)
         if request.first_token is not None:
-            self.ttft.observe(request.first_token - request.arrived)
+            self.ttft.labels(model).observe(request.first_token - request.arrived)
             if len(request.tokens) > 1 and request.finished is not None:
-                self.tpot.observe((request.finished - request.first_token) / (len(request.tokens) - 1))
+                self.tpot.labels(model).observe((request.finished - request.first_token) / (len(request.tokens) - 1))
         if request.finished is not None:
-            self.request_duration.labels(rpc).observe(request.finished - request.arrived)
+            self.request_duration.labels(model, rpc).observe(request.finished - request.arrived)
 
-    def rpc(self, rpc: str, code: str, rejected: bool = False) -> None:
-        self.requests.labels(rpc, code).inc()
+    def rpc(self, model: str, rpc: str, code: str, rejected: bool = False) -> None:
+        self.requests.labels(model, rpc, code).inc()
         if rejected:
-            self.rejected.labels(code).inc()
+            self.rejected.labels(model, code).inc()

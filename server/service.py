@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -47,14 +48,29 @@ def _status_of(exc: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def _log_line(rpc: str, code: str, requests: list[Request], started: float) -> None:
+@dataclass
+class _Call:
+    """One RPC as its metrics and its log line count it."""
+    rpc: str
+    model: str = ""  # the served model's id, once the call is routed to one
+    requests: list[Request] = field(default_factory=list)  # its engine requests, as submitted
+    started: float = field(default_factory=time.monotonic)
+
+    def cancel(self) -> None:
+        """Free the call's rows at the engine's next step."""
+        for r in self.requests:
+            r.cancel()
+
+
+def _log_line(call: _Call, code: str) -> None:
     """One structured line per RPC: id, sizes, timings, status."""
+    requests = call.requests
     log.info(json.dumps({
-        "rpc": rpc, "code": code, "ids": [r.id for r in requests], "sentences": len(requests),
+        "rpc": call.rpc, "model": call.model, "code": code, "ids": [r.id for r in requests], "sentences": len(requests),
         "input_tokens": sum(len(r.src_ids) for r in requests), "output_tokens": sum(len(r.tokens) for r in requests),
         "queue_ms": round(max(((r.admitted or r.arrived) - r.arrived) * 1e3 for r in requests), 2) if requests else None,
         "ttft_ms": round(max(((r.first_token or r.arrived) - r.arrived) * 1e3 for r in requests), 2) if requests else None,
-        "total_ms": round((time.monotonic() - started) * 1e3, 2)}))
+        "total_ms": round((time.monotonic() - call.started) * 1e3, 2)}))
 
 
 class TranslationServicer(pb_grpc.TranslationServiceServicer):
@@ -65,18 +81,20 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         self.models, self.config, self.metrics = models, config, metrics
         self.accepting = True
 
-    def _model(self, request) -> ServedModel:
-        return route(self.models, request.model, request.source_language, request.target_language)
+    def _model(self, call: _Call, request) -> ServedModel:
+        model = route(self.models, request.model, request.source_language, request.target_language)
+        call.model = model.id
+        return model
 
     # -- engine round trip
-    def _request(self, rpc: str, ids: list[int], options: tuple[int, DecodingOptions], context, on_token=None,
+    def _request(self, call: _Call, ids: list[int], options: tuple[int, DecodingOptions], context, on_token=None,
                  on_done=None):
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         remaining = context.time_remaining()
 
         def on_finish(r: Request) -> None:  # engine thread
-            self.metrics.sentence(rpc, r)
+            self.metrics.sentence(call.model, call.rpc, r)
             loop.call_soon_threadsafe(_resolve, future, r)
             if on_done:
                 on_done()
@@ -86,33 +104,40 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                           deadline=None if remaining is None else time.monotonic() + remaining)
         return request, future
 
-    async def _fail(self, rpc: str, context, exc: Exception, requests: list[Request], started: float):
+    async def _fail(self, call: _Call, context, exc: Exception, rejected: bool = True):
+        """End the call with exc's status; `rejected`: refused while it was checked and submitted,
+        before any work (its submitted requests are cancelled)."""
+        call.cancel()
         code = _status_of(exc)
-        self.metrics.rpc(rpc, code.name, rejected=not requests)
-        _log_line(rpc, code.name, requests, started)
+        self.metrics.rpc(call.model, call.rpc, code.name, rejected=rejected)
+        _log_line(call, code.name)
         await context.abort(code, str(exc))
 
-    async def _fit(self, rpc: str, message, context, requests: list[Request], started: float):
+    def _cancelled(self, call: _Call) -> None:
+        """The client went away: free the rows at the next step."""
+        call.cancel()
+        self.metrics.rpc(call.model, call.rpc, "CANCELLED")
+
+    async def _fit(self, call: _Call, message, context):
         """The message, if grpc can send it: a write over the message size limit fails inside grpc, after
         the call was counted OK; this fails the call first (freeing its rows if a stream's delta is too
         large while it still decodes), with the sizes, and counts what it got."""
         size, limit = message.ByteSize(), self.config.max_message_bytes
         if size > limit:
-            for r in requests:
-                r.cancel()
-            await self._fail(rpc, context, ResponseTooLarge(
+            await self._fail(call, context, ResponseTooLarge(
                 f"response: {size} bytes, over the server's message limit of {limit} (--max-message-bytes)"),
-                requests, started)
+                rejected=False)
         return message
 
-    def _succeed(self, rpc: str, requests: list[Request], started: float) -> None:
-        self.metrics.rpc(rpc, "OK")
-        _log_line(rpc, "OK", requests, started)
+    def _succeed(self, call: _Call) -> None:
+        self.metrics.rpc(call.model, call.rpc, "OK")
+        _log_line(call, "OK")
 
-    def _submit(self, model: ServedModel, request: Request) -> None:
+    def _submit(self, call: _Call, model: ServedModel, request: Request) -> None:
         if not self.accepting:
             raise EngineStopped("the server is draining; retry on another replica")
         model.engine.submit(request)
+        call.requests.append(request)
 
     @staticmethod
     def _translation(model: ServedModel, request: Request, return_scores: bool) -> pb.Translation:
@@ -127,7 +152,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                               finish_reason=_FINISH.get(request.finish, pb.FINISH_REASON_UNSPECIFIED), timings=timings,
                               alternatives=alternatives)
 
-    async def _check_finished(self, rpc: str, requests: list[Request], context, started: float) -> None:
+    async def _check_finished(self, call: _Call, requests: list[Request], context) -> None:
         for request in requests:
             if request.finish not in _EARLY_FINISH:
                 continue
@@ -135,8 +160,8 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                 log.error("request %s failed in the engine: %s", request.id, request.error)
             code, what = _EARLY_FINISH[request.finish]
             message = f"request {request.id} {what}"
-            self.metrics.rpc(rpc, code.name)
-            _log_line(rpc, code.name, requests, started)
+            self.metrics.rpc(call.model, call.rpc, code.name)
+            _log_line(call, code.name)
             if request.finish is not FinishReason.ERROR:
                 # the client's own deadline or cancellation already gave it this status, and gRPC may
                 # have ended the call: a status written now fails inside grpc (ExecuteBatchError, logged
@@ -146,52 +171,46 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
 
     # -- RPCs
     async def Translate(self, request: pb.TranslateRequest, context) -> pb.TranslateResponse:
-        submitted: list[Request] = []
-        started = time.monotonic()
+        call = _Call("Translate")
         try:
+            model = self._model(call, request)
             n = len(request.sentences)
             if not 1 <= n <= self.config.max_sentences:
                 raise InvalidRequest(f"sentences: {n} given, between 1 and {self.config.max_sentences} accepted")
-            model = self._model(request)
             options = model.options(request.options)
             language = model.language_token(request.target_language)
             sources = [model.source(f"sentences[{i}]", s, language) for i, s in enumerate(request.sentences)]
-            pairs = [self._request("Translate", ids, options, context) for ids in sources]
+            pairs = [self._request(call, ids, options, context) for ids in sources]
             for engine_request, _ in pairs:
-                self._submit(model, engine_request)
-                submitted.append(engine_request)
+                self._submit(call, model, engine_request)
             done = await asyncio.gather(*(f for _, f in pairs))
         except NmtserveError as e:
-            for r in submitted:
-                r.cancel()
-            await self._fail("Translate", context, e, submitted, started)
-        except asyncio.CancelledError:  # the client went away: free the rows at the next step
-            for r in submitted:
-                r.cancel()
-            self.metrics.rpc("Translate", "CANCELLED")
+            await self._fail(call, context, e)
+        except asyncio.CancelledError:
+            self._cancelled(call)
             raise
-        await self._check_finished("Translate", done, context, started)
+        await self._check_finished(call, done, context)
         response = pb.TranslateResponse(translations=[self._translation(model, r, request.options.return_scores)
                                                       for r in done])
-        response = await self._fit("Translate", response, context, done, started)
-        self._succeed("Translate", done, started)
+        response = await self._fit(call, response, context)
+        self._succeed(call)
         return response
 
     async def TranslateStream(self, request: pb.TranslateStreamRequest, context):
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue = asyncio.Queue()
-        started = time.monotonic()
+        call = _Call("TranslateStream")
         try:
-            model = self._model(request)
+            model = self._model(call, request)
             options = model.options(request.options)
             ids = model.source("sentence", request.sentence, model.language_token(request.target_language))
             engine_request, future = self._request(
-                "TranslateStream", ids, options, context,
+                call, ids, options, context,
                 on_token=lambda r, t: loop.call_soon_threadsafe(tokens.put_nowait, t),
                 on_done=lambda: loop.call_soon_threadsafe(tokens.put_nowait, None))  # after the last token
-            self._submit(model, engine_request)
+            self._submit(call, model, engine_request)
         except NmtserveError as e:
-            await self._fail("TranslateStream", context, e, [], started)
+            await self._fail(call, context, e)
         emitted, seen, finished = "", [], False
         try:
             while not finished:
@@ -204,31 +223,28 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                 seen.extend(t for t in items if t is not None)
                 text = model.tokenizer.decode(seen)
                 if text.startswith(emitted) and len(text) > len(emitted):  # pieces may re-segment; wait if so
-                    yield await self._fit("TranslateStream", pb.TranslateStreamResponse(delta=text[len(emitted):]),
-                                          context, [engine_request], started)
+                    yield await self._fit(call, pb.TranslateStreamResponse(delta=text[len(emitted):]), context)
                     emitted = text
             await future
         except asyncio.CancelledError:
-            engine_request.cancel()
-            self.metrics.rpc("TranslateStream", "CANCELLED")
+            self._cancelled(call)
             raise
-        await self._check_finished("TranslateStream", [engine_request], context, started)
+        await self._check_finished(call, [engine_request], context)
         final = self._translation(model, engine_request, request.options.return_scores)
         if final.text != emitted:
             if not final.text.startswith(emitted):
                 log.error("request %s: streamed text is not a prefix of the final text", engine_request.id)
                 await context.abort(grpc.StatusCode.INTERNAL, f"request {engine_request.id}: stream diverged")
-            yield await self._fit("TranslateStream", pb.TranslateStreamResponse(delta=final.text[len(emitted):]),
-                                  context, [engine_request], started)
-        last = await self._fit("TranslateStream", pb.TranslateStreamResponse(final=final), context, [engine_request],
-                               started)
-        self._succeed("TranslateStream", [engine_request], started)
+            yield await self._fit(call, pb.TranslateStreamResponse(delta=final.text[len(emitted):]), context)
+        last = await self._fit(call, pb.TranslateStreamResponse(final=final), context)
+        self._succeed(call)
         yield last
 
     # -- whole texts: one engine request per sentence, rejoined around the source's whitespace
-    def _text_requests(self, rpc: str, model: ServedModel, texts: list[tuple[str, str]], request, context):
+    def _text_requests(self, call: _Call, model: ServedModel, texts: list[tuple[str, str]], request, context):
         """Split and submit each (field, text): per text its spans, and per span the engine request and
-        its future, or None where the span is kept as it is."""
+        its future, or None where the span is kept as it is. A failure part-way (a full queue) fails the
+        call, whose _fail cancels what was submitted: no text is translated in part."""
         if request.mime_type not in ("", *MIME_TYPES):
             raise InvalidRequest(f"mime_type {request.mime_type!r}: "
                                  + ("HTML is not supported yet" if "html" in request.mime_type else "not supported")
@@ -236,17 +252,11 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         options = model.options(request.options)
         language = model.language_token(request.target_language)
         pieces = [model.text_pieces(field, text, language) for field, text in texts]
-        documents = [(spans, [self._request(rpc, piece, options, context) if piece else None for piece in ids])
+        documents = [(spans, [self._request(call, piece, options, context) if piece else None for piece in ids])
                      for spans, ids in pieces]
-        submitted = []
-        try:
-            for engine_request in _engine_requests(documents):
-                self._submit(model, engine_request)
-                submitted.append(engine_request)
-        except NmtserveError:  # a full queue: none of the text is translated
-            for engine_request in submitted:
-                engine_request.cancel()
-            raise
+        for _, pairs in documents:
+            for engine_request, _future in filter(None, pairs):
+                self._submit(call, model, engine_request)
         return documents
 
     @staticmethod
@@ -254,27 +264,23 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         return model.tokenizer.decode(pair[0].tokens) if pair else text[span[0]:span[1]]
 
     async def TranslateText(self, request: pb.TranslateTextRequest, context) -> pb.TranslateTextResponse:
-        documents: list = []
-        started = time.monotonic()
+        call = _Call("TranslateText")
         try:
+            model = self._model(call, request)
             n, chars = len(request.texts), sum(len(t) for t in request.texts)
             if not 1 <= n <= self.config.max_sentences:
                 raise InvalidRequest(f"texts: {n} given, between 1 and {self.config.max_sentences} accepted")
             if chars > self.config.max_call_chars:
                 raise InvalidRequest(f"texts: {chars} characters in all, the limit is {self.config.max_call_chars}")
-            model = self._model(request)
-            documents = self._text_requests("TranslateText", model, [(f"texts[{i}]", t) for i, t in
-                                                                     enumerate(request.texts)], request, context)
+            documents = self._text_requests(call, model, [(f"texts[{i}]", t) for i, t in enumerate(request.texts)],
+                                            request, context)
             await asyncio.gather(*(pair[1] for _, pairs in documents for pair in pairs if pair))
-        except NmtserveError as e:
-            await self._fail("TranslateText", context, e, [], started)
+        except NmtserveError as e:  # a full queue, say: none of the texts is translated
+            await self._fail(call, context, e)
         except asyncio.CancelledError:
-            for r in _engine_requests(documents):
-                r.cancel()
-            self.metrics.rpc("TranslateText", "CANCELLED")
+            self._cancelled(call)
             raise
-        submitted = _engine_requests(documents)
-        await self._check_finished("TranslateText", submitted, context, started)
+        await self._check_finished(call, call.requests, context)
         translations = []
         for text, (spans, pairs) in zip(request.texts, documents):
             joined, alignment = rejoin(text, spans, [self._piece_text(model, text, span, pair)
@@ -285,40 +291,36 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                 output_tokens=sum(len(r.tokens) for r in done),
                 alignment=[pb.SentenceAlignment(source_start=a, source_end=b, target_start=c, target_end=d)
                            for a, b, c, d in alignment] if request.return_alignment else []))
-        response = await self._fit("TranslateText", pb.TranslateTextResponse(translations=translations), context,
-                                   submitted, started)
-        self._succeed("TranslateText", submitted, started)
+        response = await self._fit(call, pb.TranslateTextResponse(translations=translations), context)
+        self._succeed(call)
         return response
 
     async def TranslateTextStream(self, request: pb.TranslateTextStreamRequest, context):
-        started = time.monotonic()
+        call = _Call("TranslateTextStream")
         try:
-            model = self._model(request)
-            documents = self._text_requests("TranslateTextStream", model, [("text", request.text)], request, context)
+            model = self._model(call, request)
+            [(spans, pairs)] = self._text_requests(call, model, [("text", request.text)], request, context)
         except NmtserveError as e:
-            await self._fail("TranslateTextStream", context, e, [], started)
-        [(spans, pairs)], submitted = documents, _engine_requests(documents)
+            await self._fail(call, context, e)
         position, length = 0, 0
         try:
             for span, pair in zip(spans, pairs):
                 if pair:
                     await pair[1]
-                    await self._check_finished("TranslateTextStream", [pair[0]], context, started)
+                    await self._check_finished(call, [pair[0]], context)
                 translation = self._piece_text(model, request.text, span, pair)
                 delta = request.text[position:span[0]] + translation
                 target_start = length + span[0] - position
-                yield await self._fit("TranslateTextStream", pb.TranslateTextStreamResponse(
+                yield await self._fit(call, pb.TranslateTextStreamResponse(
                     delta=delta, alignment=pb.SentenceAlignment(source_start=span[0], source_end=span[1],
                                                                 target_start=target_start,
                                                                 target_end=target_start + len(translation))),
-                    context, submitted, started)
+                    context)
                 position, length = span[1], length + len(delta)
         except asyncio.CancelledError:
-            for r in submitted:
-                r.cancel()
-            self.metrics.rpc("TranslateTextStream", "CANCELLED")
+            self._cancelled(call)
             raise
-        self._succeed("TranslateTextStream", submitted, started)
+        self._succeed(call)
         yield pb.TranslateTextStreamResponse(delta=request.text[position:])
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
@@ -331,11 +333,6 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
 
     async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[m.info() for m in self.models.values()])
-
-
-def _engine_requests(documents: list) -> list[Request]:
-    """The engine requests of _text_requests' documents (spans kept as they are have none)."""
-    return [pair[0] for _, pairs in documents for pair in pairs if pair]
 
 
 def _resolve(future: asyncio.Future, request: Request) -> None:

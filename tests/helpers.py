@@ -11,9 +11,11 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from nmtserve.server.app import start_server
 from nmtserve.server.config import ServerConfig
@@ -76,6 +78,17 @@ SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", 
 def exported_series() -> set[str]:
     """Every series name the server's registry can expose, from the collectors' names and types."""
     return {family.name + suffix for family in ServerMetrics().registry.collect() for suffix in SUFFIXES[family.type]}
+
+
+def scrape(port: int) -> list:
+    """The samples of a server's /metrics page, fetched over HTTP and parsed."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def metric(samples: list, name: str, **labels: str) -> float:
+    """The sum of name's samples whose labels include `labels`."""
+    return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
 
 
 def metric_names(expr: str) -> set[str]:

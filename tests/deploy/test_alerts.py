@@ -13,6 +13,7 @@ from tests.helpers import exported_series, metric_names
 ALERTS = {"NmtserveDown", "NmtserveInternalErrors", "NmtserveRejectingForCapacity", "NmtserveQueueBacklog",
           "NmtserveSlowRequests", "NmtserveSlowFirstToken"}
 POD = {"namespace": "ml", "pod": "nmtserve-a"}
+MODEL = "en-fr"
 
 
 def _series(name: str, values: str, **labels) -> dict:
@@ -22,7 +23,8 @@ def _series(name: str, values: str, **labels) -> dict:
 
 def _histogram(name: str, bounds_per_minute: dict[str, int]) -> list[dict]:
     """Cumulative buckets growing by the given count per minute (per bound), for 30 minutes."""
-    return [_series(name + "_bucket", f"0+{per_minute}x30", le=le) for le, per_minute in bounds_per_minute.items()]
+    return [_series(name + "_bucket", f"0+{per_minute}x30", model=MODEL, le=le)
+            for le, per_minute in bounds_per_minute.items()]
 
 
 def _traffic(ok_per_minute: int, internal: int, exhausted: int, waiting: int, slow: bool) -> list[dict]:
@@ -32,11 +34,11 @@ def _traffic(ok_per_minute: int, internal: int, exhausted: int, waiting: int, sl
     first_token = {"0.5": 0 if slow else 60, "1.0": 0 if slow else 60, "2.5": 60, "+Inf": 60}
     return [
         _series("up", up, job="nmtserve"),
-        _series("nmtserve_requests_total", f"0+{ok_per_minute}x30", rpc="Translate", code="OK"),
-        _series("nmtserve_requests_total", f"0+{internal}x30", rpc="Translate", code="INTERNAL"),
-        _series("nmtserve_requests_total", f"0+{exhausted}x30", rpc="Translate", code="RESOURCE_EXHAUSTED"),
-        _series("nmtserve_rejected_requests_total", f"0+{exhausted}x30", code="RESOURCE_EXHAUSTED"),
-        _series("nmtserve_requests_waiting", f"{waiting}x30"),
+        _series("nmtserve_requests_total", f"0+{ok_per_minute}x30", model=MODEL, rpc="Translate", code="OK"),
+        _series("nmtserve_requests_total", f"0+{internal}x30", model=MODEL, rpc="Translate", code="INTERNAL"),
+        _series("nmtserve_requests_total", f"0+{exhausted}x30", model=MODEL, rpc="Translate", code="RESOURCE_EXHAUSTED"),
+        _series("nmtserve_rejected_requests_total", f"0+{exhausted}x30", model=MODEL, code="RESOURCE_EXHAUSTED"),
+        _series("nmtserve_requests_waiting", f"{waiting}x30", model=MODEL),
         *_histogram("nmtserve_request_duration_seconds", latency),
         *_histogram("nmtserve_time_to_first_token_seconds", first_token),
     ]
@@ -69,7 +71,7 @@ def test_rules_pass_promtool_and_query_only_exported_metrics(rules):
 
 def test_each_alert_fires_on_a_broken_pod_and_none_on_a_healthy_one(rules):
     promtool, out, _ = rules
-    scope = {"namespace": "ml"}
+    scope = {"namespace": "ml", "model": MODEL}  # errors, refusals and latency alert per model
     broken = {"NmtserveDown": {**POD, "job": "nmtserve"}, "NmtserveInternalErrors": scope,
               "NmtserveRejectingForCapacity": scope, "NmtserveQueueBacklog": POD,
               "NmtserveSlowRequests": scope, "NmtserveSlowFirstToken": scope}

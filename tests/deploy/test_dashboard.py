@@ -22,7 +22,7 @@ from tests.helpers import ROOT, TARGET_LABELS, ServerThread, exported_series, me
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "nmtserve-dashboard.json"
 # Grafana's variables, as a local Prometheus without Kubernetes labels must read them
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$namespace": ".*", "$pod": ".*"}
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$namespace": ".*", "$pod": ".*", "$model": ".*"}
 
 
 def dashboard_queries() -> dict[str, str]:
@@ -56,6 +56,9 @@ def test_the_dashboard_covers_the_server_and_names_only_exported_metrics():
                    "nmtserve_requests_waiting", "nmtserve_step_rows_bucket", "nmtserve_rejected_requests_total",
                    "nmtserve_cancelled_sentences_total"):
         assert needed in used, f"no panel queries {needed}"
+    panel_queries = {name: expr for name, expr in queries.items() if not name.startswith("variable ")}
+    unfiltered = [name for name, expr in panel_queries.items() if expr.count('model=~"$model"') != expr.count("nmtserve_")]
+    assert not unfiltered, f"every series a panel reads must be filtered by the model variable: {unfiltered}"
     board = json.loads(DASHBOARD.read_text())
     datasources = {json.dumps(p.get("datasource")) for p in board["panels"] if p["type"] != "row"}
     assert datasources == {json.dumps({"type": "prometheus", "uid": "${datasource}"})}, "panels must use the datasource variable"

@@ -9,13 +9,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from nmtserve.export.runtime.bundle import load_bundle
 from nmtserve.loadtests.workload import ServerProcess, free_port
@@ -23,7 +21,7 @@ from nmtserve.server.config import ServerConfig
 from nmtserve.training.data import read_tsv
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
-from tests.helpers import ServerThread, wait_engine_idle
+from tests.helpers import ServerThread, metric, scrape, wait_engine_idle
 
 
 class Server(ServerProcess):
@@ -35,10 +33,8 @@ class Server(ServerProcess):
                          "--max-output-tokens", "256", *(["--port", str(port)] if port else []), log=log,
                          cwd=Path(log).parent)
 
-    def metric(self, name: str, labels: dict | None = None) -> float:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
-        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                   if s.name == name and (labels or {}).items() <= s.labels.items())
+    def metric(self, name: str, **labels: str) -> float:
+        return metric(scrape(self.metrics_port), name, **labels)
 
     def wait_idle(self, seconds: float = 20) -> bool:
         deadline = time.monotonic() + seconds
@@ -107,8 +103,9 @@ def test_a_client_killed_mid_stream_frees_its_row_and_its_batch_mates_finish(tin
         assert running >= 5, running  # the killed clients' rows were decoding beside their batch-mates
         wait_engine_idle(engine, 20)
         assert engine.stats()["running"] == engine.stats()["waiting"] == 0
+        [model] = server.running.models
         cancelled = server.running.servicer.metrics.registry.get_sample_value("nmtserve_cancelled_sentences_total",
-                                                                              {"reason": "cancelled"})
+                                                                              {"model": model, "reason": "cancelled"})
         assert cancelled >= 1, cancelled
     finally:
         server.stop()
@@ -162,7 +159,9 @@ def test_a_response_too_large_to_send_fails_alone_with_its_sizes(tiny_bundle, ca
             assert f"bytes, over the server's message limit of {limit} (--max-message-bytes)" in message, message
             registry = server.running.servicer.metrics.registry
             rpc = "Translate" if limit == 200 else "TranslateStream"
-            assert registry.get_sample_value("nmtserve_requests_total", {"rpc": rpc, "code": "RESOURCE_EXHAUSTED"}) == 1
+            [model] = server.running.models
+            assert registry.get_sample_value("nmtserve_requests_total",
+                                             {"model": model, "rpc": rpc, "code": "RESOURCE_EXHAUSTED"}) == 1
             wait_engine_idle(server.running.engine, 20)
             assert server.running.engine.stats()["running"] == server.running.engine.stats()["waiting"] == 0
         finally:

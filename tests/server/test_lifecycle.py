@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import time
-import urllib.request
 
 import grpc
 
@@ -13,14 +12,14 @@ from nmtserve.loadtests.workload import free_port
 from nmtserve.training.data import read_tsv
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
-from tests.helpers import NMTSERVE
+from tests.helpers import NMTSERVE, metric, scrape
 
 
 def _accepted(metrics_port: int) -> float:
     """Sentences the engine has taken: running + waiting + finished."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    names = ("nmtserve_requests_running ", "nmtserve_requests_waiting ", "nmtserve_sentences_total{")
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(names))
+    samples = scrape(metrics_port)
+    return sum(metric(samples, name) for name in ("nmtserve_requests_running", "nmtserve_requests_waiting",
+                                                   "nmtserve_sentences_total"))
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_bundle, tiny_corpus, tmp_path):

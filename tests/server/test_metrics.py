@@ -42,8 +42,10 @@ def test_scrape_agrees_with_traffic_and_static_batching_gives_the_same_text(tiny
             outputs[batching] = [t.text for r in responses for t in r.translations]
             after = _scrape(server.running.metrics_port)
 
+            [model] = server.running.models  # every series carries the model it counts
+
             def delta(name, **labels):
-                key = (name, tuple(sorted(labels.items())))
+                key = (name, tuple(sorted({"model": model, **labels}.items())))
                 return after.get(key, 0) - before.get(key, 0)
 
             translations = [t for r in responses for t in r.translations]
@@ -59,7 +61,8 @@ def test_scrape_agrees_with_traffic_and_static_batching_gives_the_same_text(tiny
             assert delta("nmtserve_time_to_first_token_seconds_count") == 6
             assert delta("nmtserve_request_duration_seconds_count", rpc="Translate") == 6
             assert delta("nmtserve_step_duration_seconds_count") > 0
-            assert after[("nmtserve_requests_running", ())] == 0 and after[("nmtserve_requests_waiting", ())] == 0
+            idle = (("model", model),)
+            assert after[("nmtserve_requests_running", idle)] == 0 and after[("nmtserve_requests_waiting", idle)] == 0
         finally:
             server.stop()
     assert outputs["continuous"] == outputs["static"]

@@ -20,7 +20,7 @@ from nmtserve.server.config import ServerConfig
 from nmtserve.server.models import model_specs
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
-from tests.helpers import ServerThread, run_cli
+from tests.helpers import ServerThread, metric, run_cli, scrape
 
 SERVICE = "nmtserve.v1.TranslationService"
 
@@ -97,6 +97,44 @@ def test_health_reports_each_model_and_the_server(two_models):
         with pytest.raises(grpc.RpcError) as unknown:
             health.Check(health_pb2.HealthCheckRequest(service=f"{SERVICE}/de-en"), timeout=10)
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_metrics_count_each_model_apart(two_models):
+    """Every request series carries the model it counts; a call that names no served model counts under
+    model="" (the label's values stay bounded by the models served)."""
+    port = two_models.running.metrics_port
+    greedy = pb.DecodingOptions(beam_size=1, max_output_tokens=20)
+    before = scrape(port)
+    with two_models.channel() as channel:
+        stub = pb_grpc.TranslationServiceStub(channel)
+        en_fr = stub.Translate(pb.TranslateRequest(sentences=["the cat sees the dog"] * 2, options=greedy,
+                                                   model="en-fr"), timeout=30).translations
+        fr_en = stub.Translate(pb.TranslateRequest(sentences=sentences(FRENCH, 1, 14), options=greedy, model="fr-en"),
+                               timeout=30).translations
+        text = stub.TranslateText(pb.TranslateTextRequest(texts=[" ".join(sentences(FRENCH, 3, 15))], options=greedy,
+                                                          model="fr-en"), timeout=60).translations[0]
+        with pytest.raises(grpc.RpcError):
+            stub.Translate(pb.TranslateRequest(sentences=["x"], model="de-en"), timeout=30)
+    after = scrape(port)
+
+    def delta(name, **labels):
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert text.sentences == 3
+    assert delta("nmtserve_requests_total", model="en-fr", rpc="Translate", code="OK") == 1
+    assert delta("nmtserve_requests_total", model="fr-en", rpc="Translate", code="OK") == 1
+    assert delta("nmtserve_requests_total", model="fr-en", rpc="TranslateText", code="OK") == 1
+    assert delta("nmtserve_sentences_total", model="en-fr") == 2
+    assert delta("nmtserve_sentences_total", model="fr-en") == 4
+    assert delta("nmtserve_request_duration_seconds_count", model="fr-en", rpc="TranslateText") == 3
+    assert delta("nmtserve_output_tokens_total", model="en-fr") == sum(t.output_tokens for t in en_fr)
+    assert delta("nmtserve_output_tokens_total", model="fr-en") == fr_en[0].output_tokens + text.output_tokens
+    assert delta("nmtserve_input_tokens_total", model="fr-en") == fr_en[0].input_tokens + text.input_tokens
+    assert delta("nmtserve_step_rows_count", model="en-fr") > 0 and delta("nmtserve_step_rows_count", model="fr-en") > 0
+    assert delta("nmtserve_rejected_requests_total", model="", code="INVALID_ARGUMENT") == 1
+    assert delta("nmtserve_requests_total", model="", rpc="Translate", code="INVALID_ARGUMENT") == 1
+    assert {s.labels["model"] for s in after if "model" in s.labels} == {"", "en-fr", "fr-en"}
+    assert {s.labels["model"] for s in after if s.name == "nmtserve_requests_running"} == {"en-fr", "fr-en"}
 
 
 def test_a_flood_on_one_model_does_not_hold_up_the_other(two_models, fr_en_bundle):
