@@ -206,12 +206,14 @@ def cmd_bench_documents(args) -> int:
 
 def _add_loadtest(p) -> None:
     p.add_argument("--scenario", default="steady", help="steady, step, spike or overload (default %(default)s)")
-    p.add_argument("--bundle", default="bundles/default", help="bundle to serve, and whose test split is sent")
+    p.add_argument("--bundle", default="bundles/default", help="bundle to serve, and whose test split is sent; "
+                   "comma-separated: one server of several models, each sent its own bundle's test split")
     p.add_argument("--server", help="HOST:PORT of a running server instead of starting one")
     p.add_argument("--peak-users", type=int, default=32, help="users (requests in flight) at the peak")
     p.add_argument("--seconds", type=float, default=60.0, help="length of the scenario; the run stops by itself")
     p.add_argument("--out", help="results directory (default runs/loadtest/SCENARIO)")
-    p.add_argument("--sentences", help="sentence file (.tsv: first column; else one per line)")
+    p.add_argument("--sentences", help="sentence file (.tsv: first column; else one per line) for every model, or "
+                   "MODEL=FILE pairs, comma-separated")
     p.add_argument("--slo", help="SLO file (TOML) to check the results against (exit 1 if violated)")
     p.add_argument("--think-time", type=float, default=0.0, help="mean seconds a user waits between calls")
     p.add_argument("--server-flag", action="append", help="extra flag for the started server (repeat)")

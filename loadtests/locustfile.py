@@ -11,11 +11,16 @@ locust's request events. Entries in locust's statistics (request type "grpc"):
   TranslateStream                  one streamed sentence, end to end
   TranslateStream TTFT             time to the first text delta
   TranslateStream inter-token      time between consecutive deltas (one per delta)
+  TranslateText                    one document: 2..N sentences in one or two paragraphs
   <rpc> RESOURCE_EXHAUSTED         the server refused at once because its queue was full: expected
                                    under overload, so counted apart and never as a failure
 
 Every other gRPC status is a failure. Users are closed-loop clients (`--think-time` 0 by default):
 the number of users is the number of requests in flight.
+
+Several models: each user asks the server's ListModels and sends each call to a model picked at
+random, naming it; entries then carry the model ("Translate [en-fr]"). `--sentences` gives one
+file for every model, or MODEL=FILE pairs, comma-separated (models of different source languages).
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ import grpc.experimental.gevent as grpc_gevent
 from locust import LoadTestShape, User, events, task
 
 from nmtserve.client import TlsFiles, open_channel
-from nmtserve.loadtests.workload import DEFAULT_BUNDLE, SCENARIOS, default_sentence_file, read_sentences
+from nmtserve.errors import ConfigError
+from nmtserve.loadtests.slo import REJECTED_SUFFIX, entry
+from nmtserve.loadtests.workload import DEFAULT_BUNDLE, SCENARIOS, default_sentence_file, read_sentences, sentence_files
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 
@@ -41,8 +48,7 @@ grpc_gevent.init_gevent()  # after locust's gevent monkey-patching, before any c
 THREADPOOL_SIZE = 1024
 gevent.get_hub().threadpool.maxsize = THREADPOOL_SIZE
 
-REJECTED = "RESOURCE_EXHAUSTED"
-SENTENCES: list[str] = []
+SENTENCES: dict[str, list[str]] = {}  # model ("": any model) -> source sentences
 
 
 @events.init_command_line_parser.add_listener
@@ -50,10 +56,11 @@ def _options(parser) -> None:
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="steady", help="load shape")
     parser.add_argument("--peak-users", type=int, default=32, help="users at the scenario's peak (1.0)")
     parser.add_argument("--scenario-seconds", type=float, default=60.0, help="length of the whole scenario")
-    parser.add_argument("--sentences", default="", help="sentence file (.tsv: first column); default: the "
-                        "bundle's test split")
+    parser.add_argument("--sentences", default="", help="sentence file (.tsv: first column), or MODEL=FILE "
+                        "pairs, comma-separated; default: the bundle's test split")
     parser.add_argument("--bundle", default=str(DEFAULT_BUNDLE), help="bundle whose test split is the default text")
     parser.add_argument("--max-sentences-per-request", type=int, default=4, help="Translate sends 1..N sentences")
+    parser.add_argument("--max-sentences-per-document", type=int, default=6, help="TranslateText sends 2..N")
     parser.add_argument("--think-time", type=float, default=0.0, help="mean seconds a user waits between calls")
     # locust's own --tls-cert/--tls-key belong to its web UI
     parser.add_argument("--grpc-tls-ca", default="", help="PEM roots of the server's certificate (turns TLS on)")
@@ -65,7 +72,8 @@ def _options(parser) -> None:
 def _load_sentences(environment, **_kwargs) -> None:
     options = environment.parsed_options
     if options is not None and not SENTENCES:
-        SENTENCES.extend(read_sentences(options.sentences or default_sentence_file(options.bundle)))
+        files = sentence_files(options.sentences) or {"": str(default_sentence_file(options.bundle))}
+        SENTENCES.update({model: read_sentences(path) for model, path in files.items()})
 
 
 class LocustInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
@@ -74,28 +82,29 @@ class LocustInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClient
     def __init__(self, environment):
         self.events = environment.events
 
-    def _fire(self, name: str, seconds: float, length: int = 0, exception: Exception | None = None) -> None:
+    def _fire(self, kind: str, model: str, seconds: float, length: int = 0,
+              exception: Exception | None = None) -> None:
         if isinstance(exception, grpc.RpcError) and exception.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            name, exception = f"{name} {REJECTED}", None
-        self.events.request.fire(request_type="grpc", name=name, response_time=seconds * 1000,
+            kind, exception = kind + REJECTED_SUFFIX, None
+        self.events.request.fire(request_type="grpc", name=entry(kind, model), response_time=seconds * 1000,
                                  response_length=length, exception=exception, context={})
 
     def intercept_unary_unary(self, continuation, call_details, request):
-        name = call_details.method.rsplit("/", 1)[-1]
+        rpc = call_details.method.rsplit("/", 1)[-1]
         started = time.perf_counter()
         call = continuation(call_details, request)
         try:
             response = call.result()
-            self._fire(name, time.perf_counter() - started, response.ByteSize())
+            self._fire(rpc, request.model, time.perf_counter() - started, response.ByteSize())
         except grpc.RpcError as e:
-            self._fire(name, time.perf_counter() - started, exception=e)
+            self._fire(rpc, request.model, time.perf_counter() - started, exception=e)
         return call
 
     def intercept_unary_stream(self, continuation, call_details, request):
-        return self._timed(call_details.method.rsplit("/", 1)[-1], continuation(call_details, request),
+        return self._timed(call_details.method.rsplit("/", 1)[-1], request.model, continuation(call_details, request),
                            time.perf_counter())
 
-    def _timed(self, name: str, call, started: float):
+    def _timed(self, rpc: str, model: str, call, started: float):
         last, length = None, 0
         try:
             for message in call:
@@ -103,15 +112,15 @@ class LocustInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClient
                 length += message.ByteSize()
                 if message.HasField("delta"):
                     if last is None:
-                        self._fire(f"{name} TTFT", now - started)
+                        self._fire(f"{rpc} TTFT", model, now - started)
                     else:
-                        self._fire(f"{name} inter-token", now - last)
+                        self._fire(f"{rpc} inter-token", model, now - last)
                     last = now
                 yield message
         except grpc.RpcError as e:
-            self._fire(name, time.perf_counter() - started, exception=e)
+            self._fire(rpc, model, time.perf_counter() - started, exception=e)
             raise
-        self._fire(name, time.perf_counter() - started, length)
+        self._fire(rpc, model, time.perf_counter() - started, length)
 
 
 class GrpcUser(User):
@@ -127,6 +136,17 @@ class GrpcUser(User):
         o = self.environment.parsed_options
         self.channel = open_channel(self.host, TlsFiles(o.grpc_tls_ca, o.grpc_tls_cert, o.grpc_tls_key))
         self.stub = pb_grpc.TranslationServiceStub(grpc.intercept_channel(self.channel, LocustInterceptor(self.environment)))
+        served = pb_grpc.TranslationServiceStub(self.channel).ListModels(pb.ListModelsRequest(), timeout=30).models
+        self.models = [m.model for m in served]
+        missing = [m for m in self.models if m not in SENTENCES and "" not in SENTENCES]
+        if missing:
+            raise ConfigError(f"--sentences names no file for model {missing[0]}: give {missing[0]}=FILE")
+
+    def pick(self) -> tuple[str, list[str]]:
+        """A served model, at random, and its sentences. A one-model server's is not named: its
+        requests are those of any client that does not know about models."""
+        model = random.choice(self.models)
+        return (model if len(self.models) > 1 else ""), SENTENCES.get(model) or SENTENCES[""]
 
     def on_stop(self) -> None:
         self.channel.close()
@@ -144,8 +164,9 @@ class TranslateUser(GrpcUser):
     def translate(self) -> None:
         limit = max(1, self.environment.parsed_options.max_sentences_per_request)
         n = 1 if limit == 1 or random.random() < 0.6 else random.randint(2, limit)
+        model, sentences = self.pick()
         try:
-            self.stub.Translate(pb.TranslateRequest(sentences=random.choices(SENTENCES, k=n)), timeout=60)
+            self.stub.Translate(pb.TranslateRequest(sentences=random.choices(sentences, k=n), model=model), timeout=60)
         except grpc.RpcError as e:  # already recorded by the interceptor
             self.backoff(e)
 
@@ -155,9 +176,30 @@ class StreamUser(GrpcUser):
 
     @task
     def translate_stream(self) -> None:
+        model, sentences = self.pick()
         try:
-            for _ in self.stub.TranslateStream(pb.TranslateStreamRequest(sentence=random.choice(SENTENCES)), timeout=60):
+            for _ in self.stub.TranslateStream(pb.TranslateStreamRequest(sentence=random.choice(sentences), model=model),
+                                               timeout=60):
                 pass
+        except grpc.RpcError as e:
+            self.backoff(e)
+
+
+class DocumentUser(GrpcUser):
+    """Whole texts: 2..N sentences in one or two paragraphs, which the server splits, translates as
+    separate requests and rejoins."""
+
+    weight = 1
+
+    @task
+    def translate_text(self) -> None:
+        limit = max(2, self.environment.parsed_options.max_sentences_per_document)
+        model, sentences = self.pick()
+        picked = random.choices(sentences, k=random.randint(2, limit))
+        cut = random.randint(1, len(picked))  # where the second paragraph starts, if it does
+        text = "\n\n".join(" ".join(part) for part in (picked[:cut], picked[cut:]) if part)
+        try:
+            self.stub.TranslateText(pb.TranslateTextRequest(texts=[text], model=model), timeout=120)
         except grpc.RpcError as e:
             self.backoff(e)
 

@@ -1,7 +1,9 @@
 """A PNG chart of a locust run: throughput and latency percentiles over time and over users.
 
 Reads locust's `OUT/stats_stats_history.csv` (written with --csv-full-history): one row per entry
-every few seconds, with the current requests/s and the percentiles of the last 10 seconds.
+every few seconds, with the current requests/s and the percentiles of the last 10 seconds. With
+several models, latency lines are those of the slowest model at each point, and calls/s are also
+drawn per model.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import csv
 from collections import defaultdict
 from pathlib import Path
 
-from nmtserve.loadtests.slo import CALLS, REJECTED_SUFFIX, _number
+from nmtserve.loadtests.slo import CALLS, REJECTED_SUFFIX, _number, split_entry
 
 
 def read_history(path: str | Path) -> list[dict]:
@@ -19,24 +21,31 @@ def read_history(path: str | Path) -> list[dict]:
 
 
 def series(rows: list[dict]) -> dict[str, list[float]]:
-    """Per timestamp: users, calls/s, rejected/s, failures/s, Translate p50/p95, TTFT p95."""
+    """Per timestamp: users, calls/s, rejected/s, failures/s, Translate p50/p95, TTFT p95 (the slowest
+    model's), and with several models "calls_per_s [MODEL]" for each."""
     by_time: dict[int, dict] = defaultdict(lambda: defaultdict(float))
+    models = set()
     for row in rows:
-        t, name = int(row["Timestamp"]), row["Name"]
+        t, (kind, model) = int(row["Timestamp"]), split_entry(row["Name"])
         point = by_time[t]
         point["users"] = _number(row["User Count"])
-        if name in CALLS:
+        if kind in CALLS:
             point["calls_per_s"] += _number(row["Requests/s"])
             point["failures_per_s"] += _number(row["Failures/s"])
-        if name.endswith(REJECTED_SUFFIX):
+            if model:
+                models.add(model)
+                point[f"calls_per_s [{model}]"] += _number(row["Requests/s"])
+        if kind.endswith(REJECTED_SUFFIX):
             point["rejected_per_s"] += _number(row["Requests/s"])
-        if name == "Translate":
-            point["p50_ms"], point["p95_ms"] = _number(row["50%"]), _number(row["95%"])
-        if name == "TranslateStream TTFT":
-            point["ttft_p95_ms"] = _number(row["95%"])
+        if kind == "Translate":
+            point["p50_ms"] = max(point["p50_ms"], _number(row["50%"]))
+            point["p95_ms"] = max(point["p95_ms"], _number(row["95%"]))
+        if kind == "TranslateStream TTFT":
+            point["ttft_p95_ms"] = max(point["ttft_p95_ms"], _number(row["95%"]))
     times = sorted(by_time)
     start = times[0] if times else 0
-    keys = ("users", "calls_per_s", "rejected_per_s", "failures_per_s", "p50_ms", "p95_ms", "ttft_p95_ms")
+    keys = ("users", "calls_per_s", "rejected_per_s", "failures_per_s", "p50_ms", "p95_ms", "ttft_p95_ms",
+            *(f"calls_per_s [{model}]" for model in sorted(models)))
     out = {"seconds": [t - start for t in times]}
     out.update({k: [by_time[t].get(k, 0.0) for t in times] for k in keys})
     return out
@@ -50,7 +59,9 @@ def plot(history_csv: str | Path, png: str | Path, title: str = "") -> Path:
 
     s = series(read_history(history_csv))
     fig, (ax_rate, ax_lat, ax_users) = plt.subplots(3, 1, figsize=(9, 10))
-    ax_rate.plot(s["seconds"], s["calls_per_s"], label="calls/s (Translate + TranslateStream)")
+    ax_rate.plot(s["seconds"], s["calls_per_s"], label="calls/s (" + " + ".join(CALLS) + ")")
+    for key in (k for k in s if k.startswith("calls_per_s [")):
+        ax_rate.plot(s["seconds"], s[key], linestyle=":", label=key.replace("calls_per_s", "calls/s"))
     ax_rate.plot(s["seconds"], s["rejected_per_s"], label="RESOURCE_EXHAUSTED/s")
     ax_rate.plot(s["seconds"], s["failures_per_s"], label="failures/s")
     twin = ax_rate.twinx()

@@ -20,7 +20,9 @@ from pathlib import Path
 from nmtserve.errors import ConfigError
 from nmtserve.loadtests import slo as slo_check
 from nmtserve.loadtests.report import plot
-from nmtserve.loadtests.workload import DEFAULT_BUNDLE, SCENARIOS, ServerProcess, default_sentence_file
+from nmtserve.loadtests.workload import DEFAULT_BUNDLE, SCENARIOS, ServerProcess, default_sentence_file, sentence_files
+from nmtserve.server.config import ServerConfig
+from nmtserve.server.models import model_specs
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 # the overload scenario meets a server with a short queue, so that 4× the peak users exceed it
@@ -30,12 +32,12 @@ OVERLOAD_SERVER_FLAGS = ["--max-running-rows", "16", "--max-waiting", "16"]
 @dataclass
 class LoadTestConfig:
     scenario: str = "steady"
-    bundle: str = str(DEFAULT_BUNDLE)
+    bundle: str = str(DEFAULT_BUNDLE)  # comma-separated: a server of several models
     server: str = ""  # HOST:PORT of a running server; empty: start one on loopback
     peak_users: int = 32
     seconds: float = 60.0
     out: str = ""  # default runs/loadtest/<scenario>
-    sentences: str = ""
+    sentences: str = ""  # FILE, or MODEL=FILE pairs, comma-separated
     slo: str = ""
     think_time: float = 0.0
     server_flags: list[str] = field(default_factory=list)
@@ -49,7 +51,7 @@ def run_loadtest(cfg: LoadTestConfig) -> int:
     objectives = slo_check.load_slo(cfg.slo) if cfg.slo else None  # a bad SLO file fails before the run
     out = Path(cfg.out or Path("runs") / "loadtest" / cfg.scenario)
     out.mkdir(parents=True, exist_ok=True)
-    sentences = cfg.sentences or str(default_sentence_file(cfg.bundle))
+    sentences = ",".join(f"{model}={path}" if model else path for model, path in _sentence_files(cfg).items())
     server = None
     if not cfg.server:
         flags = ["--metrics-port", "-1"] + (OVERLOAD_SERVER_FLAGS if cfg.scenario == "overload" else []) + cfg.server_flags
@@ -77,7 +79,7 @@ def run_loadtest(cfg: LoadTestConfig) -> int:
     print("\n".join(lines))
     failures = sum(row["Failure Count"] for row in stats.values())
     status = 0
-    if not any(stats.get(name, {}).get("Request Count") for name in slo_check.CALLS):
+    if not any(row["Request Count"] for name, row in stats.items() if slo_check.split_entry(name)[0] in slo_check.CALLS):
         print("nmtserve loadtest: no call completed")
         status = 1
     if failures:
@@ -88,9 +90,25 @@ def run_loadtest(cfg: LoadTestConfig) -> int:
     return status
 
 
+def _sentence_files(cfg: LoadTestConfig) -> dict[str, str]:
+    """--sentences, completed with each bundle's test split for the models it names no file for (the
+    text of a single bundle goes to any model, as to a --server started elsewhere)."""
+    files = sentence_files(cfg.sentences)
+    if "" not in files:
+        specs = model_specs(ServerConfig(bundle=cfg.bundle))
+        for spec in specs:
+            if spec.id not in files:
+                files[spec.id if len(specs) > 1 else ""] = str(default_sentence_file(spec.bundle))
+    return files
+
+
 def summary(stats: dict) -> str:
-    lines = [f"{'entry':<40}{'count':>8}{'fail':>6}{'req/s':>8}{'p50 ms':>8}{'p95 ms':>8}{'p99 ms':>8}"]
-    for name, row in stats.items():
-        lines.append(f"{name:<40}{row['Request Count']:>8.0f}{row['Failure Count']:>6.0f}{row['Requests/s']:>8.1f}"
+    """Locust's entries (a model's own when the server has several), then each model's measured objectives."""
+    lines = [f"{'entry':<48}{'count':>8}{'fail':>6}{'req/s':>8}{'p50 ms':>8}{'p95 ms':>8}{'p99 ms':>8}"]
+    for name, row in sorted(stats.items(), key=lambda item: slo_check.split_entry(item[0])[::-1]):
+        lines.append(f"{name:<48}{row['Request Count']:>8.0f}{row['Failure Count']:>6.0f}{row['Requests/s']:>8.1f}"
                      f"{row['50%']:>8.0f}{row['95%']:>8.0f}{row['99%']:>8.0f}")
+    for model in slo_check.models(stats):
+        measured = slo_check.measure(stats, model)
+        lines.append(f"model {model}: " + ", ".join(f"{k} {v:.4g}" for k, v in measured.items()))
     return "\n".join(lines)

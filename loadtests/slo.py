@@ -4,23 +4,45 @@
 
 The SLO file is TOML with any of these keys (values in the units their names give):
 
-    p95_latency_ms = 1500                 # Translate and TranslateStream end to end, each
+    p95_latency_ms = 1500                 # Translate and TranslateStream end to end, each (and each model)
     p95_time_to_first_token_ms = 500      # TranslateStream TTFT
-    max_error_rate = 0.01                 # failures / calls; RESOURCE_EXHAUSTED is counted apart
+    max_error_rate = 0.01                 # failures / calls of every kind; RESOURCE_EXHAUSTED is counted apart
     min_throughput_rps = 5                # completed Translate + TranslateStream calls per second
+
+Entries of a server with several models name the model: "Translate [en-fr]" (see `entry`); the
+objectives hold over all of them, and `measure(stats, model)` gives one model's figures. Documents
+(TranslateText) count in the error rate only: their latency grows with their length.
 """
 
 from __future__ import annotations
 
 import csv
+import re
 import tomllib
 from pathlib import Path
 
 from nmtserve.errors import ConfigError
 
 OBJECTIVES = ("p95_latency_ms", "p95_time_to_first_token_ms", "max_error_rate", "min_throughput_rps")
-CALLS = ("Translate", "TranslateStream")
+SENTENCE_CALLS = ("Translate", "TranslateStream")  # latency and throughput objectives
+CALLS = (*SENTENCE_CALLS, "TranslateText")  # every call a locust user makes
 REJECTED_SUFFIX = " RESOURCE_EXHAUSTED"
+
+
+def entry(kind: str, model: str = "") -> str:
+    """A locust entry's name: 'Translate', or 'Translate [en-fr]' for a named model."""
+    return f"{kind} [{model}]" if model else kind
+
+
+def split_entry(name: str) -> tuple[str, str]:
+    """'Translate RESOURCE_EXHAUSTED [en-fr]' -> ('Translate RESOURCE_EXHAUSTED', 'en-fr'); the inverse of entry."""
+    kind, model = re.fullmatch(r"(.*?)(?: \[(.+)\])?", name).groups()
+    return kind, model or ""
+
+
+def models(stats: dict[str, dict[str, float]]) -> list[str]:
+    """The models the entries name (none for a one-model server)."""
+    return sorted({split_entry(name)[1] for name in stats} - {""})
 
 
 def load_slo(path: str | Path) -> dict[str, float]:
@@ -72,19 +94,24 @@ def _number(text: str) -> float:
         return 0.0  # locust writes "N/A" for empty percentiles
 
 
-def measure(stats: dict[str, dict[str, float]]) -> dict[str, float]:
-    """The measured value of every objective (absent when the run had no such calls)."""
-    calls = [stats[n] for n in CALLS if n in stats and stats[n]["Request Count"] > 0]
-    rejected = sum(row["Request Count"] for name, row in stats.items() if name.endswith(REJECTED_SUFFIX))
+def measure(stats: dict[str, dict[str, float]], model: str | None = None) -> dict[str, float]:
+    """The measured value of every objective (absent when the run had no such calls), over every
+    entry or over one model's."""
+    rows = [(split_entry(name), row) for name, row in stats.items()]
+    rows = [(kind, row) for (kind, m), row in rows if (model is None or m == model) and row["Request Count"] > 0]
+    calls = [row for kind, row in rows if kind in CALLS]
+    sentence_calls = [row for kind, row in rows if kind in SENTENCE_CALLS]
+    ttft = [row for kind, row in rows if kind == "TranslateStream TTFT"]
+    rejected = sum(row["Request Count"] for kind, row in rows if kind.endswith(REJECTED_SUFFIX))
     measured = {}
+    if sentence_calls:
+        measured["p95_latency_ms"] = max(r["95%"] for r in sentence_calls)
+        measured["min_throughput_rps"] = sum(r["Requests/s"] - r["Failures/s"] for r in sentence_calls)
     if calls:
         total = sum(r["Request Count"] for r in calls)
-        measured["p95_latency_ms"] = max(r["95%"] for r in calls)
         measured["max_error_rate"] = sum(r["Failure Count"] for r in calls) / (total + rejected)
-        measured["min_throughput_rps"] = sum(r["Requests/s"] - r["Failures/s"] for r in calls)
-    ttft = stats.get("TranslateStream TTFT")
-    if ttft and ttft["Request Count"] > 0:
-        measured["p95_time_to_first_token_ms"] = ttft["95%"]
+    if ttft:
+        measured["p95_time_to_first_token_ms"] = max(r["95%"] for r in ttft)
     return measured
 
 

@@ -46,6 +46,15 @@ def read_sentences(path: str | Path) -> list[str]:
     return sentences
 
 
+def sentence_files(value: str) -> dict[str, str]:
+    """--sentences of the load tests: FILE (for every model, key "") or MODEL=FILE pairs, comma-separated."""
+    files = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        model, _, path = item.rpartition("=")
+        files[model.strip()] = path.strip()
+    return files
+
+
 def default_sentence_file(bundle: str | Path) -> Path:
     """The test split of the data the bundle was trained on (recorded in its manifest)."""
     manifest_path = Path(bundle) / "manifest.json"

@@ -23,6 +23,26 @@ def test_short_steady_run_has_no_failure_and_writes_every_result(steady_run):
     stats = read_stats(out / "stats_stats.csv")
     assert stats["Translate"]["Request Count"] > 10 and stats["TranslateStream"]["Request Count"] > 0
     assert stats["TranslateStream TTFT"]["Request Count"] > 0 and "TranslateStream inter-token" in stats
+    assert stats["TranslateText"]["Request Count"] > 0  # documents, split and rejoined by the server
+    assert sum(row["Failure Count"] for row in stats.values()) == 0
+
+
+def test_two_models_each_get_their_own_text_and_their_own_rows(tiny_bundle, fr_en_bundle, tmp_path):
+    """One server of two models (en→fr trained here, a Marian fr→en): every user call goes to a model
+    picked from ListModels with that model's sentences, and the report has each model's rows."""
+    from nmtserve.loadtests.marian_model import FRENCH, sentences
+
+    (tmp_path / "fr.txt").write_text("\n".join(sentences(FRENCH, 100, 5)) + "\n", encoding="utf-8")
+    out = tmp_path / "run"
+    result = run_cli("loadtest", "--bundle", f"{tiny_bundle},{fr_en_bundle}", "--sentences", f"fr-en={tmp_path / 'fr.txt'}",
+                     "--scenario", "steady", "--seconds", "10", "--peak-users", "6", "--out", str(out), timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    stats = read_stats(out / "stats_stats.csv")
+    for model in ("en-fr", "fr-en"):
+        for kind in ("Translate", "TranslateStream", "TranslateText"):
+            assert stats[f"{kind} [{model}]"]["Request Count"] > 0, (kind, model)
+        assert f"model {model}: p95_latency_ms" in result.stdout
+    assert not {name for name in stats if "[" not in name}, "a call that named no model"
     assert sum(row["Failure Count"] for row in stats.values()) == 0
 
 
