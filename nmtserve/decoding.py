@@ -6,9 +6,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+LENGTH_RULES = ("nmtserve", "transformers")
 
-def output_budget(src_len: int, max_decoding_length: int, max_len: int) -> int:
-    """Most target tokens a row may produce: the caller's limit, 2×source+10, the model's position table."""
+
+def output_budget(src_len: int, max_decoding_length: int, max_len: int, length_rule: str = "nmtserve") -> int:
+    """Most target tokens a row may produce, eos aside. "nmtserve": the caller's limit, 2×source+10 (a
+    guard against a decoder that never stops) and the model's position table; the last one is a real
+    token (finish "length"). "transformers", the rule of transformers' generate with forced_eos_token_id:
+    the caller's limit and the position table only, and the limit's last token is a forced eos with
+    log-prob 0, so one real token fewer (BeamSearch finishes every live beam there)."""
+    if length_rule == "transformers":
+        return max(1, min(max_decoding_length, max_len) - 1)
     return max(1, min(max_decoding_length, 2 * src_len + 10, max_len))
 
 
@@ -23,8 +31,8 @@ class Limits:
     max_source_tokens: int  # the encoder's position table
     max_target_tokens: int  # the decoder's position table: positions 0 .. max_target_tokens - 1
 
-    def output_budget(self, src_len: int, max_decoding_length: int) -> int:
-        return output_budget(src_len, max_decoding_length, self.max_target_tokens)
+    def output_budget(self, src_len: int, max_decoding_length: int, length_rule: str = "nmtserve") -> int:
+        return output_budget(src_len, max_decoding_length, self.max_target_tokens, length_rule)
 
 
 def sorted_batches(lengths: list[int], max_batch_size: int) -> Iterator[list[int]]:

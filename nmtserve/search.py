@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from nmtserve.decoding import LENGTH_RULES
 from nmtserve.errors import ConfigError
 
 BEAM_STOPPING = ("ctranslate2", "transformers")
@@ -47,6 +48,7 @@ class DecodingOptions:
     seed: int = 0  # of the request's own random generator; 0 draws one from the operating system
     max_decoding_length: int = 256
     beam_stopping: str = "ctranslate2"  # or "transformers": when beam search stops (BeamSearch says how)
+    length_rule: str = "nmtserve"  # or "transformers": the output budget, and how it ends (decoding.output_budget)
 
     def override(self, **given) -> DecodingOptions:
         """These options (a model's defaults) with what a request gives; a sampled request decodes one
@@ -87,6 +89,7 @@ class DecodingOptions:
             ("max_decoding_length", self.max_decoding_length, lambda: self.max_decoding_length >= 1, "at least 1"),
             ("beam_stopping", self.beam_stopping, lambda: self.beam_stopping in BEAM_STOPPING,
              " or ".join(BEAM_STOPPING)),
+            ("length_rule", self.length_rule, lambda: self.length_rule in LENGTH_RULES, " or ".join(LENGTH_RULES)),
         ]
         for name, value, ok, limit in rules:
             if not ok():
@@ -109,7 +112,10 @@ class BeamSearch:
     the same start). Then, for i = 0 … beam_size - 1, candidate i finishes a hypothesis if its token is
     eos, or if this step is the last one of the budget (every candidate i then finishes); a finished
     candidate's place goes to the next candidate from i = beam_size on that is not eos. Eos candidates
-    past beam_size are dropped, never finished. A finished hypothesis's length counts its eos.
+    past beam_size are dropped, never finished. A finished hypothesis's length counts its eos. With
+    length_rule "transformers" (a forced eos after the budget) the last step is an ordinary one, and then
+    every live hypothesis finishes with that eos (log-prob 0, counted in its length, finish "length"),
+    unless the search stopped at that step anyway.
 
     The search stops after the step where the budget is spent, or, with beam_stopping "ctranslate2"
     (CTranslate2's rule): without a length penalty, the best candidate (i = 0) has finished at some
@@ -127,7 +133,8 @@ class BeamSearch:
         self.scores = np.full(self.k, -np.inf)
         self.scores[0] = 0.0
         self.live: list[list[int]] = [[] for _ in range(self.k)]
-        self.finished: list[tuple[list[int], float, bool]] = []  # tokens, sum of log-probs, ended with eos
+        self.finished: list[tuple[list[int], float, bool, str]] = []  # tokens, sum of log-probs, eos counted, finish
+        self.forced_eos = options.length_rule == "transformers"
         self.top_finished = False
         self.steps = 0
         self.done = False
@@ -145,10 +152,11 @@ class BeamSearch:
         chosen, spare = [], k
         for i in range(k):
             c = i
-            if cand_id[i] == self.eos_id or last:
+            if cand_id[i] == self.eos_id or last and not self.forced_eos:
                 self.top_finished |= i == 0
                 eos = bool(cand_id[i] == self.eos_id)
-                self.finished.append((self.live[cand_row[i]] + ([] if eos else [int(cand_id[i])]), float(cand_score[i]), eos))
+                self.finished.append((self.live[cand_row[i]] + ([] if eos else [int(cand_id[i])]), float(cand_score[i]),
+                                      eos, "eos" if eos else "length"))
                 while spare < 2 * k and cand_id[spare] == self.eos_id:
                     spare += 1
                 if spare < 2 * k:  # at most one eos per row: a spare always exists while 2k ≤ V
@@ -165,20 +173,23 @@ class BeamSearch:
             stop = self.top_finished and len(self.finished) >= self.options.num_hypotheses
         else:
             stop = len(self.finished) >= round(k * self.options.patience)
+        if last and self.forced_eos and not stop:
+            self.finished += [(tokens, float(score), True, "length") for tokens, score in zip(self.live, self.scores)
+                              if score > -np.inf]
         self.done = last or stop
         return parents, tokens
 
     def _scored(self) -> list[Hypothesis]:
         penalty = self.options.length_penalty
-        return [Hypothesis(tokens, score / (len(tokens) + eos) ** penalty if penalty else score,
-                           "eos" if eos else "length") for tokens, score, eos in self.finished]
+        return [Hypothesis(tokens, score / (len(tokens) + eos) ** penalty if penalty else score, finish)
+                for tokens, score, eos, finish in self.finished]
 
     def results(self) -> list[Hypothesis]:
         return sorted(self._scored(), key=lambda h: -h.score)[: self.options.num_hypotheses]
 
     def settled(self) -> list[int]:
         """The tokens every hypothesis that can still be in the result starts with: they never change."""
-        return _common_prefix(self.live + [tokens for tokens, _, _ in self.finished])
+        return _common_prefix(self.live + [tokens for tokens, *_ in self.finished])
 
 
 class Sampling:

@@ -20,11 +20,12 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from nmtserve.decoding import LENGTH_RULES
 from nmtserve.errors import NmtserveError
 from nmtserve.search import BEAM_STOPPING, DecodingOptions
 
 SEARCH_FLAGS = ("beam_size", "num_hypotheses", "length_penalty", "patience", "sampling_topk", "sampling_topp",
-                "sampling_temperature", "seed", "beam_stopping")
+                "sampling_temperature", "seed", "beam_stopping", "length_rule")
 
 
 def given_options(args) -> dict:
@@ -82,7 +83,8 @@ def _translate_checkpoint(path: str, texts: list[str], args) -> list[list[tuple[
     options.check(loaded.model.config.vocab_size)
     if options.greedy:
         return [[(text, 0.0)] for text in translate(loaded.model, loaded.tokenizer, texts, max_batch_size=args.batch_size,
-                                                     max_decoding_length=options.max_decoding_length, device=args.device)]
+                                                     max_decoding_length=options.max_decoding_length,
+                                                     length_rule=options.length_rule, device=args.device)]
     found = []
     for text in texts:
         src, mask = pad([loaded.tokenizer.encode(text, loaded.model.config.max_len) or [loaded.tokenizer.eos_id]],
@@ -91,12 +93,14 @@ def _translate_checkpoint(path: str, texts: list[str], args) -> list[list[tuple[
         if options.sampling:
             hypotheses = sample(loaded.model, src, mask, sampling_topk=options.sampling_topk,
                                 sampling_topp=options.sampling_topp, sampling_temperature=options.sampling_temperature,
-                                seed=options.seed or random.randrange(1, 2 ** 63), max_decoding_length=options.max_decoding_length)
+                                seed=options.seed or random.randrange(1, 2 ** 63), max_decoding_length=options.max_decoding_length,
+                                length_rule=options.length_rule)
         else:
             hypotheses = beam_search(loaded.model, src, mask, beam_size=options.beam_size,
                                      num_hypotheses=options.num_hypotheses, length_penalty=options.length_penalty,
                                      patience=options.patience, beam_stopping=options.beam_stopping,
-                                     max_decoding_length=options.max_decoding_length)[0]
+                                     max_decoding_length=options.max_decoding_length,
+                                     length_rule=options.length_rule)[0]
         found.append([(loaded.tokenizer.decode(tokens), score) for tokens, score in hypotheses])
     return found
 
@@ -128,6 +132,8 @@ def _translate_remote(args) -> int:
     given = given_options(args)
     if "beam_stopping" in given:
         given["beam_stopping"] = pb.BeamStopping.Value(f"BEAM_STOPPING_{given['beam_stopping'].upper()}")
+    if "length_rule" in given:
+        given["length_rule"] = pb.LengthRule.Value(f"LENGTH_RULE_{given['length_rule'].upper()}")
     options = pb.DecodingOptions(max_output_tokens=args.max_length or 0, **given)
     route = {"model": args.model, "source_language": args.source_language, "target_language": args.target_language}
     with open_channel(args.server, TlsFiles(args.tls_ca, args.tls_cert, args.tls_key)) as channel:
@@ -217,6 +223,8 @@ def add_parser(sub, name: str, help_text: str) -> None:
     search.add_argument("--length-penalty", type=float, help="beam: score / length ** this")
     search.add_argument("--patience", type=float)
     search.add_argument("--beam-stopping", choices=BEAM_STOPPING, help="whose rule stops beam search")
+    search.add_argument("--length-rule", choices=LENGTH_RULES, help="nmtserve: at most 2 × source + 10 tokens, "
+                        "the last a real one; transformers: no such cap, the --max-length-th token a forced eos")
     search.add_argument("--sampling-topk", type=int, help="1: no sampling; 0: the whole vocabulary")
     search.add_argument("--sampling-topp", type=float)
     search.add_argument("--sampling-temperature", type=float)

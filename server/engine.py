@@ -84,7 +84,7 @@ class Request:
 
     def budget(self, limits: Limits) -> int:
         """Most target tokens this request may produce."""
-        return limits.output_budget(len(self.src_ids), self.max_decoding_length)
+        return limits.output_budget(len(self.src_ids), self.max_decoding_length, self.options.length_rule)
 
     @property
     def width(self) -> int:

@@ -138,6 +138,8 @@ class ServedModel:
                       if getattr(options, name)})
         if options.beam_stopping:
             given["beam_stopping"] = pb.BeamStopping.Name(options.beam_stopping).removeprefix("BEAM_STOPPING_").lower()
+        if options.length_rule:
+            given["length_rule"] = pb.LengthRule.Name(options.length_rule).removeprefix("LENGTH_RULE_").lower()
         search = self.defaults.override(**given)
         try:
             search.check(self.engine.tr.vocab_size, self.max_beam_size)
@@ -198,7 +200,8 @@ class ServedModel:
                 max_output_tokens=self.default_output_tokens, beam_size=self.defaults.beam_size,
                 num_hypotheses=1, length_penalty=self.defaults.length_penalty, patience=self.defaults.patience,
                 sampling_topk=1, sampling_topp=1.0, sampling_temperature=1.0,
-                beam_stopping=pb.BeamStopping.Value(f"BEAM_STOPPING_{self.defaults.beam_stopping.upper()}")),
+                beam_stopping=pb.BeamStopping.Value(f"BEAM_STOPPING_{self.defaults.beam_stopping.upper()}"),
+                length_rule=pb.LengthRule.Value(f"LENGTH_RULE_{self.defaults.length_rule.upper()}")),
             target_languages=self.tokenizer.target_languages)
 
 

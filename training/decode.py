@@ -32,14 +32,15 @@ def decode_one_token(model, tokens, positions, cache: KVCache, cross_k, cross_v,
     return token, score
 
 
-def budgets(src_mask: torch.Tensor, max_len: int, model_max: int) -> torch.Tensor:
+def budgets(src_mask: torch.Tensor, max_len: int, model_max: int, length_rule: str = "nmtserve") -> torch.Tensor:
     """(B,) most target tokens per row; the same rule as every other decoder of the project."""
-    return torch.tensor([output_budget(int(n), max_len, model_max) for n in src_mask.sum(1)], device=src_mask.device)
+    return torch.tensor([output_budget(int(n), max_len, model_max, length_rule) for n in src_mask.sum(1)],
+                        device=src_mask.device)
 
 
 @torch.inference_mode()
-def greedy_decode(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tensor,
-                  max_len: int = 256) -> tuple[list[list[int]], list[float]]:
+def greedy_decode(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tensor, max_len: int = 256,
+                  length_rule: str = "nmtserve") -> tuple[list[list[int]], list[float]]:
     """Greedy search with the KV cache. Returns token ids (eos excluded) and summed log-probs per row."""
     batch = src.shape[0]
     cross_k, cross_v = prefill(model, src, src_mask)
@@ -48,7 +49,7 @@ def greedy_decode(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tens
     done = torch.zeros(batch, dtype=torch.bool, device=src.device)
     outputs = torch.zeros(batch, 0, dtype=torch.long, device=src.device)
     scores = torch.zeros(batch, device=src.device)
-    budget = budgets(src_mask, max_len, model.config.max_len)
+    budget = budgets(src_mask, max_len, model.config.max_len, length_rule)
     for step in range(int(budget.max())):
         positions = torch.full((batch,), step, dtype=torch.long, device=src.device)
         tokens, score = decode_one_token(model, tokens, positions, cache, cross_k, cross_v, src_mask)
@@ -84,8 +85,8 @@ def greedy_decode_uncached(model: EncoderDecoder, src: torch.Tensor, src_mask: t
 @torch.inference_mode()
 def beam_search(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tensor, *, beam_size: int = 4,
                 num_hypotheses: int = 1, length_penalty: float = 0.0, patience: float = 1.0,
-                beam_stopping: str = "ctranslate2", max_decoding_length: int = 256, no_repeat_ngram_size: int = 0,
-                repetition_penalty: float = 1.0) -> list[list[tuple[list[int], float]]]:
+                beam_stopping: str = "ctranslate2", max_decoding_length: int = 256, length_rule: str = "nmtserve",
+                no_repeat_ngram_size: int = 0, repetition_penalty: float = 1.0) -> list[list[tuple[list[int], float]]]:
     """The n-best (tokens, score) of each source, best first, by nmtserve/search.py's BeamSearch rules.
 
     Each source's k beams are rows b·k … b·k + k − 1 of one batch; every step the (k × V) extensions of
@@ -103,7 +104,8 @@ def beam_search(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tensor
     scores = torch.full((n, k), float("-inf"), device=device)
     scores[:, 0] = 0.0  # the first step extends beam 0 only: every beam holds the same start
     seqs: list[list[int]] = [[] for _ in range(n * k)]
-    budget = budgets(src_mask, max_decoding_length, model.config.max_len).tolist()
+    budget = budgets(src_mask, max_decoding_length, model.config.max_len, length_rule).tolist()
+    forced_eos = length_rule == "transformers"  # after the budget's last step, every live beam ends with eos
     finished: list[list[tuple[list[int], float, bool]]] = [[] for _ in range(n)]
     top_finished, done = [False] * n, [False] * n
     for step in range(max(budget)):
@@ -120,7 +122,7 @@ def beam_search(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tensor
             last, spare, row = step + 1 == budget[b], k, []
             for i in range(k):
                 c = i
-                if not done[b] and (cand_token[b][i] == model.config.eos_id or last):
+                if not done[b] and (cand_token[b][i] == model.config.eos_id or last and not forced_eos):
                     eos = cand_token[b][i] == model.config.eos_id
                     hyp = seqs[b * k + cand_beam[b][i]] + ([] if eos else [cand_token[b][i]])
                     finished[b].append((hyp, cand_scores[b][i], eos))
@@ -140,6 +142,9 @@ def beam_search(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tensor
                 stop = top_finished[b] and len(finished[b]) >= num_hypotheses
             else:
                 stop = len(finished[b]) >= round(k * patience)
+            if last and forced_eos and not done[b] and not stop:
+                finished[b] += [(seqs[b * k + cand_beam[b][c]] + [cand_token[b][c]], cand_scores[b][c], True)
+                                for c in row if cand_scores[b][c] > float("-inf")]
             done[b] = done[b] or last or stop
         if all(done):
             break
@@ -176,7 +181,7 @@ def _penalise(log_probs: torch.Tensor, seqs: list[list[int]], no_repeat_ngram_si
 @torch.inference_mode()
 def sample(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tensor, *, sampling_topk: int = 0,
            sampling_topp: float = 1.0, sampling_temperature: float = 1.0, seed: int = 1,
-           max_decoding_length: int = 256) -> list[tuple[list[int], float]]:
+           max_decoding_length: int = 256, length_rule: str = "nmtserve") -> list[tuple[list[int], float]]:
     """Random sampling, one row per source, each with its own generator seeded with `seed`: the best
     sampling_topk tokens (all if 0), sorted best first (ties: lower id), drawn by `sample_index`."""
     n, device = src.shape[0], src.device
@@ -184,7 +189,7 @@ def sample(model: EncoderDecoder, src: torch.Tensor, src_mask: torch.Tensor, *, 
     cache = KVCache.empty(model.config, n, device=device, dtype=cross_k.dtype)
     rngs = [np.random.Generator(np.random.PCG64(seed)) for _ in range(n)]
     tokens = torch.full((n,), model.config.bos_id, dtype=torch.long, device=device)
-    budget = budgets(src_mask, max_decoding_length, model.config.max_len).tolist()
+    budget = budgets(src_mask, max_decoding_length, model.config.max_len, length_rule).tolist()
     outputs: list[list[int]] = [[] for _ in range(n)]
     scores, done = [0.0] * n, [False] * n
     for step in range(max(budget)):
@@ -219,14 +224,14 @@ def _strip(row: list[int], eos_id: int, pad_id: int) -> list[int]:
 
 
 def translate(model: EncoderDecoder, tokenizer: Tokenizer | MarianTokenizer, texts: list[str], *, max_batch_size: int = 64,
-              max_decoding_length: int = 256, device="cpu") -> list[str]:
+              max_decoding_length: int = 256, length_rule: str = "nmtserve", device="cpu") -> list[str]:
     """Translate texts greedily, batching them sorted by length to cut padding."""
     ids = [tokenizer.encode(t, model.config.max_len) or [tokenizer.eos_id] for t in texts]
     results: list[str] = [""] * len(texts)
     model.eval()
     for rows in sorted_batches([len(i) for i in ids], max_batch_size):
         src, src_mask = pad([ids[i] for i in rows], model.config.pad_id)
-        out, _ = greedy_decode(model, src.to(device), src_mask.to(device), max_decoding_length)
+        out, _ = greedy_decode(model, src.to(device), src_mask.to(device), max_decoding_length, length_rule)
         for i, tokens in zip(rows, out):
             results[i] = tokenizer.decode(tokens)
     return results

@@ -242,8 +242,10 @@ def verify_bundle(bundle_dir: Path, loaded: LoadedModel, split: str = "test", li
 def transformers_parity(loaded: LoadedModel, tr: OnnxTranslator, sentences: int = 50) -> dict:
     """The imported model against transformers' MarianMTModel loaded from the directory it came from
     (every file's sha256 must still match). Sources are random sequences of the vocabulary's pieces, so
-    no text in the model's language is needed; budgets are nmtserve's, and generate runs without
-    forced eos (nmtserve has none: README, OPUS-MT)."""
+    no text in the model's language is needed; budgets are nmtserve's (length_rule "nmtserve", whose
+    2 × source + 10 cap keeps a random model's outputs short), and generate runs without forced eos.
+    length_rule "transformers" against generate's own max_length and forced eos is checked by
+    tests/export/test_marian.py."""
     from transformers import MarianMTModel
     from transformers.utils import logging as transformers_logging
 

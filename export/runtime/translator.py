@@ -213,10 +213,11 @@ class OnnxTranslator:
             ids[i, : len(s)] = s
         return ids, ids != self.pad_id
 
-    def greedy(self, sources: list[list[int]], max_decoding_length: int = 256) -> list[list[Hypothesis]]:
+    def greedy(self, sources: list[list[int]], max_decoding_length: int = 256,
+               length_rule: str = "nmtserve") -> list[list[Hypothesis]]:
         """Greedy search for one batch of token-id sources; finished rows leave the batch at once."""
         state = self.prefill(sources)
-        budget = np.array([self.limits.output_budget(len(s), max_decoding_length) for s in sources])
+        budget = np.array([self.limits.output_budget(len(s), max_decoding_length, length_rule) for s in sources])
         rows = np.arange(len(sources))  # original index of each running row
         outputs: list[list[int]] = [[] for _ in sources]
         scores, eos = np.zeros(len(sources)), np.zeros(len(sources), bool)
@@ -235,7 +236,8 @@ class OnnxTranslator:
     def search(self, sources: list[list[int]], options: DecodingOptions) -> list[list[Hypothesis]]:
         """Beam search or sampling for one batch of token-id sources (nmtserve/search.py: one search per
         source, over its own rows); a source's rows leave the batch together when its search is done."""
-        searches = [make_search(options, self.limits.output_budget(len(s), options.max_decoding_length), self.eos_id)
+        searches = [make_search(options, self.limits.output_budget(len(s), options.max_decoding_length,
+                                                                   options.length_rule), self.eos_id)
                     for s in sources]
         width, k = searches[0].rows, searches[0].candidates
         state = self.prefill(sources).gather(np.repeat(np.arange(len(sources)), width))  # a beam shares its source
@@ -264,7 +266,8 @@ class OnnxTranslator:
         results: list = [None] * len(sources)
         for rows in sorted_batches([len(s) for s in sources], max_batch_size):
             batch = [sources[i] for i in rows]
-            found = self.greedy(batch, options.max_decoding_length) if options.greedy else self.search(batch, options)
+            found = self.greedy(batch, options.max_decoding_length, options.length_rule) if options.greedy \
+                else self.search(batch, options)
             for i, hypotheses in zip(rows, found):
                 results[i] = hypotheses
         return results
@@ -280,13 +283,13 @@ class OnnxTranslator:
                         num_hypotheses: int = 1, length_penalty: float = 0.0, patience: float = 1.0,
                         sampling_topk: int = 1, sampling_topp: float = 1.0, sampling_temperature: float = 1.0,
                         seed: int = 0, max_decoding_length: int = 256, beam_stopping: str = "ctranslate2",
-                        return_scores: bool = False) -> list[Translation]:
+                        length_rule: str = "nmtserve", return_scores: bool = False) -> list[Translation]:
         """Translate texts, with CTranslate2's decoding options (nmtserve/search.py says what each does):
         greedy by default, beam search with beam_size > 1, random sampling with sampling_topk != 1. Each
         Translation is the best hypothesis, with the rest of the n-best list in `alternatives`. Inputs are
         sorted by length so that each batch has little padding."""
         options = DecodingOptions(beam_size, num_hypotheses, length_penalty, patience, sampling_topk, sampling_topp,
-                                  sampling_temperature, seed, max_decoding_length, beam_stopping)
+                                  sampling_temperature, seed, max_decoding_length, beam_stopping, length_rule)
         ids = [self.tokenizer.encode(t, self.limits.max_source_tokens) or [self.eos_id] for t in texts]
         found = self.search_ids(ids, options, max_batch_size=max_batch_size)
         return [self._translation(hypotheses, return_scores) for hypotheses in found]

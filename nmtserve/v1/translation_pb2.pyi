@@ -13,6 +13,12 @@ class BeamStopping(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BEAM_STOPPING_CTRANSLATE2: _ClassVar[BeamStopping]
     BEAM_STOPPING_TRANSFORMERS: _ClassVar[BeamStopping]
 
+class LengthRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LENGTH_RULE_UNSPECIFIED: _ClassVar[LengthRule]
+    LENGTH_RULE_NMTSERVE: _ClassVar[LengthRule]
+    LENGTH_RULE_TRANSFORMERS: _ClassVar[LengthRule]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -21,12 +27,15 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 BEAM_STOPPING_UNSPECIFIED: BeamStopping
 BEAM_STOPPING_CTRANSLATE2: BeamStopping
 BEAM_STOPPING_TRANSFORMERS: BeamStopping
+LENGTH_RULE_UNSPECIFIED: LengthRule
+LENGTH_RULE_NMTSERVE: LengthRule
+LENGTH_RULE_TRANSFORMERS: LengthRule
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
 class DecodingOptions(_message.Message):
-    __slots__ = ("max_output_tokens", "return_scores", "beam_size", "num_hypotheses", "length_penalty", "patience", "sampling_topk", "sampling_topp", "sampling_temperature", "seed", "beam_stopping")
+    __slots__ = ("max_output_tokens", "return_scores", "beam_size", "num_hypotheses", "length_penalty", "patience", "sampling_topk", "sampling_topp", "sampling_temperature", "seed", "beam_stopping", "length_rule")
     MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETURN_SCORES_FIELD_NUMBER: _ClassVar[int]
     BEAM_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +47,7 @@ class DecodingOptions(_message.Message):
     SAMPLING_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     BEAM_STOPPING_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_RULE_FIELD_NUMBER: _ClassVar[int]
     max_output_tokens: int
     return_scores: bool
     beam_size: int
@@ -49,7 +59,8 @@ class DecodingOptions(_message.Message):
     sampling_temperature: float
     seed: int
     beam_stopping: BeamStopping
-    def __init__(self, max_output_tokens: _Optional[int] = ..., return_scores: _Optional[bool] = ..., beam_size: _Optional[int] = ..., num_hypotheses: _Optional[int] = ..., length_penalty: _Optional[float] = ..., patience: _Optional[float] = ..., sampling_topk: _Optional[int] = ..., sampling_topp: _Optional[float] = ..., sampling_temperature: _Optional[float] = ..., seed: _Optional[int] = ..., beam_stopping: _Optional[_Union[BeamStopping, str]] = ...) -> None: ...
+    length_rule: LengthRule
+    def __init__(self, max_output_tokens: _Optional[int] = ..., return_scores: _Optional[bool] = ..., beam_size: _Optional[int] = ..., num_hypotheses: _Optional[int] = ..., length_penalty: _Optional[float] = ..., patience: _Optional[float] = ..., sampling_topk: _Optional[int] = ..., sampling_topp: _Optional[float] = ..., sampling_temperature: _Optional[float] = ..., seed: _Optional[int] = ..., beam_stopping: _Optional[_Union[BeamStopping, str]] = ..., length_rule: _Optional[_Union[LengthRule, str]] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_ns", "time_to_first_token_ns", "total_ns")

@@ -37,18 +37,24 @@ def test_defaults_languages_and_translations_follow_the_marian_model(marian_dir,
         info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
         assert (info.source_language, info.target_language) == ("en", "fr")
         d = info.default_options
-        assert (d.beam_size, d.length_penalty, d.beam_stopping, d.max_output_tokens) == \
-            (4, 1.0, pb.BEAM_STOPPING_TRANSFORMERS, 39)
-        translations = stub.Translate(pb.TranslateRequest(sentences=texts), timeout=60).translations
-        greedy = stub.Translate(pb.TranslateRequest(sentences=texts, options=pb.DecodingOptions(beam_size=1)),
-                                timeout=60).translations
-    for text, beam, first in zip(texts, translations, greedy):
+        assert (d.beam_size, d.length_penalty, d.beam_stopping, d.max_output_tokens, d.length_rule) == \
+            (4, 1.0, pb.BEAM_STOPPING_TRANSFORMERS, 39, pb.LENGTH_RULE_NMTSERVE)
+
+        def translate(**options):
+            return stub.Translate(pb.TranslateRequest(sentences=texts, options=pb.DecodingOptions(**options)),
+                                  timeout=60).translations
+
+        got = {(beams, rule): translate(beam_size=beams, length_rule=rule) for beams in (0, 1)  # 0: the default, 4
+               for rule in (pb.LENGTH_RULE_UNSPECIFIED, pb.LENGTH_RULE_TRANSFORMERS)}
+    for i, text in enumerate(texts):
         src = hf_tok(text, return_tensors="pt")
-        budget = min(39, 2 * src["input_ids"].shape[1] + 10)
-        expected = model.generate(**src, num_beams=4, max_new_tokens=budget, forced_eos_token_id=None)
-        assert beam.text == hf_tok.decode(expected[0], skip_special_tokens=True, use_source_tokenizer=False)
-        expected = model.generate(**src, num_beams=1, max_new_tokens=budget, forced_eos_token_id=None)
-        assert first.text == hf_tok.decode(expected[0], skip_special_tokens=True, use_source_tokenizer=False)
+        limits = {pb.LENGTH_RULE_UNSPECIFIED: dict(max_new_tokens=min(39, 2 * src["input_ids"].shape[1] + 10),
+                                                   forced_eos_token_id=None),
+                  pb.LENGTH_RULE_TRANSFORMERS: dict(max_length=40, forced_eos_token_id=model.config.eos_token_id)}
+        for (beams, rule), translations in got.items():
+            expected = model.generate(**src, num_beams=beams or 4, **limits[rule])
+            assert translations[i].text == hf_tok.decode(expected[0], skip_special_tokens=True,
+                                                         use_source_tokenizer=False), (beams, rule)
 
 
 @pytest.mark.parametrize("marian_dir", ["swish"], indirect=True)

@@ -118,23 +118,29 @@ def test_missing_files_and_multilingual_target_are_named(tmp_path):
     assert result.returncode == 2 and "target.spm: missing" in result.stderr
 
 
-def test_reference_beam_search_with_transformers_stopping_equals_generate(marian_dir, marian_checkpoint):
+@pytest.mark.parametrize("length_rule", ["nmtserve", "transformers"])
+def test_reference_beam_search_with_transformers_stopping_equals_generate(marian_dir, marian_checkpoint, length_rule):
+    """Under length_rule "transformers" generate keeps its own max_length and forced eos."""
     from nmtserve.decoding import output_budget
     from nmtserve.training.decode import beam_search
 
     _, hf = reference(marian_dir)
     loaded = load_model(marian_checkpoint)
+    eos, pad = loaded.tokenizer.eos_id, loaded.tokenizer.pad_id
+    at_limit = 0
     for text in sentences(ENGLISH, 20, 11):
         ids = loaded.tokenizer.encode(text)
         src = torch.tensor([ids])
-        budget = output_budget(len(ids), 39, loaded.model.config.max_len)
         got = beam_search(loaded.model, src, torch.ones_like(src, dtype=torch.bool), beam_size=4, num_hypotheses=4,
-                          length_penalty=1.0, beam_stopping="transformers", max_decoding_length=39)[0]
-        out = hf.generate(src, num_beams=4, num_return_sequences=4, length_penalty=1.0, max_new_tokens=budget,
-                          forced_eos_token_id=None)
-        expected = [[t for t in seq[1:] if t not in (loaded.tokenizer.eos_id, loaded.tokenizer.pad_id)]
-                    for seq in out.tolist()]
+                          length_penalty=1.0, beam_stopping="transformers", max_decoding_length=39,
+                          length_rule=length_rule)[0]
+        limits = dict(max_length=40, forced_eos_token_id=eos) if length_rule == "transformers" else \
+            dict(max_new_tokens=output_budget(len(ids), 39, loaded.model.config.max_len), forced_eos_token_id=None)
+        out = hf.generate(src, num_beams=4, num_return_sequences=4, length_penalty=1.0, **limits)
+        expected = [[t for t in seq[1:] if t not in (eos, pad)] for seq in out.tolist()]
         assert [tokens for tokens, _ in got] == expected, text
+        at_limit += any(len(tokens) == 38 for tokens in expected)
+    assert length_rule == "nmtserve" or at_limit >= 3  # the forced eos decided some n-best lists
 
 
 def test_translate_cli_uses_the_imported_models_defaults(marian_checkpoint):
