@@ -86,7 +86,7 @@ def cmd_loadtest(args) -> int:
 
     return run_loadtest(LoadTestConfig(args.scenario, args.bundle, args.server or "", args.peak_users, args.seconds,
                                        args.out or "", args.sentences or "", args.slo or "", args.think_time,
-                                       args.server_flag or []))
+                                       args.server_flag or [], args.decoding))
 
 
 def cmd_check_slo(args) -> int:
@@ -216,6 +216,8 @@ def _add_loadtest(p) -> None:
                    "MODEL=FILE pairs, comma-separated")
     p.add_argument("--slo", help="SLO file (TOML) to check the results against (exit 1 if violated)")
     p.add_argument("--think-time", type=float, default=0.0, help="mean seconds a user waits between calls")
+    p.add_argument("--decoding", choices=("default", "mixed"), default="default",
+                   help="default: each model's own decoding options; mixed: 50%% greedy, 40%% beam 4, 10%% sampled")
     p.add_argument("--server-flag", action="append", help="extra flag for the started server (repeat)")
     p.set_defaults(func=cmd_loadtest)
 

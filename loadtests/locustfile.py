@@ -21,6 +21,10 @@ the number of users is the number of requests in flight.
 Several models: each user asks the server's ListModels and sends each call to a model picked at
 random, naming it; entries then carry the model ("Translate [en-fr]"). `--sentences` gives one
 file for every model, or MODEL=FILE pairs, comma-separated (models of different source languages).
+
+`--decoding mixed` decodes 50% of calls greedily, 40% with beam 4 and 10% by sampling (top 10), and
+entries carry the mode ("Translate [beam]", "Translate [en-fr, beam]"); the default sends no
+decoding option, so each model decodes with its own defaults.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ def _options(parser) -> None:
     parser.add_argument("--max-sentences-per-request", type=int, default=4, help="Translate sends 1..N sentences")
     parser.add_argument("--max-sentences-per-document", type=int, default=6, help="TranslateText sends 2..N")
     parser.add_argument("--think-time", type=float, default=0.0, help="mean seconds a user waits between calls")
+    parser.add_argument("--decoding", choices=("default", "mixed"), default="default",
+                        help="mixed: 50%% greedy, 40%% beam 4, 10%% sampled calls")
     # locust's own --tls-cert/--tls-key belong to its web UI
     parser.add_argument("--grpc-tls-ca", default="", help="PEM roots of the server's certificate (turns TLS on)")
     parser.add_argument("--grpc-tls-cert", default="", help="client certificate for mutual TLS")
@@ -81,30 +87,40 @@ class LocustInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClient
 
     def __init__(self, environment):
         self.events = environment.events
+        self.tag_modes = environment.parsed_options.decoding == "mixed"
 
-    def _fire(self, kind: str, model: str, seconds: float, length: int = 0,
+    def _tag(self, request) -> str:
+        """The entry's tag: the model the request names, and its decoding mode when modes are mixed."""
+        if not self.tag_modes:
+            return request.model
+        o = request.options
+        mode = "sampling" if o.HasField("sampling_topk") and o.sampling_topk != 1 else "beam" if o.beam_size > 1 \
+            else "greedy"
+        return ", ".join(t for t in (request.model, mode) if t)
+
+    def _fire(self, kind: str, tag: str, seconds: float, length: int = 0,
               exception: Exception | None = None) -> None:
         if isinstance(exception, grpc.RpcError) and exception.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             kind, exception = kind + REJECTED_SUFFIX, None
-        self.events.request.fire(request_type="grpc", name=entry(kind, model), response_time=seconds * 1000,
+        self.events.request.fire(request_type="grpc", name=entry(kind, tag), response_time=seconds * 1000,
                                  response_length=length, exception=exception, context={})
 
     def intercept_unary_unary(self, continuation, call_details, request):
-        rpc = call_details.method.rsplit("/", 1)[-1]
+        rpc, tag = call_details.method.rsplit("/", 1)[-1], self._tag(request)
         started = time.perf_counter()
         call = continuation(call_details, request)
         try:
             response = call.result()
-            self._fire(rpc, request.model, time.perf_counter() - started, response.ByteSize())
+            self._fire(rpc, tag, time.perf_counter() - started, response.ByteSize())
         except grpc.RpcError as e:
-            self._fire(rpc, request.model, time.perf_counter() - started, exception=e)
+            self._fire(rpc, tag, time.perf_counter() - started, exception=e)
         return call
 
     def intercept_unary_stream(self, continuation, call_details, request):
-        return self._timed(call_details.method.rsplit("/", 1)[-1], request.model, continuation(call_details, request),
-                           time.perf_counter())
+        return self._timed(call_details.method.rsplit("/", 1)[-1], self._tag(request),
+                           continuation(call_details, request), time.perf_counter())
 
-    def _timed(self, rpc: str, model: str, call, started: float):
+    def _timed(self, rpc: str, tag: str, call, started: float):
         last, length = None, 0
         try:
             for message in call:
@@ -112,15 +128,15 @@ class LocustInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClient
                 length += message.ByteSize()
                 if message.HasField("delta"):
                     if last is None:
-                        self._fire(f"{rpc} TTFT", model, now - started)
+                        self._fire(f"{rpc} TTFT", tag, now - started)
                     else:
-                        self._fire(f"{rpc} inter-token", model, now - last)
+                        self._fire(f"{rpc} inter-token", tag, now - last)
                     last = now
                 yield message
         except grpc.RpcError as e:
-            self._fire(rpc, model, time.perf_counter() - started, exception=e)
+            self._fire(rpc, tag, time.perf_counter() - started, exception=e)
             raise
-        self._fire(rpc, model, time.perf_counter() - started, length)
+        self._fire(rpc, tag, time.perf_counter() - started, length)
 
 
 class GrpcUser(User):
@@ -148,6 +164,15 @@ class GrpcUser(User):
         model = random.choice(self.models)
         return (model if len(self.models) > 1 else ""), SENTENCES.get(model) or SENTENCES[""]
 
+    def options(self) -> pb.DecodingOptions:
+        """No option (the model's defaults), or with --decoding mixed: 50% greedy, 40% beam 4, 10% sampled."""
+        if self.environment.parsed_options.decoding != "mixed":
+            return pb.DecodingOptions()
+        draw = random.random()
+        if draw < 0.5:
+            return pb.DecodingOptions(beam_size=1)
+        return pb.DecodingOptions(beam_size=4) if draw < 0.9 else pb.DecodingOptions(sampling_topk=10)
+
     def on_stop(self) -> None:
         self.channel.close()
 
@@ -166,7 +191,8 @@ class TranslateUser(GrpcUser):
         n = 1 if limit == 1 or random.random() < 0.6 else random.randint(2, limit)
         model, sentences = self.pick()
         try:
-            self.stub.Translate(pb.TranslateRequest(sentences=random.choices(sentences, k=n), model=model), timeout=60)
+            self.stub.Translate(pb.TranslateRequest(sentences=random.choices(sentences, k=n), model=model,
+                                                    options=self.options()), timeout=60)
         except grpc.RpcError as e:  # already recorded by the interceptor
             self.backoff(e)
 
@@ -178,8 +204,8 @@ class StreamUser(GrpcUser):
     def translate_stream(self) -> None:
         model, sentences = self.pick()
         try:
-            for _ in self.stub.TranslateStream(pb.TranslateStreamRequest(sentence=random.choice(sentences), model=model),
-                                               timeout=60):
+            for _ in self.stub.TranslateStream(pb.TranslateStreamRequest(sentence=random.choice(sentences), model=model,
+                                                                         options=self.options()), timeout=60):
                 pass
         except grpc.RpcError as e:
             self.backoff(e)
@@ -199,7 +225,8 @@ class DocumentUser(GrpcUser):
         cut = random.randint(1, len(picked))  # where the second paragraph starts, if it does
         text = "\n\n".join(" ".join(part) for part in (picked[:cut], picked[cut:]) if part)
         try:
-            self.stub.TranslateText(pb.TranslateTextRequest(texts=[text], model=model), timeout=120)
+            self.stub.TranslateText(pb.TranslateTextRequest(texts=[text], model=model, options=self.options()),
+                                    timeout=120)
         except grpc.RpcError as e:
             self.backoff(e)
 

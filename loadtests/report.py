@@ -2,8 +2,8 @@
 
 Reads locust's `OUT/stats_stats_history.csv` (written with --csv-full-history): one row per entry
 every few seconds, with the current requests/s and the percentiles of the last 10 seconds. With
-several models, latency lines are those of the slowest model at each point, and calls/s are also
-drawn per model.
+tagged entries (several models, --decoding mixed), latency lines are those of the slowest tag at
+each point, and calls/s are also drawn per tag.
 """
 
 from __future__ import annotations
@@ -22,19 +22,19 @@ def read_history(path: str | Path) -> list[dict]:
 
 def series(rows: list[dict]) -> dict[str, list[float]]:
     """Per timestamp: users, calls/s, rejected/s, failures/s, Translate p50/p95, TTFT p95 (the slowest
-    model's), and with several models "calls_per_s [MODEL]" for each."""
+    tag's), and with tagged entries "calls_per_s [TAG]" for each."""
     by_time: dict[int, dict] = defaultdict(lambda: defaultdict(float))
-    models = set()
+    tags = set()
     for row in rows:
-        t, (kind, model) = int(row["Timestamp"]), split_entry(row["Name"])
+        t, (kind, tag) = int(row["Timestamp"]), split_entry(row["Name"])
         point = by_time[t]
         point["users"] = _number(row["User Count"])
         if kind in CALLS:
             point["calls_per_s"] += _number(row["Requests/s"])
             point["failures_per_s"] += _number(row["Failures/s"])
-            if model:
-                models.add(model)
-                point[f"calls_per_s [{model}]"] += _number(row["Requests/s"])
+            if tag:
+                tags.add(tag)
+                point[f"calls_per_s [{tag}]"] += _number(row["Requests/s"])
         if kind.endswith(REJECTED_SUFFIX):
             point["rejected_per_s"] += _number(row["Requests/s"])
         if kind == "Translate":
@@ -45,7 +45,7 @@ def series(rows: list[dict]) -> dict[str, list[float]]:
     times = sorted(by_time)
     start = times[0] if times else 0
     keys = ("users", "calls_per_s", "rejected_per_s", "failures_per_s", "p50_ms", "p95_ms", "ttft_p95_ms",
-            *(f"calls_per_s [{model}]" for model in sorted(models)))
+            *(f"calls_per_s [{tag}]" for tag in sorted(tags)))
     out = {"seconds": [t - start for t in times]}
     out.update({k: [by_time[t].get(k, 0.0) for t in times] for k in keys})
     return out

@@ -41,6 +41,7 @@ class LoadTestConfig:
     slo: str = ""
     think_time: float = 0.0
     server_flags: list[str] = field(default_factory=list)
+    decoding: str = "default"  # or "mixed": 50% greedy, 40% beam 4, 10% sampled calls
 
 
 def run_loadtest(cfg: LoadTestConfig) -> int:
@@ -61,6 +62,7 @@ def run_loadtest(cfg: LoadTestConfig) -> int:
         cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", target,
                "--scenario", cfg.scenario, "--peak-users", str(cfg.peak_users), "--scenario-seconds", str(cfg.seconds),
                "--sentences", sentences, "--think-time", str(cfg.think_time),
+               "--decoding", cfg.decoding,
                "--csv", str(out / "stats"), "--csv-full-history", "--html", str(out / "report.html"),
                "--stop-timeout", "10", "--only-summary",  # the shape ends the run; the timeout below bounds it
                "--loglevel", "WARNING"]
@@ -103,12 +105,12 @@ def _sentence_files(cfg: LoadTestConfig) -> dict[str, str]:
 
 
 def summary(stats: dict) -> str:
-    """Locust's entries (a model's own when the server has several), then each model's measured objectives."""
+    """Locust's entries (a model's and a decoding mode's own when tagged), then each tag's measured objectives."""
     lines = [f"{'entry':<48}{'count':>8}{'fail':>6}{'req/s':>8}{'p50 ms':>8}{'p95 ms':>8}{'p99 ms':>8}"]
     for name, row in sorted(stats.items(), key=lambda item: slo_check.split_entry(item[0])[::-1]):
         lines.append(f"{name:<48}{row['Request Count']:>8.0f}{row['Failure Count']:>6.0f}{row['Requests/s']:>8.1f}"
                      f"{row['50%']:>8.0f}{row['95%']:>8.0f}{row['99%']:>8.0f}")
-    for model in slo_check.models(stats):
-        measured = slo_check.measure(stats, model)
-        lines.append(f"model {model}: " + ", ".join(f"{k} {v:.4g}" for k, v in measured.items()))
+    for tag in slo_check.tags(stats):
+        measured = slo_check.measure(stats, tag)
+        lines.append(f"[{tag}] " + ", ".join(f"{k} {v:.4g}" for k, v in measured.items()))
     return "\n".join(lines)

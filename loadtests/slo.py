@@ -9,9 +9,10 @@ The SLO file is TOML with any of these keys (values in the units their names giv
     max_error_rate = 0.01                 # failures / calls of every kind; RESOURCE_EXHAUSTED is counted apart
     min_throughput_rps = 5                # completed Translate + TranslateStream calls per second
 
-Entries of a server with several models name the model: "Translate [en-fr]" (see `entry`); the
-objectives hold over all of them, and `measure(stats, model)` gives one model's figures. Documents
-(TranslateText) count in the error rate only: their latency grows with their length.
+Entries of a server with several models name the model, and those of a run with --decoding mixed
+the decoding mode: "Translate [en-fr, beam]" (see `entry`); the objectives hold over all of them, and
+`measure(stats, tag)` gives one tag's figures. Documents (TranslateText) count in the error rate only:
+their latency grows with their length.
 """
 
 from __future__ import annotations
@@ -29,19 +30,20 @@ CALLS = (*SENTENCE_CALLS, "TranslateText")  # every call a locust user makes
 REJECTED_SUFFIX = " RESOURCE_EXHAUSTED"
 
 
-def entry(kind: str, model: str = "") -> str:
-    """A locust entry's name: 'Translate', or 'Translate [en-fr]' for a named model."""
-    return f"{kind} [{model}]" if model else kind
+def entry(kind: str, tag: str = "") -> str:
+    """A locust entry's name: 'Translate', or with a tag (the model named, the decoding mode) 'Translate [en-fr, beam]'."""
+    return f"{kind} [{tag}]" if tag else kind
 
 
 def split_entry(name: str) -> tuple[str, str]:
-    """'Translate RESOURCE_EXHAUSTED [en-fr]' -> ('Translate RESOURCE_EXHAUSTED', 'en-fr'); the inverse of entry."""
-    kind, model = re.fullmatch(r"(.*?)(?: \[(.+)\])?", name).groups()
-    return kind, model or ""
+    """'Translate RESOURCE_EXHAUSTED [en-fr, beam]' -> ('Translate RESOURCE_EXHAUSTED', 'en-fr, beam'); the
+    inverse of entry."""
+    kind, tag = re.fullmatch(r"(.*?)(?: \[(.+)\])?", name).groups()
+    return kind, tag or ""
 
 
-def models(stats: dict[str, dict[str, float]]) -> list[str]:
-    """The models the entries name (none for a one-model server)."""
+def tags(stats: dict[str, dict[str, float]]) -> list[str]:
+    """The tags the entries carry (none for a one-model server decoding with its defaults)."""
     return sorted({split_entry(name)[1] for name in stats} - {""})
 
 
@@ -94,11 +96,11 @@ def _number(text: str) -> float:
         return 0.0  # locust writes "N/A" for empty percentiles
 
 
-def measure(stats: dict[str, dict[str, float]], model: str | None = None) -> dict[str, float]:
+def measure(stats: dict[str, dict[str, float]], tag: str | None = None) -> dict[str, float]:
     """The measured value of every objective (absent when the run had no such calls), over every
-    entry or over one model's."""
+    entry or over the entries of one tag."""
     rows = [(split_entry(name), row) for name, row in stats.items()]
-    rows = [(kind, row) for (kind, m), row in rows if (model is None or m == model) and row["Request Count"] > 0]
+    rows = [(kind, row) for (kind, t), row in rows if (tag is None or t == tag) and row["Request Count"] > 0]
     calls = [row for kind, row in rows if kind in CALLS]
     sentence_calls = [row for kind, row in rows if kind in SENTENCE_CALLS]
     ttft = [row for kind, row in rows if kind == "TranslateStream TTFT"]

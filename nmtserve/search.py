@@ -65,6 +65,11 @@ class DecodingOptions:
     def greedy(self) -> bool:
         return self.beam_size == 1 and not self.sampling
 
+    @property
+    def mode(self) -> str:
+        """"greedy", "beam" or "sampling": the decoding mode, as metrics label it."""
+        return "sampling" if self.sampling else "greedy" if self.greedy else "beam"
+
     def check(self, vocab_size: int, max_beam_size: int | None = None) -> None:
         """ConfigError naming the field, its value and the limit, for a value out of range."""
         k, n = self.beam_size, self.num_hypotheses

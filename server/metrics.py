@@ -3,7 +3,9 @@
 The engine and the servicer report plain numbers through ServerMetrics' methods; nothing else
 touches prometheus_client. Each server has its own registry (tests run several in one process).
 Every request and engine series carries the `model` label: the id of a served model, so its values are
-bounded by the models served; empty for a call refused before it could be routed to one.
+bounded by the models served; empty for a call refused before it could be routed to one. Request
+series also carry `mode`, the decoding mode (greedy, beam, sampling; empty for a call refused before
+its options were read); engine steps mix modes, so step series have none.
 """
 
 from __future__ import annotations
@@ -22,26 +24,26 @@ class ServerMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
         self.request_duration = Histogram("nmtserve_request_duration_seconds", "Arrival to end of decoding, per sentence",
-                                          ["model", "rpc"], buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("nmtserve_request_queue_seconds", "Arrival to admission into the running batch", ["model"],
+                                          ["model", "mode", "rpc"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("nmtserve_request_queue_seconds", "Arrival to admission into the running batch", ["model", "mode"],
                                     buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("nmtserve_time_to_first_token_seconds", "Arrival to the first target token", ["model"],
+        self.ttft = Histogram("nmtserve_time_to_first_token_seconds", "Arrival to the first target token", ["model", "mode"],
                               buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("nmtserve_time_per_output_token_seconds", "Mean time between target tokens of a sentence", ["model"],
+        self.tpot = Histogram("nmtserve_time_per_output_token_seconds", "Mean time between target tokens of a sentence", ["model", "mode"],
                               buckets=PER_TOKEN_BUCKETS, registry=r)
         self.step_duration = Histogram("nmtserve_step_duration_seconds", "One engine iteration (encode + decoder step)", ["model"],
                                        buckets=STEP_BUCKETS, registry=r)
         self.step_rows = Histogram("nmtserve_step_rows", "Rows in the decoder batch per step", ["model"], buckets=ROW_BUCKETS, registry=r)
         self.step_tokens = Histogram("nmtserve_step_cache_tokens", "Valid self-attention cache slots per step, all rows", ["model"],
                                      buckets=TOKEN_BUCKETS, registry=r)
-        self.input_tokens = Counter("nmtserve_input_tokens", "Source tokens of finished sentences", ["model"], registry=r)
-        self.output_tokens = Counter("nmtserve_output_tokens", "Target tokens produced", ["model"], registry=r)
-        self.requests = Counter("nmtserve_requests", "Finished RPCs by status code", ["model", "rpc", "code"], registry=r)
-        self.sentences = Counter("nmtserve_sentences", "Finished sentences by finish reason", ["model", "finish_reason"], registry=r)
+        self.input_tokens = Counter("nmtserve_input_tokens", "Source tokens of finished sentences", ["model", "mode"], registry=r)
+        self.output_tokens = Counter("nmtserve_output_tokens", "Target tokens produced", ["model", "mode"], registry=r)
+        self.requests = Counter("nmtserve_requests", "Finished RPCs by status code", ["model", "mode", "rpc", "code"], registry=r)
+        self.sentences = Counter("nmtserve_sentences", "Finished sentences by finish reason", ["model", "mode", "finish_reason"], registry=r)
         self.cancelled = Counter("nmtserve_cancelled_sentences", "Sentences dropped by client cancellation or deadline",
-                                 ["model", "reason"], registry=r)
+                                 ["model", "mode", "reason"], registry=r)
         self.rejected = Counter("nmtserve_rejected_requests", "RPCs refused before any work, by status code",
-                                ["model", "code"], registry=r)
+                                ["model", "mode", "code"], registry=r)
         self.running = Gauge("nmtserve_requests_running", "Rows in the running batch", ["model"], registry=r)
         self.waiting = Gauge("nmtserve_requests_waiting", "Requests waiting for admission", ["model"], registry=r)
         self.model = Info("nmtserve_model", "The bundles being served, one series per model", ["model"], registry=r)
@@ -68,22 +70,23 @@ class ServerMetrics:
     def sentence(self, model: str, rpc: str, request) -> None:
         """One finished engine request (a sentence)."""
         reason = request.finish.value if request.finish else "unknown"
+        mode = request.options.mode
         if reason in ("cancelled", "deadline"):
-            self.cancelled.labels(model, reason).inc()
+            self.cancelled.labels(model, mode, reason).inc()
             return
-        self.sentences.labels(model, reason).inc()
-        self.input_tokens.labels(model).inc(len(request.src_ids))
-        self.output_tokens.labels(model).inc(len(request.tokens))
+        self.sentences.labels(model, mode, reason).inc()
+        self.input_tokens.labels(model, mode).inc(len(request.src_ids))
+        self.output_tokens.labels(model, mode).inc(len(request.tokens))
         if request.admitted is not None:
-            self.queue_time.labels(model).observe(request.admitted - request.arrived)
+            self.queue_time.labels(model, mode).observe(request.admitted - request.arrived)
         if request.first_token is not None:
-            self.ttft.labels(model).observe(request.first_token - request.arrived)
+            self.ttft.labels(model, mode).observe(request.first_token - request.arrived)
             if len(request.tokens) > 1 and request.finished is not None:
-                self.tpot.labels(model).observe((request.finished - request.first_token) / (len(request.tokens) - 1))
+                self.tpot.labels(model, mode).observe((request.finished - request.first_token) / (len(request.tokens) - 1))
         if request.finished is not None:
-            self.request_duration.labels(model, rpc).observe(request.finished - request.arrived)
+            self.request_duration.labels(model, mode, rpc).observe(request.finished - request.arrived)
 
-    def rpc(self, model: str, rpc: str, code: str, rejected: bool = False) -> None:
-        self.requests.labels(model, rpc, code).inc()
+    def rpc(self, model: str, mode: str, rpc: str, code: str, rejected: bool = False) -> None:
+        self.requests.labels(model, mode, rpc, code).inc()
         if rejected:
-            self.rejected.labels(model, code).inc()
+            self.rejected.labels(model, mode, code).inc()

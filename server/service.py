@@ -53,6 +53,7 @@ class _Call:
     """One RPC as its metrics and its log line count it."""
     rpc: str
     model: str = ""  # the served model's id, once the call is routed to one
+    mode: str = ""  # its decoding mode, once its options are read
     requests: list[Request] = field(default_factory=list)  # its engine requests, as submitted
     started: float = field(default_factory=time.monotonic)
 
@@ -86,6 +87,12 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         call.model = model.id
         return model
 
+    @staticmethod
+    def _options(call: _Call, model: ServedModel, request) -> tuple[int, DecodingOptions]:
+        max_tokens, search = model.options(request.options)
+        call.mode = search.mode
+        return max_tokens, search
+
     # -- engine round trip
     def _request(self, call: _Call, ids: list[int], options: tuple[int, DecodingOptions], context, on_token=None,
                  on_done=None):
@@ -109,14 +116,14 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         before any work (its submitted requests are cancelled)."""
         call.cancel()
         code = _status_of(exc)
-        self.metrics.rpc(call.model, call.rpc, code.name, rejected=rejected)
+        self.metrics.rpc(call.model, call.mode, call.rpc, code.name, rejected=rejected)
         _log_line(call, code.name)
         await context.abort(code, str(exc))
 
     def _cancelled(self, call: _Call) -> None:
         """The client went away: free the rows at the next step."""
         call.cancel()
-        self.metrics.rpc(call.model, call.rpc, "CANCELLED")
+        self.metrics.rpc(call.model, call.mode, call.rpc, "CANCELLED")
 
     async def _fit(self, call: _Call, message, context):
         """The message, if grpc can send it: a write over the message size limit fails inside grpc, after
@@ -130,7 +137,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         return message
 
     def _succeed(self, call: _Call) -> None:
-        self.metrics.rpc(call.model, call.rpc, "OK")
+        self.metrics.rpc(call.model, call.mode, call.rpc, "OK")
         _log_line(call, "OK")
 
     def _submit(self, call: _Call, model: ServedModel, request: Request) -> None:
@@ -160,7 +167,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                 log.error("request %s failed in the engine: %s", request.id, request.error)
             code, what = _EARLY_FINISH[request.finish]
             message = f"request {request.id} {what}"
-            self.metrics.rpc(call.model, call.rpc, code.name)
+            self.metrics.rpc(call.model, call.mode, call.rpc, code.name)
             _log_line(call, code.name)
             if request.finish is not FinishReason.ERROR:
                 # the client's own deadline or cancellation already gave it this status, and gRPC may
@@ -177,7 +184,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             n = len(request.sentences)
             if not 1 <= n <= self.config.max_sentences:
                 raise InvalidRequest(f"sentences: {n} given, between 1 and {self.config.max_sentences} accepted")
-            options = model.options(request.options)
+            options = self._options(call, model, request)
             language = model.language_token(request.target_language)
             sources = [model.source(f"sentences[{i}]", s, language) for i, s in enumerate(request.sentences)]
             pairs = [self._request(call, ids, options, context) for ids in sources]
@@ -202,7 +209,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         call = _Call("TranslateStream")
         try:
             model = self._model(call, request)
-            options = model.options(request.options)
+            options = self._options(call, model, request)
             ids = model.source("sentence", request.sentence, model.language_token(request.target_language))
             engine_request, future = self._request(
                 call, ids, options, context,
@@ -249,7 +256,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             raise InvalidRequest(f"mime_type {request.mime_type!r}: "
                                  + ("HTML is not supported yet" if "html" in request.mime_type else "not supported")
                                  + f"; send {', '.join(MIME_TYPES)}")
-        options = model.options(request.options)
+        options = self._options(call, model, request)
         language = model.language_token(request.target_language)
         pieces = [model.text_pieces(field, text, language) for field, text in texts]
         documents = [(spans, [self._request(call, piece, options, context) if piece else None for piece in ids])

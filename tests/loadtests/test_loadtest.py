@@ -41,7 +41,7 @@ def test_two_models_each_get_their_own_text_and_their_own_rows(tiny_bundle, fr_e
     for model in ("en-fr", "fr-en"):
         for kind in ("Translate", "TranslateStream", "TranslateText"):
             assert stats[f"{kind} [{model}]"]["Request Count"] > 0, (kind, model)
-        assert f"model {model}: p95_latency_ms" in result.stdout
+        assert f"[{model}] p95_latency_ms" in result.stdout
     assert not {name for name in stats if "[" not in name}, "a call that named no model"
     assert sum(row["Failure Count"] for row in stats.values()) == 0
 
@@ -88,14 +88,18 @@ def test_bad_slo_files_and_results_are_one_line_errors(steady_run, tmp_path):
 
 
 @pytest.mark.parametrize("marian_dir", ["swish"], indirect=True)
-def test_steady_run_against_an_imported_marian_bundle(marian_bundle, tmp_path):
+def test_steady_run_with_mixed_decoding_against_an_imported_marian_bundle(marian_bundle, tmp_path):
+    """--decoding mixed: greedy, beam 4 and sampled calls in one run, each mode's entries apart."""
     from nmtserve.loadtests.marian_model import ENGLISH, sentences
 
     (tmp_path / "en.txt").write_text("\n".join(sentences(ENGLISH, 100, 5)) + "\n", encoding="utf-8")
     out = tmp_path / "run"
     result = run_cli("loadtest", "--bundle", str(marian_bundle), "--sentences", str(tmp_path / "en.txt"),
-                     "--scenario", "steady", "--seconds", "8", "--peak-users", "4", "--out", str(out), timeout=240)
+                     "--scenario", "steady", "--seconds", "8", "--peak-users", "4", "--decoding", "mixed",
+                     "--out", str(out), timeout=240)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     stats = read_stats(out / "stats_stats.csv")
-    assert stats["Translate"]["Request Count"] > 10 and stats["TranslateStream"]["Request Count"] > 0
+    for mode in ("greedy", "beam", "sampling"):
+        assert stats[f"Translate [{mode}]"]["Request Count"] > 0, mode
+        assert f"[{mode}] p95_latency_ms" in result.stdout
     assert sum(row["Failure Count"] for row in stats.values()) == 0

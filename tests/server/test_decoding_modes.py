@@ -10,6 +10,7 @@ from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.training.data import read_tsv
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
+from tests.helpers import metric, scrape
 
 # (request options, the same as OnnxTranslator.translate_batch keywords); the server's limit is 64 tokens
 MODES = [
@@ -51,8 +52,18 @@ def test_every_mode_in_concurrent_mixed_traffic_gets_its_alone_result(served, se
                                         timeout=60).translations[0]
 
     jobs = [(m, i) for _ in range(2) for i in range(len(sentences)) for m in range(len(MODES))]
+    before = scrape(served.running.metrics_port)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         results = list(pool.map(call, jobs))
+    after = scrape(served.running.metrics_port)
+    # the request metrics count each decoding mode apart (MODES: 1 greedy, 2 beam, 2 sampled)
+    for mode, share in (("greedy", 1), ("beam", 2), ("sampling", 2)):
+        sentences_done = metric(after, "nmtserve_sentences_total", mode=mode) - metric(before, "nmtserve_sentences_total",
+                                                                                        mode=mode)
+        assert sentences_done == share * 2 * len(sentences), mode
+    streamed = metric(after, "nmtserve_requests_total", mode="beam", rpc="TranslateStream", code="OK") - metric(
+        before, "nmtserve_requests_total", mode="beam", rpc="TranslateStream", code="OK")
+    assert streamed == len(sentences)
     for m, i, got in results:
         expected = alone[m][i]
         assert got.text == expected.text, (MODES[m][1], i)

@@ -105,7 +105,8 @@ def test_a_client_killed_mid_stream_frees_its_row_and_its_batch_mates_finish(tin
         assert engine.stats()["running"] == engine.stats()["waiting"] == 0
         [model] = server.running.models
         cancelled = server.running.servicer.metrics.registry.get_sample_value("nmtserve_cancelled_sentences_total",
-                                                                              {"model": model, "reason": "cancelled"})
+                                                                              {"model": model, "mode": "greedy",
+                                                                               "reason": "cancelled"})
         assert cancelled >= 1, cancelled
     finally:
         server.stop()
@@ -161,7 +162,8 @@ def test_a_response_too_large_to_send_fails_alone_with_its_sizes(tiny_bundle, ca
             rpc = "Translate" if limit == 200 else "TranslateStream"
             [model] = server.running.models
             assert registry.get_sample_value("nmtserve_requests_total",
-                                             {"model": model, "rpc": rpc, "code": "RESOURCE_EXHAUSTED"}) == 1
+                                             {"model": model, "mode": "greedy", "rpc": rpc,
+                                              "code": "RESOURCE_EXHAUSTED"}) == 1
             wait_engine_idle(server.running.engine, 20)
             assert server.running.engine.stats()["running"] == server.running.engine.stats()["waiting"] == 0
         finally:

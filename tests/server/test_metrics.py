@@ -44,8 +44,9 @@ def test_scrape_agrees_with_traffic_and_static_batching_gives_the_same_text(tiny
 
             [model] = server.running.models  # every series carries the model it counts
 
-            def delta(name, **labels):
-                key = (name, tuple(sorted({"model": model, **labels}.items())))
+            def delta(name, **labels):  # request series also carry the decoding mode; step series do not
+                labels = {"model": model, "mode": "greedy", **labels}
+                key = (name, tuple(sorted((k, v) for k, v in labels.items() if v is not None)))
                 return after.get(key, 0) - before.get(key, 0)
 
             translations = [t for r in responses for t in r.translations]
@@ -60,7 +61,7 @@ def test_scrape_agrees_with_traffic_and_static_batching_gives_the_same_text(tiny
             assert delta("nmtserve_rejected_requests_total", code="INVALID_ARGUMENT") == 1
             assert delta("nmtserve_time_to_first_token_seconds_count") == 6
             assert delta("nmtserve_request_duration_seconds_count", rpc="Translate") == 6
-            assert delta("nmtserve_step_duration_seconds_count") > 0
+            assert delta("nmtserve_step_duration_seconds_count", mode=None) > 0
             idle = (("model", model),)
             assert after[("nmtserve_requests_running", idle)] == 0 and after[("nmtserve_requests_waiting", idle)] == 0
         finally:
