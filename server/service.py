@@ -67,7 +67,7 @@ def _log_line(call: _Call, code: str) -> None:
     """One structured line per RPC: id, sizes, timings, status."""
     requests = call.requests
     log.info(json.dumps({
-        "rpc": call.rpc, "model": call.model, "code": code, "ids": [r.id for r in requests], "sentences": len(requests),
+        "rpc": call.rpc, "model": call.model, "mode": call.mode, "code": code, "ids": [r.id for r in requests], "sentences": len(requests),
         "input_tokens": sum(len(r.src_ids) for r in requests), "output_tokens": sum(len(r.tokens) for r in requests),
         "queue_ms": round(max(((r.admitted or r.arrived) - r.arrived) * 1e3 for r in requests), 2) if requests else None,
         "ttft_ms": round(max(((r.first_token or r.arrived) - r.arrived) * 1e3 for r in requests), 2) if requests else None,
