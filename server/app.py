@@ -10,6 +10,7 @@ import asyncio
 import functools
 import logging
 import signal
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -28,6 +29,7 @@ from nmtserve.server.service import TranslationServicer
 from nmtserve.v1 import translation_pb2, translation_pb2_grpc
 
 log = logging.getLogger("nmtserve.server")
+QUIET_SECONDS = 0.5  # the drain stops the gRPC server once no call has arrived for this long
 SERVICE_NAME = translation_pb2.DESCRIPTOR.services_by_name["TranslationService"].full_name
 
 
@@ -56,17 +58,19 @@ class RunningServer:
     async def drain_and_stop(self, timeout: float) -> None:
         """NOT_SERVING, refuse new work (UNAVAILABLE), let in-flight calls finish within `timeout`, stop.
 
-        The gRPC server keeps running until the engine is idle, so that a call arriving while the
-        accepted ones finish meets the servicer's UNAVAILABLE. grpc's own shutdown ends a call it has
-        received but not yet handed to a handler with CANCELLED (grpc/grpc#41785), which a client
-        would not retry; only calls arriving in the moment of the final stop can still meet it.
+        The gRPC server keeps running until the engines are idle and no call has arrived for
+        QUIET_SECONDS, so that a call arriving while the accepted ones finish meets the servicer's
+        UNAVAILABLE. grpc's own shutdown ends a call it has received but not yet handed to a handler
+        with CANCELLED (grpc/grpc#41785), which a client would not retry; waiting for a quiet moment
+        leaves only calls arriving after QUIET_SECONDS of silence, in the moment of the stop, to meet it.
         """
         for name in health_names(self.models):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.servicer.accepting = False
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while loop.time() < deadline and not self.idle():
+        while loop.time() < deadline and (not self.idle()
+                                           or time.monotonic() - self.servicer.last_arrival < QUIET_SECONDS):
             await asyncio.sleep(0.05)
         await self.server.stop(grace=max(0.0, deadline - loop.time()))
         for model in self.models.values():

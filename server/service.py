@@ -81,6 +81,11 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
     def __init__(self, models: dict[str, ServedModel], config: ServerConfig, metrics: ServerMetrics):
         self.models, self.config, self.metrics = models, config, metrics
         self.accepting = True
+        self.last_arrival = time.monotonic()  # when the latest call arrived (the drain waits for a quiet moment)
+
+    def _call(self, rpc: str) -> _Call:
+        self.last_arrival = time.monotonic()
+        return _Call(rpc)
 
     def _model(self, call: _Call, request) -> ServedModel:
         model = route(self.models, request.model, request.source_language, request.target_language)
@@ -178,7 +183,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
 
     # -- RPCs
     async def Translate(self, request: pb.TranslateRequest, context) -> pb.TranslateResponse:
-        call = _Call("Translate")
+        call = self._call("Translate")
         try:
             model = self._model(call, request)
             n = len(request.sentences)
@@ -206,7 +211,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
     async def TranslateStream(self, request: pb.TranslateStreamRequest, context):
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue = asyncio.Queue()
-        call = _Call("TranslateStream")
+        call = self._call("TranslateStream")
         try:
             model = self._model(call, request)
             options = self._options(call, model, request)
@@ -271,7 +276,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         return model.tokenizer.decode(pair[0].tokens) if pair else text[span[0]:span[1]]
 
     async def TranslateText(self, request: pb.TranslateTextRequest, context) -> pb.TranslateTextResponse:
-        call = _Call("TranslateText")
+        call = self._call("TranslateText")
         try:
             model = self._model(call, request)
             n, chars = len(request.texts), sum(len(t) for t in request.texts)
@@ -303,7 +308,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         return response
 
     async def TranslateTextStream(self, request: pb.TranslateTextStreamRequest, context):
-        call = _Call("TranslateTextStream")
+        call = self._call("TranslateTextStream")
         try:
             model = self._model(call, request)
             [(spans, pairs)] = self._text_requests(call, model, [("text", request.text)], request, context)

@@ -31,7 +31,7 @@ def test_the_first_step_extends_beam_0_only_and_an_eos_candidate_finishes_and_is
     # the best candidate is eos (row 0): it finishes, and the first non-eos candidate past the beam
     # (row 1's token 8, the 4th best) takes its place; the 2nd (row 0's token 9) stays
     parents, tokens = step(search, table([{EOS: -0.1, 9: -0.5}, {8: -0.3, EOS: -0.2}]))
-    assert search.finished == [([5], -0.2, True)]
+    assert search.finished == [([5], -0.2, True, "eos")]
     assert sorted(zip(parents.tolist(), tokens.tolist())) == [(0, 9), (1, 8)]
     assert not search.done  # 1 finished < num_hypotheses 2
     step(search, table([{EOS: -0.1}, {EOS: -0.1}]))
