@@ -5,14 +5,18 @@ versus static batching on the same bundle, side by side in one run, against Onnx
 
 Both servers run at once (their engines sleep while idle) and take turns cell by cell within each
 run, so drift of the machine hits them alike. Each request is one sentence of the bundle's test
-split, drawn at random (seeded) so that lengths mix as in traffic. Throughput counts target tokens
-(eos excluded); latency is the client's time for one Translate call. The baseline is
-OnnxTranslator.translate_ids on the same sentences at batch 1 with the same thread count, in this
-process while the servers are idle.
+split, drawn at random (seeded) so that lengths mix as in traffic; with `--decoding mixed` each
+request's decoding mode is drawn too (50% greedy, 40% beam 4, 10% sampled: workload.DECODING_MIX),
+the same draws for both servers. Throughput counts target tokens of the best translation (eos
+excluded); latency is the client's time for one Translate call. The baseline is OnnxTranslator on
+the same requests at batch 1 with the same thread count, in this process while the servers are idle.
+
+    nmtserve bench served bundles/default --decoding mixed --concurrency 1,8,32
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 import tempfile
 import threading
@@ -21,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nmtserve.loadtests.machine import describe, machine_info
-from nmtserve.loadtests.workload import ServerProcess, default_sentence_file, mixed, read_sentences
+from nmtserve.loadtests.workload import ServerProcess, default_sentence_file, draw_decoding, mixed, read_sentences
 
 MODES = ("continuous", "static")
 
@@ -40,6 +44,7 @@ class ServedBenchConfig:
     modes: tuple[str, ...] = MODES
     seed: int = 0
     server_flags: list[str] = field(default_factory=list)
+    decoding: str = "greedy"  # or "mixed": each request's mode drawn from workload.DECODING_MIX
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -47,9 +52,16 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
-def _cell(target: str, sentences: list[str], concurrency: int) -> dict:
+def work(cfg: ServedBenchConfig, pool: list[str], n: int, seed: int) -> list[tuple[str, dict]]:
+    """n requests: (sentence, DecodingOptions fields), drawn (seeded) from the pool and the decoding mix."""
+    rng = random.Random(seed)
+    return [(sentence, draw_decoding(rng)[1] if cfg.decoding == "mixed" else {})
+            for sentence in mixed(pool, n, seed=seed)]
+
+
+def _cell(target: str, requests: list[tuple[str, dict]], concurrency: int) -> dict:
     """Closed loop: `concurrency` client threads (blocking stubs, as most services call), each sends
-    its next sentence when its last one returns; every sentence is sent exactly once."""
+    its next request when its last one returns; every request is sent exactly once."""
     from nmtserve.client import open_channel
     from nmtserve.v1 import translation_pb2 as pb
     from nmtserve.v1 import translation_pb2_grpc as pb_grpc
@@ -57,18 +69,20 @@ def _cell(target: str, sentences: list[str], concurrency: int) -> dict:
     latencies: list[float] = []
     in_server: list[float] = []  # the server's own arrival-to-finish time (Timings.total_ns)
     tokens = [0]
-    queue, lock = iter(sentences), threading.Lock()
+    queue, lock = iter(requests), threading.Lock()
     with open_channel(target) as channel:
         stub = pb_grpc.TranslationServiceStub(channel)
 
         def client():
             while True:
                 with lock:
-                    sentence = next(queue, None)
-                if sentence is None:
+                    request = next(queue, None)
+                if request is None:
                     return
+                sentence, options = request
                 t0 = time.perf_counter()
-                response = stub.Translate(pb.TranslateRequest(sentences=[sentence]), timeout=120)
+                response = stub.Translate(pb.TranslateRequest(sentences=[sentence],
+                                                              options=pb.DecodingOptions(**options)), timeout=120)
                 elapsed = time.perf_counter() - t0
                 with lock:
                     latencies.append(elapsed)
@@ -89,7 +103,8 @@ def _cell(target: str, sentences: list[str], concurrency: int) -> dict:
 
 
 class Baseline:
-    """OnnxTranslator at batch 1 in this process: per-sentence latency and tokens/s on given sentences."""
+    """OnnxTranslator at batch 1 in this process: per-request latency and tokens/s on given requests
+    (greedy ones through its greedy loop, the others through its search, as the engine decides)."""
 
     def __init__(self, cfg: ServedBenchConfig):
         from nmtserve.export.runtime.translator import OnnxTranslator
@@ -97,15 +112,17 @@ class Baseline:
         self.tr = OnnxTranslator(cfg.bundle, device=cfg.device, variant=cfg.variant, intra_op_threads=cfg.threads)
         self.tr.translate_ids([self.tr.tokenizer.encode("warm up")], max_batch_size=1)
 
-    def __call__(self, sentences: list[str]) -> dict:
+    def __call__(self, requests: list[tuple[str, dict]]) -> dict:
+        from nmtserve.search import DecodingOptions
+
         tr = self.tr
         latencies, tokens = [], 0
-        for sentence in sentences:
+        for sentence, options in requests:
             source = tr.tokenizer.encode(sentence, tr.limits.max_source_tokens) or [tr.eos_id]
             t0 = time.perf_counter()
-            (out, _), = tr.translate_ids([source], max_batch_size=1)
+            [[best, *_]] = tr.search_ids([source], DecodingOptions().override(**options), max_batch_size=1)
             latencies.append(time.perf_counter() - t0)
-            tokens += len(out)
+            tokens += len(best.tokens)
         return {"p50_ms": percentile(latencies, 50) * 1e3, "p90_ms": percentile(latencies, 90) * 1e3,
                 "tokens_per_s": tokens / sum(latencies)}
 
@@ -122,14 +139,14 @@ def run_served_bench(cfg: ServedBenchConfig) -> dict:
         servers = {m: ServerProcess(cfg.bundle, "--batching", m, *flags, log=Path(logs) / f"{m}.log") for m in cfg.modes}
         try:
             for mode, server in servers.items():  # warm-up: the first calls of a channel and a process
-                _cell(server.target, mixed(pool, 16, seed=-1), 8)
+                _cell(server.target, work(cfg, pool, 16, seed=-1), 8)
             for run in range(cfg.runs):
                 for c in cfg.concurrency:
-                    work = mixed(pool, cfg.requests or max(48, 4 * c), seed=cfg.seed + 1000 * run + c)
+                    requests = work(cfg, pool, cfg.requests or max(48, 4 * c), seed=cfg.seed + 1000 * run + c)
                     for mode, server in servers.items():
-                        cells[mode][c].append(_cell(server.target, work, c))
-                    if c == 1:  # the same sentences, right after, while both servers are idle
-                        baselines.append(baseline(work))
+                        cells[mode][c].append(_cell(server.target, requests, c))
+                    if c == 1:  # the same requests, right after, while both servers are idle
+                        baselines.append(baseline(requests))
         finally:
             for server in servers.values():
                 server.stop()
@@ -158,6 +175,7 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: list[dict]) -> dict:
             ratios[f"{mode} p50 at concurrency 1 / OnnxTranslator batch-1 p50"] = round(
                 results[mode]["1"]["p50_ms"] / baseline["p50_ms"], 3)
     return {"bundle": cfg.bundle, "variant": cfg.variant, "device": cfg.device, "server_flags": cfg.server_flags,
+            "decoding": cfg.decoding,
             "threads": cfg.threads, "runs": cfg.runs,
             "max_running_rows": cfg.max_running_rows, "concurrency": list(cfg.concurrency),
             "machine": machine_info(),
@@ -169,7 +187,7 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: list[dict]) -> dict:
 def format_table(report: dict) -> str:
     lines = [describe(report["machine"]),
              f"{report['variant']} on {report.get('device', 'cpu')}, {report['threads']} ORT thread(s), "
-             f"median of {report['runs']} runs",
+             f"{report.get('decoding', 'greedy')} decoding, median of {report['runs']} runs",
              f"{'mode':<11}{'clients':>8}{'tok/s [min–max]':>22}{'req/s':>8}{'p50 ms [min–max]':>24}{'p90 ms':>9}"
              f"{'p99 ms':>9}{'in-server p50':>15}"]
     for mode, by_c in report["results"].items():
@@ -213,6 +231,7 @@ def draw_chart(report: dict, path: Path) -> None:
         ax.legend(fontsize=8)
     latency.set_yscale("log")
     fig.suptitle(f"nmtserve serve, {report['variant']} on {report['device']}, {report['threads']} thread(s), "
+                 f"{report.get('decoding', 'greedy')} decoding, "
                  f"median of {report['runs']} runs — {report['machine']['cpu']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

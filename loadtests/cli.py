@@ -4,6 +4,7 @@
     nmtserve bench served bundles/default           # continuous vs static batching, served over gRPC
     nmtserve bench models bundles/en-fr bundles/fr-en   # one server, two models: a flood on one, the other's latency
     nmtserve bench documents bundles/default        # a document in one TranslateText call vs separate calls
+    nmtserve bench cross-kv bundles/default         # a beam's copies of its cross-attention K/V vs one shared copy
     nmtserve loadtest --scenario steady --peak-users 32 --seconds 60 --slo loadtests/slo.toml
     nmtserve check-slo runs/loadtest/steady --slo loadtests/slo.toml
     nmtserve soak --bundle bundles/default --seconds 600 --clients 24 --out runs/soak
@@ -74,7 +75,7 @@ def cmd_bench_served(args) -> int:
         raise NmtserveError(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
     report = run_served_bench(ServedBenchConfig(args.bundle, args.sentences, args.concurrency, args.requests, args.runs,
                                                 args.threads, args.variant, args.max_running_rows, args.device, modes,
-                                                server_flags=args.server_flag or []))
+                                                server_flags=args.server_flag or [], decoding=args.decoding))
     print(format_table(report))
     if args.json:
         _write_report(report, Path(args.json), draw_chart)
@@ -143,6 +144,8 @@ def _add_bench(p) -> None:
     p.add_argument("--max-running-rows", type=int, default=64)
     p.add_argument("--device", default="cpu", help="cpu or cuda, for the servers and the baseline")
     p.add_argument("--modes", default="continuous,static")
+    p.add_argument("--decoding", choices=("greedy", "mixed"), default="greedy",
+                   help="mixed: 50%% greedy, 40%% beam 4, 10%% sampled requests")
     p.add_argument("--server-flag", action="append",
                    help="extra flag for both servers, e.g. --server-flag=--io-binding=off")
     p.add_argument("--json", metavar="FILE", help="also write the report here")
@@ -161,6 +164,15 @@ def _add_bench(p) -> None:
     p.add_argument("--max-output-tokens", type=int, default=32, help="of every call (default %(default)s)")
     p.add_argument("--json", metavar="FILE", help="also write the report here")
     p.set_defaults(func=cmd_bench_models)
+    p = bench.add_parser("cross-kv", help="a beam's copies of its cross-attention K/V against one shared copy")
+    p.add_argument("bundle")
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--beam-size", type=int, default=4)
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
+    p.add_argument("--sentences-file", help="sentence file (default: the bundle's test split)")
+    p.add_argument("--json", metavar="FILE", help="also write the report here")
+    p.set_defaults(func=cmd_bench_cross_kv)
     p = bench.add_parser("documents", help="a document in one TranslateText call vs its sentences in separate calls")
     p.add_argument("bundle")
     p.add_argument("--sentences-file", help="sentence file (default: the bundle's test split)")
@@ -190,6 +202,17 @@ def _write_json(report: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     print(f"report: {path}")
+
+
+def cmd_bench_cross_kv(args) -> int:
+    from nmtserve.loadtests.bench_cross_kv import CrossKvBenchConfig, format_table, run_cross_kv_bench
+
+    report = run_cross_kv_bench(CrossKvBenchConfig(args.bundle, args.requests, args.beam_size, args.runs, args.threads,
+                                                   args.sentences_file))
+    print(format_table(report))
+    if args.json:
+        _write_json(report, Path(args.json))
+    return 0
 
 
 def cmd_bench_documents(args) -> int:

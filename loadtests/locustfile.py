@@ -40,7 +40,14 @@ from locust import LoadTestShape, User, events, task
 from nmtserve.client import TlsFiles, open_channel
 from nmtserve.errors import ConfigError
 from nmtserve.loadtests.slo import REJECTED_SUFFIX, entry
-from nmtserve.loadtests.workload import DEFAULT_BUNDLE, SCENARIOS, default_sentence_file, read_sentences, sentence_files
+from nmtserve.loadtests.workload import (
+    DEFAULT_BUNDLE,
+    SCENARIOS,
+    default_sentence_file,
+    draw_decoding,
+    read_sentences,
+    sentence_files,
+)
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 
@@ -168,10 +175,7 @@ class GrpcUser(User):
         """No option (the model's defaults), or with --decoding mixed: 50% greedy, 40% beam 4, 10% sampled."""
         if self.environment.parsed_options.decoding != "mixed":
             return pb.DecodingOptions()
-        draw = random.random()
-        if draw < 0.5:
-            return pb.DecodingOptions(beam_size=1)
-        return pb.DecodingOptions(beam_size=4) if draw < 0.9 else pb.DecodingOptions(sampling_topk=10)
+        return pb.DecodingOptions(**draw_decoding(random)[1])
 
     def on_stop(self) -> None:
         self.channel.close()

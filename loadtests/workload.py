@@ -67,6 +67,18 @@ def default_sentence_file(bundle: str | Path) -> Path:
     return Path(data) / "test.tsv"
 
 
+# the decoding mix of `--decoding mixed` (load tests and the served benchmark): DecodingOptions
+# fields of each mode and its share of the calls
+DECODING_MIX = (("greedy", {"beam_size": 1}, 0.5), ("beam", {"beam_size": 4}, 0.4),
+                ("sampling", {"sampling_topk": 10}, 0.1))
+
+
+def draw_decoding(rng: random.Random) -> tuple[str, dict]:
+    """A decoding mode of DECODING_MIX, drawn by its share: (mode, its DecodingOptions fields)."""
+    mode, fields, _ = rng.choices(DECODING_MIX, weights=[share for *_, share in DECODING_MIX])[0]
+    return mode, fields
+
+
 def mixed(sentences: list[str], n: int, seed: int = 0) -> list[str]:
     """n sentences drawn (seeded) so that short, medium and long ones arrive interleaved as in traffic."""
     rng = random.Random(seed)

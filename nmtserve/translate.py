@@ -52,9 +52,15 @@ def cmd_translate(args) -> int:
     if not args.inputs:
         raise NmtserveError("give a bundle or checkpoint (or --server HOST:PORT) and the sentences")
     model, texts = args.inputs[0], args.inputs[1:] or [line.rstrip("\n") for line in sys.stdin]
-    found = _translate_bundle(model, texts, args) if Path(model).is_dir() else _translate_checkpoint(model, texts, args)
-    _print_translations(texts, found, args.json)
+    _print_translations(texts, translate_local(model, texts, args), args.json)
     return 0
+
+
+def translate_local(model: str, texts: list[str], args) -> list[list[tuple[str, float]]]:
+    """The n-best (text, score) of each text, best first, with a bundle directory (ONNX Runtime) or a
+    checkpoint (the PyTorch reference); args carries the decoding flags, batch_size, max_length, device
+    and target_language."""
+    return _translate_bundle(model, texts, args) if Path(model).is_dir() else _translate_checkpoint(model, texts, args)
 
 
 def _translate_bundle(path: str, texts: list[str], args) -> list[list[tuple[str, float]]]:
@@ -216,6 +222,13 @@ def add_parser(sub, name: str, help_text: str) -> None:
     p.add_argument("--max-length", type=int, default=None,
                    help="most target tokens per sentence (default: 256 locally; the server's own limit with --server)")
     p.add_argument("--device", default="cpu")
+    add_decoding_flags(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_translate)
+
+
+def add_decoding_flags(p) -> None:
+    """The decoding options as flags (also `nmtserve evaluate`'s)."""
     search = p.add_argument_group("decoding (CTranslate2's options; unset: the model's defaults, greedy for the "
                                   "models nmtserve trains, generation_config.json's for an imported Marian model)")
     search.add_argument("--beam-size", type=int)
@@ -229,5 +242,3 @@ def add_parser(sub, name: str, help_text: str) -> None:
     search.add_argument("--sampling-topp", type=float)
     search.add_argument("--sampling-temperature", type=float)
     search.add_argument("--seed", type=int, help="sampling: 0 picks one at random")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_translate)

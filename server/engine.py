@@ -13,8 +13,11 @@ sees K/V: the running batch and the translator keep them.
 from __future__ import annotations
 
 import collections
+import ctypes
+import ctypes.util
 import enum
 import itertools
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +28,18 @@ from nmtserve.errors import NmtserveError
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.search import BeamSearch, DecodingOptions, Hypothesis, Sampling, make_search
 from nmtserve.server.running_batch import RunningBatch
+
+TRIM_SECONDS = 5.0  # how often a busy engine gives the C heap's free pages back (release_free_memory)
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if sys.platform == "linux" else None
+
+
+def release_free_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim; a no-op elsewhere). With
+    ONNX Runtime's arena off, every tensor comes from malloc, and glibc's heaps otherwise keep the pages
+    that the largest batches needed: resident memory climbs to their level and stays there."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 class EngineOverloaded(NmtserveError):
@@ -115,6 +130,7 @@ class Engine:
         self.batch = RunningBatch(translator)
         self.ids = itertools.count()
         self.steps = 0
+        self.next_trim = 0.0
         self.thread = threading.Thread(target=self._loop, name="nmtserve-engine", daemon=True)
 
     # -- life cycle
@@ -153,6 +169,9 @@ class Engine:
     # -- the loop
     def _loop(self) -> None:
         while True:
+            if time.monotonic() >= self.next_trim:
+                release_free_memory()
+                self.next_trim = time.monotonic() + TRIM_SECONDS
             with self.lock:
                 while not self.waiting and not self.running_count and not self.stopping:
                     self.lock.wait()

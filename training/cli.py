@@ -5,6 +5,7 @@
     nmtserve average runs/default/step_*.pt --out runs/default/average.pt
     nmtserve import-marian ~/models/opus-mt-en-de --out runs/opus-en-de.pt
     nmtserve evaluate runs/default/best.pt --split test --json
+    nmtserve evaluate bundles/default --split novel --beam-size 4 --length-penalty 1
 """
 
 from __future__ import annotations
@@ -69,31 +70,44 @@ def cmd_import_marian(args) -> int:
 
 
 # ---------------------------------------------------------------- evaluate
-def _split_pairs(args, payload: dict) -> tuple[list[tuple[str, str]], str]:
+def _split_pairs(args) -> tuple[list[tuple[str, str]], str]:
+    """The pairs to score: --file's, or a split of the data the model was trained on (a checkpoint's
+    train_config, a bundle's manifest)."""
     from nmtserve.training.data import read_corpus, split_file
 
     if args.file:
         corpus = read_corpus(args.file)
         return corpus.pairs, corpus.source
-    data_dir = args.data or (payload.get("train_config") or {}).get("data")
+    data_dir = args.data or _trained_on(args.model)
     if not data_dir:
         raise NmtserveError("no evaluation data: give --data DIR or --file FILE [TARGET_FILE]")
     path = split_file(data_dir, args.split)
     return read_corpus([path]).pairs, str(path)
 
 
-def cmd_evaluate(args) -> int:
-    from nmtserve.training.checkpoint import load_model
-    from nmtserve.training.evaluate import evaluate_pairs
+def _trained_on(model: str) -> str | None:
+    if Path(model).is_dir():
+        from nmtserve.export.runtime.bundle import load_bundle
 
-    loaded = load_model(args.checkpoint, device=args.device)
-    pairs, source = _split_pairs(args, loaded.payload)
+        return load_bundle(model).manifest.get("source", {}).get("data")
+    from nmtserve.training.checkpoint import load_model
+
+    return (load_model(model).payload.get("train_config") or {}).get("data")
+
+
+def cmd_evaluate(args) -> int:
+    from nmtserve.training.evaluate import score
+    from nmtserve.translate import given_options, translate_local
+
+    pairs, source = _split_pairs(args)
     if args.limit:
         pairs = pairs[: args.limit]
     if not pairs:
         raise NmtserveError(f"{source}: no sentence pairs to evaluate")
-    scores, hyps = evaluate_pairs(loaded.model, loaded.tokenizer, pairs, batch_size=args.batch_size, device=args.device)
-    result = {"checkpoint": str(args.checkpoint), "data": source, "split": None if args.file else args.split,
+    hyps = [best for (best, _), *_ in translate_local(args.model, [s for s, _ in pairs], args)]
+    scores = score(hyps, [t for _, t in pairs])
+    result = {"model": str(args.model), "engine": "onnxruntime" if Path(args.model).is_dir() else "pytorch",
+              "decoding": given_options(args), "data": source, "split": None if args.file else args.split,
               **scores.to_dict()}
     if args.output:
         Path(args.output).write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
@@ -169,14 +183,19 @@ def add_parser(sub, name: str, help_text: str) -> None:
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=cmd_import_marian)
     elif name == "evaluate":
-        p.add_argument("checkpoint")
+        from nmtserve.translate import add_decoding_flags
+
+        p.add_argument("model", help="a checkpoint (the PyTorch reference) or a bundle directory (ONNX Runtime)")
         p.add_argument("--split", default="test", help="split of the data directory (default %(default)s)")
         p.add_argument("--data", help="data directory (default: the one the checkpoint was trained on)")
         p.add_argument("--file", nargs="+", metavar="FILE", help="evaluate on a TSV file or a Moses pair instead")
         p.add_argument("--limit", type=int, default=0, help="only the first N pairs")
         p.add_argument("--batch-size", type=int, default=128)
+        p.add_argument("--max-length", type=int, default=None, help="most target tokens per sentence (default 256)")
+        p.add_argument("--target-language", default="", help="a multilingual Marian bundle's >>xx<< token")
         p.add_argument("--output", help="write the translations here")
         p.add_argument("--device", default="cpu")
+        add_decoding_flags(p)
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=cmd_evaluate)
     else:

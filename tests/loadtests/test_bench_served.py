@@ -1,19 +1,29 @@
 """`nmtserve bench served` end to end on the tiny bundle: two real servers, every request served,
-a report with both modes (median and spread), the baseline, the ratios, the machine and a chart
+a report with both modes (median and spread; greedy, beam and sampled requests mixed), the baseline, the ratios, the machine and a chart
 (figures are not judged here)."""
 
 import json
+import random
+from collections import Counter
 
+from nmtserve.loadtests.workload import DECODING_MIX, draw_decoding
 from tests.helpers import run_cli
+
+
+def test_the_decoding_mix_draws_each_mode_by_its_share():
+    rng = random.Random(0)
+    counts = Counter(draw_decoding(rng)[0] for _ in range(10_000))
+    for mode, _, share in DECODING_MIX:
+        assert abs(counts[mode] / 10_000 - share) < 0.02, counts
 
 
 def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_path):
     out = tmp_path / "served.json"
     result = run_cli("bench", "served", str(tiny_bundle), "--concurrency", "1,2", "--requests", "6", "--runs", "1",
-                     "--server-flag=--io-binding=on", "--json", str(out), timeout=300)
+                     "--server-flag=--io-binding=on", "--decoding", "mixed", "--json", str(out), timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
-    assert report["device"] == "cpu" and report["server_flags"] == ["--io-binding=on"]
+    assert report["device"] == "cpu" and report["server_flags"] == ["--io-binding=on"] and report["decoding"] == "mixed"
     for mode in ("continuous", "static"):
         assert set(report["results"][mode]) == {"1", "2"}
         for cell in report["results"][mode].values():

@@ -116,6 +116,21 @@ def test_cli_evaluate_json_and_translate(tiny_checkpoint):
     assert len(result.stdout.splitlines()) == 2
 
 
+def test_cli_evaluate_a_bundle_with_beam_search_agrees_with_the_checkpoint(tiny_checkpoint, tiny_bundle, tmp_path):
+    reports = {}
+    for name, model in (("pytorch", tiny_checkpoint), ("onnxruntime", tiny_bundle)):
+        out = tmp_path / f"{name}.txt"
+        result = run_cli("evaluate", str(model), "--split", "novel", "--beam-size", "4", "--length-penalty", "1",
+                         "--output", str(out), "--json")
+        assert result.returncode == 0, result.stderr
+        reports[name] = json.loads(result.stdout) | {"lines": out.read_text(encoding="utf-8").splitlines()}
+    pytorch, onnx = reports["pytorch"], reports["onnxruntime"]
+    assert onnx["engine"] == "onnxruntime" and onnx["decoding"] == {"beam_size": 4, "length_penalty": 1.0}
+    assert onnx["split"] == "novel" and onnx["data"].endswith("novel.tsv") and len(onnx["lines"]) == onnx["sentences"]
+    # the same weights and search rules: the same translations and scores
+    assert onnx["lines"] == pytorch["lines"] and onnx["bleu"] == pytorch["bleu"]
+
+
 def test_cli_errors_are_one_line_with_exit_2(tmp_path, tiny_checkpoint):
     broken = tmp_path / "broken.pt"
     broken.write_bytes(tiny_checkpoint.read_bytes()[:1000])
