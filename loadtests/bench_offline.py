@@ -158,7 +158,8 @@ def _load_engine(engine: str, threads: int, spec: dict):
             results = ct.translate_batch([[vocab[i] for i in s] for s in sources], beam_size=spec["search"]["beam_size"],
                                          length_penalty=spec["search"]["length_penalty"],
                                          max_batch_size=batch_size, batch_type="examples",
-                                         max_decoding_length=spec["search"]["max_decoding_length"])
+                                         max_decoding_length=spec["search"]["max_decoding_length"],
+                                         min_decoding_length=0)  # as ours: eos may come first (its default is 1)
             return [[ids[p] for p in r.hypotheses[0]] for r in results]
         return run
     raise NmtserveError(f"unknown engine {engine!r}")
