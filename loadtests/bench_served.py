@@ -8,7 +8,8 @@ run, so drift of the machine hits them alike. Each request is one sentence of th
 split, drawn at random (seeded) so that lengths mix as in traffic; with `--decoding mixed` each
 request's decoding mode is drawn too (50% greedy, 40% beam 4, 10% sampled: workload.DECODING_MIX),
 the same draws for both servers. Throughput counts target tokens of the best translation (eos
-excluded); latency is the client's time for one Translate call. The baseline is OnnxTranslator on
+excluded); latency is the client's time for one Translate call, broken down into stages (STAGES)
+with the server's Timings. The baseline is OnnxTranslator on
 the same requests at batch 1 with the same thread count, in this process while the servers are idle.
 
     nmtserve bench served bundles/default --decoding mixed --concurrency 1,8,32
@@ -68,6 +69,7 @@ def _cell(target: str, requests: list[tuple[str, dict]], concurrency: int) -> di
 
     latencies: list[float] = []
     in_server: list[float] = []  # the server's own arrival-to-finish time (Timings.total_ns)
+    stages: list[list[float]] = []  # per request, seconds in each of STAGES
     tokens = [0]
     queue, lock = iter(requests), threading.Lock()
     with open_channel(target) as channel:
@@ -87,6 +89,7 @@ def _cell(target: str, requests: list[tuple[str, dict]], concurrency: int) -> di
                 with lock:
                     latencies.append(elapsed)
                     in_server.append(response.translations[0].timings.total_ns / 1e9)
+                    stages.append(_stages(response.translations[0].timings, elapsed))
                     tokens[0] += response.translations[0].output_tokens
 
         threads = [threading.Thread(target=client) for _ in range(concurrency)]
@@ -99,7 +102,22 @@ def _cell(target: str, requests: list[tuple[str, dict]], concurrency: int) -> di
     return {"seconds": elapsed, "requests": len(latencies), "output_tokens": tokens[0],
             "tokens_per_s": tokens[0] / elapsed, "requests_per_s": len(latencies) / elapsed,
             "p50_ms": percentile(latencies, 50) * 1e3, "p90_ms": percentile(latencies, 90) * 1e3,
-            "p99_ms": percentile(latencies, 99) * 1e3, "server_p50_ms": percentile(in_server, 50) * 1e3}
+            "p99_ms": percentile(latencies, 99) * 1e3, "server_p50_ms": percentile(in_server, 50) * 1e3,
+            "stages_mean_ms": {name: statistics.fmean(s[i] for s in stages) * 1e3 for i, name in enumerate(STAGES)}}
+
+
+# where a one-sentence call's time goes, from the server's Timings and the client's latency; the
+# stages add up to the latency, so their means add up to the mean latency
+STAGES = ("prepare", "queue", "encode + first step", "later steps", "hand-back + response", "gRPC + client")
+
+
+def _stages(t, latency: float) -> list[float]:
+    """Seconds per stage of STAGES: validation and tokenization; the engine's queue; admission, the
+    encoder and the first decoder step; the other steps; the engine-to-event-loop hand-back,
+    detokenization and the response's construction; gRPC (both ways) and the client."""
+    prepare, queue, first, total, handler = (x / 1e9 for x in (t.prepare_ns, t.queue_ns, t.time_to_first_token_ns,
+                                                                t.total_ns, t.handler_ns))
+    return [prepare, queue, first - queue, total - first, handler - prepare - total, latency - handler]
 
 
 class Baseline:
@@ -164,6 +182,8 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: list[dict]) -> dict:
                 results[mode][str(c)][f"{key}_min_max"] = [round(min(r[key] for r in runs), 2),
                                                            round(max(r[key] for r in runs), 2)]
             results[mode][str(c)]["requests"] = runs[0]["requests"]
+            results[mode][str(c)]["stages_mean_ms"] = {  # the median over runs of each stage's mean
+                name: round(statistics.median(r["stages_mean_ms"][name] for r in runs), 3) for name in STAGES}
     ratios = {}
     if {"continuous", "static"} <= set(results):
         ratios["continuous/static tokens_per_s"] = {
@@ -197,6 +217,10 @@ def format_table(report: dict) -> str:
             p50 = f"{r['p50_ms']:.1f} [{p_lo:.1f}–{p_hi:.1f}]"
             lines.append(f"{mode:<11}{c:>8}{throughput:>22}{r['requests_per_s']:>8.1f}{p50:>24}"
                          f"{r['p90_ms']:>9.1f}{r['p99_ms']:>9.1f}{r['server_p50_ms']:>15.1f}")
+    lines.append("mean ms per stage: " + ", ".join(STAGES))
+    for mode, by_c in report["results"].items():
+        for c, r in by_c.items():
+            lines.append(f"{mode:<11}{c:>8}  " + "  ".join(f"{r['stages_mean_ms'][name]:.2f}" for name in STAGES))
     b = report["baseline_onnx_translator_batch1"]
     if b:
         lines.append(f"OnnxTranslator batch 1: p50 {b['p50_ms']:.1f} ms, p90 {b['p90_ms']:.1f} ms, {b['tokens_per_s']:.0f} tok/s")

@@ -152,17 +152,20 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         call.requests.append(request)
 
     @staticmethod
-    def _translation(model: ServedModel, request: Request, return_scores: bool) -> pb.Translation:
+    def _translation(call: _Call, model: ServedModel, request: Request, return_scores: bool) -> pb.Translation:
         arrived = request.arrived
         timings = pb.Timings(queue_ns=_ns((request.admitted or arrived) - arrived),
                              time_to_first_token_ns=_ns((request.first_token or arrived) - arrived),
-                             total_ns=_ns((request.finished or arrived) - arrived))
+                             total_ns=_ns((request.finished or arrived) - arrived),
+                             prepare_ns=_ns(arrived - call.started))
         alternatives = [pb.Hypothesis(text=model.tokenizer.decode(h.tokens), output_tokens=len(h.tokens), score=h.score)
                         for h in request.hypotheses[1:]]
-        return pb.Translation(text=model.tokenizer.decode(request.tokens), input_tokens=len(request.src_ids),
-                              output_tokens=len(request.tokens), score=request.score if return_scores else 0.0,
-                              finish_reason=_FINISH.get(request.finish, pb.FINISH_REASON_UNSPECIFIED), timings=timings,
-                              alternatives=alternatives)
+        translation = pb.Translation(text=model.tokenizer.decode(request.tokens), input_tokens=len(request.src_ids),
+                                     output_tokens=len(request.tokens), score=request.score if return_scores else 0.0,
+                                     finish_reason=_FINISH.get(request.finish, pb.FINISH_REASON_UNSPECIFIED),
+                                     timings=timings, alternatives=alternatives)
+        translation.timings.handler_ns = _ns(time.monotonic() - call.started)
+        return translation
 
     async def _check_finished(self, call: _Call, requests: list[Request], context) -> None:
         for request in requests:
@@ -202,7 +205,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             self._cancelled(call)
             raise
         await self._check_finished(call, done, context)
-        response = pb.TranslateResponse(translations=[self._translation(model, r, request.options.return_scores)
+        response = pb.TranslateResponse(translations=[self._translation(call, model, r, request.options.return_scores)
                                                       for r in done])
         response = await self._fit(call, response, context)
         self._succeed(call)
@@ -242,7 +245,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             self._cancelled(call)
             raise
         await self._check_finished(call, [engine_request], context)
-        final = self._translation(model, engine_request, request.options.return_scores)
+        final = self._translation(call, model, engine_request, request.options.return_scores)
         if final.text != emitted:
             if not final.text.startswith(emitted):
                 log.error("request %s: streamed text is not a prefix of the final text", engine_request.id)

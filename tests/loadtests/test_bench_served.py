@@ -6,6 +6,7 @@ import json
 import random
 from collections import Counter
 
+from nmtserve.loadtests.bench_served import STAGES
 from nmtserve.loadtests.workload import DECODING_MIX, draw_decoding
 from tests.helpers import run_cli
 
@@ -30,8 +31,10 @@ def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_p
             assert cell["requests"] == 6 and cell["tokens_per_s"] > 0
             low, high = cell["p50_ms_min_max"]
             assert low <= cell["p50_ms"] <= high
+            # where the time goes: no stage is negative
+            assert list(cell["stages_mean_ms"]) == list(STAGES) and min(cell["stages_mean_ms"].values()) >= 0
     assert set(report["ratios"]["continuous/static tokens_per_s"]) == {"1", "2"}
     assert report["baseline_onnx_translator_batch1"]["p50_ms"] > 0
-    assert "continuous" in result.stdout and "OnnxTranslator batch 1" in result.stdout
+    assert "continuous" in result.stdout and "OnnxTranslator batch 1" in result.stdout and "per stage" in result.stdout
     assert report["machine"]["cpu"] in result.stdout and "onnxruntime" in report["machine"]["versions"]
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

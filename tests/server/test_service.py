@@ -92,6 +92,8 @@ def test_scores_timings_and_finish_reasons(served, sentences):
         t = stub.Translate(pb.TranslateRequest(sentences=sentences[:1], options=options), timeout=10).translations[0]
         assert t.finish_reason == pb.FINISH_REASON_LENGTH and t.output_tokens == 2 and t.score < 0
         assert 0 < t.timings.time_to_first_token_ns <= t.timings.total_ns
+        # the handler's time holds validation and tokenization (prepare) and the sentence's time in the engine
+        assert 0 < t.timings.prepare_ns and t.timings.prepare_ns + t.timings.total_ns <= t.timings.handler_ns
         info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
         assert info.limits.max_sentences == 8 and info.variant == "fp32" and len(info.bundle_id) == 64
         # the built-in corpus's corpus.json names its languages; the export carries them into the manifest
