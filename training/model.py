@@ -181,18 +181,38 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))  # (B, Tq, D)
 
     def attend_cached(self, x, past_k, past_v, past_valid, new_k, new_v) -> torch.Tensor:
-        """One query per row, x (B, 1, D), over its cache (B, H, T, Dh) and its own new key/value.
+        """One query per row, x (B, D), over its cache (B, H, T, Dh) and its own new key/value.
 
         Scores over the past and over the new token are normalised together, so this equals
         attending over cat(past, new) without copying the cache every step; slots with
         past_valid (B, T) False are ignored. The row's own key keeps every softmax finite.
         """
-        q = self._split(self.q_proj(x)) * self.head_dim ** -0.5  # (B, H, 1, Dh)
-        past = (q @ past_k.transpose(-1, -2)).masked_fill(~past_valid[:, None, None, :], float("-inf"))  # (B, H, 1, T)
-        own = (q * new_k).sum(-1, keepdim=True)  # (B, H, 1, 1)
+        q = self._query(x)
+        past = self._scores(q, past_k, past_valid)  # (B, H, 1, T)
+        own = (q.transpose(-1, -2) * new_k).sum(-1, keepdim=True)  # (B, H, 1, 1)
         probs = torch.softmax(torch.cat([past, own], dim=-1), dim=-1)
-        out = probs[..., :-1] @ past_v + probs[..., -1:] * new_v  # (B, H, 1, Dh)
-        return self.out_proj(out.transpose(1, 2).reshape(out.shape[0], 1, -1))  # (B, 1, D)
+        return self._output(probs[..., :-1] @ past_v + probs[..., -1:] * new_v)
+
+    def attend_one(self, x, k, v, valid) -> torch.Tensor:
+        """One query per row, x (B, D), over k/v (B, H, S, Dh) where valid (B, S) is True: a
+        decoder step's cross-attention (every source has a valid slot: its eos)."""
+        return self._output(torch.softmax(self._scores(self._query(x), k, valid), dim=-1) @ v)
+
+    # A decoder step's attention, written so that the exported graph has constant shapes and never
+    # copies the cache: keys are multiplied as stored, k @ q, and only the (B, H, T, 1) scores move;
+    # a row's state is (B, D), so each projection exports as one Gemm (export/build/graphs.py).
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, D) -> scaled queries as columns, (B, H, Dh, 1)."""
+        return self.q_proj(x).reshape(-1, self.n_heads, self.head_dim, 1) * self.head_dim ** -0.5
+
+    @staticmethod
+    def _scores(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """q (B, H, Dh, 1) over k (B, H, T, Dh) -> (B, H, 1, T), -inf where valid (B, T) is False."""
+        return (k @ q).masked_fill(~valid[:, None, :, None], float("-inf")).transpose(-1, -2)
+
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        """Heads (B, H, 1, Dh) -> (B, D) through the output projection."""
+        return self.out_proj(out.reshape(-1, self.n_heads * self.head_dim))
 
 
 class FeedForward(nn.Module):
@@ -259,14 +279,18 @@ class DecoderLayer(nn.Module):
         return self._cross_and_ffn(x, cross_k, cross_v, cross_mask)
 
     def step(self, x, past_k, past_v, past_valid, cross_k, cross_v, cross_mask):
-        """One new position per row: x (B, 1, D), past_k/v (B, H, T, Dh), past_valid (B, T).
+        """One new position per row: x (B, D), past_k/v (B, H, T, Dh), past_valid (B, T),
+        cross_k/v (B, H, S, Dh), cross_mask (B, S).
 
-        Returns (x, new_k, new_v), new_k/v (B, H, 1, Dh): the new token's keys and values.
+        Returns (x, new_k, new_v), x (B, D), new_k/v (B, H, 1, Dh): the new token's keys and values.
         """
         h = self.res1.input(x)
-        new_k, new_v = self.self_attn.project_kv(h)
-        x = self.res1.output(x, self.self_attn.attend_cached(h, past_k, past_v, past_valid, new_k, new_v))
-        return self._cross_and_ffn(x, cross_k, cross_v, cross_mask), new_k, new_v
+        sa = self.self_attn
+        new_k = sa.k_proj(h).reshape(-1, sa.n_heads, 1, sa.head_dim)  # T = 1: no transpose needed
+        new_v = sa.v_proj(h).reshape(-1, sa.n_heads, 1, sa.head_dim)
+        x = self.res1.output(x, sa.attend_cached(h, past_k, past_v, past_valid, new_k, new_v))
+        x = self.res2.output(x, self.cross_attn.attend_one(self.res2.input(x), cross_k, cross_v, cross_mask))
+        return self.res3.output(x, self.ffn(self.res3.input(x))), new_k, new_v
 
     def _cross_and_ffn(self, x, cross_k, cross_v, cross_mask):
         x = self.res2.output(x, self.cross_attn.attend(self.res2.input(x), cross_k, cross_v, cross_mask))
@@ -359,14 +383,13 @@ class EncoderDecoder(nn.Module):
 
         The ONNX decoder step passes one tensor per layer, so nothing stacks or splits the cache.
         """
-        x = self._embed(tokens[:, None], positions[:, None])  # (B, 1, D)
-        cross_mask = src_mask[:, None, None, :]
+        x = self._embed(tokens, positions)  # (B, D)
         new_k, new_v = [], []
         for layer, pk, pv, ck, cv in zip(self.decoder, past_k, past_v, cross_k, cross_v):
-            x, k, v = layer.step(x, pk, pv, past_valid, ck, cv, cross_mask)
+            x, k, v = layer.step(x, pk, pv, past_valid, ck, cv, src_mask)
             new_k.append(k)
             new_v.append(v)
-        log_probs = self._log_probs(self.decoder_norm(x)[:, 0])  # (B, V)
+        log_probs = self._log_probs(self.decoder_norm(x))  # (B, V)
         return log_probs, torch.stack(new_k), torch.stack(new_v)
 
     def num_parameters(self) -> int:

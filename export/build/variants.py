@@ -26,8 +26,36 @@ FP16_KEEP_FP32_OPS = ["LayerNormalization", "Softmax", "LogSoftmax"]
 def quantize_int8(src: Path, dst: Path) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    # MatMul only: the embedding Gather stays fp32, so int8 costs accuracy in the matmuls alone
-    quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"])
+    with tempfile.TemporaryDirectory() as tmp:
+        unfused = Path(tmp) / "matmul.onnx"
+        onnx.save(gemm_as_matmul(onnx.load(str(src))), str(unfused))
+        # MatMul only: the embedding Gather stays fp32, so int8 costs accuracy in the matmuls alone
+        quantize_dynamic(str(unfused), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"])
+
+
+def gemm_as_matmul(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Each Gemm over a weight initializer (a Linear on (B, D) rows, as the decoder step exports) as
+    MatMul then Add: dynamic quantisation quantises MatMul, not Gemm."""
+    from onnx import helper, numpy_helper
+
+    weights = {t.name: t for t in model.graph.initializer}
+    nodes = []
+    for node in model.graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type != "Gemm" or node.input[1] not in weights or attrs.get("transA", 0) \
+                or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
+            nodes.append(node)
+            continue
+        w = numpy_helper.to_array(weights[node.input[1]])
+        if attrs.get("transB", 0):
+            weights[node.input[1]].CopyFrom(numpy_helper.from_array(w.T.copy(), node.input[1]))
+        product = node.output[0] + "_matmul" if len(node.input) > 2 else node.output[0]
+        nodes.append(helper.make_node("MatMul", node.input[:2], [product], name=node.name + "_matmul"))
+        if len(node.input) > 2:
+            nodes.append(helper.make_node("Add", [product, node.input[2]], list(node.output), name=node.name + "_bias"))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return model
 
 
 def _logits_nodes(model: onnx.ModelProto) -> list[str]:

@@ -63,6 +63,10 @@ def session_options(intra_op_threads: int = 0) -> ort.SessionOptions:
     # resident memory peaked at 785 MB with it, 739 MB without memory patterns, 523 MB without the
     # arena, at the same throughput (README, "Soak")
     so.enable_cpu_mem_arena = False
+    # no spinning: a worker that spins after each kernel holds a core that the next kernel's other
+    # threads, and our Python between steps, need. On 2 cores, greedy at batch 64 with 2 threads:
+    # 3,046 tok/s spinning, 4,866 not; with 1 thread the same either way (README, offline benchmark)
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return so
 
 
