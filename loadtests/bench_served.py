@@ -38,7 +38,7 @@ class ServedBenchConfig:
     concurrency: tuple[int, ...] = (1, 8, 32, 128)
     requests: int = 0  # per cell; 0: max(48, 4 × concurrency)
     runs: int = 3
-    threads: int = 1  # ONNX Runtime intra-op threads, for the servers and the baseline alike
+    threads: int = 2  # ONNX Runtime intra-op threads, for the servers and the baseline alike (as serve)
     variant: str = "fp32"
     max_running_rows: int = 64
     device: str = "cpu"  # cuda: servers and baseline on the GPU (IOBinding, unless a server flag says otherwise)

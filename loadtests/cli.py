@@ -139,7 +139,7 @@ def _add_bench(p) -> None:
     p.add_argument("--concurrency", type=_int_list, default=(1, 8, 32, 128), help="closed-loop clients per cell")
     p.add_argument("--requests", type=int, default=0, help="requests per cell (0: max(48, 4 × concurrency))")
     p.add_argument("--runs", type=int, default=3, help="runs per cell; the median is reported")
-    p.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads of servers and baseline")
+    p.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads of servers and baseline")
     p.add_argument("--variant", default="fp32")
     p.add_argument("--max-running-rows", type=int, default=64)
     p.add_argument("--device", default="cpu", help="cpu or cuda, for the servers and the baseline")

@@ -19,7 +19,7 @@ class ServerConfig:
     variant: str = "fp32"
     device: str = "cpu"
     io_binding: str = "auto"  # on: K/V caches stay on the device as OrtValues (IOBinding); auto = on for cuda
-    threads: int = 1  # ONNX Runtime intra-op threads; 1 is fastest for small models on few cores
+    threads: int = 2  # ONNX Runtime intra-op threads (sessions never spin): the deployment's CPU request
     max_running_rows: int = 64
     max_batch_tokens: int = 16384
     max_waiting: int = 256

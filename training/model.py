@@ -202,13 +202,14 @@ class MultiHeadAttention(nn.Module):
     # copies the cache: keys are multiplied as stored, k @ q, and only the (B, H, T, 1) scores move;
     # a row's state is (B, D), so each projection exports as one Gemm (export/build/graphs.py).
     def _query(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, D) -> scaled queries as columns, (B, H, Dh, 1)."""
-        return self.q_proj(x).reshape(-1, self.n_heads, self.head_dim, 1) * self.head_dim ** -0.5
+        """x (B, D) -> scaled queries as columns, (B, H, Dh, 1). (Elementwise work happens where the last
+        axis is long: ONNX Runtime broadcasts over a last axis of 1 one element at a time.)"""
+        return (self.q_proj(x) * self.head_dim ** -0.5).reshape(-1, self.n_heads, self.head_dim, 1)
 
     @staticmethod
     def _scores(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """q (B, H, Dh, 1) over k (B, H, T, Dh) -> (B, H, 1, T), -inf where valid (B, T) is False."""
-        return (k @ q).masked_fill(~valid[:, None, :, None], float("-inf")).transpose(-1, -2)
+        return (k @ q).transpose(-1, -2).masked_fill(~valid[:, None, None, :], float("-inf"))
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
         """Heads (B, H, 1, Dh) -> (B, D) through the output projection."""

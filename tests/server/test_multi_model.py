@@ -169,7 +169,7 @@ def test_the_models_file_names_ids_and_settings(tiny_bundle, fr_en_bundle, tmp_p
     models.write_text(f'[[models]]\nbundle = "{tiny_bundle}"\nid = "ours"\nvariant = "int8"\n\n'
                       f'[[models]]\nbundle = "{fr_en_bundle}"\nthreads = 2\n', encoding="utf-8")
     specs = model_specs(ServerConfig(models=str(models)))
-    assert [(s.id, s.variant, s.threads) for s in specs] == [("ours", "int8", 1), ("fr-en", "fp32", 2)]
+    assert [(s.id, s.variant, s.threads) for s in specs] == [("ours", "int8", 2), ("fr-en", "fp32", 2)]
     server = ServerThread(ServerConfig(models=str(models), host="127.0.0.1", port=0, metrics_port=0))
     try:
         with server.channel() as channel:
