@@ -110,8 +110,8 @@ class BatchState:
             moved = np.nonzero(parents != np.arange(self.size))[0]
             if len(moved):
                 ops, origin = self.ops, parents[moved]
-                self.k = ops.scatter_rows(self.k, moved, ops.take(self.k, origin, 1))
-                self.v = ops.scatter_rows(self.v, moved, ops.take(self.v, origin, 1))
+                self.k = ops.copy_rows(self.k, moved, origin, self.length)
+                self.v = ops.copy_rows(self.v, moved, origin, self.length)
         self.tokens = np.asarray(tokens, np.int64)
 
     def filter(self, keep: np.ndarray) -> BatchState | None:
@@ -128,9 +128,11 @@ class BatchState:
             x = ops.take(x, rows, 1) if len(rows) < self.size else x
             return ops.slice(x, 3, start, stop) if (start, stop) != (0, axis_len) else x
 
-        cap = self.capacity
+        def cache(x):  # the slots in use, first..length, and room up to the capacity less `first`
+            return ops.take_slots(x, rows, first, self.length, self.capacity - first)
+
         cross_len = self.src_mask.shape[1]
-        return BatchState(rows_from(self.k, cap, first, cap), rows_from(self.v, cap, first, cap),
+        return BatchState(cache(self.k), cache(self.v),
                           np.ascontiguousarray(valid[:, first:]), self.length - first,
                           rows_from(self.cross_k, cross_len, 0, src_len), rows_from(self.cross_v, cross_len, 0, src_len),
                           np.ascontiguousarray(self.src_mask[keep, :src_len]), self.positions[keep], self.tokens[keep], self.hole[keep], ops)

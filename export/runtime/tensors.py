@@ -84,6 +84,23 @@ class HostTensors:
         x[:, rows] = updates
         return x
 
+    # Cache operations that touch only the slots in use (a cache's capacity runs ahead of its length)
+    @staticmethod
+    def copy_rows(x: np.ndarray, dst: np.ndarray, src: np.ndarray, stop: int) -> np.ndarray:
+        """x[:, dst, :, :stop] = x[:, src, :, :stop], in place; slots from `stop` on keep what they had."""
+        x[:, dst, :, :stop] = x[:, src, :, :stop]
+        return x
+
+    @staticmethod
+    def take_slots(x: np.ndarray, rows: np.ndarray, start: int, stop: int, size: int) -> np.ndarray:
+        """Rows of x with slots start..stop as slots 0..stop-start of a cache of `size` slots, zero beyond
+        (x itself when that is all of it: slots from `stop` on were never written)."""
+        if start == 0 and len(rows) == x.shape[1] and size == x.shape[3]:
+            return x
+        out = np.zeros((x.shape[0], len(rows), x.shape[2], size, x.shape[4]), x.dtype)
+        out[:, :, :, : stop - start] = x[:, rows, :, start:stop]
+        return out
+
 
 RANK5 = [f"d{i}" for i in range(5)]  # every device tensor is (L, B, H, T|S, Dh)
 
@@ -199,3 +216,12 @@ class DeviceTensors:
     def scatter_rows(self, x: ort.OrtValue, rows: list[int], updates: ort.OrtValue) -> ort.OrtValue:
         index = np.asarray(rows, np.int64).reshape(1, -1, 1, 1, 1)
         return self._run("scatter_rows", self.dtype(x), x=x, r=index, u=updates)
+
+    def copy_rows(self, x: ort.OrtValue, dst: np.ndarray, src: np.ndarray, stop: int) -> ort.OrtValue:
+        """As HostTensors.copy_rows, over every slot (the graphs copy the whole tensor anyway)."""
+        return self.scatter_rows(x, dst, self.take(x, src, 1))
+
+    def take_slots(self, x: ort.OrtValue, rows: np.ndarray, start: int, stop: int, size: int) -> ort.OrtValue:
+        """As HostTensors.take_slots: the slots before `start` are dropped, the rest kept up to `size`."""
+        x = self.take(x, rows, 1) if len(rows) < self.shape(x)[1] else x
+        return self.pad(self.slice(x, 3, start) if start else x, 3, size)
