@@ -34,6 +34,24 @@ def test_manifest_records_model_graphs_variants_and_hashes(tiny_bundle, tiny_che
     assert report["nodes_after"] < report["nodes_before"]
 
 
+def test_the_decoder_step_is_gemms_without_shape_arithmetic_and_int8_quantises_every_projection(tiny_bundle):
+    """The step graph as written for ONNX Runtime (training/model.py, attend_cached): rows as (B, D), so
+    each projection is one Gemm; constant shapes (no Shape or Sqrt), no cache transposed. int8 turns
+    those Gemms into MatMuls first, or dynamic quantisation would leave them fp32."""
+    import collections
+
+    import onnx
+
+    graph = onnx.load(str(tiny_bundle / "decoder.onnx")).graph
+    ops = collections.Counter(n.op_type for n in graph.node)
+    assert ops["Gemm"] == 8 * 2  # per layer q, k, v, out; cross q, out; ffn w1, w2
+    assert not {"Shape", "Sqrt", "IsNaN"} & set(ops)
+    inputs = {i.name for i in graph.input}
+    assert not [n for n in graph.node if n.op_type == "Transpose" and n.input[0] in inputs]  # caches read as stored
+    int8 = collections.Counter(n.op_type for n in onnx.load(str(tiny_bundle / "decoder.int8.onnx")).graph.node)
+    assert "Gemm" not in int8 and int8["MatMulInteger"] == ops["Gemm"] + 1  # and the output projection
+
+
 @pytest.fixture()
 def bundle_copy(tiny_bundle, tmp_path):
     copy = tmp_path / "bundle"
