@@ -90,9 +90,9 @@ def _trained_on(model: str) -> str | None:
         from nmtserve.export.runtime.bundle import load_bundle
 
         return load_bundle(model).manifest.get("source", {}).get("data")
-    from nmtserve.training.checkpoint import load_model
+    from nmtserve.training.checkpoint import read
 
-    return (load_model(model).payload.get("train_config") or {}).get("data")
+    return (read(model).get("train_config") or {}).get("data")  # the payload only: no model is built
 
 
 def cmd_evaluate(args) -> int:

@@ -124,17 +124,16 @@ class BatchState:
         first = int(used.argmax()) if used.any() else self.length
         src_len = int(self.src_mask[keep].any(axis=0).nonzero()[0].max()) + 1
 
-        def rows_from(x, axis_len: int, start: int, stop: int | None):
-            x = ops.take(x, rows, 1) if len(rows) < self.size else x
-            return ops.slice(x, 3, start, stop) if (start, stop) != (0, axis_len) else x
-
         def cache(x):  # the slots in use, first..length, and room up to the capacity less `first`
             return ops.take_slots(x, rows, first, self.length, self.capacity - first)
 
-        cross_len = self.src_mask.shape[1]
+        def cross(x):  # sources cut to the longest one kept
+            x = ops.take(x, rows, 1) if len(rows) < self.size else x
+            return ops.slice(x, 3, 0, src_len) if src_len < self.src_mask.shape[1] else x
+
         return BatchState(cache(self.k), cache(self.v),
                           np.ascontiguousarray(valid[:, first:]), self.length - first,
-                          rows_from(self.cross_k, cross_len, 0, src_len), rows_from(self.cross_v, cross_len, 0, src_len),
+                          cross(self.cross_k), cross(self.cross_v),
                           np.ascontiguousarray(self.src_mask[keep, :src_len]), self.positions[keep], self.tokens[keep], self.hole[keep], ops)
 
     def gather(self, rows: np.ndarray) -> BatchState:
