@@ -198,12 +198,10 @@ class MultiHeadAttention(nn.Module):
         decoder step's cross-attention (every source has a valid slot: its eos)."""
         return self._output(torch.softmax(self._scores(self._query(x), k, valid), dim=-1) @ v)
 
-    # A decoder step's attention, written so that the exported graph has constant shapes and never
-    # copies the cache: keys are multiplied as stored, k @ q, and only the (B, H, T, 1) scores move;
-    # a row's state is (B, D), so each projection exports as one Gemm (export/build/graphs.py).
+    # A decoder step's attention, one query per row: the PyTorch reference of the exported step, in
+    # which each attention is one ONNX Runtime GroupQueryAttention node (export/build/graphs.py).
     def _query(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, D) -> scaled queries as columns, (B, H, Dh, 1). (Elementwise work happens where the last
-        axis is long: ONNX Runtime broadcasts over a last axis of 1 one element at a time.)"""
+        """x (B, D) -> scaled queries as columns, (B, H, Dh, 1)."""
         return (self.q_proj(x) * self.head_dim ** -0.5).reshape(-1, self.n_heads, self.head_dim, 1)
 
     @staticmethod

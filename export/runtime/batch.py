@@ -7,7 +7,8 @@ and `trim` drops cache slots that no row uses any more — both copy, and both a
 
 k, v: (L, B, H, capacity, Dh) self-attention cache; valid: (B, capacity) which slots each row
 filled (a row that joined later has invalid slots before its first step); cross_k, cross_v:
-(L, B, H, S, Dh) with src_mask (B, S), padded to the longest source of the batch; positions
+(L, B, H, W, Dh) with src_mask (B, W), padded to the longest source of the batch plus one scratch
+slot, False in src_mask for every row (the decoder step writes there, export/build/graphs.py); positions
 (B,) each row's own step; tokens (B,) the token each row feeds next; hole (B,) rows freed and not
 yet refilled: a hole never advances (position 0, no cache slot), so one that stays in the batch
 for longer than the position table is still a valid input.
@@ -86,20 +87,21 @@ class BatchState:
             np.concatenate([self.positions, other.positions]), np.concatenate([self.tokens, other.tokens]),
             np.concatenate([self.hole, other.hole]), ops)
 
-    def append(self, new_k, new_v) -> None:
-        """Write the step's K/V (L, B, H, 1, Dh) at slot `length`; advance every row but the holes.
-        The rows' next tokens are the caller's to choose (`choose`)."""
-        ops = self.ops
+    def open_slot(self) -> None:
+        """Before a step: room for slot `length` (the cache doubles when full), valid for every row, so
+        that each attends to its own new key and value, which the step writes there."""
         if self.length == self.capacity:
             grow = 2 * self.capacity
-            self.k, self.v = ops.pad(self.k, 3, grow), ops.pad(self.v, 3, grow)
+            self.k, self.v = self.ops.pad(self.k, 3, grow), self.ops.pad(self.v, 3, grow)
             self.valid = HostTensors.pad(self.valid, 1, grow)
-        self.k = ops.write_slot(self.k, new_k, self.length)
-        self.v = ops.write_slot(self.v, new_v, self.length)
-        live = ~self.hole
-        self.valid[:, self.length] = live
+        self.valid[:, self.length] = True
+
+    def advance(self) -> None:
+        """After a step: slot `length` holds every row's K/V; holes do not count it and do not advance.
+        The rows' next tokens are the caller's to choose (`choose`)."""
+        self.valid[self.hole, self.length] = False
         self.length += 1
-        self.positions += live
+        self.positions += ~self.hole
 
     def choose(self, tokens: np.ndarray, parents: np.ndarray | None = None) -> None:
         """The token each row feeds next; with `parents`, row i continues the hypothesis of row
@@ -122,12 +124,12 @@ class BatchState:
         valid = self.valid[keep]
         used = valid[:, : self.length].any(axis=0)
         first = int(used.argmax()) if used.any() else self.length
-        src_len = int(self.src_mask[keep].any(axis=0).nonzero()[0].max()) + 1
+        src_len = int(self.src_mask[keep].any(axis=0).nonzero()[0].max()) + 2  # and the scratch slot
 
         def cache(x):  # the slots in use, first..length, and room up to the capacity less `first`
             return ops.take_slots(x, rows, first, self.length, self.capacity - first)
 
-        def cross(x):  # sources cut to the longest one kept
+        def cross(x):  # sources cut to the longest one kept, and its scratch slot
             x = ops.take(x, rows, 1) if len(rows) < self.size else x
             return ops.slice(x, 3, 0, src_len) if src_len < self.src_mask.shape[1] else x
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from nmtserve.decoding import Limits
 from nmtserve.errors import BundleError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the decoder step writes its caches in place (GroupQueryAttention)
 MANIFEST = "manifest.json"
 
 
@@ -80,7 +80,8 @@ def load_bundle(path: str | Path, verify_hashes: bool = True) -> Bundle:
         raise BundleError(f"{manifest_path}: not valid JSON ({e})") from None
     version = manifest.get("schema_version") if isinstance(manifest, dict) else None
     if version != SCHEMA_VERSION:
-        raise BundleError(f"{manifest_path}: schema_version {version!r}, this nmtserve reads {SCHEMA_VERSION}")
+        raise BundleError(f"{manifest_path}: schema_version {version!r}, this nmtserve reads {SCHEMA_VERSION} "
+                          "(export the bundle again with `nmtserve export`)")
     for key in ("model", "special_ids", "variants", "files", "graphs", "limits"):
         if key not in manifest:
             raise BundleError(f"{manifest_path}: missing field {key!r}")

@@ -8,7 +8,7 @@ a decoder step returns only the chosen token ids and their log-probabilities.
 
     ops = DeviceTensors("cuda", ["CUDAExecutionProvider"], ort.SessionOptions())
     k = ops.zeros((L, B, H, 32, Dh), np.float16)
-    k = ops.write_slot(k, new_k, slot=5)   # k[:, :, :, 5] = new_k[:, :, :, 0]
+    k = ops.pad(k, 3, 64)                   # room for 64 slots (the decoder step writes into them)
 
 Every method returns its result; HostTensors writes in place where numpy can, DeviceTensors
 returns a new OrtValue (ONNX Runtime has no in-place update), which costs one copy of the tensor
@@ -73,12 +73,6 @@ class HostTensors:
         return np.ascontiguousarray(x[tuple(index)])
 
     @staticmethod
-    def write_slot(x: np.ndarray, new: np.ndarray, slot: int) -> np.ndarray:
-        """x[:, :, :, slot] = new[:, :, :, 0], in place."""
-        x[:, :, :, slot] = new[:, :, :, 0]
-        return x
-
-    @staticmethod
     def scatter_rows(x: np.ndarray, rows: list[int], updates: np.ndarray) -> np.ndarray:
         """x[:, rows] = updates, in place."""
         x[:, rows] = updates
@@ -131,9 +125,6 @@ def _op_graph(op: str, elem: int) -> bytes:
         return _graph(op, [helper.make_node("Slice", ["x", "start", "stop", "axis"], ["y"])],
                       [x] + [helper.make_tensor_value_info(n, TensorProto.INT64, [1]) for n in ("start", "stop", "axis")],
                       elem)
-    if op == "write_slot":  # m: (1, 1, 1, C, 1) one-hot over the slot axis; u: (L, B, H, 1, Dh)
-        return _graph(op, [helper.make_node("Where", ["m", "u", "x"], ["y"])],
-                      [helper.make_tensor_value_info("m", TensorProto.BOOL, RANK5), u, x], elem)
     if op == "scatter_rows":  # r: (1, n, 1, 1, 1) row indices; u: (L, n, …) the rows' new values
         return _graph(op, [helper.make_node("Shape", ["u"], ["shape"]),
                            helper.make_node("Expand", ["r", "shape"], ["index"]),
@@ -207,11 +198,6 @@ class DeviceTensors:
         stop = self.shape(x)[axis] if stop is None else stop
         return self._run("slice", self.dtype(x), x=x, start=np.array([start], np.int64),
                          stop=np.array([stop], np.int64), axis=np.array([axis], np.int64))
-
-    def write_slot(self, x: ort.OrtValue, new: ort.OrtValue, slot: int) -> ort.OrtValue:
-        mask = np.zeros((1, 1, 1, self.shape(x)[3], 1), bool)
-        mask[0, 0, 0, slot, 0] = True
-        return self._run("write_slot", self.dtype(x), m=mask, u=new, x=x)
 
     def scatter_rows(self, x: ort.OrtValue, rows: list[int], updates: ort.OrtValue) -> ort.OrtValue:
         index = np.asarray(rows, np.int64).reshape(1, -1, 1, 1, 1)

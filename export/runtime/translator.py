@@ -11,10 +11,11 @@ remaining ones run smaller steps.
 
 The decoder graph gets a TopK appended (`with_search_head`): a step returns each row's k best tokens
 and their log-probabilities (k = 1 greedy, 2 × beam for beam search), never the whole distribution
-unless sampling from it. With io_binding (the default on CUDA) the K/V caches and cross K/V stay on
-the device as OrtValues bound by pointer, one layer at a time, to the sessions' inputs and outputs,
-so a step sends the device only the small per-row arrays (tokens, positions, masks) and brings back
-only those candidates.
+unless sampling from it. Every cache is bound by address, one layer at a time, as both the step's
+input and its `present` output, so ONNX Runtime's attention kernel writes the new K/V into the
+cache in place (export/build/graphs.py). With io_binding (the default on CUDA) the caches and cross
+K/V are OrtValues on the device, so a step sends the device only the small per-row arrays (tokens,
+positions, masks) and brings back only those candidates; without it they are numpy arrays.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from nmtserve.export.runtime.bundle import Bundle, load_bundle
 from nmtserve.export.runtime.tensors import DeviceTensors, HostTensors
 from nmtserve.search import DecodingOptions, Hypothesis, make_search
 
-SEARCH_OUTPUTS = ("candidate_ids", "candidate_scores", "new_k", "new_v")
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 
 
@@ -114,6 +114,8 @@ class OnnxTranslator:
         self.encoder = make_session(self.bundle.graph_path(variant, "encoder"), device, intra_op_threads)
         decoder_path = self.bundle.graph_path(variant, "decoder")
         self.decoder = make_session(decoder_path, device, intra_op_threads, model=with_search_head(decoder_path))
+        self._binding, self._bound_layout = self.decoder.io_binding(), None  # see _cache_binding
+        self._log_probs = np.empty((0, 0), np.float32)
         self.ops = DeviceTensors(device, PROVIDERS[device], session_options(1)) if self.io_binding else HostTensors
         self.tokenizer = self.bundle.tokenizer()
         m = self.bundle.model
@@ -130,36 +132,47 @@ class OnnxTranslator:
         outputs = self.encoder.run(None, {"src_ids": src_ids, "src_mask": src_mask})
         return np.stack(outputs[0::2]), np.stack(outputs[1::2])
 
-    def step(self, tokens, positions, past_k, past_v, past_valid, cross_k, cross_v, src_mask,
-             outputs=("log_probs", "new_k", "new_v"), candidates: int = 1):
-        """One decoder step -> log_probs (B, V), new_k, new_v (L, B, H, 1, Dh), or the `outputs` named
-        (candidate_ids and candidate_scores: the `candidates` best tokens of each row).
-
-        past_k[l] of a C-ordered (L, …) array is itself contiguous: no input is copied.
-        """
-        feed = {"tokens": tokens, "positions": positions, "past_valid": past_valid, "src_mask": src_mask,
-                "candidates": np.array([candidates], np.int64)}
-        for layer in range(self.n_layers):
-            feed[f"past_k_{layer}"], feed[f"past_v_{layer}"] = past_k[layer], past_v[layer]
-            feed[f"cross_k_{layer}"], feed[f"cross_v_{layer}"] = cross_k[layer], cross_v[layer]
-        return self.decoder.run(list(outputs), feed)
+    def step(self, tokens, positions, past_k, past_v, past_valid, cross_k, cross_v, src_mask):
+        """One decoder step on plain arrays (the checks' form: past (L, B, H, T, Dh), cross (L, B, H, S, Dh),
+        as PyTorch's decode_step) -> log_probs (B, V), new_k, new_v (L, B, H, 1, Dh). Copies the inputs
+        into a cache with room for the new slot and cross K/V with their scratch slot."""
+        n_layers, batch, heads, length, head_dim = past_k.shape
+        room = (n_layers, batch, heads, length + 1, head_dim)
+        k, v = np.zeros(room, self.kv_dtype), np.zeros(room, self.kv_dtype)
+        k[:, :, :, :length], v[:, :, :, :length] = past_k, past_v
+        state = BatchState(k, v, HostTensors.pad(past_valid, 1, length + 1), length,
+                           HostTensors.pad(cross_k, 3, cross_k.shape[3] + 1), HostTensors.pad(cross_v, 3, cross_v.shape[3] + 1),
+                           HostTensors.pad(src_mask, 1, src_mask.shape[1] + 1), np.asarray(positions, np.int64),
+                           np.asarray(tokens, np.int64), np.zeros(batch, bool))
+        state.open_slot()
+        _, _, log_probs = self._step(state, 1, log_probs=True)
+        return log_probs, k[:, :, :, length:], v[:, :, :, length:]
 
     # -- the same on the batch state, wherever its tensors live: callers never see K/V
     def prefill(self, sources: list[list[int]]) -> BatchState:
-        """Encode token-id sources once -> fresh rows for the decoder batch (on this translator's device)."""
+        """Encode token-id sources once -> fresh rows for the decoder batch (on this translator's device),
+        their cross K/V with the step's scratch slot after the longest source."""
         src_ids, src_mask = self.pad(sources)
+        step_mask = HostTensors.pad(src_mask, 1, src_mask.shape[1] + 1)
         if not self.io_binding:
-            return BatchState.from_encoded(*self.encode(src_ids, src_mask), src_mask, self.bos_id)
+            outputs = self.encoder.run(None, {"src_ids": src_ids, "src_mask": src_mask})
+            shape = (self.n_layers, *outputs[0].shape[:2], src_mask.shape[1] + 1, self.head_dim)
+            cross_k, cross_v = np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype)
+            for layer in range(self.n_layers):
+                cross_k[layer, :, :, :-1], cross_v[layer, :, :, :-1] = outputs[2 * layer], outputs[2 * layer + 1]
+            return BatchState.from_encoded(cross_k, cross_v, step_mask, self.bos_id)
         batch, src_len = src_ids.shape
         shape = (self.n_layers, batch, self.n_heads, src_len, self.head_dim)
         cross_k, cross_v = self.ops.empty(shape, self.kv_dtype), self.ops.empty(shape, self.kv_dtype)
         binding = self.encoder.io_binding()
         binding.bind_cpu_input("src_ids", src_ids)
         binding.bind_cpu_input("src_mask", src_mask)
-        self._bind_layers(binding.bind_output, "cross_k", cross_k)
-        self._bind_layers(binding.bind_output, "cross_v", cross_v)
+        for prefix, stacked in (("cross_k", cross_k), ("cross_v", cross_v)):
+            for layer, address in enumerate(self._layer_addresses(stacked)):
+                binding.bind_output(f"{prefix}_{layer}", self.device, 0, self.kv_dtype, shape[1:], address)
         self.encoder.run_with_iobinding(binding)
-        return BatchState.from_encoded(cross_k, cross_v, src_mask, self.bos_id, ops=self.ops)
+        return BatchState.from_encoded(self.ops.pad(cross_k, 3, src_len + 1), self.ops.pad(cross_v, 3, src_len + 1),
+                                       step_mask, self.bos_id, ops=self.ops)
 
     def decode_one_token(self, state: BatchState) -> tuple[np.ndarray, np.ndarray]:
         """One greedy step of every row -> tokens (B,) int64 and their log-probs (B,); the step's K/V
@@ -172,43 +185,64 @@ class OnnxTranslator:
         """One step of every row -> its k best next tokens (B, k) int64 and their log-probs (B, k), best
         first (k = 0: the whole vocabulary). The step's K/V are written into `state`; the caller then
         picks each row's next token, and for a beam its parent row, with `state.choose`."""
-        ids, scores, new_k, new_v = self._step(state, k or self.vocab_size)
-        state.append(new_k, new_v)
+        state.open_slot()
+        ids, scores, _ = self._step(state, k or self.vocab_size)
+        state.advance()
         return ids, scores
 
-    def _step(self, state: BatchState, k: int) -> tuple[np.ndarray, np.ndarray, object, object]:
-        """candidate ids, scores (B, k), new_k, new_v (L, B, H, 1, Dh) where `state.ops` keeps them."""
-        if not self.io_binding:
-            return tuple(self.step(state.tokens, state.positions, state.k, state.v, state.valid, state.cross_k,
-                                   state.cross_v, state.src_mask, SEARCH_OUTPUTS, k))
-        binding = self.decoder.io_binding()
-        for name, value in (("tokens", state.tokens), ("positions", state.positions), ("past_valid", state.valid),
+    def _step(self, state: BatchState, k: int, log_probs: bool = False):
+        """candidate ids, scores (B, k) and, if asked, log_probs (B, V) on the host. Every cache is bound
+        as both the input and the `present` output of its layer, so the step writes the new K/V (and
+        the scratch slot) into `state`'s own buffers, wherever they live. The binding is kept from
+        step to step and the caches rebound only when their buffers change (a translator serves one
+        thread at a time)."""
+        binding = self._cache_binding(state)
+        for name, value in (("tokens", state.tokens), ("positions", state.positions),
+                            ("past_length", np.full(state.size, state.length, np.int32)), ("past_valid", state.valid),
                             ("src_mask", state.src_mask), ("candidates", np.array([k], np.int64))):
             binding.bind_cpu_input(name, np.ascontiguousarray(value))
-        for prefix, stacked in (("past_k", state.k), ("past_v", state.v), ("cross_k", state.cross_k),
-                                ("cross_v", state.cross_v)):
-            self._bind_layers(binding.bind_input, prefix, stacked)
-        binding.bind_output("log_probs", self.device)  # stays on the device
-        binding.bind_output("new_k", self.device)
-        binding.bind_output("new_v", self.device)
-        binding.bind_output("candidate_ids", "cpu")
-        binding.bind_output("candidate_scores", "cpu")
+        ids, scores = np.empty((state.size, k), np.int64), np.empty((state.size, k), np.float32)
+        all_log_probs = np.empty((state.size, self.vocab_size), np.float32) if log_probs else None
+        outputs = [("candidate_ids", ids), ("candidate_scores", scores), ("log_probs", all_log_probs)]
+        for name, array in outputs:
+            if array is not None:
+                binding.bind_output(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
+            elif self.io_binding:
+                binding.bind_output(name, self.device)  # stays on the device
+            else:  # one buffer for the rows' log-probs, kept: a fresh one every step costs page faults
+                if self._log_probs.shape[0] != state.size:
+                    self._log_probs = np.empty((state.size, self.vocab_size), np.float32)
+                binding.bind_output(name, "cpu", 0, np.float32, self._log_probs.shape, self._log_probs.ctypes.data)
         self.decoder.run_with_iobinding(binding)
-        _, new_k, new_v, ids, scores = binding.get_outputs()
-        return ids.numpy(), scores.numpy(), new_k, new_v
+        return ids, scores, all_log_probs
 
-    def _bind_layers(self, bind, prefix: str, stacked: ort.OrtValue) -> None:
-        """Bind layer l of a stacked (L, …) device tensor to `{prefix}_{l}` by address: no copy."""
-        shape = stacked.shape()
-        layer_bytes = stacked.tensor_size_in_bytes() // shape[0]
-        for layer in range(shape[0]):
-            bind(f"{prefix}_{layer}", self.device, 0, self.kv_dtype, shape[1:], stacked.data_ptr() + layer * layer_bytes)
+    def _cache_binding(self, state: BatchState) -> ort.IOBinding:
+        """The decoder's binding with `state`'s caches bound (each layer as input and present output)."""
+        stacked = (("k", state.k), ("v", state.v), ("cross_k", state.cross_k), ("cross_v", state.cross_v))
+        layout = [(name, state.ops.shape(x)[1:], self._layer_addresses(x)) for name, x in stacked]
+        if layout != self._bound_layout:
+            for name, shape, addresses in layout:
+                for layer, address in enumerate(addresses):
+                    inputs = f"past_{name}_{layer}" if name in ("k", "v") else f"{name}_{layer}"
+                    self._binding.bind_input(inputs, self.device, 0, self.kv_dtype, shape, address)
+                    self._binding.bind_output(f"present_{name}_{layer}", self.device, 0, self.kv_dtype, shape, address)
+            self._bound_layout = layout
+        return self._binding
+
+    def _layer_addresses(self, stacked) -> list[int]:
+        """The address of each layer of a stacked (L, …) tensor (host numpy or device OrtValue): bound
+        by address, nothing is copied."""
+        if isinstance(stacked, np.ndarray):
+            assert stacked.flags.c_contiguous and stacked.dtype == self.kv_dtype
+            base, size = stacked.ctypes.data, stacked.nbytes
+        else:
+            base, size = stacked.data_ptr(), stacked.tensor_size_in_bytes()
+        return [base + layer * size // self.n_layers for layer in range(self.n_layers)]
 
     def empty_cache(self, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A zero-length cache (k, v, valid), for callers that concatenate."""
         shape = (self.n_layers, batch, self.n_heads, 0, self.head_dim)
         return np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype), np.zeros((batch, 0), bool)
-
 
     # -- search
     def pad(self, seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -18,12 +18,15 @@ def test_manifest_records_model_graphs_variants_and_hashes(tiny_bundle, tiny_che
     assert manifest["opset"] >= 17
     assert set(manifest["variants"]) == {"fp32", "int8"}
     decoder = manifest["graphs"]["decoder"]
-    assert [i["name"] for i in decoder["inputs"]] == ["tokens", "positions", "past_valid", "src_mask",
+    assert [i["name"] for i in decoder["inputs"]] == ["tokens", "positions", "past_length", "past_valid", "src_mask",
                                                      "past_k_0", "past_v_0", "past_k_1", "past_v_1",
                                                      "cross_k_0", "cross_v_0", "cross_k_1", "cross_v_1"]
-    assert [o["name"] for o in decoder["outputs"]] == ["log_probs", "new_k", "new_v"]  # cross K/V never re-emitted
+    # each cache comes back as a `present` output, which the runtime binds to the same buffer
+    assert [o["name"] for o in decoder["outputs"]] == ["log_probs", "present_k_0", "present_v_0", "present_k_1",
+                                                      "present_v_1", "present_cross_k_0", "present_cross_v_0",
+                                                      "present_cross_k_1", "present_cross_v_1"]
     past_k = next(i for i in decoder["inputs"] if i["name"] == "past_k_1")
-    assert past_k["shape"] == ["batch", 4, "past_len", 16]
+    assert past_k["shape"] == ["batch", 4, "capacity", 16]
     assert [o["name"] for o in manifest["graphs"]["encoder"]["outputs"]] == ["cross_k_0", "cross_v_0", "cross_k_1", "cross_v_1"]
     for name, entry in manifest["files"].items():
         assert sha256_of(tiny_bundle / name) == entry["sha256"]
@@ -34,22 +37,25 @@ def test_manifest_records_model_graphs_variants_and_hashes(tiny_bundle, tiny_che
     assert report["nodes_after"] < report["nodes_before"]
 
 
-def test_the_decoder_step_is_gemms_without_shape_arithmetic_and_int8_quantises_every_projection(tiny_bundle):
-    """The step graph as written for ONNX Runtime (training/model.py, attend_cached): rows as (B, D), so
-    each projection is one Gemm; constant shapes (no Shape or Sqrt), no cache transposed. int8 turns
-    those Gemms into MatMuls first, or dynamic quantisation would leave them fp32."""
+def test_each_attention_of_the_decoder_step_is_one_fused_node_and_int8_quantises_every_projection(tiny_bundle):
+    """The step graph as written for ONNX Runtime (export/build/graphs.py): each attention one
+    com.microsoft GroupQueryAttention that writes the cache in place, rows as (B, D) so each projection
+    is one Gemm (self-attention's q, k, v packed into one). int8 turns those Gemms into MatMuls first,
+    or dynamic quantisation would leave them fp32."""
     import collections
 
     import onnx
 
     graph = onnx.load(str(tiny_bundle / "decoder.onnx")).graph
     ops = collections.Counter(n.op_type for n in graph.node)
-    assert ops["Gemm"] == 8 * 2  # per layer q, k, v, out; cross q, out; ffn w1, w2
-    assert not {"Shape", "Sqrt", "IsNaN"} & set(ops)
-    inputs = {i.name for i in graph.input}
-    assert not [n for n in graph.node if n.op_type == "Transpose" and n.input[0] in inputs]  # caches read as stored
+    assert ops["GroupQueryAttention"] == 2 * 2  # self and cross, per layer
+    assert ops["Gemm"] == 6 * 2  # per layer q|k|v, out; cross q, out; ffn w1, w2
+    assert not {"Softmax", "Transpose"} & set(ops) and ops["MatMul"] == 1  # no attention outside them; the logits
+    caches = {name for n in graph.node if n.op_type == "GroupQueryAttention" for name in n.input[3:5]}
+    assert caches == {i.name for i in graph.input if i.name.startswith(("past_k", "past_v_", "cross_"))}
     int8 = collections.Counter(n.op_type for n in onnx.load(str(tiny_bundle / "decoder.int8.onnx")).graph.node)
     assert "Gemm" not in int8 and int8["MatMulInteger"] == ops["Gemm"] + 1  # and the output projection
+    assert int8["GroupQueryAttention"] == ops["GroupQueryAttention"]
 
 
 @pytest.fixture()
@@ -81,7 +87,7 @@ def test_missing_truncated_and_modified_files_are_named(bundle_copy):
 def test_schema_and_manifest_problems_are_named(bundle_copy, tmp_path):
     manifest = json.loads((bundle_copy / MANIFEST).read_text())
     (bundle_copy / MANIFEST).write_text(json.dumps({**manifest, "schema_version": 99}))
-    with pytest.raises(BundleError, match="schema_version 99, this nmtserve reads 1"):
+    with pytest.raises(BundleError, match=f"schema_version 99, this nmtserve reads {SCHEMA_VERSION}"):
         load_bundle(bundle_copy)
     (bundle_copy / MANIFEST).write_text("{not json")
     with pytest.raises(BundleError, match="manifest.json: not valid JSON"):

@@ -63,12 +63,13 @@ def test_kv_shapes_after_join_and_leave(translator, sources):
     assert shape(merged.k)[:3] == (n_layers, 5, heads) and shape(merged.k)[4] == head_dim
     assert merged.length == 3 and merged.valid[:2, :3].all() and not merged.valid[2:, :3].any()
     assert merged.positions.tolist() == [3, 3, 0, 0, 0]
-    assert merged.src_mask.shape[1] == max(len(s) for s in sources[:5])
+    assert merged.src_mask.shape[1] == max(len(s) for s in sources[:5]) + 1  # and the step's scratch slot
+    assert not merged.src_mask[:, -1].any()
     step(translator, merged)
     assert merged.valid[:, 3].all() and merged.positions.tolist() == [4, 4, 1, 1, 1]
     left = merged.filter(np.array([False, False, True, False, True]))  # the two first rows leave
     assert shape(left.k)[1] == 2 and left.length == 1 and left.valid[:, :1].all()
-    assert left.src_mask.shape[1] == max(len(sources[2]), len(sources[4]))
+    assert left.src_mask.shape[1] == max(len(sources[2]), len(sources[4])) + 1 and not left.src_mask[:, -1].any()
 
 
 def test_cancel_and_deadline_free_their_rows(translator, sources):
@@ -211,8 +212,8 @@ def test_requests_at_every_limit_finish_with_length_alone_and_in_a_busy_batch(tr
     step = translator._step
 
     def never_eos(state, k):
-        ids, scores, new_k, new_v = step(state, k)
-        return np.where(ids == translator.eos_id, translator.eos_id + 1, ids), scores, new_k, new_v
+        ids, scores, log_probs = step(state, k)
+        return np.where(ids == translator.eos_id, translator.eos_id + 1, ids), scores, log_probs
 
     monkeypatch.setattr(translator, "_step", never_eos)
     for batch_mates in ([], sources[:6]):
@@ -282,8 +283,8 @@ def test_a_beam_that_never_says_eos_ends_with_length_at_its_budget(translator, s
     step = translator._step
 
     def never_eos(state, k):
-        ids, scores, new_k, new_v = step(state, k)
-        return np.where(ids == translator.eos_id, translator.eos_id + 1, ids), scores, new_k, new_v
+        ids, scores, log_probs = step(state, k)
+        return np.where(ids == translator.eos_id, translator.eos_id + 1, ids), scores, log_probs
 
     monkeypatch.setattr(translator, "_step", never_eos)
     limits = translator.limits
