@@ -176,20 +176,19 @@ def diverging_off_a_tie(model, sources: list[list[int]], got: list[list[int]], e
 
 def step_latency(translator: OnnxTranslator, batch: int, repeats: int = 20) -> dict:
     """Median decoder-step milliseconds with a cache of each length in LATENCY_STEPS (within the model's
-    position table)."""
-    rng = np.random.default_rng(0)
-    src_len = 16
-    ck = rng.standard_normal((translator.n_layers, batch, translator.n_heads, src_len, translator.head_dim)).astype(translator.kv_dtype)
-    src_mask = np.ones((batch, src_len), bool)
+    position table), run as the runtime runs a step: on a BatchState (16-token sources) whose caches the
+    step writes in place, on the translator's device."""
+    state = translator.prefill([[5] * 15 + [translator.eos_id]] * batch)
     result = {}
     for step in [s for s in LATENCY_STEPS if s <= translator.limits.max_target_tokens]:
-        kv = rng.standard_normal((translator.n_layers, batch, translator.n_heads, step - 1, translator.head_dim)).astype(translator.kv_dtype)
-        args = (np.full(batch, 5, np.int64), np.full(batch, step - 1, np.int64), kv, kv, np.ones((batch, step - 1), bool), ck, ck, src_mask)
-        translator.step(*args)  # warm-up
+        while state.length < step - 1:
+            translator.decode_one_token(state)
+        state.open_slot()
+        translator._step(state, 1)  # warm-up
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            translator.step(*args)
+            translator._step(state, 1)
             times.append((time.perf_counter() - t0) * 1000)
         result[str(step)] = round(statistics.median(times), 3)
     return result
