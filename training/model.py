@@ -189,7 +189,7 @@ class MultiHeadAttention(nn.Module):
         """
         q = self._query(x)
         past = self._scores(q, past_k, past_valid)  # (B, H, 1, T)
-        own = (q.transpose(-1, -2) * new_k).sum(-1, keepdim=True)  # (B, H, 1, 1)
+        own = (q * new_k).sum(-1, keepdim=True)  # (B, H, 1, 1)
         probs = torch.softmax(torch.cat([past, own], dim=-1), dim=-1)
         return self._output(probs[..., :-1] @ past_v + probs[..., -1:] * new_v)
 
@@ -201,13 +201,13 @@ class MultiHeadAttention(nn.Module):
     # A decoder step's attention, one query per row: the PyTorch reference of the exported step, in
     # which each attention is one ONNX Runtime GroupQueryAttention node (export/build/graphs.py).
     def _query(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, D) -> scaled queries as columns, (B, H, Dh, 1)."""
-        return (self.q_proj(x) * self.head_dim ** -0.5).reshape(-1, self.n_heads, self.head_dim, 1)
+        """x (B, D) -> scaled queries (B, H, 1, Dh)."""
+        return (self.q_proj(x) * self.head_dim ** -0.5).reshape(-1, self.n_heads, 1, self.head_dim)
 
     @staticmethod
     def _scores(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """q (B, H, Dh, 1) over k (B, H, T, Dh) -> (B, H, 1, T), -inf where valid (B, T) is False."""
-        return (k @ q).transpose(-1, -2).masked_fill(~valid[:, None, None, :], float("-inf"))
+        """q (B, H, 1, Dh) over k (B, H, T, Dh) -> (B, H, 1, T), -inf where valid (B, T) is False."""
+        return (q @ k.transpose(-1, -2)).masked_fill(~valid[:, None, None, :], float("-inf"))
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
         """Heads (B, H, 1, Dh) -> (B, D) through the output projection."""
@@ -366,7 +366,7 @@ class EncoderDecoder(nn.Module):
     def forward(self, src, src_mask, tgt, tgt_mask) -> torch.Tensor:
         return self.decode(tgt, self.encode(src, src_mask), src_mask, tgt_mask)
 
-    # -- decoder, one step with a KV cache (inference; mirrored by the ONNX decoder-step graph)
+    # -- decoder, one step with a KV cache (inference; export/build/graphs.py mirrors it)
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                     cross_k: torch.Tensor, cross_v: torch.Tensor, src_mask: torch.Tensor):
         """One new token per row.
@@ -375,17 +375,10 @@ class EncoderDecoder(nn.Module):
         with valid (B, T); cross_k/v (L, B, H, S, Dh); src_mask (B, S).
         Returns log-probs (B, V) and the new token's k/v, each (L, B, H, 1, Dh).
         """
-        return self.decode_step_layers(tokens, positions, cache.k, cache.v, cache.valid, cross_k, cross_v, src_mask)
-
-    def decode_step_layers(self, tokens, positions, past_k, past_v, past_valid, cross_k, cross_v, src_mask):
-        """decode_step over per-layer K/V: sequences of (B, H, T|S, Dh) tensors, or (L, …) stacks.
-
-        The ONNX decoder step passes one tensor per layer, so nothing stacks or splits the cache.
-        """
         x = self._embed(tokens, positions)  # (B, D)
         new_k, new_v = [], []
-        for layer, pk, pv, ck, cv in zip(self.decoder, past_k, past_v, cross_k, cross_v):
-            x, k, v = layer.step(x, pk, pv, past_valid, ck, cv, src_mask)
+        for layer, pk, pv, ck, cv in zip(self.decoder, cache.k, cache.v, cross_k, cross_v):
+            x, k, v = layer.step(x, pk, pv, cache.valid, ck, cv, src_mask)
             new_k.append(k)
             new_v.append(v)
         log_probs = self._log_probs(self.decoder_norm(x))  # (B, V)

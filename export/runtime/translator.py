@@ -219,10 +219,11 @@ class OnnxTranslator:
     def _cache_binding(self, state: BatchState) -> ort.IOBinding:
         """The decoder's binding with `state`'s caches bound (each layer as input and present output)."""
         stacked = (("k", state.k), ("v", state.v), ("cross_k", state.cross_k), ("cross_v", state.cross_v))
-        layout = [(name, state.ops.shape(x)[1:], self._layer_addresses(x)) for name, x in stacked]
+        layout = [(state.ops.shape(x), self._layer_addresses(x)[0]) for _, x in stacked]
         if layout != self._bound_layout:
-            for name, shape, addresses in layout:
-                for layer, address in enumerate(addresses):
+            for name, x in stacked:
+                shape = state.ops.shape(x)[1:]
+                for layer, address in enumerate(self._layer_addresses(x)):
                     inputs = f"past_{name}_{layer}" if name in ("k", "v") else f"{name}_{layer}"
                     self._binding.bind_input(inputs, self.device, 0, self.kv_dtype, shape, address)
                     self._binding.bind_output(f"present_{name}_{layer}", self.device, 0, self.kv_dtype, shape, address)
