@@ -99,9 +99,12 @@ class BatchState:
     def advance(self) -> None:
         """After a step: slot `length` holds every row's K/V; holes do not count it and do not advance.
         The rows' next tokens are the caller's to choose (`choose`)."""
-        self.valid[self.hole, self.length] = False
+        if self.hole.any():
+            self.valid[self.hole, self.length] = False
+            self.positions += ~self.hole
+        else:
+            self.positions += 1
         self.length += 1
-        self.positions += ~self.hole
 
     def choose(self, tokens: np.ndarray, parents: np.ndarray | None = None) -> None:
         """The token each row feeds next; with `parents`, row i continues the hypothesis of row

@@ -114,7 +114,7 @@ class OnnxTranslator:
         self.encoder = make_session(self.bundle.graph_path(variant, "encoder"), device, intra_op_threads)
         decoder_path = self.bundle.graph_path(variant, "decoder")
         self.decoder = make_session(decoder_path, device, intra_op_threads, model=with_search_head(decoder_path))
-        self._binding, self._bound_layout = self.decoder.io_binding(), None  # see _cache_binding
+        self._binding, self._bound = self.decoder.io_binding(), (None,) * 4  # see _cache_binding
         self._log_probs = np.empty((0, 0), np.float32)
         self.ops = DeviceTensors(device, PROVIDERS[device], session_options(1)) if self.io_binding else HostTensors
         self.tokenizer = self.bundle.tokenizer()
@@ -217,17 +217,17 @@ class OnnxTranslator:
         return ids, scores, all_log_probs
 
     def _cache_binding(self, state: BatchState) -> ort.IOBinding:
-        """The decoder's binding with `state`'s caches bound (each layer as input and present output)."""
+        """The decoder's binding with `state`'s caches bound (each layer as input and present output).
+        The bound tensors are kept referenced, so the same objects are the same buffers."""
         stacked = (("k", state.k), ("v", state.v), ("cross_k", state.cross_k), ("cross_v", state.cross_v))
-        layout = [(state.ops.shape(x), self._layer_addresses(x)[0]) for _, x in stacked]
-        if layout != self._bound_layout:
+        if any(x is not bound for (_, x), bound in zip(stacked, self._bound)):
             for name, x in stacked:
                 shape = state.ops.shape(x)[1:]
                 for layer, address in enumerate(self._layer_addresses(x)):
                     inputs = f"past_{name}_{layer}" if name in ("k", "v") else f"{name}_{layer}"
                     self._binding.bind_input(inputs, self.device, 0, self.kv_dtype, shape, address)
                     self._binding.bind_output(f"present_{name}_{layer}", self.device, 0, self.kv_dtype, shape, address)
-            self._bound_layout = layout
+            self._bound = tuple(x for _, x in stacked)
         return self._binding
 
     def _layer_addresses(self, stacked) -> list[int]:
