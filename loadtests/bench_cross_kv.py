@@ -66,7 +66,7 @@ def run_cross_kv_bench(cfg: CrossKvBenchConfig) -> dict:
     cross_bytes = fresh.cross_k.nbytes + fresh.cross_v.nbytes
     return {"bundle": cfg.bundle, "requests": cfg.requests, "beam_size": cfg.beam_size, "runs": cfg.runs,
             "threads": cfg.threads, "source_tokens": [len(s) for s in sources],
-            "padded_source_length": int(fresh.src_mask.shape[1]) - 1,  # less the scratch slot
+            "padded_source_length": int(fresh.src_mask.shape[1]),
             "machine": machine_info(),
             "ms_median_min_max": {k: [round(x, 3) for x in v] for k, v in results.items()},
             "cross_kv_bytes": {"shared": cross_bytes, "copied": beams.cross_k.nbytes + beams.cross_v.nbytes}}

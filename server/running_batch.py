@@ -139,8 +139,8 @@ class RunningBatch:
             return self._failing_rows(rows[:half]) + self._failing_rows(rows[half:])
 
     def cache_slots(self) -> int:
-        """Valid self-attention cache slots over all rows (what the last step attended over)."""
-        return int(self.state.valid.sum()) if self.state is not None else 0
+        """Self-attention cache slots the rows have filled (what the next step attends over, less its own)."""
+        return int(self.state.positions.sum()) if self.state is not None else 0
 
     def clear(self) -> None:
         self.rows, self.state = [], None

@@ -3,23 +3,23 @@
 encoder:      src_ids (B, S) int64, src_mask (B, S) bool
               -> cross_k_0, cross_v_0, …, cross_k_{L-1}, cross_v_{L-1}, each (B, H, S, Dh):
                  every decoder layer's cross-attention keys and values, computed once per source.
-decoder step: tokens (B,) int64, positions (B,) int64, past_length (B,) int32, past_valid (B, C) bool,
-              src_mask (B, W) bool, then per layer l: past_k_l, past_v_l (B, H, C, Dh), cross_k_l,
-              cross_v_l (B, H, W, Dh)
+decoder step: tokens (B,) int64, positions (B,) int64, src_mask (B, S) bool, then per layer l:
+              past_k_l, past_v_l (B, H, C, Dh), cross_k_l, cross_v_l (B, H, S, Dh)
               -> log_probs (B, V) float32, present_k_l, present_v_l (B, H, C, Dh) per layer, then
-                 present_cross_k_l, present_cross_v_l (B, H, W, Dh) per layer
+                 present_cross_k_l, present_cross_v_l (B, H, S, Dh) per layer
 
-Every row carries its own position and cache validity, so rows may be at different steps and
-may join or leave between steps. Each attention of the step is one com.microsoft GroupQueryAttention
-node (ONNX Runtime's fused kernel, CPU and CUDA): it writes the row's new key and value into the
-cache at slot past_length, then attends over the slots that past_valid allows — the runtime marks
-the new slot valid before the step. Bound to the same buffer as its past (IOBinding), a `present`
-output is that buffer written in place: nothing copies the cache, and the step returns no K/V.
-Cross-attention runs through the same kernel: the cross K/V have one scratch slot after the
-longest source (the last of W, False in src_mask for every row), where the kernel's write of a
-"new" key lands unread. Cross K/V are inputs of the step, computed once per source (re-emitting
-them every step is what made Optimum's CUDA decoders slow, optimum #869). K/V travel as one tensor
-per layer: a stacked (L, …) input makes ONNX Runtime split — copy — the whole cache on every step.
+Every row carries its own position, and its cache is its own from slot 0: row b has filled slots
+0..positions[b]-1, so rows may be at different steps and may join or leave between steps. Each
+attention of the step is one com.microsoft GroupQueryAttention node (ONNX Runtime's fused kernel,
+CPU and CUDA; no attention bias, which the CUDA kernel refuses): it writes the row's new key and
+value at slot positions[b], then attends over slots 0..positions[b] — each row over its own length.
+Bound to the same buffer as its past (IOBinding), a `present` output is that buffer written in
+place: nothing copies the cache, and the step returns no K/V. Cross-attention runs through the same
+kernel over slots 0..S_b-1 of the row's source: the key and value it "writes" are the row's own at
+slot S_b-1 (its eos), gathered first, so the cross K/V are rewritten unchanged. Cross K/V are inputs
+of the step, computed once per source (re-emitting them every step is what made Optimum's CUDA
+decoders slow, optimum #869). K/V travel as one tensor per layer: a stacked (L, …) input makes
+ONNX Runtime split — copy — the whole cache on every step.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def io_names(n_layers: int) -> dict[str, dict[str, list[str]]]:
     cross = [n for i in range(n_layers) for n in (f"cross_k_{i}", f"cross_v_{i}")]
     past = [n for i in range(n_layers) for n in (f"past_k_{i}", f"past_v_{i}")]
     return {"encoder": {"inputs": ["src_ids", "src_mask"], "outputs": cross},
-            "decoder": {"inputs": ["tokens", "positions", "past_length", "past_valid", "src_mask", *past, *cross],
+            "decoder": {"inputs": ["tokens", "positions", "src_mask", *past, *cross],
                         "outputs": ["log_probs", *(f"present_{n[5:]}" for n in past), *(f"present_{n}" for n in cross)]}}
 
 
@@ -51,11 +51,10 @@ def dynamic_axes(n_layers: int) -> dict[str, dict]:
     names = io_names(n_layers)
     cross = {n: {0: "batch", 2: "src_len"} for n in names["encoder"]["outputs"]}
     past = {n: {0: "batch", 2: "capacity"} for n in names["decoder"]["inputs"] if n[:7] in ("past_k_", "past_v_")}
-    step_cross = {n: {0: "batch", 2: "src_width"} for n in cross}
+    step_cross = {n: {0: "batch", 2: "src_len"} for n in cross}
     presents = {**{f"present_{n[5:]}": axes for n, axes in past.items()}, **{f"present_{n}": axes for n, axes in step_cross.items()}}
     return {"encoder": {"src_ids": {0: "batch", 1: "src_len"}, "src_mask": {0: "batch", 1: "src_len"}, **cross},
-            "decoder": {"tokens": {0: "batch"}, "positions": {0: "batch"}, "past_length": {0: "batch"},
-                        "past_valid": {0: "batch", 1: "capacity"}, "src_mask": {0: "batch", 1: "src_width"},
+            "decoder": {"tokens": {0: "batch"}, "positions": {0: "batch"}, "src_mask": {0: "batch", 1: "src_len"},
                         **past, **step_cross, "log_probs": {0: "batch"}, **presents}}
 
 
@@ -76,53 +75,53 @@ class StepAttention(torch.autograd.Function):
     value: exported as com.microsoft GroupQueryAttention (heads of Dh = D / H, scale Dh ** -0.5).
 
     qkv (B, 1, 3D): query, key and value of each row's new token, packed; cache_k, cache_v (B, H, C, Dh);
-    slot (B,) int32: where each row's key and value go (the kernel attends to slots 0..slot);
-    capacity: C as an int32 scalar; bias (B, 1, 1, C): 0 where a row may attend, -inf elsewhere.
-    Returns out (B, 1, D) and the caches with the new slot written (in place when bound so).
+    slot (B,) int32: where each row's key and value go, the kernel attending to slots 0..slot;
+    capacity: C as an int32 scalar. Returns out (B, 1, D) and the caches with the new slot written
+    (in place when bound so).
     """
 
     @staticmethod
-    def forward(ctx, qkv, cache_k, cache_v, slot, capacity, bias, heads: int):
+    def forward(ctx, qkv, cache_k, cache_v, slot, capacity, heads: int):
         batch, _, slots, head_dim = cache_k.shape
         q, k, v = (t.reshape(batch, heads, head_dim) for t in qkv[:, 0].chunk(3, dim=-1))
         rows, slot = torch.arange(batch), slot.long()
         cache_k, cache_v = cache_k.clone(), cache_v.clone()
         cache_k[rows, :, slot], cache_v[rows, :, slot] = k, v
-        later = torch.arange(slots)[None, :] > slot[:, None]  # the kernel never reads past the slot
-        scores = (q[:, :, None, :] @ cache_k.transpose(-1, -2)) * head_dim ** -0.5 + bias
+        later = torch.arange(slots)[None, :] > slot[:, None]
+        scores = (q[:, :, None, :] @ cache_k.transpose(-1, -2)) * head_dim ** -0.5
         probs = torch.softmax(scores.masked_fill(later[:, None, None, :], float("-inf")), dim=-1)
         return (probs @ cache_v).reshape(batch, 1, heads * head_dim), cache_k, cache_v
 
     @staticmethod
-    def symbolic(g, qkv, cache_k, cache_v, slot, capacity, bias, heads: int):
-        none = symbolic_helper._optional_input_placeholder_tensor(g)  # key, value packed in qkv; no rotary
+    def symbolic(g, qkv, cache_k, cache_v, slot, capacity, heads: int):
+        none = symbolic_helper._optional_input_placeholder_tensor(g)  # key, value packed in qkv; no rotary, no bias
         return g.op("com.microsoft::GroupQueryAttention", qkv, none, none, cache_k, cache_v, slot, capacity,
-                    none, none, none, bias, num_heads_i=heads, kv_num_heads_i=heads, outputs=3)
+                    num_heads_i=heads, kv_num_heads_i=heads, outputs=3)
 
 
-def attention_bias(valid: torch.Tensor) -> torch.Tensor:
-    """(B, T) bool -> (B, 1, 1, T): 0 where True, -inf where False."""
-    return torch.where(valid, 0.0, float("-inf"))[:, None, None, :]
+def _slots(cache: torch.Tensor) -> torch.Tensor:
+    """The slot count C of a (B, H, C, Dh) cache as an int32 scalar (computed in the graph: C is dynamic)."""
+    return torch._shape_as_tensor(cache)[2].to(torch.int32)
 
 
-def _slots(valid: torch.Tensor) -> torch.Tensor:
-    """The slot count T of a (B, T) mask as an int32 scalar (computed in the graph: T is dynamic)."""
-    return torch._shape_as_tensor(valid)[1].to(torch.int32)
+def _last(cache: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """(B, H, S, Dh) at each row's slot (B,) -> (B, D)."""
+    batch, heads, _, head_dim = cache.shape
+    index = slot.long()[:, None, None, None].expand(batch, heads, 1, head_dim)
+    return cache.gather(2, index).reshape(batch, heads * head_dim)
 
 
-def _layer_step(layer, x, past_k, past_v, past_length, capacity, self_bias, cross_k, cross_v, cross_slot, width,
-                cross_bias):
+def _layer_step(layer, x, past_k, past_v, positions, capacity, cross_k, cross_v, cross_slot, width):
     """DecoderLayer.step (training/model.py) with both attentions as StepAttention."""
     h = layer.res1.input(x)
     sa, ca = layer.self_attn, layer.cross_attn
     qkv = F.linear(h, torch.cat([sa.q_proj.weight, sa.k_proj.weight, sa.v_proj.weight]),
                    torch.cat([sa.q_proj.bias, sa.k_proj.bias, sa.v_proj.bias]))  # one Gemm
-    out, past_k, past_v = StepAttention.apply(qkv[:, None, :], past_k, past_v, past_length, capacity, self_bias,
-                                              sa.n_heads)
+    out, past_k, past_v = StepAttention.apply(qkv[:, None, :], past_k, past_v, positions, capacity, sa.n_heads)
     x = layer.res1.output(x, sa.out_proj(out[:, 0, :]))
-    q = ca.q_proj(layer.res2.input(x))  # as its own key and value: what the kernel writes into the scratch slot
-    out, cross_k, cross_v = StepAttention.apply(torch.cat([q, q, q], dim=-1)[:, None, :], cross_k, cross_v,
-                                                cross_slot, width, cross_bias, ca.n_heads)
+    q = ca.q_proj(layer.res2.input(x))  # with the row's eos key and value, which the kernel writes back unchanged
+    qkv = torch.cat([q, _last(cross_k, cross_slot), _last(cross_v, cross_slot)], dim=-1)[:, None, :]
+    out, cross_k, cross_v = StepAttention.apply(qkv, cross_k, cross_v, cross_slot, width, ca.n_heads)
     x = layer.res2.output(x, ca.out_proj(out[:, 0, :]))
     return layer.res3.output(x, layer.ffn(layer.res3.input(x))), past_k, past_v, cross_k, cross_v
 
@@ -135,25 +134,24 @@ class DecoderStepGraph(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, tokens, positions, past_length, past_valid, src_mask, *per_layer):
+    def forward(self, tokens, positions, src_mask, *per_layer):
         m, n = self.model, len(self.model.decoder)
         past, cross = per_layer[: 2 * n], per_layer[2 * n:]
-        capacity, width = _slots(past_valid), _slots(src_mask)
-        cross_slot = torch.zeros_like(past_length) + (width - 1)  # every row's scratch slot
-        shared = (past_length, capacity, attention_bias(past_valid), cross_slot, width, attention_bias(src_mask))
+        slots = positions.to(torch.int32)
+        cross_slot = src_mask.sum(1, dtype=torch.int32).clamp(min=1) - 1  # each row's last source token
+        shared = (slots, _slots(past[0]), cross_slot, _slots(cross[0]))
         x = m._embed(tokens, positions)
         presents, cross_presents = [], []
         for i, layer in enumerate(m.decoder):
-            x, pk, pv, ck, cv = _layer_step(layer, x, past[2 * i], past[2 * i + 1], *shared[:3], cross[2 * i],
-                                            cross[2 * i + 1], *shared[3:])
+            x, pk, pv, ck, cv = _layer_step(layer, x, past[2 * i], past[2 * i + 1], *shared[:2], cross[2 * i],
+                                            cross[2 * i + 1], *shared[2:])
             presents += [pk, pv]
             cross_presents += [ck, cv]
         return m._log_probs(m.decoder_norm(x)), *presents, *cross_presents
 
 
 def example_inputs(model: EncoderDecoder, batch: int = 3, src_len: int = 7, past_len: int = 5):
-    """Inputs of both graphs at sizes > 1, so that tracing specialises no dimension (the step's cache
-    has room for one more slot, its cross K/V a scratch slot)."""
+    """Inputs of both graphs at sizes > 1, so that tracing specialises no dimension."""
     c = model.config
     g = torch.Generator().manual_seed(0)
     src_ids = torch.randint(4, c.vocab_size, (batch, src_len), generator=g)
@@ -161,16 +159,10 @@ def example_inputs(model: EncoderDecoder, batch: int = 3, src_len: int = 7, past
     src_mask[0, -2:] = False
     with torch.no_grad():
         cross = EncoderGraph(model)(src_ids, src_mask)
-    past_valid = torch.ones(batch, past_len + 2, dtype=torch.bool)
-    past_valid[1, :2] = False
-    past_valid[:, -1] = False
     past = tuple(torch.randn(batch, c.n_heads, past_len + 2, c.head_dim, generator=g) for _ in range(2 * c.n_decoder_layers))
     tokens = torch.randint(4, c.vocab_size, (batch,), generator=g)
     positions = torch.tensor([past_len, past_len - 2, past_len][:batch])
-    cross = tuple(torch.nn.functional.pad(t, (0, 0, 0, 1)) for t in cross)
-    step_mask = torch.nn.functional.pad(src_mask, (0, 1))
-    return (src_ids, src_mask), (tokens, positions, torch.full((batch,), past_len, dtype=torch.int32), past_valid,
-                                 step_mask, *past, *cross)
+    return (src_ids, src_mask), (tokens, positions, src_mask, *past, *cross)
 
 
 def export_graphs(model: EncoderDecoder, out_dir: Path) -> dict[str, Path]:

@@ -1,6 +1,6 @@
 """Precision variants of the fp32 graphs, and the node counts that show ORT's fusions.
 
-- fp32: CPU and CUDA.
+- fp32: CPU (the decoder step's GroupQueryAttention has fp16/bf16 CUDA kernels only).
 - int8: dynamic quantisation of MatMul weights (onnxruntime.quantization), for CPU.
 - fp16: for CUDA. LayerNormalization, Softmax, LogSoftmax and the logits MatMul stay in fp32
   (fp16 decoders that do not NaN or repeat tokens: onnxruntime #15752, optimum #2068); K/V
@@ -16,7 +16,7 @@ from pathlib import Path
 import onnx
 
 VARIANTS = {
-    "fp32": {"devices": ["cpu", "cuda"], "kv_dtype": "float32"},
+    "fp32": {"devices": ["cpu"], "kv_dtype": "float32"},
     "int8": {"devices": ["cpu"], "kv_dtype": "float32"},
     "fp16": {"devices": ["cuda"], "kv_dtype": "float16"},
 }

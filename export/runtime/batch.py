@@ -3,15 +3,16 @@
 Used by OnnxTranslator (rows only leave) and by the server's RunningBatch (rows join and leave),
 which leaves a finished row in place as a hole (`free`) and puts the next newcomer into it
 (`insert`), so under steady load no step copies the cache; `filter` compacts when holes pile up
-and `trim` drops cache slots that no row uses any more — both copy, and both are amortised.
+and `trim` drops cache slots that no row reaches any more — both copy, and both are amortised.
 
-k, v: (L, B, H, capacity, Dh) self-attention cache; valid: (B, capacity) which slots each row
-filled (a row that joined later has invalid slots before its first step); cross_k, cross_v:
-(L, B, H, W, Dh) with src_mask (B, W), padded to the longest source of the batch plus one scratch
-slot, False in src_mask for every row (the decoder step writes there, export/build/graphs.py); positions
-(B,) each row's own step; tokens (B,) the token each row feeds next; hole (B,) rows freed and not
-yet refilled: a hole never advances (position 0, no cache slot), so one that stays in the batch
-for longer than the position table is still a valid input.
+Each row's cache is its own from slot 0: k, v (L, B, H, capacity, Dh) hold row b's keys and values
+in slots 0..positions[b]-1, and a step writes its new ones at slot positions[b] (the decoder step's
+attention kernel does, in place, and attends to exactly those slots: export/build/graphs.py), so a
+row that joins later needs no alignment and attends over its own length only. cross_k, cross_v
+(L, B, H, S, Dh) with src_mask (B, S), padded to the longest source of the batch; positions (B,)
+each row's own step; tokens (B,) the token each row feeds next; hole (B,) rows freed and not yet
+refilled: a hole stays at position 0 (its step writes and reads its own slot 0, ignored), so one
+that stays in the batch for longer than the position table is still a valid input.
 
 k, v, cross_k and cross_v live where `ops` keeps them (export/runtime/tensors.py): numpy arrays on the
 host, or OrtValues on the GPU; the small per-row arrays are always numpy on the host.
@@ -30,8 +31,6 @@ from nmtserve.export.runtime.tensors import HostTensors
 class BatchState:
     k: object  # (L, B, H, capacity, Dh), numpy or OrtValue (see ops)
     v: object
-    valid: np.ndarray
-    length: int  # slots in use (the same for every row; invalid ones are masked)
     cross_k: object  # (L, B, H, S, Dh), numpy or OrtValue
     cross_v: object
     src_mask: np.ndarray
@@ -46,9 +45,8 @@ class BatchState:
         """Fresh rows (no step taken yet) from the encoder's outputs."""
         n_layers, batch, heads, _, head_dim = ops.shape(cross_k)
         shape, dtype = (n_layers, batch, heads, capacity, head_dim), ops.dtype(cross_k)
-        return cls(ops.zeros(shape, dtype), ops.zeros(shape, dtype), np.zeros((batch, capacity), bool), 0,
-                   cross_k, cross_v, src_mask, np.zeros(batch, np.int64), np.full(batch, bos_id, np.int64),
-                   np.zeros(batch, bool), ops)
+        return cls(ops.zeros(shape, dtype), ops.zeros(shape, dtype), cross_k, cross_v, src_mask,
+                   np.zeros(batch, np.int64), np.full(batch, bos_id, np.int64), np.zeros(batch, bool), ops)
 
     @property
     def size(self) -> int:
@@ -56,55 +54,48 @@ class BatchState:
 
     @property
     def capacity(self) -> int:
-        return self.valid.shape[1]
+        return self.ops.shape(self.k)[3]
+
+    @property
+    def length(self) -> int:
+        """Slots the longest row has filled."""
+        return int(self.positions.max()) if self.size else 0
+
+    @property
+    def valid(self) -> np.ndarray:
+        """(B, capacity): the slots each row has filled."""
+        return np.arange(self.capacity)[None, :] < self.positions[:, None]
 
     def concatenate(self, other: BatchState) -> BatchState:
-        """Rows of self, then rows of other; other's rows see only the slots they fill from now on."""
+        """Rows of self, then rows of other, each with its own slots."""
         ops = self.ops
-        capacity = max(self.capacity, other.capacity, max(self.length, other.length) + 1)
+        capacity = max(self.capacity, other.capacity)
         src_len = max(self.src_mask.shape[1], other.src_mask.shape[1])
-        length = max(self.length, other.length)
 
-        def align(state: BatchState):
-            # right-align the used slots so that every row writes its next K/V at slot `length`;
-            # slots from `state.length` on were never written (zeros, invalid) and are dropped
-            shift, used = length - state.length, state.length
-
-            def cache(x):
-                return ops.pad(ops.slice(x, 3, 0, used) if state.capacity > used else x, 3, capacity, shift)
-
-            return cache(state.k), cache(state.v), HostTensors.pad(state.valid[:, :used], 1, capacity, shift)
+        def cache(state: BatchState):
+            return ops.pad(state.k, 3, capacity), ops.pad(state.v, 3, capacity)
 
         def widen(state: BatchState):
             return ops.pad(state.cross_k, 3, src_len), ops.pad(state.cross_v, 3, src_len)
 
-        (ka, va, ma), (kb, vb, mb) = align(self), align(other)
+        (ka, va), (kb, vb) = cache(self), cache(other)
         (cka, cva), (ckb, cvb) = widen(self), widen(other)
         return BatchState(
-            ops.concat([ka, kb], 1), ops.concat([va, vb], 1), np.concatenate([ma, mb]), length,
-            ops.concat([cka, ckb], 1), ops.concat([cva, cvb], 1),
+            ops.concat([ka, kb], 1), ops.concat([va, vb], 1), ops.concat([cka, ckb], 1), ops.concat([cva, cvb], 1),
             np.concatenate([HostTensors.pad(self.src_mask, 1, src_len), HostTensors.pad(other.src_mask, 1, src_len)]),
             np.concatenate([self.positions, other.positions]), np.concatenate([self.tokens, other.tokens]),
             np.concatenate([self.hole, other.hole]), ops)
 
     def open_slot(self) -> None:
-        """Before a step: room for slot `length` (the cache doubles when full), valid for every row, so
-        that each attends to its own new key and value, which the step writes there."""
-        if self.length == self.capacity:
+        """Before a step: room for every row's next slot (the cache doubles when full)."""
+        if self.length >= self.capacity:
             grow = 2 * self.capacity
             self.k, self.v = self.ops.pad(self.k, 3, grow), self.ops.pad(self.v, 3, grow)
-            self.valid = HostTensors.pad(self.valid, 1, grow)
-        self.valid[:, self.length] = True
 
     def advance(self) -> None:
-        """After a step: slot `length` holds every row's K/V; holes do not count it and do not advance.
+        """After a step: every row but the holes has its K/V in its next slot and moves on.
         The rows' next tokens are the caller's to choose (`choose`)."""
-        if self.hole.any():
-            self.valid[self.hole, self.length] = False
-            self.positions += ~self.hole
-        else:
-            self.positions += 1
-        self.length += 1
+        self.positions += ~self.hole
 
     def choose(self, tokens: np.ndarray, parents: np.ndarray | None = None) -> None:
         """The token each row feeds next; with `parents`, row i continues the hypothesis of row
@@ -120,34 +111,31 @@ class BatchState:
         self.tokens = np.asarray(tokens, np.int64)
 
     def filter(self, keep: np.ndarray) -> BatchState | None:
-        """Only the rows where keep is True; slots no remaining row uses are dropped. None if empty."""
+        """Only the rows where keep is True, their caches cut to the longest of them. None if empty."""
         if not keep.any():
             return None
         ops, rows = self.ops, np.nonzero(keep)[0]
-        valid = self.valid[keep]
-        used = valid[:, : self.length].any(axis=0)
-        first = int(used.argmax()) if used.any() else self.length
-        src_len = int(self.src_mask[keep].any(axis=0).nonzero()[0].max()) + 2  # and the scratch slot
+        length = int(self.positions[keep].max())
+        src_len = int(self.src_mask[keep].any(axis=0).nonzero()[0].max()) + 1
 
-        def cache(x):  # the slots in use, first..length, and room up to the capacity less `first`
-            return ops.take_slots(x, rows, first, self.length, self.capacity - first)
+        def cache(x):  # the slots in use, and room up to the capacity
+            return ops.take_slots(x, rows, 0, length, self.capacity)
 
-        def cross(x):  # sources cut to the longest one kept, and its scratch slot
+        def cross(x):  # sources cut to the longest one kept
             x = ops.take(x, rows, 1) if len(rows) < self.size else x
             return ops.slice(x, 3, 0, src_len) if src_len < self.src_mask.shape[1] else x
 
-        return BatchState(cache(self.k), cache(self.v),
-                          np.ascontiguousarray(valid[:, first:]), self.length - first,
-                          cross(self.cross_k), cross(self.cross_v),
-                          np.ascontiguousarray(self.src_mask[keep, :src_len]), self.positions[keep], self.tokens[keep], self.hole[keep], ops)
+        return BatchState(cache(self.k), cache(self.v), cross(self.cross_k), cross(self.cross_v),
+                          np.ascontiguousarray(self.src_mask[keep, :src_len]), self.positions[keep], self.tokens[keep],
+                          self.hole[keep], ops)
 
     def gather(self, rows: np.ndarray) -> BatchState:
         """A new state of the given rows (indices, repeats allowed) in that order, with every slot:
         how a request with a beam of k rows starts from its one encoded row."""
         ops = self.ops
-        return BatchState(ops.take(self.k, rows, 1), ops.take(self.v, rows, 1), self.valid[rows], self.length,
-                          ops.take(self.cross_k, rows, 1), ops.take(self.cross_v, rows, 1), self.src_mask[rows],
-                          self.positions[rows], self.tokens[rows], self.hole[rows], ops)
+        return BatchState(ops.take(self.k, rows, 1), ops.take(self.v, rows, 1), ops.take(self.cross_k, rows, 1),
+                          ops.take(self.cross_v, rows, 1), self.src_mask[rows], self.positions[rows], self.tokens[rows],
+                          self.hole[rows], ops)
 
     def take(self, rows: np.ndarray) -> BatchState:
         """A new state of the given rows (indices), in that order."""
@@ -157,13 +145,12 @@ class BatchState:
         return self.filter(keep)
 
     def free(self, rows: list[int]) -> None:
-        """Rows become holes: their cache slots stop counting and they stop advancing (a hole's output is ignored)."""
-        self.valid[rows] = False
+        """Rows become holes: they stop advancing and their slots stop counting (a hole's output is ignored)."""
         self.hole[rows] = True
         self.positions[rows] = 0
 
     def insert(self, rows: list[int], fresh: BatchState) -> None:
-        """Fresh rows (no step taken yet) into holes; they write their first K/V at slot `length`."""
+        """Fresh rows (no step taken yet) into holes; they write their first K/V at their slot 0."""
         assert fresh.length == 0 and len(rows) == fresh.size
         ops = self.ops
         src_len = fresh.src_mask.shape[1]
@@ -175,16 +162,12 @@ class BatchState:
         self.cross_k = ops.scatter_rows(self.cross_k, rows, ops.pad(fresh.cross_k, 3, width))
         self.cross_v = ops.scatter_rows(self.cross_v, rows, ops.pad(fresh.cross_v, 3, width))
         self.src_mask[rows] = HostTensors.pad(fresh.src_mask, 1, width)
-        self.valid[rows] = False
         self.hole[rows] = False
         self.positions[rows] = fresh.positions
         self.tokens[rows] = fresh.tokens
 
-    def trim(self, min_slots: int = 16) -> None:
-        """Drop the leading cache slots no row uses once they are half the cache (amortised copy)."""
-        used = self.valid[:, : self.length].any(axis=0)
-        first = int(used.argmax()) if used.any() else self.length
-        if first >= max(min_slots, self.length // 2):
-            self.k, self.v = self.ops.slice(self.k, 3, first), self.ops.slice(self.v, 3, first)
-            self.valid = np.ascontiguousarray(self.valid[:, first:])
-            self.length -= first
+    def trim(self, min_slots: int = 32) -> None:
+        """Drop the cache slots no row reaches once they are over half the cache (amortised copy)."""
+        keep = max(min_slots, 2 * (self.length + 1))
+        if self.capacity > keep:
+            self.k, self.v = self.ops.slice(self.k, 3, 0, keep), self.ops.slice(self.v, 3, 0, keep)

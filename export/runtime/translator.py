@@ -111,7 +111,13 @@ class OnnxTranslator:
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
         self.device, self.variant = device, variant
         self.io_binding = device == "cuda" if io_binding is None else io_binding
-        self.encoder = make_session(self.bundle.graph_path(variant, "encoder"), device, intra_op_threads)
+        encoder_path = self.bundle.graph_path(variant, "encoder")
+        devices = self.bundle.manifest["variants"][variant].get("devices", [device])
+        if device not in devices:
+            raise ConfigError(f"variant {variant!r} runs on {' or '.join(devices)}, not {device}"
+                              + (" (on cuda: the fp16 variant; ONNX Runtime's CUDA attention kernel has no fp32)"
+                                 if device == "cuda" else ""))
+        self.encoder = make_session(encoder_path, device, intra_op_threads)
         decoder_path = self.bundle.graph_path(variant, "decoder")
         self.decoder = make_session(decoder_path, device, intra_op_threads, model=with_search_head(decoder_path))
         self._binding, self._bound = self.decoder.io_binding(), (None,) * 4  # see _cache_binding
@@ -133,34 +139,30 @@ class OnnxTranslator:
         return np.stack(outputs[0::2]), np.stack(outputs[1::2])
 
     def step(self, tokens, positions, past_k, past_v, past_valid, cross_k, cross_v, src_mask):
-        """One decoder step on plain arrays (the checks' form: past (L, B, H, T, Dh), cross (L, B, H, S, Dh),
-        as PyTorch's decode_step) -> log_probs (B, V), new_k, new_v (L, B, H, 1, Dh). Copies the inputs
-        into a cache with room for the new slot and cross K/V with their scratch slot."""
-        n_layers, batch, heads, length, head_dim = past_k.shape
-        room = (n_layers, batch, heads, length + 1, head_dim)
+        """One decoder step on plain arrays (the checks' form, as PyTorch's decode_step: past (L, B, H, T, Dh)
+        with past_valid (B, T), cross (L, B, H, S, Dh)) -> log_probs (B, V), new_k, new_v (L, B, H, 1, Dh).
+        Copies each row's valid slots to the front of a cache with room for the new one."""
+        n_layers, batch, heads, _, head_dim = past_k.shape
+        room = (n_layers, batch, heads, past_valid.shape[1] + 1, head_dim)
         k, v = np.zeros(room, self.kv_dtype), np.zeros(room, self.kv_dtype)
-        k[:, :, :, :length], v[:, :, :, :length] = past_k, past_v
-        state = BatchState(k, v, HostTensors.pad(past_valid, 1, length + 1), length,
-                           HostTensors.pad(cross_k, 3, cross_k.shape[3] + 1), HostTensors.pad(cross_v, 3, cross_v.shape[3] + 1),
-                           HostTensors.pad(src_mask, 1, src_mask.shape[1] + 1), np.asarray(positions, np.int64),
-                           np.asarray(tokens, np.int64), np.zeros(batch, bool))
-        state.open_slot()
+        filled = past_valid.sum(1)
+        for row in range(batch):
+            k[:, row, :, : filled[row]] = past_k[:, row][:, :, past_valid[row]]
+            v[:, row, :, : filled[row]] = past_v[:, row][:, :, past_valid[row]]
+        assert (np.asarray(positions) == filled).all(), "a row's position is the number of slots it has filled"
+        state = BatchState(k, v, np.ascontiguousarray(cross_k, self.kv_dtype), np.ascontiguousarray(cross_v, self.kv_dtype),
+                           np.asarray(src_mask), filled.astype(np.int64), np.asarray(tokens, np.int64), np.zeros(batch, bool))
         _, _, log_probs = self._step(state, 1, log_probs=True)
-        return log_probs, k[:, :, :, length:], v[:, :, :, length:]
+        new_k = np.stack([k[:, row, :, filled[row]] for row in range(batch)], axis=1)[:, :, :, None]
+        new_v = np.stack([v[:, row, :, filled[row]] for row in range(batch)], axis=1)[:, :, :, None]
+        return log_probs, new_k, new_v
 
     # -- the same on the batch state, wherever its tensors live: callers never see K/V
     def prefill(self, sources: list[list[int]]) -> BatchState:
-        """Encode token-id sources once -> fresh rows for the decoder batch (on this translator's device),
-        their cross K/V with the step's scratch slot after the longest source."""
+        """Encode token-id sources once -> fresh rows for the decoder batch (on this translator's device)."""
         src_ids, src_mask = self.pad(sources)
-        step_mask = HostTensors.pad(src_mask, 1, src_mask.shape[1] + 1)
         if not self.io_binding:
-            outputs = self.encoder.run(None, {"src_ids": src_ids, "src_mask": src_mask})
-            shape = (self.n_layers, *outputs[0].shape[:2], src_mask.shape[1] + 1, self.head_dim)
-            cross_k, cross_v = np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype)
-            for layer in range(self.n_layers):
-                cross_k[layer, :, :, :-1], cross_v[layer, :, :, :-1] = outputs[2 * layer], outputs[2 * layer + 1]
-            return BatchState.from_encoded(cross_k, cross_v, step_mask, self.bos_id)
+            return BatchState.from_encoded(*self.encode(src_ids, src_mask), src_mask, self.bos_id)
         batch, src_len = src_ids.shape
         shape = (self.n_layers, batch, self.n_heads, src_len, self.head_dim)
         cross_k, cross_v = self.ops.empty(shape, self.kv_dtype), self.ops.empty(shape, self.kv_dtype)
@@ -171,8 +173,7 @@ class OnnxTranslator:
             for layer, address in enumerate(self._layer_addresses(stacked)):
                 binding.bind_output(f"{prefix}_{layer}", self.device, 0, self.kv_dtype, shape[1:], address)
         self.encoder.run_with_iobinding(binding)
-        return BatchState.from_encoded(self.ops.pad(cross_k, 3, src_len + 1), self.ops.pad(cross_v, 3, src_len + 1),
-                                       step_mask, self.bos_id, ops=self.ops)
+        return BatchState.from_encoded(cross_k, cross_v, src_mask, self.bos_id, ops=self.ops)
 
     def decode_one_token(self, state: BatchState) -> tuple[np.ndarray, np.ndarray]:
         """One greedy step of every row -> tokens (B,) int64 and their log-probs (B,); the step's K/V
@@ -192,14 +193,13 @@ class OnnxTranslator:
 
     def _step(self, state: BatchState, k: int, log_probs: bool = False):
         """candidate ids, scores (B, k) and, if asked, log_probs (B, V) on the host. Every cache is bound
-        as both the input and the `present` output of its layer, so the step writes the new K/V (and
-        the scratch slot) into `state`'s own buffers, wherever they live. The binding is kept from
+        as both the input and the `present` output of its layer, so the step writes the new K/V into
+        `state`'s own buffers, wherever they live. The binding is kept from
         step to step and the caches rebound only when their buffers change (a translator serves one
         thread at a time)."""
         binding = self._cache_binding(state)
-        for name, value in (("tokens", state.tokens), ("positions", state.positions),
-                            ("past_length", np.full(state.size, state.length, np.int32)), ("past_valid", state.valid),
-                            ("src_mask", state.src_mask), ("candidates", np.array([k], np.int64))):
+        for name, value in (("tokens", state.tokens), ("positions", state.positions), ("src_mask", state.src_mask),
+                            ("candidates", np.array([k], np.int64))):
             binding.bind_cpu_input(name, np.ascontiguousarray(value))
         ids, scores = np.empty((state.size, k), np.int64), np.empty((state.size, k), np.float32)
         all_log_probs = np.empty((state.size, self.vocab_size), np.float32) if log_probs else None

@@ -18,7 +18,7 @@ def test_manifest_records_model_graphs_variants_and_hashes(tiny_bundle, tiny_che
     assert manifest["opset"] >= 17
     assert set(manifest["variants"]) == {"fp32", "int8"}
     decoder = manifest["graphs"]["decoder"]
-    assert [i["name"] for i in decoder["inputs"]] == ["tokens", "positions", "past_length", "past_valid", "src_mask",
+    assert [i["name"] for i in decoder["inputs"]] == ["tokens", "positions", "src_mask",
                                                      "past_k_0", "past_v_0", "past_k_1", "past_v_1",
                                                      "cross_k_0", "cross_v_0", "cross_k_1", "cross_v_1"]
     # each cache comes back as a `present` output, which the runtime binds to the same buffer
@@ -52,7 +52,8 @@ def test_each_attention_of_the_decoder_step_is_one_fused_node_and_int8_quantises
     assert ops["Gemm"] == 6 * 2  # per layer q|k|v, out; cross q, out; ffn w1, w2
     assert not {"Softmax", "Transpose"} & set(ops) and ops["MatMul"] == 1  # no attention outside them; the logits
     caches = {name for n in graph.node if n.op_type == "GroupQueryAttention" for name in n.input[3:5]}
-    assert caches == {i.name for i in graph.input if i.name.startswith(("past_k", "past_v_", "cross_"))}
+    assert caches == {i.name for i in graph.input if i.name.startswith(("past_", "cross_"))}
+    assert all(len(n.input) == 7 for n in graph.node if n.op_type == "GroupQueryAttention")  # no attention bias (CUDA refuses one)
     int8 = collections.Counter(n.op_type for n in onnx.load(str(tiny_bundle / "decoder.int8.onnx")).graph.node)
     assert "Gemm" not in int8 and int8["MatMulInteger"] == ops["Gemm"] + 1  # and the output projection
     assert int8["GroupQueryAttention"] == ops["GroupQueryAttention"]
