@@ -6,7 +6,8 @@ decoder layer are computed once from its output, and each decoder step takes
 one token per row, that row's own position and the self-attention cache, and
 returns log-probabilities plus the K/V of the new token (the caller appends
 them to its cache). Rows of a batch may be at different steps: the cache has a
-validity mask per row.
+validity mask per row (the exported step keeps each row's cache from slot 0 instead and
+writes it in place: export/build/graphs.py).
 """
 
 from __future__ import annotations
