@@ -108,7 +108,7 @@ class BatchState:
                 ops, origin = self.ops, parents[moved]
                 self.k = ops.copy_rows(self.k, moved, origin, self.length)
                 self.v = ops.copy_rows(self.v, moved, origin, self.length)
-        self.tokens = np.asarray(tokens, np.int64)
+        self.tokens[:] = tokens  # in place: the decoder's binding holds this array's address
 
     def filter(self, keep: np.ndarray) -> BatchState | None:
         """Only the rows where keep is True, their caches cut to the longest of them. None if empty."""

@@ -120,8 +120,7 @@ class OnnxTranslator:
         self.encoder = make_session(encoder_path, device, intra_op_threads)
         decoder_path = self.bundle.graph_path(variant, "decoder")
         self.decoder = make_session(decoder_path, device, intra_op_threads, model=with_search_head(decoder_path))
-        self._binding, self._bound = self.decoder.io_binding(), (None,) * 4  # see _cache_binding
-        self._log_probs = np.empty((0, 0), np.float32)
+        self._binding, self._bound = self.decoder.io_binding(), {}  # see _binding_for
         self.ops = DeviceTensors(device, PROVIDERS[device], session_options(1)) if self.io_binding else HostTensors
         self.tokenizer = self.bundle.tokenizer()
         m = self.bundle.model
@@ -151,7 +150,8 @@ class OnnxTranslator:
             v[:, row, :, : filled[row]] = past_v[:, row][:, :, past_valid[row]]
         assert (np.asarray(positions) == filled).all(), "a row's position is the number of slots it has filled"
         state = BatchState(k, v, np.ascontiguousarray(cross_k, self.kv_dtype), np.ascontiguousarray(cross_v, self.kv_dtype),
-                           np.asarray(src_mask), filled.astype(np.int64), np.asarray(tokens, np.int64), np.zeros(batch, bool))
+                           np.ascontiguousarray(src_mask, bool), filled.astype(np.int64), np.array(tokens, np.int64),
+                           np.zeros(batch, bool))
         _, _, log_probs = self._step(state, 1, log_probs=True)
         new_k = np.stack([k[:, row, :, filled[row]] for row in range(batch)], axis=1)[:, :, :, None]
         new_v = np.stack([v[:, row, :, filled[row]] for row in range(batch)], axis=1)[:, :, :, None]
@@ -194,41 +194,54 @@ class OnnxTranslator:
     def _step(self, state: BatchState, k: int, log_probs: bool = False):
         """candidate ids, scores (B, k) and, if asked, log_probs (B, V) on the host. Every cache is bound
         as both the input and the `present` output of its layer, so the step writes the new K/V into
-        `state`'s own buffers, wherever they live. The binding is kept from
-        step to step and the caches rebound only when their buffers change (a translator serves one
-        thread at a time)."""
-        binding = self._cache_binding(state)
-        for name, value in (("tokens", state.tokens), ("positions", state.positions), ("src_mask", state.src_mask),
-                            ("candidates", np.array([k], np.int64))):
-            binding.bind_cpu_input(name, np.ascontiguousarray(value))
-        ids, scores = np.empty((state.size, k), np.int64), np.empty((state.size, k), np.float32)
-        all_log_probs = np.empty((state.size, self.vocab_size), np.float32) if log_probs else None
-        outputs = [("candidate_ids", ids), ("candidate_scores", scores), ("log_probs", all_log_probs)]
-        for name, array in outputs:
-            if array is not None:
-                binding.bind_output(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
-            elif self.io_binding:
-                binding.bind_output(name, self.device)  # stays on the device
-            else:  # one buffer for the rows' log-probs, kept: a fresh one every step costs page faults
-                if self._log_probs.shape[0] != state.size:
-                    self._log_probs = np.empty((state.size, self.vocab_size), np.float32)
-                binding.bind_output(name, "cpu", 0, np.float32, self._log_probs.shape, self._log_probs.ctypes.data)
+        `state`'s own buffers, wherever they live (`_binding_for`)."""
+        binding = self._binding_for(state, k)
+        all_log_probs = None
+        if log_probs:
+            all_log_probs = np.empty((state.size, self.vocab_size), np.float32)
+            binding.bind_output("log_probs", "cpu", 0, np.float32, all_log_probs.shape, all_log_probs.ctypes.data)
+            self._bound = {}  # the next step binds its own buffers again
         self.decoder.run_with_iobinding(binding)
-        return ids, scores, all_log_probs
+        return self._ids.copy(), self._scores.copy(), all_log_probs
 
-    def _cache_binding(self, state: BatchState) -> ort.IOBinding:
-        """The decoder's binding with `state`'s caches bound (each layer as input and present output).
-        The bound tensors are kept referenced, so the same objects are the same buffers."""
-        stacked = (("k", state.k), ("v", state.v), ("cross_k", state.cross_k), ("cross_v", state.cross_v))
-        if any(x is not bound for (_, x), bound in zip(stacked, self._bound)):
-            for name, x in stacked:
+    def _binding_for(self, state: BatchState, k: int) -> ort.IOBinding:
+        """The decoder's binding for a step of `state` asking for k candidates. A binding holds addresses,
+        so it is kept from step to step and a group is bound again only when its objects change (they
+        are kept referenced in `_bound`): the caches (each layer as input and `present` output), the
+        per-row arrays (tokens, positions, src_mask: BatchState changes them in place), and the outputs
+        (candidates into buffers of (B, k); the rows' log-probs into one kept buffer: a fresh one every
+        step costs page faults). With io_binding, host inputs are copied to the device when bound, so the
+        per-row arrays are bound every step (a translator serves one thread at a time)."""
+        binding, bound = self._binding, self._bound
+        caches = (state.k, state.v, state.cross_k, state.cross_v)
+        if not _same(bound.get("caches"), caches):
+            for name, x in zip(("k", "v", "cross_k", "cross_v"), caches):
                 shape = state.ops.shape(x)[1:]
                 for layer, address in enumerate(self._layer_addresses(x)):
                     inputs = f"past_{name}_{layer}" if name in ("k", "v") else f"{name}_{layer}"
-                    self._binding.bind_input(inputs, self.device, 0, self.kv_dtype, shape, address)
-                    self._binding.bind_output(f"present_{name}_{layer}", self.device, 0, self.kv_dtype, shape, address)
-            self._bound = tuple(x for _, x in stacked)
-        return self._binding
+                    binding.bind_input(inputs, self.device, 0, self.kv_dtype, shape, address)
+                    binding.bind_output(f"present_{name}_{layer}", self.device, 0, self.kv_dtype, shape, address)
+        rows = (state.tokens, state.positions, state.src_mask)
+        if self.io_binding:
+            for name, x in zip(("tokens", "positions", "src_mask"), rows):
+                binding.bind_cpu_input(name, np.ascontiguousarray(x))
+        elif not _same(bound.get("rows"), rows):
+            for name, x in zip(("tokens", "positions", "src_mask"), rows):
+                assert x.flags.c_contiguous, name
+                binding.bind_input(name, "cpu", 0, x.dtype, x.shape, x.ctypes.data)
+        if bound.get("outputs") != (state.size, k):
+            self._ids, self._scores = np.empty((state.size, k), np.int64), np.empty((state.size, k), np.float32)
+            self._k = np.array([k], np.int64)
+            binding.bind_cpu_input("candidates", self._k)
+            for name, x in (("candidate_ids", self._ids), ("candidate_scores", self._scores)):
+                binding.bind_output(name, "cpu", 0, x.dtype, x.shape, x.ctypes.data)
+            if self.io_binding:
+                binding.bind_output("log_probs", self.device)  # stays on the device
+            else:
+                self._log_probs = np.empty((state.size, self.vocab_size), np.float32)
+                binding.bind_output("log_probs", "cpu", 0, np.float32, self._log_probs.shape, self._log_probs.ctypes.data)
+        self._bound = {"caches": caches, "rows": rows, "outputs": (state.size, k)}
+        return binding
 
     def _layer_addresses(self, stacked) -> list[int]:
         """The address of each layer of a stacked (L, …) tensor (host numpy or device OrtValue): bound
@@ -338,3 +351,8 @@ class OnnxTranslator:
                        for h in hypotheses]
         best.alternatives = rest
         return best
+
+
+def _same(bound: tuple | None, objects: tuple) -> bool:
+    """Whether `bound` holds exactly these objects (identity: the same objects are the same buffers)."""
+    return bound is not None and all(a is b for a, b in zip(bound, objects))
