@@ -6,8 +6,8 @@
         print(t.text, t.score, [(a.text, a.score) for a in t.alternatives])
 
 Inputs are sorted by length and cut into batches of at most `max_batch_size` to cut padding;
-within a batch, finished rows (a beam's rows: when its search is done) leave at once, so the
-remaining ones run smaller steps.
+within a batch, a beam's rows leave at once when its search is done, and finished greedy rows
+leave together once they are a quarter of the batch, so the remaining ones run smaller steps.
 
 The decoder graph gets a TopK appended (`with_search_head`): a step returns each row's k best tokens
 and their log-probabilities (k = 1 greedy, 2 × beam for beam search), never the whole distribution
@@ -267,22 +267,30 @@ class OnnxTranslator:
 
     def greedy(self, sources: list[list[int]], max_decoding_length: int = 256,
                length_rule: str = "nmtserve") -> list[list[Hypothesis]]:
-        """Greedy search for one batch of token-id sources; finished rows leave the batch at once."""
+        """Greedy search for one batch of token-id sources. A finished row stays in the batch as a hole
+        (its step is wasted, but nothing is copied) until holes are a quarter of the batch; then they
+        leave together (one copy of the cache)."""
         state = self.prefill(sources)
         budget = np.array([self.limits.output_budget(len(s), max_decoding_length, length_rule) for s in sources])
-        rows = np.arange(len(sources))  # original index of each running row
+        rows = np.arange(len(sources))  # original index of each running row; -1: a finished row (a hole)
         outputs: list[list[int]] = [[] for _ in sources]
         scores, eos = np.zeros(len(sources)), np.zeros(len(sources), bool)
         while state is not None:
             tokens, token_scores = self.decode_one_token(state)
-            scores[rows] += token_scores
-            eos[rows] = tokens == self.eos_id
-            for r, t in zip(rows, tokens):
+            live = np.nonzero(rows >= 0)[0]
+            running, tokens, token_scores = rows[live], tokens[live], token_scores[live]
+            scores[running] += token_scores
+            eos[running] = tokens == self.eos_id
+            for r, t in zip(running, tokens):
                 if t != self.eos_id:
                     outputs[r].append(int(t))
-            keep = (tokens != self.eos_id) & (state.positions < budget[rows])
-            if not keep.all():
-                state, rows = state.filter(keep), rows[keep]
+            ended = live[(tokens == self.eos_id) | (state.positions[live] >= budget[running])]
+            if len(ended):
+                rows[ended] = -1
+                if (rows < 0).sum() * 4 >= len(rows):  # compact: a copy of the cache, amortised
+                    state, rows = state.filter(rows >= 0), rows[rows >= 0]
+                else:
+                    state.hole[ended] = True
         return [[Hypothesis(o, s, "eos" if e else "length")] for o, s, e in zip(outputs, scores.tolist(), eos)]
 
     def search(self, sources: list[list[int]], options: DecodingOptions) -> list[list[Hypothesis]]:
