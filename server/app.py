@@ -102,7 +102,8 @@ def load_model(spec: ModelSpec, config: ServerConfig, io_binding: bool | None, m
     engine = Engine(translator, EngineConfig(max_running_rows=config.max_running_rows,
                                              max_batch_tokens=config.max_batch_tokens,
                                              max_waiting=config.max_waiting,
-                                             batching=config.batching),
+                                             batching=config.batching, admit_rows=config.admit_rows,
+                                             admit_steps=config.admit_steps),
                     on_step=functools.partial(metrics.step, spec.id)).start()
     metrics.watch_engine(spec.id, engine)
     metrics.model.labels(spec.id).info({"bundle": spec.bundle, "variant": spec.variant, "device": spec.device,

@@ -13,6 +13,8 @@ HELPS = {"models": "TOML file of the models to serve: bundle, id, variant, devic
          "threads": "ONNX Runtime intra-op threads", "device": "cpu or cuda",
          "io_binding": "auto, on or off: keep K/V caches on the device between steps (auto: on for cuda)",
          "max_running_rows": "rows in each model's running decoder batch (a beam search takes beam_size rows)",
+         "admit_rows": "continuous batching: newcomers join a running batch once this many rows are free (at most 1/8 of --max-running-rows) …",
+         "admit_steps": "… or once the oldest of them has waited this many decoder steps",
          "max_beam_size": "highest DecodingOptions.beam_size accepted (lowered to --max-running-rows)",
          "max_batch_tokens": "Σ source + output-budget tokens of running rows",
          "max_waiting": "waiting requests per model before RESOURCE_EXHAUSTED",

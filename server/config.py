@@ -21,6 +21,8 @@ class ServerConfig:
     io_binding: str = "auto"  # on: K/V caches stay on the device as OrtValues (IOBinding); auto = on for cuda
     threads: int = 2  # ONNX Runtime intra-op threads (sessions never spin): the deployment's CPU request
     max_running_rows: int = 64
+    admit_rows: int = 8  # continuous batching: newcomers join once this many rows are free (≤ 1/8 of the rows) …
+    admit_steps: int = 4  # … or once the oldest has waited this many decoder steps
     max_batch_tokens: int = 16384
     max_waiting: int = 256
     max_sentences: int = 64

@@ -291,3 +291,31 @@ def test_a_beam_that_never_says_eos_ends_with_length_at_its_budget(translator, s
     beam = Request(sources[0], max_decoding_length=limits.max_target_tokens, options=DecodingOptions(beam_size=3))
     _run_together(translator, [beam, Request(sources[1])])
     assert beam.finish is FinishReason.LENGTH and len(beam.tokens) == beam.budget(limits)
+
+
+def _iterate(engine: Engine) -> list[Request]:
+    """One iteration of the engine's loop, in this thread (the engine is not started) -> who joined."""
+    with engine.lock:
+        admitted = engine._schedule()
+    engine._execute(admitted)
+    return admitted
+
+
+def test_newcomers_to_a_full_batch_gather_then_join_longest_source_first(translator, sources):
+    by_length = sorted(sources, key=len)
+    running_sources, short, long = by_length[-16:], by_length[0], by_length[-17]  # the running rows decode longest
+    assert len(long) > len(short)
+    engine = Engine(translator, EngineConfig(max_running_rows=16, admit_rows=2, admit_steps=3))
+    running = [engine.submit(Request(s)) for s in running_sources]
+    assert _iterate(engine) == running  # an empty batch takes everyone at once, in arrival order
+    early, late = engine.submit(Request(short)), engine.submit(Request(long))
+    engine.batch.leave(running[:1])  # one free row: fewer than admit_rows (2 of 16)
+    engine._publish()
+    joined = [_iterate(engine) for _ in range(4)]
+    assert not any(r.done.is_set() for r in running[1:])  # (no other row freed meanwhile)
+    assert joined[:3] == [[], [], []]  # they gather while fewer than admit_rows rows are free …
+    assert joined[3] == [late]  # … until the oldest has waited admit_steps steps; then least slack first:
+    # the longer source joins before the shorter one that came first (it needs more steps)
+    engine.batch.leave(running[1:3])
+    engine._publish()
+    assert _iterate(engine) == [early]  # two free rows: it joins at once
