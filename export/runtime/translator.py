@@ -295,25 +295,30 @@ class OnnxTranslator:
 
     def search(self, sources: list[list[int]], options: DecodingOptions) -> list[list[Hypothesis]]:
         """Beam search or sampling for one batch of token-id sources (nmtserve/search.py: one search per
-        source, over its own rows); a source's rows leave the batch together when its search is done."""
+        source, over its own rows). A finished source's rows decode on, ignored, until finished sources are
+        a quarter of the batch; then their rows leave together (as greedy's)."""
         searches = [make_search(options, self.limits.output_budget(len(s), options.max_decoding_length,
                                                                    options.length_rule), self.eos_id)
                     for s in sources]
         width, k = searches[0].rows, searches[0].candidates
         state = self.prefill(sources).gather(np.repeat(np.arange(len(sources)), width))  # a beam shares its source
-        live = list(range(len(sources)))  # the sources still searching, `width` rows each, in row order
+        slots = list(range(len(sources)))  # the source each `width` rows search for, in row order; None: done
         results: list = [None] * len(sources)
         while state is not None:
             ids, scores = self.decode_candidates(state, k)
-            chosen = [searches[r].step(ids[j * width:(j + 1) * width], scores[j * width:(j + 1) * width])
-                      for j, r in enumerate(live)]
-            state.choose(np.concatenate([tokens for _, tokens in chosen]),
-                         np.concatenate([parents + j * width for j, (parents, _) in enumerate(chosen)]))
-            done = np.array([searches[r].done for r in live])
-            if done.any():
-                for r in np.array(live)[done]:
-                    results[r] = searches[r].results()
-                state, live = state.filter(np.repeat(~done, width)), [r for r, d in zip(live, done) if not d]
+            tokens, parents = ids[:, 0].copy(), np.arange(state.size)  # a finished source's rows decode on, ignored
+            for j, r in enumerate(slots):
+                if r is None:
+                    continue
+                rows = slice(j * width, (j + 1) * width)
+                chosen_parents, tokens[rows] = searches[r].step(ids[rows], scores[rows])
+                parents[rows] = chosen_parents + j * width
+                if searches[r].done:
+                    results[r], slots[j] = searches[r].results(), None
+            state.choose(tokens, parents)
+            done = np.array([r is None for r in slots])
+            if done.sum() * 4 >= len(slots):  # compact, as greedy does
+                state, slots = state.filter(np.repeat(~done, width)), [r for r in slots if r is not None]
         return results
 
     def search_ids(self, sources: list[list[int]], options: DecodingOptions = DecodingOptions(), *,
