@@ -301,11 +301,15 @@ class OnnxTranslator:
                                                                    options.length_rule), self.eos_id)
                     for s in sources]
         width, k = searches[0].rows, searches[0].candidates
-        state = self.prefill(sources).gather(np.repeat(np.arange(len(sources)), width))  # a beam shares its source
+        state = self.prefill(sources)
         slots = list(range(len(sources)))  # the source each `width` rows search for, in row order; None: done
         results: list = [None] * len(sources)
         while state is not None:
             ids, scores = self.decode_candidates(state, k)
+            if state.size < width * len(slots):  # the first step, one row per source (a beam's rows all
+                # start alike and its search reads row 0 only): then each row becomes its beam's rows
+                ids, scores = np.repeat(ids, width, axis=0), np.repeat(scores, width, axis=0)
+                state = state.gather(np.repeat(np.arange(len(sources)), width))
             tokens, parents = ids[:, 0].copy(), np.arange(state.size)  # a finished source's rows decode on, ignored
             for j, r in enumerate(slots):
                 if r is None:
