@@ -66,8 +66,8 @@ class EngineConfig:
     batching: str = "continuous"  # or "static": admit only into an empty batch, run it to completion
     # continuous batching: newcomers join a running batch once `admit_rows` rows are free (at most an
     # eighth of max_running_rows), or once the oldest of them has waited `admit_steps` decoder steps
-    # (text-generation-inference's max_waiting_tokens): a group is encoded in one call, and its rows
-    # are at alike positions, which the attention kernel runs faster (README, "Continuous batching")
+    # (text-generation-inference's max_waiting_tokens): a group is encoded in one call (README,
+    # "Admission to a full batch")
     admit_rows: int = 8
     admit_steps: int = 4
 

@@ -6,8 +6,8 @@
         print(t.text, t.score, [(a.text, a.score) for a in t.alternatives])
 
 Inputs are sorted by length and cut into batches of at most `max_batch_size` to cut padding;
-within a batch, a beam's rows leave at once when its search is done, and finished greedy rows
-leave together once they are a quarter of the batch, so the remaining ones run smaller steps.
+within a batch, finished rows (a beam's: when its search is done) decode on, ignored, until they
+are a quarter of the batch, then leave together, so the remaining ones run smaller steps.
 
 The decoder graph gets a TopK appended (`with_search_head`): a step returns each row's k best tokens
 and their log-probabilities (k = 1 greedy, 2 × beam for beam search), never the whole distribution
