@@ -20,6 +20,7 @@ positions, masks) and brings back only those candidates; without it they are num
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -206,8 +207,8 @@ class OnnxTranslator:
 
     def _binding_for(self, state: BatchState, k: int) -> ort.IOBinding:
         """The decoder's binding for a step of `state` asking for k candidates. A binding holds addresses,
-        so it is kept from step to step and a group is bound again only when its objects change (they
-        are kept referenced in `_bound`): the caches (each layer as input and `present` output), the
+        so it is kept from step to step and a group is bound again only when its objects change (`_bound`
+        holds weak references to them): the caches (each layer as input and `present` output), the
         per-row arrays (tokens, positions, src_mask: BatchState changes them in place), and the outputs
         (candidates into buffers of (B, k); the rows' log-probs into one kept buffer: a fresh one every
         step costs page faults). With io_binding, host inputs are copied to the device when bound, so the
@@ -240,7 +241,7 @@ class OnnxTranslator:
             else:
                 self._log_probs = np.empty((state.size, self.vocab_size), np.float32)
                 binding.bind_output("log_probs", "cpu", 0, np.float32, self._log_probs.shape, self._log_probs.ctypes.data)
-        self._bound = {"caches": caches, "rows": rows, "outputs": (state.size, k)}
+        self._bound = {"caches": _refs(caches), "rows": _refs(rows), "outputs": (state.size, k)}
         return binding
 
     def _layer_addresses(self, stacked) -> list[int]:
@@ -371,5 +372,11 @@ class OnnxTranslator:
 
 
 def _same(bound: tuple | None, objects: tuple) -> bool:
-    """Whether `bound` holds exactly these objects (identity: the same objects are the same buffers)."""
-    return bound is not None and all(a is b for a, b in zip(bound, objects))
+    """Whether `bound` (weak references) refers to exactly these objects, all alive: the same objects are
+    the same buffers, and a dead one's address may have been reused."""
+    return bound is not None and all(ref() is x for ref, x in zip(bound, objects))
+
+
+def _refs(objects: tuple) -> tuple:
+    """Weak references to a bound group: the binding does not keep a finished batch's tensors alive."""
+    return tuple(weakref.ref(x) for x in objects)
