@@ -119,7 +119,7 @@ class BatchState:
         src_len = int(self.src_mask[keep].any(axis=0).nonzero()[0].max()) + 1
 
         def cache(x):  # the slots in use, and room up to the capacity
-            return ops.take_slots(x, rows, 0, length, self.capacity)
+            return ops.take_slots(x, rows, length)
 
         def cross(x):  # sources cut to the longest one kept
             x = ops.take(x, rows, 1) if len(rows) < self.size else x

@@ -86,13 +86,13 @@ class HostTensors:
         return x
 
     @staticmethod
-    def take_slots(x: np.ndarray, rows: np.ndarray, start: int, stop: int, size: int) -> np.ndarray:
-        """Rows of x with slots start..stop as slots 0..stop-start of a cache of `size` slots, zero beyond
-        (x itself when that is all of it: slots from `stop` on were never written)."""
-        if start == 0 and len(rows) == x.shape[1] and size == x.shape[3]:
+    def take_slots(x: np.ndarray, rows: np.ndarray, stop: int) -> np.ndarray:
+        """Rows of a cache x with their slots 0..stop-1, the rest zero (x itself when every row is kept:
+        no row reads past its own slots)."""
+        if len(rows) == x.shape[1]:
             return x
-        out = np.zeros((x.shape[0], len(rows), x.shape[2], size, x.shape[4]), x.dtype)
-        out[:, :, :, : stop - start] = x[:, rows, :, start:stop]
+        out = np.zeros((x.shape[0], len(rows), *x.shape[2:]), x.dtype)
+        out[:, :, :, :stop] = x[:, rows, :, :stop]
         return out
 
 
@@ -207,7 +207,6 @@ class DeviceTensors:
         """As HostTensors.copy_rows, over every slot (the graphs copy the whole tensor anyway)."""
         return self.scatter_rows(x, dst, self.take(x, src, 1))
 
-    def take_slots(self, x: ort.OrtValue, rows: np.ndarray, start: int, stop: int, size: int) -> ort.OrtValue:
-        """As HostTensors.take_slots: the slots before `start` are dropped, the rest kept up to `size`."""
-        x = self.take(x, rows, 1) if len(rows) < self.shape(x)[1] else x
-        return self.pad(self.slice(x, 3, start) if start else x, 3, size)
+    def take_slots(self, x: ort.OrtValue, rows: np.ndarray, stop: int) -> ort.OrtValue:
+        """As HostTensors.take_slots, with every slot (the graph copies the whole rows anyway)."""
+        return self.take(x, rows, 1) if len(rows) < self.shape(x)[1] else x
