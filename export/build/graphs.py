@@ -2,7 +2,8 @@
 
 encoder:      src_ids (B, S) int64, src_mask (B, S) bool
               -> cross_k_0, cross_v_0, …, cross_k_{L-1}, cross_v_{L-1}, each (B, H, S, Dh):
-                 every decoder layer's cross-attention keys and values, computed once per source.
+                 every decoder layer's cross-attention keys and values, computed once per source;
+                 each self-attention one com.microsoft MultiHeadAttention node.
 decoder step: tokens (B,) int64, positions (B,) int64, src_mask (B, S) bool, then per layer l:
               past_k_l, past_v_l (B, H, C, Dh), cross_k_l, cross_v_l (B, H, S, Dh)
               -> log_probs (B, V) float32, present_k_l, present_v_l (B, H, C, Dh) per layer, then
@@ -58,16 +59,45 @@ def dynamic_axes(n_layers: int) -> dict[str, dict]:
                         **past, **step_cross, "log_probs": {0: "batch"}, **presents}}
 
 
+class SourceAttention(torch.autograd.Function):
+    """An encoder self-attention over each row's real tokens, exported as one com.microsoft
+    MultiHeadAttention node (in place of scaled_dot_product_attention's reshapes, transposes, scale
+    and NaN guards). q, k, v (B, S, D) projected, keep (B, S) int32: 1 at real tokens -> (B, S, D)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, keep, heads: int):
+        batch, width, dim = q.shape
+        q, k, v = (t.reshape(batch, width, heads, dim // heads).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep.bool()[:, None, None, :])
+        return out.transpose(1, 2).reshape(batch, width, dim)
+
+    @staticmethod
+    def symbolic(g, q, k, v, keep, heads: int):
+        none = symbolic_helper._optional_input_placeholder_tensor(g)  # no bias: the projections add theirs
+        out = g.op("com.microsoft::MultiHeadAttention", q, k, v, none, keep, num_heads_i=heads)
+        out.setType(q.type())  # the exporter cannot infer a contrib op's output: (B, S, D) as q
+        return out
+
+
 class EncoderGraph(nn.Module):
-    """Source -> cross-attention K/V of every decoder layer, one tensor each."""
+    """Source -> cross-attention K/V of every decoder layer, one tensor each: EncoderDecoder.encode
+    with each self-attention as SourceAttention."""
 
     def __init__(self, model: EncoderDecoder):
         super().__init__()
         self.model = model
 
     def forward(self, src_ids, src_mask):
-        memory = self.model.encode(src_ids, src_mask)
-        return tuple(t for layer in self.model.decoder for t in layer.cross_attn.project_kv(memory))
+        m = self.model
+        x = m._embed(src_ids, torch.arange(src_ids.shape[1])[None, :].expand_as(src_ids))
+        keep = src_mask.to(torch.int32)
+        for layer in m.encoder:
+            h, sa = layer.res1.input(x), layer.self_attn
+            attended = SourceAttention.apply(sa.q_proj(h), sa.k_proj(h), sa.v_proj(h), keep, sa.n_heads)
+            x = layer.res1.output(x, sa.out_proj(attended))
+            x = layer.res2.output(x, layer.ffn(layer.res2.input(x)))
+        memory = m.encoder_norm(x)
+        return tuple(t for layer in m.decoder for t in layer.cross_attn.project_kv(memory))
 
 
 class StepAttention(torch.autograd.Function):
@@ -95,8 +125,12 @@ class StepAttention(torch.autograd.Function):
     @staticmethod
     def symbolic(g, qkv, cache_k, cache_v, slot, capacity, heads: int):
         none = symbolic_helper._optional_input_placeholder_tensor(g)  # key, value packed in qkv; no rotary, no bias
-        return g.op("com.microsoft::GroupQueryAttention", qkv, none, none, cache_k, cache_v, slot, capacity,
-                    num_heads_i=heads, kv_num_heads_i=heads, outputs=3)
+        out, k, v = g.op("com.microsoft::GroupQueryAttention", qkv, none, none, cache_k, cache_v, slot, capacity,
+                         num_heads_i=heads, kv_num_heads_i=heads, outputs=3)
+        out.setType(qkv.type().with_sizes([None, 1, None]))  # (B, 1, D): the exporter cannot infer it
+        k.setType(cache_k.type())
+        v.setType(cache_v.type())
+        return out, k, v
 
 
 def _slots(cache: torch.Tensor) -> torch.Tensor:
@@ -181,5 +215,5 @@ def export_graphs(model: EncoderDecoder, out_dir: Path) -> dict[str, Path]:
         for name, (module, args) in graphs.items():
             torch.onnx.export(module, args, str(paths[name]), input_names=names[name]["inputs"],
                               output_names=names[name]["outputs"], dynamic_axes=axes[name], opset_version=OPSET,
-                              dynamo=False, do_constant_folding=True, custom_opsets={"com.microsoft": 1} if name == "decoder" else None)
+                              dynamo=False, do_constant_folding=True, custom_opsets={"com.microsoft": 1})
     return paths

@@ -64,10 +64,13 @@ def session_options(intra_op_threads: int = 0) -> ort.SessionOptions:
     # resident memory peaked at 785 MB with it, 739 MB without memory patterns, 523 MB without the
     # arena, at the same throughput (README, "Soak")
     so.enable_cpu_mem_arena = False
-    # no spinning: a worker that spins after each kernel holds a core that the next kernel's other
-    # threads, and our Python between steps, need. On 2 cores, greedy at batch 64 with 2 threads:
-    # 3,046 tok/s spinning, 4,866 not; with 1 thread the same either way (README, offline benchmark)
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # workers spin between the kernels of one run (a futex wake-up per parallel kernel cost 115 µs of
+    # a 530 µs decoder step at batch 1) and stop when the run returns: a worker still spinning after
+    # it holds a core that our Python between steps, and the other session's run, need. Offline greedy
+    # with 2 threads on 2 cores, tok/s at batch 1/8/32/64 (README, "Levers"): fp32 1,097/3,712/5,785/
+    # 6,279 never spinning, 688/2,237/3,074/3,679 spinning always, 1,268/4,060/6,215/6,748 like this
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    so.add_session_config_entry("session.force_spinning_stop", "1")
     return so
 
 
