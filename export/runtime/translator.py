@@ -225,6 +225,7 @@ class OnnxTranslator:
                     inputs = f"past_{name}_{layer}" if name in ("k", "v") else f"{name}_{layer}"
                     binding.bind_input(inputs, self.device, 0, self.kv_dtype, shape, address)
                     binding.bind_output(f"present_{name}_{layer}", self.device, 0, self.kv_dtype, shape, address)
+            bound["caches"] = _refs(caches)
         rows = (state.tokens, state.positions, state.src_mask)
         if self.io_binding:
             for name, x in zip(("tokens", "positions", "src_mask"), rows):
@@ -233,6 +234,7 @@ class OnnxTranslator:
             for name, x in zip(("tokens", "positions", "src_mask"), rows):
                 assert x.flags.c_contiguous, name
                 binding.bind_input(name, "cpu", 0, x.dtype, x.shape, x.ctypes.data)
+            bound["rows"] = _refs(rows)
         if bound.get("outputs") != (state.size, k):
             self._ids, self._scores = np.empty((state.size, k), np.int64), np.empty((state.size, k), np.float32)
             self._k = np.array([k], np.int64)
@@ -244,7 +246,7 @@ class OnnxTranslator:
             else:
                 self._log_probs = np.empty((state.size, self.vocab_size), np.float32)
                 binding.bind_output("log_probs", "cpu", 0, np.float32, self._log_probs.shape, self._log_probs.ctypes.data)
-        self._bound = {"caches": _refs(caches), "rows": _refs(rows), "outputs": (state.size, k)}
+            bound["outputs"] = (state.size, k)
         return binding
 
     def _layer_addresses(self, stacked) -> list[int]:
@@ -277,25 +279,37 @@ class OnnxTranslator:
         at the same position: ONNX Runtime's CPU attention kernel steps rows at one position faster
         than rows at mixed ones (docs/architecture.md)."""
         state = self.prefill(sources)
+        rows = np.arange(len(sources))  # the source of each row of `state`, and its budget
         budget = np.array([self.limits.output_budget(len(s), max_decoding_length, length_rule) for s in sources])
-        rows = np.arange(len(sources))  # original index of each running row; -1: a finished one
-        outputs: list[list[int]] = [[] for _ in sources]
-        scores, eos = np.zeros(len(sources)), np.zeros(len(sources), bool)
+        steps = [], [], []  # per step: each row's source, token and log-prob
+        finished, end = np.zeros(len(sources), bool), np.zeros(len(sources), np.int64)  # end: its last step
         while state is not None:
             tokens, token_scores = self.decode_one_token(state)
-            live = np.nonzero(rows >= 0)[0]
-            running, tokens, token_scores = rows[live], tokens[live], token_scores[live]
-            scores[running] += token_scores
-            eos[running] = tokens == self.eos_id
-            for r, t in zip(running, tokens):
-                if t != self.eos_id:
-                    outputs[r].append(int(t))
-            ended = live[(tokens == self.eos_id) | (state.positions[live] >= budget[running])]
-            if len(ended):
-                rows[ended] = -1
-                if (rows < 0).sum() * 4 >= len(rows):  # compact: a copy of the cache, amortised
-                    state, rows = state.filter(rows >= 0), rows[rows >= 0]
-        return [[Hypothesis(o, s, "eos" if e else "length")] for o, s, e in zip(outputs, scores.tolist(), eos)]
+            for record, x in zip(steps, (rows, tokens, token_scores)):
+                record.append(x)
+            newly = ((tokens == self.eos_id) | (state.positions >= budget)) & ~finished[rows]
+            if newly.any():
+                finished[rows[newly]] = True
+                end[rows[newly]] = len(steps[0]) - 1
+                if finished[rows].sum() * 4 >= len(rows):  # compact: a copy of the cache, amortised
+                    keep = ~finished[rows]
+                    state, rows, budget = state.filter(keep), rows[keep], budget[keep]
+        return self._collect(len(sources), *steps, end)
+
+    def _collect(self, n: int, rows: list, tokens: list, scores: list, end: np.ndarray) -> list[list[Hypothesis]]:
+        """Greedy's hypotheses from what each step chose: source s's tokens are those of its rows up to
+        its last step end[s], eos excluded; its score is their sum."""
+        step = np.concatenate([np.full(len(r), i) for i, r in enumerate(rows)])
+        rows, tokens, scores = np.concatenate(rows), np.concatenate(tokens), np.concatenate(scores)
+        kept = step <= end[rows]
+        rows, tokens, scores = rows[kept], tokens[kept], scores[kept]
+        total = np.bincount(rows, weights=scores, minlength=n)
+        eos = np.zeros(n, bool)
+        eos[rows[tokens == self.eos_id]] = True
+        order = np.argsort(rows, kind="stable")  # by source, then step
+        rows, tokens = rows[order], tokens[order]
+        text = [t[t != self.eos_id].tolist() for t in np.split(tokens, np.searchsorted(rows, np.arange(1, n)))]
+        return [[Hypothesis(o, s, "eos" if e else "length")] for o, s, e in zip(text, total.tolist(), eos)]
 
     def search(self, sources: list[list[int]], options: DecodingOptions) -> list[list[Hypothesis]]:
         """Beam search or sampling for one batch of token-id sources (nmtserve/search.py: one search per
