@@ -37,6 +37,7 @@ class RunningBatch:
         self.tr = translator
         self.rows: list[Request | None] = []  # rows[i] is row i of `state`; None is a hole
         self.state: BatchState | None = None  # None when no request runs
+        self._placement: list[tuple[Request, np.ndarray]] | None = None  # placement(), until rows change
 
     @property
     def requests(self) -> list[Request]:
@@ -44,12 +45,15 @@ class RunningBatch:
         return [r for r, _ in self.placement()]
 
     def placement(self) -> list[tuple[Request, np.ndarray]]:
-        """Each running request with its rows (ascending: row j of a beam is its j-th row)."""
-        rows: dict[int, tuple[Request, list[int]]] = {}
-        for i, r in enumerate(self.rows):
-            if r is not None:
-                rows.setdefault(id(r), (r, []))[1].append(i)
-        return [(r, np.array(found)) for r, found in rows.values()]
+        """Each running request with its rows (ascending: row j of a beam is its j-th row); kept until
+        admit, leave, compact or clear changes the rows (the engine asks several times a step)."""
+        if self._placement is None:
+            rows: dict[int, tuple[Request, list[int]]] = {}
+            for i, r in enumerate(self.rows):
+                if r is not None:
+                    rows.setdefault(id(r), (r, []))[1].append(i)
+            self._placement = [(r, np.array(found)) for r, found in rows.values()]
+        return self._placement
 
     def admit(self, requests: list[Request]) -> list[tuple[Request, Exception]]:
         """Encode the newcomers once and place their rows: into holes first (no copy of the running
@@ -62,6 +66,7 @@ class RunningBatch:
             half = len(requests) // 2
             return self.admit(requests[:half]) + self.admit(requests[half:])
         owners = [r for r in requests for _ in range(r.width)]
+        self._placement = None
         if len(owners) > len(requests):  # a beam's rows share its source
             fresh = fresh.gather(np.repeat(np.arange(len(requests)), [r.width for r in requests]))
         holes = [i for i, r in enumerate(self.rows) if r is None][: len(owners)]
@@ -81,6 +86,7 @@ class RunningBatch:
         rows = [i for i, r in enumerate(self.rows) if r is not None and id(r) in gone]
         if not rows:
             return
+        self._placement = None
         for i in rows:
             self.rows[i] = None
         if any(r is not None for r in self.rows):
@@ -93,7 +99,7 @@ class RunningBatch:
         holes = sum(r is None for r in self.rows)
         if holes and holes * 4 >= len(self.rows):
             self.state = self.state.filter(np.array([r is not None for r in self.rows]))
-            self.rows = [r for r in self.rows if r is not None]
+            self.rows, self._placement = [r for r in self.rows if r is not None], None
 
     def step(self) -> tuple[list[tuple[Request, int | None, float | None]], list[tuple[Request, Exception]]]:
         """One decoder step of every row -> (request, token, log-prob) of each greedy request, (request,
@@ -115,16 +121,17 @@ class RunningBatch:
                 return [], failed
             outputs, more = self.step()  # everyone else's step, without them
             return outputs, failed + more
-        tokens, parents = ids[:, 0].copy(), np.arange(len(self.rows))  # holes keep theirs: never read
+        tokens, parents = ids[:, 0].copy(), None  # holes keep theirs: never read
         outputs = []
         for request, rows in placement:
             if request.search is None:
                 outputs.append((request, int(ids[rows[0], 0]), float(scores[rows[0], 0])))
                 continue
             chosen_parents, chosen = request.search.step(ids[rows], scores[rows])
+            parents = np.arange(len(self.rows)) if parents is None else parents
             parents[rows], tokens[rows] = rows[chosen_parents], chosen
             outputs.append((request, None, None))
-        self.state.choose(tokens, parents)
+        self.state.choose(tokens, parents)  # parents: only when a search chose them
         return outputs, []
 
     def _failing_rows(self, rows: list[int]) -> list[tuple[int, Exception]]:
@@ -143,4 +150,4 @@ class RunningBatch:
         return int(self.state.positions.sum()) if self.state is not None else 0
 
     def clear(self) -> None:
-        self.rows, self.state = [], None
+        self.rows, self.state, self._placement = [], None, None
