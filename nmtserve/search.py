@@ -154,22 +154,24 @@ class BeamSearch:
         cand_row, cand_id, cand_score = row.ravel()[best], ids.ravel()[best], total.ravel()[best]
         self.steps += 1
         last = self.steps >= self.budget
-        chosen, spare = [], k
-        for i in range(k):
-            c = i
-            if cand_id[i] == self.eos_id or last and not self.forced_eos:
-                self.top_finished |= i == 0
-                eos = bool(cand_id[i] == self.eos_id)
-                self.finished.append((self.live[cand_row[i]] + ([] if eos else [int(cand_id[i])]), float(cand_score[i]),
-                                      eos, "eos" if eos else "length"))
-                while spare < 2 * k and cand_id[spare] == self.eos_id:
-                    spare += 1
-                if spare < 2 * k:  # at most one eos per row: a spare always exists while 2k ≤ V
-                    c, spare = spare, spare + 1
-            chosen.append(c)
-        chosen = np.array(chosen)
+        chosen = np.arange(k)  # unless a candidate finishes (on most steps none does)
+        if last and not self.forced_eos or (cand_id[:k] == self.eos_id).any():
+            chosen, spare = [], k
+            for i in range(k):
+                c = i
+                if cand_id[i] == self.eos_id or last and not self.forced_eos:
+                    self.top_finished |= i == 0
+                    eos = bool(cand_id[i] == self.eos_id)
+                    self.finished.append((self.live[cand_row[i]] + ([] if eos else [int(cand_id[i])]),
+                                          float(cand_score[i]), eos, "eos" if eos else "length"))
+                    while spare < 2 * k and cand_id[spare] == self.eos_id:
+                        spare += 1
+                    if spare < 2 * k:  # at most one eos per row: a spare always exists while 2k ≤ V
+                        c, spare = spare, spare + 1
+                chosen.append(c)
+            chosen = np.array(chosen)
         parents, tokens = cand_row[chosen], cand_id[chosen].astype(np.int64)
-        self.live = [self.live[p] + [int(t)] for p, t in zip(parents, tokens)]
+        self.live = [self.live[p] + [t] for p, t in zip(parents.tolist(), tokens.tolist())]
         self.scores = cand_score[chosen].astype(np.float64)
         if self.options.beam_stopping == "transformers":
             stop = len(self.finished) >= k and self.scores.max() / self.steps ** self.options.length_penalty \
