@@ -67,7 +67,7 @@ def session_options(intra_op_threads: int = 0) -> ort.SessionOptions:
     # workers spin between the kernels of one run (a futex wake-up per parallel kernel cost 115 µs of
     # a 530 µs decoder step at batch 1) and stop when the run returns: a worker still spinning after
     # it holds a core that our Python between steps, and the other session's run, need. Offline greedy
-    # with 2 threads on 2 cores, tok/s at batch 1/8/32/64 (README, "Levers"): fp32 1,097/3,712/5,785/
+    # with 2 threads on 2 cores, tok/s at batch 1/8/32/64 (README, "Spinning"): fp32 1,097/3,712/5,785/
     # 6,279 never spinning, 688/2,237/3,074/3,679 spinning always, 1,268/4,060/6,215/6,748 like this
     so.add_session_config_entry("session.intra_op.allow_spinning", "1")
     so.add_session_config_entry("session.force_spinning_stop", "1")
