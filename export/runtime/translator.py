@@ -287,13 +287,13 @@ class OnnxTranslator:
             tokens, token_scores = self.decode_one_token(state)
             for record, x in zip(steps, (rows, tokens, token_scores)):
                 record.append(x)
-            newly = ((tokens == self.eos_id) | (state.positions >= budget)) & ~finished[rows]
+            done = finished[rows]
+            newly = ((tokens == self.eos_id) | (state.positions >= budget)) & ~done
             if newly.any():
-                finished[rows[newly]] = True
-                end[rows[newly]] = len(steps[0]) - 1
-                if finished[rows].sum() * 4 >= len(rows):  # compact: a copy of the cache, amortised
-                    keep = ~finished[rows]
-                    state, rows, budget = state.filter(keep), rows[keep], budget[keep]
+                finished[rows[newly]], end[rows[newly]] = True, len(steps[0]) - 1
+                done |= newly
+                if done.sum() * 4 >= len(rows):  # compact: a copy of the cache, amortised
+                    state, rows, budget = state.filter(~done), rows[~done], budget[~done]
         return self._collect(len(sources), *steps, end)
 
     def _collect(self, n: int, rows: list, tokens: list, scores: list, end: np.ndarray) -> list[list[Hypothesis]]:
