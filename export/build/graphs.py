@@ -1,11 +1,12 @@
 """The two ONNX graphs of a bundle, as torch modules over a trained EncoderDecoder.
 
 encoder:      src_ids (B, S) int64, src_mask (B, S) bool
-              -> cross_k_0, cross_v_0, …, cross_k_{L-1}, cross_v_{L-1}, each (B, H, S, Dh):
-                 every decoder layer's cross-attention keys and values, computed once per source;
-                 each self-attention one com.microsoft MultiHeadAttention node.
+              -> per decoder layer l: cross_k_l, cross_v_l (B, H, S, Dh), the layer's cross-attention keys
+                 and values, computed once per source; then cross_eos_l (B, 2·H·Dh) per layer, the key
+                 and value of the row's last source token (its eos), packed; each self-attention one
+                 com.microsoft MultiHeadAttention node.
 decoder step: tokens (B,) int64, positions (B,) int64, src_mask (B, S) bool, then per layer l:
-              past_k_l, past_v_l (B, H, C, Dh), cross_k_l, cross_v_l (B, H, S, Dh)
+              past_k_l, past_v_l (B, H, C, Dh), then cross_k_l, cross_v_l (B, H, S, Dh), then cross_eos_l
               -> log_probs (B, V) float32, present_k_l, present_v_l (B, H, C, Dh) per layer, then
                  present_cross_k_l, present_cross_v_l (B, H, S, Dh) per layer
 
@@ -17,10 +18,11 @@ value at slot positions[b], then attends over slots 0..positions[b] — each row
 Bound to the same buffer as its past (IOBinding), a `present` output is that buffer written in
 place: nothing copies the cache, and the step returns no K/V. Cross-attention runs through the same
 kernel over slots 0..S_b-1 of the row's source: the key and value it "writes" are the row's own at
-slot S_b-1 (its eos), gathered first, so the cross K/V are rewritten unchanged. Cross K/V are inputs
-of the step, computed once per source (re-emitting them every step is what made Optimum's CUDA
-decoders slow, optimum #869). K/V travel as one tensor per layer: a stacked (L, …) input makes
-ONNX Runtime split — copy — the whole cache on every step.
+slot S_b-1 (its eos, cross_eos_l, which the encoder gathers once), so the cross K/V are rewritten
+unchanged (schema 2 gathered them in every step: 34 more nodes, 5–6% of a step at batch 1 and 8).
+Cross K/V are inputs of the step, computed once per source (re-emitting them every step is what made
+Optimum's CUDA decoders slow, optimum #869). K/V travel as one tensor per layer: a stacked (L, …)
+input makes ONNX Runtime split — copy — the whole cache on every step.
 """
 
 from __future__ import annotations
@@ -41,22 +43,24 @@ OPSET = 17
 def io_names(n_layers: int) -> dict[str, dict[str, list[str]]]:
     """Input and output names of both graphs for a model with n_layers decoder layers."""
     cross = [n for i in range(n_layers) for n in (f"cross_k_{i}", f"cross_v_{i}")]
+    eos = [f"cross_eos_{i}" for i in range(n_layers)]
     past = [n for i in range(n_layers) for n in (f"past_k_{i}", f"past_v_{i}")]
-    return {"encoder": {"inputs": ["src_ids", "src_mask"], "outputs": cross},
-            "decoder": {"inputs": ["tokens", "positions", "src_mask", *past, *cross],
+    return {"encoder": {"inputs": ["src_ids", "src_mask"], "outputs": [*cross, *eos]},
+            "decoder": {"inputs": ["tokens", "positions", "src_mask", *past, *cross, *eos],
                         "outputs": ["log_probs", *(f"present_{n[5:]}" for n in past), *(f"present_{n}" for n in cross)]}}
 
 
 def dynamic_axes(n_layers: int) -> dict[str, dict]:
     """Symbolic dimension names (recorded in the manifest): batch, src_len, past_len."""
     names = io_names(n_layers)
-    cross = {n: {0: "batch", 2: "src_len"} for n in names["encoder"]["outputs"]}
+    cross = {n: {0: "batch", 2: "src_len"} for n in names["encoder"]["outputs"] if not n.startswith("cross_eos_")}
+    eos = {f"cross_eos_{i}": {0: "batch"} for i in range(n_layers)}
     past = {n: {0: "batch", 2: "capacity"} for n in names["decoder"]["inputs"] if n[:7] in ("past_k_", "past_v_")}
     step_cross = {n: {0: "batch", 2: "src_len"} for n in cross}
     presents = {**{f"present_{n[5:]}": axes for n, axes in past.items()}, **{f"present_{n}": axes for n, axes in step_cross.items()}}
-    return {"encoder": {"src_ids": {0: "batch", 1: "src_len"}, "src_mask": {0: "batch", 1: "src_len"}, **cross},
+    return {"encoder": {"src_ids": {0: "batch", 1: "src_len"}, "src_mask": {0: "batch", 1: "src_len"}, **cross, **eos},
             "decoder": {"tokens": {0: "batch"}, "positions": {0: "batch"}, "src_mask": {0: "batch", 1: "src_len"},
-                        **past, **step_cross, "log_probs": {0: "batch"}, **presents}}
+                        **past, **step_cross, **eos, "log_probs": {0: "batch"}, **presents}}
 
 
 class SourceAttention(torch.autograd.Function):
@@ -80,8 +84,8 @@ class SourceAttention(torch.autograd.Function):
 
 
 class EncoderGraph(nn.Module):
-    """Source -> cross-attention K/V of every decoder layer, one tensor each: EncoderDecoder.encode
-    with each self-attention as SourceAttention."""
+    """Source -> cross-attention K/V of every decoder layer, one tensor each, then each layer's eos key
+    and value (`_eos`): EncoderDecoder.encode with each self-attention as SourceAttention."""
 
     def __init__(self, model: EncoderDecoder):
         super().__init__()
@@ -97,7 +101,15 @@ class EncoderGraph(nn.Module):
             x = layer.res1.output(x, sa.out_proj(attended))
             x = layer.res2.output(x, layer.ffn(layer.res2.input(x)))
         memory = m.encoder_norm(x)
-        return tuple(t for layer in m.decoder for t in layer.cross_attn.project_kv(memory))
+        batch, width = src_ids.shape
+        last = torch.arange(batch) * width + _cross_slot(src_mask).long()  # each row's eos among B·S positions
+        cross, eos = [], []
+        for layer in m.decoder:  # CrossAttention.project_kv, keeping each eos key and value (B, D) as well
+            ca = layer.cross_attn
+            k, v = ca.k_proj(memory), ca.v_proj(memory)
+            cross += [ca._split(k), ca._split(v)]
+            eos.append(torch.cat([k.flatten(0, 1)[last], v.flatten(0, 1)[last]], dim=-1))
+        return *cross, *eos
 
 
 class StepAttention(torch.autograd.Function):
@@ -138,14 +150,12 @@ def _slots(cache: torch.Tensor) -> torch.Tensor:
     return torch._shape_as_tensor(cache)[2].to(torch.int32)
 
 
-def _last(cache: torch.Tensor, rows: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
-    """(B, H, S, Dh) at each row's slot -> (B, H·Dh); rows (B·H,) int64: the slot's index in the
-    cache seen as (B·H·S, Dh) rows, one per row and head (a Gather of whole rows: GatherElements over
-    the same elements cost 30 µs a call at batch 32)."""
-    return cache.reshape(-1, head_dim)[rows].reshape(-1, heads * head_dim)
+def _cross_slot(src_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) int32: each row's last source slot (its eos)."""
+    return src_mask.sum(1, dtype=torch.int32).clamp(min=1) - 1
 
 
-def _layer_step(layer, x, past_k, past_v, positions, capacity, cross_k, cross_v, cross_slot, last, width):
+def _layer_step(layer, x, past_k, past_v, positions, capacity, cross_k, cross_v, eos, cross_slot, width):
     """DecoderLayer.step (training/model.py) with both attentions as StepAttention."""
     h = layer.res1.input(x)
     sa, ca = layer.self_attn, layer.cross_attn
@@ -154,8 +164,7 @@ def _layer_step(layer, x, past_k, past_v, positions, capacity, cross_k, cross_v,
     out, past_k, past_v = StepAttention.apply(qkv[:, None, :], past_k, past_v, positions, capacity, sa.n_heads)
     x = layer.res1.output(x, sa.out_proj(out[:, 0, :]))
     q = ca.q_proj(layer.res2.input(x))  # with the row's eos key and value, which the kernel writes back unchanged
-    eos_k, eos_v = (_last(c, last, ca.n_heads, ca.head_dim) for c in (cross_k, cross_v))
-    qkv = torch.cat([q, eos_k, eos_v], dim=-1)[:, None, :]
+    qkv = torch.cat([q, eos], dim=-1)[:, None, :]
     out, cross_k, cross_v = StepAttention.apply(qkv, cross_k, cross_v, cross_slot, width, ca.n_heads)
     x = layer.res2.output(x, ca.out_proj(out[:, 0, :]))
     return layer.res3.output(x, layer.ffn(layer.res3.input(x))), past_k, past_v, cross_k, cross_v
@@ -171,18 +180,14 @@ class DecoderStepGraph(nn.Module):
 
     def forward(self, tokens, positions, src_mask, *per_layer):
         m, n = self.model, len(self.model.decoder)
-        past, cross = per_layer[: 2 * n], per_layer[2 * n:]
-        slots = positions.to(torch.int32)
-        cross_slot = src_mask.sum(1, dtype=torch.int32).clamp(min=1) - 1  # each row's last source token
-        heads, width = m.config.n_heads, cross[0].shape[2]
-        last = ((torch.arange(tokens.shape[0])[:, None] * heads + torch.arange(heads)) * width
-                + cross_slot.long()[:, None]).reshape(-1)  # its gather index (_last), built once
-        shared = (slots, _slots(past[0]), cross_slot, last, _slots(cross[0]))
+        past, cross, eos = per_layer[: 2 * n], per_layer[2 * n: 4 * n], per_layer[4 * n:]
+        slots, capacity = positions.to(torch.int32), _slots(past[0])
+        cross_slot, width = _cross_slot(src_mask), _slots(cross[0])
         x = m._embed(tokens, positions)
         presents, cross_presents = [], []
         for i, layer in enumerate(m.decoder):
-            x, pk, pv, ck, cv = _layer_step(layer, x, past[2 * i], past[2 * i + 1], *shared[:2], cross[2 * i],
-                                            cross[2 * i + 1], *shared[2:])
+            x, pk, pv, ck, cv = _layer_step(layer, x, past[2 * i], past[2 * i + 1], slots, capacity, cross[2 * i],
+                                            cross[2 * i + 1], eos[i], cross_slot, width)
             presents += [pk, pv]
             cross_presents += [ck, cv]
         return m._log_probs(m.decoder_norm(x)), *presents, *cross_presents
@@ -196,7 +201,7 @@ def example_inputs(model: EncoderDecoder, batch: int = 3, src_len: int = 7, past
     src_mask = torch.ones(batch, src_len, dtype=torch.bool)
     src_mask[0, -2:] = False
     with torch.no_grad():
-        cross = EncoderGraph(model)(src_ids, src_mask)
+        cross = EncoderGraph(model)(src_ids, src_mask)  # K/V of each layer, then each layer's eos
     past = tuple(torch.randn(batch, c.n_heads, past_len + 2, c.head_dim, generator=g) for _ in range(2 * c.n_decoder_layers))
     tokens = torch.randint(4, c.vocab_size, (batch,), generator=g)
     positions = torch.tensor([past_len, past_len - 2, past_len][:batch])

@@ -26,6 +26,7 @@ import torch
 
 from nmtserve.decoding import sorted_batches
 from nmtserve.export.build.variants import VARIANTS
+from nmtserve.export.runtime.batch import eos_of
 from nmtserve.export.runtime.bundle import load_bundle
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.training.checkpoint import LoadedModel
@@ -86,10 +87,12 @@ def graph_parity(model, translator: OnnxTranslator) -> dict:
         with torch.no_grad():
             ref_ck, ref_cv = model.cross_kv(model.encode(src, src_mask))
             ref = model.decode_step(tokens, positions, KVCache(past_k, past_v, past_valid), ref_ck, ref_cv, src_mask)
-        ck, cv = translator.encode(src.numpy(), src_mask.numpy())
+        ck, cv, eos = translator.encode(src.numpy(), src_mask.numpy())
         got = translator.step(tokens.numpy(), positions.numpy(), past_k.numpy().astype(dtype), past_v.numpy().astype(dtype),
                               past_valid.numpy(), ref_ck.numpy().astype(dtype), ref_cv.numpy().astype(dtype), src_mask.numpy())
-        pairs = {"encoder_relative": [(ck, ref_ck), (cv, ref_cv)], "decoder_cache_relative": list(zip(got[1:], ref[1:]))}
+        ref_eos = torch.from_numpy(eos_of(ref_ck.numpy(), ref_cv.numpy(), src_mask.numpy()))
+        pairs = {"encoder_relative": [(ck, ref_ck), (cv, ref_cv), (eos, ref_eos)],
+                 "decoder_cache_relative": list(zip(got[1:], ref[1:]))}
         for key, outputs in pairs.items():
             worst[key] = max(worst[key], *(_relative_diff(a, r) for a, r in outputs))
         worst["decoder_log_probs"] = max(worst["decoder_log_probs"], _log_prob_diff(got[0], ref[0]))
@@ -125,7 +128,7 @@ def cached_decode_parity(model, translator: OnnxTranslator, sources: list[list[i
     src, src_mask = pad(sources, translator.pad_id)
     with torch.no_grad():
         ref_ck, ref_cv = model.cross_kv(model.encode(src, src_mask))
-    ck, cv = translator.encode(src.numpy(), src_mask.numpy())
+    ck, cv, _ = translator.encode(src.numpy(), src_mask.numpy())
     cache = KVCache.empty(model.config, len(sources))
     past_k, past_v, past_valid = translator.empty_cache(len(sources))
     tokens = torch.full((len(sources),), translator.bos_id)

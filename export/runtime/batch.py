@@ -9,12 +9,14 @@ Each row's cache is its own from slot 0: k, v (L, B, H, capacity, Dh) hold row b
 in slots 0..positions[b]-1, and a step writes its new ones at slot positions[b] (the decoder step's
 attention kernel does, in place, and attends to exactly those slots: export/build/graphs.py), so a
 row that joins later needs no alignment and attends over its own length only. cross_k, cross_v
-(L, B, H, S, Dh) with src_mask (B, S), padded to the longest source of the batch; positions (B,)
+(L, B, H, S, Dh) with src_mask (B, S), padded to the longest source of the batch, and cross_eos
+(L, B, 2, H, Dh): each row's key and value at its last source slot (the decoder step's cross-attention
+writes them back there: export/build/graphs.py); positions (B,)
 each row's own step; tokens (B,) the token each row feeds next; hole (B,) rows freed and not yet
 refilled: a hole stays at position 0 (its step writes and reads its own slot 0, ignored), so one
 that stays in the batch for longer than the position table is still a valid input.
 
-k, v, cross_k and cross_v live where `ops` keeps them (export/runtime/tensors.py): numpy arrays on the
+k, v, cross_k, cross_v and cross_eos live where `ops` keeps them (export/runtime/tensors.py): numpy arrays on the
 host, or OrtValues on the GPU; the small per-row arrays are always numpy on the host.
 """
 
@@ -33,6 +35,7 @@ class BatchState:
     v: object
     cross_k: object  # (L, B, H, S, Dh), numpy or OrtValue
     cross_v: object
+    cross_eos: object  # (L, B, 2, H, Dh), numpy or OrtValue
     src_mask: np.ndarray
     positions: np.ndarray
     tokens: np.ndarray
@@ -40,12 +43,12 @@ class BatchState:
     ops: object = field(default=HostTensors)  # HostTensors or a DeviceTensors
 
     @classmethod
-    def from_encoded(cls, cross_k, cross_v, src_mask: np.ndarray, bos_id: int, capacity: int = 32,
+    def from_encoded(cls, cross_k, cross_v, cross_eos, src_mask: np.ndarray, bos_id: int, capacity: int = 32,
                      ops=HostTensors) -> BatchState:
         """Fresh rows (no step taken yet) from the encoder's outputs."""
         n_layers, batch, heads, _, head_dim = ops.shape(cross_k)
         shape, dtype = (n_layers, batch, heads, capacity, head_dim), ops.dtype(cross_k)
-        return cls(ops.zeros(shape, dtype), ops.zeros(shape, dtype), cross_k, cross_v, src_mask,
+        return cls(ops.zeros(shape, dtype), ops.zeros(shape, dtype), cross_k, cross_v, cross_eos, src_mask,
                    np.zeros(batch, np.int64), np.full(batch, bos_id, np.int64), np.zeros(batch, bool), ops)
 
     @property
@@ -82,7 +85,7 @@ class BatchState:
         (cka, cva), (ckb, cvb) = widen(self), widen(other)
         return BatchState(
             ops.concat([ka, kb], 1), ops.concat([va, vb], 1), ops.concat([cka, ckb], 1), ops.concat([cva, cvb], 1),
-            np.concatenate([HostTensors.pad(self.src_mask, 1, src_len), HostTensors.pad(other.src_mask, 1, src_len)]),
+            ops.concat([self.cross_eos, other.cross_eos], 1), np.concatenate([HostTensors.pad(self.src_mask, 1, src_len), HostTensors.pad(other.src_mask, 1, src_len)]),
             np.concatenate([self.positions, other.positions]), np.concatenate([self.tokens, other.tokens]),
             np.concatenate([self.hole, other.hole]), ops)
 
@@ -125,7 +128,8 @@ class BatchState:
             x = ops.take(x, rows, 1) if len(rows) < self.size else x
             return ops.slice(x, 3, 0, src_len) if src_len < self.src_mask.shape[1] else x
 
-        return BatchState(cache(self.k), cache(self.v), cross(self.cross_k), cross(self.cross_v),
+        eos = ops.take(self.cross_eos, rows, 1) if len(rows) < self.size else self.cross_eos
+        return BatchState(cache(self.k), cache(self.v), cross(self.cross_k), cross(self.cross_v), eos,
                           np.ascontiguousarray(self.src_mask[keep, :src_len]), self.positions[keep], self.tokens[keep],
                           self.hole[keep], ops)
 
@@ -134,7 +138,7 @@ class BatchState:
         how a request with a beam of k rows starts from its one encoded row."""
         ops = self.ops
         return BatchState(ops.take(self.k, rows, 1), ops.take(self.v, rows, 1), ops.take(self.cross_k, rows, 1),
-                          ops.take(self.cross_v, rows, 1), self.src_mask[rows], self.positions[rows], self.tokens[rows],
+                          ops.take(self.cross_v, rows, 1), ops.take(self.cross_eos, rows, 1), self.src_mask[rows], self.positions[rows], self.tokens[rows],
                           self.hole[rows], ops)
 
     def take(self, rows: np.ndarray) -> BatchState:
@@ -161,6 +165,7 @@ class BatchState:
         width = self.src_mask.shape[1]  # the newcomers' cross K/V, zero past their own source
         self.cross_k = ops.scatter_rows(self.cross_k, rows, ops.pad(fresh.cross_k, 3, width))
         self.cross_v = ops.scatter_rows(self.cross_v, rows, ops.pad(fresh.cross_v, 3, width))
+        self.cross_eos = ops.scatter_rows(self.cross_eos, rows, fresh.cross_eos)
         self.src_mask[rows] = HostTensors.pad(fresh.src_mask, 1, width)
         self.hole[rows] = False
         self.positions[rows] = fresh.positions
@@ -171,3 +176,11 @@ class BatchState:
         keep = max(min_slots, 2 * (self.length + 1))
         if self.capacity > keep:
             self.k, self.v = self.ops.slice(self.k, 3, 0, keep), self.ops.slice(self.v, 3, 0, keep)
+
+
+def eos_of(cross_k: np.ndarray, cross_v: np.ndarray, src_mask: np.ndarray) -> np.ndarray:
+    """cross_eos (L, B, 2, H, Dh) of host cross K/V (L, B, H, S, Dh): each row's key and value at its
+    last source slot, as the encoder graph gives them."""
+    rows, slot = np.arange(src_mask.shape[0]), np.maximum(src_mask.sum(1), 1) - 1
+    eos = np.stack([x[:, rows, :, slot] for x in (cross_k, cross_v)], axis=2)  # (B, L, 2, H, Dh)
+    return np.ascontiguousarray(eos.swapaxes(0, 1))

@@ -17,7 +17,8 @@ from pathlib import Path
 from nmtserve.decoding import Limits
 from nmtserve.errors import BundleError
 
-SCHEMA_VERSION = 2  # 2: the decoder step writes its caches in place (GroupQueryAttention)
+SCHEMA_VERSION = 3  # 2: the decoder step writes its caches in place (GroupQueryAttention); 3: the encoder gives
+# each row's eos key and value (cross_eos_l), which the step takes instead of gathering them
 MANIFEST = "manifest.json"
 
 

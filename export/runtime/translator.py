@@ -31,7 +31,7 @@ from onnx import helper
 
 from nmtserve.decoding import sorted_batches
 from nmtserve.errors import BundleError, ConfigError
-from nmtserve.export.runtime.batch import BatchState
+from nmtserve.export.runtime.batch import BatchState, eos_of
 from nmtserve.export.runtime.bundle import Bundle, load_bundle
 from nmtserve.export.runtime.tensors import DeviceTensors, HostTensors
 from nmtserve.search import DecodingOptions, Hypothesis, make_search
@@ -136,10 +136,13 @@ class OnnxTranslator:
         self.pad_id, self.bos_id, self.eos_id = ids["pad"], ids["bos"], ids["eos"]
 
     # -- the two graphs; K/V are stacked (L, B, H, T|S, Dh) here and fed one layer per input
-    def encode(self, src_ids: np.ndarray, src_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """src_ids (B, S) int64, src_mask (B, S) bool -> cross_k, cross_v (L, B, H, S, Dh)."""
+    def encode(self, src_ids: np.ndarray, src_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """src_ids (B, S) int64, src_mask (B, S) bool -> cross_k, cross_v (L, B, H, S, Dh) and cross_eos
+        (L, B, 2, H, Dh): each row's key and value at its last source slot."""
         outputs = self.encoder.run(None, {"src_ids": src_ids, "src_mask": src_mask})
-        return np.stack(outputs[0::2]), np.stack(outputs[1::2])
+        n, (batch, heads, _, head_dim) = self.n_layers, outputs[0].shape
+        eos = np.stack(outputs[2 * n:]).reshape(n, batch, 2, heads, head_dim)
+        return np.stack(outputs[0:2 * n:2]), np.stack(outputs[1:2 * n:2]), eos
 
     def step(self, tokens, positions, past_k, past_v, past_valid, cross_k, cross_v, src_mask):
         """One decoder step on plain arrays (the checks' form, as PyTorch's decode_step: past (L, B, H, T, Dh)
@@ -153,9 +156,9 @@ class OnnxTranslator:
             k[:, row, :, : filled[row]] = past_k[:, row][:, :, past_valid[row]]
             v[:, row, :, : filled[row]] = past_v[:, row][:, :, past_valid[row]]
         assert (np.asarray(positions) == filled).all(), "a row's position is the number of slots it has filled"
-        state = BatchState(k, v, np.ascontiguousarray(cross_k, self.kv_dtype), np.ascontiguousarray(cross_v, self.kv_dtype),
-                           np.ascontiguousarray(src_mask, bool), filled.astype(np.int64), np.array(tokens, np.int64),
-                           np.zeros(batch, bool))
+        cross_k, cross_v = (np.ascontiguousarray(x, self.kv_dtype) for x in (cross_k, cross_v))
+        state = BatchState(k, v, cross_k, cross_v, eos_of(cross_k, cross_v, src_mask), np.ascontiguousarray(src_mask, bool),
+                           filled.astype(np.int64), np.array(tokens, np.int64), np.zeros(batch, bool))
         _, _, log_probs = self._step(state, 1, log_probs=True)
         new_k = np.stack([k[:, row, :, filled[row]] for row in range(batch)], axis=1)[:, :, :, None]
         new_v = np.stack([v[:, row, :, filled[row]] for row in range(batch)], axis=1)[:, :, :, None]
@@ -166,18 +169,21 @@ class OnnxTranslator:
         """Encode token-id sources once -> fresh rows for the decoder batch (on this translator's device)."""
         src_ids, src_mask = self.pad(sources)
         if not self.io_binding:
-            return BatchState.from_encoded(*self.encode(src_ids, src_mask), src_mask, self.bos_id)
+            cross_k, cross_v, eos = self.encode(src_ids, src_mask)
+            return BatchState.from_encoded(cross_k, cross_v, eos, src_mask, self.bos_id)
         batch, src_len = src_ids.shape
         shape = (self.n_layers, batch, self.n_heads, src_len, self.head_dim)
         cross_k, cross_v = self.ops.empty(shape, self.kv_dtype), self.ops.empty(shape, self.kv_dtype)
+        eos = self.ops.empty((self.n_layers, batch, 2, self.n_heads, self.head_dim), self.kv_dtype)
         binding = self.encoder.io_binding()
         binding.bind_cpu_input("src_ids", src_ids)
         binding.bind_cpu_input("src_mask", src_mask)
-        for prefix, stacked in (("cross_k", cross_k), ("cross_v", cross_v)):
+        for prefix, stacked, layer_shape in (("cross_k", cross_k, shape[1:]), ("cross_v", cross_v, shape[1:]),
+                                             ("cross_eos", eos, (batch, 2 * self.n_heads * self.head_dim))):
             for layer, address in enumerate(self._layer_addresses(stacked)):
-                binding.bind_output(f"{prefix}_{layer}", self.device, 0, self.kv_dtype, shape[1:], address)
+                binding.bind_output(f"{prefix}_{layer}", self.device, 0, self.kv_dtype, layer_shape, address)
         self.encoder.run_with_iobinding(binding)
-        return BatchState.from_encoded(cross_k, cross_v, src_mask, self.bos_id, ops=self.ops)
+        return BatchState.from_encoded(cross_k, cross_v, eos, src_mask, self.bos_id, ops=self.ops)
 
     def decode_one_token(self, state: BatchState) -> tuple[np.ndarray, np.ndarray]:
         """One greedy step of every row -> tokens (B,) int64 and their log-probs (B,); the step's K/V
@@ -217,7 +223,7 @@ class OnnxTranslator:
         step costs page faults). With io_binding, host inputs are copied to the device when bound, so the
         per-row arrays are bound every step (a translator serves one thread at a time)."""
         binding, bound = self._binding, self._bound
-        caches = (state.k, state.v, state.cross_k, state.cross_v)
+        caches = (state.k, state.v, state.cross_k, state.cross_v, state.cross_eos)
         if not _same(bound.get("caches"), caches):
             for name, x in zip(("k", "v", "cross_k", "cross_v"), caches):
                 shape = state.ops.shape(x)[1:]
@@ -225,6 +231,9 @@ class OnnxTranslator:
                     inputs = f"past_{name}_{layer}" if name in ("k", "v") else f"{name}_{layer}"
                     binding.bind_input(inputs, self.device, 0, self.kv_dtype, shape, address)
                     binding.bind_output(f"present_{name}_{layer}", self.device, 0, self.kv_dtype, shape, address)
+            for layer, address in enumerate(self._layer_addresses(state.cross_eos)):
+                binding.bind_input(f"cross_eos_{layer}", self.device, 0, self.kv_dtype,
+                                   (state.size, 2 * self.n_heads * self.head_dim), address)
             bound["caches"] = _refs(caches)
         rows = (state.tokens, state.positions, state.src_mask)
         if self.io_binding:

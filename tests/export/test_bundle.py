@@ -20,14 +20,18 @@ def test_manifest_records_model_graphs_variants_and_hashes(tiny_bundle, tiny_che
     decoder = manifest["graphs"]["decoder"]
     assert [i["name"] for i in decoder["inputs"]] == ["tokens", "positions", "src_mask",
                                                      "past_k_0", "past_v_0", "past_k_1", "past_v_1",
-                                                     "cross_k_0", "cross_v_0", "cross_k_1", "cross_v_1"]
+                                                     "cross_k_0", "cross_v_0", "cross_k_1", "cross_v_1",
+                                                     "cross_eos_0", "cross_eos_1"]
     # each cache comes back as a `present` output, which the runtime binds to the same buffer
     assert [o["name"] for o in decoder["outputs"]] == ["log_probs", "present_k_0", "present_v_0", "present_k_1",
                                                       "present_v_1", "present_cross_k_0", "present_cross_v_0",
                                                       "present_cross_k_1", "present_cross_v_1"]
     past_k = next(i for i in decoder["inputs"] if i["name"] == "past_k_1")
     assert past_k["shape"] == ["batch", 4, "capacity", 16]
-    assert [o["name"] for o in manifest["graphs"]["encoder"]["outputs"]] == ["cross_k_0", "cross_v_0", "cross_k_1", "cross_v_1"]
+    assert [o["name"] for o in manifest["graphs"]["encoder"]["outputs"]] == ["cross_k_0", "cross_v_0", "cross_k_1", "cross_v_1",
+                                                                             "cross_eos_0", "cross_eos_1"]
+    eos = next(i for i in decoder["inputs"] if i["name"] == "cross_eos_1")
+    assert eos["shape"] == ["batch", 2 * 64]  # key then value of the row's eos, heads × Dh each
     for name, entry in manifest["files"].items():
         assert sha256_of(tiny_bundle / name) == entry["sha256"]
     assert set(manifest["files"]) == {"spm.model", "encoder.onnx", "decoder.onnx", "encoder.int8.onnx", "decoder.int8.onnx"}
@@ -52,7 +56,11 @@ def test_each_attention_of_the_decoder_step_is_one_fused_node_and_int8_quantises
     assert ops["Gemm"] == 6 * 2  # per layer q|k|v, out; cross q, out; ffn w1, w2
     assert not {"Softmax", "Transpose"} & set(ops) and ops["MatMul"] == 1  # no attention outside them; the logits
     caches = {name for n in graph.node if n.op_type == "GroupQueryAttention" for name in n.input[3:5]}
-    assert caches == {i.name for i in graph.input if i.name.startswith(("past_", "cross_"))}
+    assert caches == {i.name for i in graph.input if i.name.startswith(("past_", "cross_k", "cross_v"))}
+    # the cross-attention "writes" each row's eos key and value, an input since schema 3: the step reads the
+    # cross K/V in its attention only (and a shape), no longer gathering each row's eos from them
+    readers = {n.op_type for n in graph.node for name in n.input if name.startswith(("cross_k", "cross_v"))}
+    assert readers == {"GroupQueryAttention", "Shape"}
     assert all(len(n.input) == 7 for n in graph.node if n.op_type == "GroupQueryAttention")  # no attention bias (CUDA refuses one)
     int8 = collections.Counter(n.op_type for n in onnx.load(str(tiny_bundle / "decoder.int8.onnx")).graph.node)
     assert "Gemm" not in int8 and int8["MatMulInteger"] == ops["Gemm"] + 1  # and the output projection
