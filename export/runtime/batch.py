@@ -42,6 +42,9 @@ class BatchState:
     hole: np.ndarray
     ops: object = field(default=HostTensors)  # HostTensors or a DeviceTensors
 
+    def __post_init__(self):
+        self.holes = bool(self.hole.any())  # kept by free and insert: a step without holes skips the mask
+
     @classmethod
     def from_encoded(cls, cross_k, cross_v, cross_eos, src_mask: np.ndarray, bos_id: int, capacity: int = 32,
                      ops=HostTensors) -> BatchState:
@@ -98,7 +101,10 @@ class BatchState:
     def advance(self) -> None:
         """After a step: every row but the holes has its K/V in its next slot and moves on.
         The rows' next tokens are the caller's to choose (`choose`)."""
-        self.positions += ~self.hole
+        if self.holes:
+            self.positions += ~self.hole
+        else:  # one ufunc instead of two: Python between steps runs on caches the step has just flushed
+            self.positions += 1
 
     def choose(self, tokens: np.ndarray, parents: np.ndarray | None = None) -> None:
         """The token each row feeds next; with `parents`, row i continues the hypothesis of row
@@ -151,6 +157,7 @@ class BatchState:
     def free(self, rows: list[int]) -> None:
         """Rows become holes: they stop advancing and their slots stop counting (a hole's output is ignored)."""
         self.hole[rows] = True
+        self.holes = True
         self.positions[rows] = 0
 
     def insert(self, rows: list[int], fresh: BatchState) -> None:
@@ -168,6 +175,7 @@ class BatchState:
         self.cross_eos = ops.scatter_rows(self.cross_eos, rows, fresh.cross_eos)
         self.src_mask[rows] = HostTensors.pad(fresh.src_mask, 1, width)
         self.hole[rows] = False
+        self.holes = bool(self.hole.any())
         self.positions[rows] = fresh.positions
         self.tokens[rows] = fresh.tokens
 

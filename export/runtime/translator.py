@@ -292,10 +292,13 @@ class OnnxTranslator:
         budget = np.array([self.limits.output_budget(len(s), max_decoding_length, length_rule) for s in sources])
         steps = [], [], []  # per step: each row's source, token and log-prob
         finished, end = np.zeros(len(sources), bool), np.zeros(len(sources), np.int64)  # end: its last step
+        last = int(budget.min())  # the first step at which some row reaches its budget
         while state is not None:
             tokens, token_scores = self.decode_one_token(state)
             for record, x in zip(steps, (rows, tokens, token_scores)):
                 record.append(x)
+            if not ((tokens == self.eos_id).any() or len(steps[0]) >= last):
+                continue  # most steps: two ufuncs, not seven (Python here runs on caches the step has flushed)
             done = finished[rows]
             newly = ((tokens == self.eos_id) | (state.positions >= budget)) & ~done
             if newly.any():
