@@ -148,13 +148,14 @@ class BeamSearch:
         """ids, scores (rows, ≥ 2k): each row's best tokens and their log-probs, best first
         -> parents (rows,) and next tokens (rows,)."""
         k = self.k
-        ids, total = ids[:, : 2 * k], self.scores[:, None] + scores[:, : 2 * k]  # (k, 2k)
-        row = np.broadcast_to(np.arange(k)[:, None], ids.shape)
-        best = np.lexsort((ids.ravel(), row.ravel(), -total.ravel()))[: 2 * k]  # the last key sorts first
-        cand_row, cand_id, cand_score = row.ravel()[best], ids.ravel()[best], total.ravel()[best]
+        total = (self.scores[:, None] + scores[:, : 2 * k]).ravel()  # (k · 2k,), row by row
+        # best first; a stable sort keeps equal totals in row order, and each row's candidates come
+        # with ties by lower id: the order lexsort((id, row, -total)) would give, in fewer calls
+        best = np.argsort(-total, kind="stable")[: 2 * k]
+        cand_row, cand_id, cand_score = best // (2 * k), ids[:, : 2 * k].ravel()[best], total[best]
         self.steps += 1
         last = self.steps >= self.budget
-        chosen = np.arange(k)  # unless a candidate finishes (on most steps none does)
+        chosen = slice(0, k)  # unless a candidate finishes (on most steps none does)
         if last and not self.forced_eos or (cand_id[:k] == self.eos_id).any():
             chosen, spare = [], k
             for i in range(k):
@@ -170,9 +171,9 @@ class BeamSearch:
                         c, spare = spare, spare + 1
                 chosen.append(c)
             chosen = np.array(chosen)
-        parents, tokens = cand_row[chosen], cand_id[chosen].astype(np.int64)
+        parents, tokens = cand_row[chosen], cand_id[chosen].astype(np.int64, copy=False)
         self.live = [self.live[p] + [t] for p, t in zip(parents.tolist(), tokens.tolist())]
-        self.scores = cand_score[chosen].astype(np.float64)
+        self.scores = cand_score[chosen]
         if self.options.beam_stopping == "transformers":
             stop = len(self.finished) >= k and self.scores.max() / self.steps ** self.options.length_penalty \
                 <= heapq.nlargest(k, (h.score for h in self._scored()))[-1]
