@@ -253,8 +253,9 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     return _report(cfg, threads, runs, len(spec["sources"]), spec["checkpoint"])
 
 
-def _stats(values: list[float]) -> dict:
-    return {"median": round(statistics.median(values), 1), "min": round(min(values), 1), "max": round(max(values), 1)}
+def _stats(values: list[float], digits: int = 1) -> dict:
+    return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
+            "max": round(max(values), digits)}
 
 
 def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences: int, checkpoint: str) -> dict:
@@ -269,8 +270,17 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences:
         for b in batches:
             t = max(by_t, key=lambda t: by_t[t][b]["median"])
             best.setdefault(engine, {})[b] = {"threads": int(t), **{k: by_t[t][b][k] for k in ("median", "min", "max")}}
+    pairs = [(ours, theirs) for ours, theirs in RATIOS if ours in best and theirs in best]
     ratios = {f"{ours}/{theirs}": {b: round(best[ours][b]["median"] / best[theirs][b]["median"], 3) for b in batches}
-              for ours, theirs in RATIOS if ours in best and theirs in best}
+              for ours, theirs in pairs}
+
+    def per_run(engine: str, b: str) -> list[float]:
+        return results[engine][str(best[engine][b]["threads"])][b]["runs"]
+
+    # the same ratio within each run (both engines measured in the same round, minutes apart at most):
+    # this host's slow spells last minutes, so the spread of these shows how far the ratio itself moved
+    paired_ratios = {f"{ours}/{theirs}": {b: _stats([o / t for o, t in zip(per_run(ours, b), per_run(theirs, b))], 3)
+                                          for b in batches} for ours, theirs in pairs}
     reference = next(e for e in ("pytorch", "transformers", "ort_fp32", *cfg.engines) if e in cfg.engines)
     agreement, modules, batch_independent, peak_rss, output_tokens = {}, {}, {}, {}, {}
     for (engine, t), measured in runs.items():
@@ -287,7 +297,8 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences:
             "runs": cfg.runs, "threads_swept": list(threads), "batch_sizes": list(cfg.batch_sizes),
             "unit": f"target tokens/s (eos excluded), {decoding_name(cfg.beam_size)}",
             "max_decoding_length": cfg.max_decoding_length, "beam_size": cfg.beam_size,
-            "results": results, "best": best, "ratios": ratios, "token_agreement": agreement,
+            "results": results, "best": best, "ratios": ratios, "paired_ratios": paired_ratios,
+            "token_agreement": agreement,
             "peak_rss_mb": peak_rss, "mean_output_tokens": output_tokens,
             "same_output_at_every_batch_size": batch_independent,
             "worker_modules_loaded": {e: sorted(m) for e, m in modules.items()}}
@@ -314,7 +325,10 @@ def format_table(report: dict) -> str:
             f"{c['median']:>9,.0f} [{c['min']:,.0f}–{c['max']:,.0f}] t={c['threads']}".rjust(26)
             for c in (cells[b] for b in batches)))
     for name, row in report["ratios"].items():
-        lines.append(f"{name:<18}" + "".join(f"{row[b]:>8.2f}" for b in batches))
+        lines.append(f"{name:<18}" + "".join(f"{row[b]:>8.2f}" for b in batches) + "   (of the medians)")
+        paired = report["paired_ratios"][name]
+        lines.append(f"{'  within each run':<18}" + "".join(
+            f"{paired[b]['median']:.2f} [{paired[b]['min']:.2f}–{paired[b]['max']:.2f}]".rjust(20) for b in batches))
     for name, share in report["token_agreement"].items():
         lines.append(f"{name}: {share:.1%}")
     lines.append("peak RSS (MB): " + ", ".join(f"{e} {mb:,.0f}" for e, mb in report["peak_rss_mb"].items()))

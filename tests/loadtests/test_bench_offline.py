@@ -31,13 +31,19 @@ def test_offline_bench_measures_each_engine_alone_and_reports_its_best(tiny_bund
             assert best["median"] == max(c["median"] for c in cells)
             assert (best["median"], best["min"], best["max"]) == (chosen["median"], chosen["min"], chosen["max"])
     assert set(report["ratios"]["ort_fp32/ct2_fp32"]) == {"1", "4"}
+    for batch in ("1", "4"):  # the ratio within each run: run i of one engine against run i of the other
+        ours, theirs = (report["results"][e][str(report["best"][e][batch]["threads"])][batch]["runs"]
+                        for e in ("ort_fp32", "ct2_fp32"))
+        within = sorted(round(o / t, 3) for o, t in zip(ours, theirs))
+        paired = report["paired_ratios"]["ort_fp32/ct2_fp32"][batch]
+        assert (paired["min"], paired["max"]) == (within[0], within[-1])
     assert report["token_agreement"]["ort_fp32_vs_pytorch_identical"] == 1.0
     assert report["same_output_at_every_batch_size"]["ort_fp32"] is True
     machine = report["machine"]
     assert machine["cpu"] and machine["usable_cores"] >= 1 and {"onnxruntime", "ctranslate2", "torch", "numpy"} <= \
         set(machine["versions"])
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "ort_fp32/ct2_fp32" in result.stdout and machine["cpu"] in result.stdout
+    assert "ort_fp32/ct2_fp32" in result.stdout and "within each run" in result.stdout and machine["cpu"] in result.stdout
 
 
 @pytest.mark.parametrize("marian_dir", ["swish"], indirect=True)
