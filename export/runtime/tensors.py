@@ -87,11 +87,11 @@ class HostTensors:
 
     @staticmethod
     def take_slots(x: np.ndarray, rows: np.ndarray, stop: int) -> np.ndarray:
-        """Rows of a cache x with their slots 0..stop-1, the rest zero (x itself when every row is kept:
-        no row reads past its own slots)."""
+        """Rows of a cache x with their slots 0..stop-1, the rest unset (x itself when every row is kept):
+        no row reads past its own slots, and np.empty skips zeroing (and faulting in) the rest."""
         if len(rows) == x.shape[1]:
             return x
-        out = np.zeros((x.shape[0], len(rows), *x.shape[2:]), x.dtype)
+        out = np.empty((x.shape[0], len(rows), *x.shape[2:]), x.dtype)
         out[:, :, :, :stop] = x[:, rows, :, :stop]
         return out
 
