@@ -16,8 +16,8 @@ each row's own step; tokens (B,) the token each row feeds next; hole (B,) rows f
 refilled: a hole stays at position 0 (its step writes and reads its own slot 0, ignored), so one
 that stays in the batch for longer than the position table is still a valid input.
 
-k, v, cross_k, cross_v and cross_eos live where `ops` keeps them (export/runtime/tensors.py): numpy arrays on the
-host, or OrtValues on the GPU; the small per-row arrays are always numpy on the host.
+k, v, cross_k, cross_v and cross_eos live where `ops` keeps them (export/runtime/tensors.py): numpy
+arrays on the host, or OrtValues on the GPU; the small per-row arrays are always numpy on the host.
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ class BatchState:
         (cka, cva), (ckb, cvb) = widen(self), widen(other)
         return BatchState(
             ops.concat([ka, kb], 1), ops.concat([va, vb], 1), ops.concat([cka, ckb], 1), ops.concat([cva, cvb], 1),
-            ops.concat([self.cross_eos, other.cross_eos], 1), np.concatenate([HostTensors.pad(self.src_mask, 1, src_len), HostTensors.pad(other.src_mask, 1, src_len)]),
+            ops.concat([self.cross_eos, other.cross_eos], 1),
+            np.concatenate([HostTensors.pad(self.src_mask, 1, src_len), HostTensors.pad(other.src_mask, 1, src_len)]),
             np.concatenate([self.positions, other.positions]), np.concatenate([self.tokens, other.tokens]),
             np.concatenate([self.hole, other.hole]), ops)
 
@@ -144,8 +145,8 @@ class BatchState:
         how a request with a beam of k rows starts from its one encoded row."""
         ops = self.ops
         return BatchState(ops.take(self.k, rows, 1), ops.take(self.v, rows, 1), ops.take(self.cross_k, rows, 1),
-                          ops.take(self.cross_v, rows, 1), ops.take(self.cross_eos, rows, 1), self.src_mask[rows], self.positions[rows], self.tokens[rows],
-                          self.hole[rows], ops)
+                          ops.take(self.cross_v, rows, 1), ops.take(self.cross_eos, rows, 1), self.src_mask[rows],
+                          self.positions[rows], self.tokens[rows], self.hole[rows], ops)
 
     def take(self, rows: np.ndarray) -> BatchState:
         """A new state of the given rows (indices), in that order."""
