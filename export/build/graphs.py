@@ -20,10 +20,9 @@ place: nothing copies the cache, and the step returns no K/V. Cross-attention ru
 kernel over slots 0..S_b-1 of the row's source: the key and value it "writes" are the row's own at
 slot S_b-1 (its eos, cross_eos_l, which the encoder gathers once), so the cross K/V are rewritten
 unchanged (schema 2 gathered them in every step: 29 more nodes after ONNX Runtime's optimisations,
-8% of a step at batch 1).
-Cross K/V are inputs of the step, computed once per source (re-emitting them every step is what made
-Optimum's CUDA decoders slow, optimum #869). K/V travel as one tensor per layer: a stacked (L, …)
-input makes ONNX Runtime split — copy — the whole cache on every step.
+8% of a step at batch 1). Cross K/V are inputs of the step, computed once per source (re-emitting
+them every step is what made Optimum's CUDA decoders slow, optimum #869). K/V travel as one tensor
+per layer: a stacked (L, …) input makes ONNX Runtime split — copy — the whole cache on every step.
 """
 
 from __future__ import annotations

@@ -129,6 +129,7 @@ class OnnxTranslator:
         self.tokenizer = self.bundle.tokenizer()
         m = self.bundle.model
         self.n_layers, self.n_heads, self.head_dim = m["n_decoder_layers"], m["n_heads"], m["d_model"] // m["n_heads"]
+        self.eos_width = 2 * m["d_model"]  # a layer's cross_eos per row: the eos key, then its value
         self.vocab_size = m["vocab_size"]
         self.limits = self.bundle.limits
         self.kv_dtype = np.float16 if self.bundle.manifest["variants"][variant].get("kv_dtype") == "float16" else np.float32
@@ -179,7 +180,7 @@ class OnnxTranslator:
         binding.bind_cpu_input("src_ids", src_ids)
         binding.bind_cpu_input("src_mask", src_mask)
         for prefix, stacked, layer_shape in (("cross_k", cross_k, shape[1:]), ("cross_v", cross_v, shape[1:]),
-                                             ("cross_eos", eos, (batch, 2 * self.n_heads * self.head_dim))):
+                                             ("cross_eos", eos, (batch, self.eos_width))):
             for layer, address in enumerate(self._layer_addresses(stacked)):
                 binding.bind_output(f"{prefix}_{layer}", self.device, 0, self.kv_dtype, layer_shape, address)
         self.encoder.run_with_iobinding(binding)
@@ -232,8 +233,8 @@ class OnnxTranslator:
                     binding.bind_input(inputs, self.device, 0, self.kv_dtype, shape, address)
                     binding.bind_output(f"present_{name}_{layer}", self.device, 0, self.kv_dtype, shape, address)
             for layer, address in enumerate(self._layer_addresses(state.cross_eos)):
-                binding.bind_input(f"cross_eos_{layer}", self.device, 0, self.kv_dtype,
-                                   (state.size, 2 * self.n_heads * self.head_dim), address)
+                binding.bind_input(f"cross_eos_{layer}", self.device, 0, self.kv_dtype, (state.size, self.eos_width),
+                                   address)
             bound["caches"] = _refs(caches)
         rows = (state.tokens, state.positions, state.src_mask)
         if self.io_binding:
@@ -297,10 +298,11 @@ class OnnxTranslator:
             tokens, token_scores = self.decode_one_token(state)
             for record, x in zip(steps, (rows, tokens, token_scores)):
                 record.append(x)
-            if not ((tokens == self.eos_id).any() or len(steps[0]) >= last):
+            hit = tokens == self.eos_id
+            if not (hit.any() or len(steps[0]) >= last):
                 continue  # most steps: two ufuncs, not seven (Python here runs on caches the step has flushed)
             done = finished[rows]
-            newly = ((tokens == self.eos_id) | (state.positions >= budget)) & ~done
+            newly = (hit | (state.positions >= budget)) & ~done
             if newly.any():
                 finished[rows[newly]], end[rows[newly]] = True, len(steps[0]) - 1
                 done |= newly
