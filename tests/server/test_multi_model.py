@@ -6,6 +6,7 @@ health, the --models file, and one model's flood never holding up the other's re
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -139,29 +140,42 @@ def test_metrics_count_each_model_apart(two_models):
 
 def test_a_flood_on_one_model_does_not_hold_up_the_other(two_models, fr_en_bundle):
     """While en-fr has more requests than its batch holds (some wait), fr-en's requests are translated
-    one after another, each exactly as alone: each model's engine runs its own steps."""
+    one after another, each exactly as alone: each model's engine runs its own steps. The flood's clients
+    send again as soon as they are answered, until fr-en's requests are done (at most 200 requests each),
+    so en-fr is busy throughout however fast either model runs."""
     flood_engine = two_models.running.models["en-fr"].engine
     french = sentences(FRENCH, 6, 13)
     expected = [_alone(fr_en_bundle, s, DecodingOptions(max_decoding_length=20)) for s in french]
-    long = pb.DecodingOptions(beam_size=1, max_output_tokens=64)
+    flood_request = pb.TranslateRequest(sentences=["the cat sees the dog"] * 8, model="en-fr",
+                                        options=pb.DecodingOptions(beam_size=1, max_output_tokens=64))
+    done = threading.Event()
+
+    def flood_client(stub) -> int:
+        answered = 0
+        while not done.is_set() and answered < 200:
+            assert len(stub.Translate(flood_request, timeout=120).translations) == 8
+            answered += 1
+        return answered
+
     busy_when_done: list[bool] = []
-    with two_models.channel() as channel, ThreadPoolExecutor(8) as pool:
+    with two_models.channel() as channel, ThreadPoolExecutor(12) as pool:
         stub = pb_grpc.TranslationServiceStub(channel)
-        flood = [pool.submit(stub.Translate, pb.TranslateRequest(sentences=["the cat sees the dog"] * 8, options=long,
-                                                                 model="en-fr"), timeout=120) for _ in range(24)]
-        started = threading.Event()
-        while not started.is_set():
-            started.wait(0.01)
-            if flood_engine.stats()["running"] > 0:
-                started.set()
-        for text, want in zip(french, expected):
-            got = stub.Translate(pb.TranslateRequest(sentences=[text], model="fr-en", options=pb.DecodingOptions(
-                beam_size=1, max_output_tokens=20)), timeout=60).translations[0]
-            assert got.text == want
-            stats = flood_engine.stats()
-            busy_when_done.append(stats["running"] + stats["waiting"] > 0)
-        assert all(f.result().translations for f in flood)
-    assert busy_when_done[0], "the flood had finished before fr-en's first request: nothing was shown"
+        flood = [pool.submit(flood_client, stub) for _ in range(12)]  # 96 rows against the engine's 64
+        try:
+            deadline = time.monotonic() + 60
+            while flood_engine.stats()["waiting"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            for text, want in zip(french, expected):
+                got = stub.Translate(pb.TranslateRequest(sentences=[text], model="fr-en", options=pb.DecodingOptions(
+                    beam_size=1, max_output_tokens=20)), timeout=60).translations[0]
+                assert got.text == want
+                stats = flood_engine.stats()
+                busy_when_done.append(stats["running"] + stats["waiting"] > 0)
+        finally:
+            done.set()
+        answered = [f.result() for f in flood]
+    assert all(n < 200 for n in answered), f"the flood ran out before fr-en's requests were done: {answered}"
+    assert all(busy_when_done), busy_when_done
 
 
 def test_the_models_file_names_ids_and_settings(tiny_bundle, fr_en_bundle, tmp_path):
