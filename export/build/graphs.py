@@ -5,7 +5,8 @@ encoder:      src_ids (B, S) int64, src_mask (B, S) bool
                  and values, computed once per source; then cross_eos_l (B, 2·H·Dh) per layer, the key
                  and value of the row's last source token (its eos), packed; each self-attention one
                  com.microsoft MultiHeadAttention node.
-decoder step: tokens (B,) int64, positions (B,) int64, src_mask (B, S) bool, then per layer l:
+decoder step: tokens (B,) int64, positions (B,) int64, cross_slot (B,) int32 (each row's last source
+              slot), cache_slots (1,) int32 = C and source_slots (1,) int32 = S, then per layer l:
               past_k_l, past_v_l (B, H, C, Dh), then cross_k_l, cross_v_l (B, H, S, Dh), then cross_eos_l
               -> log_probs (B, V) float32, present_k_l, present_v_l (B, H, C, Dh) per layer, then
                  present_cross_k_l, present_cross_v_l (B, H, S, Dh) per layer
@@ -20,7 +21,9 @@ place: nothing copies the cache, and the step returns no K/V. Cross-attention ru
 kernel over slots 0..S_b-1 of the row's source: the key and value it "writes" are the row's own at
 slot S_b-1 (its eos, cross_eos_l, which the encoder gathers once), so the cross K/V are rewritten
 unchanged (schema 2 gathered them in every step: 29 more nodes after ONNX Runtime's optimisations,
-8% of a step at batch 1). Cross K/V are inputs of the step, computed once per source (re-emitting
+8% of a step at batch 1); the runtime gives each row's last source slot and the two slot counts,
+which schema 3 computed from src_mask and the inputs' shapes in 11 more nodes (6% of a step at batch
+1 and 8, 4% at 32). Cross K/V are inputs of the step, computed once per source (re-emitting
 them every step is what made Optimum's CUDA decoders slow, optimum #869). K/V travel as one tensor
 per layer: a stacked (L, …) input makes ONNX Runtime split — copy — the whole cache on every step.
 """
@@ -38,6 +41,7 @@ from torch.onnx import symbolic_helper
 from nmtserve.training.model import EncoderDecoder
 
 OPSET = 17
+STEP_SIZES = ("cross_slot", "cache_slots", "source_slots")  # decoder inputs after tokens and positions
 
 
 def io_names(n_layers: int) -> dict[str, dict[str, list[str]]]:
@@ -46,7 +50,7 @@ def io_names(n_layers: int) -> dict[str, dict[str, list[str]]]:
     eos = [f"cross_eos_{i}" for i in range(n_layers)]
     past = [n for i in range(n_layers) for n in (f"past_k_{i}", f"past_v_{i}")]
     return {"encoder": {"inputs": ["src_ids", "src_mask"], "outputs": [*cross, *eos]},
-            "decoder": {"inputs": ["tokens", "positions", "src_mask", *past, *cross, *eos],
+            "decoder": {"inputs": ["tokens", "positions", *STEP_SIZES, *past, *cross, *eos],
                         "outputs": ["log_probs", *(f"present_{n[5:]}" for n in past), *(f"present_{n}" for n in cross)]}}
 
 
@@ -59,7 +63,7 @@ def dynamic_axes(n_layers: int) -> dict[str, dict]:
     step_cross = {n: {0: "batch", 2: "src_len"} for n in cross}
     presents = {**{f"present_{n[5:]}": axes for n, axes in past.items()}, **{f"present_{n}": axes for n, axes in step_cross.items()}}
     return {"encoder": {"src_ids": {0: "batch", 1: "src_len"}, "src_mask": {0: "batch", 1: "src_len"}, **cross, **eos},
-            "decoder": {"tokens": {0: "batch"}, "positions": {0: "batch"}, "src_mask": {0: "batch", 1: "src_len"},
+            "decoder": {"tokens": {0: "batch"}, "positions": {0: "batch"}, "cross_slot": {0: "batch"},
                         **past, **step_cross, **eos, "log_probs": {0: "batch"}, **presents}}
 
 
@@ -102,7 +106,7 @@ class EncoderGraph(nn.Module):
             x = layer.res2.output(x, layer.ffn(layer.res2.input(x)))
         memory = m.encoder_norm(x)
         batch, width = src_ids.shape
-        last = torch.arange(batch) * width + _cross_slot(src_mask).long()  # each row's eos among B·S positions
+        last = torch.arange(batch) * width + eos_slot(src_mask).long()  # each row's eos among B·S positions
         cross, eos = [], []
         for layer in m.decoder:  # CrossAttention.project_kv, keeping each eos key and value (B, D) as well
             ca = layer.cross_attn
@@ -118,7 +122,7 @@ class StepAttention(torch.autograd.Function):
 
     qkv (B, 1, 3D): query, key and value of each row's new token, packed; cache_k, cache_v (B, H, C, Dh);
     slot (B,) int32: where each row's key and value go, the kernel attending to slots 0..slot;
-    capacity: C as an int32 scalar. Returns out (B, 1, D) and the caches with the new slot written
+    capacity: (1,) int32, C. Returns out (B, 1, D) and the caches with the new slot written
     (in place when bound so).
     """
 
@@ -145,12 +149,7 @@ class StepAttention(torch.autograd.Function):
         return out, k, v
 
 
-def _slots(cache: torch.Tensor) -> torch.Tensor:
-    """The slot count C of a (B, H, C, Dh) cache as an int32 scalar (computed in the graph: C is dynamic)."""
-    return torch._shape_as_tensor(cache)[2].to(torch.int32)
-
-
-def _cross_slot(src_mask: torch.Tensor) -> torch.Tensor:
+def eos_slot(src_mask: torch.Tensor) -> torch.Tensor:
     """(B,) int32: each row's last source slot (its eos)."""
     return src_mask.sum(1, dtype=torch.int32).clamp(min=1) - 1
 
@@ -178,16 +177,15 @@ class DecoderStepGraph(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, tokens, positions, src_mask, *per_layer):
+    def forward(self, tokens, positions, cross_slot, cache_slots, source_slots, *per_layer):
         m, n = self.model, len(self.model.decoder)
         past, cross, eos = per_layer[: 2 * n], per_layer[2 * n: 4 * n], per_layer[4 * n:]
-        slots, capacity = positions.to(torch.int32), _slots(past[0])
-        cross_slot, width = _cross_slot(src_mask), _slots(cross[0])
+        slots = positions.to(torch.int32)
         x = m._embed(tokens, positions)
         presents, cross_presents = [], []
         for i, layer in enumerate(m.decoder):
-            x, pk, pv, ck, cv = _layer_step(layer, x, past[2 * i], past[2 * i + 1], slots, capacity, cross[2 * i],
-                                            cross[2 * i + 1], eos[i], cross_slot, width)
+            x, pk, pv, ck, cv = _layer_step(layer, x, past[2 * i], past[2 * i + 1], slots, cache_slots, cross[2 * i],
+                                            cross[2 * i + 1], eos[i], cross_slot, source_slots)
             presents += [pk, pv]
             cross_presents += [ck, cv]
         return m._log_probs(m.decoder_norm(x)), *presents, *cross_presents
@@ -205,7 +203,8 @@ def example_inputs(model: EncoderDecoder, batch: int = 3, src_len: int = 7, past
     past = tuple(torch.randn(batch, c.n_heads, past_len + 2, c.head_dim, generator=g) for _ in range(2 * c.n_decoder_layers))
     tokens = torch.randint(4, c.vocab_size, (batch,), generator=g)
     positions = torch.tensor([past_len, past_len - 2, past_len][:batch])
-    return (src_ids, src_mask), (tokens, positions, src_mask, *past, *cross)
+    sizes = eos_slot(src_mask), torch.tensor([past_len + 2], dtype=torch.int32), torch.tensor([src_len], dtype=torch.int32)
+    return (src_ids, src_mask), (tokens, positions, *sizes, *past, *cross)
 
 
 def export_graphs(model: EncoderDecoder, out_dir: Path) -> dict[str, Path]:

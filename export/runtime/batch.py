@@ -11,7 +11,7 @@ attention kernel does, in place, and attends to exactly those slots: export/buil
 row that joins later needs no alignment and attends over its own length only. cross_k, cross_v
 (L, B, H, S, Dh) with src_mask (B, S), padded to the longest source of the batch, and cross_eos
 (L, B, 2, H, Dh): each row's key and value at its last source slot (the decoder step's cross-attention
-writes them back there: export/build/graphs.py); positions (B,)
+writes them back there: export/build/graphs.py), cross_slot (B,) int32 that slot; positions (B,)
 each row's own step; tokens (B,) the token each row feeds next; hole (B,) rows freed and not yet
 refilled: a hole stays at position 0 (its step writes and reads its own slot 0, ignored), so one
 that stays in the batch for longer than the position table is still a valid input.
@@ -41,9 +41,11 @@ class BatchState:
     tokens: np.ndarray
     hole: np.ndarray
     ops: object = field(default=HostTensors)  # HostTensors or a DeviceTensors
+    cross_slot: np.ndarray = field(init=False)  # (B,) int32, each row's last source slot: from src_mask
 
     def __post_init__(self):
         self.holes = bool(self.hole.any())  # kept by free and insert: a step without holes skips the mask
+        self.cross_slot = eos_slot(self.src_mask)
 
     @classmethod
     def from_encoded(cls, cross_k, cross_v, cross_eos, src_mask: np.ndarray, bos_id: int, capacity: int = 32,
@@ -175,6 +177,7 @@ class BatchState:
         self.cross_v = ops.scatter_rows(self.cross_v, rows, ops.pad(fresh.cross_v, 3, width))
         self.cross_eos = ops.scatter_rows(self.cross_eos, rows, fresh.cross_eos)
         self.src_mask[rows] = HostTensors.pad(fresh.src_mask, 1, width)
+        self.cross_slot[rows] = fresh.cross_slot  # in place, as the other per-row arrays: the binding holds them
         self.hole[rows] = False
         self.holes = bool(self.hole.any())
         self.positions[rows] = fresh.positions
@@ -190,6 +193,11 @@ class BatchState:
 def eos_of(cross_k: np.ndarray, cross_v: np.ndarray, src_mask: np.ndarray) -> np.ndarray:
     """cross_eos (L, B, 2, H, Dh) of host cross K/V (L, B, H, S, Dh): each row's key and value at its
     last source slot, as the encoder graph gives them."""
-    rows, slot = np.arange(src_mask.shape[0]), np.maximum(src_mask.sum(1), 1) - 1
+    rows, slot = np.arange(src_mask.shape[0]), eos_slot(src_mask)
     eos = np.stack([x[:, rows, :, slot] for x in (cross_k, cross_v)], axis=2)  # (B, L, 2, H, Dh)
     return np.ascontiguousarray(eos.swapaxes(0, 1))
+
+
+def eos_slot(src_mask: np.ndarray) -> np.ndarray:
+    """(B,) int32: each row's last source slot (its eos), as export/build/graphs.py's eos_slot."""
+    return (np.maximum(src_mask.sum(1), 1) - 1).astype(np.int32)

@@ -17,8 +17,9 @@ from pathlib import Path
 from nmtserve.decoding import Limits
 from nmtserve.errors import BundleError
 
-SCHEMA_VERSION = 3  # 2: the decoder step writes its caches in place (GroupQueryAttention); 3: the encoder gives
-# each row's eos key and value (cross_eos_l), which the step takes instead of gathering them
+SCHEMA_VERSION = 4  # 2: the decoder step writes its caches in place (GroupQueryAttention); 3: the encoder gives
+# each row's eos key and value (cross_eos_l), which the step takes instead of gathering them; 4: the step takes
+# each row's last source slot and the two slot counts (cross_slot, cache_slots, source_slots) instead of src_mask
 MANIFEST = "manifest.json"
 
 

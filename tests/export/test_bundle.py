@@ -18,7 +18,7 @@ def test_manifest_records_model_graphs_variants_and_hashes(tiny_bundle, tiny_che
     assert manifest["opset"] >= 17
     assert set(manifest["variants"]) == {"fp32", "int8"}
     decoder = manifest["graphs"]["decoder"]
-    assert [i["name"] for i in decoder["inputs"]] == ["tokens", "positions", "src_mask",
+    assert [i["name"] for i in decoder["inputs"]] == ["tokens", "positions", "cross_slot", "cache_slots", "source_slots",
                                                      "past_k_0", "past_v_0", "past_k_1", "past_v_1",
                                                      "cross_k_0", "cross_v_0", "cross_k_1", "cross_v_1",
                                                      "cross_eos_0", "cross_eos_1"]
@@ -28,6 +28,8 @@ def test_manifest_records_model_graphs_variants_and_hashes(tiny_bundle, tiny_che
                                                       "present_cross_k_1", "present_cross_v_1"]
     past_k = next(i for i in decoder["inputs"] if i["name"] == "past_k_1")
     assert past_k["shape"] == ["batch", 4, "capacity", 16]
+    assert [(i["dtype"], i["shape"]) for i in decoder["inputs"][2:5]] == [("int32", ["batch"]), ("int32", [1]),
+                                                                         ("int32", [1])]
     assert [o["name"] for o in manifest["graphs"]["encoder"]["outputs"]] == ["cross_k_0", "cross_v_0", "cross_k_1", "cross_v_1",
                                                                              "cross_eos_0", "cross_eos_1"]
     eos = next(i for i in decoder["inputs"] if i["name"] == "cross_eos_1")
@@ -58,9 +60,15 @@ def test_each_attention_of_the_decoder_step_is_one_fused_node_and_int8_quantises
     caches = {name for n in graph.node if n.op_type == "GroupQueryAttention" for name in n.input[3:5]}
     assert caches == {i.name for i in graph.input if i.name.startswith(("past_", "cross_k", "cross_v"))}
     # the cross-attention "writes" each row's eos key and value, an input since schema 3: the step reads the
-    # cross K/V in its attention only (and a shape), no longer gathering each row's eos from them
+    # cross K/V in its attention only, no longer gathering each row's eos from them
     readers = {n.op_type for n in graph.node for name in n.input if name.startswith(("cross_k", "cross_v"))}
-    assert readers == {"GroupQueryAttention", "Shape"}
+    assert readers == {"GroupQueryAttention"}
+    # since schema 4 the slots come as inputs: no node computes them from src_mask or the caches' shapes
+    attention = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert [(n.input[5], n.input[6]) for n in attention if n.input[3].startswith("cross_k")] == \
+        [("cross_slot", "source_slots")] * 2
+    assert {n.input[6] for n in attention if n.input[3].startswith("past_k")} == {"cache_slots"}
+    assert not {"Shape", "ReduceSum"} & set(ops)
     assert all(len(n.input) == 7 for n in graph.node if n.op_type == "GroupQueryAttention")  # no attention bias (CUDA refuses one)
     int8 = collections.Counter(n.op_type for n in onnx.load(str(tiny_bundle / "decoder.int8.onnx")).graph.node)
     assert "Gemm" not in int8 and int8["MatMulInteger"] == ops["Gemm"] + 1  # and the output projection
