@@ -20,6 +20,7 @@ from nmtserve.export.build.verify import (
     reference_tokens,
     verify_bundle,
 )
+from nmtserve.export.runtime import translator as translator_module
 from nmtserve.export.runtime.bundle import load_bundle
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.training.checkpoint import load_model
@@ -60,13 +61,16 @@ def test_end_to_end_greedy_tokens_identical_to_pytorch(tiny_bundle, tiny_checkpo
     assert sum(a == b for a, b in zip(got, expected)) >= 0.9 * len(sources)
 
 
-def test_translate_batch_is_independent_of_batching_and_returns_scores(tiny_bundle, tiny_corpus):
+def test_translate_batch_is_independent_of_batching_and_returns_scores(tiny_bundle, tiny_corpus, monkeypatch):
     tr = OnnxTranslator(tiny_bundle)
     texts = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs[:12]] + [""]
-    one = tr.translate_batch(texts, max_batch_size=1, return_scores=True)
     many = tr.translate_batch(texts, max_batch_size=16, return_scores=True)
-    assert [t.tokens for t in one] == [t.tokens for t in many]
-    assert np.allclose([t.score for t in one], [t.score for t in many], atol=1e-3)
+    # small batches are encoded ahead in groups (here of 5 sources: 5 batches of 1, then 2 batches of 2)
+    monkeypatch.setattr(translator_module, "ENCODE_AHEAD", 5)
+    for size in (1, 2):
+        one = tr.translate_batch(texts, max_batch_size=size, return_scores=True)
+        assert [t.tokens for t in one] == [t.tokens for t in many]
+        assert np.allclose([t.score for t in one], [t.score for t in many], atol=1e-3)
     assert all(t.score <= 0 for t in one) and tr.translate_batch(texts[:1])[0].score is None
 
 
