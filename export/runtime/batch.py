@@ -41,7 +41,9 @@ class BatchState:
     tokens: np.ndarray
     hole: np.ndarray
     ops: object = field(default=HostTensors)  # HostTensors or a DeviceTensors
-    cross_slot: np.ndarray = field(init=False)  # (B,) int32, each row's last source slot: from src_mask
+    width: int = 1  # rows per source: cross_k, cross_v, cross_eos, src_mask and cross_slot hold one row per
+    # `width` rows (a widened beam's, OnnxTranslator's offline search); 1 for every state the engine holds
+    cross_slot: np.ndarray = field(init=False)  # (B / width,) int32, each source's last slot: from src_mask
 
     def __post_init__(self):
         self.holes = bool(self.hole.any())  # kept by free and insert: a step without holes skips the mask
@@ -123,32 +125,47 @@ class BatchState:
         self.tokens[:] = tokens  # in place: the decoder's binding holds this array's address
 
     def filter(self, keep: np.ndarray) -> BatchState | None:
-        """Only the rows where keep is True, their caches cut to the longest of them. None if empty."""
+        """Only the rows where keep is True (all of a source's rows or none when they share it), their
+        caches cut to the longest of them. None if empty."""
         if not keep.any():
             return None
         ops, rows = self.ops, np.nonzero(keep)[0]
+        kept = keep[::self.width]  # the sources kept
+        assert self.width == 1 or (keep.reshape(-1, self.width) == kept[:, None]).all(), "a source's rows go together"
+        sources = np.nonzero(kept)[0]
         length = int(self.positions[keep].max())
-        src_len = int(self.src_mask[keep].any(axis=0).nonzero()[0].max()) + 1
+        src_len = int(self.src_mask[kept].any(axis=0).nonzero()[0].max()) + 1
 
         def cache(x):  # the slots in use, and room up to the capacity
             return ops.take_slots(x, rows, length)
 
         def cross(x):  # sources cut to the longest one kept
-            x = ops.take(x, rows, 1) if len(rows) < self.size else x
+            x = ops.take(x, sources, 1) if len(sources) < len(kept) else x
             return ops.slice(x, 3, 0, src_len) if src_len < self.src_mask.shape[1] else x
 
-        eos = ops.take(self.cross_eos, rows, 1) if len(rows) < self.size else self.cross_eos
+        eos = ops.take(self.cross_eos, sources, 1) if len(sources) < len(kept) else self.cross_eos
         return BatchState(cache(self.k), cache(self.v), cross(self.cross_k), cross(self.cross_v), eos,
-                          np.ascontiguousarray(self.src_mask[keep, :src_len]), self.positions[keep], self.tokens[keep],
-                          self.hole[keep], ops)
+                          np.ascontiguousarray(self.src_mask[kept, :src_len]), self.positions[keep], self.tokens[keep],
+                          self.hole[keep], ops, self.width)
 
     def gather(self, rows: np.ndarray) -> BatchState:
-        """A new state of the given rows (indices, repeats allowed) in that order, with every slot:
-        how a request with a beam of k rows starts from its one encoded row."""
+        """A new state of the given rows (indices, repeats allowed) in that order, with every slot, each
+        with its own copy of its source's cross K/V: how a request with a beam of k rows joins the
+        engine's batch from its one encoded row."""
+        assert self.width == 1
         ops = self.ops
         return BatchState(ops.take(self.k, rows, 1), ops.take(self.v, rows, 1), ops.take(self.cross_k, rows, 1),
                           ops.take(self.cross_v, rows, 1), ops.take(self.cross_eos, rows, 1), self.src_mask[rows],
                           self.positions[rows], self.tokens[rows], self.hole[rows], ops)
+
+    def widen(self, width: int) -> BatchState:
+        """Each row becomes `width` rows (a beam's, from its one encoded row) that share the row's source:
+        its cross K/V stay one copy (the decoder step that reads them so: OnnxTranslator, with_shared_cross)."""
+        assert self.width == 1
+        ops, rows = self.ops, np.repeat(np.arange(self.size), width)
+        return BatchState(ops.take(self.k, rows, 1), ops.take(self.v, rows, 1), self.cross_k, self.cross_v,
+                          self.cross_eos, self.src_mask, self.positions[rows], self.tokens[rows], self.hole[rows], ops,
+                          width)
 
     def take(self, rows: np.ndarray) -> BatchState:
         """A new state of the given rows (indices), in that order."""

@@ -96,19 +96,63 @@ def make_session(path: Path, device: str = "cpu", intra_op_threads: int = 0,
     return session
 
 
-def with_search_head(path: Path) -> bytes:
-    """The decoder-step graph plus an input `candidates` (1,) int64 = K and outputs candidate_ids (B, K)
-    int64 and candidate_scores (B, K): each row's K best tokens and their log-probabilities, best first
-    (ties: lower id first, as ArgMax). Greedy search asks for 1, beam search for 2 × beam, so only these
-    cross to the host; the full log_probs stay an output for the checks that compare them."""
-    model = onnx.load(str(path))
+def with_search_head(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The decoder-step graph (changed in place) plus an input `candidates` (1,) int64 = K and outputs
+    candidate_ids (B, K) int64 and candidate_scores (B, K): each row's K best tokens and their
+    log-probabilities, best first (ties: lower id first, as ArgMax). Greedy search asks for 1, beam search
+    for 2 × beam, so only these cross to the host; the full log_probs stay an output for the checks that
+    compare them."""
     graph = model.graph
     graph.input.append(helper.make_tensor_value_info("candidates", onnx.TensorProto.INT64, [1]))
     graph.node.append(helper.make_node("TopK", ["log_probs", "candidates"], ["candidate_scores", "candidate_ids"],
                                        axis=-1, largest=1, sorted=1))
     graph.output.extend([helper.make_tensor_value_info("candidate_ids", onnx.TensorProto.INT64, ["batch", "k"]),
                           helper.make_tensor_value_info("candidate_scores", onnx.TensorProto.FLOAT, ["batch", "k"])])
-    return model.SerializeToString()
+    return model
+
+
+def with_shared_cross(model: onnx.ModelProto, heads: int, dim: int) -> onnx.ModelProto:
+    """The decoder-step graph (changed in place) for beams whose rows share their source's cross K/V:
+    the rows are the beams of each source in turn, `width` rows a source, and cross_k_l, cross_v_l,
+    cross_slot hold one row per source. Each cross-attention becomes one com.microsoft MultiHeadAttention
+    of a source's `width` queries (B, width, D) over its K/V, keys up to its cross_slot, in place of the
+    GroupQueryAttention that takes K/V per row: a beam of 4 reads its source's K/V once, not 4 times,
+    and nobody copies them per row. New input `query_shape` (3,) int64 = (-1, width, D); cross_eos_l
+    and the present_cross outputs go (the encoder's cross K/V already hold each eos key and value)."""
+    graph = model.graph
+    producer = {out: node for node in graph.node for out in node.output}
+    consumers = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    attentions = {node.output[0] for node in graph.node
+                  if node.op_type == "GroupQueryAttention" and node.input[3].startswith("cross_k_")}
+    dropped = set()  # GroupQueryAttention(Unsqueeze(Concat(query, cross_eos_l))), then Gather(axis 1) to rows
+    for name in attentions:
+        unsqueeze, [squeeze] = producer[producer[name].input[0]], consumers[name]
+        dropped |= {name, unsqueeze.output[0], unsqueeze.input[0], squeeze.output[0]}
+    graph.initializer.append(onnx.numpy_helper.from_array(np.array(1, np.int32), "shared_cross_one"))
+    graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1, dim], np.int64), "shared_cross_rows"))
+    nodes = [helper.make_node("Add", ["cross_slot", "shared_cross_one"], ["source_lengths"])]
+    for node in graph.node:
+        if node.output[0] in attentions:  # its group where it was: after its query, before its users
+            query = producer[producer[node.input[0]].input[0]].input[0]  # Concat's first input
+            name, [squeeze] = node.output[0], consumers[node.output[0]]
+            nodes += [helper.make_node("Reshape", [query, "query_shape"], [name + "_queries"]),
+                      helper.make_node("MultiHeadAttention", [name + "_queries", node.input[3], node.input[4], "",
+                                                              "source_lengths"], [name + "_shared"],
+                                       domain="com.microsoft", num_heads=heads),
+                      helper.make_node("Reshape", [name + "_shared", "shared_cross_rows"], list(squeeze.output))]
+        elif node.output[0] not in dropped:
+            nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    kept_inputs = [i for i in graph.input if not i.name.startswith("cross_eos_")]
+    kept_outputs = [o for o in graph.output if not o.name.startswith("present_cross_")]
+    del graph.input[:], graph.output[:]
+    graph.input.extend(kept_inputs + [helper.make_tensor_value_info("query_shape", onnx.TensorProto.INT64, [3])])
+    graph.output.extend(kept_outputs)
+    return model
 
 
 class OnnxTranslator:
@@ -126,14 +170,16 @@ class OnnxTranslator:
                               + (" (on cuda: the fp16 variant; ONNX Runtime's CUDA attention kernel has no fp32)"
                                  if device == "cuda" else ""))
         self.encoder = make_session(encoder_path, device, intra_op_threads)
-        decoder_path = self.bundle.graph_path(variant, "decoder")
-        self.decoder = make_session(decoder_path, device, intra_op_threads, model=with_search_head(decoder_path))
-        self._binding, self._bound = self.decoder.io_binding(), {}  # see _binding_for
+        self._decoder_path, self._threads = self.bundle.graph_path(variant, "decoder"), intra_op_threads
+        self._per_row = StepSession(make_session(self._decoder_path, device, intra_op_threads,
+                                                 model=with_search_head(onnx.load(str(self._decoder_path))).SerializeToString()))
+        self._shared = None  # the step for beams that share their source's cross K/V: made on the first one
         self.ops = DeviceTensors(device, PROVIDERS[device], session_options(1)) if self.io_binding else HostTensors
         self.tokenizer = self.bundle.tokenizer()
         m = self.bundle.model
         self.n_layers, self.n_heads, self.head_dim = m["n_decoder_layers"], m["n_heads"], m["d_model"] // m["n_heads"]
-        self.eos_width = 2 * m["d_model"]  # a layer's cross_eos per row: the eos key, then its value
+        self.d_model = m["d_model"]
+        self.eos_width = 2 * self.d_model  # a layer's cross_eos per row: the eos key, then its value
         self.vocab_size = m["vocab_size"]
         self.limits = self.bundle.limits
         self.kv_dtype = np.float16 if self.bundle.manifest["variants"][variant].get("kv_dtype") == "float16" else np.float32
@@ -210,24 +256,37 @@ class OnnxTranslator:
         """candidate ids, scores (B, k) and, if asked, log_probs (B, V) on the host. Every cache is bound
         as both the input and the `present` output of its layer, so the step writes the new K/V into
         `state`'s own buffers, wherever they live (`_binding_for`)."""
-        binding = self._binding_for(state, k)
+        step = self._binding_for(state, k)
         all_log_probs = None
         if log_probs:
             all_log_probs = np.empty((state.size, self.vocab_size), np.float32)
-            binding.bind_output("log_probs", "cpu", 0, np.float32, all_log_probs.shape, all_log_probs.ctypes.data)
-            self._bound = {}  # the next step binds its own buffers again
-        self.decoder.run_with_iobinding(binding)
-        return self._ids.copy(), self._scores.copy(), all_log_probs
+            step.binding.bind_output("log_probs", "cpu", 0, np.float32, all_log_probs.shape, all_log_probs.ctypes.data)
+            step.bound = {}  # the next step binds its own buffers again
+        step.session.run_with_iobinding(step.binding)
+        return step.ids.copy(), step.scores.copy(), all_log_probs
 
-    def _binding_for(self, state: BatchState, k: int) -> ort.IOBinding:
-        """The decoder's binding for a step of `state` asking for k candidates. A binding holds addresses,
-        so it is kept from step to step and a group is bound again only when its objects change (`_bound`
-        holds weak references to them): the caches (each layer as input and `present` output, with their
-        slot counts), the per-row arrays (tokens, positions, cross_slot: BatchState changes them in place),
-        and the outputs (candidates into buffers of (B, k); the rows' log-probs into one kept buffer: a
-        fresh one every step costs page faults). With io_binding, host inputs are copied to the device
-        when bound, so the per-row arrays are bound every step (a translator serves one thread at a time)."""
-        binding, bound = self._binding, self._bound
+    def _step_session(self, state: BatchState) -> StepSession:
+        """The per-row step, or for rows that share their source's cross K/V (a widened state) the step
+        that reads them so (`with_shared_cross`), made the first time."""
+        if state.width == 1:
+            return self._per_row
+        if self._shared is None:
+            model = with_shared_cross(with_search_head(onnx.load(str(self._decoder_path))), self.n_heads, self.d_model)
+            self._shared = StepSession(make_session(self._decoder_path, self.device, self._threads,
+                                                    model=model.SerializeToString()))
+        return self._shared
+
+    def _binding_for(self, state: BatchState, k: int) -> StepSession:
+        """The step for `state`, its binding set for k candidates. A binding holds addresses, so it is kept
+        from step to step and a group is bound again only when its objects change (`bound` holds weak
+        references to them): the caches (each layer as input and `present` output, with their slot counts;
+        shared cross K/V as inputs only), the per-row arrays (tokens, positions, cross_slot: BatchState
+        changes them in place), and the outputs (candidates into buffers of (B, k); the rows' log-probs
+        into one kept buffer: a fresh one every step costs page faults). With io_binding, host inputs are
+        copied to the device when bound, so the per-row arrays are bound every step (a translator serves
+        one thread at a time)."""
+        step = self._step_session(state)
+        binding, bound, shared = step.binding, step.bound, state.width > 1
         caches = (state.k, state.v, state.cross_k, state.cross_v, state.cross_eos)
         if not _same(bound.get("caches"), caches):
             for name, x in zip(("k", "v", "cross_k", "cross_v"), caches):
@@ -235,13 +294,18 @@ class OnnxTranslator:
                 for layer, address in enumerate(self._layer_addresses(x)):
                     inputs = f"past_{name}_{layer}" if name in ("k", "v") else f"{name}_{layer}"
                     binding.bind_input(inputs, self.device, 0, self.kv_dtype, shape, address)
-                    binding.bind_output(f"present_{name}_{layer}", self.device, 0, self.kv_dtype, shape, address)
-            for layer, address in enumerate(self._layer_addresses(state.cross_eos)):
-                binding.bind_input(f"cross_eos_{layer}", self.device, 0, self.kv_dtype, (state.size, self.eos_width),
-                                   address)
-            self._slot_counts = np.array([state.capacity, state.ops.shape(state.cross_k)[3]], np.int32)
+                    if not (shared and name.startswith("cross")):
+                        binding.bind_output(f"present_{name}_{layer}", self.device, 0, self.kv_dtype, shape, address)
+            if not shared:
+                for layer, address in enumerate(self._layer_addresses(state.cross_eos)):
+                    binding.bind_input(f"cross_eos_{layer}", self.device, 0, self.kv_dtype,
+                                       (state.size, self.eos_width), address)
+            step.sizes = np.array([state.capacity, state.ops.shape(state.cross_k)[3]], np.int32)
             for i, name in enumerate(("cache_slots", "source_slots")):  # the attention kernel's total_sequence_length
-                binding.bind_input(name, "cpu", 0, np.int32, (1,), self._slot_counts.ctypes.data + 4 * i)  # host memory
+                binding.bind_input(name, "cpu", 0, np.int32, (1,), step.sizes.ctypes.data + 4 * i)  # host memory
+            if shared:
+                step.query_shape = np.array([-1, state.width, self.d_model], np.int64)
+                binding.bind_input("query_shape", "cpu", 0, np.int64, (3,), step.query_shape.ctypes.data)
             bound["caches"] = _refs(caches)
         rows = (state.tokens, state.positions, state.cross_slot)
         if self.io_binding:
@@ -253,18 +317,18 @@ class OnnxTranslator:
                 binding.bind_input(name, "cpu", 0, x.dtype, x.shape, x.ctypes.data)
             bound["rows"] = _refs(rows)
         if bound.get("outputs") != (state.size, k):
-            self._ids, self._scores = np.empty((state.size, k), np.int64), np.empty((state.size, k), np.float32)
-            self._k = np.array([k], np.int64)
-            binding.bind_cpu_input("candidates", self._k)
-            for name, x in (("candidate_ids", self._ids), ("candidate_scores", self._scores)):
+            step.ids, step.scores = np.empty((state.size, k), np.int64), np.empty((state.size, k), np.float32)
+            step.k = np.array([k], np.int64)
+            binding.bind_cpu_input("candidates", step.k)
+            for name, x in (("candidate_ids", step.ids), ("candidate_scores", step.scores)):
                 binding.bind_output(name, "cpu", 0, x.dtype, x.shape, x.ctypes.data)
             if self.io_binding:
                 binding.bind_output("log_probs", self.device)  # stays on the device
             else:
-                self._log_probs = np.empty((state.size, self.vocab_size), np.float32)
-                binding.bind_output("log_probs", "cpu", 0, np.float32, self._log_probs.shape, self._log_probs.ctypes.data)
+                step.log_probs = np.empty((state.size, self.vocab_size), np.float32)
+                binding.bind_output("log_probs", "cpu", 0, np.float32, step.log_probs.shape, step.log_probs.ctypes.data)
             bound["outputs"] = (state.size, k)
-        return binding
+        return step
 
     def _layer_addresses(self, stacked) -> list[int]:
         """The address of each layer of a stacked (L, …) tensor (host numpy or device OrtValue): bound
@@ -347,7 +411,7 @@ class OnnxTranslator:
             if state.size < width * len(slots):  # the first step, one row per source (a beam's rows all
                 # start alike and its search reads row 0 only): then each row becomes its beam's rows
                 ids, scores = np.repeat(ids, width, axis=0), np.repeat(scores, width, axis=0)
-                state = state.gather(np.repeat(np.arange(len(sources)), width))
+                state = state.widen(width)  # the rows share their source's cross K/V: nothing copies them
             tokens, parents = ids[:, 0].copy(), np.arange(state.size)  # a finished source's rows decode on, ignored
             for j, r in enumerate(slots):
                 if r is None:
@@ -415,6 +479,16 @@ class OnnxTranslator:
                        for h in hypotheses]
         best.alternatives = rest
         return best
+
+
+class StepSession:
+    """A decoder-step session and its binding, kept from step to step (OnnxTranslator._binding_for),
+    with what the binding points at: the buffers its outputs are written into and the host arrays of
+    its sizes, which must live as long as the binding holds their addresses."""
+
+    def __init__(self, session: ort.InferenceSession):
+        self.session, self.binding, self.bound = session, session.io_binding(), {}
+        self.ids = self.scores = self.k = self.log_probs = self.sizes = self.query_shape = None
 
 
 def _same(bound: tuple | None, objects: tuple) -> bool:
