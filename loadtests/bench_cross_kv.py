@@ -48,7 +48,7 @@ def _median_ms(fn, runs: int, setup=lambda: None) -> tuple[float, float, float]:
 def run_cross_kv_bench(cfg: CrossKvBenchConfig) -> dict:
     from nmtserve.export.runtime.translator import OnnxTranslator
 
-    tr = OnnxTranslator(cfg.bundle, intra_op_threads=cfg.threads)
+    tr = OnnxTranslator(cfg.bundle, intra_op_threads=cfg.threads, shared_cross=False)  # the engine's step
     sentences = mixed(read_sentences(cfg.sentences_file or default_sentence_file(cfg.bundle)), cfg.requests, seed=0)
     sources = [tr.tokenizer.encode(s, tr.limits.max_source_tokens) or [tr.eos_id] for s in sentences]
     rows = np.repeat(np.arange(cfg.requests), cfg.beam_size)

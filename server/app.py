@@ -98,7 +98,7 @@ def load_model(spec: ModelSpec, config: ServerConfig, io_binding: bool | None, m
     """The model's sessions and its own engine (its own thread: a flood on one model never waits for
     another's steps; the operating system shares the cores between the engines' threads)."""
     translator = OnnxTranslator(load_bundle(spec.bundle), device=spec.device, variant=spec.variant,
-                                intra_op_threads=spec.threads, io_binding=io_binding)
+                                intra_op_threads=spec.threads, io_binding=io_binding, shared_cross=False)
     engine = Engine(translator, EngineConfig(max_running_rows=config.max_running_rows,
                                              max_batch_tokens=config.max_batch_tokens,
                                              max_waiting=config.max_waiting,

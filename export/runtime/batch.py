@@ -14,7 +14,10 @@ row that joins later needs no alignment and attends over its own length only. cr
 writes them back there: export/build/graphs.py), cross_slot (B,) int32 that slot; positions (B,)
 each row's own step; tokens (B,) the token each row feeds next; hole (B,) rows freed and not yet
 refilled: a hole stays at position 0 (its step writes and reads its own slot 0, ignored), so one
-that stays in the batch for longer than the position table is still a valid input.
+that stays in the batch for longer than the position table is still a valid input. A widened state
+(`widen`, OnnxTranslator's offline beams) has `width` rows per source that share its one copy of the
+source's tensors (cross_k, cross_v, cross_eos, src_mask, cross_slot: B / width rows); the engine's
+states have width 1 (a beam's rows each hold a copy: `gather`).
 
 k, v, cross_k, cross_v and cross_eos live where `ops` keeps them (export/runtime/tensors.py): numpy
 arrays on the host, or OrtValues on the GPU; the small per-row arrays are always numpy on the host.

@@ -18,6 +18,11 @@ input and its `present` output, so ONNX Runtime's attention kernel writes the ne
 cache in place (export/build/graphs.py). With io_binding (the default on CUDA) the caches and cross
 K/V are OrtValues on the device, so a step sends the device only the small per-row arrays (tokens,
 positions, masks) and brings back only those candidates; without it they are numpy arrays.
+
+A beam's rows share their source's cross K/V: after the first step the state is widened (one copy of
+each source's cross K/V for its k rows) and stepped by a second session whose cross-attention reads
+each source's K/V once for its k queries (`with_shared_cross`, made on the first beam). The server's
+engine, whose steps mix rows of different widths, gives each row its own copy (BatchState.gather).
 """
 
 from __future__ import annotations
@@ -159,7 +164,7 @@ class OnnxTranslator:
     """Encoder and decoder-step sessions of one bundle variant, and greedy search over them."""
 
     def __init__(self, bundle: str | Path | Bundle, device: str = "cpu", variant: str = "fp32",
-                 intra_op_threads: int = 0, io_binding: bool | None = None):
+                 intra_op_threads: int = 0, io_binding: bool | None = None, shared_cross: bool = True):
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
         self.device, self.variant = device, variant
         self.io_binding = device == "cuda" if io_binding is None else io_binding
@@ -170,10 +175,15 @@ class OnnxTranslator:
                               + (" (on cuda: the fp16 variant; ONNX Runtime's CUDA attention kernel has no fp32)"
                                  if device == "cuda" else ""))
         self.encoder = make_session(encoder_path, device, intra_op_threads)
-        self._decoder_path, self._threads = self.bundle.graph_path(variant, "decoder"), intra_op_threads
-        self._per_row = StepSession(make_session(self._decoder_path, device, intra_op_threads,
-                                                 model=with_search_head(onnx.load(str(self._decoder_path))).SerializeToString()))
-        self._shared = None  # the step for beams that share their source's cross K/V: made on the first one
+        # shared_cross: a beam's rows share their source's cross K/V (`with_shared_cross`), as offline search
+        # wants; the server's engine, whose steps mix rows of different widths, runs the bundle's step as
+        # exported (False), each row with its own copy
+        self.shared_cross = shared_cross
+        decoder_path = self.bundle.graph_path(variant, "decoder")
+        decoder = with_search_head(onnx.load(str(decoder_path)))
+        if shared_cross:
+            decoder = with_shared_cross(decoder, self.bundle.model["n_heads"], self.bundle.model["d_model"])
+        self._decoder = StepSession(make_session(decoder_path, device, intra_op_threads, model=decoder.SerializeToString()))
         self.ops = DeviceTensors(device, PROVIDERS[device], session_options(1)) if self.io_binding else HostTensors
         self.tokenizer = self.bundle.tokenizer()
         m = self.bundle.model
@@ -265,19 +275,8 @@ class OnnxTranslator:
         step.session.run_with_iobinding(step.binding)
         return step.ids.copy(), step.scores.copy(), all_log_probs
 
-    def _step_session(self, state: BatchState) -> StepSession:
-        """The per-row step, or for rows that share their source's cross K/V (a widened state) the step
-        that reads them so (`with_shared_cross`), made the first time."""
-        if state.width == 1:
-            return self._per_row
-        if self._shared is None:
-            model = with_shared_cross(with_search_head(onnx.load(str(self._decoder_path))), self.n_heads, self.d_model)
-            self._shared = StepSession(make_session(self._decoder_path, self.device, self._threads,
-                                                    model=model.SerializeToString()))
-        return self._shared
-
     def _binding_for(self, state: BatchState, k: int) -> StepSession:
-        """The step for `state`, its binding set for k candidates. A binding holds addresses, so it is kept
+        """The decoder's step, its binding set for `state` and k candidates. A binding holds addresses, so it is kept
         from step to step and a group is bound again only when its objects change (`bound` holds weak
         references to them): the caches (each layer as input and `present` output, with their slot counts;
         shared cross K/V as inputs only), the per-row arrays (tokens, positions, cross_slot: BatchState
@@ -285,8 +284,8 @@ class OnnxTranslator:
         into one kept buffer: a fresh one every step costs page faults). With io_binding, host inputs are
         copied to the device when bound, so the per-row arrays are bound every step (a translator serves
         one thread at a time)."""
-        step = self._step_session(state)
-        binding, bound, shared = step.binding, step.bound, state.width > 1
+        step, shared = self._decoder, self.shared_cross
+        binding, bound = step.binding, step.bound
         caches = (state.k, state.v, state.cross_k, state.cross_v, state.cross_eos)
         if not _same(bound.get("caches"), caches):
             for name, x in zip(("k", "v", "cross_k", "cross_v"), caches):
@@ -411,7 +410,8 @@ class OnnxTranslator:
             if state.size < width * len(slots):  # the first step, one row per source (a beam's rows all
                 # start alike and its search reads row 0 only): then each row becomes its beam's rows
                 ids, scores = np.repeat(ids, width, axis=0), np.repeat(scores, width, axis=0)
-                state = state.widen(width)  # the rows share their source's cross K/V: nothing copies them
+                rows = np.repeat(np.arange(len(sources)), width)  # with shared_cross nothing copies the cross K/V
+                state = state.widen(width) if self.shared_cross else state.gather(rows)
             tokens, parents = ids[:, 0].copy(), np.arange(state.size)  # a finished source's rows decode on, ignored
             for j, r in enumerate(slots):
                 if r is None:

@@ -109,7 +109,8 @@ def test_cli_export_verify_reports_every_check(tiny_checkpoint, tmp_path):
                      "--verify", "--verify-limit", "20")
     assert result.returncode == 0, result.stderr
     for check in ("fp32_encoder_within_1e-4", "fp32_decoder_within_1e-4", "fp32_cached_decode_within_1e-4",
-                  "fp32_identical_tokens_at_least_99%", "int8_bleu_within_0.5_of_fp32"):
+                  "fp32_shared_cross_cached_decode_within_1e-4", "fp32_identical_tokens_at_least_99%",
+                  "int8_bleu_within_0.5_of_fp32"):
         assert f"pass  {check}" in result.stdout
     assert "not measured  fp16" in result.stdout  # no CUDA here; said, not skipped silently
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())

@@ -89,28 +89,31 @@ def test_a_sentences_beam_and_samples_do_not_depend_on_its_batch(tiny_bundle, so
 
 
 def test_beam_rows_sharing_their_sources_cross_kv_step_as_rows_with_copies(tiny_bundle, sources):
-    """OnnxTranslator's offline beams share one copy of each source's cross K/V (a widened state, the
-    step of with_shared_cross); the engine's beam rows hold a copy each (gather). Same candidates."""
-    tr, width = OnnxTranslator(tiny_bundle), 3
-    state = tr.prefill(sources[:6])  # sources of different lengths: each source's keys end at its own eos
-    assert len({len(s) for s in sources[:6]}) > 1
-    tr.decode_candidates(state, 2 * width)
-    shared, copies = state.widen(width), state.gather(np.repeat(np.arange(6), width))
-    assert shared.cross_k is state.cross_k and copies.cross_k.shape[1] == shared.size == 6 * width
+    """Offline, a beam's rows share one copy of their source's cross K/V (a widened state, the step of
+    with_shared_cross); in the server's engine (shared_cross=False) each row holds a copy (gather), and
+    the step is the bundle's as exported. Same candidates, also after a source leaves."""
+    shared_tr, rows_tr, width = OnnxTranslator(tiny_bundle), OnnxTranslator(tiny_bundle, shared_cross=False), 3
+    first = sources[:6]  # of different lengths: each source's keys end at its own eos
+    assert len({len(s) for s in first}) > 1
+    shared, copies = shared_tr.prefill(first), rows_tr.prefill(first)
+    for tr, state in ((shared_tr, shared), (rows_tr, copies)):
+        tr.decode_candidates(state, 2 * width)  # a beam's first step: one row per source
+    shared, copies = shared.widen(width), copies.gather(np.repeat(np.arange(6), width))
+    assert shared.cross_k.shape[1] == 6 and copies.cross_k.shape[1] == shared.size == 6 * width
     rng = np.random.default_rng(0)
     for step in range(4):
         if step == 2:  # a source finishes: its rows leave both states
             keep = np.repeat(np.arange(6) != 1, width)
             shared, copies = shared.filter(keep), copies.filter(keep)
             assert shared.cross_k.shape[1] == 5 and copies.cross_k.shape[1] == 5 * width
-        got, got_scores = tr.decode_candidates(shared, 2 * width)
-        expected, expected_scores = tr.decode_candidates(copies, 2 * width)
+        got, got_scores = shared_tr.decode_candidates(shared, 2 * width)
+        expected, expected_scores = rows_tr.decode_candidates(copies, 2 * width)
         assert (got == expected).all()
         assert np.allclose(got_scores, expected_scores, atol=1e-4)
         # each row continues one of its own source's rows, as a beam does
         parents = np.arange(shared.size) // width * width + rng.integers(0, width, shared.size)
-        for s in (shared, copies):
-            s.choose(expected[:, 1], parents)
+        for state in (shared, copies):
+            state.choose(expected[:, 1], parents)
 
 
 def test_io_binding_gives_the_host_paths_n_best_lists(tiny_bundle, tiny_corpus):

@@ -60,8 +60,9 @@ def test_translate_cli_decodes_with_a_beam_or_samples_locally_and_through_the_se
     from nmtserve.export.runtime.translator import OnnxTranslator
 
     sentences = ["the cat sleeps .", "a dog eats the bread ."]
-    expected = OnnxTranslator(tiny_bundle).translate_batch(sentences, beam_size=4, num_hypotheses=2,
-                                                           max_decoding_length=64, return_scores=True)
+    reference = OnnxTranslator(tiny_bundle, shared_cross=False)  # the server's step
+    expected = reference.translate_batch(sentences, beam_size=4, num_hypotheses=2, max_decoding_length=64,
+                                         return_scores=True)
     beam = ["--beam-size", "4", "--num-hypotheses", "2", "--max-length", "64", "--json"]
     for model in (["--server", served.target], [str(tiny_bundle)], [str(tiny_checkpoint)]):
         out = run_cli("translate", *beam, *model, *sentences, timeout=120)

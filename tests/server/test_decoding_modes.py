@@ -31,7 +31,7 @@ def sentences(tiny_corpus) -> list[str]:
 @pytest.fixture(scope="module")
 def alone(tiny_bundle, sentences) -> list[list]:
     """alone[m][i]: mode m's Translation of sentence i, each sentence in a batch of its own."""
-    tr = OnnxTranslator(tiny_bundle)
+    tr = OnnxTranslator(tiny_bundle, shared_cross=False)  # the server's step
     return [tr.translate_batch(sentences, max_batch_size=1, max_decoding_length=64, return_scores=True, **kw)
             for _, kw in MODES]
 

@@ -22,7 +22,8 @@ from nmtserve.training.data import read_tsv
 def translator(tiny_bundle, request):
     # the IOBinding path runs on ONNX Runtime's CPU provider here; NMTSERVE_TEST_DEVICE=cuda on a GPU machine
     device = os.environ.get("NMTSERVE_TEST_DEVICE", "cpu") if request.param else "cpu"
-    return OnnxTranslator(tiny_bundle, device=device, intra_op_threads=1, io_binding=request.param)
+    return OnnxTranslator(tiny_bundle, device=device, intra_op_threads=1, io_binding=request.param,
+                          shared_cross=False)  # the engine's step
 
 
 def step(translator, state: BatchState) -> np.ndarray:

@@ -76,7 +76,7 @@ def test_a_multilingual_model_reads_the_requests_language_token(tmp_path):
     directory = build_marian_dir(tmp_path / "multi", languages=("de", "fr"))
     import_marian(directory, tmp_path / "multi.pt", "en", "de")
     export_bundle(ExportConfig(str(tmp_path / "multi.pt"), str(tmp_path / "bundle"), ["fp32"]))
-    tr = OnnxTranslator(tmp_path / "bundle")
+    tr = OnnxTranslator(tmp_path / "bundle", shared_cross=False)  # the server's step
     server = ServerThread(ServerConfig(bundle=str(tmp_path / "bundle"), host="127.0.0.1", port=0, metrics_port=0))
     try:
         with server.channel() as channel:

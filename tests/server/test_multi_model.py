@@ -35,7 +35,7 @@ def two_models(tiny_bundle, fr_en_bundle):
 
 
 def _alone(bundle, text: str, options: DecodingOptions) -> str:
-    tr = OnnxTranslator(bundle)
+    tr = OnnxTranslator(bundle, shared_cross=False)  # the server's step
     return tr.tokenizer.decode(tr.search_ids([tr.tokenizer.encode(text)], options)[0][0].tokens)
 
 

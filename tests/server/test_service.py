@@ -25,7 +25,8 @@ def sentences(tiny_corpus):
 
 
 def test_concurrent_clients_get_the_translator_output(served, tiny_bundle, sentences):
-    reference = OnnxTranslator(tiny_bundle).translate_batch(sentences, max_decoding_length=64)  # the server's limit
+    translator = OnnxTranslator(tiny_bundle, shared_cross=False)  # the server's step
+    reference = translator.translate_batch(sentences, max_decoding_length=64)  # the server's limit
     expected = {t: r.text for t, r in zip(sentences, reference)}
     rng = random.Random(0)
     batches = [rng.sample(sentences, rng.randint(1, 4)) for _ in range(64)]  # mixed lengths and sizes
@@ -45,7 +46,8 @@ def test_a_server_with_io_binding_serves_the_translator_output(tiny_bundle, sent
     server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
                                        io_binding="on", max_output_tokens=64))
     try:
-        expected = [t.text for t in OnnxTranslator(tiny_bundle).translate_batch(sentences[:16], max_decoding_length=64)]
+        reference = OnnxTranslator(tiny_bundle, shared_cross=False)  # the server's step
+        expected = [t.text for t in reference.translate_batch(sentences[:16], max_decoding_length=64)]
         with server.channel() as channel:
             stub = pb_grpc.TranslationServiceStub(channel)
             with concurrent.futures.ThreadPoolExecutor(8) as pool:
