@@ -19,10 +19,11 @@ cache in place (export/build/graphs.py). With io_binding (the default on CUDA) t
 K/V are OrtValues on the device, so a step sends the device only the small per-row arrays (tokens,
 positions, masks) and brings back only those candidates; without it they are numpy arrays.
 
-A beam's rows share their source's cross K/V: after the first step the state is widened (one copy of
-each source's cross K/V for its k rows) and stepped by a second session whose cross-attention reads
-each source's K/V once for its k queries (`with_shared_cross`, made on the first beam). The server's
-engine, whose steps mix rows of different widths, gives each row its own copy (BatchState.gather).
+Offline (shared_cross, the default) the step's cross-attention is rewritten to read each source's one
+copy of its cross K/V for all its rows (`with_shared_cross`): after a beam's first step the state is
+widened (BatchState.widen), and nothing copies the cross K/V per row. The server's engine, whose
+steps mix rows of different widths, runs the bundle's step as exported (shared_cross=False), each row
+with its own copy (BatchState.gather).
 """
 
 from __future__ import annotations
@@ -180,10 +181,9 @@ class OnnxTranslator:
         # exported (False), each row with its own copy
         self.shared_cross = shared_cross
         decoder_path = self.bundle.graph_path(variant, "decoder")
-        decoder = with_search_head(onnx.load(str(decoder_path)))
-        if shared_cross:
-            decoder = with_shared_cross(decoder, self.bundle.model["n_heads"], self.bundle.model["d_model"])
-        self._decoder = StepSession(make_session(decoder_path, device, intra_op_threads, model=decoder.SerializeToString()))
+        self.decoder = make_session(decoder_path, device, intra_op_threads,
+                                    model=self._step_graph(decoder_path, shared_cross))
+        self._binding, self._bound = self.decoder.io_binding(), {}  # see _binding_for
         self.ops = DeviceTensors(device, PROVIDERS[device], session_options(1)) if self.io_binding else HostTensors
         self.tokenizer = self.bundle.tokenizer()
         m = self.bundle.model
@@ -195,6 +195,15 @@ class OnnxTranslator:
         self.kv_dtype = np.float16 if self.bundle.manifest["variants"][variant].get("kv_dtype") == "float16" else np.float32
         ids = self.bundle.special_ids
         self.pad_id, self.bos_id, self.eos_id = ids["pad"], ids["bos"], ids["eos"]
+
+    def _step_graph(self, path: Path, shared_cross: bool) -> bytes:
+        """The bundle's decoder step with the search head (and with_shared_cross), serialized; the
+        ModelProto is freed on return, before the session makes its own copy (an OPUS-MT-size decoder
+        is ~300 MB of fp32 weights)."""
+        model = with_search_head(onnx.load(str(path)))
+        if shared_cross:
+            model = with_shared_cross(model, self.bundle.model["n_heads"], self.bundle.model["d_model"])
+        return model.SerializeToString()
 
     # -- the two graphs; K/V are stacked (L, B, H, T|S, Dh) here and fed one layer per input
     def encode(self, src_ids: np.ndarray, src_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -266,26 +275,25 @@ class OnnxTranslator:
         """candidate ids, scores (B, k) and, if asked, log_probs (B, V) on the host. Every cache is bound
         as both the input and the `present` output of its layer, so the step writes the new K/V into
         `state`'s own buffers, wherever they live (`_binding_for`)."""
-        step = self._binding_for(state, k)
+        binding = self._binding_for(state, k)
         all_log_probs = None
         if log_probs:
             all_log_probs = np.empty((state.size, self.vocab_size), np.float32)
-            step.binding.bind_output("log_probs", "cpu", 0, np.float32, all_log_probs.shape, all_log_probs.ctypes.data)
-            step.bound = {}  # the next step binds its own buffers again
-        step.session.run_with_iobinding(step.binding)
-        return step.ids.copy(), step.scores.copy(), all_log_probs
+            binding.bind_output("log_probs", "cpu", 0, np.float32, all_log_probs.shape, all_log_probs.ctypes.data)
+            self._bound = {}  # the next step binds its own buffers again
+        self.decoder.run_with_iobinding(binding)
+        return self._ids.copy(), self._scores.copy(), all_log_probs
 
-    def _binding_for(self, state: BatchState, k: int) -> StepSession:
-        """The decoder's step, its binding set for `state` and k candidates. A binding holds addresses, so it is kept
-        from step to step and a group is bound again only when its objects change (`bound` holds weak
-        references to them): the caches (each layer as input and `present` output, with their slot counts;
-        shared cross K/V as inputs only), the per-row arrays (tokens, positions, cross_slot: BatchState
-        changes them in place), and the outputs (candidates into buffers of (B, k); the rows' log-probs
-        into one kept buffer: a fresh one every step costs page faults). With io_binding, host inputs are
-        copied to the device when bound, so the per-row arrays are bound every step (a translator serves
-        one thread at a time)."""
-        step, shared = self._decoder, self.shared_cross
-        binding, bound = step.binding, step.bound
+    def _binding_for(self, state: BatchState, k: int) -> ort.IOBinding:
+        """The decoder's binding for a step of `state` asking for k candidates. A binding holds addresses,
+        so it is kept from step to step and a group is bound again only when its objects change (`_bound`
+        holds weak references to them): the caches (each layer as input and `present` output, with their
+        slot counts; with shared_cross the cross K/V as inputs only), the per-row arrays (tokens, positions,
+        cross_slot: BatchState changes them in place), and the outputs (candidates into buffers of (B, k);
+        the rows' log-probs into one kept buffer: a fresh one every step costs page faults). With
+        io_binding, host inputs are copied to the device when bound, so the per-row arrays are bound every
+        step (a translator serves one thread at a time)."""
+        binding, bound, shared = self._binding, self._bound, self.shared_cross
         caches = (state.k, state.v, state.cross_k, state.cross_v, state.cross_eos)
         if not _same(bound.get("caches"), caches):
             for name, x in zip(("k", "v", "cross_k", "cross_v"), caches):
@@ -299,12 +307,12 @@ class OnnxTranslator:
                 for layer, address in enumerate(self._layer_addresses(state.cross_eos)):
                     binding.bind_input(f"cross_eos_{layer}", self.device, 0, self.kv_dtype,
                                        (state.size, self.eos_width), address)
-            step.sizes = np.array([state.capacity, state.ops.shape(state.cross_k)[3]], np.int32)
+            self._slot_counts = np.array([state.capacity, state.ops.shape(state.cross_k)[3]], np.int32)
             for i, name in enumerate(("cache_slots", "source_slots")):  # the attention kernel's total_sequence_length
-                binding.bind_input(name, "cpu", 0, np.int32, (1,), step.sizes.ctypes.data + 4 * i)  # host memory
-            if shared:
-                step.query_shape = np.array([-1, state.width, self.d_model], np.int64)
-                binding.bind_input("query_shape", "cpu", 0, np.int64, (3,), step.query_shape.ctypes.data)
+                binding.bind_input(name, "cpu", 0, np.int32, (1,), self._slot_counts.ctypes.data + 4 * i)  # host memory
+            if shared:  # each source's rows, for the cross-attention's queries
+                self._query_shape = np.array([-1, state.width, self.d_model], np.int64)
+                binding.bind_input("query_shape", "cpu", 0, np.int64, (3,), self._query_shape.ctypes.data)
             bound["caches"] = _refs(caches)
         rows = (state.tokens, state.positions, state.cross_slot)
         if self.io_binding:
@@ -316,18 +324,18 @@ class OnnxTranslator:
                 binding.bind_input(name, "cpu", 0, x.dtype, x.shape, x.ctypes.data)
             bound["rows"] = _refs(rows)
         if bound.get("outputs") != (state.size, k):
-            step.ids, step.scores = np.empty((state.size, k), np.int64), np.empty((state.size, k), np.float32)
-            step.k = np.array([k], np.int64)
-            binding.bind_cpu_input("candidates", step.k)
-            for name, x in (("candidate_ids", step.ids), ("candidate_scores", step.scores)):
+            self._ids, self._scores = np.empty((state.size, k), np.int64), np.empty((state.size, k), np.float32)
+            self._k = np.array([k], np.int64)
+            binding.bind_cpu_input("candidates", self._k)
+            for name, x in (("candidate_ids", self._ids), ("candidate_scores", self._scores)):
                 binding.bind_output(name, "cpu", 0, x.dtype, x.shape, x.ctypes.data)
             if self.io_binding:
                 binding.bind_output("log_probs", self.device)  # stays on the device
             else:
-                step.log_probs = np.empty((state.size, self.vocab_size), np.float32)
-                binding.bind_output("log_probs", "cpu", 0, np.float32, step.log_probs.shape, step.log_probs.ctypes.data)
+                self._log_probs = np.empty((state.size, self.vocab_size), np.float32)
+                binding.bind_output("log_probs", "cpu", 0, np.float32, self._log_probs.shape, self._log_probs.ctypes.data)
             bound["outputs"] = (state.size, k)
-        return step
+        return binding
 
     def _layer_addresses(self, stacked) -> list[int]:
         """The address of each layer of a stacked (L, …) tensor (host numpy or device OrtValue): bound
@@ -479,16 +487,6 @@ class OnnxTranslator:
                        for h in hypotheses]
         best.alternatives = rest
         return best
-
-
-class StepSession:
-    """A decoder-step session and its binding, kept from step to step (OnnxTranslator._binding_for),
-    with what the binding points at: the buffers its outputs are written into and the host arrays of
-    its sizes, which must live as long as the binding holds their addresses."""
-
-    def __init__(self, session: ort.InferenceSession):
-        self.session, self.binding, self.bound = session, session.io_binding(), {}
-        self.ids = self.scores = self.k = self.log_probs = self.sizes = self.query_shape = None
 
 
 def _same(bound: tuple | None, objects: tuple) -> bool:
