@@ -118,13 +118,14 @@ def with_search_head(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def with_shared_cross(model: onnx.ModelProto, heads: int, dim: int) -> onnx.ModelProto:
-    """The decoder-step graph (changed in place) for beams whose rows share their source's cross K/V:
-    the rows are the beams of each source in turn, `width` rows a source, and cross_k_l, cross_v_l,
-    cross_slot hold one row per source. Each cross-attention becomes one com.microsoft MultiHeadAttention
-    of a source's `width` queries (B, width, D) over its K/V, keys up to its cross_slot, in place of the
-    GroupQueryAttention that takes K/V per row: a beam of 4 reads its source's K/V once, not 4 times,
-    and nobody copies them per row. New input `query_shape` (3,) int64 = (-1, width, D); cross_eos_l
-    and the present_cross outputs go (the encoder's cross K/V already hold each eos key and value)."""
+    """The decoder-step graph (changed in place) for rows that share their source's cross K/V: each
+    source's `width` rows in turn (1 for greedy and sampling; a beam's size after its first step), and
+    cross_k_l, cross_v_l, cross_slot with one row per source. Each cross-attention becomes one
+    com.microsoft MultiHeadAttention of a source's `width` queries (B / width, width, D) over its K/V,
+    keys up to its cross_slot, in place of the GroupQueryAttention that takes K/V per row: a beam of 4
+    reads its source's K/V once, not 4 times, and nobody copies them per row. New input `query_shape`
+    (3,) int64 = (-1, width, D); cross_eos_l and the present_cross outputs go (the encoder's cross K/V
+    already hold each eos key and value)."""
     graph = model.graph
     producer = {out: node for node in graph.node for out in node.output}
     consumers = {}
