@@ -419,8 +419,9 @@ class OnnxTranslator:
             if state.size < width * len(slots):  # the first step, one row per source (a beam's rows all
                 # start alike and its search reads row 0 only): then each row becomes its beam's rows
                 ids, scores = np.repeat(ids, width, axis=0), np.repeat(scores, width, axis=0)
-                rows = np.repeat(np.arange(len(sources)), width)  # with shared_cross nothing copies the cross K/V
-                state = state.widen(width) if self.shared_cross else state.gather(rows)
+                # with shared_cross the rows share their source's cross K/V; else each gets a copy
+                state = state.widen(width) if self.shared_cross \
+                    else state.gather(np.repeat(np.arange(len(sources)), width))
             tokens, parents = ids[:, 0].copy(), np.arange(state.size)  # a finished source's rows decode on, ignored
             for j, r in enumerate(slots):
                 if r is None:
