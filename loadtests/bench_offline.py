@@ -10,10 +10,12 @@ Fair by construction:
 - a run starts one worker per engine and thread count, in an order rotated from run to run, and
   each worker translates the sentences once at every batch size after a warm-up; `runs` runs, so
   the engines interleave and drift of the machine hits them alike;
-- thread counts are swept (half the usable cores and all of them, by default) and each engine is
-  reported, per batch size, at its best thread count, as the median with min–max over runs;
+- thread counts are swept (half the usable cores and all of them, by default), each in two layouts
+  where the engine has both (ONNX Runtime, CTranslate2): n intra-op threads on one batch at a time
+  (1×n), and n batches at a time on one thread each (n×1, CTranslate2's `inter_threads`); each
+  engine is reported, per batch size, at its best layout, as the median with min–max over runs;
 - the report records the CPU model and flags, cores and the libraries' versions.
-Ratios are ours over CTranslate2's of the same precision, each at its best thread count. Each
+Ratios are ours over CTranslate2's of the same precision, each at its best thread layout. Each
 worker's peak resident memory (ru_maxrss: the model loaded and every batch size run) is reported too.
 
 A bundle imported from a Hugging Face Marian directory (`nmtserve import-marian`) is measured against
@@ -52,9 +54,23 @@ OWN_MODULES = {"pytorch": ("torch",), "transformers": ("torch", "transformers"),
 RATIOS = (("ort_fp32", "ct2_fp32"), ("ort_int8", "ct2_int8"), ("pytorch", "ct2_fp32"), ("ort_fp32", "transformers"))
 
 
+INTER_ENGINES = ("ort", "ct2")  # engines that also decode n batches at once (inter_threads)
+
+
 def default_threads() -> tuple[int, ...]:
     cores = usable_cores()
     return tuple(sorted({max(1, cores // 2), cores}))
+
+
+def layouts(engine: str, threads: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(inter, intra) thread layouts to measure `engine` at: each count n as n intra-op threads on one
+    batch, and, for engines that can, as n batches at once on one thread each."""
+    inter = engine.split("_")[0] in INTER_ENGINES
+    return [(1, n) for n in threads] + [(n, 1) for n in threads if n > 1 and inter]
+
+
+def layout_name(inter: int, intra: int) -> str:
+    return f"{inter}x{intra}"
 
 
 @dataclass
@@ -85,7 +101,7 @@ def default_engines(bundle: str) -> tuple[str, ...]:
 
 # -- the worker: one engine, one thread count, every batch size
 
-def _load_engine(engine: str, threads: int, spec: dict):
+def _load_engine(engine: str, inter: int, threads: int, spec: dict):
     """function(sources as token ids, batch size) -> target token ids, importing only `engine`'s library."""
     if engine == "pytorch":
         import torch
@@ -142,14 +158,14 @@ def _load_engine(engine: str, threads: int, spec: dict):
     if engine.startswith("ort_"):
         from nmtserve.export.runtime.translator import OnnxTranslator
 
-        tr = OnnxTranslator(spec["bundle"], variant=engine[4:], intra_op_threads=threads)
+        tr = OnnxTranslator(spec["bundle"], variant=engine[4:], intra_op_threads=threads, inter_threads=inter)
         options = DecodingOptions(**spec["search"])
         return lambda sources, batch_size: [found[0].tokens for found in tr.search_ids(
             sources, options, max_batch_size=batch_size)]
     if engine.startswith("ct2_"):
         import ctranslate2
 
-        ct = ctranslate2.Translator(spec["ct2_model"], device="cpu", intra_threads=threads, inter_threads=1,
+        ct = ctranslate2.Translator(spec["ct2_model"], device="cpu", intra_threads=threads, inter_threads=inter,
                                     compute_type={"ct2_fp32": "float32", "ct2_int8": "int8"}[engine])
         vocab = spec["vocab"]
         ids = {piece: i for i, piece in enumerate(vocab)}
@@ -174,9 +190,9 @@ def _peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
-def measure(engine: str, threads: int, spec: dict) -> dict:
+def measure(engine: str, inter: int, threads: int, spec: dict) -> dict:
     """Warm up, then translate every source once at each batch size (in this process)."""
-    run = _load_engine(engine, threads, spec)
+    run = _load_engine(engine, inter, threads, spec)
     sources = spec["sources"]
     run(sources[:16], 8)  # first-call allocations, lazy kernels
     seconds, tokens, outputs = {}, {}, {}
@@ -193,12 +209,13 @@ def measure(engine: str, threads: int, spec: dict) -> dict:
             "modules_loaded": [m for m in ENGINE_MODULES if m in sys.modules]}
 
 
-def _run_worker(engine: str, threads: int, spec_path: Path) -> dict:
+def _run_worker(engine: str, inter: int, threads: int, spec_path: Path) -> dict:
     env = {**os.environ, **{v: str(threads) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}}
-    done = subprocess.run([sys.executable, "-m", "nmtserve.loadtests.bench_offline", "worker", engine, str(threads),
-                           str(spec_path)], capture_output=True, text=True, env=env, timeout=3600)
+    done = subprocess.run([sys.executable, "-m", "nmtserve.loadtests.bench_offline", "worker", engine, str(inter),
+                           str(threads), str(spec_path)], capture_output=True, text=True, env=env, timeout=3600)
     if done.returncode != 0:
-        raise NmtserveError(f"bench worker {engine} ({threads} threads) failed: {done.stderr.strip()[-800:]}")
+        raise NmtserveError(f"bench worker {engine} ({layout_name(inter, threads)} threads) failed: "
+                            f"{done.stderr.strip()[-800:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -240,16 +257,16 @@ def _spec(cfg: BenchConfig, workdir: Path) -> dict:
 
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
     threads = cfg.threads or default_threads()
-    configs = [(engine, t) for engine in cfg.engines for t in threads]
-    runs: dict[tuple[str, int], list[dict]] = {c: [] for c in configs}
+    configs = [(engine, inter, t) for engine in cfg.engines for inter, t in layouts(engine, threads)]
+    runs: dict[tuple[str, int, int], list[dict]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory(prefix="nmtserve-bench-") as tmp:
         spec = _spec(cfg, Path(tmp))
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(spec), encoding="utf-8")
         for run in range(cfg.runs):
-            for engine, t in configs[run % len(configs):] + configs[: run % len(configs)]:
-                progress(f"run {run + 1}/{cfg.runs}: {engine}, {t} thread(s)")
-                runs[(engine, t)].append(_run_worker(engine, t, spec_path))
+            for engine, inter, t in configs[run % len(configs):] + configs[: run % len(configs)]:
+                progress(f"run {run + 1}/{cfg.runs}: {engine}, {inter} batch(es) at once × {t} thread(s)")
+                runs[(engine, inter, t)].append(_run_worker(engine, inter, t, spec_path))
     return _report(cfg, threads, runs, len(spec["sources"]), spec["checkpoint"])
 
 
@@ -261,21 +278,23 @@ def _stats(values: list[float], digits: int = 1) -> dict:
 def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences: int, checkpoint: str) -> dict:
     batches = [str(b) for b in cfg.batch_sizes]
     results: dict = {}
-    for (engine, t), measured in runs.items():
-        results.setdefault(engine, {})[str(t)] = {
+    for (engine, inter, t), measured in runs.items():
+        results.setdefault(engine, {})[layout_name(inter, t)] = {
             b: {**_stats([m["tokens"][b] / m["seconds"][b] for m in measured]),
                 "runs": [round(m["tokens"][b] / m["seconds"][b], 1) for m in measured]} for b in batches}
     best: dict = {}
-    for engine, by_t in results.items():
+    for engine, by_layout in results.items():
         for b in batches:
-            t = max(by_t, key=lambda t: by_t[t][b]["median"])
-            best.setdefault(engine, {})[b] = {"threads": int(t), **{k: by_t[t][b][k] for k in ("median", "min", "max")}}
+            layout = max(by_layout, key=lambda name: by_layout[name][b]["median"])
+            inter, t = map(int, layout.split("x"))
+            best.setdefault(engine, {})[b] = {"layout": layout, "inter_threads": inter, "threads": t,
+                                              **{k: by_layout[layout][b][k] for k in ("median", "min", "max")}}
     pairs = [(ours, theirs) for ours, theirs in RATIOS if ours in best and theirs in best]
     ratios = {f"{ours}/{theirs}": {b: round(best[ours][b]["median"] / best[theirs][b]["median"], 3) for b in batches}
               for ours, theirs in pairs}
 
     def per_run(engine: str, b: str) -> list[float]:
-        return results[engine][str(best[engine][b]["threads"])][b]["runs"]
+        return results[engine][best[engine][b]["layout"]][b]["runs"]
 
     # the same ratio within each run (both engines measured in the same round, minutes apart at most):
     # this host's slow spells last minutes, so the spread of these shows how far the ratio itself moved
@@ -283,18 +302,20 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences:
                                           for b in batches} for ours, theirs in pairs}
     reference = next(e for e in ("pytorch", "transformers", "ort_fp32", *cfg.engines) if e in cfg.engines)
     agreement, modules, batch_independent, peak_rss, output_tokens = {}, {}, {}, {}, {}
-    for (engine, t), measured in runs.items():
+    for (engine, inter, t), measured in runs.items():
         modules.setdefault(engine, set()).update(*(m["modules_loaded"] for m in measured))
         peak_rss[engine] = max(peak_rss.get(engine, 0), *(m["peak_rss_mb"] for m in measured))
         output_tokens[engine] = round(measured[0]["tokens"][batches[-1]] / n_sentences, 2)
         batch_independent[engine] = batch_independent.get(engine, True) and all(
             m["same_output_at_every_batch_size"] for m in measured)
-        if (reference, threads[0]) in runs and engine != reference and t == threads[0]:
-            ref = runs[(reference, threads[0])][0]["outputs"]
+        if (reference, 1, threads[0]) in runs and engine != reference and (inter, t) == (1, threads[0]):
+            ref = runs[(reference, 1, threads[0])][0]["outputs"]
             agreement[f"{engine}_vs_{reference}_identical"] = round(
                 sum(a == b for a, b in zip(measured[0]["outputs"], ref)) / n_sentences, 4)
     return {"machine": machine_info(), "checkpoint": checkpoint, "bundle": cfg.bundle, "sentences": n_sentences,
-            "runs": cfg.runs, "threads_swept": list(threads), "batch_sizes": list(cfg.batch_sizes),
+            "runs": cfg.runs, "threads_swept": list(threads),
+            "layouts_swept": {e: [layout_name(*lt) for lt in layouts(e, threads)] for e in cfg.engines},
+            "batch_sizes": list(cfg.batch_sizes),
             "unit": f"target tokens/s (eos excluded), {decoding_name(cfg.beam_size)}",
             "max_decoding_length": cfg.max_decoding_length, "beam_size": cfg.beam_size,
             "results": results, "best": best, "ratios": ratios, "paired_ratios": paired_ratios,
@@ -318,11 +339,12 @@ def format_table(report: dict) -> str:
     batches = [str(b) for b in report["batch_sizes"]]
     lines = [describe(report["machine"]),
              f"{report['sentences']} sentences, {report['unit']}; each engine in its own process at its best of "
-             f"{', '.join(map(str, report['threads_swept']))} thread(s) (t=); median [min–max] of {report['runs']} runs",
-             f"{'engine':<10}" + "".join(f"{'batch ' + b:>26}" for b in batches)]
+             f"{', '.join(map(str, report['threads_swept']))} thread(s), as batches at once × threads each (t=); "
+             f"median [min–max] of {report['runs']} runs",
+             f"{'engine':<10}" + "".join(f"{'batch ' + b:>28}" for b in batches)]
     for engine, cells in report["best"].items():
         lines.append(f"{engine:<10}" + "".join(
-            f"{c['median']:>9,.0f} [{c['min']:,.0f}–{c['max']:,.0f}] t={c['threads']}".rjust(26)
+            f"{c['median']:>9,.0f} [{c['min']:,.0f}–{c['max']:,.0f}] t={c['layout']}".rjust(28)
             for c in (cells[b] for b in batches)))
     for name, row in report["ratios"].items():
         lines.append(f"{name:<18}" + "".join(f"{row[b]:>8.2f}" for b in batches) + "   (of the medians)")
@@ -337,7 +359,7 @@ def format_table(report: dict) -> str:
 
 
 def draw_chart(report: dict, path: Path) -> None:
-    """Tokens/s against batch size, one line per engine and precision at its best thread count,
+    """Tokens/s against batch size, one line per engine and precision at its best thread layout,
     with the min–max of the runs as error bars."""
     import matplotlib
 
@@ -359,7 +381,7 @@ def draw_chart(report: dict, path: Path) -> None:
     ax.set_xlabel("batch size (sentences)")
     ax.set_ylabel("target tokens/s")
     machine = report["machine"]
-    ax.set_title(f"{decoding_name(report['beam_size'])}, each engine at its best thread count, median and min–max "
+    ax.set_title(f"{decoding_name(report['beam_size'])}, each engine at its best thread layout, median and min–max "
                  f"of {report['runs']} runs\n"
                  f"{machine['cpu']}, {machine['usable_cores']} cores", fontsize=9)
     ax.grid(True, alpha=0.3)
@@ -370,5 +392,5 @@ def draw_chart(report: dict, path: Path) -> None:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
-    engine_name, thread_count, spec_file = sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
-    print(json.dumps(measure(engine_name, thread_count, json.loads(spec_file.read_text(encoding="utf-8")))))
+    engine_name, inter_count, thread_count, spec_file = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5])
+    print(json.dumps(measure(engine_name, inter_count, thread_count, json.loads(spec_file.read_text(encoding="utf-8")))))

@@ -124,7 +124,8 @@ def _add_bench(p) -> None:
                    "default: the test split of the bundle's training data")
     p.add_argument("--runs", type=int, default=3, help="runs (a process per engine and thread count each); "
                    "median and min–max are reported")
-    p.add_argument("--threads", type=_int_list, help="thread counts to sweep (default: half the usable cores, and all)")
+    p.add_argument("--threads", type=_int_list, help="thread counts to sweep, each as intra-op threads on one batch and "
+                   "(ONNX Runtime, CTranslate2) as batches at once (default: half the usable cores, and all)")
     p.add_argument("--batch-sizes", type=_int_list, default=(1, 8, 32, 64))
     p.add_argument("--engines", help="comma-separated, of pytorch, transformers, ort_fp32, ort_int8, ct2_fp32, "
                    "ct2_int8 (default: all but transformers; for a bundle imported from Marian, all but pytorch)")

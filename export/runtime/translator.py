@@ -9,7 +9,11 @@ Inputs are sorted by length and cut into batches of at most `max_batch_size` to 
 within a batch, finished rows (a beam's: when its search is done) decode on, ignored, until they
 are a quarter of the batch, then leave together, so the remaining ones run smaller steps. Small
 batches are encoded ahead, up to ENCODE_AHEAD sources, then decoded one after another: each graph's
-weights stay in the CPU cache between its runs (a batch's result is the same either way).
+weights stay in the CPU cache between its runs (a batch's result is the same either way). With
+inter_threads > 1 (CTranslate2's name) that many batches, or groups of them, decode at once on
+threads of their own, each with its own binding over the same two sessions (ONNX Runtime runs one
+session's graphs concurrently): on a CPU this uses the cores better than one batch on more intra-op
+threads, whose parallel regions are short at these sizes (README, "Batches in parallel").
 
 The decoder graph gets a TopK appended (`with_search_head`): a step returns each row's k best tokens
 and their log-probabilities (k = 1 greedy, 2 × beam for beam search), never the whole distribution
@@ -28,7 +32,10 @@ with its own copy (BatchState.gather).
 
 from __future__ import annotations
 
+import copy
+import queue
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -166,7 +173,11 @@ class OnnxTranslator:
     """Encoder and decoder-step sessions of one bundle variant, and greedy search over them."""
 
     def __init__(self, bundle: str | Path | Bundle, device: str = "cpu", variant: str = "fp32",
-                 intra_op_threads: int = 0, io_binding: bool | None = None, shared_cross: bool = True):
+                 intra_op_threads: int = 0, io_binding: bool | None = None, shared_cross: bool = True,
+                 inter_threads: int = 1):
+        if inter_threads < 1:
+            raise ConfigError(f"inter_threads {inter_threads}: must be at least 1")
+        self.inter_threads = inter_threads  # batches decoded at once (search_ids), each on a thread of its own
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
         self.device, self.variant = device, variant
         self.io_binding = device == "cuda" if io_binding is None else io_binding
@@ -447,20 +458,49 @@ class OnnxTranslator:
         results: list = [None] * len(sources)
         batches = list(sorted_batches([len(s) for s in sources], max_batch_size))
         ahead = max(1, ENCODE_AHEAD // max_batch_size)
-        for start in range(0, len(batches), ahead):
-            # encoded batch after batch, then decoded batch after batch: each graph's weights stay in the CPU
-            # cache from one run to the next (both graphs' may not fit together: the default model's 25 MB
-            # against this 2-core host's 16 MB L3; +4-5% at batch 1, +1-3% at 8, none from 32 on)
-            group = batches[start:start + ahead]
-            group_sources = [[sources[i] for i in rows] for rows in group]
-            states = [self.prefill(batch) for batch in group_sources]
-            for rows, batch in zip(group, group_sources):
-                state = states.pop(0)  # the list lets go of it: its caches are freed once decoded
-                found = self.greedy(state, batch, options.max_decoding_length, options.length_rule) \
-                    if options.greedy else self.search(state, batch, options)
-                for i, hypotheses in zip(rows, found):
-                    results[i] = hypotheses
+        if self.inter_threads > 1:  # groups small enough that the threads finish about together
+            ahead = min(ahead, max(1, len(batches) // (4 * self.inter_threads)))
+        # encoded batch after batch, then decoded batch after batch: each graph's weights stay in the CPU cache
+        # from one run to the next (both graphs' may not fit together: the default model's 25 MB against this
+        # 2-core host's 16 MB L3; +4-5% at batch 1, +1-3% at 8, none from 32 on)
+        groups = [batches[start:start + ahead] for start in range(0, len(batches), ahead)]
+        if self.inter_threads == 1 or len(groups) == 1:
+            for group in groups:
+                self._decode_group(group, sources, options, results)
+            return results
+        replicas = queue.SimpleQueue()  # one decoding context per thread; a thread takes the next group
+        for _ in range(self.inter_threads):
+            replicas.put(self._replica())
+
+        def decode(group):
+            replica = replicas.get()
+            try:
+                replica._decode_group(group, sources, options, results)
+            finally:
+                replicas.put(replica)
+        with ThreadPoolExecutor(min(self.inter_threads, len(groups)), thread_name_prefix="nmtserve-batch") as pool:
+            list(pool.map(decode, groups))  # raises the first error of any group
         return results
+
+    def _decode_group(self, group: list[list[int]], sources: list[list[int]], options: DecodingOptions,
+                      results: list) -> None:
+        """Encode a group of batches (each a list of source indices), then decode them one after another into
+        results."""
+        group_sources = [[sources[i] for i in rows] for rows in group]
+        states = [self.prefill(batch) for batch in group_sources]
+        for rows, batch in zip(group, group_sources):
+            state = states.pop(0)  # the list lets go of it: its caches are freed once decoded
+            found = self.greedy(state, batch, options.max_decoding_length, options.length_rule) \
+                if options.greedy else self.search(state, batch, options)
+            for i, hypotheses in zip(rows, found):
+                results[i] = hypotheses
+
+    def _replica(self) -> OnnxTranslator:
+        """This translator with a decoding context of its own (decoder binding and bound buffers) over the
+        same sessions, tokenizer and bundle: one per thread decoding at once."""
+        replica = copy.copy(self)
+        replica._binding, replica._bound = self.decoder.io_binding(), {}
+        return replica
 
     def translate_ids(self, sources: list[list[int]], *, max_batch_size: int = 32,
                       max_decoding_length: int = 256) -> list[tuple[list[int], float]]:

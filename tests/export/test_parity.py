@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import onnx
 import onnx.numpy_helper
 import pytest
 
+from nmtserve.errors import ConfigError
 from nmtserve.export.build.manifest import file_entry
 from nmtserve.export.build.verify import (
     SHAPE_GRID,
@@ -72,6 +74,31 @@ def test_translate_batch_is_independent_of_batching_and_returns_scores(tiny_bund
         assert [t.tokens for t in one] == [t.tokens for t in many]
         assert np.allclose([t.score for t in one], [t.score for t in many], atol=1e-3)
     assert all(t.score <= 0 for t in one) and tr.translate_batch(texts[:1])[0].score is None
+
+
+def test_batches_decoded_at_once_on_threads_give_the_results_of_one_at_a_time(tiny_bundle, tiny_corpus, monkeypatch):
+    """inter_threads: groups of batches go to threads of their own, each with its own binding over the
+    same sessions; greedy, beam and n-best come out as decoded one batch at a time."""
+    texts = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs[:24]]
+    one_thread = OnnxTranslator(tiny_bundle)
+    parallel = OnnxTranslator(tiny_bundle, intra_op_threads=1, inter_threads=3)
+    threads = set()
+    decode_group = OnnxTranslator._decode_group
+
+    def recording(self, *args):
+        threads.add(threading.current_thread().name)
+        return decode_group(self, *args)
+    monkeypatch.setattr(OnnxTranslator, "_decode_group", recording)
+    for options in ({}, {"beam_size": 3, "num_hypotheses": 2}):
+        expected = one_thread.translate_batch(texts, max_batch_size=2, return_scores=True, **options)
+        threads.clear()
+        got = parallel.translate_batch(texts, max_batch_size=2, return_scores=True, **options)
+        assert len({name for name in threads if name.startswith("nmtserve-batch")}) >= 2  # 12 batches, 3 threads
+        assert [[h.tokens for h in t.hypotheses] for t in got] == [[h.tokens for h in t.hypotheses] for t in expected]
+        assert np.allclose([h.score for t in got for h in t.hypotheses],
+                           [h.score for t in expected for h in t.hypotheses], atol=1e-5)
+    with pytest.raises(ConfigError, match="inter_threads 0: must be at least 1"):
+        OnnxTranslator(tiny_bundle, inter_threads=0)
 
 
 def _teacher_forced_log_probs(tr: OnnxTranslator, sources, paths) -> np.ndarray:

@@ -1,5 +1,5 @@
 """`nmtserve bench offline` end to end on the tiny bundle: every engine measured in processes of its
-own, at every thread count, the best of each reported with its spread, and the report records the
+own, at every thread layout, the best of each reported with its spread, and the report records the
 machine (figures are not judged here)."""
 
 import json
@@ -21,18 +21,22 @@ def test_offline_bench_measures_each_engine_alone_and_reports_its_best(tiny_bund
     own = {"pytorch": ["torch"], "ort_fp32": ["onnxruntime"], "ort_int8": ["onnxruntime"],
            "ct2_fp32": ["ctranslate2"], "ct2_int8": ["ctranslate2"]}
     assert report["worker_modules_loaded"] == own
-    for engine, by_threads in report["results"].items():
-        assert set(by_threads) == {"1", "2"}
+    # 1 and 2 threads on one batch at a time; ONNX Runtime and CTranslate2 also as 2 batches at once
+    layouts = {e: {"1x1", "1x2"} | ({"2x1"} if e != "pytorch" else set()) for e in engines}
+    assert {e: set(names) for e, names in report["layouts_swept"].items()} == layouts
+    for engine, by_layout in report["results"].items():
+        assert set(by_layout) == layouts[engine]
         for batch in ("1", "4"):
-            cells = [by_threads[t][batch] for t in ("1", "2")]
+            cells = [by_layout[name][batch] for name in layouts[engine]]
             assert all(len(c["runs"]) == 2 and c["min"] <= c["median"] <= c["max"] for c in cells)
             best = report["best"][engine][batch]
-            chosen = by_threads[str(best["threads"])][batch]
+            chosen = by_layout[best["layout"]][batch]
+            assert best["layout"] == f"{best['inter_threads']}x{best['threads']}"
             assert best["median"] == max(c["median"] for c in cells)
             assert (best["median"], best["min"], best["max"]) == (chosen["median"], chosen["min"], chosen["max"])
     assert set(report["ratios"]["ort_fp32/ct2_fp32"]) == {"1", "4"}
     for batch in ("1", "4"):  # the ratio within each run: run i of one engine against run i of the other
-        ours, theirs = (report["results"][e][str(report["best"][e][batch]["threads"])][batch]["runs"]
+        ours, theirs = (report["results"][e][report["best"][e][batch]["layout"]][batch]["runs"]
                         for e in ("ort_fp32", "ct2_fp32"))
         within = sorted(round(o / t, 3) for o, t in zip(ours, theirs))
         paired = report["paired_ratios"]["ort_fp32/ct2_fp32"][batch]
