@@ -36,7 +36,9 @@ class Limits:
 
 
 def sorted_batches(lengths: list[int], max_batch_size: int) -> Iterator[list[int]]:
-    """Indices sorted by length, cut into batches of at most max_batch_size: little padding per batch."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    """Indices sorted by length, longest first, cut into batches of at most max_batch_size: little padding
+    per batch, and the last, partial batch holds the shortest sources (as CTranslate2's rebatch_input), so
+    batches decoded at once finish about together."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     for start in range(0, len(order), max_batch_size):
         yield order[start:start + max_batch_size]
