@@ -4,7 +4,10 @@ encoder:      src_ids (B, S) int64, src_mask (B, S) bool
               -> per decoder layer l: cross_k_l, cross_v_l (B, H, S, Dh), the layer's cross-attention keys
                  and values, computed once per source; then cross_eos_l (B, 2·H·Dh) per layer, the key
                  and value of the row's last source token (its eos), packed; each self-attention one
-                 com.microsoft MultiHeadAttention node.
+                 com.microsoft MultiHeadAttention node. Padding is removed: embeddings, projections,
+                 feed-forwards and norms run on the T real tokens of the batch as (1, T, D), and only
+                 attention and the cross K/V see rows, (B, S, D), gathered back (CTranslate2's Padder
+                 does the same); cross K/V at a row's padding are unspecified (nothing reads them).
 decoder step: tokens (B,) int64, positions (B,) int64, cross_slot (B,) int32 (each row's last source
               slot), cache_slots (1,) int32 = C and source_slots (1,) int32 = S, then per layer l:
               past_k_l, past_v_l (B, H, C, Dh), then cross_k_l, cross_v_l (B, H, S, Dh), then cross_eos_l
@@ -97,22 +100,31 @@ class EncoderGraph(nn.Module):
 
     def forward(self, src_ids, src_mask):
         m = self.model
-        x = m._embed(src_ids, torch.arange(src_ids.shape[1])[None, :].expand_as(src_ids))
+        batch, width = src_ids.shape
+        flat = src_mask.reshape(-1)
+        real = flat.nonzero().squeeze(1)  # (T,): the real tokens among the B·S positions, in order
+        # (B·S,): each position's row among the T real tokens (a pad: its row's last real token, ignored)
+        spread = (flat.long().cumsum(0) - 1).clamp(min=0)
+
+        def padded(t):  # (1, T, D) -> (B, S, D)
+            return t[:, spread].reshape(batch, width, -1)
+
+        x = m._embed(src_ids, torch.arange(width)[None, :].expand_as(src_ids)).reshape(1, batch * width, -1)[:, real]
         keep = src_mask.to(torch.int32)
-        for layer in m.encoder:
+        for layer in m.encoder:  # every token by itself on (1, T, D); only attention sees rows, (B, S, D)
             h, sa = layer.res1.input(x), layer.self_attn
-            attended = SourceAttention.apply(sa.q_proj(h), sa.k_proj(h), sa.v_proj(h), keep, sa.n_heads)
-            x = layer.res1.output(x, sa.out_proj(attended))
+            attended = SourceAttention.apply(padded(sa.q_proj(h)), padded(sa.k_proj(h)), padded(sa.v_proj(h)), keep,
+                                             sa.n_heads)
+            x = layer.res1.output(x, sa.out_proj(attended.reshape(1, batch * width, -1)[:, real]))
             x = layer.res2.output(x, layer.ffn(layer.res2.input(x)))
         memory = m.encoder_norm(x)
-        batch, width = src_ids.shape
-        last = torch.arange(batch) * width + eos_slot(src_mask).long()  # each row's eos among B·S positions
+        last = src_mask.sum(1).cumsum(0) - 1  # each row's eos among the T real tokens
         cross, eos = [], []
         for layer in m.decoder:  # CrossAttention.project_kv, keeping each eos key and value (B, D) as well
             ca = layer.cross_attn
             k, v = ca.k_proj(memory), ca.v_proj(memory)
-            cross += [ca._split(k), ca._split(v)]
-            eos.append(torch.cat([k.flatten(0, 1)[last], v.flatten(0, 1)[last]], dim=-1))
+            cross += [ca._split(padded(k)), ca._split(padded(v))]
+            eos.append(torch.cat([k[0, last], v[0, last]], dim=-1))
         return *cross, *eos
 
 

@@ -81,6 +81,31 @@ def bundle_copy(tiny_bundle, tmp_path):
     shutil.copytree(tiny_bundle, copy)
     return copy
 
+@pytest.mark.parametrize("variant", ["fp32", "int8"])
+def test_the_encoders_matmuls_run_on_the_real_tokens_only(tiny_bundle, tmp_path, variant):
+    """Padding removal: a batch of a 1-token and a 20-token source is 21 real tokens in 2 × 20 slots;
+    ONNX Runtime's profile shows each encoder projection and feed-forward multiplying 21 rows, not
+    40, and the cross K/V coming out as (2, H, 20, Dh) rows all the same."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from nmtserve.export.runtime.translator import session_options
+
+    options = session_options(1)
+    options.enable_profiling, options.profile_file_prefix = True, str(tmp_path / "profile")
+    name = "encoder.onnx" if variant == "fp32" else "encoder.int8.onnx"
+    session = ort.InferenceSession(str(tiny_bundle / name), options, providers=["CPUExecutionProvider"])
+    src_ids = np.zeros((2, 20), np.int64)
+    src_ids[0, 0], src_ids[1] = 5, np.arange(6, 26)
+    outputs = session.run(None, {"src_ids": src_ids, "src_mask": src_ids != 0})
+    assert outputs[0].shape[0] == 2 and outputs[0].shape[2] == 20
+    events = json.loads(open(session.end_profiling()).read())
+    products = [e["args"]["input_type_shape"][0] for e in events if e.get("cat") == "Node" and
+                e["name"].endswith("_kernel_time") and e["args"]["op_name"] in
+                ("MatMul", "Gemm", "FusedMatMul", "MatMulIntegerToFloat", "DynamicQuantizeMatMul")]
+    rows = [shape[next(iter(shape))][-2] for shape in products]  # {"float": [1, T, D]} -> T
+    assert len(rows) >= 6 and set(rows) == {21}
+
 
 def test_missing_truncated_and_modified_files_are_named(bundle_copy):
     (bundle_copy / "encoder.int8.onnx").unlink()
