@@ -22,7 +22,7 @@ from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.bundle import load_bundle
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.server.config import ServerConfig
-from nmtserve.server.engine import Engine, EngineConfig, Request
+from nmtserve.server.engine import EngineConfig, EnginePool, Request
 from nmtserve.server.metrics import ServerMetrics
 from nmtserve.server.models import ModelSpec, ServedModel, model_specs
 from nmtserve.server.service import TranslationServicer
@@ -48,8 +48,8 @@ class RunningServer:
     metrics_port: int | None = None
 
     @property
-    def engine(self) -> Engine:
-        """The first model's engine (a one-model server's only one)."""
+    def engine(self) -> EnginePool:
+        """The first model's engines (a one-model server's only ones)."""
         return next(iter(self.models.values())).engine
 
     def idle(self) -> bool:
@@ -88,23 +88,24 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([pair], root_certificates=client_ca, require_client_auth=client_ca is not None)
 
 
-def warm_up(engine: Engine) -> None:
-    """One short translation through the engine, so the first user does not pay for lazy initialisation."""
-    request = engine.submit(Request(engine.tr.tokenizer.encode("warm up") or [engine.tr.eos_id], max_decoding_length=4))
-    request.done.wait(60)
+def warm_up(pool: EnginePool) -> None:
+    """One short translation through each engine, so the first user does not pay for lazy initialisation."""
+    for engine in pool.engines:
+        request = engine.submit(Request(engine.tr.tokenizer.encode("warm up") or [engine.tr.eos_id], max_decoding_length=4))
+        request.done.wait(60)
 
 
 def load_model(spec: ModelSpec, config: ServerConfig, io_binding: bool | None, metrics: ServerMetrics) -> ServedModel:
-    """The model's sessions and its own engine (its own thread: a flood on one model never waits for
+    """The model's sessions and its own engines (their own threads: a flood on one model never waits for
     another's steps; the operating system shares the cores between the engines' threads)."""
     translator = OnnxTranslator(load_bundle(spec.bundle), device=spec.device, variant=spec.variant,
                                 intra_op_threads=spec.threads, io_binding=io_binding, shared_cross=False)
-    engine = Engine(translator, EngineConfig(max_running_rows=config.max_running_rows,
-                                             max_batch_tokens=config.max_batch_tokens,
-                                             max_waiting=config.max_waiting,
-                                             batching=config.batching, admit_rows=config.admit_rows,
-                                             admit_steps=config.admit_steps),
-                    on_step=functools.partial(metrics.step, spec.id)).start()
+    engine = EnginePool(translator, spec.inter_threads, EngineConfig(max_running_rows=config.max_running_rows,
+                                                               max_batch_tokens=config.max_batch_tokens,
+                                                               max_waiting=config.max_waiting,
+                                                               batching=config.batching, admit_rows=config.admit_rows,
+                                                               admit_steps=config.admit_steps),
+                        on_step=functools.partial(metrics.step, spec.id)).start()
     metrics.watch_engine(spec.id, engine)
     metrics.model.labels(spec.id).info({"bundle": spec.bundle, "variant": spec.variant, "device": spec.device,
                                         "io_binding": str(translator.io_binding).lower(), "batching": config.batching})

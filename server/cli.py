@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-HELPS = {"models": "TOML file of the models to serve: bundle, id, variant, device, threads each (server/models.py)",
-         "threads": "ONNX Runtime intra-op threads", "device": "cpu or cuda",
+HELPS = {"models": "TOML file of the models to serve: bundle, id, variant, device, threads, inter_threads each (server/models.py)",
+         "threads": "ONNX Runtime intra-op threads (of each engine)", "device": "cpu or cuda",
+         "inter_threads": "engines per model (CTranslate2's name): running batches decoded at once, each on a thread "
+                          "of its own with its own --max-running-rows and --max-waiting (2 × 1 thread beat 1 × 2 "
+                          "under load on a CPU)",
          "io_binding": "auto, on or off: keep K/V caches on the device between steps (auto: on for cuda)",
          "max_running_rows": "rows in each model's running decoder batch (a beam search takes beam_size rows)",
          "admit_rows": "continuous batching: newcomers join a running batch once this many rows are free (at most 1/8 of --max-running-rows) …",

@@ -20,6 +20,7 @@ class ServerConfig:
     device: str = "cpu"
     io_binding: str = "auto"  # on: K/V caches stay on the device as OrtValues (IOBinding); auto = on for cuda
     threads: int = 2  # ONNX Runtime intra-op threads (sessions never spin): the deployment's CPU request
+    inter_threads: int = 1  # running batches per model (engines), each on a thread of its own with `threads` intra-op threads
     max_running_rows: int = 64
     admit_rows: int = 8  # continuous batching: newcomers join once this many rows are free (≤ 1/8 of the rows) …
     admit_steps: int = 4  # … or once the oldest has waited this many decoder steps

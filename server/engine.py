@@ -330,3 +330,42 @@ class Engine:
         request.done.set()
         if request.on_finish:
             request.on_finish(request)
+
+
+class EnginePool:
+    """A model's engines (`serve --inter-threads N`): each its own thread, waiting queue and running batch, over
+    the same sessions through a decoding context of its own (OnnxTranslator.replica). On a CPU, N running
+    batches of one intra-op thread each keep the cores busier than one batch on N threads, whose kernels
+    are short at these sizes (README, "Batches at once"); one client's request still runs on one thread.
+    A request goes to the engine with the fewest requests waiting and running; its result does not depend
+    on which (it depends on its own rows only). The pool has an Engine's interface."""
+
+    def __init__(self, translator: OnnxTranslator, count: int = 1, config: EngineConfig | None = None,
+                 on_step: Callable[[int, int, float], None] | None = None):
+        self.engines = [Engine(translator if i == 0 else translator.replica(), config, on_step) for i in range(count)]
+        self.tr = translator
+        self.ids = itertools.count()  # request ids unique across the engines
+
+    def start(self) -> EnginePool:
+        for engine in self.engines:
+            engine.start()
+        return self
+
+    def stop(self) -> None:
+        for engine in self.engines:
+            engine.stop()
+
+    def submit(self, request: Request) -> Request:
+        """To the least busy engine; EngineOverloaded when even its waiting queue is full."""
+        loads = [engine.stats() for engine in self.engines]
+        least = min(range(len(loads)), key=lambda i: loads[i]["waiting"] + loads[i]["running"])
+        request.id = request.id or f"r{next(self.ids)}"
+        return self.engines[least].submit(request)
+
+    def stats(self) -> dict:
+        """Waiting and running requests and decoder steps, summed over the engines."""
+        each = [engine.stats() for engine in self.engines]
+        return {key: sum(s[key] for s in each) for key in each[0]}
+
+    def idle(self) -> bool:
+        return all(engine.idle() for engine in self.engines)

@@ -10,7 +10,7 @@ models.toml:
     [[models]]
     bundle = "/models/en-fr"     # required
     id = "en-fr"                 # default: the bundle's languages ("en-fr"), else its directory's name
-    variant = "int8"             # default: --variant; also device, threads
+    variant = "int8"             # default: --variant; also device, threads, inter_threads
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from nmtserve.server.documents import fit, sentence_spans
 from nmtserve.server.engine import Engine
 from nmtserve.v1 import translation_pb2 as pb
 
-SPEC_KEYS = ("bundle", "id", "variant", "device", "threads")
+SPEC_KEYS = ("bundle", "id", "variant", "device", "threads", "inter_threads")
+INTEGER_KEYS = ("threads", "inter_threads")
 
 
 class InvalidRequest(NmtserveError):
@@ -46,6 +47,7 @@ class ModelSpec:
     variant: str
     device: str
     threads: int
+    inter_threads: int = 1  # engines over the model's sessions (server/engine.py, EnginePool)
 
 
 def default_id(bundle: str) -> str:
@@ -76,18 +78,23 @@ def model_specs(config: ServerConfig) -> list[ModelSpec]:
                 raise ConfigError(f"{where}: " + (f"unknown key {unknown[0]!r}; keys are {', '.join(SPEC_KEYS)}"
                                                   if unknown else "bundle is required"))
             for key, value in entry.items():
-                if not isinstance(value, int if key == "threads" else str) or isinstance(value, bool):
+                if not isinstance(value, int if key in INTEGER_KEYS else str) or isinstance(value, bool):
                     raise ConfigError(f"{where}.{key} = {value!r}: expected "
-                                      + ("an integer" if key == "threads" else "a string"))
+                                      + ("an integer" if key in INTEGER_KEYS else "a string"))
             entries.append(entry)
     else:
         entries = [{"bundle": b.strip()} for b in config.bundle.split(",") if b.strip()]
     if not entries:
         raise ConfigError("no model to serve: give one or more bundle directories, or --models FILE")
     specs = [ModelSpec(e.get("id") or default_id(e["bundle"]), e["bundle"], e.get("variant", config.variant),
-                       e.get("device", config.device), e.get("threads", config.threads)) for e in entries]
+                       e.get("device", config.device), e.get("threads", config.threads),
+                       e.get("inter_threads", config.inter_threads)) for e in entries]
     seen: dict[str, str] = {}
     for spec in specs:
+        if spec.inter_threads < 1:
+            raise ConfigError(f"inter_threads {spec.inter_threads} for model {spec.id!r} (--inter-threads, or its "
+                              "models file): "
+                              "must be at least 1")
         if spec.id in seen:
             raise ConfigError(f"model id {spec.id!r} names both {seen[spec.id]} and {spec.bundle}: "
                               "give each an id in a --models file")

@@ -13,7 +13,7 @@ weights stay in the CPU cache between its runs (a batch's result is the same eit
 inter_threads > 1 (CTranslate2's name) that many batches, or groups of them, decode at once on
 threads of their own, each with its own binding over the same two sessions (ONNX Runtime runs one
 session's graphs concurrently): on a CPU this uses the cores better than one batch on more intra-op
-threads, whose parallel regions are short at these sizes (README, "Batches in parallel").
+threads, whose parallel regions are short at these sizes (README, "Batches at once").
 
 The decoder graph gets a TopK appended (`with_search_head`): a step returns each row's k best tokens
 and their log-probabilities (k = 1 greedy, 2 × beam for beam search), never the whole distribution
@@ -470,7 +470,7 @@ class OnnxTranslator:
             return results
         replicas = queue.SimpleQueue()  # one decoding context per thread; a thread takes the next group
         for _ in range(self.inter_threads):
-            replicas.put(self._replica())
+            replicas.put(self.replica())
 
         def decode(group):
             replica = replicas.get()
@@ -495,9 +495,10 @@ class OnnxTranslator:
             for i, hypotheses in zip(rows, found):
                 results[i] = hypotheses
 
-    def _replica(self) -> OnnxTranslator:
+    def replica(self) -> OnnxTranslator:
         """This translator with a decoding context of its own (decoder binding and bound buffers) over the
-        same sessions, tokenizer and bundle: one per thread decoding at once."""
+        same sessions, tokenizer and bundle: one per thread decoding at once (inter_threads here, the
+        server's --inter-threads)."""
         replica = copy.copy(self)
         replica._binding, replica._bound = self.decoder.io_binding(), {}
         return replica

@@ -7,10 +7,11 @@ import grpc
 import pytest
 
 from nmtserve.export.runtime.translator import OnnxTranslator
+from nmtserve.server.config import ServerConfig
 from nmtserve.training.data import read_tsv
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
-from tests.helpers import metric, scrape
+from tests.helpers import ServerThread, metric, scrape
 
 # (request options, the same as OnnxTranslator.translate_batch keywords); the server's limit is 64 tokens
 MODES = [
@@ -36,8 +37,24 @@ def alone(tiny_bundle, sentences) -> list[list]:
             for _, kw in MODES]
 
 
-def test_every_mode_in_concurrent_mixed_traffic_gets_its_alone_result(served, sentences, alone):
-    """Unary calls of every mode and streams with a beam, 4 client threads at once, twice over."""
+@pytest.fixture(scope="module")
+def two_engines(tiny_bundle):
+    """The model served by two engines (serve --inter-threads 2), one intra-op thread each."""
+    server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=0,
+                                       max_sentences=8, max_sentence_chars=300, max_output_tokens=64,
+                                       inter_threads=2, threads=1))
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("server", ["served", "two_engines"])
+def test_every_mode_in_concurrent_mixed_traffic_gets_its_alone_result(server, request, sentences, alone):
+    """Unary calls of every mode and streams with a beam, 4 client threads at once, twice over; with two
+    engines, both decode (each over its own binding of the same sessions) and nothing depends on which."""
+    served = request.getfixturevalue(server)
+    engines = served.running.engine.engines
+    steps_before = [engine.stats()["steps"] for engine in engines]
+
     def call(job):
         m, i = job
         with served.channel() as channel:
@@ -56,6 +73,7 @@ def test_every_mode_in_concurrent_mixed_traffic_gets_its_alone_result(served, se
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         results = list(pool.map(call, jobs))
     after = scrape(served.running.metrics_port)
+    assert all(engine.stats()["steps"] > before for engine, before in zip(engines, steps_before))
     # the request metrics count each decoding mode apart (MODES: 1 greedy, 2 beam, 2 sampled)
     for mode, share in (("greedy", 1), ("beam", 2), ("sampling", 2)):
         sentences_done = metric(after, "nmtserve_sentences_total", mode=mode) - metric(before, "nmtserve_sentences_total",

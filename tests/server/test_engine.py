@@ -13,7 +13,7 @@ import pytest
 from nmtserve.export.runtime.batch import BatchState
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.search import DecodingOptions
-from nmtserve.server.engine import Engine, EngineConfig, EngineOverloaded, FinishReason, Request
+from nmtserve.server.engine import Engine, EngineConfig, EngineOverloaded, EnginePool, FinishReason, Request
 from nmtserve.server.running_batch import RunningBatch
 from nmtserve.training.data import read_tsv
 
@@ -93,6 +93,28 @@ def test_cancel_and_deadline_free_their_rows(translator, sources):
         assert engine.stats()["running"] == 0 and engine.batch.state is None
     finally:
         engine.stop()
+
+
+def test_a_pool_of_engines_spreads_requests_and_each_gets_the_translator_tokens(translator, sources):
+    """serve --inter-threads 2: each request goes to the engine with the fewest waiting and running, ids
+    are unique across the engines, both decode at once (each over its own binding of the same sessions)
+    and every request gets the tokens it gets alone."""
+    expected = [tokens for tokens, _ in translator.translate_ids(sources, max_batch_size=1)]
+    pool = EnginePool(translator, 2, EngineConfig(max_running_rows=8))
+    queued = [pool.submit(Request(src)) for src in sources[:4]]  # not started yet: all four wait
+    assert [len(engine.waiting) for engine in pool.engines] == [2, 2]
+    assert pool.stats() == {"waiting": 4, "running": 0, "steps": 0}
+    pool.start()
+    try:
+        requests = queued + [pool.submit(Request(src)) for src in sources[4:]]
+        for r in requests:
+            assert r.done.wait(60)
+        assert [r.tokens for r in requests] == expected
+        assert len({r.id for r in requests}) == len(requests)
+        assert all(engine.steps > 0 for engine in pool.engines)
+        assert pool.idle()
+    finally:
+        pool.stop()
 
 
 def test_full_waiting_queue_is_refused_at_once(translator, sources):

@@ -181,23 +181,26 @@ def test_a_flood_on_one_model_does_not_hold_up_the_other(two_models, fr_en_bundl
 def test_the_models_file_names_ids_and_settings(tiny_bundle, fr_en_bundle, tmp_path):
     models = tmp_path / "models.toml"
     models.write_text(f'[[models]]\nbundle = "{tiny_bundle}"\nid = "ours"\nvariant = "int8"\n\n'
-                      f'[[models]]\nbundle = "{fr_en_bundle}"\nthreads = 2\n', encoding="utf-8")
+                      f'[[models]]\nbundle = "{fr_en_bundle}"\nthreads = 1\ninter_threads = 2\n', encoding="utf-8")
     specs = model_specs(ServerConfig(models=str(models)))
-    assert [(s.id, s.variant, s.threads) for s in specs] == [("ours", "int8", 2), ("fr-en", "fp32", 2)]
+    assert [(s.id, s.variant, s.threads, s.inter_threads) for s in specs] == [("ours", "int8", 2, 1), ("fr-en", "fp32", 1, 2)]
     server = ServerThread(ServerConfig(models=str(models), host="127.0.0.1", port=0, metrics_port=0))
     try:
         with server.channel() as channel:
             listed = pb_grpc.TranslationServiceStub(channel).ListModels(pb.ListModelsRequest(), timeout=30).models
         assert [(m.model, m.variant) for m in listed] == [("ours", "int8"), ("fr-en", "fp32")]
+        assert [len(m.engine.engines) for m in server.running.models.values()] == [1, 2]
     finally:
         server.stop()
     bad = tmp_path / "bad.toml"
     for text, message in ((f'[[models]]\nbundle = "{tiny_bundle}"\nvariants = "int8"\n',
                            f"--models {bad}: models[0]: unknown key 'variants'; keys are bundle, id, variant, device, "
-                           "threads"),
+                           "threads, inter_threads"),
                           ('[[models]]\nid = "x"\n', f"--models {bad}: models[0]: bundle is required"),
                           (f'[[models]]\nbundle = "{tiny_bundle}"\nthreads = "two"\n',
-                           f"--models {bad}: models[0].threads = 'two': expected an integer")):
+                           f"--models {bad}: models[0].threads = 'two': expected an integer"),
+                          (f'[[models]]\nbundle = "{tiny_bundle}"\nid = "x"\ninter_threads = 0\n',
+                           "inter_threads 0 for model 'x' (--inter-threads, or its models file): must be at least 1")):
         bad.write_text(text, encoding="utf-8")
         with pytest.raises(ConfigError) as refused:
             model_specs(ServerConfig(models=str(bad)))
@@ -205,7 +208,7 @@ def test_the_models_file_names_ids_and_settings(tiny_bundle, fr_en_bundle, tmp_p
     with pytest.raises(ConfigError, match="model id 'en-fr' names both"):
         model_specs(ServerConfig(bundle=f"{tiny_bundle},{tiny_bundle}"))
     result = run_cli("serve", "--models", str(bad), "--port", "0", timeout=120)
-    assert result.returncode == 2 and result.stderr.strip().endswith("expected an integer"), result.stderr
+    assert result.returncode == 2 and result.stderr.strip().endswith("must be at least 1"), result.stderr
     result = run_cli("serve", str(tiny_bundle), "--models", str(models), "--port", "0", timeout=120)
     assert result.returncode == 2 and "give bundle directories or --models FILE, not both" in result.stderr
 
