@@ -27,7 +27,7 @@ from nmtserve.export.runtime.bundle import MANIFEST, load_bundle
 from nmtserve.search import DecodingOptions
 from nmtserve.server.config import ServerConfig
 from nmtserve.server.documents import fit, sentence_spans
-from nmtserve.server.engine import Engine
+from nmtserve.server.engine import EnginePool
 from nmtserve.v1 import translation_pb2 as pb
 
 SPEC_KEYS = ("bundle", "id", "variant", "device", "threads", "inter_threads")
@@ -105,7 +105,7 @@ def model_specs(config: ServerConfig) -> list[ModelSpec]:
 class ServedModel:
     """One model behind the server: its engine, and the checks and defaults of its requests."""
 
-    def __init__(self, spec: ModelSpec, engine: Engine, config: ServerConfig):
+    def __init__(self, spec: ModelSpec, engine: EnginePool, config: ServerConfig):
         self.id, self.spec, self.engine, self.config = spec.id, spec, engine, config
         tr = engine.tr
         self.tokenizer = tr.tokenizer
