@@ -100,11 +100,10 @@ def load_model(spec: ModelSpec, config: ServerConfig, io_binding: bool | None, m
     another's steps; the operating system shares the cores between the engines' threads)."""
     translator = OnnxTranslator(load_bundle(spec.bundle), device=spec.device, variant=spec.variant,
                                 intra_op_threads=spec.threads, io_binding=io_binding, shared_cross=False)
-    engine = EnginePool(translator, spec.inter_threads, EngineConfig(max_running_rows=config.max_running_rows,
-                                                               max_batch_tokens=config.max_batch_tokens,
-                                                               max_waiting=config.max_waiting,
-                                                               batching=config.batching, admit_rows=config.admit_rows,
-                                                               admit_steps=config.admit_steps),
+    engine_config = EngineConfig(max_running_rows=config.max_running_rows, max_batch_tokens=config.max_batch_tokens,
+                                 max_waiting=config.max_waiting, batching=config.batching,
+                                 admit_rows=config.admit_rows, admit_steps=config.admit_steps)
+    engine = EnginePool(translator, spec.inter_threads, engine_config,
                         on_step=functools.partial(metrics.step, spec.id)).start()
     metrics.watch_engine(spec.id, engine)
     metrics.model.labels(spec.id).info({"bundle": spec.bundle, "variant": spec.variant, "device": spec.device,

@@ -344,7 +344,8 @@ class EnginePool:
                  on_step: Callable[[int, int, float], None] | None = None):
         self.engines = [Engine(translator if i == 0 else translator.replica(), config, on_step) for i in range(count)]
         self.tr = translator
-        self.ids = itertools.count()  # request ids unique across the engines
+        for engine in self.engines[1:]:
+            engine.ids = self.engines[0].ids  # request ids unique across the engines
 
     def start(self) -> EnginePool:
         for engine in self.engines:
@@ -359,7 +360,6 @@ class EnginePool:
         """To the least busy engine; EngineOverloaded when even its waiting queue is full."""
         loads = [engine.stats() for engine in self.engines]
         least = min(range(len(loads)), key=lambda i: loads[i]["waiting"] + loads[i]["running"])
-        request.id = request.id or f"r{next(self.ids)}"
         return self.engines[least].submit(request)
 
     def stats(self) -> dict:
