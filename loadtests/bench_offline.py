@@ -8,8 +8,8 @@ Fair by construction:
   worker …`) that imports only its engine; the report lists the engines' modules each worker had
   loaded, and an ONNX Runtime worker never has torch or ctranslate2 beside it;
 - a run starts one worker per engine and thread count, in an order rotated from run to run, and
-  each worker translates the sentences once at every batch size after a warm-up; `runs` runs, so
-  the engines interleave and drift of the machine hits them alike;
+  each worker translates the sentences `repeats` times at every batch size after a warm-up (the
+  median pass counts); `runs` runs, so the engines interleave and drift of the machine hits them alike;
 - thread counts are swept (half the usable cores and all of them, by default), each in two layouts
   where the engine has both (ONNX Runtime, CTranslate2): n intra-op threads on one batch at a time
   (1×n), and n batches at a time on one thread each (n×1, CTranslate2's `inter_threads`); each
@@ -85,6 +85,7 @@ class BenchConfig:
     sentences_file: str | None = None  # default: the test split of the bundle's training data
     max_decoding_length: int = 256
     beam_size: int = 1
+    repeats: int = 3  # passes over the sentences at each batch size within a worker; the median pass counts
 
 
 def marian_directory(bundle: str) -> str | None:
@@ -191,15 +192,20 @@ def _peak_rss_mb() -> float:
 
 
 def measure(engine: str, inter: int, threads: int, spec: dict) -> dict:
-    """Warm up, then translate every source once at each batch size (in this process)."""
+    """Warm up, then translate every source `repeats` times at each batch size (in this process), keeping
+    the median pass: one pass of 200 short sentences lasts 0.1–0.5 s at the larger batches, where a
+    hiccup of the machine or a first call at a new shape shows."""
     run = _load_engine(engine, inter, threads, spec)
     sources = spec["sources"]
     run(sources[:16], 8)  # first-call allocations, lazy kernels
     seconds, tokens, outputs = {}, {}, {}
     for batch in spec["batch_sizes"]:
-        t0 = time.perf_counter()
-        out = run(sources, batch)
-        seconds[str(batch)] = time.perf_counter() - t0
+        passes = []
+        for _ in range(spec["repeats"]):
+            t0 = time.perf_counter()
+            out = run(sources, batch)
+            passes.append(time.perf_counter() - t0)
+        seconds[str(batch)] = statistics.median(passes)
         tokens[str(batch)] = sum(len(o) for o in out)
         outputs[str(batch)] = out
     first = outputs[str(spec["batch_sizes"][0])]
@@ -239,7 +245,7 @@ def _spec(cfg: BenchConfig, workdir: Path) -> dict:
     search = replace(DecodingOptions(**(bundle.manifest.get("decoding_defaults") or {})).override(
         beam_size=cfg.beam_size), max_decoding_length=cfg.max_decoding_length)
     spec = {"bundle": cfg.bundle, "checkpoint": checkpoint, "marian_directory": marian, "sources": sources,
-            "batch_sizes": list(cfg.batch_sizes), "search": asdict(search)}
+            "batch_sizes": list(cfg.batch_sizes), "repeats": cfg.repeats, "search": asdict(search)}
     if any(e.startswith("ct2_") for e in cfg.engines):
         # converted here, once, in the runner (torch), never in a measuring process
         if marian:  # by CTranslate2's own converter, from the directory the bundle was imported from
@@ -313,7 +319,7 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences:
             agreement[f"{engine}_vs_{reference}_identical"] = round(
                 sum(a == b for a, b in zip(measured[0]["outputs"], ref)) / n_sentences, 4)
     return {"machine": machine_info(), "checkpoint": checkpoint, "bundle": cfg.bundle, "sentences": n_sentences,
-            "runs": cfg.runs, "threads_swept": list(threads),
+            "runs": cfg.runs, "repeats": cfg.repeats, "threads_swept": list(threads),
             "layouts_swept": {e: [layout_name(*lt) for lt in layouts(e, threads)] for e in cfg.engines},
             "batch_sizes": list(cfg.batch_sizes),
             "unit": f"target tokens/s (eos excluded), {decoding_name(cfg.beam_size)}",
@@ -340,7 +346,7 @@ def format_table(report: dict) -> str:
     lines = [describe(report["machine"]),
              f"{report['sentences']} sentences, {report['unit']}; each engine in its own process at its best of "
              f"{', '.join(map(str, report['threads_swept']))} thread(s), as batches at once × threads each (t=); "
-             f"median [min–max] of {report['runs']} runs",
+             f"median [min–max] of {report['runs']} runs, each the median of {report.get('repeats', 1)} passes",
              f"{'engine':<10}" + "".join(f"{'batch ' + b:>28}" for b in batches)]
     for engine, cells in report["best"].items():
         lines.append(f"{engine:<10}" + "".join(

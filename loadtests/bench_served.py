@@ -36,7 +36,7 @@ class ServedBenchConfig:
     bundle: str
     sentences_file: str | None = None  # default: the bundle's training data test split
     concurrency: tuple[int, ...] = (1, 8, 32, 128)
-    requests: int = 0  # per cell; 0: max(48, 4 × concurrency)
+    requests: int = 0  # per cell; 0: max(64, 16 × concurrency), so that the steady window spans ~14 rounds
     runs: int = 3
     threads: int = 2  # ONNX Runtime intra-op threads, for the servers and the baseline alike (as serve)
     variant: str = "fp32"
@@ -62,7 +62,8 @@ def work(cfg: ServedBenchConfig, pool: list[str], n: int, seed: int) -> list[tup
 
 def _cell(target: str, requests: list[tuple[str, dict]], concurrency: int) -> dict:
     """Closed loop: `concurrency` client threads (blocking stubs, as most services call), each sends
-    its next request when its last one returns; every request is sent exactly once."""
+    its next request when its last one returns; every request is sent exactly once. Throughput is given
+    twice: over the whole cell, and at steady state (`steady_window`)."""
     from nmtserve.client import open_channel
     from nmtserve.v1 import translation_pb2 as pb
     from nmtserve.v1 import translation_pb2_grpc as pb_grpc
@@ -71,6 +72,8 @@ def _cell(target: str, requests: list[tuple[str, dict]], concurrency: int) -> di
     in_server: list[float] = []  # the server's own arrival-to-finish time (Timings.total_ns)
     stages: list[list[float]] = []  # per request, seconds in each of STAGES
     tokens = [0]
+    finished: list[tuple[float, int]] = []  # (when, target tokens) of each request, in completion order
+    last_sent = [0.0]
     queue, lock = iter(requests), threading.Lock()
     with open_channel(target) as channel:
         stub = pb_grpc.TranslationServiceStub(channel)
@@ -79,14 +82,17 @@ def _cell(target: str, requests: list[tuple[str, dict]], concurrency: int) -> di
             while True:
                 with lock:
                     request = next(queue, None)
+                    t0 = time.perf_counter()
+                    if request is not None:
+                        last_sent[0] = t0
                 if request is None:
                     return
                 sentence, options = request
-                t0 = time.perf_counter()
                 response = stub.Translate(pb.TranslateRequest(sentences=[sentence],
                                                               options=pb.DecodingOptions(**options)), timeout=120)
                 elapsed = time.perf_counter() - t0
                 with lock:
+                    finished.append((t0 + elapsed, response.translations[0].output_tokens))
                     latencies.append(elapsed)
                     in_server.append(response.translations[0].timings.total_ns / 1e9)
                     stages.append(_stages(response.translations[0].timings, elapsed))
@@ -100,10 +106,23 @@ def _cell(target: str, requests: list[tuple[str, dict]], concurrency: int) -> di
             t.join()
         elapsed = time.perf_counter() - started
     return {"seconds": elapsed, "requests": len(latencies), "output_tokens": tokens[0],
-            "tokens_per_s": tokens[0] / elapsed, "requests_per_s": len(latencies) / elapsed,
+            "tokens_per_s": tokens[0] / elapsed,
+            "steady_tokens_per_s": steady_window(finished, last_sent[0], concurrency) or tokens[0] / elapsed,
+            "requests_per_s": len(latencies) / elapsed,
             "p50_ms": percentile(latencies, 50) * 1e3, "p90_ms": percentile(latencies, 90) * 1e3,
             "p99_ms": percentile(latencies, 99) * 1e3, "server_p50_ms": percentile(in_server, 50) * 1e3,
             "stages_mean_ms": {name: statistics.fmean(s[i] for s in stages) * 1e3 for i, name in enumerate(STAGES)}}
+
+
+def steady_window(finished: list[tuple[float, int]], last_sent: float, concurrency: int) -> float | None:
+    """Target tokens/s while every client is busy and the first round is over: the tokens of the requests
+    finished after the `concurrency`-th completion and before the last request was sent, over that time.
+    A whole cell's figure also counts the start, when every client sends at once and nothing has come
+    back yet, and the tail, when fewer and fewer clients have work (a quarter of the cell's time at 4
+    requests per client). None when the window is empty (too few requests per client)."""
+    start = finished[min(concurrency, len(finished)) - 1][0]
+    inside = [n for when, n in finished if start < when <= last_sent]
+    return sum(inside) / (last_sent - start) if inside else None
 
 
 # where a one-sentence call's time goes, from the server's Timings and the client's latency; the
@@ -160,7 +179,7 @@ def run_served_bench(cfg: ServedBenchConfig) -> dict:
                 _cell(server.target, work(cfg, pool, 16, seed=-1), 8)
             for run in range(cfg.runs):
                 for c in cfg.concurrency:
-                    requests = work(cfg, pool, cfg.requests or max(48, 4 * c), seed=cfg.seed + 1000 * run + c)
+                    requests = work(cfg, pool, cfg.requests or max(64, 16 * c), seed=cfg.seed + 1000 * run + c)
                     for mode, server in servers.items():
                         cells[mode][c].append(_cell(server.target, requests, c))
                     if c == 1:  # the same requests, right after, while both servers are idle
@@ -177,8 +196,9 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: list[dict]) -> dict:
         results[mode] = {}
         for c, runs in by_c.items():
             results[mode][str(c)] = {key: round(statistics.median(r[key] for r in runs), 2)
-                                     for key in ("tokens_per_s", "requests_per_s", "p50_ms", "p90_ms", "p99_ms", "server_p50_ms")}
-            for key in ("tokens_per_s", "p50_ms"):  # the spread over runs, beside the median
+                                     for key in ("tokens_per_s", "steady_tokens_per_s", "requests_per_s", "p50_ms",
+                                                 "p90_ms", "p99_ms", "server_p50_ms")}
+            for key in ("tokens_per_s", "steady_tokens_per_s", "p50_ms"):  # the spread over runs, beside the median
                 results[mode][str(c)][f"{key}_min_max"] = [round(min(r[key] for r in runs), 2),
                                                            round(max(r[key] for r in runs), 2)]
             results[mode][str(c)]["requests"] = runs[0]["requests"]
@@ -186,9 +206,9 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: list[dict]) -> dict:
                 name: round(statistics.median(r["stages_mean_ms"][name] for r in runs), 3) for name in STAGES}
     ratios = {}
     if {"continuous", "static"} <= set(results):
-        ratios["continuous/static tokens_per_s"] = {
-            c: round(results["continuous"][c]["tokens_per_s"] / results["static"][c]["tokens_per_s"], 2)
-            for c in results["continuous"]}
+        for key in ("tokens_per_s", "steady_tokens_per_s"):
+            ratios[f"continuous/static {key}"] = {
+                c: round(results["continuous"][c][key] / results["static"][c][key], 2) for c in results["continuous"]}
     baseline = {key: statistics.median(b[key] for b in baselines) for key in baselines[0]} if baselines else None
     if baseline:
         for mode in results:
@@ -208,14 +228,16 @@ def format_table(report: dict) -> str:
     lines = [describe(report["machine"]),
              f"{report['variant']} on {report.get('device', 'cpu')}, {report['threads']} ORT thread(s), "
              f"{report.get('decoding', 'greedy')} decoding, median of {report['runs']} runs",
-             f"{'mode':<11}{'clients':>8}{'tok/s [min–max]':>22}{'req/s':>8}{'p50 ms [min–max]':>24}{'p90 ms':>9}"
-             f"{'p99 ms':>9}{'in-server p50':>15}"]
+             f"{'mode':<11}{'clients':>8}{'tok/s [min–max]':>22}{'steady tok/s [min–max]':>25}{'req/s':>8}"
+             f"{'p50 ms [min–max]':>24}{'p90 ms':>9}{'p99 ms':>9}{'in-server p50':>15}"]
     for mode, by_c in report["results"].items():
         for c, r in by_c.items():
-            (t_lo, t_hi), (p_lo, p_hi) = r["tokens_per_s_min_max"], r["p50_ms_min_max"]
+            (t_lo, t_hi), (s_lo, s_hi), (p_lo, p_hi) = (r[f"{key}_min_max"] for key in (
+                "tokens_per_s", "steady_tokens_per_s", "p50_ms"))
             throughput = f"{r['tokens_per_s']:.0f} [{t_lo:.0f}–{t_hi:.0f}]"
+            steady = f"{r['steady_tokens_per_s']:.0f} [{s_lo:.0f}–{s_hi:.0f}]"
             p50 = f"{r['p50_ms']:.1f} [{p_lo:.1f}–{p_hi:.1f}]"
-            lines.append(f"{mode:<11}{c:>8}{throughput:>22}{r['requests_per_s']:>8.1f}{p50:>24}"
+            lines.append(f"{mode:<11}{c:>8}{throughput:>22}{steady:>25}{r['requests_per_s']:>8.1f}{p50:>24}"
                          f"{r['p90_ms']:>9.1f}{r['p99_ms']:>9.1f}{r['server_p50_ms']:>15.1f}")
     lines.append("mean ms per stage: " + ", ".join(STAGES))
     for mode, by_c in report["results"].items():
@@ -243,7 +265,10 @@ def draw_chart(report: dict, path: Path) -> None:
         for key, style in (("p50_ms", "-"), ("p90_ms", "--"), ("p99_ms", ":")):
             latency.plot(clients, [cells[c][key] for c in cells], style, color=color, marker="o",
                          label=f"{mode} {key[:3]}")
-        throughput.plot(clients, [cells[c]["tokens_per_s"] for c in cells], color=color, marker="o", label=mode)
+        throughput.plot(clients, [cells[c]["steady_tokens_per_s"] for c in cells], color=color, marker="o",
+                        label=f"{mode}, steady state")
+        throughput.plot(clients, [cells[c]["tokens_per_s"] for c in cells], "--", color=color, marker=".",
+                        label=f"{mode}, whole cell")
     baseline = report["baseline_onnx_translator_batch1"]
     if baseline:
         latency.axhline(baseline["p50_ms"], color="gray", linewidth=0.8, label="OnnxTranslator batch-1 p50")

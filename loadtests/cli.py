@@ -48,7 +48,7 @@ def cmd_bench_offline(args) -> int:
         raise NmtserveError(f"--engines: unknown {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
     report = run_bench(BenchConfig(args.bundle, args.checkpoint, args.sentences, args.runs, args.threads or (),
                                    args.batch_sizes, engines, args.sentences_file, args.max_decoding_length,
-                                   args.beam_size),
+                                   args.beam_size, args.repeats),
                        progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_table(report))
     if args.json:
@@ -124,6 +124,8 @@ def _add_bench(p) -> None:
                    "default: the test split of the bundle's training data")
     p.add_argument("--runs", type=int, default=3, help="runs (a process per engine and thread count each); "
                    "median and min–max are reported")
+    p.add_argument("--repeats", type=int, default=3, help="passes over the sentences at each batch size within a "
+                   "worker; the median pass counts (default %(default)s)")
     p.add_argument("--threads", type=_int_list, help="thread counts to sweep, each as intra-op threads on one batch and "
                    "(ONNX Runtime, CTranslate2) as batches at once (default: half the usable cores, and all)")
     p.add_argument("--batch-sizes", type=_int_list, default=(1, 8, 32, 64))
@@ -138,7 +140,7 @@ def _add_bench(p) -> None:
     p.add_argument("bundle")
     p.add_argument("--sentences", help="sentence file (.tsv: first column; else one per line); default: the test split")
     p.add_argument("--concurrency", type=_int_list, default=(1, 8, 32, 128), help="closed-loop clients per cell")
-    p.add_argument("--requests", type=int, default=0, help="requests per cell (0: max(48, 4 × concurrency))")
+    p.add_argument("--requests", type=int, default=0, help="requests per cell (0: max(64, 16 × concurrency))")
     p.add_argument("--runs", type=int, default=3, help="runs per cell; the median is reported")
     p.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads of servers and baseline")
     p.add_argument("--variant", default="fp32")

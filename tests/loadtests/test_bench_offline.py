@@ -12,10 +12,11 @@ from tests.helpers import run_cli
 def test_offline_bench_measures_each_engine_alone_and_reports_its_best(tiny_bundle, tmp_path):
     out = tmp_path / "bench" / "offline.json"
     result = run_cli("bench", "offline", str(tiny_bundle), "--sentences", "12", "--runs", "2", "--batch-sizes", "1,4",
-                     "--threads", "1,2", "--json", str(out), timeout=600)
+                     "--threads", "1,2", "--repeats", "2", "--json", str(out), timeout=600)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     engines = {"pytorch", "ort_fp32", "ort_int8", "ct2_fp32", "ct2_int8"}
+    assert report["repeats"] == 2 and "each the median of 2 passes" in result.stdout
     assert set(report["results"]) == set(report["best"]) == engines
     # each measuring process had its own engine's library loaded and no other
     own = {"pytorch": ["torch"], "ort_fp32": ["onnxruntime"], "ort_int8": ["onnxruntime"],
@@ -60,7 +61,7 @@ def test_offline_bench_of_an_imported_marian_bundle_measures_transformers_and_ct
     (tmp_path / "en.txt").write_text("\n".join(sentences(ENGLISH, 6, 21)) + "\n", encoding="utf-8")
     out = tmp_path / "marian.json"
     result = run_cli("bench", "offline", str(marian_bundle), "--sentences-file", str(tmp_path / "en.txt"),
-                     "--runs", "1", "--threads", "1", "--batch-sizes", "1,3", "--beam-size", "2",
+                     "--runs", "1", "--repeats", "1", "--threads", "1", "--batch-sizes", "1,3", "--beam-size", "2",
                      "--max-decoding-length", "12", "--engines", "transformers,ort_fp32,ct2_fp32", "--json", str(out),
                      timeout=600)
     assert result.returncode == 0, result.stderr

@@ -6,7 +6,9 @@ import json
 import random
 from collections import Counter
 
-from nmtserve.loadtests.bench_served import STAGES
+import pytest
+
+from nmtserve.loadtests.bench_served import STAGES, steady_window
 from nmtserve.loadtests.workload import DECODING_MIX, draw_decoding
 from tests.helpers import run_cli
 
@@ -16,6 +18,13 @@ def test_the_decoding_mix_draws_each_mode_by_its_share():
     counts = Counter(draw_decoding(rng)[0] for _ in range(10_000))
     for mode, _, share in DECODING_MIX:
         assert abs(counts[mode] / 10_000 - share) < 0.02, counts
+
+
+def test_the_steady_window_leaves_out_the_first_round_and_the_tail():
+    # two clients: the window opens at the second completion (1.1 s) and closes at the last send (4.0 s)
+    finished = [(1.0, 10), (1.1, 10), (2.0, 7), (3.0, 9), (4.0, 11), (4.5, 50), (4.6, 50)]
+    assert steady_window(finished, 4.0, 2) == pytest.approx((7 + 9 + 11) / 2.9)
+    assert steady_window(finished[:2], 1.05, 2) is None  # too few requests per client: no window
 
 
 def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_path):
@@ -28,12 +37,13 @@ def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_p
     for mode in ("continuous", "static"):
         assert set(report["results"][mode]) == {"1", "2"}
         for cell in report["results"][mode].values():
-            assert cell["requests"] == 6 and cell["tokens_per_s"] > 0
+            assert cell["requests"] == 6 and cell["tokens_per_s"] > 0 and cell["steady_tokens_per_s"] > 0
             low, high = cell["p50_ms_min_max"]
             assert low <= cell["p50_ms"] <= high
             # where the time goes: no stage is negative
             assert list(cell["stages_mean_ms"]) == list(STAGES) and min(cell["stages_mean_ms"].values()) >= 0
     assert set(report["ratios"]["continuous/static tokens_per_s"]) == {"1", "2"}
+    assert set(report["ratios"]["continuous/static steady_tokens_per_s"]) == {"1", "2"}
     assert report["baseline_onnx_translator_batch1"]["p50_ms"] > 0
     assert "continuous" in result.stdout and "OnnxTranslator batch 1" in result.stdout and "per stage" in result.stdout
     assert report["machine"]["cpu"] in result.stdout and "onnxruntime" in report["machine"]["versions"]
