@@ -279,7 +279,8 @@ def draw_chart(report: dict, path: Path) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     latency.set_yscale("log")
-    fig.suptitle(f"nmtserve serve, {report['variant']} on {report['device']}, {report['threads']} thread(s), "
+    flags = "".join(f" {flag}" for flag in report.get("server_flags", []))
+    fig.suptitle(f"nmtserve serve{flags}, {report['variant']} on {report['device']}, {report['threads']} thread(s), "
                  f"{report.get('decoding', 'greedy')} decoding, "
                  f"median of {report['runs']} runs — {report['machine']['cpu']}", fontsize=9)
     fig.tight_layout()
