@@ -156,8 +156,9 @@ class BatchState:
         with its own copy of its source's cross K/V: how a request with a beam of k rows joins the
         engine's batch from its one encoded row."""
         assert self.width == 1
-        ops = self.ops
-        return BatchState(ops.take(self.k, rows, 1), ops.take(self.v, rows, 1), ops.take(self.cross_k, rows, 1),
+        ops, length = self.ops, self.length
+        return BatchState(ops.take_slots(self.k, rows, length), ops.take_slots(self.v, rows, length),
+                          ops.take(self.cross_k, rows, 1),
                           ops.take(self.cross_v, rows, 1), ops.take(self.cross_eos, rows, 1), self.src_mask[rows],
                           self.positions[rows], self.tokens[rows], self.hole[rows], ops)
 
@@ -165,8 +166,9 @@ class BatchState:
         """Each row becomes `width` rows (a beam's, from its one encoded row) that share the row's source:
         its cross K/V stay one copy (the decoder step that reads them so: OnnxTranslator, with_shared_cross)."""
         assert self.width == 1
-        ops, rows = self.ops, np.repeat(np.arange(self.size), width)
-        return BatchState(ops.take(self.k, rows, 1), ops.take(self.v, rows, 1), self.cross_k, self.cross_v,
+        ops, rows, length = self.ops, np.repeat(np.arange(self.size), width), self.length
+        return BatchState(ops.take_slots(self.k, rows, length), ops.take_slots(self.v, rows, length), self.cross_k,
+                          self.cross_v,
                           self.cross_eos, self.src_mask, self.positions[rows], self.tokens[rows], self.hole[rows], ops,
                           width)
 

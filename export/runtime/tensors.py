@@ -87,13 +87,19 @@ class HostTensors:
 
     @staticmethod
     def take_slots(x: np.ndarray, rows: np.ndarray, stop: int) -> np.ndarray:
-        """Rows of a cache x with their slots 0..stop-1, the rest unset (x itself when every row is kept):
-        no row reads past its own slots, and np.empty skips zeroing (and faulting in) the rest."""
-        if len(rows) == x.shape[1]:
+        """The given rows of a cache x (indices, repeats allowed) with their slots 0..stop-1, the rest unset
+        (x itself when the rows are all of x's, in order): no row reads past its own slots, and np.empty
+        skips zeroing (and faulting in) the rest."""
+        if _every_row(rows, x.shape[1]):
             return x
         out = np.empty((x.shape[0], len(rows), *x.shape[2:]), x.dtype)
         out[:, :, :, :stop] = x[:, rows, :, :stop]
         return out
+
+
+def _every_row(rows: np.ndarray, size: int) -> bool:
+    """Whether rows are 0..size-1 in order."""
+    return len(rows) == size and bool((np.asarray(rows) == np.arange(size)).all())
 
 
 RANK5 = [f"d{i}" for i in range(5)]  # every device tensor is (L, B, H, T|S, Dh)
@@ -209,4 +215,4 @@ class DeviceTensors:
 
     def take_slots(self, x: ort.OrtValue, rows: np.ndarray, stop: int) -> ort.OrtValue:
         """As HostTensors.take_slots, with every slot (the graph copies the whole rows anyway)."""
-        return self.take(x, rows, 1) if len(rows) < self.shape(x)[1] else x
+        return x if _every_row(rows, self.shape(x)[1]) else self.take(x, rows, 1)
