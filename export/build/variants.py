@@ -103,16 +103,21 @@ def op_counts(model: onnx.ModelProto) -> dict[str, int]:
     return dict(sorted(collections.Counter(n.op_type for n in model.graph.node).items()))
 
 
-def optimized_op_counts(path: Path) -> dict[str, int]:
-    """Node counts after ONNX Runtime's CPU graph optimisations (what a session really runs)."""
+def optimized_op_counts(path: Path, disabled_optimizers: list[str] | None = None) -> dict[str, int]:
+    """Node counts after ONNX Runtime's CPU graph optimisations (what a session really runs: by default
+    without the optimisations that OnnxTranslator's CPU sessions leave out)."""
     import onnxruntime as ort
 
+    from nmtserve.export.runtime.translator import CPU_DISABLED_OPTIMIZERS
+
+    if disabled_optimizers is None:
+        disabled_optimizers = CPU_DISABLED_OPTIMIZERS
     with tempfile.TemporaryDirectory() as tmp:
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
         so.log_severity_level = 3
-        ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"], disabled_optimizers=disabled_optimizers)
         return op_counts(onnx.load(so.optimized_model_filepath))
 
 

@@ -75,6 +75,33 @@ def test_each_attention_of_the_decoder_step_is_one_fused_node_and_int8_quantises
     assert int8["GroupQueryAttention"] == ops["GroupQueryAttention"]
 
 
+def test_cpu_sessions_leave_the_int8_encoders_add_and_layer_norm_unfused(tiny_bundle, tmp_path, monkeypatch):
+    """ONNX Runtime would fuse each residual Add and LayerNormalization of the int8 encoder into
+    SkipLayerNormalization, whose CPU kernel is slower than the two; CPU sessions leave that fusion out
+    (the kernels a session made by make_session runs, from its profile), and so does the manifest's count."""
+    import numpy as np
+
+    from nmtserve.export.build.variants import optimized_op_counts
+    from nmtserve.export.runtime import translator
+
+    path = tiny_bundle / "encoder.int8.onnx"
+    assert optimized_op_counts(path, disabled_optimizers=[]).get("SkipLayerNormalization", 0) > 0
+    assert "SkipLayerNormalization" not in optimized_op_counts(path)
+    plain = translator.session_options
+
+    def profiled(threads=0):
+        options = plain(threads)
+        options.enable_profiling, options.profile_file_prefix = True, str(tmp_path / "profile")
+        return options
+    monkeypatch.setattr(translator, "session_options", profiled)
+    session = translator.make_session(path)
+    src_ids = np.array([[5, 6, 7, 3]])
+    session.run(None, {"src_ids": src_ids, "src_mask": src_ids != 0})
+    kernels = {e["args"]["op_name"] for e in json.loads(open(session.end_profiling()).read())
+               if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")}
+    assert "LayerNormalization" in kernels and "SkipLayerNormalization" not in kernels
+
+
 @pytest.fixture()
 def bundle_copy(tiny_bundle, tmp_path):
     copy = tmp_path / "bundle"
