@@ -45,8 +45,16 @@ def cmd_translate(args) -> int:
         raise NmtserveError("--stream needs --server (it calls TranslateStream)")
     if args.stream and args.json:
         raise NmtserveError("--stream prints text as it is decoded; use --json without --stream")
+    local_threads = args.threads != 0 or args.inter_threads != 1
+    if args.server and local_threads:
+        raise NmtserveError("--threads and --inter-threads set a local bundle's threads; a server has its own "
+                            "(nmtserve serve --threads, --inter-threads)")
     if args.server:
         return _translate_remote(args)
+    if args.threads < 0:
+        raise NmtserveError(f"--threads {args.threads}: must be at least 0 (0: ONNX Runtime's default, a thread per core)")
+    if args.inter_threads < 1:
+        raise NmtserveError(f"--inter-threads {args.inter_threads}: must be at least 1")
     if args.model or args.source_language or args.file:
         raise NmtserveError("--model, --source-language and --file need --server")
     if not args.inputs:
@@ -66,7 +74,7 @@ def translate_local(model: str, texts: list[str], args) -> list[list[tuple[str, 
 def _translate_bundle(path: str, texts: list[str], args) -> list[list[tuple[str, float]]]:
     from nmtserve.export.runtime.translator import OnnxTranslator
 
-    tr = OnnxTranslator(path, device=args.device)
+    tr = OnnxTranslator(path, device=args.device, intra_op_threads=args.threads, inter_threads=args.inter_threads)
     options = local_options(args, tr.bundle.manifest.get("decoding_defaults") or {})
     try:
         ids = [tr.tokenizer.encode(t, tr.limits.max_source_tokens, args.target_language) or [tr.eos_id] for t in texts]
@@ -84,6 +92,8 @@ def _translate_checkpoint(path: str, texts: list[str], args) -> list[list[tuple[
 
     if args.target_language:
         raise NmtserveError("--target-language: give a bundle or --server (the PyTorch reference reads no language token)")
+    if args.threads or args.inter_threads != 1:
+        raise NmtserveError("--threads and --inter-threads: with a bundle (ONNX Runtime), not a checkpoint")
     loaded = load_model(path, device=args.device)
     options = local_options(args, loaded.payload.get("decoding_defaults") or {})
     options.check(loaded.model.config.vocab_size)
@@ -222,6 +232,11 @@ def add_parser(sub, name: str, help_text: str) -> None:
     p.add_argument("--max-length", type=int, default=None,
                    help="most target tokens per sentence (default: 256 locally; the server's own limit with --server)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=0,
+                   help="a local bundle: ONNX Runtime intra-op threads of each batch (default 0: a thread per core)")
+    p.add_argument("--inter-threads", type=int, default=1,
+                   help="a local bundle: batches decoded at once, each on a thread of its own (CTranslate2's name); "
+                        "on a CPU, --inter-threads 2 --threads 1 beat one batch on 2 threads (README, 'Batches at once')")
     add_decoding_flags(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_translate)

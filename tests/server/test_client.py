@@ -75,3 +75,34 @@ def test_translate_cli_decodes_with_a_beam_or_samples_locally_and_through_the_se
     assert sampled[0] == sampled[1] == sampled[2] and sampled[0].count("\n") == 2
     bad = run_cli("translate", "--beam-size", "2", "--num-hypotheses", "3", str(tiny_bundle), "hi")
     assert bad.returncode == 2 and bad.stderr.strip().endswith("num_hypotheses 3: must be between 1 and beam_size (2)")
+
+
+def test_translate_cli_decodes_a_bundles_batches_at_once_on_threads_of_their_own(served, tiny_bundle, tiny_checkpoint,
+                                                                                  monkeypatch):
+    """--inter-threads 2 --threads 1: one sentence per batch, two batches at once (a decoding context per
+    thread), the same n-best lists as one thread; the flags are refused where they do not apply, naming
+    them and the value."""
+    from nmtserve.cli import build_parser
+    from nmtserve.export.runtime.translator import OnnxTranslator
+    from nmtserve.translate import translate_local
+
+    sentences = ["the cat sleeps .", "a dog eats the bread .", "the bird sings .", "a cat eats ."]
+    contexts, replica = [], OnnxTranslator.replica
+    monkeypatch.setattr(OnnxTranslator, "replica", lambda self: contexts.append(self) or replica(self))
+    args = build_parser("translate").parse_args(["translate", "--inter-threads", "2", "--threads", "1",
+                                                 "--batch-size", "1", str(tiny_bundle), *sentences])
+    assert len(translate_local(str(tiny_bundle), sentences, args)) == len(sentences)
+    assert len(contexts) == 2 and contexts[0].inter_threads == 2  # one per thread
+    flags = ["--beam-size", "3", "--num-hypotheses", "2", "--max-length", "32", "--json", "--batch-size", "1"]
+    one = run_cli("translate", *flags, str(tiny_bundle), *sentences, timeout=120)
+    two = run_cli("translate", *flags, "--inter-threads", "2", "--threads", "1", str(tiny_bundle), *sentences,
+                  timeout=120)
+    assert one.returncode == two.returncode == 0, two.stderr
+    assert two.stdout == one.stdout and two.stdout.count("\n") == len(sentences)
+    refused = {("--inter-threads", "0", str(tiny_bundle)): "--inter-threads 0: must be at least 1",
+               ("--threads", "-1", str(tiny_bundle)): "--threads -1: must be at least 0",
+               ("--inter-threads", "2", "--server", served.target): "a server has its own",
+               ("--inter-threads", "2", str(tiny_checkpoint)): "with a bundle (ONNX Runtime), not a checkpoint"}
+    for args, message in refused.items():
+        out = run_cli("translate", *args, "hi", timeout=120)
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
