@@ -42,6 +42,7 @@ def cmd_bench_offline(args) -> int:
         run_bench,
     )
 
+    _at_least(1, runs=args.runs, repeats=args.repeats)
     engines = tuple(e.strip() for e in args.engines.split(",")) if args.engines else default_engines(args.bundle)
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
@@ -59,6 +60,13 @@ def cmd_bench_offline(args) -> int:
     return 0
 
 
+def _at_least(low: int, **flags: int) -> None:
+    """NmtserveError naming the first flag below `low`, and its value."""
+    for name, value in flags.items():
+        if value < low:
+            raise NmtserveError(f"--{name} {value}: must be at least {low}")
+
+
 def _write_report(report: dict, path: Path, draw) -> None:
     """The report as JSON at `path`, and its chart beside it (same name, .png)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -70,6 +78,8 @@ def _write_report(report: dict, path: Path, draw) -> None:
 def cmd_bench_served(args) -> int:
     from nmtserve.loadtests.bench_served import MODES, ServedBenchConfig, draw_chart, format_table, run_served_bench
 
+    _at_least(1, runs=args.runs)
+    _at_least(0, requests=args.requests)
     modes = tuple(m.strip() for m in args.modes.split(","))
     if not modes or any(m not in MODES for m in modes):
         raise NmtserveError(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")

@@ -45,8 +45,7 @@ def cmd_translate(args) -> int:
         raise NmtserveError("--stream needs --server (it calls TranslateStream)")
     if args.stream and args.json:
         raise NmtserveError("--stream prints text as it is decoded; use --json without --stream")
-    local_threads = args.threads != 0 or args.inter_threads != 1
-    if args.server and local_threads:
+    if args.server and (args.threads != 0 or args.inter_threads != 1):
         raise NmtserveError("--threads and --inter-threads set a local bundle's threads; a server has its own "
                             "(nmtserve serve --threads, --inter-threads)")
     if args.server:

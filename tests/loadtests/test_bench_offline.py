@@ -78,3 +78,11 @@ def test_transformers_is_an_engine_of_imported_bundles_only(tiny_bundle):
     result = run_cli("bench", "offline", str(tiny_bundle), "--engines", "transformers,ort_fp32", timeout=120)
     assert result.returncode != 0
     assert f"--engines transformers: {tiny_bundle} was not imported from a Marian directory" in result.stderr
+
+
+def test_bench_counts_out_of_range_are_refused_naming_the_flag(tiny_bundle):
+    for command, flag, value, low in (("offline", "--runs", "0", 1), ("offline", "--repeats", "0", 1),
+                                      ("served", "--requests", "-1", 0)):
+        result = run_cli("bench", command, str(tiny_bundle), flag, value, timeout=120)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip().endswith(f"{flag} {value}: must be at least {low}")
