@@ -11,8 +11,11 @@ the same draws for both servers. Throughput counts target tokens of the best tra
 excluded); latency is the client's time for one Translate call, broken down into stages (STAGES)
 with the server's Timings. The baseline is OnnxTranslator on
 the same requests at batch 1 with the same thread count, in this process while the servers are idle.
+With `--sentences-per-call N` each call carries N sentences (Translate's `sentences`), so the cost of
+a call is paid once for N (no baseline then: it compares one-sentence calls).
 
     nmtserve bench served bundles/default --decoding mixed --concurrency 1,8,32
+    nmtserve bench served bundles/default --sentences-per-call 8 --concurrency 4,16,32
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class ServedBenchConfig:
     seed: int = 0
     server_flags: list[str] = field(default_factory=list)
     decoding: str = "greedy"  # or "mixed": each request's mode drawn from workload.DECODING_MIX
+    sentences_per_call: int = 1  # sentences in each Translate call
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -53,14 +57,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
-def work(cfg: ServedBenchConfig, pool: list[str], n: int, seed: int) -> list[tuple[str, dict]]:
-    """n requests: (sentence, DecodingOptions fields), drawn (seeded) from the pool and the decoding mix."""
-    rng = random.Random(seed)
-    return [(sentence, draw_decoding(rng)[1] if cfg.decoding == "mixed" else {})
-            for sentence in mixed(pool, n, seed=seed)]
+def work(cfg: ServedBenchConfig, pool: list[str], n: int, seed: int) -> list[tuple[list[str], dict]]:
+    """n calls: (sentences, DecodingOptions fields), drawn (seeded) from the pool and the decoding mix."""
+    rng, k = random.Random(seed), cfg.sentences_per_call
+    sentences = mixed(pool, n * k, seed=seed)
+    return [(sentences[i * k:(i + 1) * k], draw_decoding(rng)[1] if cfg.decoding == "mixed" else {}) for i in range(n)]
 
 
-def _cell(target: str, requests: list[tuple[str, dict]], concurrency: int) -> dict:
+def _cell(target: str, requests: list[tuple[list[str], dict]], concurrency: int) -> dict:
     """Closed loop: `concurrency` client threads (blocking stubs, as most services call), each sends
     its next request when its last one returns; every request is sent exactly once. Throughput is given
     twice: over the whole cell, and at steady state (`steady_window`)."""
@@ -71,7 +75,7 @@ def _cell(target: str, requests: list[tuple[str, dict]], concurrency: int) -> di
     latencies: list[float] = []
     in_server: list[float] = []  # the server's own arrival-to-finish time (Timings.total_ns)
     stages: list[list[float]] = []  # per request, seconds in each of STAGES
-    tokens = [0]
+    tokens, translated = [0], [0]  # target tokens, sentences
     finished: list[tuple[float, int]] = []  # (when, target tokens) of each request, in completion order
     last_sent = [0.0]
     queue, lock = iter(requests), threading.Lock()
@@ -87,16 +91,19 @@ def _cell(target: str, requests: list[tuple[str, dict]], concurrency: int) -> di
                         last_sent[0] = t0
                 if request is None:
                     return
-                sentence, options = request
-                response = stub.Translate(pb.TranslateRequest(sentences=[sentence],
-                                                              options=pb.DecodingOptions(**options)), timeout=120)
+                sentences, options = request
+                response = stub.Translate(pb.TranslateRequest(sentences=sentences, options=pb.DecodingOptions(**options)),
+                                          timeout=120)
                 elapsed = time.perf_counter() - t0
+                produced = sum(t.output_tokens for t in response.translations)
+                last = max(response.translations, key=lambda t: t.timings.total_ns)  # the one the call waited for
                 with lock:
-                    finished.append((t0 + elapsed, response.translations[0].output_tokens))
+                    finished.append((t0 + elapsed, produced))
                     latencies.append(elapsed)
-                    in_server.append(response.translations[0].timings.total_ns / 1e9)
-                    stages.append(_stages(response.translations[0].timings, elapsed))
-                    tokens[0] += response.translations[0].output_tokens
+                    in_server.append(last.timings.total_ns / 1e9)
+                    stages.append(_stages(last.timings, elapsed))
+                    tokens[0] += produced
+                    translated[0] += len(response.translations)
 
         threads = [threading.Thread(target=client) for _ in range(concurrency)]
         started = time.perf_counter()
@@ -105,7 +112,7 @@ def _cell(target: str, requests: list[tuple[str, dict]], concurrency: int) -> di
         for t in threads:
             t.join()
         elapsed = time.perf_counter() - started
-    return {"seconds": elapsed, "requests": len(latencies), "output_tokens": tokens[0],
+    return {"seconds": elapsed, "requests": len(latencies), "sentences": translated[0], "output_tokens": tokens[0],
             "tokens_per_s": tokens[0] / elapsed,
             "steady_tokens_per_s": steady_window(finished, last_sent[0], concurrency) or tokens[0] / elapsed,
             "requests_per_s": len(latencies) / elapsed,
@@ -131,7 +138,8 @@ STAGES = ("prepare", "queue", "encode + first step", "later steps", "hand-back +
 
 
 def _stages(t, latency: float) -> list[float]:
-    """Seconds per stage of STAGES: validation and tokenization; the engine's queue; admission, the
+    """Seconds per stage of STAGES (of the sentence a call waited for longest): validation and tokenization; the
+    engine's queue; admission, the
     encoder and the first decoder step; the other steps; the engine-to-event-loop hand-back,
     detokenization and the response's construction; gRPC (both ways) and the client."""
     prepare, queue, first, total, handler = (x / 1e9 for x in (t.prepare_ns, t.queue_ns, t.time_to_first_token_ns,
@@ -149,12 +157,12 @@ class Baseline:
         self.tr = OnnxTranslator(cfg.bundle, device=cfg.device, variant=cfg.variant, intra_op_threads=cfg.threads)
         self.tr.translate_ids([self.tr.tokenizer.encode("warm up")], max_batch_size=1)
 
-    def __call__(self, requests: list[tuple[str, dict]]) -> dict:
+    def __call__(self, requests: list[tuple[list[str], dict]]) -> dict:
         from nmtserve.search import DecodingOptions
 
         tr = self.tr
         latencies, tokens = [], 0
-        for sentence, options in requests:
+        for [sentence], options in requests:
             source = tr.tokenizer.encode(sentence, tr.limits.max_source_tokens) or [tr.eos_id]
             t0 = time.perf_counter()
             [[best, *_]] = tr.search_ids([source], DecodingOptions().override(**options), max_batch_size=1)
@@ -167,11 +175,13 @@ class Baseline:
 def run_served_bench(cfg: ServedBenchConfig) -> dict:
     pool = read_sentences(cfg.sentences_file or default_sentence_file(cfg.bundle))
     flags = ["--metrics-port", "-1", "--threads", str(cfg.threads), "--variant", cfg.variant, "--device", cfg.device,
-             "--max-running-rows", str(cfg.max_running_rows), "--max-waiting", str(max(256, 2 * max(cfg.concurrency))),
+             "--max-running-rows", str(cfg.max_running_rows),
+             "--max-waiting", str(max(256, 2 * max(cfg.concurrency) * cfg.sentences_per_call)),
+             "--max-sentences", str(max(64, cfg.sentences_per_call)),
              *cfg.server_flags]
     cells: dict[str, dict[int, list[dict]]] = {m: {c: [] for c in cfg.concurrency} for m in cfg.modes}
     baselines: list[dict] = []
-    baseline = Baseline(cfg)
+    baseline = Baseline(cfg) if cfg.sentences_per_call == 1 else None
     with tempfile.TemporaryDirectory() as logs:
         servers = {m: ServerProcess(cfg.bundle, "--batching", m, *flags, log=Path(logs) / f"{m}.log") for m in cfg.modes}
         try:
@@ -182,7 +192,7 @@ def run_served_bench(cfg: ServedBenchConfig) -> dict:
                     requests = work(cfg, pool, cfg.requests or max(64, 16 * c), seed=cfg.seed + 1000 * run + c)
                     for mode, server in servers.items():
                         cells[mode][c].append(_cell(server.target, requests, c))
-                    if c == 1:  # the same requests, right after, while both servers are idle
+                    if c == 1 and baseline:  # the same requests, right after, while both servers are idle
                         baselines.append(baseline(requests))
         finally:
             for server in servers.values():
@@ -201,7 +211,7 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: list[dict]) -> dict:
             for key in ("tokens_per_s", "steady_tokens_per_s", "p50_ms"):  # the spread over runs, beside the median
                 results[mode][str(c)][f"{key}_min_max"] = [round(min(r[key] for r in runs), 2),
                                                            round(max(r[key] for r in runs), 2)]
-            results[mode][str(c)]["requests"] = runs[0]["requests"]
+            results[mode][str(c)]["requests"], results[mode][str(c)]["sentences"] = runs[0]["requests"], runs[0]["sentences"]
             results[mode][str(c)]["stages_mean_ms"] = {  # the median over runs of each stage's mean
                 name: round(statistics.median(r["stages_mean_ms"][name] for r in runs), 3) for name in STAGES}
     ratios = {}
@@ -215,7 +225,7 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: list[dict]) -> dict:
             ratios[f"{mode} p50 at concurrency 1 / OnnxTranslator batch-1 p50"] = round(
                 results[mode]["1"]["p50_ms"] / baseline["p50_ms"], 3)
     return {"bundle": cfg.bundle, "variant": cfg.variant, "device": cfg.device, "server_flags": cfg.server_flags,
-            "decoding": cfg.decoding,
+            "decoding": cfg.decoding, "sentences_per_call": cfg.sentences_per_call,
             "threads": cfg.threads, "runs": cfg.runs,
             "max_running_rows": cfg.max_running_rows, "concurrency": list(cfg.concurrency),
             "machine": machine_info(),
@@ -227,7 +237,8 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: list[dict]) -> dict:
 def format_table(report: dict) -> str:
     lines = [describe(report["machine"]),
              f"{report['variant']} on {report.get('device', 'cpu')}, {report['threads']} ORT thread(s), "
-             f"{report.get('decoding', 'greedy')} decoding, median of {report['runs']} runs",
+             f"{report.get('decoding', 'greedy')} decoding, {report.get('sentences_per_call', 1)} sentence(s) a call, "
+             f"median of {report['runs']} runs",
              f"{'mode':<11}{'clients':>8}{'tok/s [min–max]':>22}{'steady tok/s [min–max]':>25}{'req/s':>8}"
              f"{'p50 ms [min–max]':>24}{'p90 ms':>9}{'p99 ms':>9}{'in-server p50':>15}"]
     for mode, by_c in report["results"].items():
@@ -281,7 +292,7 @@ def draw_chart(report: dict, path: Path) -> None:
     latency.set_yscale("log")
     flags = "".join(f" {flag}" for flag in report.get("server_flags", []))
     fig.suptitle(f"nmtserve serve{flags}, {report['variant']} on {report['device']}, {report['threads']} thread(s), "
-                 f"{report.get('decoding', 'greedy')} decoding, "
+                 f"{report.get('decoding', 'greedy')} decoding, {report.get('sentences_per_call', 1)} sentence(s) a call, "
                  f"median of {report['runs']} runs — {report['machine']['cpu']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -64,7 +64,7 @@ def _at_least(low: int, **flags: int) -> None:
     """NmtserveError naming the first flag below `low`, and its value."""
     for name, value in flags.items():
         if value < low:
-            raise NmtserveError(f"--{name} {value}: must be at least {low}")
+            raise NmtserveError(f"--{name.replace('_', '-')} {value}: must be at least {low}")
 
 
 def _write_report(report: dict, path: Path, draw) -> None:
@@ -78,14 +78,15 @@ def _write_report(report: dict, path: Path, draw) -> None:
 def cmd_bench_served(args) -> int:
     from nmtserve.loadtests.bench_served import MODES, ServedBenchConfig, draw_chart, format_table, run_served_bench
 
-    _at_least(1, runs=args.runs)
+    _at_least(1, runs=args.runs, sentences_per_call=args.sentences_per_call)
     _at_least(0, requests=args.requests)
     modes = tuple(m.strip() for m in args.modes.split(","))
     if not modes or any(m not in MODES for m in modes):
         raise NmtserveError(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
     report = run_served_bench(ServedBenchConfig(args.bundle, args.sentences, args.concurrency, args.requests, args.runs,
                                                 args.threads, args.variant, args.max_running_rows, args.device, modes,
-                                                server_flags=args.server_flag or [], decoding=args.decoding))
+                                                server_flags=args.server_flag or [], decoding=args.decoding,
+                                                sentences_per_call=args.sentences_per_call))
     print(format_table(report))
     if args.json:
         _write_report(report, Path(args.json), draw_chart)
@@ -159,6 +160,8 @@ def _add_bench(p) -> None:
     p.add_argument("--modes", default="continuous,static")
     p.add_argument("--decoding", choices=("greedy", "mixed"), default="greedy",
                    help="mixed: 50%% greedy, 40%% beam 4, 10%% sampled requests")
+    p.add_argument("--sentences-per-call", type=int, default=1,
+                   help="sentences in each Translate call (default 1; above 1, no OnnxTranslator baseline)")
     p.add_argument("--server-flag", action="append",
                    help="extra flag for both servers, e.g. --server-flag=--io-binding=off")
     p.add_argument("--json", metavar="FILE", help="also write the report here")

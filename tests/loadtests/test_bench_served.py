@@ -37,7 +37,7 @@ def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_p
     for mode in ("continuous", "static"):
         assert set(report["results"][mode]) == {"1", "2"}
         for cell in report["results"][mode].values():
-            assert cell["requests"] == 6 and cell["tokens_per_s"] > 0 and cell["steady_tokens_per_s"] > 0
+            assert cell["requests"] == cell["sentences"] == 6 and cell["tokens_per_s"] > 0 and cell["steady_tokens_per_s"] > 0
             low, high = cell["p50_ms_min_max"]
             assert low <= cell["p50_ms"] <= high
             # where the time goes: no stage is negative
@@ -48,3 +48,19 @@ def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_p
     assert "continuous" in result.stdout and "OnnxTranslator batch 1" in result.stdout and "per stage" in result.stdout
     assert report["machine"]["cpu"] in result.stdout and "onnxruntime" in report["machine"]["versions"]
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_served_bench_sends_several_sentences_a_call(tiny_bundle, tmp_path):
+    """--sentences-per-call 3: each Translate call carries 3 sentences (the servers' limit raised if need be);
+    no one-sentence baseline then."""
+    out = tmp_path / "served.json"
+    result = run_cli("bench", "served", str(tiny_bundle), "--concurrency", "2", "--requests", "4", "--runs", "1",
+                     "--modes", "continuous", "--sentences-per-call", "3", "--json", str(out), timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    cell = report["results"]["continuous"]["2"]
+    assert report["sentences_per_call"] == 3 and cell["requests"] == 4 and cell["sentences"] == 12
+    assert cell["steady_tokens_per_s"] > 0 and min(cell["stages_mean_ms"].values()) >= 0
+    assert report["baseline_onnx_translator_batch1"] is None and "3 sentence(s) a call" in result.stdout
+    bad = run_cli("bench", "served", str(tiny_bundle), "--sentences-per-call", "0", timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().endswith("--sentences-per-call 0: must be at least 1")
