@@ -50,10 +50,6 @@ def cmd_translate(args) -> int:
                             "(nmtserve serve --threads, --inter-threads)")
     if args.server:
         return _translate_remote(args)
-    if args.threads < 0:
-        raise NmtserveError(f"--threads {args.threads}: must be at least 0 (0: ONNX Runtime's default, a thread per core)")
-    if args.inter_threads < 1:
-        raise NmtserveError(f"--inter-threads {args.inter_threads}: must be at least 1")
     if args.model or args.source_language or args.file:
         raise NmtserveError("--model, --source-language and --file need --server")
     if not args.inputs:
@@ -65,8 +61,12 @@ def cmd_translate(args) -> int:
 
 def translate_local(model: str, texts: list[str], args) -> list[list[tuple[str, float]]]:
     """The n-best (text, score) of each text, best first, with a bundle directory (ONNX Runtime) or a
-    checkpoint (the PyTorch reference); args carries the decoding flags, batch_size, max_length, device
-    and target_language."""
+    checkpoint (the PyTorch reference); args carries the decoding and thread flags, batch_size, max_length,
+    device and target_language."""
+    if args.threads < 0:
+        raise NmtserveError(f"--threads {args.threads}: must be at least 0 (0: ONNX Runtime's default, a thread per core)")
+    if args.inter_threads < 1:
+        raise NmtserveError(f"--inter-threads {args.inter_threads}: must be at least 1")
     return _translate_bundle(model, texts, args) if Path(model).is_dir() else _translate_checkpoint(model, texts, args)
 
 
@@ -231,14 +231,18 @@ def add_parser(sub, name: str, help_text: str) -> None:
     p.add_argument("--max-length", type=int, default=None,
                    help="most target tokens per sentence (default: 256 locally; the server's own limit with --server)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=0,
-                   help="a local bundle: ONNX Runtime intra-op threads of each batch (default 0: a thread per core)")
-    p.add_argument("--inter-threads", type=int, default=1,
-                   help="a local bundle: batches decoded at once, each on a thread of its own (CTranslate2's name); "
-                        "on a CPU, --inter-threads 2 --threads 1 beat one batch on 2 threads (README, 'Batches at once')")
+    add_thread_flags(p)
     add_decoding_flags(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_translate)
+
+
+def add_thread_flags(p) -> None:
+    p.add_argument("--threads", type=int, default=0,
+                   help="a bundle: ONNX Runtime intra-op threads of each batch (default 0: a thread per core)")
+    p.add_argument("--inter-threads", type=int, default=1,
+                   help="a bundle: batches decoded at once, each on a thread of its own (CTranslate2's name); "
+                        "on a CPU, --inter-threads 2 --threads 1 beat one batch on 2 threads (README, 'Batches at once')")
 
 
 def add_decoding_flags(p) -> None:
