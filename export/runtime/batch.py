@@ -85,16 +85,14 @@ class BatchState:
         capacity = max(self.capacity, other.capacity)
         src_len = max(self.src_mask.shape[1], other.src_mask.shape[1])
 
-        def cache(state: BatchState):
-            return ops.pad(state.k, 3, capacity), ops.pad(state.v, 3, capacity)
-
         def widen(state: BatchState):
             return ops.pad(state.cross_k, 3, src_len), ops.pad(state.cross_v, 3, src_len)
 
-        (ka, va), (kb, vb) = cache(self), cache(other)
+        stops = [self.length, other.length]  # only filled slots are copied: no row reads past its own
         (cka, cva), (ckb, cvb) = widen(self), widen(other)
         return BatchState(
-            ops.concat([ka, kb], 1), ops.concat([va, vb], 1), ops.concat([cka, ckb], 1), ops.concat([cva, cvb], 1),
+            ops.concat_slots([self.k, other.k], stops, capacity), ops.concat_slots([self.v, other.v], stops, capacity),
+            ops.concat([cka, ckb], 1), ops.concat([cva, cvb], 1),
             ops.concat([self.cross_eos, other.cross_eos], 1),
             np.concatenate([HostTensors.pad(self.src_mask, 1, src_len), HostTensors.pad(other.src_mask, 1, src_len)]),
             np.concatenate([self.positions, other.positions]), np.concatenate([self.tokens, other.tokens]),

@@ -86,6 +86,19 @@ class HostTensors:
         return x
 
     @staticmethod
+    def concat_slots(xs: list[np.ndarray], stops: list[int], capacity: int) -> np.ndarray:
+        """The caches xs one after another along the rows, with `capacity` slots holding each x's slots
+        0..stop-1, the rest unset (as take_slots): one copy of the filled slots only."""
+        first = xs[0]
+        out = np.empty((first.shape[0], sum(x.shape[1] for x in xs), first.shape[2], capacity, first.shape[4]),
+                       first.dtype)
+        row = 0
+        for x, stop in zip(xs, stops):
+            out[:, row:row + x.shape[1], :, :stop] = x[:, :, :, :stop]
+            row += x.shape[1]
+        return out
+
+    @staticmethod
     def take_slots(x: np.ndarray, rows: np.ndarray, stop: int) -> np.ndarray:
         """The given rows of a cache x (indices, repeats allowed) with their slots 0..stop-1, the rest unset
         (x itself when the rows are all of x's, in order): no row reads past its own slots, and np.empty
@@ -195,6 +208,10 @@ class DeviceTensors:
     def concat(self, xs: list[ort.OrtValue], axis: int) -> ort.OrtValue:
         assert axis == 1 and len(xs) == 2, "the batch joins two states along the row axis"
         return self._run("concat", self.dtype(xs[0]), x=xs[0], x2=xs[1])
+
+    def concat_slots(self, xs: list[ort.OrtValue], stops: list[int], capacity: int) -> ort.OrtValue:
+        """As HostTensors.concat_slots, with every slot (the graphs copy whole tensors anyway)."""
+        return self.concat([self.pad(x, 3, capacity) for x in xs], 1)
 
     def take(self, x: ort.OrtValue, rows: np.ndarray, axis: int) -> ort.OrtValue:
         assert axis == 1, "rows are axis 1 of every device tensor"
