@@ -86,11 +86,9 @@ def _cell(target: str, requests: list[tuple[list[str], dict]], concurrency: int)
             while True:
                 with lock:
                     request = next(queue, None)
-                    t0 = time.perf_counter()
-                    if request is not None:
-                        last_sent[0] = t0
-                if request is None:
-                    return
+                    if request is None:
+                        return
+                    t0 = last_sent[0] = time.perf_counter()
                 sentences, options = request
                 response = stub.Translate(pb.TranslateRequest(sentences=sentences, options=pb.DecodingOptions(**options)),
                                           timeout=120)

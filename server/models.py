@@ -93,8 +93,7 @@ def model_specs(config: ServerConfig) -> list[ModelSpec]:
     for spec in specs:
         if spec.inter_threads < 1:
             raise ConfigError(f"inter_threads {spec.inter_threads} for model {spec.id!r} (--inter-threads, or its "
-                              "models file): "
-                              "must be at least 1")
+                              "models file): must be at least 1")
         if spec.id in seen:
             raise ConfigError(f"model id {spec.id!r} names both {seen[spec.id]} and {spec.bundle}: "
                               "give each an id in a --models file")
