@@ -14,7 +14,7 @@ PAIRS  ?= 200000
 TRAIN_MINUTES ?= 20
 PYTEST_ARGS ?=
 
-.PHONY: install tools lint demo test clean protos loadtest bench-offline bench-served soak
+.PHONY: install tools lint demo test clean protos loadtest bench-offline bench-served soak bench-gpu test-gpu
 
 install: $(VENV)/.installed
 
@@ -74,6 +74,18 @@ bench-offline: $(BUNDLE)/manifest.json
 # served throughput/latency, continuous vs static batching (a few minutes)
 bench-served: $(BUNDLE)/manifest.json
 	$(NMT) bench served $(BUNDLE) --json docs/bench/served-cpu-2core.json
+
+# on a machine with a GPU, onnxruntime-gpu in place of onnxruntime (deploy/Dockerfile.gpu): the fp16 variant
+# against PyTorch and transformers, and served on CUDA (docs/bench/*-gpu-h100.json were made so)
+bench-gpu: $(BUNDLE)/manifest.json
+	$(NMT) bench offline $(BUNDLE) --device cuda --json docs/bench/offline-gpu.json
+	$(NMT) bench served $(BUNDLE) --device cuda --variant fp16 --threads 1 --concurrency 1,8,32,64,128 \
+	  --json docs/bench/served-gpu.json
+
+# the same: the CUDA path's tests (IOBinding against the host path, the engine) on the GPU, fp16
+test-gpu: install
+	NMTSERVE_TEST_DEVICE=cuda $(PY) -m pytest tests/export/test_parity.py tests/export/test_search.py \
+	  tests/server/test_engine.py -k "io_binding or io-binding"
 
 # regenerate nmtserve/v1 from protos/ (tests/server/test_protos.py checks they match)
 protos: install

@@ -25,6 +25,10 @@ that directory: CTranslate2 converts it with its own converter (TransformersConv
     python -m nmtserve.loadtests.marian_model runs/opus-shaped     # random, OPUS-MT's shapes, eos never wins
     nmtserve import-marian runs/opus-shaped --out runs/opus-shaped.pt && nmtserve export runs/opus-shaped.pt --out bundles/opus-shaped
     nmtserve bench offline bundles/opus-shaped --sentences-file runs/opus-shaped/sentences.txt --max-decoding-length 32 --beam-size 4
+
+On a GPU (`--device cuda`, onnxruntime-gpu): ONNX Runtime's fp16 variant (`ort_fp16`), CTranslate2 in
+float16 (`ct2_fp16`), PyTorch under fp16 autocast or transformers in fp16, one host thread each by default;
+the report records the GPU (nvidia-smi) beside the CPU.
 """
 
 from __future__ import annotations
@@ -45,19 +49,30 @@ from nmtserve.loadtests.machine import describe, machine_info, usable_cores
 from nmtserve.search import DecodingOptions
 
 BATCH_SIZES = (1, 8, 32, 64)
-ENGINES = ("pytorch", "transformers", "ort_fp32", "ort_int8", "ct2_fp32", "ct2_int8")
-OWN_ENGINES = ("pytorch", "ort_fp32", "ort_int8", "ct2_fp32", "ct2_int8")  # our own model's bundle
-MARIAN_ENGINES = ("transformers", "ort_fp32", "ort_int8", "ct2_fp32", "ct2_int8")  # an imported Marian bundle
+ENGINES = ("pytorch", "transformers", "ort_fp32", "ort_int8", "ort_fp16", "ct2_fp32", "ct2_int8", "ct2_fp16")
+# the engines measured when --engines is not given, by device and by where the bundle came from (our own
+# model: PyTorch; imported from Marian: transformers); on CUDA, PyTorch and transformers run in fp16 too
+DEFAULT_ENGINES = {("cpu", "own"): ("pytorch", "ort_fp32", "ort_int8", "ct2_fp32", "ct2_int8"),
+                   ("cpu", "marian"): ("transformers", "ort_fp32", "ort_int8", "ct2_fp32", "ct2_int8"),
+                   ("cuda", "own"): ("pytorch", "ort_fp16", "ct2_fp16"),
+                   ("cuda", "marian"): ("transformers", "ort_fp16", "ct2_fp16")}
+# precisions that run on one device only: our fp32/int8 variants are CPU ones, fp16 is for CUDA
+ENGINE_DEVICE = {"ort_fp32": "cpu", "ort_int8": "cpu", "ct2_fp32": "cpu", "ct2_int8": "cpu",
+                 "ort_fp16": "cuda", "ct2_fp16": "cuda"}
 ENGINE_MODULES = ("torch", "transformers", "onnxruntime", "ctranslate2")
 OWN_MODULES = {"pytorch": ("torch",), "transformers": ("torch", "transformers"), "ort": ("onnxruntime",),
                "ct2": ("ctranslate2",)}
-RATIOS = (("ort_fp32", "ct2_fp32"), ("ort_int8", "ct2_int8"), ("pytorch", "ct2_fp32"), ("ort_fp32", "transformers"))
+RATIOS = (("ort_fp32", "ct2_fp32"), ("ort_int8", "ct2_int8"), ("ort_fp16", "ct2_fp16"), ("pytorch", "ct2_fp32"),
+          ("ort_fp32", "transformers"), ("ort_fp16", "pytorch"), ("ort_fp16", "transformers"))
 
 
 INTER_ENGINES = ("ort", "ct2")  # engines that also decode n batches at once (inter_threads)
 
 
-def default_threads() -> tuple[int, ...]:
+def default_threads(device: str = "cpu") -> tuple[int, ...]:
+    """Half the usable cores and all of them on a CPU; one host thread per engine on a GPU."""
+    if device == "cuda":
+        return (1,)
     cores = usable_cores()
     return tuple(sorted({max(1, cores // 2), cores}))
 
@@ -86,6 +101,7 @@ class BenchConfig:
     max_decoding_length: int = 256
     beam_size: int = 1
     repeats: int = 3  # passes over the sentences at each batch size within a worker; the median pass counts
+    device: str = "cpu"  # cuda: ONNX Runtime's fp16 variant, CTranslate2 float16, PyTorch/transformers in fp16
 
 
 def marian_directory(bundle: str) -> str | None:
@@ -96,8 +112,19 @@ def marian_directory(bundle: str) -> str | None:
     return imported["directory"] if imported else None
 
 
-def default_engines(bundle: str) -> tuple[str, ...]:
-    return MARIAN_ENGINES if marian_directory(bundle) else OWN_ENGINES
+def default_engines(bundle: str, device: str = "cpu") -> tuple[str, ...]:
+    return DEFAULT_ENGINES[(device, "marian" if marian_directory(bundle) else "own")]
+
+
+def check_engines(engines: tuple[str, ...], device: str) -> None:
+    """Every engine known and able to run on `device`, or one line naming the ones that are not."""
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown:
+        raise NmtserveError(f"--engines: unknown {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
+    elsewhere = [e for e in engines if ENGINE_DEVICE.get(e, device) != device]
+    if elsewhere:
+        raise NmtserveError(f"--engines: {', '.join(elsewhere)} do not run on --device {device} "
+                            f"(on it: {', '.join(e for e in ENGINES if ENGINE_DEVICE.get(e, device) == device)})")
 
 
 # -- the worker: one engine, one thread count, every batch size
@@ -113,9 +140,12 @@ def _load_engine(engine: str, inter: int, threads: int, spec: dict):
         from nmtserve.training.decode import beam_search, greedy_decode
 
         torch.set_num_threads(threads)
-        model = load_model(spec["checkpoint"]).model
+        device = spec["device"]
+        model = load_model(spec["checkpoint"], device=device).model
         search = spec["search"]
 
+        @torch.inference_mode()
+        @torch.autocast(device, dtype=torch.float16, enabled=device == "cuda")
         def decode(src, mask):
             if search["beam_size"] == 1:
                 return greedy_decode(model, src, mask, search["max_decoding_length"])[0]
@@ -128,7 +158,7 @@ def _load_engine(engine: str, inter: int, threads: int, spec: dict):
             out = [None] * len(sources)
             for rows in sorted_batches([len(s) for s in sources], batch_size):
                 src, mask = pad([sources[i] for i in rows], model.config.pad_id)
-                for i, tokens in zip(rows, decode(src, mask)):
+                for i, tokens in zip(rows, decode(src.to(device), mask.to(device))):
                     out[i] = tokens
             return out
         return run
@@ -139,7 +169,9 @@ def _load_engine(engine: str, inter: int, threads: int, spec: dict):
         from nmtserve.decoding import sorted_batches
 
         torch.set_num_threads(threads)
-        model = MarianMTModel.from_pretrained(spec["marian_directory"], dtype=torch.float32).eval()
+        device = spec["device"]
+        model = MarianMTModel.from_pretrained(
+            spec["marian_directory"], dtype=torch.float16 if device == "cuda" else torch.float32).to(device).eval()
         pad_id, eos_id = model.config.pad_token_id, model.config.eos_token_id
 
         def run(sources, batch_size):
@@ -148,6 +180,7 @@ def _load_engine(engine: str, inter: int, threads: int, spec: dict):
                 width = max(len(sources[i]) for i in rows)
                 ids = torch.tensor([sources[i] + [pad_id] * (width - len(sources[i])) for i in rows])
                 with torch.inference_mode():
+                    ids = ids.to(device)
                     generated = model.generate(input_ids=ids, attention_mask=ids != pad_id, do_sample=False,
                                                num_beams=spec["search"]["beam_size"],
                                                max_new_tokens=spec["search"]["max_decoding_length"],
@@ -159,15 +192,16 @@ def _load_engine(engine: str, inter: int, threads: int, spec: dict):
     if engine.startswith("ort_"):
         from nmtserve.export.runtime.translator import OnnxTranslator
 
-        tr = OnnxTranslator(spec["bundle"], variant=engine[4:], intra_op_threads=threads, inter_threads=inter)
+        tr = OnnxTranslator(spec["bundle"], device=spec["device"], variant=engine[4:], intra_op_threads=threads,
+                            inter_threads=inter)
         options = DecodingOptions(**spec["search"])
         return lambda sources, batch_size: [found[0].tokens for found in tr.search_ids(
             sources, options, max_batch_size=batch_size)]
     if engine.startswith("ct2_"):
         import ctranslate2
 
-        ct = ctranslate2.Translator(spec["ct2_model"], device="cpu", intra_threads=threads, inter_threads=inter,
-                                    compute_type={"ct2_fp32": "float32", "ct2_int8": "int8"}[engine])
+        ct = ctranslate2.Translator(spec["ct2_model"], device=spec["device"], intra_threads=threads, inter_threads=inter,
+                                    compute_type={"ct2_fp32": "float32", "ct2_int8": "int8", "ct2_fp16": "float16"}[engine])
         vocab = spec["vocab"]
         ids = {piece: i for i, piece in enumerate(vocab)}
 
@@ -244,7 +278,8 @@ def _spec(cfg: BenchConfig, workdir: Path) -> dict:
     # stopping rule: what transformers' generate does with the same directory), at the asked beam and length
     search = replace(DecodingOptions(**(bundle.manifest.get("decoding_defaults") or {})).override(
         beam_size=cfg.beam_size), max_decoding_length=cfg.max_decoding_length)
-    spec = {"bundle": cfg.bundle, "checkpoint": checkpoint, "marian_directory": marian, "sources": sources,
+    spec = {"bundle": cfg.bundle, "device": cfg.device, "checkpoint": checkpoint, "marian_directory": marian,
+            "sources": sources,
             "batch_sizes": list(cfg.batch_sizes), "repeats": cfg.repeats, "search": asdict(search)}
     if any(e.startswith("ct2_") for e in cfg.engines):
         # converted here, once, in the runner (torch), never in a measuring process
@@ -262,7 +297,8 @@ def _spec(cfg: BenchConfig, workdir: Path) -> dict:
 
 
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
-    threads = cfg.threads or default_threads()
+    check_engines(cfg.engines, cfg.device)
+    threads = cfg.threads or default_threads(cfg.device)
     configs = [(engine, inter, t) for engine in cfg.engines for inter, t in layouts(engine, threads)]
     runs: dict[tuple[str, int, int], list[dict]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory(prefix="nmtserve-bench-") as tmp:
@@ -318,7 +354,7 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences:
             ref = runs[(reference, 1, threads[0])][0]["outputs"]
             agreement[f"{engine}_vs_{reference}_identical"] = round(
                 sum(a == b for a, b in zip(measured[0]["outputs"], ref)) / n_sentences, 4)
-    return {"machine": machine_info(), "checkpoint": checkpoint, "bundle": cfg.bundle, "sentences": n_sentences,
+    return {"machine": machine_info(cfg.device), "device": cfg.device, "checkpoint": checkpoint, "bundle": cfg.bundle, "sentences": n_sentences,
             "runs": cfg.runs, "repeats": cfg.repeats, "threads_swept": list(threads),
             "layouts_swept": {e: [layout_name(*lt) for lt in layouts(e, threads)] for e in cfg.engines},
             "batch_sizes": list(cfg.batch_sizes),

@@ -226,7 +226,7 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: list[dict]) -> dict:
             "decoding": cfg.decoding, "sentences_per_call": cfg.sentences_per_call,
             "threads": cfg.threads, "runs": cfg.runs,
             "max_running_rows": cfg.max_running_rows, "concurrency": list(cfg.concurrency),
-            "machine": machine_info(),
+            "machine": machine_info(cfg.device),
             "results": results,
             "baseline_onnx_translator_batch1": {k: round(v, 2) for k, v in baseline.items()} if baseline else None,
             "ratios": ratios}

@@ -33,8 +33,8 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def cmd_bench_offline(args) -> int:
     from nmtserve.loadtests.bench_offline import (
-        ENGINES,
         BenchConfig,
+        check_engines,
         check_isolation,
         default_engines,
         draw_chart,
@@ -43,13 +43,12 @@ def cmd_bench_offline(args) -> int:
     )
 
     _at_least(1, runs=args.runs, repeats=args.repeats)
-    engines = tuple(e.strip() for e in args.engines.split(",")) if args.engines else default_engines(args.bundle)
-    unknown = [e for e in engines if e not in ENGINES]
-    if unknown:
-        raise NmtserveError(f"--engines: unknown {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
+    engines = (tuple(e.strip() for e in args.engines.split(",")) if args.engines
+               else default_engines(args.bundle, args.device))
+    check_engines(engines, args.device)
     report = run_bench(BenchConfig(args.bundle, args.checkpoint, args.sentences, args.runs, args.threads or (),
                                    args.batch_sizes, engines, args.sentences_file, args.max_decoding_length,
-                                   args.beam_size, args.repeats),
+                                   args.beam_size, args.repeats, args.device),
                        progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_table(report))
     if args.json:
@@ -140,8 +139,11 @@ def _add_bench(p) -> None:
     p.add_argument("--threads", type=_int_list, help="thread counts to sweep, each as intra-op threads on one batch and "
                    "(ONNX Runtime, CTranslate2) as batches at once (default: half the usable cores, and all)")
     p.add_argument("--batch-sizes", type=_int_list, default=(1, 8, 32, 64))
-    p.add_argument("--engines", help="comma-separated, of pytorch, transformers, ort_fp32, ort_int8, ct2_fp32, "
-                   "ct2_int8 (default: all but transformers; for a bundle imported from Marian, all but pytorch)")
+    p.add_argument("--engines", help="comma-separated, of pytorch, transformers, ort_fp32, ort_int8, ort_fp16, "
+                   "ct2_fp32, ct2_int8, ct2_fp16 (default: every one of the device but transformers; for a bundle "
+                   "imported from Marian, every one but pytorch)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (fp32, int8) or cuda (fp16: ort_fp16, ct2_fp16, PyTorch and "
+                   "transformers in fp16; threads default to 1)")
     p.add_argument("--beam-size", type=int, default=1, help="1: greedy (default)")
     p.add_argument("--max-decoding-length", type=int, default=256,
                    help="output tokens per sentence at most (default %(default)s)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 from importlib import metadata
 from pathlib import Path
 
@@ -30,7 +31,18 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def machine_info() -> dict:
+def gpu_info() -> str:
+    """The GPU's name, memory and driver as nvidia-smi reports them; why not, where it cannot."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unknown (nvidia-smi: {e})"
+    return done.stdout.strip().replace("\n", "; ") if done.returncode == 0 else f"unknown (nvidia-smi: {done.stderr.strip()})"
+
+
+def machine_info(device: str = "cpu") -> dict:
+    """Where a benchmark ran; with the GPU's name, memory and driver when it ran on `cuda`."""
     model, flags = _cpuinfo()
     versions = {}
     for name in LIBRARIES:
@@ -41,11 +53,12 @@ def machine_info() -> dict:
     return {"cpu": model, "cpu_flags": flags, "logical_cores": os.cpu_count(),
             "usable_cores": usable_cores(),
             "system": f"{platform.system()} {platform.release()}", "python": platform.python_version(),
-            "versions": versions}
+            "versions": versions, **({"gpu": gpu_info()} if device == "cuda" else {})}
 
 
 def describe(info: dict) -> str:
     """One line for the top of a printed report."""
     versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items())
-    return (f"{info['cpu']} ({info['usable_cores']} usable cores; {' '.join(info['cpu_flags'])}); "
+    gpu = f"GPU {info['gpu']}; " if "gpu" in info else ""
+    return (f"{gpu}{info['cpu']} ({info['usable_cores']} usable cores; {' '.join(info['cpu_flags'])}); "
             f"Python {info['python']}; {versions}")

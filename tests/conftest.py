@@ -8,7 +8,7 @@ import pytest
 
 from nmtserve.training.corpus import generate_corpus
 from nmtserve.training.train import train
-from tests.helpers import tiny_config
+from tests.helpers import TEST_DEVICE, tiny_config
 
 
 @pytest.fixture(scope="session")
@@ -29,11 +29,11 @@ def tiny_checkpoint(tiny_corpus, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_bundle(tiny_checkpoint, tmp_path_factory) -> Path:
-    """A bundle (fp32 and int8) exported from the tiny checkpoint."""
+    """A bundle (fp32 and int8; fp16 too when the tests run on CUDA) exported from the tiny checkpoint."""
     from nmtserve.export.build.exporter import ExportConfig, export_bundle
 
     out = tmp_path_factory.mktemp("bundle")
-    export_bundle(ExportConfig(str(tiny_checkpoint), str(out), ["fp32", "int8"]))
+    export_bundle(ExportConfig(str(tiny_checkpoint), str(out), ["fp32", "int8"] + (["fp16"] if TEST_DEVICE == "cuda" else [])))
     return out
 
 

@@ -308,22 +308,26 @@ class OnnxTranslator:
         holds weak references to them): the caches (each layer as input and `present` output, with their
         slot counts; with shared_cross the cross K/V as inputs only), the per-row arrays (tokens, positions,
         cross_slot: BatchState changes them in place), and the outputs (candidates into buffers of (B, k);
-        the rows' log-probs into one kept buffer: a fresh one every step costs page faults). With
-        io_binding, host inputs are copied to the device when bound, so the per-row arrays are bound every
-        step (a translator serves one thread at a time)."""
+        the rows' log-probs into one kept buffer: a fresh one every step costs page faults). Host inputs of
+        a session on a device are copied to it when bound, so there the per-row arrays (and host caches)
+        are bound every step (a translator serves one thread at a time)."""
         binding, bound, shared = self._binding, self._bound, self.shared_cross
         caches = (state.k, state.v, state.cross_k, state.cross_v, state.cross_eos)
-        if not _same(bound.get("caches"), caches):
+        # host memory bound for a session on another device is copied to it when bound, not when run: host
+        # arrays on CUDA (io_binding off) are bound again every step, as the host inputs of io_binding are
+        where = state.ops.device
+        copied_when_bound = where != self.device
+        if copied_when_bound or not _same(bound.get("caches"), caches):
             for name, x in zip(("k", "v", "cross_k", "cross_v"), caches):
                 shape = state.ops.shape(x)[1:]
                 for layer, address in enumerate(self._layer_addresses(x)):
                     inputs = f"past_{name}_{layer}" if name in ("k", "v") else f"{name}_{layer}"
-                    binding.bind_input(inputs, self.device, 0, self.kv_dtype, shape, address)
+                    binding.bind_input(inputs, where, 0, self.kv_dtype, shape, address)
                     if not (shared and name.startswith("cross")):
-                        binding.bind_output(f"present_{name}_{layer}", self.device, 0, self.kv_dtype, shape, address)
+                        binding.bind_output(f"present_{name}_{layer}", where, 0, self.kv_dtype, shape, address)
             if not shared:
                 for layer, address in enumerate(self._layer_addresses(state.cross_eos)):
-                    binding.bind_input(f"cross_eos_{layer}", self.device, 0, self.kv_dtype,
+                    binding.bind_input(f"cross_eos_{layer}", where, 0, self.kv_dtype,
                                        (state.size, self.eos_width), address)
             self._slot_counts = np.array([state.capacity, state.ops.shape(state.cross_k)[3]], np.int32)
             for i, name in enumerate(("cache_slots", "source_slots")):  # the attention kernel's total_sequence_length
@@ -333,7 +337,7 @@ class OnnxTranslator:
                 binding.bind_input("query_shape", "cpu", 0, np.int64, (3,), self._query_shape.ctypes.data)
             bound["caches"] = _refs(caches)
         rows = (state.tokens, state.positions, state.cross_slot)
-        if self.io_binding:
+        if self.io_binding or copied_when_bound:
             for name, x in zip(ROW_INPUTS, rows):
                 binding.bind_cpu_input(name, np.ascontiguousarray(x))
         elif not _same(bound.get("rows"), rows):
@@ -372,9 +376,14 @@ class OnnxTranslator:
 
     # -- search
     def pad(self, seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Token-id sources -> ids (B, S) int64 padded, and their mask. An id outside the vocabulary is a
+        ValueError naming it: ONNX Runtime's CPU Gather refuses it, but CUDA's would read out of bounds."""
         ids = np.full((len(seqs), max(len(s) for s in seqs)), self.pad_id, dtype=np.int64)
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = s
+        outside = ids[(ids < 0) | (ids >= self.vocab_size)]
+        if outside.size:
+            raise ValueError(f"source token id {int(outside[0])} is out of the vocabulary (0 to {self.vocab_size - 1})")
         return ids, ids != self.pad_id
 
     def greedy(self, state: BatchState, sources: list[list[int]], max_decoding_length: int = 256,

@@ -1,7 +1,6 @@
 """ONNX Runtime against PyTorch: per graph over a shape grid, step by step, and end to end."""
 
 import json
-import os
 import shutil
 import threading
 from pathlib import Path
@@ -27,10 +26,7 @@ from nmtserve.export.runtime.bundle import load_bundle
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.training.checkpoint import load_model
 from nmtserve.training.data import read_tsv
-from tests.helpers import run_cli
-
-# the device of the IOBinding test: ONNX Runtime's CPU provider here; NMTSERVE_TEST_DEVICE=cuda on a GPU machine
-DEVICE = os.environ.get("NMTSERVE_TEST_DEVICE", "cpu")
+from tests.helpers import TEST_DEVICE, TEST_SCORE_TOLERANCE, TEST_VARIANT, run_cli
 
 
 def test_every_graph_passes_checker_and_strict_shape_inference(tiny_bundle):
@@ -175,13 +171,13 @@ def test_io_binding_keeps_the_caches_in_ortvalues_and_translates_identically(tin
     import onnxruntime as ort
 
     texts = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs[:24]]
-    for variant in ("fp32", "int8") if DEVICE == "cpu" else ("fp32",):
-        host = OnnxTranslator(tiny_bundle, variant=variant, device=DEVICE, io_binding=False)
-        bound = OnnxTranslator(tiny_bundle, variant=variant, device=DEVICE, io_binding=True)
+    for variant in ("fp32", "int8") if TEST_DEVICE == "cpu" else (TEST_VARIANT,):
+        host = OnnxTranslator(tiny_bundle, variant=variant, device=TEST_DEVICE, io_binding=False)
+        bound = OnnxTranslator(tiny_bundle, variant=variant, device=TEST_DEVICE, io_binding=True)
         expected = host.translate_batch(texts, max_batch_size=8, return_scores=True)
         got = bound.translate_batch(texts, max_batch_size=8, return_scores=True)
         assert [t.tokens for t in got] == [t.tokens for t in expected], variant
-        assert np.allclose([t.score for t in got], [t.score for t in expected], atol=1e-4), variant
+        assert np.allclose([t.score for t in got], [t.score for t in expected], atol=TEST_SCORE_TOLERANCE), variant
         state = bound.prefill([bound.tokenizer.encode(texts[0]), bound.tokenizer.encode(texts[1])])
         assert all(isinstance(x, ort.OrtValue) for x in (state.k, state.v, state.cross_k, state.cross_v))
         tokens, scores = bound.decode_one_token(state)

@@ -1,9 +1,7 @@
 """Beam search, n-best lists and sampling with ONNX Runtime against the PyTorch reference and CTranslate2."""
 
-import os
 from pathlib import Path
 
-import ctranslate2
 import numpy as np
 import pytest
 
@@ -14,8 +12,8 @@ from nmtserve.search import DecodingOptions
 from nmtserve.training.checkpoint import load_model
 from nmtserve.training.data import pad, read_tsv
 from nmtserve.training.decode import beam_search, sample
+from tests.helpers import TEST_DEVICE, TEST_SCORE_TOLERANCE, TEST_VARIANT
 
-DEVICE = os.environ.get("NMTSERVE_TEST_DEVICE", "cpu")
 BEAMS = [dict(beam_size=4, num_hypotheses=2), dict(beam_size=5, num_hypotheses=3, length_penalty=0.6, patience=2.0),
          dict(beam_size=2, length_penalty=1.0)]
 SAMPLING = [dict(sampling_topk=0, seed=5), dict(sampling_topk=10, sampling_topp=0.9, sampling_temperature=0.7, seed=3)]
@@ -66,6 +64,8 @@ def test_sampling_with_a_seed_draws_the_pytorch_references_tokens(tiny_bundle, l
 def test_beam_n_best_lists_equal_ctranslate2s_on_the_same_weights(tiny_bundle, loaded, sources, tmp_path):
     """CTranslate2 is told min_decoding_length=0 (its translate_batch forbids eos at the first step by
     default; nmtserve allows an empty translation) and each sentence's budget as max_decoding_length."""
+    import ctranslate2  # here: a GPU run of this file's IOBinding tests (NMTSERVE_TEST_DEVICE) needs no CTranslate2
+
     tr = OnnxTranslator(tiny_bundle)
     ct = ctranslate2.Translator(str(convert(loaded, Path(tmp_path) / "ct2")), device="cpu")
     sp = loaded.tokenizer.sp
@@ -118,13 +118,13 @@ def test_beam_rows_sharing_their_sources_cross_kv_step_as_rows_with_copies(tiny_
 
 def test_io_binding_gives_the_host_paths_n_best_lists(tiny_bundle, tiny_corpus):
     texts = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs[:12]]
-    host = OnnxTranslator(tiny_bundle, device=DEVICE, io_binding=False)
-    bound = OnnxTranslator(tiny_bundle, device=DEVICE, io_binding=True)
+    host = OnnxTranslator(tiny_bundle, device=TEST_DEVICE, variant=TEST_VARIANT, io_binding=False)
+    bound = OnnxTranslator(tiny_bundle, device=TEST_DEVICE, variant=TEST_VARIANT, io_binding=True)
     expected = host.translate_batch(texts, beam_size=4, num_hypotheses=2, max_batch_size=8, return_scores=True)
     got = bound.translate_batch(texts, beam_size=4, num_hypotheses=2, max_batch_size=8, return_scores=True)
     assert [[h.tokens for h in t.hypotheses] for t in got] == [[h.tokens for h in t.hypotheses] for t in expected]
     assert all(len(t.hypotheses) == 2 and t.alternatives[0].score <= t.score for t in got)
-    assert np.allclose([t.score for t in got], [t.score for t in expected], atol=1e-4)
+    assert np.allclose([t.score for t in got], [t.score for t in expected], atol=TEST_SCORE_TOLERANCE)
 
 
 def test_translate_batch_refuses_an_out_of_range_option_naming_it(tiny_bundle):

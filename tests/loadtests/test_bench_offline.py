@@ -86,3 +86,12 @@ def test_bench_counts_out_of_range_are_refused_naming_the_flag(tiny_bundle):
         result = run_cli("bench", command, str(tiny_bundle), flag, value, timeout=120)
         assert result.returncode == 2, result.stderr
         assert result.stderr.strip().endswith(f"{flag} {value}: must be at least {low}")
+
+
+def test_an_engine_of_the_other_device_is_refused_naming_it(tiny_bundle):
+    """fp16 engines run on CUDA only, our fp32/int8 variants on the CPU only: refused before anything runs."""
+    result = run_cli("bench", "offline", str(tiny_bundle), "--engines", "ort_fp32,ort_fp16", timeout=120)
+    assert result.returncode != 0
+    assert "--engines: ort_fp16 do not run on --device cpu" in result.stderr
+    result = run_cli("bench", "offline", str(tiny_bundle), "--device", "cuda", "--engines", "ct2_int8", timeout=120)
+    assert result.returncode != 0 and "--engines: ct2_int8 do not run on --device cuda" in result.stderr

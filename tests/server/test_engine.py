@@ -4,7 +4,6 @@ KV shapes after join/leave, cancellation, deadlines and overload.
 Every test runs twice: with the caches as host numpy arrays (the CPU default), and with them as
 OrtValues bound by IOBinding (the CUDA path, here on ONNX Runtime's CPU provider)."""
 
-import os
 import time
 
 import numpy as np
@@ -16,13 +15,13 @@ from nmtserve.search import DecodingOptions
 from nmtserve.server.engine import Engine, EngineConfig, EngineOverloaded, EnginePool, FinishReason, Request
 from nmtserve.server.running_batch import RunningBatch
 from nmtserve.training.data import read_tsv
+from tests.helpers import TEST_DEVICE, TEST_VARIANT
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["host-arrays", "io-binding"])
 def translator(tiny_bundle, request):
-    # the IOBinding path runs on ONNX Runtime's CPU provider here; NMTSERVE_TEST_DEVICE=cuda on a GPU machine
-    device = os.environ.get("NMTSERVE_TEST_DEVICE", "cpu") if request.param else "cpu"
-    return OnnxTranslator(tiny_bundle, device=device, intra_op_threads=1, io_binding=request.param,
+    device, variant = (TEST_DEVICE, TEST_VARIANT) if request.param else ("cpu", "fp32")
+    return OnnxTranslator(tiny_bundle, device=device, variant=variant, intra_op_threads=1, io_binding=request.param,
                           shared_cross=False)  # the engine's step
 
 
@@ -198,10 +197,12 @@ def _run_together(translator, requests: list[Request]) -> None:
 
 def test_a_source_the_encoder_fails_on_fails_alone(translator, sources):
     expected = [tokens for tokens, _ in translator.translate_ids(sources[:7], max_batch_size=1)]
-    poisoned = Request([translator.bundle.model["vocab_size"] + 7])  # outside the embedding table: ORT fails
+    outside = translator.bundle.model["vocab_size"] + 7  # outside the embedding table (CUDA would not refuse it)
+    poisoned = Request([outside])
     others = [Request(s) for s in sources[:7]]
     _run_together(translator, [poisoned, *others])
-    assert poisoned.finish is FinishReason.ERROR and "out of" in poisoned.error, poisoned.error
+    assert poisoned.finish is FinishReason.ERROR, poisoned.finish
+    assert f"source token id {outside} is out of the vocabulary" in poisoned.error, poisoned.error
     assert [r.tokens for r in others] == expected
     assert all(r.finish in (FinishReason.EOS, FinishReason.LENGTH) for r in others)
 
@@ -276,6 +277,11 @@ def test_greedy_beam_and_sampled_requests_share_steps_and_each_gets_what_it_gets
     finally:
         engine.stop()
     for request, expected in zip(requests, alone):
+        if request.options.sampling and TEST_VARIANT == "fp16":
+            # fp16 on CUDA: a row's probabilities differ in their last bits with the batch's shape (other GEMM
+            # kernels), enough to move a draw from the whole vocabulary across a boundary now and then
+            assert request.finish in (FinishReason.EOS, FinishReason.LENGTH)
+            continue
         assert request.tokens == expected[0].tokens
         if request.options.beam_size > 1:
             assert [h.tokens for h in request.hypotheses] == [h.tokens for h in expected]
