@@ -279,8 +279,7 @@ def _spec(cfg: BenchConfig, workdir: Path) -> dict:
     search = replace(DecodingOptions(**(bundle.manifest.get("decoding_defaults") or {})).override(
         beam_size=cfg.beam_size), max_decoding_length=cfg.max_decoding_length)
     spec = {"bundle": cfg.bundle, "device": cfg.device, "checkpoint": checkpoint, "marian_directory": marian,
-            "sources": sources,
-            "batch_sizes": list(cfg.batch_sizes), "repeats": cfg.repeats, "search": asdict(search)}
+            "sources": sources, "batch_sizes": list(cfg.batch_sizes), "repeats": cfg.repeats, "search": asdict(search)}
     if any(e.startswith("ct2_") for e in cfg.engines):
         # converted here, once, in the runner (torch), never in a measuring process
         if marian:  # by CTranslate2's own converter, from the directory the bundle was imported from
@@ -354,8 +353,8 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences:
             ref = runs[(reference, 1, threads[0])][0]["outputs"]
             agreement[f"{engine}_vs_{reference}_identical"] = round(
                 sum(a == b for a, b in zip(measured[0]["outputs"], ref)) / n_sentences, 4)
-    return {"machine": machine_info(cfg.device), "device": cfg.device, "checkpoint": checkpoint, "bundle": cfg.bundle, "sentences": n_sentences,
-            "runs": cfg.runs, "repeats": cfg.repeats, "threads_swept": list(threads),
+    return {"machine": machine_info(cfg.device), "device": cfg.device, "checkpoint": checkpoint, "bundle": cfg.bundle,
+            "sentences": n_sentences, "runs": cfg.runs, "repeats": cfg.repeats, "threads_swept": list(threads),
             "layouts_swept": {e: [layout_name(*lt) for lt in layouts(e, threads)] for e in cfg.engines},
             "batch_sizes": list(cfg.batch_sizes),
             "unit": f"target tokens/s (eos excluded), {decoding_name(cfg.beam_size)}",

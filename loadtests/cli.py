@@ -142,8 +142,9 @@ def _add_bench(p) -> None:
     p.add_argument("--engines", help="comma-separated, of pytorch, transformers, ort_fp32, ort_int8, ort_fp16, "
                    "ct2_fp32, ct2_int8, ct2_fp16 (default: every one of the device but transformers; for a bundle "
                    "imported from Marian, every one but pytorch)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (fp32, int8) or cuda (fp16: ort_fp16, ct2_fp16, PyTorch and "
-                   "transformers in fp16; threads default to 1)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (fp32, int8) or cuda (fp16: ort_fp16, ct2_fp16, PyTorch and transformers in fp16; "
+                   "threads default to 1)")
     p.add_argument("--beam-size", type=int, default=1, help="1: greedy (default)")
     p.add_argument("--max-decoding-length", type=int, default=256,
                    help="output tokens per sentence at most (default %(default)s)")

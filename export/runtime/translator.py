@@ -313,9 +313,7 @@ class OnnxTranslator:
         are bound every step (a translator serves one thread at a time)."""
         binding, bound, shared = self._binding, self._bound, self.shared_cross
         caches = (state.k, state.v, state.cross_k, state.cross_v, state.cross_eos)
-        # host memory bound for a session on another device is copied to it when bound, not when run: host
-        # arrays on CUDA (io_binding off) are bound again every step, as the host inputs of io_binding are
-        where = state.ops.device
+        where = state.ops.device  # host arrays are host memory to every session (io_binding off on CUDA too)
         copied_when_bound = where != self.device
         if copied_when_bound or not _same(bound.get("caches"), caches):
             for name, x in zip(("k", "v", "cross_k", "cross_v"), caches):
