@@ -45,9 +45,9 @@ def cmd_translate(args) -> int:
         raise NmtserveError("--stream needs --server (it calls TranslateStream)")
     if args.stream and args.json:
         raise NmtserveError("--stream prints text as it is decoded; use --json without --stream")
-    if args.server and (args.threads != 0 or args.inter_threads != 1):
-        raise NmtserveError("--threads and --inter-threads set a local bundle's threads; a server has its own "
-                            "(nmtserve serve --threads, --inter-threads)")
+    if args.server and (args.threads != 0 or args.inter_threads != 1 or args.variant):
+        raise NmtserveError("--threads, --inter-threads and --variant set how a local bundle runs; a server has its "
+                            "own (nmtserve serve --threads, --inter-threads, --variant)")
     if args.server:
         return _translate_remote(args)
     if args.model or args.source_language or args.file:
@@ -73,7 +73,9 @@ def translate_local(model: str, texts: list[str], args) -> list[list[tuple[str, 
 def _translate_bundle(path: str, texts: list[str], args) -> list[list[tuple[str, float]]]:
     from nmtserve.export.runtime.translator import OnnxTranslator
 
-    tr = OnnxTranslator(path, device=args.device, intra_op_threads=args.threads, inter_threads=args.inter_threads)
+    variant = args.variant or ("fp16" if args.device == "cuda" else "fp32")
+    tr = OnnxTranslator(path, device=args.device, variant=variant, intra_op_threads=args.threads,
+                        inter_threads=args.inter_threads)
     options = local_options(args, tr.bundle.manifest.get("decoding_defaults") or {})
     try:
         ids = [tr.tokenizer.encode(t, tr.limits.max_source_tokens, args.target_language) or [tr.eos_id] for t in texts]
@@ -91,8 +93,8 @@ def _translate_checkpoint(path: str, texts: list[str], args) -> list[list[tuple[
 
     if args.target_language:
         raise NmtserveError("--target-language: give a bundle or --server (the PyTorch reference reads no language token)")
-    if args.threads or args.inter_threads != 1:
-        raise NmtserveError("--threads and --inter-threads: with a bundle (ONNX Runtime), not a checkpoint")
+    if args.threads or args.inter_threads != 1 or args.variant:
+        raise NmtserveError("--threads, --inter-threads and --variant: with a bundle (ONNX Runtime), not a checkpoint")
     loaded = load_model(path, device=args.device)
     options = local_options(args, loaded.payload.get("decoding_defaults") or {})
     options.check(loaded.model.config.vocab_size)
@@ -231,13 +233,15 @@ def add_parser(sub, name: str, help_text: str) -> None:
     p.add_argument("--max-length", type=int, default=None,
                    help="most target tokens per sentence (default: 256 locally; the server's own limit with --server)")
     p.add_argument("--device", default="cpu")
-    add_thread_flags(p)
+    add_bundle_flags(p)
     add_decoding_flags(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_translate)
 
 
-def add_thread_flags(p) -> None:
+def add_bundle_flags(p) -> None:
+    """How a bundle runs (also `nmtserve evaluate`'s): its variant and ONNX Runtime's threads."""
+    p.add_argument("--variant", help="a bundle: fp32 or int8 on cpu, fp16 on cuda (default: fp32 on cpu, fp16 on cuda)")
     p.add_argument("--threads", type=int, default=0,
                    help="a bundle: ONNX Runtime intra-op threads of each batch (default 0: a thread per core)")
     p.add_argument("--inter-threads", type=int, default=1,

@@ -183,7 +183,7 @@ def add_parser(sub, name: str, help_text: str) -> None:
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=cmd_import_marian)
     elif name == "evaluate":
-        from nmtserve.translate import add_decoding_flags, add_thread_flags
+        from nmtserve.translate import add_bundle_flags, add_decoding_flags
 
         p.add_argument("model", help="a checkpoint (the PyTorch reference) or a bundle directory (ONNX Runtime)")
         p.add_argument("--split", default="test", help="split of the data directory (default %(default)s)")
@@ -195,7 +195,7 @@ def add_parser(sub, name: str, help_text: str) -> None:
         p.add_argument("--target-language", default="", help="a multilingual Marian bundle's >>xx<< token")
         p.add_argument("--output", help="write the translations here")
         p.add_argument("--device", default="cpu")
-        add_thread_flags(p)
+        add_bundle_flags(p)
         add_decoding_flags(p)
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=cmd_evaluate)

@@ -1,6 +1,8 @@
 """The client side: round_robin spreads calls over every address of a target, and `nmtserve translate`
 takes dns:/// targets (what a headless Kubernetes Service gives)."""
 
+import json
+
 import grpc
 
 from nmtserve.client import open_channel
@@ -77,6 +79,20 @@ def test_translate_cli_decodes_with_a_beam_or_samples_locally_and_through_the_se
     assert bad.returncode == 2 and bad.stderr.strip().endswith("num_hypotheses 3: must be between 1 and beam_size (2)")
 
 
+def test_translate_cli_runs_the_bundle_variant_it_is_given(tiny_bundle):
+    """--variant int8 runs the int8 graphs (its n-best scores are not fp32's); the default is fp32 on a CPU."""
+    sentences = ["the cat sleeps .", "a dog eats the bread .", "the bird sings ."]
+    scores = {}
+    for variant in ("", "fp32", "int8"):
+        flags = ["--variant", variant] if variant else []
+        out = run_cli("translate", *flags, "--beam-size", "2", "--num-hypotheses", "2", "--json", str(tiny_bundle),
+                      *sentences, timeout=120)
+        assert out.returncode == 0, out.stderr
+        scores[variant] = [[h["score"] for h in json.loads(line)["hypotheses"]] for line in out.stdout.splitlines()]
+    assert scores[""] == scores["fp32"] != scores["int8"]
+    assert len(scores["int8"]) == len(sentences)
+
+
 def test_translate_cli_decodes_a_bundles_batches_at_once_on_threads_of_their_own(served, tiny_bundle, tiny_checkpoint,
                                                                                   monkeypatch):
     """--inter-threads 2 --threads 1: one sentence per batch, two batches at once (a decoding context per
@@ -102,7 +118,11 @@ def test_translate_cli_decodes_a_bundles_batches_at_once_on_threads_of_their_own
     refused = {("--inter-threads", "0", str(tiny_bundle)): "--inter-threads 0: must be at least 1",
                ("--threads", "-1", str(tiny_bundle)): "--threads -1: must be at least 0",
                ("--inter-threads", "2", "--server", served.target): "a server has its own",
-               ("--inter-threads", "2", str(tiny_checkpoint)): "with a bundle (ONNX Runtime), not a checkpoint"}
+               ("--inter-threads", "2", str(tiny_checkpoint)): "with a bundle (ONNX Runtime), not a checkpoint",
+               ("--variant", "int8", "--server", served.target): "a server has its own",
+               ("--variant", "int8", str(tiny_checkpoint)): "with a bundle (ONNX Runtime), not a checkpoint",
+               ("--variant", "int4", str(tiny_bundle)): "no variant 'int4'",
+               ("--variant", "int8", "--device", "cuda", str(tiny_bundle)): "variant 'int8' runs on cpu, not cuda"}
     for args, message in refused.items():
         out = run_cli("translate", *args, "hi", timeout=120)
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
