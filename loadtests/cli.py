@@ -75,6 +75,7 @@ def _write_report(report: dict, path: Path, draw) -> None:
 
 
 def cmd_bench_served(args) -> int:
+    from nmtserve.export.runtime.bundle import default_variant
     from nmtserve.loadtests.bench_served import MODES, ServedBenchConfig, draw_chart, format_table, run_served_bench
 
     _at_least(1, runs=args.runs, sentences_per_call=args.sentences_per_call)
@@ -83,7 +84,8 @@ def cmd_bench_served(args) -> int:
     if not modes or any(m not in MODES for m in modes):
         raise NmtserveError(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
     report = run_served_bench(ServedBenchConfig(args.bundle, args.sentences, args.concurrency, args.requests, args.runs,
-                                                args.threads, args.variant, args.max_running_rows, args.device, modes,
+                                                args.threads, args.variant or default_variant(args.device),
+                                                args.max_running_rows, args.device, modes,
                                                 server_flags=args.server_flag or [], decoding=args.decoding,
                                                 sentences_per_call=args.sentences_per_call))
     print(format_table(report))
@@ -157,7 +159,7 @@ def _add_bench(p) -> None:
     p.add_argument("--requests", type=int, default=0, help="requests per cell (0: max(64, 16 × concurrency))")
     p.add_argument("--runs", type=int, default=3, help="runs per cell; the median is reported")
     p.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads of servers and baseline")
-    p.add_argument("--variant", default="fp32")
+    p.add_argument("--variant", help="the servers' and baseline's (default: fp32 on cpu, fp16 on cuda)")
     p.add_argument("--max-running-rows", type=int, default=64)
     p.add_argument("--device", default="cpu", help="cpu or cuda, for the servers and the baseline")
     p.add_argument("--modes", default="continuous,static")

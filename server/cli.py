@@ -11,6 +11,7 @@ from dataclasses import fields
 
 HELPS = {"models": "TOML file of the models to serve: bundle, id, variant, device, threads, inter_threads each (server/models.py)",
          "threads": "ONNX Runtime intra-op threads (of each engine)", "device": "cpu or cuda",
+         "variant": "the bundle's graphs: fp32 or int8 on cpu, fp16 on cuda (empty: fp32 on cpu, fp16 on cuda)",
          "inter_threads": "engines per model (CTranslate2's name): running batches decoded at once, each on a thread "
                           "of its own with its own --max-running-rows and --max-waiting (2 × 1 thread beat 1 × 2 "
                           "under load on a CPU)",

@@ -16,7 +16,7 @@ class ServerConfig:
     port: int = 50051
     metrics_port: int = 9090  # Prometheus /metrics on its own HTTP port; -1 turns it off
     batching: str = "continuous"  # or "static", for comparison
-    variant: str = "fp32"
+    variant: str = ""  # "": fp32 on cpu, fp16 on cuda (default_variant)
     device: str = "cpu"
     io_binding: str = "auto"  # on: K/V caches stay on the device as OrtValues (IOBinding); auto = on for cuda
     threads: int = 2  # ONNX Runtime intra-op threads (sessions never spin): the deployment's CPU request

@@ -10,7 +10,7 @@ models.toml:
     [[models]]
     bundle = "/models/en-fr"     # required
     id = "en-fr"                 # default: the bundle's languages ("en-fr"), else its directory's name
-    variant = "int8"             # default: --variant; also device, threads, inter_threads
+    variant = "int8"             # default: --variant (fp32 on cpu, fp16 on cuda); also device, threads, inter_threads
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nmtserve.errors import ConfigError, NmtserveError
-from nmtserve.export.runtime.bundle import MANIFEST, load_bundle
+from nmtserve.export.runtime.bundle import MANIFEST, default_variant, load_bundle
 from nmtserve.search import DecodingOptions
 from nmtserve.server.config import ServerConfig
 from nmtserve.server.documents import fit, sentence_spans
@@ -86,9 +86,12 @@ def model_specs(config: ServerConfig) -> list[ModelSpec]:
         entries = [{"bundle": b.strip()} for b in config.bundle.split(",") if b.strip()]
     if not entries:
         raise ConfigError("no model to serve: give one or more bundle directories, or --models FILE")
-    specs = [ModelSpec(e.get("id") or default_id(e["bundle"]), e["bundle"], e.get("variant", config.variant),
-                       e.get("device", config.device), e.get("threads", config.threads),
-                       e.get("inter_threads", config.inter_threads)) for e in entries]
+    specs = []
+    for e in entries:
+        device = e.get("device", config.device)
+        specs.append(ModelSpec(e.get("id") or default_id(e["bundle"]), e["bundle"],
+                               e.get("variant", config.variant) or default_variant(device), device,
+                               e.get("threads", config.threads), e.get("inter_threads", config.inter_threads)))
     seen: dict[str, str] = {}
     for spec in specs:
         if spec.inter_threads < 1:

@@ -23,6 +23,11 @@ SCHEMA_VERSION = 4  # 2: the decoder step writes its caches in place (GroupQuery
 MANIFEST = "manifest.json"
 
 
+def default_variant(device: str) -> str:
+    """The variant a device runs when none is named: fp32 on a CPU, fp16 on CUDA (the only one it takes)."""
+    return "fp16" if device == "cuda" else "fp32"
+
+
 def sha256_of(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -207,6 +207,11 @@ def test_the_models_file_names_ids_and_settings(tiny_bundle, fr_en_bundle, tmp_p
         assert str(refused.value) == message
     with pytest.raises(ConfigError, match="model id 'en-fr' names both"):
         model_specs(ServerConfig(bundle=f"{tiny_bundle},{tiny_bundle}"))
+    # no variant named: each model's device decides (fp16 is the only one cuda takes); a named one stays
+    models.write_text(f'[[models]]\nbundle = "{tiny_bundle}"\ndevice = "cuda"\n\n[[models]]\nbundle = "{fr_en_bundle}"\n'
+                      f'[[models]]\nbundle = "{fr_en_bundle}"\nid = "named"\nvariant = "int8"\n', encoding="utf-8")
+    assert [(s.device, s.variant) for s in model_specs(ServerConfig(models=str(models)))] == [
+        ("cuda", "fp16"), ("cpu", "fp32"), ("cpu", "int8")]
     result = run_cli("serve", "--models", str(bad), "--port", "0", timeout=120)
     assert result.returncode == 2 and result.stderr.strip().endswith("must be at least 1"), result.stderr
     result = run_cli("serve", str(tiny_bundle), "--models", str(models), "--port", "0", timeout=120)
