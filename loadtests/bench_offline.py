@@ -50,13 +50,8 @@ from nmtserve.search import DecodingOptions
 
 BATCH_SIZES = (1, 8, 32, 64)
 ENGINES = ("pytorch", "transformers", "ort_fp32", "ort_int8", "ort_fp16", "ct2_fp32", "ct2_int8", "ct2_fp16")
-# the engines measured when --engines is not given, by device and by where the bundle came from (our own
-# model: PyTorch; imported from Marian: transformers); on CUDA, PyTorch and transformers run in fp16 too
-DEFAULT_ENGINES = {("cpu", "own"): ("pytorch", "ort_fp32", "ort_int8", "ct2_fp32", "ct2_int8"),
-                   ("cpu", "marian"): ("transformers", "ort_fp32", "ort_int8", "ct2_fp32", "ct2_int8"),
-                   ("cuda", "own"): ("pytorch", "ort_fp16", "ct2_fp16"),
-                   ("cuda", "marian"): ("transformers", "ort_fp16", "ct2_fp16")}
-# precisions that run on one device only: our fp32/int8 variants are CPU ones, fp16 is for CUDA
+# precisions that run on one device only: our fp32/int8 variants are CPU ones, fp16 is for CUDA (PyTorch and
+# transformers run on either, in fp16 on CUDA)
 ENGINE_DEVICE = {"ort_fp32": "cpu", "ort_int8": "cpu", "ct2_fp32": "cpu", "ct2_int8": "cpu",
                  "ort_fp16": "cuda", "ct2_fp16": "cuda"}
 ENGINE_MODULES = ("torch", "transformers", "onnxruntime", "ctranslate2")
@@ -112,8 +107,15 @@ def marian_directory(bundle: str) -> str | None:
     return imported["directory"] if imported else None
 
 
+def runs_on(engine: str, device: str) -> bool:
+    return ENGINE_DEVICE.get(engine, device) == device
+
+
 def default_engines(bundle: str, device: str = "cpu") -> tuple[str, ...]:
-    return DEFAULT_ENGINES[(device, "marian" if marian_directory(bundle) else "own")]
+    """Every engine of the device but the other reference: PyTorch for our own model's bundle,
+    transformers for one imported from Marian."""
+    other = "pytorch" if marian_directory(bundle) else "transformers"
+    return tuple(e for e in ENGINES if runs_on(e, device) and e != other)
 
 
 def check_engines(engines: tuple[str, ...], device: str) -> None:
@@ -121,10 +123,10 @@ def check_engines(engines: tuple[str, ...], device: str) -> None:
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
         raise NmtserveError(f"--engines: unknown {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
-    elsewhere = [e for e in engines if ENGINE_DEVICE.get(e, device) != device]
+    elsewhere = [e for e in engines if not runs_on(e, device)]
     if elsewhere:
         raise NmtserveError(f"--engines: {', '.join(elsewhere)} do not run on --device {device} "
-                            f"(on it: {', '.join(e for e in ENGINES if ENGINE_DEVICE.get(e, device) == device)})")
+                            f"(on it: {', '.join(e for e in ENGINES if runs_on(e, device))})")
 
 
 # -- the worker: one engine, one thread count, every batch size

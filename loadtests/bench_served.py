@@ -136,10 +136,10 @@ STAGES = ("prepare", "queue", "encode + first step", "later steps", "hand-back +
 
 
 def _stages(t, latency: float) -> list[float]:
-    """Seconds per stage of STAGES (of the sentence a call waited for longest): validation and tokenization; the
-    engine's queue; admission, the
-    encoder and the first decoder step; the other steps; the engine-to-event-loop hand-back,
-    detokenization and the response's construction; gRPC (both ways) and the client."""
+    """Seconds per stage of STAGES (of the sentence a call waited for longest): validation and
+    tokenization; the engine's queue; admission, the encoder and the first decoder step; the other
+    steps; the engine-to-event-loop hand-back, detokenization and the response's construction; gRPC
+    (both ways) and the client."""
     prepare, queue, first, total, handler = (x / 1e9 for x in (t.prepare_ns, t.queue_ns, t.time_to_first_token_ns,
                                                                 t.total_ns, t.handler_ns))
     return [prepare, queue, first - queue, total - first, handler - prepare - total, latency - handler]

@@ -34,7 +34,6 @@ def _int_list(text: str) -> tuple[int, ...]:
 def cmd_bench_offline(args) -> int:
     from nmtserve.loadtests.bench_offline import (
         BenchConfig,
-        check_engines,
         check_isolation,
         default_engines,
         draw_chart,
@@ -45,7 +44,6 @@ def cmd_bench_offline(args) -> int:
     _at_least(1, runs=args.runs, repeats=args.repeats)
     engines = (tuple(e.strip() for e in args.engines.split(",")) if args.engines
                else default_engines(args.bundle, args.device))
-    check_engines(engines, args.device)
     report = run_bench(BenchConfig(args.bundle, args.checkpoint, args.sentences, args.runs, args.threads or (),
                                    args.batch_sizes, engines, args.sentences_file, args.max_decoding_length,
                                    args.beam_size, args.repeats, args.device),

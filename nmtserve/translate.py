@@ -71,11 +71,9 @@ def translate_local(model: str, texts: list[str], args) -> list[list[tuple[str, 
 
 
 def _translate_bundle(path: str, texts: list[str], args) -> list[list[tuple[str, float]]]:
-    from nmtserve.export.runtime.bundle import default_variant
     from nmtserve.export.runtime.translator import OnnxTranslator
 
-    tr = OnnxTranslator(path, device=args.device, variant=args.variant or default_variant(args.device),
-                        intra_op_threads=args.threads,
+    tr = OnnxTranslator(path, device=args.device, variant=args.variant, intra_op_threads=args.threads,
                         inter_threads=args.inter_threads)
     options = local_options(args, tr.bundle.manifest.get("decoding_defaults") or {})
     try:

@@ -47,7 +47,7 @@ from onnx import helper
 from nmtserve.decoding import sorted_batches
 from nmtserve.errors import BundleError, ConfigError
 from nmtserve.export.runtime.batch import BatchState, eos_of
-from nmtserve.export.runtime.bundle import Bundle, load_bundle
+from nmtserve.export.runtime.bundle import Bundle, default_variant, load_bundle
 from nmtserve.export.runtime.tensors import DeviceTensors, HostTensors
 from nmtserve.search import DecodingOptions, Hypothesis, make_search
 
@@ -178,13 +178,14 @@ def with_shared_cross(model: onnx.ModelProto, heads: int, dim: int) -> onnx.Mode
 class OnnxTranslator:
     """Encoder and decoder-step sessions of one bundle variant, and greedy search over them."""
 
-    def __init__(self, bundle: str | Path | Bundle, device: str = "cpu", variant: str = "fp32",
+    def __init__(self, bundle: str | Path | Bundle, device: str = "cpu", variant: str | None = None,
                  intra_op_threads: int = 0, io_binding: bool | None = None, shared_cross: bool = True,
                  inter_threads: int = 1):
         if inter_threads < 1:
             raise ConfigError(f"inter_threads {inter_threads}: must be at least 1")
         self.inter_threads = inter_threads  # batches decoded at once (search_ids), each on a thread of its own
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
+        variant = variant or default_variant(device)  # fp32 on a CPU, fp16 on CUDA
         self.device, self.variant = device, variant
         self.io_binding = device == "cuda" if io_binding is None else io_binding
         encoder_path = self.bundle.graph_path(variant, "encoder")
