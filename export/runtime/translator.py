@@ -391,19 +391,27 @@ class OnnxTranslator:
         stays in the batch, decoding on with its output ignored, until such rows are a quarter of the
         batch; then they leave together (one copy of the cache instead of one per step where a row
         finishes). Meanwhile every row stays at the same position: ONNX Runtime's CPU attention kernel
-        steps rows at one position faster than rows at mixed ones (docs/architecture.md)."""
+        steps rows at one position faster than rows at mixed ones (docs/architecture.md).
+        Each step's best token is written straight into the step's `tokens` input (`_greedy_binding`), so
+        between two steps our Python only records it, advances the positions and looks for eos."""
         rows = np.arange(len(sources))  # the source of each row of `state`, and its budget
         budget = np.array([self.limits.output_budget(len(s), max_decoding_length, length_rule) for s in sources])
         steps = [], [], []  # per step: each row's source, token and log-prob
         finished, end = np.zeros(len(sources), bool), np.zeros(len(sources), np.int64)  # end: its last step
         last = int(budget.min())  # the first step at which some row reaches its budget
+        binding, rebind = None, self.io_binding or state.ops.device != self.device  # rows bound by value: every step
         while state is not None:
-            tokens, token_scores = self.decode_one_token(state)
-            for record, x in zip(steps, (rows, tokens, token_scores)):
+            if binding is None or rebind or len(steps[0]) == state.capacity:  # a new state, or its cache full
+                state.open_slot()
+                binding = self._greedy_binding(state)
+            self.decoder.run_with_iobinding(binding)
+            state.positions += 1  # every row: offline batches have no holes
+            tokens = state.tokens.copy()
+            for record, x in zip(steps, (rows, tokens, self._scores.copy())):
                 record.append(x)
             hit = tokens == self.eos_id
             if not (hit.any() or len(steps[0]) >= last):
-                continue  # most steps: two ufuncs, not seven (Python here runs on caches the step has flushed)
+                continue  # most steps: two ufuncs (Python here runs on caches the step has flushed)
             done = finished[rows]
             newly = (hit | (state.positions >= budget)) & ~done
             if newly.any():
@@ -411,7 +419,17 @@ class OnnxTranslator:
                 done |= newly
                 if done.sum() * 4 >= len(rows):  # compact: a copy of the cache, amortised
                     state, rows, budget = state.filter(~done), rows[~done], budget[~done]
-        return self._collect(len(sources), *steps, end)
+                    binding = None
+        return self._collect(len(sources), steps[0], steps[1], [s.ravel() for s in steps[2]], end)
+
+    def _greedy_binding(self, state: BatchState) -> ort.IOBinding:
+        """The step's binding for greedy search, with its candidate_ids output bound to the `tokens` input's
+        own buffer: the step's TopK, its last node, writes each row's best token where the next step reads
+        it (the embedding's Gather, the first node and only reader of `tokens`, is done by then)."""
+        binding = self._binding_for(state, 1)
+        binding.bind_output("candidate_ids", "cpu", 0, np.int64, (state.size, 1), state.tokens.ctypes.data)
+        del self._bound["outputs"]  # the next other search binds its own candidate buffers again
+        return binding
 
     def _collect(self, n: int, rows: list, tokens: list, scores: list, end: np.ndarray) -> list[list[Hypothesis]]:
         """Greedy's hypotheses from what each step chose: source s's tokens are those of its rows up to
