@@ -187,6 +187,18 @@ class BeamSearch:
         self.done = last or stop
         return parents, tokens
 
+    def ordinary(self, eos_among_best: bool) -> bool:
+        """Whether a step is an ordinary one: no eos among its k best candidates, the budget not spent, no
+        stopping rule to check. Then `step` would keep the k best candidates and not stop: `advance`."""
+        return not (eos_among_best or self.steps + 1 >= self.budget
+                    or self.options.beam_stopping == "transformers" and len(self.finished) >= self.k)
+
+    def advance(self, parents: list[int], tokens: list[int], scores: np.ndarray) -> None:
+        """An ordinary step (`ordinary`), ranked by the caller: the k best candidates' rows, ids and scores."""
+        self.steps += 1
+        self.live = [self.live[p] + [t] for p, t in zip(parents, tokens)]
+        self.scores = scores
+
     def _scored(self) -> list[Hypothesis]:
         penalty = self.options.length_penalty
         return [Hypothesis(tokens, score / (len(tokens) + eos) ** penalty if penalty else score, finish)
@@ -238,6 +250,36 @@ class Sampling:
 
     def settled(self) -> list[int]:
         return self.tokens
+
+
+def beam_steps(searches: list[BeamSearch | None], ids: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One step of several beam searches of one beam size k, whose rows lie one after another, k each (None:
+    a search that is over, its rows decoding on, ignored) -> each row's parent row (an index into all the
+    rows) and next token. The same as each search's `step` on its own rows; the ranking of the candidates,
+    and what follows on an ordinary step (`BeamSearch.ordinary`: most steps), run once for all of them,
+    the rest of a step in the searches concerned (a finished row, the budget, a stopping rule)."""
+    n, k = len(searches), next(s.k for s in searches if s is not None)
+    width = 2 * k
+    beams = np.array([np.zeros(k) if s is None else s.scores for s in searches])  # (n, k), each search's own
+    total = (beams[:, :, None] + scores[:, :width].reshape(n, k, width)).ravel()  # search by search, row by row
+    best = np.argsort(-total.reshape(n, k * width), axis=1, kind="stable")[:, :width]  # as BeamSearch.step
+    flat = (best + np.arange(0, n * k * width, k * width)[:, None]).ravel()
+    cand_row, cand_score = best[:, :k] // width, total[flat].reshape(n, width)[:, :k]
+    cand_id = np.ascontiguousarray(ids[:, :width]).ravel()[flat].reshape(n, width)[:, :k]
+    parents = (cand_row + np.arange(0, n * k, k)[:, None]).ravel()
+    tokens = cand_id.ravel().astype(np.int64)
+    eos = (cand_id == next(s.eos_id for s in searches if s is not None)).any(axis=1).tolist()
+    rows, ids_k = cand_row.tolist(), cand_id.tolist()
+    for j, search in enumerate(searches):
+        own = slice(j * k, (j + 1) * k)
+        if search is None:  # its rows decode on, ignored: each continues itself
+            parents[own], tokens[own] = np.arange(j * k, (j + 1) * k), ids[own, 0]
+        elif search.ordinary(eos[j]):
+            search.advance(rows[j], ids_k[j], cand_score[j])
+        else:
+            chosen, tokens[own] = search.step(ids[own], scores[own])
+            parents[own] = chosen + j * k
+    return parents, tokens
 
 
 def sample_index(log_probs: np.ndarray, temperature: float, topp: float, rng: np.random.Generator) -> int:

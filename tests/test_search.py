@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from nmtserve.errors import ConfigError
-from nmtserve.search import BeamSearch, DecodingOptions, Sampling, sample_index, top_candidates
+from nmtserve.search import BeamSearch, DecodingOptions, Sampling, beam_steps, sample_index, top_candidates
 
 EOS = 3
 V = 10
@@ -107,6 +107,39 @@ def test_settled_is_the_prefix_every_live_and_finished_hypothesis_shares():
     assert search.live == [[5, 7], [5, 8]] and search.settled() == [5]
     step(search, table([{EOS: -0.1, 4: -0.3}, {4: -0.2}]))
     assert search.settled() == [5]  # the finished [5, 7] keeps 7 and 8 apart
+
+
+@pytest.mark.parametrize("options", [
+    DecodingOptions(beam_size=3, num_hypotheses=2),
+    DecodingOptions(beam_size=3, num_hypotheses=3, length_penalty=1.0, patience=2.0),
+    DecodingOptions(beam_size=2, num_hypotheses=2, beam_stopping="transformers", length_rule="transformers"),
+])
+def test_beam_steps_of_many_searches_are_each_searchs_own_steps(options):
+    """beam_steps ranks every search's candidates at once and takes ordinary steps itself: the parents,
+    tokens and results must be those of each search stepped alone, on random tables where eos is often
+    among the best, with budgets that run out, and with a search that is over (None) among them."""
+    rng = np.random.default_rng(7)
+    k, budgets = options.beam_size, [4, 9, 30, 12, 2]
+    alone = [BeamSearch(options, b, EOS) for b in budgets]
+    together = [BeamSearch(options, b, EOS) for b in budgets]
+    slots = list(range(len(budgets)))
+    while any(r is not None for r in slots):
+        log_probs = np.log(rng.dirichlet(np.full(V, 0.3), size=len(slots) * k))
+        ids, scores = top_candidates(log_probs, 2 * k)
+        parents, tokens = beam_steps([None if r is None else together[r] for r in slots], ids, scores)
+        for j, r in enumerate(slots):
+            own = slice(j * k, (j + 1) * k)
+            if r is None:  # its rows decode on, ignored, each continuing itself
+                assert parents[own].tolist() == list(range(j * k, (j + 1) * k))
+                continue
+            expected_parents, expected_tokens = alone[r].step(ids[own], scores[own])
+            assert parents[own].tolist() == (expected_parents + j * k).tolist()
+            assert tokens[own].tolist() == expected_tokens.tolist()
+            assert together[r].done == alone[r].done
+            if alone[r].done:
+                assert together[r].results() == alone[r].results()
+                slots[j] = None
+    assert sum(s.steps for s in alone) > 4 * len(budgets)  # some searches ran several steps
 
 
 def test_sampling_follows_the_distribution_and_a_seed_repeats_it():

@@ -49,7 +49,7 @@ from nmtserve.errors import BundleError, ConfigError
 from nmtserve.export.runtime.batch import BatchState, eos_of
 from nmtserve.export.runtime.bundle import Bundle, default_variant, load_bundle
 from nmtserve.export.runtime.tensors import DeviceTensors, HostTensors
-from nmtserve.search import DecodingOptions, Hypothesis, make_search
+from nmtserve.search import BeamSearch, DecodingOptions, Hypothesis, beam_steps, make_search
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 # ONNX Runtime graph optimisations left out on CPU: SkipLayerNormFusion turns the int8 encoder's residual Add
@@ -455,6 +455,7 @@ class OnnxTranslator:
                                                                    options.length_rule), self.eos_id)
                     for s in sources]
         width, k = searches[0].rows, searches[0].candidates
+        beams = isinstance(searches[0], BeamSearch)
         slots = list(range(len(sources)))  # the source each `width` rows search for, in row order; None: done
         results: list = [None] * len(sources)
         while state is not None:
@@ -465,14 +466,17 @@ class OnnxTranslator:
                 # with shared_cross the rows share their source's cross K/V; else each gets a copy
                 state = state.widen(width) if self.shared_cross \
                     else state.gather(np.repeat(np.arange(len(sources)), width))
-            tokens, parents = ids[:, 0].copy(), np.arange(state.size)  # a finished source's rows decode on, ignored
+            if beams:  # ranked once for all sources (nmtserve/search.py: beam_steps)
+                parents, tokens = beam_steps([None if r is None else searches[r] for r in slots], ids, scores)
+            else:
+                tokens, parents = ids[:, 0].copy(), np.arange(state.size)  # a finished source's rows decode on, ignored
+                for j, r in enumerate(slots):
+                    if r is not None:
+                        rows = slice(j * width, (j + 1) * width)
+                        chosen_parents, tokens[rows] = searches[r].step(ids[rows], scores[rows])
+                        parents[rows] = chosen_parents + j * width
             for j, r in enumerate(slots):
-                if r is None:
-                    continue
-                rows = slice(j * width, (j + 1) * width)
-                chosen_parents, tokens[rows] = searches[r].step(ids[rows], scores[rows])
-                parents[rows] = chosen_parents + j * width
-                if searches[r].done:
+                if r is not None and searches[r].done:
                     results[r], slots[j] = searches[r].results(), None
             state.choose(tokens, parents)
             done = np.array([r is None for r in slots])
