@@ -258,6 +258,8 @@ def beam_steps(searches: list[BeamSearch | None], ids: np.ndarray, scores: np.nd
     rows) and next token. The same as each search's `step` on its own rows; the ranking of the candidates,
     and what follows on an ordinary step (`BeamSearch.ordinary`: most steps), run once for all of them,
     the rest of a step in the searches concerned (a finished row, the budget, a stopping rule)."""
+    if len(searches) == 1 and searches[0] is not None:  # one search: its own step costs less than the set-up
+        return searches[0].step(ids, scores)
     n, k = len(searches), next(s.k for s in searches if s is not None)
     width = 2 * k
     beams = np.array([np.zeros(k) if s is None else s.scores for s in searches])  # (n, k), each search's own
