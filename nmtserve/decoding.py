@@ -36,9 +36,12 @@ class Limits:
 
 
 def sorted_batches(lengths: list[int], max_batch_size: int) -> Iterator[list[int]]:
-    """Indices sorted by length, longest first, cut into batches of at most max_batch_size: little padding
-    per batch, and the last, partial batch holds the shortest sources (as CTranslate2's rebatch_input), so
-    batches decoded at once finish about together."""
+    """Indices sorted by length, longest first, cut into as few batches of at most max_batch_size as
+    possible, of sizes that differ by one at most (200 sources at 64: four of 50, not 64, 64, 64 and 8):
+    little padding per batch, no small batch left at the end, and batches decoded at once finish about
+    together."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    for start in range(0, len(order), max_batch_size):
-        yield order[start:start + max_batch_size]
+    count = -(-len(order) // max_batch_size)
+    bounds = [i * len(order) // count for i in range(count + 1)]
+    for start, stop in zip(bounds, bounds[1:]):
+        yield order[start:stop]

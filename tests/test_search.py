@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from nmtserve.decoding import sorted_batches
 from nmtserve.errors import ConfigError
 from nmtserve.search import BeamSearch, DecodingOptions, Sampling, beam_steps, sample_index, top_candidates
 
@@ -181,3 +182,13 @@ def test_an_out_of_range_option_is_refused_naming_it_its_value_and_the_limit(opt
 def test_a_beam_over_the_servers_limit_is_refused():
     with pytest.raises(ConfigError, match=r"beam_size 5: must be at most 4 \(the server's --max-beam-size\)"):
         DecodingOptions(beam_size=5).check(1000, max_beam_size=4)
+
+
+@pytest.mark.parametrize("n, most, sizes", [(200, 64, [50, 50, 50, 50]), (200, 32, [28, 29, 28, 29, 28, 29, 29]),
+                                            (16, 8, [8, 8]), (5, 8, [5]), (3, 1, [1, 1, 1])])
+def test_sorted_batches_are_as_few_as_the_limit_allows_and_even(n, most, sizes):
+    lengths = [(7 * i) % 23 for i in range(n)]
+    batches = list(sorted_batches(lengths, most))
+    assert [len(b) for b in batches] == sizes
+    order = [i for b in batches for i in b]
+    assert sorted(order) == list(range(n)) and [lengths[i] for i in order] == sorted(lengths, reverse=True)
