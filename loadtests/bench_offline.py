@@ -198,7 +198,7 @@ def _load_engine(engine: str, inter: int, threads: int, spec: dict):
                             inter_threads=inter)
         options = DecodingOptions(**spec["search"])
         return lambda sources, batch_size: [found[0].tokens for found in tr.search_ids(
-            sources, options, max_batch_size=batch_size)]
+            sources, options, max_batch_size=batch_size, scores=False)]
     if engine.startswith("ct2_"):
         import ctranslate2
 

@@ -17,7 +17,8 @@ threads, whose parallel regions are short at these sizes (README, "Batches at on
 
 The decoder graph gets a TopK appended (`with_search_head`): a step returns each row's k best tokens
 and their log-probabilities (k = 1 greedy, 2 × beam for beam search), never the whole distribution
-unless sampling from it. Every cache is bound by address, one layer at a time, as both the step's
+unless sampling from it; greedy search asked for no scores (translate_batch's return_scores=False, as
+CTranslate2's) skips the log-softmax. Every cache is bound by address, one layer at a time, as both the step's
 input and its `present` output, so ONNX Runtime's attention kernel writes the new K/V into the
 cache in place (export/build/graphs.py). With io_binding (the default on CUDA) the caches and cross
 K/V are OrtValues on the device, so a step sends the device only the small per-row arrays (tokens,
@@ -116,17 +117,49 @@ def make_session(path: Path, device: str = "cpu", intra_op_threads: int = 0,
 
 
 def with_search_head(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The decoder-step graph (changed in place) plus an input `candidates` (1,) int64 = K and outputs
-    candidate_ids (B, K) int64 and candidate_scores (B, K): each row's K best tokens and their
-    log-probabilities, best first (ties: lower id first, as ArgMax). Greedy search asks for 1, beam search
-    for 2 × beam, so only these cross to the host; the full log_probs stay an output for the checks that
-    compare them."""
+    """The decoder-step graph (changed in place) with a search head in place of its log_probs output:
+    inputs `candidates` (1,) int64 = K and `with_scores` () bool, outputs candidate_ids (B, K) int64 and
+    candidate_scores (B, K): each row's K best tokens, best first (ties: lower id first, as ArgMax). Greedy
+    search asks for 1, beam search for 2 × beam, so only these cross to the host. With with_scores the
+    scores are the tokens' log-probabilities; without, an If skips the log-softmax over the vocabulary and
+    ranks the values before it (the same order up to rounding ties; the scores are then those values), as
+    CTranslate2's greedy search does when return_scores is off (the log-softmax was 1.7% of the default
+    model's decoder kernel time at batch 64, 2.5% of an OPUS-MT-size model's: README). log_probs leaves the
+    outputs, since ONNX Runtime runs every node of the graph whatever outputs a run asks for;
+    `OnnxTranslator.step` rebuilds it from the K = V best."""
     graph = model.graph
-    graph.input.append(helper.make_tensor_value_info("candidates", onnx.TensorProto.INT64, [1]))
-    graph.node.append(helper.make_node("TopK", ["log_probs", "candidates"], ["candidate_scores", "candidate_ids"],
-                                       axis=-1, largest=1, sorted=1))
-    graph.output.extend([helper.make_tensor_value_info("candidate_ids", onnx.TensorProto.INT64, ["batch", "k"]),
-                          helper.make_tensor_value_info("candidate_scores", onnx.TensorProto.FLOAT, ["batch", "k"])])
+    producer = {out: node for node in graph.node for out in node.output}
+    chain = [producer["log_probs"]]  # LogSoftmax, then perhaps an Add of the suppressed ids' -inf
+    while chain[0].op_type != "LogSoftmax":
+        chain.insert(0, producer[next(name for name in chain[0].input if name in producer)])
+    for node in chain:
+        graph.node.remove(node)
+
+    def branch(name: str, softmax: bool) -> onnx.GraphProto:
+        rename = {out: f"{out}_{name}" for node in chain for out in node.output}
+        nodes = []
+        for node in chain:
+            node = copy.deepcopy(node)
+            if node.op_type == "LogSoftmax" and not softmax:
+                node = helper.make_node("Identity", list(node.input), list(node.output))
+            node.input[:] = [rename.get(i, i) for i in node.input]
+            node.output[:] = [rename[o] for o in node.output]
+            node.name = ""
+            nodes.append(node)
+        outputs = [f"candidate_scores_{name}", f"candidate_ids_{name}"]
+        nodes.append(helper.make_node("TopK", [rename["log_probs"], "candidates"], outputs, axis=-1, largest=1,
+                                      sorted=1))
+        return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(outputs[0], onnx.TensorProto.FLOAT, None),
+                                                   helper.make_tensor_value_info(outputs[1], onnx.TensorProto.INT64, None)])
+
+    graph.input.extend([helper.make_tensor_value_info("candidates", onnx.TensorProto.INT64, [1]),
+                        helper.make_tensor_value_info("with_scores", onnx.TensorProto.BOOL, [])])
+    graph.node.append(helper.make_node("If", ["with_scores"], ["candidate_scores", "candidate_ids"],
+                                       then_branch=branch("scores", True), else_branch=branch("ranks", False)))
+    outputs = [o for o in graph.output if o.name != "log_probs"]
+    del graph.output[:]
+    graph.output.extend(outputs + [helper.make_tensor_value_info("candidate_ids", onnx.TensorProto.INT64, ["batch", "k"]),
+                                   helper.make_tensor_value_info("candidate_scores", onnx.TensorProto.FLOAT, ["batch", "k"])])
     return model
 
 
@@ -203,6 +236,7 @@ class OnnxTranslator:
         self.decoder = make_session(decoder_path, device, intra_op_threads,
                                     model=self._step_graph(decoder_path, shared_cross))
         self._binding, self._bound = self.decoder.io_binding(), {}  # see _binding_for
+        self._with_scores = np.array(True)  # the step's with_scores input, bound by address
         self.ops = DeviceTensors(device, PROVIDERS[device], session_options(1)) if self.io_binding else HostTensors
         self.tokenizer = self.bundle.tokenizer()
         m = self.bundle.model
@@ -248,7 +282,10 @@ class OnnxTranslator:
         cross_k, cross_v = (np.ascontiguousarray(x, self.kv_dtype) for x in (cross_k, cross_v))
         state = BatchState(k, v, cross_k, cross_v, eos_of(cross_k, cross_v, src_mask), np.ascontiguousarray(src_mask, bool),
                            filled.astype(np.int64), np.array(tokens, np.int64), np.zeros(batch, bool))
-        _, _, log_probs = self._step(state, 1, log_probs=True)
+        self._with_scores[...] = True
+        ids, scores = self._step(state, self.vocab_size)  # every token, best first
+        log_probs = np.empty((batch, self.vocab_size), np.float32)
+        np.put_along_axis(log_probs, ids, scores, axis=1)
         new_k = np.stack([k[:, row, :, filled[row]] for row in range(batch)], axis=1)[:, :, :, None]
         new_v = np.stack([v[:, row, :, filled[row]] for row in range(batch)], axis=1)[:, :, :, None]
         return log_probs, new_k, new_v
@@ -281,35 +318,33 @@ class OnnxTranslator:
         state.choose(ids[:, 0])
         return ids[:, 0], scores[:, 0]
 
-    def decode_candidates(self, state: BatchState, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def decode_candidates(self, state: BatchState, k: int, scores: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """One step of every row -> its k best next tokens (B, k) int64 and their log-probs (B, k), best
-        first (k = 0: the whole vocabulary). The step's K/V are written into `state`; the caller then
-        picks each row's next token, and for a beam its parent row, with `state.choose`."""
+        first (k = 0: the whole vocabulary); scores=False: ranked before the log-softmax, which the step
+        skips, and the scores are those values (`with_search_head`). The step's K/V are written into
+        `state`; the caller then picks each row's next token, and for a beam its parent row, with
+        `state.choose`."""
         state.open_slot()
-        ids, scores, _ = self._step(state, k or self.vocab_size)
+        self._with_scores[...] = scores
+        ids, scores = self._step(state, k or self.vocab_size)
         state.advance()
         return ids, scores
 
-    def _step(self, state: BatchState, k: int, log_probs: bool = False):
-        """candidate ids, scores (B, k) and, if asked, log_probs (B, V) on the host. Every cache is bound
-        as both the input and the `present` output of its layer, so the step writes the new K/V into
+    def _step(self, state: BatchState, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """candidate ids and their scores (B, k) on the host, scored as `_with_scores` says. Every cache is
+        bound as both the input and the `present` output of its layer, so the step writes the new K/V into
         `state`'s own buffers, wherever they live (`_binding_for`)."""
         binding = self._binding_for(state, k)
-        all_log_probs = None
-        if log_probs:
-            all_log_probs = np.empty((state.size, self.vocab_size), np.float32)
-            binding.bind_output("log_probs", "cpu", 0, np.float32, all_log_probs.shape, all_log_probs.ctypes.data)
-            self._bound = {}  # the next step binds its own buffers again
         self.decoder.run_with_iobinding(binding)
-        return self._ids.copy(), self._scores.copy(), all_log_probs
+        return self._ids.copy(), self._scores.copy()
 
     def _binding_for(self, state: BatchState, k: int) -> ort.IOBinding:
         """The decoder's binding for a step of `state` asking for k candidates. A binding holds addresses,
         so it is kept from step to step and a group is bound again only when its objects change (`_bound`
         holds weak references to them): the caches (each layer as input and `present` output, with their
         slot counts; with shared_cross the cross K/V as inputs only), the per-row arrays (tokens, positions,
-        cross_slot: BatchState changes them in place), and the outputs (candidates into buffers of (B, k);
-        the rows' log-probs into one kept buffer: a fresh one every step costs page faults). Host inputs of
+        cross_slot: BatchState changes them in place), and the outputs (candidates into buffers of (B, k),
+        with the `candidates` and `with_scores` inputs: the callers set the flag). Host inputs of
         a session on a device are copied to it when bound, so there the per-row arrays (and host caches)
         are bound every step (a translator serves one thread at a time)."""
         binding, bound, shared = self._binding, self._bound, self.shared_cross
@@ -348,13 +383,9 @@ class OnnxTranslator:
             self._ids, self._scores = np.empty((state.size, k), np.int64), np.empty((state.size, k), np.float32)
             self._k = np.array([k], np.int64)
             binding.bind_cpu_input("candidates", self._k)
+            binding.bind_input("with_scores", "cpu", 0, np.bool_, (), self._with_scores.ctypes.data)  # host memory
             for name, x in (("candidate_ids", self._ids), ("candidate_scores", self._scores)):
                 binding.bind_output(name, "cpu", 0, x.dtype, x.shape, x.ctypes.data)
-            if self.io_binding:
-                binding.bind_output("log_probs", self.device)  # stays on the device
-            else:
-                self._log_probs = np.empty((state.size, self.vocab_size), np.float32)
-                binding.bind_output("log_probs", "cpu", 0, np.float32, self._log_probs.shape, self._log_probs.ctypes.data)
             bound["outputs"] = (state.size, k)
         return binding
 
@@ -386,20 +417,22 @@ class OnnxTranslator:
         return ids, ids != self.pad_id
 
     def greedy(self, state: BatchState, sources: list[list[int]], max_decoding_length: int = 256,
-               length_rule: str = "nmtserve") -> list[list[Hypothesis]]:
+               length_rule: str = "nmtserve", scores: bool = True) -> list[list[Hypothesis]]:
         """Greedy search for one batch of token-id sources, encoded in `state` (`prefill`). A finished row
         stays in the batch, decoding on with its output ignored, until such rows are a quarter of the
         batch; then they leave together (one copy of the cache instead of one per step where a row
         finishes). Meanwhile every row stays at the same position: ONNX Runtime's CPU attention kernel
         steps rows at one position faster than rows at mixed ones (docs/architecture.md).
         Each step's best token is written straight into the step's `tokens` input (`_greedy_binding`), so
-        between two steps our Python only records it, advances the positions and looks for eos."""
+        between two steps our Python only records it, advances the positions and looks for eos. Without
+        scores the steps skip the log-softmax (`with_search_head`) and each score is nan."""
         rows = np.arange(len(sources))  # the source of each row of `state`, and its budget
         budget = np.array([self.limits.output_budget(len(s), max_decoding_length, length_rule) for s in sources])
         steps = [], [], []  # per step: each row's source, token and log-prob
         finished, end = np.zeros(len(sources), bool), np.zeros(len(sources), np.int64)  # end: its last step
         last = int(budget.min())  # the first step at which some row reaches its budget
         binding, rebind = None, self.io_binding or state.ops.device != self.device  # rows bound by value: every step
+        self._with_scores[...] = scores
         while state is not None:
             if binding is None or rebind or len(steps[0]) == state.capacity:  # a new state, or its cache full
                 state.open_slot()
@@ -420,7 +453,11 @@ class OnnxTranslator:
                 if done.sum() * 4 >= len(rows):  # compact: a copy of the cache, amortised
                     state, rows, budget = state.filter(~done), rows[~done], budget[~done]
                     binding = None
-        return self._collect(len(sources), steps[0], steps[1], [s.ravel() for s in steps[2]], end)
+        found = self._collect(len(sources), steps[0], steps[1], [s.ravel() for s in steps[2]], end)
+        if not scores:
+            for (hypothesis,) in found:
+                hypothesis.score = float("nan")
+        return found
 
     def _greedy_binding(self, state: BatchState) -> ort.IOBinding:
         """The step's binding for greedy search, with its candidate_ids output bound to the `tokens` input's
@@ -485,9 +522,10 @@ class OnnxTranslator:
         return results
 
     def search_ids(self, sources: list[list[int]], options: DecodingOptions = DecodingOptions(), *,
-                   max_batch_size: int = 32) -> list[list[Hypothesis]]:
+                   max_batch_size: int = 32, scores: bool = True) -> list[list[Hypothesis]]:
         """The n-best hypotheses of each token-id source, best first; sources are batched by sorted length,
-        at most max_batch_size sources (each with its beam's rows) per batch."""
+        at most max_batch_size sources (each with its beam's rows) per batch. scores=False: greedy search
+        skips the log-softmax and scores nothing (each score nan); beam search and sampling always score."""
         if max_batch_size < 1:
             raise ConfigError(f"max_batch_size {max_batch_size}: must be at least 1")
         options.check(self.vocab_size)
@@ -502,7 +540,7 @@ class OnnxTranslator:
         groups = [batches[start:start + ahead] for start in range(0, len(batches), ahead)]
         if self.inter_threads == 1 or len(groups) == 1:
             for group in groups:
-                self._decode_group(group, sources, options, results)
+                self._decode_group(group, sources, options, results, scores)
             return results
         replicas = queue.SimpleQueue()  # one decoding context per thread; a thread takes the next group
         for _ in range(self.inter_threads):
@@ -511,7 +549,7 @@ class OnnxTranslator:
         def decode(group):
             replica = replicas.get()
             try:
-                replica._decode_group(group, sources, options, results)
+                replica._decode_group(group, sources, options, results, scores)
             finally:
                 replicas.put(replica)
         with ThreadPoolExecutor(min(self.inter_threads, len(groups)), thread_name_prefix="nmtserve-batch") as pool:
@@ -519,14 +557,14 @@ class OnnxTranslator:
         return results
 
     def _decode_group(self, group: list[list[int]], sources: list[list[int]], options: DecodingOptions,
-                      results: list) -> None:
+                      results: list, scores: bool) -> None:
         """Encode a group of batches (each a list of source indices), then decode them one after another into
         results."""
         group_sources = [[sources[i] for i in rows] for rows in group]
         states = [self.prefill(batch) for batch in group_sources]
         for rows, batch in zip(group, group_sources):
             state = states.pop(0)  # the list lets go of it: its caches are freed once decoded
-            found = self.greedy(state, batch, options.max_decoding_length, options.length_rule) \
+            found = self.greedy(state, batch, options.max_decoding_length, options.length_rule, scores) \
                 if options.greedy else self.search(state, batch, options)
             for i, hypotheses in zip(rows, found):
                 results[i] = hypotheses
@@ -537,6 +575,7 @@ class OnnxTranslator:
         server's --inter-threads)."""
         replica = copy.copy(self)
         replica._binding, replica._bound = self.decoder.io_binding(), {}
+        replica._with_scores = np.array(True)
         return replica
 
     def translate_ids(self, sources: list[list[int]], *, max_batch_size: int = 32,
@@ -558,7 +597,7 @@ class OnnxTranslator:
         options = DecodingOptions(beam_size, num_hypotheses, length_penalty, patience, sampling_topk, sampling_topp,
                                   sampling_temperature, seed, max_decoding_length, beam_stopping, length_rule)
         ids = [self.tokenizer.encode(t, self.limits.max_source_tokens) or [self.eos_id] for t in texts]
-        found = self.search_ids(ids, options, max_batch_size=max_batch_size)
+        found = self.search_ids(ids, options, max_batch_size=max_batch_size, scores=return_scores)
         return [self._translation(hypotheses, return_scores) for hypotheses in found]
 
     def _translation(self, hypotheses: list[Hypothesis], return_scores: bool) -> Translation:

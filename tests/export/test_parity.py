@@ -72,6 +72,44 @@ def test_translate_batch_is_independent_of_batching_and_returns_scores(tiny_bund
     assert all(t.score <= 0 for t in one) and tr.translate_batch(texts[:1])[0].score is None
 
 
+def test_a_step_without_scores_ranks_the_values_before_the_log_softmax(tiny_bundle, tiny_corpus):
+    """The step's search head (with_search_head): scored, each row's candidates are log-probabilities;
+    unscored, the If skips the log-softmax and the candidates are the values it would have normalised:
+    the same best token, and their log-softmax gives the scored values (compared per token id: among a
+    whole vocabulary some values tie to the last bit, and either order is right)."""
+    tr = OnnxTranslator(tiny_bundle)
+    [head] = [n for n in onnx.load_from_string(tr._step_graph(tr.bundle.graph_path("fp32", "decoder"), True)).graph.node
+              if n.op_type == "If"]
+    branches = {a.name: [n.op_type for n in a.g.node] for a in head.attribute}
+    assert branches["then_branch"].count("LogSoftmax") == 1 and "LogSoftmax" not in branches["else_branch"]
+    sources = [tr.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs[:6]]
+    scored, unscored = tr.prefill(sources), tr.prefill(sources)
+    for _ in range(3):
+        ids, log_probs = tr.decode_candidates(scored, 0)
+        raw_ids, raw = tr.decode_candidates(unscored, 0, scores=False)
+        assert (raw_ids[:, 0] == ids[:, 0]).all() and (raw > 0).any()
+        by_id, raw_by_id = np.empty_like(log_probs), np.empty_like(raw, dtype=np.float64)
+        np.put_along_axis(by_id, ids, log_probs, axis=1)
+        np.put_along_axis(raw_by_id, raw_ids, raw, axis=1)
+        normalised = raw_by_id - np.logaddexp.reduce(raw_by_id, axis=1, keepdims=True)
+        assert np.abs(normalised - by_id).max() < 1e-4
+        for state in (scored, unscored):
+            state.choose(ids[:, 0])
+
+
+def test_greedy_without_scores_gives_the_scored_tokens_and_no_score(tiny_bundle, tiny_checkpoint, tiny_corpus):
+    tr = OnnxTranslator(tiny_bundle)
+    texts = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
+    scored = tr.translate_batch(texts, max_batch_size=8, return_scores=True)
+    unscored = tr.translate_batch(texts, max_batch_size=8)
+    assert all(t.score is None for t in unscored)
+    sources = [tr.tokenizer.encode(t, tr.limits.max_source_tokens) for t in texts]
+    # ranked before or after the log-softmax, two values a bit apart may round to one: then either is right
+    assert diverging_off_a_tie(load_model(tiny_checkpoint).model.eval(), sources, [t.tokens for t in unscored],
+                               [t.tokens for t in scored]) == []
+    assert all(np.isnan(h.score) for h, in tr.search_ids(sources[:5], scores=False))
+
+
 def test_batches_decoded_at_once_on_threads_give_the_results_of_one_at_a_time(tiny_bundle, tiny_corpus, monkeypatch):
     """inter_threads: groups of batches go to threads of their own, each with its own binding over the
     same sessions; greedy, beam and n-best come out as decoded one batch at a time."""

@@ -236,8 +236,8 @@ def test_requests_at_every_limit_finish_with_length_alone_and_in_a_busy_batch(tr
     step = translator._step
 
     def never_eos(state, k):
-        ids, scores, log_probs = step(state, k)
-        return np.where(ids == translator.eos_id, translator.eos_id + 1, ids), scores, log_probs
+        ids, scores = step(state, k)
+        return np.where(ids == translator.eos_id, translator.eos_id + 1, ids), scores
 
     monkeypatch.setattr(translator, "_step", never_eos)
     for batch_mates in ([], sources[:6]):
@@ -312,8 +312,8 @@ def test_a_beam_that_never_says_eos_ends_with_length_at_its_budget(translator, s
     step = translator._step
 
     def never_eos(state, k):
-        ids, scores, log_probs = step(state, k)
-        return np.where(ids == translator.eos_id, translator.eos_id + 1, ids), scores, log_probs
+        ids, scores = step(state, k)
+        return np.where(ids == translator.eos_id, translator.eos_id + 1, ids), scores
 
     monkeypatch.setattr(translator, "_step", never_eos)
     limits = translator.limits

@@ -157,8 +157,8 @@ def test_requests_at_every_limit_over_grpc_end_with_length_alone_and_in_a_busy_b
         limits, eos, step = translator.limits, translator.eos_id, translator._step
 
         def never_eos(state, k):
-            ids, scores, log_probs = step(state, k)
-            return np.where(ids == eos, eos + 1, ids), scores, log_probs
+            ids, scores = step(state, k)
+            return np.where(ids == eos, eos + 1, ids), scores
 
         translator._step = never_eos
         words, longest = " ".join(sentences).split(), ""
