@@ -17,12 +17,13 @@ threads, whose parallel regions are short at these sizes (README, "Batches at on
 
 The decoder graph gets a TopK appended (`with_search_head`): a step returns each row's k best tokens
 and their log-probabilities (k = 1 greedy, 2 × beam for beam search), never the whole distribution
-unless sampling from it; greedy search asked for no scores (translate_batch's return_scores=False, as
-CTranslate2's) skips the log-softmax. Every cache is bound by address, one layer at a time, as both the step's
-input and its `present` output, so ONNX Runtime's attention kernel writes the new K/V into the
-cache in place (export/build/graphs.py). With io_binding (the default on CUDA) the caches and cross
-K/V are OrtValues on the device, so a step sends the device only the small per-row arrays (tokens,
-positions, masks) and brings back only those candidates; without it they are numpy arrays.
+unless sampling from it; greedy search asked for no scores (translate_batch's return_scores=False,
+as CTranslate2's) skips the log-softmax. Every cache is bound by address, one layer at a time, as
+both the step's input and its `present` output, so ONNX Runtime's attention kernel writes the new
+K/V into the cache in place (export/build/graphs.py). With io_binding (the default on CUDA) the
+caches and cross K/V are OrtValues on the device, so a step sends the device only the small per-row
+arrays (tokens, positions, masks) and brings back only those candidates; without it they are numpy
+arrays.
 
 Offline (shared_cross, the default) the step's cross-attention is rewritten to read each source's one
 copy of its cross K/V for all its rows (`with_shared_cross`): after a beam's first step the state is
@@ -137,11 +138,11 @@ def with_search_head(model: onnx.ModelProto) -> onnx.ModelProto:
 
     def branch(name: str, softmax: bool) -> onnx.GraphProto:
         rename = {out: f"{out}_{name}" for node in chain for out in node.output}
+        if not softmax:  # the log-softmax's readers read its input
+            rename[chain[0].output[0]] = chain[0].input[0]
         nodes = []
-        for node in chain:
+        for node in chain[0 if softmax else 1:]:
             node = copy.deepcopy(node)
-            if node.op_type == "LogSoftmax" and not softmax:
-                node = helper.make_node("Identity", list(node.input), list(node.output))
             node.input[:] = [rename.get(i, i) for i in node.input]
             node.output[:] = [rename[o] for o in node.output]
             node.name = ""
