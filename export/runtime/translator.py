@@ -18,7 +18,7 @@ threads, whose parallel regions are short at these sizes (README, "Batches at on
 The decoder graph gets a TopK appended (`with_search_head`): a step returns each row's k best tokens
 and their log-probabilities (k = 1 greedy, 2 × beam for beam search), never the whole distribution
 unless sampling from it; greedy search asked for no scores (translate_batch's return_scores=False,
-as CTranslate2's) skips the log-softmax. Every cache is bound by address, one layer at a time, as
+as CTranslate2's) skips the log-softmax and takes an ArgMax instead of the TopK. Every cache is bound by address, one layer at a time, as
 both the step's input and its `present` output, so ONNX Runtime's attention kernel writes the new
 K/V into the cache in place (export/build/graphs.py). With io_binding (the default on CUDA) the
 caches and cross K/V are OrtValues on the device, so a step sends the device only the small per-row
@@ -123,9 +123,10 @@ def with_search_head(model: onnx.ModelProto) -> onnx.ModelProto:
     candidate_scores (B, K): each row's K best tokens, best first (ties: lower id first, as ArgMax). Greedy
     search asks for 1, beam search for 2 × beam, so only these cross to the host. With with_scores the
     scores are the tokens' log-probabilities; without, an If skips the log-softmax over the vocabulary and
-    ranks the values before it (the same order up to rounding ties; the scores are then those values), as
-    CTranslate2's greedy search does when return_scores is off (the log-softmax was 1.7% of the default
-    model's decoder kernel time at batch 64, 2.5% of an OPUS-MT-size model's: README). log_probs leaves the
+    gives each row's one best token by the values before it (ArgMax: K must be 1; the same token up to
+    rounding ties; its score is then that value), as CTranslate2's greedy search does when return_scores
+    is off (the log-softmax was 1.7% of the default model's decoder kernel time at batch 64, 2.5% of an
+    OPUS-MT-size model's: README). log_probs leaves the
     outputs, since ONNX Runtime runs every node of the graph whatever outputs a run asks for;
     `OnnxTranslator.step` rebuilds it from the K = V best."""
     graph = model.graph
@@ -148,8 +149,12 @@ def with_search_head(model: onnx.ModelProto) -> onnx.ModelProto:
             node.name = ""
             nodes.append(node)
         outputs = [f"candidate_scores_{name}", f"candidate_ids_{name}"]
-        nodes.append(helper.make_node("TopK", [rename["log_probs"], "candidates"], outputs, axis=-1, largest=1,
-                                      sorted=1))
+        if softmax:
+            nodes.append(helper.make_node("TopK", [rename["log_probs"], "candidates"], outputs, axis=-1, largest=1,
+                                          sorted=1))
+        else:  # greedy's one best: ArgMax takes half TopK's time at K = 1 (README)
+            nodes += [helper.make_node("ArgMax", [rename["log_probs"]], [outputs[1]], axis=-1, keepdims=1),
+                      helper.make_node("GatherElements", [rename["log_probs"], outputs[1]], [outputs[0]], axis=-1)]
         return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(outputs[0], onnx.TensorProto.FLOAT, None),
                                                    helper.make_tensor_value_info(outputs[1], onnx.TensorProto.INT64, None)])
 
@@ -321,10 +326,12 @@ class OnnxTranslator:
 
     def decode_candidates(self, state: BatchState, k: int, scores: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """One step of every row -> its k best next tokens (B, k) int64 and their log-probs (B, k), best
-        first (k = 0: the whole vocabulary); scores=False: ranked before the log-softmax, which the step
-        skips, and the scores are those values (`with_search_head`). The step's K/V are written into
-        `state`; the caller then picks each row's next token, and for a beam its parent row, with
-        `state.choose`."""
+        first (k = 0: the whole vocabulary); scores=False (k = 1 only): the best by the values before the
+        log-softmax, which the step skips, and the scores are those values (`with_search_head`). The step's
+        K/V are written into `state`; the caller then picks each row's next token, and for a beam its parent
+        row, with `state.choose`."""
+        if not scores and k != 1:
+            raise ValueError(f"k {k}: a step without scores gives each row's one best token (k = 1)")
         state.open_slot()
         self._with_scores[...] = scores
         ids, scores = self._step(state, k or self.vocab_size)
@@ -462,7 +469,7 @@ class OnnxTranslator:
 
     def _greedy_binding(self, state: BatchState) -> ort.IOBinding:
         """The step's binding for greedy search, with its candidate_ids output bound to the `tokens` input's
-        own buffer: the step's TopK, its last node, writes each row's best token where the next step reads
+        own buffer: the step's search head, its last node, writes each row's best token where the next step reads
         it (the embedding's Gather, the first node and only reader of `tokens`, is done by then)."""
         binding = self._binding_for(state, 1)
         binding.bind_output("candidate_ids", "cpu", 0, np.int64, (state.size, 1), state.tokens.ctypes.data)

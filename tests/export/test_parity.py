@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 import pytest
+import torch
 
 from nmtserve.errors import ConfigError
 from nmtserve.export.build.manifest import file_entry
@@ -72,29 +73,43 @@ def test_translate_batch_is_independent_of_batching_and_returns_scores(tiny_bund
     assert all(t.score <= 0 for t in one) and tr.translate_batch(texts[:1])[0].score is None
 
 
-def test_a_step_without_scores_ranks_the_values_before_the_log_softmax(tiny_bundle, tiny_corpus):
-    """The step's search head (with_search_head): scored, each row's candidates are log-probabilities;
-    unscored, the If skips the log-softmax and the candidates are the values it would have normalised:
-    the same best token, and their log-softmax gives the scored values (compared per token id: among a
-    whole vocabulary some values tie to the last bit, and either order is right)."""
+def test_a_step_without_scores_gives_the_best_token_and_its_value_before_the_log_softmax(
+        tiny_bundle, tiny_checkpoint, tiny_corpus, monkeypatch):
+    """The step's search head (with_search_head): scored, each row's candidates are log-probabilities
+    (TopK of the log-softmax); unscored, the If skips the log-softmax and gives each row's best token
+    (ArgMax) with its value before the log-softmax: PyTorch's logit for that token."""
     tr = OnnxTranslator(tiny_bundle)
     [head] = [n for n in onnx.load_from_string(tr._step_graph(tr.bundle.graph_path("fp32", "decoder"), True)).graph.node
               if n.op_type == "If"]
     branches = {a.name: [n.op_type for n in a.g.node] for a in head.attribute}
-    assert branches["then_branch"].count("LogSoftmax") == 1 and "LogSoftmax" not in branches["else_branch"]
+    assert branches["then_branch"].count("LogSoftmax") == 1 and "TopK" in branches["then_branch"]
+    assert "LogSoftmax" not in branches["else_branch"] and "ArgMax" in branches["else_branch"]
+    model = load_model(tiny_checkpoint).model.eval()
+    monkeypatch.setattr(model, "_log_probs", lambda x: model.embed.logits(x).float())  # decode() gives logits
     sources = [tr.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs[:6]]
     scored, unscored = tr.prefill(sources), tr.prefill(sources)
+    prefixes = [[model.config.bos_id] for _ in sources]
     for _ in range(3):
-        ids, log_probs = tr.decode_candidates(scored, 0)
-        raw_ids, raw = tr.decode_candidates(unscored, 0, scores=False)
-        assert (raw_ids[:, 0] == ids[:, 0]).all() and (raw > 0).any()
-        by_id, raw_by_id = np.empty_like(log_probs), np.empty_like(raw, dtype=np.float64)
-        np.put_along_axis(by_id, ids, log_probs, axis=1)
-        np.put_along_axis(raw_by_id, raw_ids, raw, axis=1)
-        normalised = raw_by_id - np.logaddexp.reduce(raw_by_id, axis=1, keepdims=True)
-        assert np.abs(normalised - by_id).max() < 1e-4
+        ids, log_probs = tr.decode_candidates(scored, 1)
+        raw_ids, raw = tr.decode_candidates(unscored, 1, scores=False)
+        logits = np.stack([_pytorch_logits(model, s, p) for s, p in zip(sources, prefixes)])
+        assert (raw_ids == ids).all() and (raw_ids[:, 0] == logits.argmax(axis=1)).all()
+        best = logits[np.arange(len(sources)), ids[:, 0]]
+        assert np.abs(raw[:, 0] - best).max() < 1e-3 and (raw > 0).any()
+        assert np.abs(log_probs[:, 0] - (best - np.logaddexp.reduce(logits, axis=1))).max() < 1e-3
         for state in (scored, unscored):
             state.choose(ids[:, 0])
+        prefixes = [p + [int(t)] for p, t in zip(prefixes, ids[:, 0])]
+    with pytest.raises(ValueError, match="k 4"):
+        tr.decode_candidates(unscored, 4, scores=False)
+
+
+def _pytorch_logits(model, source: list[int], prefix: list[int]) -> np.ndarray:
+    """The next token's values after `prefix`, from a model whose decode() gives logits."""
+    src, src_mask = torch.tensor([source]), torch.ones(1, len(source), dtype=torch.bool)
+    with torch.no_grad():
+        return model.decode(torch.tensor([prefix]), model.encode(src, src_mask), src_mask,
+                            torch.ones(1, len(prefix), dtype=torch.bool))[0, -1].numpy()
 
 
 def test_greedy_without_scores_gives_the_scored_tokens_and_no_score(tiny_bundle, tiny_checkpoint, tiny_corpus):
