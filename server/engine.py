@@ -85,6 +85,7 @@ class Request:
     deadline: float | None = None  # time.monotonic() after which the request is dropped
     on_token: Callable[[Request, int], None] | None = None  # called from the engine thread
     on_finish: Callable[[Request], None] | None = None  # called from the engine thread, once
+    scored: bool = True  # whether its score is read; greedy without: steps of such rows alone skip the log-softmax
     id: str = ""
     tokens: list[int] = field(default_factory=list)
     score: float = 0.0

@@ -21,6 +21,7 @@ Only the engine thread touches a RunningBatch.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -109,8 +110,10 @@ class RunningBatch:
         self.state.trim()
         placement = self.placement()
         k = max((r.search.candidates or self.tr.vocab_size) if r.search else 1 for r, _ in placement)
+        # greedy rows that no one reads a score of: the step skips the log-softmax (with_search_head)
+        scored = k > 1 or any(r.scored for r, _ in placement)
         try:
-            ids, scores = self.tr.decode_candidates(self.state, k)
+            ids, scores = self.tr.decode_candidates(self.state, k, scores=scored)
         except Exception:
             culprits = self._failing_rows([i for i, r in enumerate(self.rows) if r is not None])
             if not culprits:
@@ -125,7 +128,7 @@ class RunningBatch:
         outputs = []
         for request, rows in placement:
             if request.search is None:
-                outputs.append((request, int(ids[rows[0], 0]), float(scores[rows[0], 0])))
+                outputs.append((request, int(ids[rows[0], 0]), float(scores[rows[0], 0]) if scored else math.nan))
                 continue
             chosen_parents, chosen = request.search.step(ids[rows], scores[rows])
             parents = np.arange(len(self.rows)) if parents is None else parents

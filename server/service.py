@@ -93,13 +93,13 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         return model
 
     @staticmethod
-    def _options(call: _Call, model: ServedModel, request) -> tuple[int, DecodingOptions]:
+    def _options(call: _Call, model: ServedModel, request) -> tuple[int, DecodingOptions, bool]:
         max_tokens, search = model.options(request.options)
         call.mode = search.mode
-        return max_tokens, search
+        return max_tokens, search, request.options.return_scores
 
     # -- engine round trip
-    def _request(self, call: _Call, ids: list[int], options: tuple[int, DecodingOptions], context, on_token=None,
+    def _request(self, call: _Call, ids: list[int], options: tuple[int, DecodingOptions, bool], context, on_token=None,
                  on_done=None):
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -111,9 +111,9 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             if on_done:
                 on_done()
 
-        max_tokens, search = options
+        max_tokens, search, scored = options
         request = Request(ids, max_decoding_length=max_tokens, options=search, on_token=on_token, on_finish=on_finish,
-                          deadline=None if remaining is None else time.monotonic() + remaining)
+                          scored=scored, deadline=None if remaining is None else time.monotonic() + remaining)
         return request, future
 
     async def _fail(self, call: _Call, context, exc: Exception, rejected: bool = True):

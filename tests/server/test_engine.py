@@ -15,7 +15,7 @@ from nmtserve.search import DecodingOptions
 from nmtserve.server.engine import Engine, EngineConfig, EngineOverloaded, EnginePool, FinishReason, Request
 from nmtserve.server.running_batch import RunningBatch
 from nmtserve.training.data import read_tsv
-from tests.helpers import TEST_DEVICE, TEST_VARIANT
+from tests.helpers import TEST_DEVICE, TEST_SCORE_TOLERANCE, TEST_VARIANT
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["host-arrays", "io-binding"])
@@ -49,6 +49,34 @@ def test_staggered_requests_get_exactly_the_translator_tokens(translator, source
         assert all(r.finish in (FinishReason.EOS, FinishReason.LENGTH) for r in requests)
         assert engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0
         assert engine.steps < sum(len(t) + 1 for t in expected)  # rows really shared steps
+    finally:
+        engine.stop()
+
+
+def test_steps_of_greedy_rows_no_one_reads_a_score_of_skip_the_log_softmax(translator, sources, monkeypatch):
+    """A greedy Request with scored=False (gRPC: return_scores off): a step whose rows are all such
+    requests asks for no scores (the search head's ArgMax branch); one scored or searching row makes
+    the step scored. Tokens and scores are the translator's either way."""
+    unscored_expected = [found.tokens for found, in translator.search_ids(sources, max_batch_size=1, scores=False)]
+    scored_expected = translator.translate_ids(sources, max_batch_size=1)
+    flags, decode = [], translator.decode_candidates
+
+    def recording(state, k, scores=True):
+        flags.append(scores)
+        return decode(state, k, scores)
+    monkeypatch.setattr(translator, "decode_candidates", recording)
+    engine = Engine(translator, EngineConfig(max_running_rows=8)).start()
+    try:
+        unscored = [engine.submit(Request(src, scored=False)) for src in sources]
+        assert all(r.done.wait(60) for r in unscored)
+        assert flags and not any(flags)
+        assert [r.tokens for r in unscored] == unscored_expected
+        flags.clear()
+        mixed = [engine.submit(Request(src, scored=i % 2 == 0)) for i, src in enumerate(sources)]
+        assert all(r.done.wait(60) for r in mixed)
+        assert any(flags)
+        for r, (tokens, score) in list(zip(mixed, scored_expected))[::2]:
+            assert r.tokens == tokens and abs(r.score - score) < TEST_SCORE_TOLERANCE
     finally:
         engine.stop()
 
