@@ -14,18 +14,25 @@ PAIRS  ?= 200000
 TRAIN_MINUTES ?= 20
 PYTEST_ARGS ?=
 
-.PHONY: install tools lint demo test clean protos loadtest bench-offline bench-served soak bench-gpu test-gpu
+.PHONY: install tools kernels lint demo test clean protos loadtest bench-offline bench-served soak bench-gpu test-gpu
 
 install: $(VENV)/.installed
 
 # system tools the tests use, from Debian's prometheus package: promtool lints the /metrics page and
-# the prometheus server runs the Grafana dashboard's queries; openssl makes the TLS tests' certificates
+# the prometheus server runs the Grafana dashboard's queries; openssl makes the TLS tests' certificates;
+# g++ builds the attention kernel
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 tools:
-	@command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v openssl >/dev/null || { \
-	  echo "installing Debian packages prometheus (server + promtool) and openssl"; \
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v openssl >/dev/null \
+	  && command -v g++ >/dev/null || { \
+	  echo "installing Debian packages prometheus (server + promtool), openssl and g++"; \
 	  $(SUDO) apt-get update -q && \
-	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus openssl; }
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus openssl g++; }
+
+# nmtserve's decoding-attention kernel for ONNX Runtime's CPU provider (export/runtime/kernels.py): built
+# here with ONNX Runtime's C API headers (Debian's libonnxruntime-dev, downloaded once, not installed)
+kernels: install tools
+	$(PY) -m nmtserve.export.runtime.kernels
 
 # pip finds the pinned CPU torch wheel through the machine's pip configuration (find-links)
 $(VENV)/.installed: pyproject.toml
@@ -43,7 +50,7 @@ $(RUN)/average.pt: $(DATA)/train.tsv
 $(BUNDLE)/manifest.json: $(RUN)/average.pt
 	$(NMT) export $(RUN)/average.pt --out $(BUNDLE) --variants fp32,int8,fp16 --verify
 
-demo: $(BUNDLE)/manifest.json
+demo: kernels $(BUNDLE)/manifest.json
 	$(NMT) evaluate $(RUN)/average.pt --split test --json
 	$(NMT) evaluate $(RUN)/average.pt --split novel --json
 	$(NMT) serve $(BUNDLE) --port $(PORT) & pid=$$!; \
@@ -96,7 +103,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 # pytest exits 5 when it collects no test: that is not a failure of the code under test
-test: install tools lint
+test: install tools kernels lint
 	$(PY) -m pytest $(PYTEST_ARGS) || { rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no test"; exit 0; fi; exit $$rc; }
 
 clean:

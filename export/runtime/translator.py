@@ -48,6 +48,7 @@ from onnx import helper
 
 from nmtserve.decoding import sorted_batches
 from nmtserve.errors import BundleError, ConfigError
+from nmtserve.export.runtime import kernels
 from nmtserve.export.runtime.batch import BatchState, eos_of
 from nmtserve.export.runtime.bundle import Bundle, default_variant, load_bundle
 from nmtserve.export.runtime.tensors import DeviceTensors, HostTensors
@@ -99,15 +100,18 @@ def session_options(intra_op_threads: int = 0) -> ort.SessionOptions:
 
 
 def make_session(path: Path, device: str = "cpu", intra_op_threads: int = 0,
-                 model: bytes | None = None) -> ort.InferenceSession:
-    """An ONNX Runtime session on `device` (from `model` bytes if given, else the file at `path`);
-    asking for CUDA and silently getting CPU is an error."""
+                 model: bytes | None = None, custom_ops: Path | None = None) -> ort.InferenceSession:
+    """An ONNX Runtime session on `device` (from `model` bytes if given, else the file at `path`, with the
+    custom-op library `custom_ops` registered); asking for CUDA and silently getting CPU is an error."""
     if device not in PROVIDERS:
         raise ConfigError(f"device {device!r}: choose cpu or cuda")
     if device == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
         raise ConfigError("device 'cuda': this onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu)")
+    options = session_options(intra_op_threads)
+    if custom_ops is not None:
+        options.register_custom_ops_library(str(custom_ops))
     try:
-        session = ort.InferenceSession(model if model is not None else str(path), session_options(intra_op_threads),
+        session = ort.InferenceSession(model if model is not None else str(path), options,
                                        providers=PROVIDERS[device],
                                        disabled_optimizers=CPU_DISABLED_OPTIMIZERS if device == "cpu" else None)
     except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph types
@@ -219,10 +223,15 @@ class OnnxTranslator:
 
     def __init__(self, bundle: str | Path | Bundle, device: str = "cpu", variant: str | None = None,
                  intra_op_threads: int = 0, io_binding: bool | None = None, shared_cross: bool = True,
-                 inter_threads: int = 1):
+                 inter_threads: int = 1, attention_kernel: bool | None = None):
         if inter_threads < 1:
             raise ConfigError(f"inter_threads {inter_threads}: must be at least 1")
         self.inter_threads = inter_threads  # batches decoded at once (search_ids), each on a thread of its own
+        # nmtserve's attention kernel (export/runtime/kernels.py): on a CPU when it is built (None), or as asked
+        if attention_kernel and (device != "cpu" or not kernels.available()):
+            raise ConfigError(f"attention_kernel on {device}: " + ("the kernel runs on a CPU only" if device != "cpu"
+                              else f"{kernels.LIBRARY} is not built (make kernels)"))
+        self.attention_kernel = device == "cpu" and kernels.available() if attention_kernel is None else attention_kernel
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
         variant = variant or default_variant(device)  # fp32 on a CPU, fp16 on CUDA
         self.device, self.variant = device, variant
@@ -240,7 +249,8 @@ class OnnxTranslator:
         self.shared_cross = shared_cross
         decoder_path = self.bundle.graph_path(variant, "decoder")
         self.decoder = make_session(decoder_path, device, intra_op_threads,
-                                    model=self._step_graph(decoder_path, shared_cross))
+                                    model=self._step_graph(decoder_path, shared_cross),
+                                    custom_ops=kernels.LIBRARY if self.attention_kernel else None)
         self._binding, self._bound = self.decoder.io_binding(), {}  # see _binding_for
         self._with_scores = np.array(True)  # the step's with_scores input, bound by address
         self.ops = DeviceTensors(device, PROVIDERS[device], session_options(1)) if self.io_binding else HostTensors
@@ -256,12 +266,14 @@ class OnnxTranslator:
         self.pad_id, self.bos_id, self.eos_id = ids["pad"], ids["bos"], ids["eos"]
 
     def _step_graph(self, path: Path, shared_cross: bool) -> bytes:
-        """The bundle's decoder step with the search head (and with_shared_cross), serialized; the
-        ModelProto is freed on return, before the session makes its own copy (an OPUS-MT-size decoder
-        is ~300 MB of fp32 weights)."""
+        """The bundle's decoder step with the search head (and with_shared_cross, and nmtserve's attention
+        kernel), serialized; the ModelProto is freed on return, before the session makes its own copy (an
+        OPUS-MT-size decoder is ~300 MB of fp32 weights)."""
         model = with_search_head(onnx.load(str(path)))
         if shared_cross:
             model = with_shared_cross(model, self.bundle.model["n_heads"], self.bundle.model["d_model"])
+        if self.attention_kernel:
+            model = kernels.with_custom_attention(model)
         return model.SerializeToString()
 
     # -- the two graphs; K/V are stacked (L, B, H, T|S, Dh) here and fed one layer per input

@@ -1,0 +1,132 @@
+// nmtserve's decoding attention for ONNX Runtime's CPU provider: one query per row and head, as a
+// decoder step has. ONNX Runtime's GroupQueryAttention and MultiHeadAttention make two MLAS calls per
+// row and head for a few thousand multiply-adds; here each row and head is one plain loop over its
+// keys, vectorised by the compiler over the head dimension (README, "A kernel of our own").
+// Built by export/runtime/kernels.py against ONNX Runtime's C API header; loaded with
+// SessionOptions.register_custom_ops_library; the step graph's nodes are swapped at load time.
+#define ORT_API_MANUAL_INIT
+#include "onnxruntime_cxx_api.h"
+#undef ORT_API_MANUAL_INIT
+#include "onnxruntime_lite_custom_op.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// Softmax-weighted sum over the first n keys and values (rows of d floats) for one query of d floats,
+// scaled by 1/sqrt(d). p: room for n scores. Cloned for AVX2 + FMA, picked when the library loads.
+__attribute__((target_clones("arch=haswell", "default")))
+void attend(const float* q, const float* k, const float* v, int64_t n, int64_t d, float* p, float* out) {
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  float best = -INFINITY;
+  for (int64_t t = 0; t < n; t++) {
+    const float* kt = k + t * d;
+    float s = 0.f;
+    for (int64_t i = 0; i < d; i++) s += q[i] * kt[i];
+    p[t] = s * scale;
+    best = p[t] > best ? p[t] : best;
+  }
+  float total = 0.f;
+  for (int64_t t = 0; t < n; t++) {
+    p[t] = std::exp(p[t] - best);
+    total += p[t];
+  }
+  for (int64_t i = 0; i < d; i++) out[i] = 0.f;
+  for (int64_t t = 0; t < n; t++) {
+    const float w = p[t] / total;
+    const float* vt = v + t * d;
+    for (int64_t i = 0; i < d; i++) out[i] += w * vt[i];
+  }
+}
+
+struct SelfWork {
+  const float* qkv;
+  float *k, *v, *out;
+  const int32_t* filled;
+  int64_t heads, slots, dim;
+};
+
+// One row and head of DecodeSelfAttention: its new key and value into the slot after its filled ones,
+// then attention over all of them. A row whose slot is outside the cache (a hole of the server's
+// batch, never read) gets zeros.
+void self_row_head(void* data, size_t item) {
+  const auto& w = *static_cast<SelfWork*>(data);
+  const int64_t b = item / w.heads, h = item % w.heads, slot = w.filled[b];
+  float* out = w.out + item * w.dim;
+  if (slot < 0 || slot >= w.slots) {
+    std::memset(out, 0, sizeof(float) * w.dim);
+    return;
+  }
+  const float* row = w.qkv + b * 3 * w.heads * w.dim;  // q of every head, then k, then v
+  float* k = w.k + item * w.slots * w.dim;
+  float* v = w.v + item * w.slots * w.dim;
+  std::memcpy(k + slot * w.dim, row + (w.heads + h) * w.dim, sizeof(float) * w.dim);
+  std::memcpy(v + slot * w.dim, row + (2 * w.heads + h) * w.dim, sizeof(float) * w.dim);
+  std::vector<float> p(slot + 1);
+  attend(row + h * w.dim, k, v, slot + 1, w.dim, p.data(), out);
+}
+
+// GroupQueryAttention's decoding case as nmtserve's graphs use it: qkv (B, 1, 3·H·Dh) packed, the
+// caches (B, H, C, Dh), filled (B,) int32 (GroupQueryAttention's seqlens_k). present_k/v are the caches
+// written in place when bound to the same buffers (the runtime binds them so), else a copy.
+void DecodeSelfAttention(OrtKernelContext* context, const Ort::Custom::Tensor<float>& qkv,
+                         const Ort::Custom::Tensor<float>& past_k, const Ort::Custom::Tensor<float>& past_v,
+                         const Ort::Custom::Tensor<int32_t>& filled, Ort::Custom::Tensor<float>& out,
+                         Ort::Custom::Tensor<float>& present_k, Ort::Custom::Tensor<float>& present_v) {
+  const std::vector<int64_t> shape = past_k.Shape();
+  const int64_t rows = shape[0], heads = shape[1], slots = shape[2], dim = shape[3];
+  SelfWork w{qkv.Data(), present_k.Allocate(shape), present_v.Allocate(shape),
+             out.Allocate({rows, 1, heads * dim}), filled.Data(), heads, slots, dim};
+  const size_t bytes = sizeof(float) * rows * heads * slots * dim;
+  if (w.k != past_k.Data()) std::memcpy(w.k, past_k.Data(), bytes);
+  if (w.v != past_v.Data()) std::memcpy(w.v, past_v.Data(), bytes);
+  Ort::KernelContext(context).ParallelFor(self_row_head, rows * heads, 0, &w);
+}
+
+struct CrossWork {
+  const float *q, *k, *v;
+  float* out;
+  const int32_t* lengths;
+  int64_t width, heads, keys, dim;
+};
+
+void cross_row_head(void* data, size_t item) {  // item: (source, query of it, head)
+  const auto& w = *static_cast<CrossWork*>(data);
+  const int64_t s = item / (w.width * w.heads), h = item % w.heads;
+  const int64_t n = std::min<int64_t>(std::max<int32_t>(w.lengths[s], 0), w.keys);
+  const int64_t kv = (s * w.heads + h) * w.keys * w.dim;
+  std::vector<float> p(n);
+  attend(w.q + item * w.dim, w.k + kv, w.v + kv, n, w.dim, p.data(), w.out + item * w.dim);
+}
+
+// MultiHeadAttention's case in nmtserve's offline step: each source's W queries q (Bs, W, H·Dh) over its
+// one copy of the cross K/V (Bs, H, S, Dh), the first lengths[s] keys of it.
+void DecodeCrossAttention(OrtKernelContext* context, const Ort::Custom::Tensor<float>& q,
+                          const Ort::Custom::Tensor<float>& k, const Ort::Custom::Tensor<float>& v,
+                          const Ort::Custom::Tensor<int32_t>& lengths, Ort::Custom::Tensor<float>& out) {
+  const std::vector<int64_t> qs = q.Shape(), ks = k.Shape();
+  const int64_t sources = qs[0], width = qs[1], heads = ks[1], keys = ks[2], dim = ks[3];
+  CrossWork w{q.Data(), k.Data(), v.Data(), out.Allocate({sources, width, heads * dim}), lengths.Data(),
+              width, heads, keys, dim};
+  Ort::KernelContext(context).ParallelFor(cross_row_head, sources * width * heads, 0, &w);
+}
+
+}  // namespace
+
+extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
+  if (api == nullptr) return nullptr;  // an ONNX Runtime older than these headers: the ops stay unknown
+  Ort::InitApi(api);
+  static Ort::CustomOpDomain domain{"nmtserve"};
+  static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> self_op{
+      Ort::Custom::CreateLiteCustomOp("DecodeSelfAttention", "CPUExecutionProvider", DecodeSelfAttention)};
+  static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> cross_op{
+      Ort::Custom::CreateLiteCustomOp("DecodeCrossAttention", "CPUExecutionProvider", DecodeCrossAttention)};
+  static const bool added = (domain.Add(self_op.get()), domain.Add(cross_op.get()), true);
+  (void)added;
+  Ort::UnownedSessionOptions(options).Add(domain);
+  return nullptr;
+}

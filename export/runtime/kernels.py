@@ -1,0 +1,124 @@
+"""nmtserve's decoding-attention kernel for ONNX Runtime's CPU provider (attention.cc): its build, the
+library, and the step-graph rewrite that uses it.
+
+A decoder step attends with one query per row and head. ONNX Runtime's GroupQueryAttention and
+MultiHeadAttention make two MLAS calls per row and head for a few thousand multiply-adds; the custom
+ops `nmtserve.DecodeSelfAttention` (the self-attention, writing the new K/V into the cache in place as
+GroupQueryAttention does) and `nmtserve.DecodeCrossAttention` (offline steps: each source's queries
+over its one copy of the cross K/V, as `with_shared_cross`'s MultiHeadAttention) do each row and head in
+one loop (README, "A kernel of our own").
+
+The library is built on the machine that runs it, by `python -m nmtserve.export.runtime.kernels` (`make
+kernels`; `make test` runs it), with a C++ compiler and ONNX Runtime's C API headers: the system's
+(/usr/include/onnxruntime) or else those of Debian's libonnxruntime-dev, downloaded once from the Debian
+archive (the onnxruntime wheel ships no header). Without the library, or on CUDA, the step keeps ONNX
+Runtime's attention nodes (`OnnxTranslator(attention_kernel=False)` asks for them)."""
+
+from __future__ import annotations
+
+import hashlib
+import lzma
+import shutil
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+import onnx
+from onnx import helper
+
+from nmtserve.errors import ConfigError
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "attention.cc"
+# built files go to a folder that is not a package: Python would take a .so beside the modules for one
+LIBRARY = HERE / "native" / "libnmtserve_attention.so"
+HEADERS = HERE / "native" / "onnxruntime-headers"  # the downloaded package's headers, when the system has none
+SYSTEM_HEADERS = Path("/usr/include/onnxruntime")
+DEBIAN = "https://deb.debian.org/debian"
+DEBIAN_SUITE = "trixie"  # the first Debian release with onnxruntime (1.21); headers work with any newer runtime
+HEADER_PACKAGE = "libonnxruntime-dev"
+# warnings off: the lite custom-op header's own unused parameters; no -ffast-math: in a shared library
+# it would set flush-to-zero for the whole process
+FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+         "-fno-signed-zeros", "-w"]
+
+
+def header_dir() -> Path:
+    """ONNX Runtime's C/C++ API headers: the system's, else the Debian package's (downloaded once)."""
+    for directory in (SYSTEM_HEADERS, HEADERS):
+        if (directory / "onnxruntime_lite_custom_op.h").exists():
+            return directory
+    _download_headers(HEADERS)
+    return HEADERS
+
+
+def _download_headers(dest: Path) -> None:
+    """The headers of Debian's libonnxruntime-dev, found in the archive's package index and checked against
+    its SHA-256 there, unpacked into dest (nothing is installed)."""
+    index_url = f"{DEBIAN}/dists/{DEBIAN_SUITE}/main/binary-amd64/Packages.xz"
+    with urllib.request.urlopen(index_url, timeout=120) as response:
+        index = lzma.decompress(response.read()).decode()
+    stanza = next((s for s in index.split("\n\n") if s.startswith(f"Package: {HEADER_PACKAGE}\n")), None)
+    if stanza is None:
+        raise ConfigError(f"{index_url}: no package {HEADER_PACKAGE}")
+    fields = dict(line.split(": ", 1) for line in stanza.splitlines() if ": " in line and not line.startswith(" "))
+    with urllib.request.urlopen(f"{DEBIAN}/{fields['Filename']}", timeout=300) as response:
+        package = response.read()
+    if hashlib.sha256(package).hexdigest() != fields["SHA256"]:
+        raise ConfigError(f"{DEBIAN}/{fields['Filename']}: SHA-256 differs from the archive's index")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as unpacked:
+        deb = Path(unpacked) / "package.deb"
+        deb.write_bytes(package)
+        subprocess.run(["dpkg-deb", "-x", str(deb), unpacked], check=True)
+        shutil.move(Path(unpacked) / "usr/include/onnxruntime", dest)
+
+
+def build(compiler: str = "g++") -> Path:
+    """Compile attention.cc into LIBRARY (replaced atomically) and return its path."""
+    headers = header_dir()
+    LIBRARY.parent.mkdir(exist_ok=True)
+    partial = LIBRARY.with_suffix(".so.partial")
+    result = subprocess.run([compiler, *FLAGS, f"-I{headers}", str(SOURCE), "-o", str(partial)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise ConfigError(f"{SOURCE}: {compiler} failed ({result.returncode}): {result.stderr.strip()[:2000]}")
+    partial.replace(LIBRARY)
+    return LIBRARY
+
+
+def available() -> bool:
+    return LIBRARY.exists()
+
+
+def with_custom_attention(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The decoder-step graph (changed in place) with its self-attention GroupQueryAttention nodes (past
+    K/V in, present K/V out, packed q, k and v) as nmtserve.DecodeSelfAttention, and `with_shared_cross`'s
+    MultiHeadAttention nodes as nmtserve.DecodeCrossAttention. A node with attributes beyond the head
+    counts (a scale, a soft cap, rotary embeddings…) keeps ONNX Runtime's kernel; so does the server's
+    cross-attention (a GroupQueryAttention over per-row copies)."""
+    nodes = []
+    for node in model.graph.node:
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        heads_only = set(attributes) <= {"num_heads", "kv_num_heads"} \
+            and attributes.get("kv_num_heads", attributes.get("num_heads")) == attributes.get("num_heads")
+        if node.op_type == "GroupQueryAttention" and heads_only and node.input[3].startswith("past_k_"):
+            node = helper.make_node("DecodeSelfAttention", [node.input[0], *node.input[3:6]], list(node.output),
+                                    domain="nmtserve")
+        elif node.op_type == "MultiHeadAttention" and heads_only:
+            node = helper.make_node("DecodeCrossAttention", [*node.input[:3], node.input[4]], list(node.output),
+                                    domain="nmtserve")
+        nodes.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    model.opset_import.append(helper.make_opsetid("nmtserve", 1))
+    return model
+
+
+if __name__ == "__main__":
+    try:
+        print(f"nmtserve: built {build()}")
+    except (ConfigError, OSError) as e:
+        sys.exit(f"nmtserve: the attention kernel was not built: {e}")

@@ -1,0 +1,127 @@
+"""nmtserve's decoding-attention kernel (export/runtime/attention.cc, kernels.py): each op against a numpy
+reference, the cache written in place, the step graph's nodes swapped, and whole searches equal to ONNX
+Runtime's own attention kernels. `make test` builds the library first (`make kernels`)."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from nmtserve.errors import ConfigError
+from nmtserve.export.runtime import kernels
+from nmtserve.export.runtime.translator import OnnxTranslator, session_options
+from nmtserve.search import DecodingOptions
+from nmtserve.training.data import read_tsv
+from tests.helpers import TEST_SCORE_TOLERANCE, TEST_VARIANT
+
+ROWS, HEADS, SLOTS, DIM = 3, 2, 8, 16
+
+
+def _session(node: onnx.NodeProto, inputs: list, outputs: list) -> ort.InferenceSession:
+    graph = helper.make_graph([node], "op", [helper.make_tensor_value_info(n, t, None) for n, t in inputs],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("nmtserve", 1)])
+    options = session_options(1)
+    options.register_custom_ops_library(str(kernels.LIBRARY))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _attend(q, k, v):  # one query (D,) over keys and values (T, D)
+    scores = k @ q / np.sqrt(len(q))
+    p = np.exp(scores - scores.max())
+    return (p / p.sum()) @ v
+
+
+def test_the_library_is_built():
+    assert kernels.available(), f"{kernels.LIBRARY} missing: build it with `make kernels`"
+
+
+def test_self_attention_writes_each_rows_new_key_and_value_in_place_and_attends_over_its_slots():
+    rng = np.random.default_rng(0)
+    qkv = rng.standard_normal((ROWS, 1, 3 * HEADS * DIM), dtype=np.float32)
+    past_k, past_v = (rng.standard_normal((ROWS, HEADS, SLOTS, DIM), dtype=np.float32) for _ in range(2))
+    filled = np.array([0, 5, SLOTS], np.int32)  # the last row's slot is outside the cache: a hole, never read
+    session = _session(helper.make_node("DecodeSelfAttention", ["qkv", "past_k", "past_v", "filled"],
+                                        ["out", "present_k", "present_v"], domain="nmtserve"),
+                       [("qkv", TensorProto.FLOAT), ("past_k", TensorProto.FLOAT), ("past_v", TensorProto.FLOAT),
+                        ("filled", TensorProto.INT32)], ["out", "present_k", "present_v"])
+    k, v = past_k.copy(), past_v.copy()
+    binding = session.io_binding()  # as the runtime binds them: each cache is its layer's input and output
+    for name, x in (("qkv", qkv), ("past_k", k), ("past_v", v), ("filled", filled)):
+        binding.bind_input(name, "cpu", 0, x.dtype, x.shape, x.ctypes.data)
+    binding.bind_output("out")
+    for name, x in (("present_k", k), ("present_v", v)):
+        binding.bind_output(name, "cpu", 0, x.dtype, x.shape, x.ctypes.data)
+    session.run_with_iobinding(binding)
+    out = binding.copy_outputs_to_cpu()[0].reshape(ROWS, HEADS, DIM)
+    q, new_k, new_v = qkv.reshape(ROWS, 3, HEADS, DIM).transpose(1, 0, 2, 3)
+    for row in range(2):
+        slot = filled[row]
+        expected_k, expected_v = past_k[row].copy(), past_v[row].copy()
+        expected_k[:, slot], expected_v[:, slot] = new_k[row], new_v[row]
+        assert np.array_equal(k[row], expected_k) and np.array_equal(v[row], expected_v)
+        for h in range(HEADS):
+            want = _attend(q[row, h], expected_k[h, :slot + 1], expected_v[h, :slot + 1])
+            assert np.abs(out[row, h] - want).max() < 1e-5
+    assert np.array_equal(k[2], past_k[2]) and np.array_equal(v[2], past_v[2]) and not out[2].any()
+    # outputs not bound to the inputs: the caches are copied, then written
+    unbound = session.run(None, {"qkv": qkv, "past_k": past_k, "past_v": past_v, "filled": filled})
+    assert np.array_equal(unbound[1], k) and np.array_equal(unbound[2], v) and np.allclose(unbound[0].reshape(out.shape), out)
+
+
+def test_cross_attention_reads_each_sources_keys_up_to_its_length():
+    rng = np.random.default_rng(1)
+    width, keys = 2, 6  # each source's queries: a beam of 2
+    q = rng.standard_normal((ROWS, width, HEADS * DIM), dtype=np.float32)
+    k, v = (rng.standard_normal((ROWS, HEADS, keys, DIM), dtype=np.float32) for _ in range(2))
+    lengths = np.array([1, 4, keys], np.int32)
+    session = _session(helper.make_node("DecodeCrossAttention", ["q", "k", "v", "lengths"], ["out"], domain="nmtserve"),
+                       [("q", TensorProto.FLOAT), ("k", TensorProto.FLOAT), ("v", TensorProto.FLOAT),
+                        ("lengths", TensorProto.INT32)], ["out"])
+    out = session.run(None, {"q": q, "k": k, "v": v, "lengths": lengths})[0].reshape(ROWS, width, HEADS, DIM)
+    for s in range(ROWS):
+        for w in range(width):
+            for h in range(HEADS):
+                want = _attend(q.reshape(ROWS, width, HEADS, DIM)[s, w, h], k[s, h, :lengths[s]], v[s, h, :lengths[s]])
+                assert np.abs(out[s, w, h] - want).max() < 1e-5
+
+
+def _ops(translator: OnnxTranslator) -> list[str]:
+    path = translator.bundle.graph_path(translator.variant, "decoder")
+    return [n.op_type for n in onnx.load_from_string(translator._step_graph(path, translator.shared_cross)).graph.node]
+
+
+def test_the_step_graph_swaps_ort_attention_for_the_kernels_on_a_cpu(tiny_bundle):
+    offline, served = OnnxTranslator(tiny_bundle), OnnxTranslator(tiny_bundle, shared_cross=False)
+    layers = offline.n_layers
+    assert offline.attention_kernel and served.attention_kernel
+    ops = _ops(offline)
+    assert ops.count("DecodeSelfAttention") == ops.count("DecodeCrossAttention") == layers
+    assert "GroupQueryAttention" not in ops and "MultiHeadAttention" not in ops
+    ops = _ops(served)  # the server's cross-attention over per-row copies keeps GroupQueryAttention
+    assert ops.count("DecodeSelfAttention") == ops.count("GroupQueryAttention") == layers
+    assert ops.count("GroupQueryAttention") == layers and "DecodeSelfAttention" not in _ops(
+        OnnxTranslator(tiny_bundle, shared_cross=False, attention_kernel=False))
+
+
+def test_asking_for_the_kernel_where_it_cannot_run_is_a_config_error(tiny_bundle, monkeypatch):
+    with pytest.raises(ConfigError, match="CPU only"):
+        OnnxTranslator(tiny_bundle, device="cuda", variant="fp32", attention_kernel=True)
+    monkeypatch.setattr(kernels, "LIBRARY", kernels.LIBRARY.with_name("missing.so"))
+    with pytest.raises(ConfigError, match="missing.so is not built"):
+        OnnxTranslator(tiny_bundle, attention_kernel=True)
+    assert not OnnxTranslator(tiny_bundle).attention_kernel  # not built: ONNX Runtime's own nodes
+
+
+@pytest.mark.parametrize("shared_cross", [True, False], ids=["offline", "server-step"])
+def test_searches_with_the_kernel_give_the_tokens_and_scores_of_ort_attention(tiny_bundle, tiny_corpus, shared_cross):
+    texts = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
+    ours, theirs = (OnnxTranslator(tiny_bundle, variant=TEST_VARIANT if TEST_VARIANT != "fp16" else "fp32",
+                                   shared_cross=shared_cross, attention_kernel=kernel) for kernel in (True, False))
+    for options in (DecodingOptions(), DecodingOptions(beam_size=4, num_hypotheses=2)):
+        sources = [ours.tokenizer.encode(t) for t in texts]
+        for batch in (1, 8):
+            a, b = (tr.search_ids(sources, options, max_batch_size=batch) for tr in (ours, theirs))
+            assert [[h.tokens for h in x] for x in a] == [[h.tokens for h in x] for x in b]
+            assert max(abs(h.score - g.score) for x, y in zip(a, b) for h, g in zip(x, y)) < TEST_SCORE_TOLERANCE
