@@ -95,11 +95,20 @@ def warm_up(pool: EnginePool) -> None:
         request.done.wait(60)
 
 
-def load_model(spec: ModelSpec, config: ServerConfig, io_binding: bool | None, metrics: ServerMetrics) -> ServedModel:
+def _switch(flag: str, value: str) -> bool | None:
+    """An auto|on|off flag's value: None (auto), True or False."""
+    if value not in ("auto", "on", "off"):
+        raise ConfigError(f"--{flag} {value!r}: choose auto, on or off")
+    return {"auto": None, "on": True, "off": False}[value]
+
+
+def load_model(spec: ModelSpec, config: ServerConfig, metrics: ServerMetrics) -> ServedModel:
     """The model's sessions and its own engines (their own threads: a flood on one model never waits for
     another's steps; the operating system shares the cores between the engines' threads)."""
     translator = OnnxTranslator(load_bundle(spec.bundle), device=spec.device, variant=spec.variant,
-                                intra_op_threads=spec.threads, io_binding=io_binding, shared_cross=False)
+                                intra_op_threads=spec.threads, io_binding=_switch("io-binding", config.io_binding),
+                                shared_cross=False,
+                                attention_kernel=_switch("attention-kernel", config.attention_kernel))
     engine_config = EngineConfig(max_running_rows=config.max_running_rows, max_batch_tokens=config.max_batch_tokens,
                                  max_waiting=config.max_waiting, batching=config.batching,
                                  admit_rows=config.admit_rows, admit_steps=config.admit_steps)
@@ -107,16 +116,16 @@ def load_model(spec: ModelSpec, config: ServerConfig, io_binding: bool | None, m
                         on_step=functools.partial(metrics.step, spec.id)).start()
     metrics.watch_engine(spec.id, engine)
     metrics.model.labels(spec.id).info({"bundle": spec.bundle, "variant": spec.variant, "device": spec.device,
-                                        "io_binding": str(translator.io_binding).lower(), "batching": config.batching})
+                                        "io_binding": str(translator.io_binding).lower(), "batching": config.batching,
+                                        "attention_kernel": str(translator.attention_kernel).lower()})
     return ServedModel(spec, engine, config)
 
 
 async def start_server(config: ServerConfig) -> RunningServer:
     """Load, warm up, bind (port 0 picks a free port) and start; health says SERVING only after warm-up."""
     credentials = server_credentials(config)  # a bad certificate path fails before the model loads
-    io_binding = {"auto": None, "on": True, "off": False}.get(config.io_binding, "bad")
-    if io_binding == "bad":
-        raise ConfigError(f"--io-binding {config.io_binding!r}: choose auto, on or off")
+    for flag, value in (("io-binding", config.io_binding), ("attention-kernel", config.attention_kernel)):
+        _switch(flag, value)  # checked before any model loads
     if config.max_beam_size < 1:
         raise ConfigError(f"--max-beam-size {config.max_beam_size}: must be at least 1")
     specs = model_specs(config)
@@ -124,7 +133,7 @@ async def start_server(config: ServerConfig) -> RunningServer:
     models: dict[str, ServedModel] = {}
     try:
         for spec in specs:
-            models[spec.id] = load_model(spec, config, io_binding, metrics)
+            models[spec.id] = load_model(spec, config, metrics)
     except BaseException:
         for model in models.values():
             model.engine.stop()

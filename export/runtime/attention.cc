@@ -42,6 +42,17 @@ void attend(const float* q, const float* k, const float* v, int64_t n, int64_t d
   }
 }
 
+// Room for one query's scores: on the stack up to 1,024 keys, else on the heap.
+class Scores {
+ public:
+  explicit Scores(int64_t n) : heap_(n > 1024 ? n : 0) {}
+  float* data() { return heap_.empty() ? stack_ : heap_.data(); }
+
+ private:
+  float stack_[1024];
+  std::vector<float> heap_;
+};
+
 struct SelfWork {
   const float* qkv;
   float *k, *v, *out;
@@ -65,7 +76,7 @@ void self_row_head(void* data, size_t item) {
   float* v = w.v + item * w.slots * w.dim;
   std::memcpy(k + slot * w.dim, row + (w.heads + h) * w.dim, sizeof(float) * w.dim);
   std::memcpy(v + slot * w.dim, row + (2 * w.heads + h) * w.dim, sizeof(float) * w.dim);
-  std::vector<float> p(slot + 1);
+  Scores p(slot + 1);
   attend(row + h * w.dim, k, v, slot + 1, w.dim, p.data(), out);
 }
 
@@ -98,7 +109,7 @@ void cross_row_head(void* data, size_t item) {  // item: (source, query of it, h
   const int64_t s = item / (w.width * w.heads), h = item % w.heads;
   const int64_t n = std::min<int64_t>(std::max<int32_t>(w.lengths[s], 0), w.keys);
   const int64_t kv = (s * w.heads + h) * w.keys * w.dim;
-  std::vector<float> p(n);
+  Scores p(n);
   attend(w.q + item * w.dim, w.k + kv, w.v + kv, n, w.dim, p.data(), w.out + item * w.dim);
 }
 

@@ -16,7 +16,7 @@ from nmtserve.server.config import ServerConfig
 from nmtserve.training.data import read_tsv
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
-from tests.helpers import ServerThread, wait_engine_idle
+from tests.helpers import ServerThread, run_cli, wait_engine_idle
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,28 @@ def test_concurrent_clients_get_the_translator_output(served, tiny_bundle, sente
         results = list(pool.map(call, batches))
     assert results == [[expected[s] for s in batch] for batch in batches]
     assert served.running.engine.stats()["running"] == 0
+
+
+@pytest.mark.parametrize("kernel", ["off", "on"])
+def test_a_server_with_or_without_the_attention_kernel_serves_the_translator_output(tiny_bundle, sentences, kernel):
+    server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
+                                       attention_kernel=kernel, max_output_tokens=64))
+    try:
+        reference = OnnxTranslator(tiny_bundle, shared_cross=False, attention_kernel=kernel == "on")
+        expected = [t.text for t in reference.translate_batch(sentences[:16], max_decoding_length=64)]
+        with server.channel() as channel:
+            stub = pb_grpc.TranslationServiceStub(channel)
+            got = [t.text for t in stub.Translate(pb.TranslateRequest(sentences=sentences[:16]), timeout=60).translations]
+        assert got == expected
+        assert server.running.engine.tr.attention_kernel == (kernel == "on")
+    finally:
+        server.stop()
+
+
+def test_a_bad_attention_kernel_flag_is_one_line_naming_it(tiny_bundle):
+    out = run_cli("serve", str(tiny_bundle), "--port", "0", "--attention-kernel", "sometimes")
+    assert out.returncode == 2 and "--attention-kernel 'sometimes': choose auto, on or off" in out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
 def test_a_server_with_io_binding_serves_the_translator_output(tiny_bundle, sentences):
