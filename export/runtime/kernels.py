@@ -94,17 +94,18 @@ def available() -> bool:
 
 
 def with_custom_attention(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The decoder-step graph (changed in place) with its self-attention GroupQueryAttention nodes (past
-    K/V in, present K/V out, packed q, k and v) as nmtserve.DecodeSelfAttention, and `with_shared_cross`'s
-    MultiHeadAttention nodes as nmtserve.DecodeCrossAttention. A node with attributes beyond the head
-    counts (a scale, a soft cap, rotary embeddings…) keeps ONNX Runtime's kernel; so does the server's
-    cross-attention (a GroupQueryAttention over per-row copies)."""
+    """The decoder-step graph (changed in place) with its GroupQueryAttention nodes (past K/V in, present
+    K/V out, packed q, k and v: the self-attention, and the server step's cross-attention, whose "new"
+    key and value are the row's eos K/V written at its cross_slot) as nmtserve.DecodeSelfAttention, and
+    `with_shared_cross`'s MultiHeadAttention nodes as nmtserve.DecodeCrossAttention. A node with
+    attributes beyond the head counts (a scale, a soft cap, rotary embeddings…) keeps ONNX Runtime's
+    kernel."""
     nodes = []
     for node in model.graph.node:
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         heads_only = set(attributes) <= {"num_heads", "kv_num_heads"} \
             and attributes.get("kv_num_heads", attributes.get("num_heads")) == attributes.get("num_heads")
-        if node.op_type == "GroupQueryAttention" and heads_only and node.input[3].startswith("past_k_"):
+        if node.op_type == "GroupQueryAttention" and heads_only:
             node = helper.make_node("DecodeSelfAttention", [node.input[0], *node.input[3:6]], list(node.output),
                                     domain="nmtserve")
         elif node.op_type == "MultiHeadAttention" and heads_only:
