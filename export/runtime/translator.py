@@ -18,9 +18,10 @@ threads, whose parallel regions are short at these sizes (README, "Batches at on
 The decoder graph gets a TopK appended (`with_search_head`): a step returns each row's k best tokens
 and their log-probabilities (k = 1 greedy, 2 × beam for beam search), never the whole distribution
 unless sampling from it; greedy search asked for no scores (translate_batch's return_scores=False,
-as CTranslate2's) skips the log-softmax and takes an ArgMax instead of the TopK. Every cache is bound by address, one layer at a time, as
-both the step's input and its `present` output, so ONNX Runtime's attention kernel writes the new
-K/V into the cache in place (export/build/graphs.py). With io_binding (the default on CUDA) the
+as CTranslate2's) skips the log-softmax and takes an ArgMax instead of the TopK. Every cache is bound
+by address, one layer at a time, as both the step's input and its `present` output, so the attention
+kernel writes the new K/V into the cache in place (export/build/graphs.py; on a CPU nmtserve's own
+kernel when built: export/runtime/kernels.py). With io_binding (the default on CUDA) the
 caches and cross K/V are OrtValues on the device, so a step sends the device only the small per-row
 arrays (tokens, positions, masks) and brings back only those candidates; without it they are numpy
 arrays.
@@ -130,9 +131,8 @@ def with_search_head(model: onnx.ModelProto) -> onnx.ModelProto:
     gives each row's one best token by the values before it (ArgMax: K must be 1; the same token up to
     rounding ties; its score is then that value), as CTranslate2's greedy search does when return_scores
     is off (the log-softmax was 1.7% of the default model's decoder kernel time at batch 64, 2.5% of an
-    OPUS-MT-size model's: README). log_probs leaves the
-    outputs, since ONNX Runtime runs every node of the graph whatever outputs a run asks for;
-    `OnnxTranslator.step` rebuilds it from the K = V best."""
+    OPUS-MT-size model's: README). log_probs leaves the outputs, since ONNX Runtime runs every node of
+    the graph whatever outputs a run asks for; `OnnxTranslator.step` rebuilds it from the K = V best."""
     graph = model.graph
     producer = {out: node for node in graph.node for out in node.output}
     chain = [producer["log_probs"]]  # LogSoftmax, then perhaps an Add of the suppressed ids' -inf
@@ -481,8 +481,8 @@ class OnnxTranslator:
 
     def _greedy_binding(self, state: BatchState) -> ort.IOBinding:
         """The step's binding for greedy search, with its candidate_ids output bound to the `tokens` input's
-        own buffer: the step's search head, its last node, writes each row's best token where the next step reads
-        it (the embedding's Gather, the first node and only reader of `tokens`, is done by then)."""
+        own buffer: the step's search head, its last node, writes each row's best token where the next step
+        reads it (the embedding's Gather, the first node and only reader of `tokens`, is done by then)."""
         binding = self._binding_for(state, 1)
         binding.bind_output("candidate_ids", "cpu", 0, np.int64, (state.size, 1), state.tokens.ctypes.data)
         del self._bound["outputs"]  # the next other search binds its own candidate buffers again
