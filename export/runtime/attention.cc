@@ -20,6 +20,10 @@ namespace {
 // scaled by 1/sqrt(d). p: room for n scores. Cloned for AVX2 + FMA, picked when the library loads.
 __attribute__((target_clones("arch=haswell", "default")))
 void attend(const float* q, const float* k, const float* v, int64_t n, int64_t d, float* p, float* out) {
+  if (n <= 0) {  // nothing to attend to (a source of no token): zeros, not 0 / 0
+    for (int64_t i = 0; i < d; i++) out[i] = 0.f;
+    return;
+  }
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   float best = -INFINITY;
   for (int64_t t = 0; t < n; t++) {

@@ -85,6 +85,9 @@ def test_cross_attention_reads_each_sources_keys_up_to_its_length():
             for h in range(HEADS):
                 want = _attend(q.reshape(ROWS, width, HEADS, DIM)[s, w, h], k[s, h, :lengths[s]], v[s, h, :lengths[s]])
                 assert np.abs(out[s, w, h] - want).max() < 1e-5
+    lengths[0] = 0  # no key: zeros, not NaN
+    out = session.run(None, {"q": q, "k": k, "v": v, "lengths": lengths})[0].reshape(ROWS, width, HEADS, DIM)
+    assert not out[0].any() and np.isfinite(out).all()
 
 
 def _ops(translator: OnnxTranslator) -> list[str]:
