@@ -31,7 +31,9 @@ tools:
 
 # nmtserve's decoding-attention kernel for ONNX Runtime's CPU provider (export/runtime/kernels.py): built
 # here with ONNX Runtime's C API headers (Debian's libonnxruntime-dev, downloaded once, not installed)
-kernels: install tools
+KERNEL := export/runtime/native/libnmtserve_attention.so
+kernels: $(KERNEL)
+$(KERNEL): export/runtime/attention.cc export/runtime/kernels.py | install tools
 	$(PY) -m nmtserve.export.runtime.kernels
 
 # pip finds the pinned CPU torch wheel through the machine's pip configuration (find-links)

@@ -102,13 +102,13 @@ def _switch(flag: str, value: str) -> bool | None:
     return {"auto": None, "on": True, "off": False}[value]
 
 
-def load_model(spec: ModelSpec, config: ServerConfig, metrics: ServerMetrics) -> ServedModel:
+def load_model(spec: ModelSpec, config: ServerConfig, metrics: ServerMetrics, io_binding: bool | None = None,
+               attention_kernel: bool | None = None) -> ServedModel:
     """The model's sessions and its own engines (their own threads: a flood on one model never waits for
     another's steps; the operating system shares the cores between the engines' threads)."""
     translator = OnnxTranslator(load_bundle(spec.bundle), device=spec.device, variant=spec.variant,
-                                intra_op_threads=spec.threads, io_binding=_switch("io-binding", config.io_binding),
-                                shared_cross=False,
-                                attention_kernel=_switch("attention-kernel", config.attention_kernel))
+                                intra_op_threads=spec.threads, io_binding=io_binding, shared_cross=False,
+                                attention_kernel=attention_kernel)
     engine_config = EngineConfig(max_running_rows=config.max_running_rows, max_batch_tokens=config.max_batch_tokens,
                                  max_waiting=config.max_waiting, batching=config.batching,
                                  admit_rows=config.admit_rows, admit_steps=config.admit_steps)
@@ -124,8 +124,8 @@ def load_model(spec: ModelSpec, config: ServerConfig, metrics: ServerMetrics) ->
 async def start_server(config: ServerConfig) -> RunningServer:
     """Load, warm up, bind (port 0 picks a free port) and start; health says SERVING only after warm-up."""
     credentials = server_credentials(config)  # a bad certificate path fails before the model loads
-    for flag, value in (("io-binding", config.io_binding), ("attention-kernel", config.attention_kernel)):
-        _switch(flag, value)  # checked before any model loads
+    io_binding = _switch("io-binding", config.io_binding)  # both checked before any model loads
+    attention_kernel = _switch("attention-kernel", config.attention_kernel)
     if config.max_beam_size < 1:
         raise ConfigError(f"--max-beam-size {config.max_beam_size}: must be at least 1")
     specs = model_specs(config)
@@ -133,7 +133,7 @@ async def start_server(config: ServerConfig) -> RunningServer:
     models: dict[str, ServedModel] = {}
     try:
         for spec in specs:
-            models[spec.id] = load_model(spec, config, metrics)
+            models[spec.id] = load_model(spec, config, metrics, io_binding, attention_kernel)
     except BaseException:
         for model in models.values():
             model.engine.stop()

@@ -111,7 +111,7 @@ class RunningBatch:
         placement = self.placement()
         k = max((r.search.candidates or self.tr.vocab_size) if r.search else 1 for r, _ in placement)
         # greedy rows that no one reads a score of: the step skips the log-softmax (with_search_head)
-        scored = k > 1 or any(r.scored for r, _ in placement)
+        scored = any(r.scored or r.search is not None for r, _ in placement)
         try:
             ids, scores = self.tr.decode_candidates(self.state, k, scores=scored)
         except Exception:

@@ -100,15 +100,17 @@ def with_custom_attention(model: onnx.ModelProto) -> onnx.ModelProto:
     `with_shared_cross`'s MultiHeadAttention nodes as nmtserve.DecodeCrossAttention. A node with
     attributes beyond the head counts (a scale, a soft cap, rotary embeddings…) keeps ONNX Runtime's
     kernel."""
+    def heads_only(node: onnx.NodeProto) -> bool:
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        return set(attributes) <= {"num_heads", "kv_num_heads"} \
+            and attributes.get("kv_num_heads", attributes.get("num_heads")) == attributes.get("num_heads")
+
     nodes = []
     for node in model.graph.node:
-        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        heads_only = set(attributes) <= {"num_heads", "kv_num_heads"} \
-            and attributes.get("kv_num_heads", attributes.get("num_heads")) == attributes.get("num_heads")
-        if node.op_type == "GroupQueryAttention" and heads_only:
+        if node.op_type == "GroupQueryAttention" and heads_only(node):
             node = helper.make_node("DecodeSelfAttention", [node.input[0], *node.input[3:6]], list(node.output),
                                     domain="nmtserve")
-        elif node.op_type == "MultiHeadAttention" and heads_only:
+        elif node.op_type == "MultiHeadAttention" and heads_only(node):
             node = helper.make_node("DecodeCrossAttention", [*node.input[:3], node.input[4]], list(node.output),
                                     domain="nmtserve")
         nodes.append(node)
