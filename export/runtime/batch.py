@@ -149,6 +149,35 @@ class BatchState:
                           np.ascontiguousarray(self.src_mask[kept, :src_len]), self.positions[keep], self.tokens[keep],
                           self.hole[keep], ops, self.width)
 
+    def compact(self, keep: np.ndarray) -> tuple[BatchState | None, np.ndarray]:
+        """Only the rows where keep is True, as `filter`, but out of order and copying only a few rows:
+        the last kept sources move into the places of the dropped ones before them, and the state is the
+        first rows of the same buffers (a view: each layer's rows stay one block, as the decoder's binding
+        takes them). `filter` copies every kept row into new buffers -> (the state, None if no row is kept;
+        the old index of each of its rows)."""
+        if not keep.any():
+            return None, np.zeros(0, np.int64)
+        width, ops = self.width, self.ops
+        kept = keep[::width]  # the sources kept
+        assert width == 1 or (keep.reshape(-1, width) == kept[:, None]).all(), "a source's rows go together"
+        n = int(kept.sum())
+        holes, movers = np.flatnonzero(~kept[:n]), np.flatnonzero(kept[n:]) + n  # as many of each
+        sources = np.arange(n)
+        sources[holes] = movers
+
+        def rows(of_sources):
+            return (of_sources[:, None] * width + np.arange(width)).ravel()
+
+        order = rows(sources)
+        k, v, cross_k, cross_v, eos = self.k, self.v, self.cross_k, self.cross_v, self.cross_eos
+        if len(holes):
+            dst, src = rows(holes), rows(movers)
+            k, v = ops.copy_rows(k, dst, src, self.length), ops.copy_rows(v, dst, src, self.length)
+            cross_k, cross_v, eos = (ops.copy_rows(x, holes, movers, None) for x in (cross_k, cross_v, eos))
+        return BatchState(ops.head(k, n * width), ops.head(v, n * width), ops.head(cross_k, n), ops.head(cross_v, n),
+                          ops.head(eos, n), self.src_mask[sources], self.positions[order], self.tokens[order],
+                          self.hole[order], ops, width), order
+
     def gather(self, rows: np.ndarray) -> BatchState:
         """A new state of the given rows (indices, repeats allowed) in that order, with every slot, each
         with its own copy of its source's cross K/V: how a request with a beam of k rows joins the

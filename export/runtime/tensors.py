@@ -80,10 +80,16 @@ class HostTensors:
 
     # Cache operations that touch only the slots in use (a cache's capacity runs ahead of its length)
     @staticmethod
-    def copy_rows(x: np.ndarray, dst: np.ndarray, src: np.ndarray, stop: int) -> np.ndarray:
-        """x[:, dst, :, :stop] = x[:, src, :, :stop], in place; slots from `stop` on keep what they had."""
+    def copy_rows(x: np.ndarray, dst: np.ndarray, src: np.ndarray, stop: int | None) -> np.ndarray:
+        """x[:, dst, :, :stop] = x[:, src, :, :stop], in place; slots from `stop` on keep what they had
+        (None: every slot)."""
         x[:, dst, :, :stop] = x[:, src, :, :stop]
         return x
+
+    @staticmethod
+    def head(x: np.ndarray, n: int) -> np.ndarray:
+        """x's first n rows (axis 1), a view: each layer's rows are still one contiguous block."""
+        return x[:, :n]
 
     @staticmethod
     def concat_slots(xs: list[np.ndarray], stops: list[int], capacity: int) -> np.ndarray:
@@ -236,9 +242,13 @@ class DeviceTensors:
         index = np.asarray(rows, np.int64).reshape(1, -1, 1, 1, 1)
         return self._run("scatter_rows", self.dtype(x), x=x, r=index, u=updates)
 
-    def copy_rows(self, x: ort.OrtValue, dst: np.ndarray, src: np.ndarray, stop: int) -> ort.OrtValue:
+    def copy_rows(self, x: ort.OrtValue, dst: np.ndarray, src: np.ndarray, stop: int | None) -> ort.OrtValue:
         """As HostTensors.copy_rows, over every slot (the graphs copy the whole tensor anyway)."""
         return self.scatter_rows(x, dst, self.take(x, src, 1))
+
+    def head(self, x: ort.OrtValue, n: int) -> ort.OrtValue:
+        """As HostTensors.head, a copy (an OrtValue is not a view)."""
+        return x if n == self.shape(x)[1] else self.slice(x, 1, 0, n)
 
     def take_slots(self, x: ort.OrtValue, rows: np.ndarray, stop: int) -> ort.OrtValue:
         """As HostTensors.take_slots, with every slot (the graph copies the whole rows anyway)."""

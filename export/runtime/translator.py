@@ -411,13 +411,14 @@ class OnnxTranslator:
 
     def _layer_addresses(self, stacked) -> list[int]:
         """The address of each layer of a stacked (L, …) tensor (host numpy or device OrtValue): bound
-        by address, nothing is copied."""
+        by address, nothing is copied. A host tensor may be the first rows of a larger one (`BatchState.compact`):
+        each layer is still one contiguous block."""
         if isinstance(stacked, np.ndarray):
-            assert stacked.flags.c_contiguous and stacked.dtype == self.kv_dtype
-            base, size = stacked.ctypes.data, stacked.nbytes
+            assert stacked[0].flags.c_contiguous and stacked.dtype == self.kv_dtype
+            base, stride = stacked.ctypes.data, stacked.strides[0]
         else:
-            base, size = stacked.data_ptr(), stacked.tensor_size_in_bytes()
-        return [base + layer * size // self.n_layers for layer in range(self.n_layers)]
+            base, stride = stacked.data_ptr(), stacked.tensor_size_in_bytes() // self.n_layers
+        return [base + layer * stride for layer in range(self.n_layers)]
 
     def empty_cache(self, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A zero-length cache (k, v, valid), for callers that concatenate."""
@@ -471,7 +472,8 @@ class OnnxTranslator:
                 finished[rows[newly]], end[rows[newly]] = True, len(steps[0]) - 1
                 done |= newly
                 if done.sum() * 4 >= len(rows):  # compact: a copy of the cache, amortised
-                    state, rows, budget = state.filter(~done), rows[~done], budget[~done]
+                    state, order = state.compact(~done)
+                    rows, budget = rows[order], budget[order]
                     binding = None
         found = self._collect(len(sources), steps[0], steps[1], [s.ravel() for s in steps[2]], end)
         if not scores:
@@ -538,7 +540,8 @@ class OnnxTranslator:
             state.choose(tokens, parents)
             done = np.array([r is None for r in slots])
             if done.sum() * 4 >= len(slots):  # compact, as greedy does
-                state, slots = state.filter(np.repeat(~done, width)), [r for r in slots if r is not None]
+                state, order = state.compact(np.repeat(~done, width))
+                slots = [slots[j] for j in order[::width] // width]
         return results
 
     def search_ids(self, sources: list[list[int]], options: DecodingOptions = DecodingOptions(), *,

@@ -116,6 +116,42 @@ def test_beam_rows_sharing_their_sources_cross_kv_step_as_rows_with_copies(tiny_
             state.choose(expected[:, 1], parents)
 
 
+@pytest.mark.parametrize("shared_cross", [True, False], ids=["shared cross", "cross per row"])
+def test_compact_moves_the_last_sources_into_the_holes_and_steps_as_filter(tiny_bundle, sources, shared_cross):
+    """Offline search drops finished sources with `compact`: the last kept sources move into the places
+    of the dropped ones, the state is the first rows of the same buffers, and its rows step exactly as
+    `filter`'s copies of the same rows, in the order compact reports."""
+    tr, width = OnnxTranslator(tiny_bundle, shared_cross=shared_cross), 2
+    first = sources[:7]
+
+    def started():
+        state = tr.prefill(first)
+        tr.decode_candidates(state, 2 * width)
+        state = state.widen(width) if shared_cross else state.gather(np.repeat(np.arange(7), width))
+        for _ in range(3):
+            ids, _ = tr.decode_candidates(state, 2 * width)
+            state.choose(ids[:, 1], np.arange(state.size) // width * width + (np.arange(state.size) + 1) % width)
+        return state
+
+    kept_sources = np.array([True, False, True, True, False, True, True])  # two holes, two sources move into them
+    keep = np.repeat(kept_sources, width)
+    state = started()
+    buffer = state.k
+    compacted, order = state.compact(keep)
+    assert order.tolist() == [0, 1, 10, 11, 4, 5, 6, 7, 12, 13]  # sources 0, 5, 2, 3, 6: 5 and 6 fill 1 and 4
+    assert compacted.k.base is buffer and np.shares_memory(compacted.v, state.v)  # a view: nothing copied wholesale
+    filtered = started().filter(keep)
+    rows_of = np.flatnonzero(keep)  # filter's rows, in order
+    where = [int(np.flatnonzero(rows_of == row)[0]) for row in order]  # each compacted row's place in filter's
+    for _ in range(3):
+        got, got_scores = tr.decode_candidates(compacted, 2 * width)
+        expected, expected_scores = tr.decode_candidates(filtered, 2 * width)
+        assert (got == expected[where]).all() and np.allclose(got_scores, expected_scores[where], atol=1e-5)
+        compacted.choose(got[:, 0])
+        filtered.choose(expected[:, 0])
+    assert state.compact(np.zeros(state.size, bool))[0] is None
+
+
 def test_io_binding_gives_the_host_paths_n_best_lists(tiny_bundle, tiny_corpus):
     texts = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs[:12]]
     host = OnnxTranslator(tiny_bundle, device=TEST_DEVICE, variant=TEST_VARIANT, io_binding=False)
