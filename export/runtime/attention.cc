@@ -18,7 +18,7 @@ namespace {
 
 // Softmax-weighted sum over the first n keys and values (rows of d floats) for one query of d floats,
 // scaled by 1/sqrt(d). p: room for n scores. Cloned for AVX2 + FMA, picked when the library loads.
-__attribute__((target_clones("arch=haswell", "default")))
+__attribute__((target_clones("arch=x86-64-v3", "default")))
 void attend(const float* q, const float* k, const float* v, int64_t n, int64_t d, float* p, float* out) {
   if (n <= 0) {  // nothing to attend to (a source of no token): zeros, not 0 / 0
     for (int64_t i = 0; i < d; i++) out[i] = 0.f;
