@@ -441,8 +441,8 @@ class OnnxTranslator:
                length_rule: str = "nmtserve", scores: bool = True) -> list[list[Hypothesis]]:
         """Greedy search for one batch of token-id sources, encoded in `state` (`prefill`). A finished row
         stays in the batch, decoding on with its output ignored, until such rows are a quarter of the
-        batch; then they leave together (one copy of the cache instead of one per step where a row
-        finishes). Meanwhile every row stays at the same position: ONNX Runtime's CPU attention kernel
+        batch; then they leave together (`BatchState.compact`: the last rows move into their places, once
+        instead of at every step where a row finishes). Meanwhile every row stays at the same position: ONNX Runtime's CPU attention kernel
         steps rows at one position faster than rows at mixed ones (docs/architecture.md).
         Each step's best token is written straight into the step's `tokens` input (`_greedy_binding`), so
         between two steps our Python only records it, advances the positions and looks for eos. Without
@@ -471,7 +471,7 @@ class OnnxTranslator:
             if newly.any():
                 finished[rows[newly]], end[rows[newly]] = True, len(steps[0]) - 1
                 done |= newly
-                if done.sum() * 4 >= len(rows):  # compact: a copy of the cache, amortised
+                if done.sum() * 4 >= len(rows):  # compact: the last rows move into the finished ones' places
                     state, order = state.compact(~done)
                     rows, budget = rows[order], budget[order]
                     binding = None
