@@ -130,9 +130,7 @@ class BatchState:
         caches cut to the longest of them. None if empty."""
         if not keep.any():
             return None
-        ops, rows = self.ops, np.nonzero(keep)[0]
-        kept = keep[::self.width]  # the sources kept
-        assert self.width == 1 or (keep.reshape(-1, self.width) == kept[:, None]).all(), "a source's rows go together"
+        ops, rows, kept = self.ops, np.nonzero(keep)[0], self._kept_sources(keep)
         sources = np.nonzero(kept)[0]
         length = int(self.positions[keep].max())
         src_len = int(self.src_mask[kept].any(axis=0).nonzero()[0].max()) + 1
@@ -149,6 +147,12 @@ class BatchState:
                           np.ascontiguousarray(self.src_mask[kept, :src_len]), self.positions[keep], self.tokens[keep],
                           self.hole[keep], ops, self.width)
 
+    def _kept_sources(self, keep: np.ndarray) -> np.ndarray:
+        """Which sources a row mask keeps (a widened state's rows of one source go together)."""
+        kept = keep[::self.width]
+        assert self.width == 1 or (keep.reshape(-1, self.width) == kept[:, None]).all(), "a source's rows go together"
+        return kept
+
     def compact(self, keep: np.ndarray) -> tuple[BatchState | None, np.ndarray]:
         """Only the rows where keep is True, as `filter`, but out of order and copying only a few rows:
         the last kept sources move into the places of the dropped ones before them, and the state is the
@@ -157,9 +161,7 @@ class BatchState:
         the old index of each of its rows)."""
         if not keep.any():
             return None, np.zeros(0, np.int64)
-        width, ops = self.width, self.ops
-        kept = keep[::width]  # the sources kept
-        assert width == 1 or (keep.reshape(-1, width) == kept[:, None]).all(), "a source's rows go together"
+        width, ops, kept = self.width, self.ops, self._kept_sources(keep)
         n = int(kept.sum())
         holes, movers = np.flatnonzero(~kept[:n]), np.flatnonzero(kept[n:]) + n  # as many of each
         sources = np.arange(n)

@@ -442,8 +442,9 @@ class OnnxTranslator:
         """Greedy search for one batch of token-id sources, encoded in `state` (`prefill`). A finished row
         stays in the batch, decoding on with its output ignored, until such rows are a quarter of the
         batch; then they leave together (`BatchState.compact`: the last rows move into their places, once
-        instead of at every step where a row finishes). Meanwhile every row stays at the same position: ONNX Runtime's CPU attention kernel
-        steps rows at one position faster than rows at mixed ones (docs/architecture.md).
+        instead of at every step where a row finishes). Meanwhile every row stays at the same position:
+        ONNX Runtime's CPU attention kernel steps rows at one position faster than rows at mixed ones
+        (docs/architecture.md).
         Each step's best token is written straight into the step's `tokens` input (`_greedy_binding`), so
         between two steps our Python only records it, advances the positions and looks for eos. Without
         scores the steps skip the log-softmax (`with_search_head`) and each score is nan."""
