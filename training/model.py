@@ -121,9 +121,12 @@ class ScaledEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight) * self.scale  # (B, T, D)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        logits = x @ self.weight.t()  # (B, T, V)
-        return logits if self.bias is None else logits + self.bias
+    def logits(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """(…, D) -> (…, V): x times the embedding, plus the output bias and `add` (V,), all in one linear:
+        a decoder step exports one Gemm whose output starts as the bias, not a Gemm and then an Add over
+        (B, V) (README, "The output bias inside the Gemm")."""
+        bias = self.bias if add is None else add if self.bias is None else self.bias + add
+        return F.linear(x, self.weight, bias)
 
 
 class SinusoidalPositions(nn.Module):
@@ -324,12 +327,11 @@ class EncoderDecoder(nn.Module):
 
     def _log_probs(self, x: torch.Tensor) -> torch.Tensor:
         """Output log-probabilities (…, V) of decoder states x (…, D); suppressed ids get -inf."""
-        logits = self.embed.logits(x).float()
         if self.suppress is None:
-            return F.log_softmax(logits, dim=-1)
+            return F.log_softmax(self.embed.logits(x).float(), dim=-1)
         if self.config.renormalize:
-            return F.log_softmax(logits + self.suppress, dim=-1)
-        return F.log_softmax(logits, dim=-1) + self.suppress
+            return F.log_softmax(self.embed.logits(x, add=self.suppress).float(), dim=-1)
+        return F.log_softmax(self.embed.logits(x).float(), dim=-1) + self.suppress
 
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.embed_dropout(self.embed(ids) + self.positions(positions))

@@ -46,26 +46,32 @@ def gemm_as_matmul(model: onnx.ModelProto) -> onnx.ModelProto:
                 or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
             nodes.append(node)
             continue
-        w = numpy_helper.to_array(weights[node.input[1]])
-        if attrs.get("transB", 0):
-            weights[node.input[1]].CopyFrom(numpy_helper.from_array(w.T.copy(), node.input[1]))
+        weight = node.input[1]
+        if attrs.get("transB", 0):  # a transposed copy: the same initializer may feed others (the tied embedding)
+            transposed = numpy_helper.to_array(weights[weight]).T.copy()
+            weight = weight + "_transposed"
+            model.graph.initializer.append(numpy_helper.from_array(transposed, weight))
         product = node.output[0] + "_matmul" if len(node.input) > 2 else node.output[0]
-        nodes.append(helper.make_node("MatMul", node.input[:2], [product], name=node.name + "_matmul"))
+        nodes.append(helper.make_node("MatMul", [node.input[0], weight], [product], name=node.name + "_matmul"))
         if len(node.input) > 2:
             nodes.append(helper.make_node("Add", [product, node.input[2]], list(node.output), name=node.name + "_bias"))
     del model.graph.node[:]
     model.graph.node.extend(nodes)
+    used = {name for node in nodes for name in node.input}
+    kept = [t for t in model.graph.initializer if t.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
     return model
 
 
 def _logits_nodes(model: onnx.ModelProto) -> list[str]:
-    """The MatMul that produces the logits (the input of LogSoftmax), and anything between."""
+    """The MatMul or Gemm that produces the logits (the input of LogSoftmax), and anything between."""
     producers = {out: node for node in model.graph.node for out in node.output}
     names = []
     for node in model.graph.node:
         if node.op_type == "LogSoftmax":
             current = producers.get(node.input[0])
-            while current is not None and current.op_type != "MatMul":
+            while current is not None and current.op_type not in ("MatMul", "Gemm"):
                 names.append(current.name)
                 current = producers.get(current.input[0])
             if current is not None:

@@ -75,6 +75,38 @@ def test_each_attention_of_the_decoder_step_is_one_fused_node_and_int8_quantises
     assert int8["GroupQueryAttention"] == ops["GroupQueryAttention"]
 
 
+def test_int8_quantises_a_logits_gemm_that_shares_the_embedding_with_its_lookup(tmp_path):
+    """An imported OPUS-MT model's logits are one Gemm (transB, the output bias as C) over the embedding
+    matrix that the step's Gather also reads: int8 quantises a transposed copy and leaves the lookup's
+    embedding as it was."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from nmtserve.export.build.variants import quantize_int8
+
+    rng = np.random.default_rng(0)
+    embedding, bias = rng.normal(size=(50, 16)).astype(np.float32), rng.normal(size=50).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["embedding", "ids"], ["vectors"]),
+         helper.make_node("Gemm", ["x", "embedding", "bias"], ["logits"], transB=1)],
+        "tied", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["B"]),
+                 helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 16])],
+        [helper.make_tensor_value_info("vectors", TensorProto.FLOAT, ["B", 16]),
+         helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", 50])],
+        [numpy_helper.from_array(embedding, "embedding"), numpy_helper.from_array(bias, "bias")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "fp32.onnx"))
+    quantize_int8(tmp_path / "fp32.onnx", tmp_path / "int8.onnx")
+    ids, x = np.array([3, 49, 0]), rng.normal(size=(3, 16)).astype(np.float32)
+    session = ort.InferenceSession(str(tmp_path / "int8.onnx"), providers=["CPUExecutionProvider"])
+    vectors, logits = session.run(None, {"ids": ids, "x": x})
+    assert np.array_equal(vectors, embedding[ids])
+    expected = x @ embedding.T + bias
+    assert np.abs(logits - expected).max() < 0.05 * np.abs(expected).max()
+    assert "MatMulInteger" in {n.op_type for n in onnx.load(str(tmp_path / "int8.onnx")).graph.node}
+
+
 def test_cpu_sessions_leave_the_int8_encoders_add_and_layer_norm_unfused(tiny_bundle, tmp_path, monkeypatch):
     """ONNX Runtime would fuse each residual Add and LayerNormalization of the int8 encoder into
     SkipLayerNormalization, whose CPU kernel is slower than the two; CPU sessions leave that fusion out
