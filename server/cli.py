@@ -14,7 +14,7 @@ HELPS = {"models": "TOML file of the models to serve: bundle, id, variant, devic
          "variant": "the bundle's graphs: fp32 or int8 on cpu, fp16 on cuda (empty: fp32 on cpu, fp16 on cuda)",
          "inter_threads": "engines per model (CTranslate2's name): running batches decoded at once, each on a thread "
                           "of its own with its own --max-running-rows and --max-waiting (2 × 1 thread beat 1 × 2 "
-                          "under load on a CPU)",
+                          "under load on a CPU); 1 on cuda",
          "io_binding": "auto, on or off: keep K/V caches on the device between steps (auto: on for cuda)",
          "attention_kernel": "auto, on or off: nmtserve's decoding-attention kernel in place of ONNX Runtime's (auto: "
                              "on a CPU when built: make kernels)",

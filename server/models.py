@@ -24,6 +24,7 @@ from pathlib import Path
 
 from nmtserve.errors import ConfigError, NmtserveError
 from nmtserve.export.runtime.bundle import MANIFEST, default_variant, load_bundle
+from nmtserve.export.runtime.translator import CUDA_INTER_THREADS
 from nmtserve.search import DecodingOptions
 from nmtserve.server.config import ServerConfig
 from nmtserve.server.documents import fit, sentence_spans
@@ -97,6 +98,9 @@ def model_specs(config: ServerConfig) -> list[ModelSpec]:
         if spec.inter_threads < 1:
             raise ConfigError(f"inter_threads {spec.inter_threads} for model {spec.id!r} (--inter-threads, or its "
                               "models file): must be at least 1")
+        if spec.inter_threads > 1 and spec.device == "cuda":
+            raise ConfigError(f"model {spec.id!r}: " + CUDA_INTER_THREADS.format(n=spec.inter_threads)
+                              + " (--inter-threads, or its models file)")
         if spec.id in seen:
             raise ConfigError(f"model id {spec.id!r} names both {seen[spec.id]} and {spec.bundle}: "
                               "give each an id in a --models file")

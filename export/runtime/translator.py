@@ -55,6 +55,12 @@ from nmtserve.export.runtime.bundle import Bundle, default_variant, load_bundle
 from nmtserve.export.runtime.tensors import DeviceTensors, HostTensors
 from nmtserve.search import BeamSearch, DecodingOptions, Hypothesis, beam_steps, make_search
 
+# Two decoding contexts over one CUDA device (serve --inter-threads 2, the pool's test on an H200,
+# onnxruntime-gpu 1.31.1) gave requests GroupQueryAttention errors ("total_sequence_length must be
+# positive, got 0") and cut-off tokens, with one decoder session each too; cause not found. One running
+# batch is what a GPU wants anyway (README, "On a GPU"), so on CUDA a model has one.
+CUDA_INTER_THREADS = ("inter_threads {n} on cuda: one decoding context per model on a GPU (two at once gave wrong "
+                      "tokens there; one running batch fills the GPU): use inter_threads 1")
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 # ONNX Runtime graph optimisations left out on CPU: SkipLayerNormFusion turns the int8 encoder's residual Add
 # and LayerNormalization into SkipLayerNormalization, whose CPU kernel is slower than the two (encoder alone,
@@ -226,6 +232,8 @@ class OnnxTranslator:
                  inter_threads: int = 1, attention_kernel: bool | None = None):
         if inter_threads < 1:
             raise ConfigError(f"inter_threads {inter_threads}: must be at least 1")
+        if inter_threads > 1 and device == "cuda":
+            raise ConfigError(CUDA_INTER_THREADS.format(n=inter_threads))
         self.inter_threads = inter_threads  # batches decoded at once (search_ids), each on a thread of its own
         # nmtserve's attention kernel (export/runtime/kernels.py): on a CPU when it is built (None), or as asked
         if attention_kernel and (device != "cpu" or not kernels.available()):
@@ -596,7 +604,9 @@ class OnnxTranslator:
     def replica(self) -> OnnxTranslator:
         """This translator with a decoding context of its own (decoder binding and bound buffers) over the
         same sessions, tokenizer and bundle: one per thread decoding at once (inter_threads here, the
-        server's --inter-threads)."""
+        server's --inter-threads). Not on CUDA (CUDA_INTER_THREADS)."""
+        if self.device == "cuda":
+            raise ConfigError(CUDA_INTER_THREADS.format(n=2))
         replica = copy.copy(self)
         replica._binding, replica._bound = self.decoder.io_binding(), {}
         replica._with_scores = np.array(True)

@@ -122,7 +122,8 @@ def test_translate_cli_decodes_a_bundles_batches_at_once_on_threads_of_their_own
                ("--variant", "int8", "--server", served.target): "a server has its own",
                ("--variant", "int8", str(tiny_checkpoint)): "with a bundle (ONNX Runtime), not a checkpoint",
                ("--variant", "int4", str(tiny_bundle)): "no variant 'int4'",
-               ("--variant", "int8", "--device", "cuda", str(tiny_bundle)): "variant 'int8' runs on cpu, not cuda"}
+               ("--variant", "int8", "--device", "cuda", str(tiny_bundle)): "variant 'int8' runs on cpu, not cuda",
+               ("--inter-threads", "2", "--device", "cuda", str(tiny_bundle)): "inter_threads 2 on cuda: one decoding"}
     for args, message in refused.items():
         out = run_cli("translate", *args, "hi", timeout=120)
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.batch import BatchState
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.search import DecodingOptions
@@ -125,7 +126,11 @@ def test_cancel_and_deadline_free_their_rows(translator, sources):
 def test_a_pool_of_engines_spreads_requests_and_each_gets_the_translator_tokens(translator, sources):
     """serve --inter-threads 2: each request goes to the engine with the fewest waiting and running, ids
     are unique across the engines, both decode at once (each over its own binding of the same sessions)
-    and every request gets the tokens it gets alone."""
+    and every request gets the tokens it gets alone. On CUDA a model has one engine: a pool of two is refused."""
+    if translator.device == "cuda":
+        with pytest.raises(ConfigError, match="inter_threads 2 on cuda"):
+            EnginePool(translator, 2, EngineConfig(max_running_rows=8))
+        return
     expected = [tokens for tokens, _ in translator.translate_ids(sources, max_batch_size=1)]
     pool = EnginePool(translator, 2, EngineConfig(max_running_rows=8))
     queued = [pool.submit(Request(src)) for src in sources[:4]]  # not started yet: all four wait

@@ -200,7 +200,11 @@ def test_the_models_file_names_ids_and_settings(tiny_bundle, fr_en_bundle, tmp_p
                           (f'[[models]]\nbundle = "{tiny_bundle}"\nthreads = "two"\n',
                            f"--models {bad}: models[0].threads = 'two': expected an integer"),
                           (f'[[models]]\nbundle = "{tiny_bundle}"\nid = "x"\ninter_threads = 0\n',
-                           "inter_threads 0 for model 'x' (--inter-threads, or its models file): must be at least 1")):
+                           "inter_threads 0 for model 'x' (--inter-threads, or its models file): must be at least 1"),
+                          (f'[[models]]\nbundle = "{tiny_bundle}"\nid = "x"\ndevice = "cuda"\ninter_threads = 2\n',
+                           "model 'x': inter_threads 2 on cuda: one decoding context per model on a GPU (two at once "
+                           "gave wrong tokens there; one running batch fills the GPU): use inter_threads 1 "
+                           "(--inter-threads, or its models file)")):
         bad.write_text(text, encoding="utf-8")
         with pytest.raises(ConfigError) as refused:
             model_specs(ServerConfig(models=str(bad)))
@@ -213,7 +217,7 @@ def test_the_models_file_names_ids_and_settings(tiny_bundle, fr_en_bundle, tmp_p
     assert [(s.device, s.variant) for s in model_specs(ServerConfig(models=str(models)))] == [
         ("cuda", "fp16"), ("cpu", "fp32"), ("cpu", "int8")]
     result = run_cli("serve", "--models", str(bad), "--port", "0", timeout=120)
-    assert result.returncode == 2 and result.stderr.strip().endswith("must be at least 1"), result.stderr
+    assert result.returncode == 2 and result.stderr.strip().endswith(message), result.stderr  # the last bad file
     result = run_cli("serve", str(tiny_bundle), "--models", str(models), "--port", "0", timeout=120)
     assert result.returncode == 2 and "give bundle directories or --models FILE, not both" in result.stderr
 
