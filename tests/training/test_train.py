@@ -63,6 +63,7 @@ def test_the_learning_bound_fails_a_broken_training_loop(bug, tiny_corpus, tmp_p
         steps = 20  # no step changes a weight, so 20 steps leave the model that 700 would: the initial one
     else:
         monkeypatch.setattr(train_module, "collate", _unshifted_targets)
+        steps = 200  # its loss has levelled off by then (0.94 at 200, 0.93 at 700) and BLEU is 0 at both
     scores = _memorise(tiny_corpus, tmp_path, steps)
     assert scores.exact_match < LEARNED_EXACT_MATCH and scores.bleu < LEARNED_BLEU, scores
 
