@@ -163,6 +163,35 @@ def _teacher_forced_log_probs(tr: OnnxTranslator, sources, paths) -> np.ndarray:
     return np.stack(steps, axis=1)
 
 
+@pytest.mark.parametrize("variant", ["fp32", "int8"])
+def test_encoder_and_decoder_read_one_copy_of_the_tied_embedding(tiny_bundle, variant):
+    """The embedding table both graphs hold is one host array that both sessions read (shared_weights):
+    zeroing it in place changes the encoder's output and, over the same encoder output, the decoder's
+    step; put back, both compute what they computed before."""
+    tr = OnnxTranslator(tiny_bundle, variant=variant, intra_op_threads=1)
+    assert list(tr.shared_weights) == ["model.embed.weight"]
+    table = tr.shared_weights["model.embed.weight"]
+    assert table.shape == (tr.vocab_size, tr.d_model)
+    src_ids, src_mask = tr.pad([[10, 11, 12, tr.eos_id]])
+    empty = np.zeros((tr.n_layers, 1, tr.n_heads, 0, tr.head_dim), tr.kv_dtype)
+
+    def encode():
+        return tr.encode(src_ids, src_mask)[:2]
+
+    def step(cross_k, cross_v):
+        return tr.step([tr.bos_id], [0], empty, empty, np.zeros((1, 0), bool), cross_k, cross_v, src_mask)[0]
+
+    cross = encode()
+    before = step(*cross)
+    kept = table.copy()
+    table[:] = 0
+    assert not np.allclose(encode()[0], cross[0])  # the encoder looked the zeros up
+    assert not np.allclose(step(*cross), before)  # so did the decoder, over the same encoder output
+    table[:] = kept
+    np.testing.assert_array_equal(encode()[0], cross[0])
+    np.testing.assert_array_equal(step(*cross), before)
+
+
 def test_int8_picks_fp32s_token_wherever_fp32_is_decisive(tiny_bundle, tiny_corpus):
     """Teacher-forced along fp32's greedy path. Whole-sentence agreement of a barely trained model is
     no measure (one flipped near-tie changes the rest, 4/40 to 26/40 sentences across training seeds);
