@@ -132,15 +132,19 @@ def make_session(path: Path, device: str = "cpu", intra_op_threads: int = 0, mod
     return session
 
 
-def shared_weights(encoder_path: Path, decoder_path: Path, min_bytes: int = 1 << 16) -> dict[str, np.ndarray]:
-    """The initializers of at least `min_bytes` that the encoder and decoder graphs both hold, same name and
-    same bytes: the tied embedding table (58,101 × 512 fp32, 119 MB, on an OPUS-MT-size model; the int8
+def shared_weights(encoder_path: Path, decoder: onnx.ModelProto, min_bytes: int = 1 << 16) -> dict[str, np.ndarray]:
+    """The initializers of at least `min_bytes` that the encoder graph and the `decoder` both hold, same name
+    and same bytes: the tied embedding table (58,101 × 512 fp32, 119 MB, on an OPUS-MT-size model; the int8
     variants keep it in fp32 for the lookups). Given to both sessions (`make_session(initializers=…)`) it
-    is held once: OPUS-MT-size fp32 resident after load 837 → 711 MB (median of 5 loads each), same
-    tokens and speed."""
-    encoder = {i.name: i for i in onnx.load(str(encoder_path)).graph.initializer if len(i.raw_data) >= min_bytes}
+    is held once (README, "One embedding table for both sessions"). An encoder graph that onnx cannot
+    read shares nothing: its session then says what is wrong with it."""
+    try:
+        encoder = onnx.load(str(encoder_path))
+    except Exception:  # onnx raises protobuf's DecodeError, OSError, …
+        return {}
+    encoder = {i.name: i for i in encoder.graph.initializer if len(i.raw_data) >= min_bytes}
     shared = {}
-    for weight in onnx.load(str(decoder_path)).graph.initializer:
+    for weight in decoder.graph.initializer:
         twin = encoder.get(weight.name)
         if twin is not None and (twin.data_type, twin.dims, twin.raw_data) == (weight.data_type, weight.dims,
                                                                                weight.raw_data):
@@ -271,16 +275,18 @@ class OnnxTranslator:
                               + (" (on cuda: the fp16 variant; ONNX Runtime's CUDA attention kernel has no fp32)"
                                  if device == "cuda" else ""))
         decoder_path = self.bundle.graph_path(variant, "decoder")
+        decoder = onnx.load(str(decoder_path))
         # the weights both graphs hold (the tied embedding), one host copy read by both sessions
-        self.shared_weights = shared_weights(encoder_path, decoder_path) if device == "cpu" else {}
+        self.shared_weights = shared_weights(encoder_path, decoder) if device == "cpu" else {}
         self._shared_values = {name: ort.OrtValue.ortvalue_from_numpy(w) for name, w in self.shared_weights.items()}
         self.encoder = make_session(encoder_path, device, intra_op_threads, initializers=self._shared_values)
         # shared_cross: a beam's rows share their source's cross K/V (`with_shared_cross`), as offline search
         # wants; the server's engine, whose steps mix rows of different widths, runs the bundle's step as
         # exported (False), each row with its own copy
         self.shared_cross = shared_cross
-        self.decoder = make_session(decoder_path, device, intra_op_threads,
-                                    model=self._step_graph(decoder_path, shared_cross),
+        step = self._step_graph(decoder, shared_cross)
+        del decoder  # freed before the session makes its own copy (an OPUS-MT-size decoder is ~200 MB)
+        self.decoder = make_session(decoder_path, device, intra_op_threads, model=step,
                                     custom_ops=kernels.LIBRARY if self.attention_kernel else None,
                                     initializers=self._shared_values)
         self._binding, self._bound = self.decoder.io_binding(), {}  # see _binding_for
@@ -297,11 +303,10 @@ class OnnxTranslator:
         ids = self.bundle.special_ids
         self.pad_id, self.bos_id, self.eos_id = ids["pad"], ids["bos"], ids["eos"]
 
-    def _step_graph(self, path: Path, shared_cross: bool) -> bytes:
-        """The bundle's decoder step with the search head (and with_shared_cross, and nmtserve's attention
-        kernel), serialized; the ModelProto is freed on return, before the session makes its own copy (an
-        OPUS-MT-size decoder is ~300 MB of fp32 weights)."""
-        model = with_search_head(onnx.load(str(path)))
+    def _step_graph(self, decoder: Path | onnx.ModelProto, shared_cross: bool) -> bytes:
+        """The bundle's decoder step (a file, or its ModelProto, changed in place) with the search head (and
+        with_shared_cross, and nmtserve's attention kernel), serialized."""
+        model = with_search_head(decoder if isinstance(decoder, onnx.ModelProto) else onnx.load(str(decoder)))
         if shared_cross:
             model = with_shared_cross(model, self.bundle.model["n_heads"], self.bundle.model["d_model"])
         if self.attention_kernel:
