@@ -328,9 +328,9 @@ class EncoderDecoder(nn.Module):
 
     def _log_probs(self, x: torch.Tensor) -> torch.Tensor:
         """Output log-probabilities (…, V) of decoder states x (…, D); suppressed ids get -inf."""
-        before = self.suppress if self.config.renormalize else None  # suppressed in the logits (inside the Gemm)
-        log_probs = F.log_softmax(self.embed.logits(x, add=before).float(), dim=-1)
-        return log_probs if self.suppress is None or before is not None else log_probs + self.suppress
+        if self.suppress is None or self.config.renormalize:  # suppressed in the logits (inside the Gemm)
+            return F.log_softmax(self.embed.logits(x, add=self.suppress).float(), dim=-1)
+        return F.log_softmax(self.embed.logits(x).float(), dim=-1) + self.suppress
 
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.embed_dropout(self.embed(ids) + self.positions(positions))

@@ -142,10 +142,10 @@ def shared_weights(encoder_path: Path, decoder: onnx.ModelProto, min_bytes: int 
         encoder = onnx.load(str(encoder_path))
     except Exception:  # onnx raises protobuf's DecodeError, OSError, …
         return {}
-    encoder = {i.name: i for i in encoder.graph.initializer if len(i.raw_data) >= min_bytes}
+    large = {i.name: i for i in encoder.graph.initializer if len(i.raw_data) >= min_bytes}
     shared = {}
     for weight in decoder.graph.initializer:
-        twin = encoder.get(weight.name)
+        twin = large.get(weight.name)
         if twin is not None and (twin.data_type, twin.dims, twin.raw_data) == (weight.data_type, weight.dims,
                                                                                weight.raw_data):
             shared[weight.name] = onnx.numpy_helper.to_array(weight).copy()  # a writable array of its own
@@ -303,10 +303,10 @@ class OnnxTranslator:
         ids = self.bundle.special_ids
         self.pad_id, self.bos_id, self.eos_id = ids["pad"], ids["bos"], ids["eos"]
 
-    def _step_graph(self, decoder: Path | onnx.ModelProto, shared_cross: bool) -> bytes:
-        """The bundle's decoder step (a file, or its ModelProto, changed in place) with the search head (and
+    def _step_graph(self, decoder: onnx.ModelProto, shared_cross: bool) -> bytes:
+        """The bundle's decoder step (its ModelProto, changed in place) with the search head (and
         with_shared_cross, and nmtserve's attention kernel), serialized."""
-        model = with_search_head(decoder if isinstance(decoder, onnx.ModelProto) else onnx.load(str(decoder)))
+        model = with_search_head(decoder)
         if shared_cross:
             model = with_shared_cross(model, self.bundle.model["n_heads"], self.bundle.model["d_model"])
         if self.attention_kernel:
