@@ -69,6 +69,7 @@ PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", 
 CPU_DISABLED_OPTIMIZERS = ["SkipLayerNormFusion"]
 ROW_INPUTS = ("tokens", "positions", "cross_slot")  # the decoder step's per-row inputs (export/build/graphs.py)
 ENCODE_AHEAD = 64  # search_ids encodes batches of up to this many sources in all before decoding them
+_DEVICES: dict = {}  # ONNX Runtime's C-level device of each device name, made once (bind_address)
 
 
 @dataclass
@@ -83,6 +84,18 @@ class Translation:
     def hypotheses(self) -> list[Translation]:
         """The n-best list, best first."""
         return [self, *self.alternatives]
+
+
+def bind_address(binding: ort.IOBinding, name: str, where: str, dtype, shape, address: int,
+                 output: bool = False) -> None:
+    """`binding.bind_input` (or `bind_output`) of a buffer at `address` on device `where`, through the
+    binding's C object with a device made once per name: the Python wrappers make a new device on every
+    call and keep bookkeeping for WebGPU graph capture only, which was half of the time of binding a new
+    batch (README, "Binding a new batch")."""
+    device = _DEVICES.get(where)
+    if device is None:
+        device = _DEVICES[where] = ort.OrtDevice.make(where, 0)._get_c_device()
+    (binding._iobinding.bind_output if output else binding._iobinding.bind_input)(name, device, dtype, shape, address)
 
 
 def session_options(intra_op_threads: int = 0) -> ort.SessionOptions:
@@ -362,7 +375,7 @@ class OnnxTranslator:
         for prefix, stacked, layer_shape in (("cross_k", cross_k, shape[1:]), ("cross_v", cross_v, shape[1:]),
                                              ("cross_eos", eos, (batch, self.eos_width))):
             for layer, address in enumerate(self._layer_addresses(stacked)):
-                binding.bind_output(f"{prefix}_{layer}", self.device, 0, self.kv_dtype, layer_shape, address)
+                bind_address(binding, f"{prefix}_{layer}", self.device, self.kv_dtype, layer_shape, address, output=True)
         self.encoder.run_with_iobinding(binding)
         return BatchState.from_encoded(cross_k, cross_v, eos, src_mask, self.bos_id, ops=self.ops)
 
@@ -413,19 +426,19 @@ class OnnxTranslator:
                 shape = state.ops.shape(x)[1:]
                 for layer, address in enumerate(self._layer_addresses(x)):
                     inputs = f"past_{name}_{layer}" if name in ("k", "v") else f"{name}_{layer}"
-                    binding.bind_input(inputs, where, 0, self.kv_dtype, shape, address)
+                    bind_address(binding, inputs, where, self.kv_dtype, shape, address)
                     if not (shared and name.startswith("cross")):
-                        binding.bind_output(f"present_{name}_{layer}", where, 0, self.kv_dtype, shape, address)
+                        bind_address(binding, f"present_{name}_{layer}", where, self.kv_dtype, shape, address, output=True)
             if not shared:
                 for layer, address in enumerate(self._layer_addresses(state.cross_eos)):
-                    binding.bind_input(f"cross_eos_{layer}", where, 0, self.kv_dtype,
-                                       (state.size, self.eos_width), address)
+                    bind_address(binding, f"cross_eos_{layer}", where, self.kv_dtype, (state.size, self.eos_width),
+                                 address)
             self._slot_counts = np.array([state.capacity, state.ops.shape(state.cross_k)[3]], np.int32)
             for i, name in enumerate(("cache_slots", "source_slots")):  # the attention kernel's total_sequence_length
-                binding.bind_input(name, "cpu", 0, np.int32, (1,), self._slot_counts.ctypes.data + 4 * i)  # host memory
+                bind_address(binding, name, "cpu", np.int32, (1,), self._slot_counts.ctypes.data + 4 * i)  # host memory
             if shared:  # each source's rows, for the cross-attention's queries
                 self._query_shape = np.array([-1, state.width, self.d_model], np.int64)
-                binding.bind_input("query_shape", "cpu", 0, np.int64, (3,), self._query_shape.ctypes.data)
+                bind_address(binding, "query_shape", "cpu", np.int64, (3,), self._query_shape.ctypes.data)
             bound["caches"] = _refs(caches)
         rows = (state.tokens, state.positions, state.cross_slot)
         if self.io_binding or copied_when_bound:
@@ -434,15 +447,15 @@ class OnnxTranslator:
         elif not _same(bound.get("rows"), rows):
             for name, x in zip(ROW_INPUTS, rows):
                 assert x.flags.c_contiguous, name
-                binding.bind_input(name, "cpu", 0, x.dtype, x.shape, x.ctypes.data)
+                bind_address(binding, name, "cpu", x.dtype, x.shape, x.ctypes.data)
             bound["rows"] = _refs(rows)
         if bound.get("outputs") != (state.size, k):
             self._ids, self._scores = np.empty((state.size, k), np.int64), np.empty((state.size, k), np.float32)
             self._k = np.array([k], np.int64)
             binding.bind_cpu_input("candidates", self._k)
-            binding.bind_input("with_scores", "cpu", 0, np.bool_, (), self._with_scores.ctypes.data)  # host memory
+            bind_address(binding, "with_scores", "cpu", np.bool_, (), self._with_scores.ctypes.data)  # host memory
             for name, x in (("candidate_ids", self._ids), ("candidate_scores", self._scores)):
-                binding.bind_output(name, "cpu", 0, x.dtype, x.shape, x.ctypes.data)
+                bind_address(binding, name, "cpu", x.dtype, x.shape, x.ctypes.data, output=True)
             bound["outputs"] = (state.size, k)
         return binding
 
@@ -487,7 +500,7 @@ class OnnxTranslator:
         scores the steps skip the log-softmax (`with_search_head`) and each score is nan."""
         rows = np.arange(len(sources))  # the source of each row of `state`, and its budget
         budget = np.array([self.limits.output_budget(len(s), max_decoding_length, length_rule) for s in sources])
-        steps = [], [], []  # per step: each row's source, token and log-prob
+        steps = [], [], []  # per step: each row's source, token and (when scored) log-prob
         finished, end = np.zeros(len(sources), bool), np.zeros(len(sources), np.int64)  # end: its last step
         last = int(budget.min())  # the first step at which some row reaches its budget
         binding, rebind = None, self.io_binding or state.ops.device != self.device  # rows bound by value: every step
@@ -499,8 +512,10 @@ class OnnxTranslator:
             self.decoder.run_with_iobinding(binding)
             state.positions += 1  # every row: offline batches have no holes
             tokens = state.tokens.copy()
-            for record, x in zip(steps, (rows, tokens, self._scores.copy())):
-                record.append(x)
+            steps[0].append(rows)
+            steps[1].append(tokens)
+            if scores:  # unscored steps' values are not kept: each score is nan
+                steps[2].append(self._scores.copy())
             hit = tokens == self.eos_id
             if not (hit.any() or len(steps[0]) >= last):
                 continue  # most steps: two ufuncs (Python here runs on caches the step has flushed)
@@ -513,29 +528,25 @@ class OnnxTranslator:
                     state, order = state.compact(~done)
                     rows, budget = rows[order], budget[order]
                     binding = None
-        found = self._collect(len(sources), steps[0], steps[1], [s.ravel() for s in steps[2]], end)
-        if not scores:
-            for (hypothesis,) in found:
-                hypothesis.score = float("nan")
-        return found
+        return self._collect(len(sources), steps[0], steps[1], [s.ravel() for s in steps[2]] if scores else None, end)
 
     def _greedy_binding(self, state: BatchState) -> ort.IOBinding:
         """The step's binding for greedy search, with its candidate_ids output bound to the `tokens` input's
         own buffer: the step's search head, its last node, writes each row's best token where the next step
         reads it (the embedding's Gather, the first node and only reader of `tokens`, is done by then)."""
         binding = self._binding_for(state, 1)
-        binding.bind_output("candidate_ids", "cpu", 0, np.int64, (state.size, 1), state.tokens.ctypes.data)
+        bind_address(binding, "candidate_ids", "cpu", np.int64, (state.size, 1), state.tokens.ctypes.data, output=True)
         del self._bound["outputs"]  # the next other search binds its own candidate buffers again
         return binding
 
-    def _collect(self, n: int, rows: list, tokens: list, scores: list, end: np.ndarray) -> list[list[Hypothesis]]:
+    def _collect(self, n: int, rows: list, tokens: list, scores: list | None, end: np.ndarray) -> list[list[Hypothesis]]:
         """Greedy's hypotheses from what each step chose: source s's tokens are those of its rows up to
-        its last step end[s], eos excluded; its score is their sum."""
-        step = np.concatenate([np.full(len(r), i) for i, r in enumerate(rows)])
-        rows, tokens, scores = np.concatenate(rows), np.concatenate(tokens), np.concatenate(scores)
+        its last step end[s], eos excluded; its score is their sum (nan when the steps kept no scores)."""
+        step = np.repeat(np.arange(len(rows)), [len(r) for r in rows])
+        rows, tokens = np.concatenate(rows), np.concatenate(tokens)
         kept = step <= end[rows]
-        rows, tokens, scores = rows[kept], tokens[kept], scores[kept]
-        total = np.bincount(rows, weights=scores, minlength=n)
+        rows, tokens = rows[kept], tokens[kept]
+        total = np.bincount(rows, weights=np.concatenate(scores)[kept], minlength=n) if scores else np.full(n, np.nan)
         eos = np.zeros(n, bool)
         eos[rows[tokens == self.eos_id]] = True
         order = np.argsort(rows, kind="stable")  # by source, then step
