@@ -528,7 +528,7 @@ class OnnxTranslator:
                     state, order = state.compact(~done)
                     rows, budget = rows[order], budget[order]
                     binding = None
-        return self._collect(len(sources), steps[0], steps[1], [s.ravel() for s in steps[2]] if scores else None, end)
+        return self._collect(len(sources), steps[0], steps[1], [s.ravel() for s in steps[2]], end)
 
     def _greedy_binding(self, state: BatchState) -> ort.IOBinding:
         """The step's binding for greedy search, with its candidate_ids output bound to the `tokens` input's
@@ -539,9 +539,10 @@ class OnnxTranslator:
         del self._bound["outputs"]  # the next other search binds its own candidate buffers again
         return binding
 
-    def _collect(self, n: int, rows: list, tokens: list, scores: list | None, end: np.ndarray) -> list[list[Hypothesis]]:
+    def _collect(self, n: int, rows: list, tokens: list, scores: list, end: np.ndarray) -> list[list[Hypothesis]]:
         """Greedy's hypotheses from what each step chose: source s's tokens are those of its rows up to
-        its last step end[s], eos excluded; its score is their sum (nan when the steps kept no scores)."""
+        its last step end[s], eos excluded; its score is their sum (nan when the steps kept no scores:
+        `scores` empty)."""
         step = np.repeat(np.arange(len(rows)), [len(r) for r in rows])
         rows, tokens = np.concatenate(rows), np.concatenate(tokens)
         kept = step <= end[rows]
