@@ -114,11 +114,12 @@ def cmd_check_slo(args) -> int:
 def cmd_soak(args) -> int:
     from nmtserve.loadtests.soak import SoakConfig, format_report, run_soak
 
-    if args.seconds <= 0 or args.clients < 1:
-        raise NmtserveError(f"--seconds {args.seconds} and --clients {args.clients}: both must be positive")
+    if args.seconds <= 0 or args.clients < 1 or args.sample_seconds <= 0:
+        raise NmtserveError(f"--seconds {args.seconds}, --clients {args.clients} and --sample-seconds "
+                            f"{args.sample_seconds}: each must be positive")
     report = run_soak(SoakConfig(args.bundle, args.server or "", args.metrics_url or "", args.seconds, args.clients,
-                                 args.out, args.sentences or "", args.seed, max_memory_growth=args.max_memory_growth,
-                                 server_flags=args.server_flag or []))
+                                 args.out, args.sentences or "", args.seed, sample_seconds=args.sample_seconds,
+                                 max_memory_growth=args.max_memory_growth, server_flags=args.server_flag or []))
     print(format_report(report))
     print(f"report: {Path(args.out) / 'report.json'}")
     return 0 if report["passed"] else 1
@@ -279,6 +280,8 @@ def add_parser(sub, name: str, help_text: str) -> None:
         p.add_argument("--out", default="runs/soak", help="report.json, memory.png, server.log (default %(default)s)")
         p.add_argument("--sentences", help="sentence file (.tsv: first column; else one per line)")
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--sample-seconds", type=float, default=2.0,
+                       help="seconds between scrapes of the server's memory and gauges (default %(default)s)")
         p.add_argument("--max-memory-growth", type=float, default=0.10,
                        help="largest allowed growth of resident memory after the warm-up (default %(default)s)")
         p.add_argument("--server-flag", action="append", help="extra flag for the started server (repeat)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -54,6 +55,33 @@ def run_cli(*args: str, stdin: str | None = None, env: dict | None = None, timeo
     with tempfile.TemporaryDirectory(prefix="nmtserve-cli-") as tmp:
         return subprocess.run([NMTSERVE, *args], input=stdin, capture_output=True, text=True, timeout=timeout,
                               cwd=cwd or tmp, env={**os.environ, **(env or {})})
+
+
+_EACH = """
+import contextlib, io, json, sys
+from nmtserve.cli import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    results.append([argv, code, out.getvalue(), err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def run_cli_each(*argvs: list[str], timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """Each argv through the CLI's main() in turn, in one fresh Python process from a fresh temporary
+    directory: what `nmtserve ARGV` returns and prints, at one import of torch for them all (~3 s each
+    otherwise). For lists of refusals; a CompletedProcess per argv."""
+    with tempfile.TemporaryDirectory(prefix="nmtserve-cli-") as tmp:
+        done = subprocess.run([sys.executable, "-c", _EACH, json.dumps([list(a) for a in argvs])], capture_output=True,
+                              text=True, timeout=timeout, cwd=tmp)
+    assert done.returncode == 0 and not done.stderr, done.stderr
+    return [subprocess.CompletedProcess(*r) for r in json.loads(done.stdout)]
 
 
 class ServerThread:

@@ -7,7 +7,7 @@ import pytest
 
 from nmtserve.errors import BundleError
 from nmtserve.export.runtime.bundle import MANIFEST, SCHEMA_VERSION, load_bundle, sha256_of
-from tests.helpers import run_cli
+from tests.helpers import run_cli_each
 
 
 def test_manifest_records_model_graphs_variants_and_hashes(tiny_bundle, tiny_checkpoint):
@@ -200,12 +200,12 @@ def test_schema_and_manifest_problems_are_named(bundle_copy, tmp_path):
 def test_export_of_missing_or_corrupt_checkpoint_is_one_line_exit_2(tmp_path):
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(b"not a checkpoint at all")
-    for ckpt, expected in ((tmp_path / "absent.pt", "absent.pt: no such checkpoint"),
-                           (corrupt, "corrupt.pt: not a readable checkpoint")):
-        result = run_cli("export", str(ckpt), "--out", str(tmp_path / "b"))
+    absent, unreadable, fp8 = run_cli_each(("export", str(tmp_path / "absent.pt"), "--out", str(tmp_path / "b")),
+                                           ("export", str(corrupt), "--out", str(tmp_path / "b")),
+                                           ("export", str(corrupt), "--out", str(tmp_path / "b"), "--variants", "fp8"))
+    for result, expected in ((absent, "absent.pt: no such checkpoint"), (unreadable, "corrupt.pt: not a readable checkpoint"),
+                             (fp8, "--variants 'fp8'")):
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and expected in result.stderr, result.stderr
-    result = run_cli("export", str(corrupt), "--out", str(tmp_path / "b"), "--variants", "fp8")
-    assert result.returncode == 2 and "--variants 'fp8'" in result.stderr
 
 
 def test_languages_come_from_the_corpus_summary_unless_flags_say_otherwise(tiny_corpus):

@@ -9,7 +9,7 @@ from nmtserve.client import open_channel
 from nmtserve.server.config import ServerConfig
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
-from tests.helpers import ServerThread, run_cli
+from tests.helpers import ServerThread, run_cli, run_cli_each
 
 
 def test_round_robin_sends_calls_to_every_server_behind_one_target(tiny_bundle):
@@ -124,6 +124,6 @@ def test_translate_cli_decodes_a_bundles_batches_at_once_on_threads_of_their_own
                ("--variant", "int4", str(tiny_bundle)): "no variant 'int4'",
                ("--variant", "int8", "--device", "cuda", str(tiny_bundle)): "variant 'int8' runs on cpu, not cuda",
                ("--inter-threads", "2", "--device", "cuda", str(tiny_bundle)): "inter_threads 2 on cuda: one decoding"}
-    for args, message in refused.items():
-        out = run_cli("translate", *args, "hi", timeout=120)
-        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
+    for out, message in zip(run_cli_each(*(("translate", *args, "hi") for args in refused), timeout=120),
+                            refused.values()):
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, (out.args, out.stderr)
