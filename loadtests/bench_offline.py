@@ -14,7 +14,9 @@ Fair by construction:
   where the engine has both (ONNX Runtime, CTranslate2): n intra-op threads on one batch at a time
   (1×n), and n batches at a time on one thread each (n×1, CTranslate2's `inter_threads`); each
   engine is reported, per batch size, at its best layout, as the median with min–max over runs;
-- the report records the CPU model and flags, cores and the libraries' versions.
+- the report records the CPU model and flags, cores and the libraries' versions, and how fast the host
+  ran before and after each measurement (`host_probe`: one core's vector and L3 speed), so a ratio can
+  be read against the spells of a shared machine.
 Ratios are ours over CTranslate2's of the same precision, each at its best thread layout. Each
 worker's peak resident memory (ru_maxrss: the model loaded and every batch size run) is reported too.
 
@@ -227,10 +229,32 @@ def _peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
+def host_probe() -> dict:
+    """How fast one core of the host runs right now, with numpy (one thread whatever the engine's), the
+    median of 7 timings each: `exp_mps`, exp over 65,536 float32 values in L2 (millions a second: the
+    vector units), and `l3_gbps`, a sum over 8 MB (GB/s read from L3, where a step's weights come from).
+    Measured before and after each worker's passes, so a report shows which runs fell in a slow spell."""
+    import numpy as np
+
+    def rate(work, amount: float) -> float:
+        timings = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            work()
+            timings.append(time.perf_counter() - t0)
+        return round(amount / statistics.median(timings), 1)
+
+    x, y, big = np.linspace(-4, 4, 65_536, dtype=np.float32), np.empty(65_536, np.float32), np.ones(1 << 21, np.float32)
+    big.sum()
+    return {"exp_mps": rate(lambda: [np.exp(x, out=y) for _ in range(20)], 20 * 65_536 / 1e6),
+            "l3_gbps": rate(lambda: [big.sum() for _ in range(4)], 4 * big.nbytes / 1e9)}
+
+
 def measure(engine: str, inter: int, threads: int, spec: dict) -> dict:
     """Warm up, then translate every source `repeats` times at each batch size (in this process), keeping
     the median pass: one pass of 200 short sentences lasts 0.1–0.5 s at the larger batches, where a
-    hiccup of the machine or a first call at a new shape shows."""
+    hiccup of the machine or a first call at a new shape shows. The host probe runs before and after."""
+    probe_before = host_probe()
     run = _load_engine(engine, inter, threads, spec)
     sources = spec["sources"]
     run(sources[:16], 8)  # first-call allocations, lazy kernels
@@ -247,7 +271,7 @@ def measure(engine: str, inter: int, threads: int, spec: dict) -> dict:
     first = outputs[str(spec["batch_sizes"][0])]
     return {"seconds": seconds, "tokens": tokens, "outputs": outputs[str(spec["batch_sizes"][-1])],
             "same_output_at_every_batch_size": all(o == first for o in outputs.values()),
-            "peak_rss_mb": _peak_rss_mb(),
+            "peak_rss_mb": _peak_rss_mb(), "host_probe": [probe_before, host_probe()],
             "modules_loaded": [m for m in ENGINE_MODULES if m in sys.modules]}
 
 
@@ -344,8 +368,12 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences:
     paired_ratios = {f"{ours}/{theirs}": {b: _stats([o / t for o, t in zip(per_run(ours, b), per_run(theirs, b))], 3)
                                           for b in batches} for ours, theirs in pairs}
     reference = next(e for e in ("pytorch", "transformers", "ort_fp32", *cfg.engines) if e in cfg.engines)
-    agreement, modules, batch_independent, peak_rss, output_tokens = {}, {}, {}, {}, {}
+    agreement, modules, batch_independent, peak_rss, output_tokens, probes = {}, {}, {}, {}, {}, {}
     for (engine, inter, t), measured in runs.items():
+        for m in measured:
+            for probe in m["host_probe"]:
+                for name, value in probe.items():
+                    probes.setdefault(engine, {}).setdefault(name, []).append(value)
         modules.setdefault(engine, set()).update(*(m["modules_loaded"] for m in measured))
         peak_rss[engine] = max(peak_rss.get(engine, 0), *(m["peak_rss_mb"] for m in measured))
         output_tokens[engine] = round(measured[0]["tokens"][batches[-1]] / n_sentences, 2)
@@ -365,6 +393,7 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences:
             "token_agreement": agreement,
             "peak_rss_mb": peak_rss, "mean_output_tokens": output_tokens,
             "same_output_at_every_batch_size": batch_independent,
+            "host_probe": {e: {name: _stats(v) for name, v in by_name.items()} for e, by_name in probes.items()},
             "worker_modules_loaded": {e: sorted(m) for e, m in modules.items()}}
 
 
@@ -398,6 +427,10 @@ def format_table(report: dict) -> str:
         lines.append(f"{name}: {share:.1%}")
     lines.append("peak RSS (MB): " + ", ".join(f"{e} {mb:,.0f}" for e, mb in report["peak_rss_mb"].items()))
     lines.append("output tokens per sentence: " + ", ".join(f"{e} {n:.1f}" for e, n in report["mean_output_tokens"].items()))
+    for name, what in (("exp_mps", "exp in L2, M values/s"), ("l3_gbps", "sum over 8 MB, GB/s")):
+        lines.append(f"host probe ({what}; one core, before and after each measurement), median [min–max]: " + ", ".join(
+            f"{e} {p[name]['median']:,.1f} [{p[name]['min']:,.1f}–{p[name]['max']:,.1f}]"
+            for e, p in report["host_probe"].items()))
     return "\n".join(lines)
 
 

@@ -48,6 +48,12 @@ def test_offline_bench_measures_each_engine_alone_and_reports_its_best(tiny_bund
     machine = report["machine"]
     assert machine["cpu"] and machine["usable_cores"] >= 1 and {"onnxruntime", "ctranslate2", "torch", "numpy"} <= \
         set(machine["versions"])
+    # the host's speed before and after each measurement, per engine: which runs fell in a slow spell
+    for engine in engines:
+        probe = report["host_probe"][engine]
+        assert set(probe) == {"exp_mps", "l3_gbps"}
+        assert all(0 < p["min"] <= p["median"] <= p["max"] for p in probe.values()), probe
+    assert "host probe (exp in L2" in result.stdout and "host probe (sum over 8 MB" in result.stdout
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "ort_fp32/ct2_fp32" in result.stdout and "within each run" in result.stdout and machine["cpu"] in result.stdout
 
