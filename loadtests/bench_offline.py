@@ -368,8 +368,9 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences:
     paired_ratios = {f"{ours}/{theirs}": {b: _stats([o / t for o, t in zip(per_run(ours, b), per_run(theirs, b))], 3)
                                           for b in batches} for ours, theirs in pairs}
     reference = next(e for e in ("pytorch", "transformers", "ort_fp32", *cfg.engines) if e in cfg.engines)
-    agreement, modules, batch_independent, peak_rss, output_tokens, probes = {}, {}, {}, {}, {}, {}
+    agreement, modules, batch_independent, peak_rss, output_tokens, probes, probe_runs = {}, {}, {}, {}, {}, {}, {}
     for (engine, inter, t), measured in runs.items():
+        probe_runs.setdefault(engine, {})[layout_name(inter, t)] = [m["host_probe"] for m in measured]  # [before, after]
         for m in measured:
             for probe in m["host_probe"]:
                 for name, value in probe.items():
@@ -394,6 +395,7 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences:
             "peak_rss_mb": peak_rss, "mean_output_tokens": output_tokens,
             "same_output_at_every_batch_size": batch_independent,
             "host_probe": {e: {name: _stats(v) for name, v in by_name.items()} for e, by_name in probes.items()},
+            "host_probe_runs": probe_runs,
             "worker_modules_loaded": {e: sorted(m) for e, m in modules.items()}}
 
 

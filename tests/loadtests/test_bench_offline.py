@@ -53,6 +53,8 @@ def test_offline_bench_measures_each_engine_alone_and_reports_its_best(tiny_bund
         probe = report["host_probe"][engine]
         assert set(probe) == {"exp_mps", "l3_gbps"}
         assert all(0 < p["min"] <= p["median"] <= p["max"] for p in probe.values()), probe
+        assert {layout: len(runs) for layout, runs in report["host_probe_runs"][engine].items()} == \
+            dict.fromkeys(layouts[engine], 2)  # each run's [before, after]
     assert "host probe (exp in L2" in result.stdout and "host probe (sum over 8 MB" in result.stdout
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "ort_fp32/ct2_fp32" in result.stdout and "within each run" in result.stdout and machine["cpu"] in result.stdout
