@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from nmtserve.errors import NmtserveError
-from nmtserve.loadtests.machine import describe, machine_info, usable_cores
+from nmtserve.loadtests.machine import describe, host_probe, machine_info, usable_cores
 from nmtserve.search import DecodingOptions
 
 BATCH_SIZES = (1, 8, 32, 64)
@@ -227,27 +227,6 @@ def _peak_rss_mb() -> float:
         if line.startswith("VmHWM:"):
             return round(int(line.split()[1]) / 1024, 1)
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-
-
-def host_probe() -> dict:
-    """How fast one core of the host runs right now, with numpy (one thread whatever the engine's), the
-    median of 7 timings each: `exp_mps`, exp over 65,536 float32 values in L2 (millions a second: the
-    vector units), and `l3_gbps`, a sum over 8 MB (GB/s read from L3, where a step's weights come from).
-    Measured before and after each worker's passes, so a report shows which runs fell in a slow spell."""
-    import numpy as np
-
-    def rate(work, amount: float) -> float:
-        timings = []
-        for _ in range(7):
-            t0 = time.perf_counter()
-            work()
-            timings.append(time.perf_counter() - t0)
-        return round(amount / statistics.median(timings), 1)
-
-    x, y, big = np.linspace(-4, 4, 65_536, dtype=np.float32), np.empty(65_536, np.float32), np.ones(1 << 21, np.float32)
-    big.sum()
-    return {"exp_mps": rate(lambda: [np.exp(x, out=y) for _ in range(20)], 20 * 65_536 / 1e6),
-            "l3_gbps": rate(lambda: [big.sum() for _ in range(4)], 4 * big.nbytes / 1e9)}
 
 
 def measure(engine: str, inter: int, threads: int, spec: dict) -> dict:

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nmtserve.loadtests.machine import describe, machine_info
+from nmtserve.loadtests.machine import describe, host_probe, machine_info
 from nmtserve.loadtests.workload import ServerProcess, default_sentence_file, draw_decoding, mixed, read_sentences
 
 MODES = ("continuous", "static")
@@ -190,7 +190,8 @@ def run_served_bench(cfg: ServedBenchConfig) -> dict:
                 for c in cfg.concurrency:
                     requests = work(cfg, pool, cfg.requests or max(64, 16 * c), seed=cfg.seed + 1000 * run + c)
                     for mode, server in servers.items():
-                        cells[mode][c].append(_cell(server.target, requests, c))
+                        probe = host_probe()  # both servers idle: how fast the host runs as the cell starts
+                        cells[mode][c].append({**_cell(server.target, requests, c), "host_probe": probe})
                     if c == 1 and baseline:  # the same requests, right after, while both servers are idle
                         baselines.append(baseline(requests))
         finally:
@@ -213,6 +214,7 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: list[dict]) -> dict:
             results[mode][str(c)]["requests"], results[mode][str(c)]["sentences"] = runs[0]["requests"], runs[0]["sentences"]
             results[mode][str(c)]["stages_mean_ms"] = {  # the median over runs of each stage's mean
                 name: round(statistics.median(r["stages_mean_ms"][name] for r in runs), 3) for name in STAGES}
+            results[mode][str(c)]["host_probe_runs"] = [r["host_probe"] for r in runs]
     ratios = {}
     if {"continuous", "static"} <= set(results):
         for key in ("tokens_per_s", "steady_tokens_per_s"):
@@ -253,6 +255,10 @@ def format_table(report: dict) -> str:
     for mode, by_c in report["results"].items():
         for c, r in by_c.items():
             lines.append(f"{mode:<11}{c:>8}  " + "  ".join(f"{r['stages_mean_ms'][name]:.2f}" for name in STAGES))
+    probes = [p for by_c in report["results"].values() for r in by_c.values() for p in r["host_probe_runs"]]
+    lines.append("host probe as each cell started (one core: exp in L2, M values/s; sum over 8 MB, GB/s), min–max: "
+                 + "; ".join(f"{min(p[k] for p in probes):,.1f}–{max(p[k] for p in probes):,.1f}"
+                             for k in ("exp_mps", "l3_gbps")))
     b = report["baseline_onnx_translator_batch1"]
     if b:
         lines.append(f"OnnxTranslator batch 1: p50 {b['p50_ms']:.1f} ms, p90 {b['p90_ms']:.1f} ms, {b['tokens_per_s']:.0f} tok/s")

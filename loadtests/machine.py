@@ -1,11 +1,14 @@
 """What a benchmark report records about where it ran: CPU model and instruction-set flags, cores,
-and the versions of the libraries whose speed it measures. Read without importing them."""
+and the versions of the libraries whose speed it measures (read without importing them); and how
+fast the host runs at a given moment (`host_probe`)."""
 
 from __future__ import annotations
 
 import os
 import platform
+import statistics
 import subprocess
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -62,3 +65,24 @@ def describe(info: dict) -> str:
     gpu = f"GPU {info['gpu']}; " if "gpu" in info else ""
     return (f"{gpu}{info['cpu']} ({info['usable_cores']} usable cores; {' '.join(info['cpu_flags'])}); "
             f"Python {info['python']}; {versions}")
+
+
+def host_probe() -> dict:
+    """How fast one core of the host runs right now, with numpy (one thread whatever the engine's), the
+    median of 7 timings each: `exp_mps`, exp over 65,536 float32 values in L2 (millions a second: the
+    vector units), and `l3_gbps`, a sum over 8 MB (GB/s read from L3, where a step's weights come from).
+    The benchmarks measure it beside each measurement, so a report shows which runs fell in a slow spell."""
+    import numpy as np
+
+    def rate(work, amount: float) -> float:
+        timings = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            work()
+            timings.append(time.perf_counter() - t0)
+        return round(amount / statistics.median(timings), 1)
+
+    x, y, big = np.linspace(-4, 4, 65_536, dtype=np.float32), np.empty(65_536, np.float32), np.ones(1 << 21, np.float32)
+    big.sum()
+    return {"exp_mps": rate(lambda: [np.exp(x, out=y) for _ in range(20)], 20 * 65_536 / 1e6),
+            "l3_gbps": rate(lambda: [big.sum() for _ in range(4)], 4 * big.nbytes / 1e9)}

@@ -42,6 +42,10 @@ def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_p
             assert low <= cell["p50_ms"] <= high
             # where the time goes: no stage is negative
             assert list(cell["stages_mean_ms"]) == list(STAGES) and min(cell["stages_mean_ms"].values()) >= 0
+            # how fast the host ran as the cell started, one probe per run
+            assert [set(p) for p in cell["host_probe_runs"]] == [{"exp_mps", "l3_gbps"}]
+            assert all(v > 0 for v in cell["host_probe_runs"][0].values())
+    assert "host probe as each cell started" in result.stdout
     assert set(report["ratios"]["continuous/static tokens_per_s"]) == {"1", "2"}
     assert set(report["ratios"]["continuous/static steady_tokens_per_s"]) == {"1", "2"}
     assert report["baseline_onnx_translator_batch1"]["p50_ms"] > 0
