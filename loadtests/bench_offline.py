@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from nmtserve.errors import NmtserveError
-from nmtserve.loadtests.machine import describe, host_probe, machine_info, usable_cores
+from nmtserve.loadtests.machine import PROBES, describe, host_probe, machine_info, usable_cores
 from nmtserve.search import DecodingOptions
 
 BATCH_SIZES = (1, 8, 32, 64)
@@ -347,13 +347,9 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences:
     paired_ratios = {f"{ours}/{theirs}": {b: _stats([o / t for o, t in zip(per_run(ours, b), per_run(theirs, b))], 3)
                                           for b in batches} for ours, theirs in pairs}
     reference = next(e for e in ("pytorch", "transformers", "ort_fp32", *cfg.engines) if e in cfg.engines)
-    agreement, modules, batch_independent, peak_rss, output_tokens, probes, probe_runs = {}, {}, {}, {}, {}, {}, {}
+    agreement, modules, batch_independent, peak_rss, output_tokens, probe_runs = {}, {}, {}, {}, {}, {}
     for (engine, inter, t), measured in runs.items():
         probe_runs.setdefault(engine, {})[layout_name(inter, t)] = [m["host_probe"] for m in measured]  # [before, after]
-        for m in measured:
-            for probe in m["host_probe"]:
-                for name, value in probe.items():
-                    probes.setdefault(engine, {}).setdefault(name, []).append(value)
         modules.setdefault(engine, set()).update(*(m["modules_loaded"] for m in measured))
         peak_rss[engine] = max(peak_rss.get(engine, 0), *(m["peak_rss_mb"] for m in measured))
         output_tokens[engine] = round(measured[0]["tokens"][batches[-1]] / n_sentences, 2)
@@ -373,7 +369,8 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences:
             "token_agreement": agreement,
             "peak_rss_mb": peak_rss, "mean_output_tokens": output_tokens,
             "same_output_at_every_batch_size": batch_independent,
-            "host_probe": {e: {name: _stats(v) for name, v in by_name.items()} for e, by_name in probes.items()},
+            "host_probe": {e: {name: _stats([p[name] for runs in by_layout.values() for pair in runs for p in pair])
+                               for name in PROBES} for e, by_layout in probe_runs.items()},
             "host_probe_runs": probe_runs,
             "worker_modules_loaded": {e: sorted(m) for e, m in modules.items()}}
 
@@ -408,7 +405,7 @@ def format_table(report: dict) -> str:
         lines.append(f"{name}: {share:.1%}")
     lines.append("peak RSS (MB): " + ", ".join(f"{e} {mb:,.0f}" for e, mb in report["peak_rss_mb"].items()))
     lines.append("output tokens per sentence: " + ", ".join(f"{e} {n:.1f}" for e, n in report["mean_output_tokens"].items()))
-    for name, what in (("exp_mps", "exp in L2, M values/s"), ("l3_gbps", "sum over 8 MB, GB/s")):
+    for name, what in PROBES.items():
         lines.append(f"host probe ({what}; one core, before and after each measurement), median [min–max]: " + ", ".join(
             f"{e} {p[name]['median']:,.1f} [{p[name]['min']:,.1f}–{p[name]['max']:,.1f}]"
             for e, p in report["host_probe"].items()))

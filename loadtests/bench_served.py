@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nmtserve.loadtests.machine import describe, host_probe, machine_info
+from nmtserve.loadtests.machine import PROBES, describe, host_probe, machine_info
 from nmtserve.loadtests.workload import ServerProcess, default_sentence_file, draw_decoding, mixed, read_sentences
 
 MODES = ("continuous", "static")
@@ -256,9 +256,8 @@ def format_table(report: dict) -> str:
         for c, r in by_c.items():
             lines.append(f"{mode:<11}{c:>8}  " + "  ".join(f"{r['stages_mean_ms'][name]:.2f}" for name in STAGES))
     probes = [p for by_c in report["results"].values() for r in by_c.values() for p in r["host_probe_runs"]]
-    lines.append("host probe as each cell started (one core: exp in L2, M values/s; sum over 8 MB, GB/s), min–max: "
-                 + "; ".join(f"{min(p[k] for p in probes):,.1f}–{max(p[k] for p in probes):,.1f}"
-                             for k in ("exp_mps", "l3_gbps")))
+    lines.append("host probe as each cell started (one core), min–max: " + "; ".join(
+        f"{what} {min(p[k] for p in probes):,.1f}–{max(p[k] for p in probes):,.1f}" for k, what in PROBES.items()))
     b = report["baseline_onnx_translator_batch1"]
     if b:
         lines.append(f"OnnxTranslator batch 1: p50 {b['p50_ms']:.1f} ms, p90 {b['p90_ms']:.1f} ms, {b['tokens_per_s']:.0f} tok/s")

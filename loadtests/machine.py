@@ -67,6 +67,9 @@ def describe(info: dict) -> str:
             f"Python {info['python']}; {versions}")
 
 
+PROBES = {"exp_mps": "exp in L2, M values/s", "l3_gbps": "sum over 8 MB, GB/s"}  # host_probe's figures, described
+
+
 def host_probe() -> dict:
     """How fast one core of the host runs right now, with numpy (one thread whatever the engine's), the
     median of 7 timings each: `exp_mps`, exp over 65,536 float32 values in L2 (millions a second: the
