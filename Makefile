@@ -20,7 +20,7 @@ install: $(VENV)/.installed
 
 # system tools the tests use, from Debian's prometheus package: promtool lints the /metrics page and
 # the prometheus server runs the Grafana dashboard's queries; openssl makes the TLS tests' certificates;
-# g++ builds the attention kernel
+# g++ builds the decoding kernels
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 tools:
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v openssl >/dev/null \
@@ -29,11 +29,11 @@ tools:
 	  $(SUDO) apt-get update -q && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus openssl g++; }
 
-# nmtserve's decoding-attention kernel for ONNX Runtime's CPU provider (export/runtime/kernels.py): built
+# nmtserve's decoding kernels for ONNX Runtime's CPU provider (export/runtime/kernels.py): built
 # here with ONNX Runtime's C API headers (Debian's libonnxruntime-dev, downloaded once, not installed)
-KERNEL := export/runtime/native/libnmtserve_attention.so
+KERNEL := export/runtime/native/libnmtserve_kernels.so
 kernels: $(KERNEL)
-$(KERNEL): export/runtime/attention.cc export/runtime/kernels.py | install tools
+$(KERNEL): export/runtime/kernels.cc export/runtime/kernels.py | install tools
 	$(PY) -m nmtserve.export.runtime.kernels
 
 # pip finds the pinned CPU torch wheel through the machine's pip configuration (find-links)

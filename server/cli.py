@@ -16,8 +16,8 @@ HELPS = {"models": "TOML file of the models to serve: bundle, id, variant, devic
                           "of its own with its own --max-running-rows and --max-waiting (2 × 1 thread beat 1 × 2 "
                           "under load on a CPU); 1 on cuda",
          "io_binding": "auto, on or off: keep K/V caches on the device between steps (auto: on for cuda)",
-         "attention_kernel": "auto, on or off: nmtserve's decoding-attention kernel in place of ONNX Runtime's (auto: "
-                             "on a CPU when built: make kernels)",
+         "attention_kernel": "auto, on or off: nmtserve's decoding kernels (attention, search head) in place of ONNX "
+                             "Runtime's nodes (auto: on a CPU when built: make kernels)",
          "max_running_rows": "rows in each model's running decoder batch (a beam search takes beam_size rows)",
          "admit_rows": "continuous batching: newcomers join a running batch once this many rows are free (at most 1/8 of --max-running-rows) …",
          "admit_steps": "… or once the oldest of them has waited this many decoder steps",

@@ -1,18 +1,22 @@
-"""nmtserve's decoding-attention kernel for ONNX Runtime's CPU provider (attention.cc): its build, the
-library, and the step-graph rewrite that uses it.
+"""nmtserve's decoding kernels for ONNX Runtime's CPU provider (kernels.cc): their build, the library,
+and the step-graph rewrite that uses them.
 
 A decoder step attends with one query per row and head. ONNX Runtime's GroupQueryAttention and
 MultiHeadAttention make two MLAS calls per row and head for a few thousand multiply-adds; the custom
 ops `nmtserve.DecodeSelfAttention` (the self-attention, writing the new K/V into the cache in place as
 GroupQueryAttention does) and `nmtserve.DecodeCrossAttention` (offline steps: each source's queries
 over its one copy of the cross K/V, as `with_shared_cross`'s MultiHeadAttention) do each row and head in
-one loop (README, "A kernel of our own").
+one loop (docs/performance.md, "A kernel of our own"). `nmtserve.SearchHead` takes the place of the
+step's search head (`with_search_head`: an If of LogSoftmax then TopK, or ArgMax without scores): each
+row's K best logits in one pass, and their log-softmax from one sum of exponentials, without writing
+the log-probabilities of the whole vocabulary (docs/performance.md, "The search head in one pass").
 
 The library is built on the machine that runs it, by `python -m nmtserve.export.runtime.kernels` (`make
 kernels`; `make test` runs it), with a C++ compiler and ONNX Runtime's C API headers: the system's
 (/usr/include/onnxruntime) or else those of Debian's libonnxruntime-dev, downloaded once from the Debian
 archive (the onnxruntime wheel ships no header). Without the library, or on CUDA, the step keeps ONNX
-Runtime's attention nodes (`OnnxTranslator(attention_kernel=False)` asks for them)."""
+Runtime's nodes (`OnnxTranslator(attention_kernel=False)` asks for them: the name is older than the
+search head)."""
 
 from __future__ import annotations
 
@@ -31,9 +35,9 @@ from onnx import helper
 from nmtserve.errors import ConfigError
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "attention.cc"
+SOURCE = HERE / "kernels.cc"
 # built files go to a folder that is not a package: Python would take a .so beside the modules for one
-LIBRARY = HERE / "native" / "libnmtserve_attention.so"
+LIBRARY = HERE / "native" / "libnmtserve_kernels.so"
 HEADERS = HERE / "native" / "onnxruntime-headers"  # the downloaded package's headers, when the system has none
 SYSTEM_HEADERS = Path("/usr/include/onnxruntime")
 DEBIAN = "https://deb.debian.org/debian"
@@ -77,7 +81,7 @@ def _download_headers(dest: Path) -> None:
 
 
 def build(compiler: str = "g++") -> Path:
-    """Compile attention.cc into LIBRARY (replaced atomically) and return its path."""
+    """Compile kernels.cc into LIBRARY (replaced atomically) and return its path."""
     headers = header_dir()
     LIBRARY.parent.mkdir(exist_ok=True)
     partial = LIBRARY.with_suffix(".so.partial")
@@ -93,13 +97,14 @@ def available() -> bool:
     return LIBRARY.exists()
 
 
-def with_custom_attention(model: onnx.ModelProto) -> onnx.ModelProto:
+def with_custom_kernels(model: onnx.ModelProto) -> onnx.ModelProto:
     """The decoder-step graph (changed in place) with its GroupQueryAttention nodes (past K/V in, present
     K/V out, packed q, k and v: the self-attention, and the server step's cross-attention, whose "new"
-    key and value are the row's eos K/V written at its cross_slot) as nmtserve.DecodeSelfAttention, and
-    `with_shared_cross`'s MultiHeadAttention nodes as nmtserve.DecodeCrossAttention. A node with
-    attributes beyond the head counts (a scale, a soft cap, rotary embeddings…) keeps ONNX Runtime's
-    kernel."""
+    key and value are the row's eos K/V written at its cross_slot) as nmtserve.DecodeSelfAttention,
+    `with_shared_cross`'s MultiHeadAttention nodes as nmtserve.DecodeCrossAttention, and
+    `with_search_head`'s If as nmtserve.SearchHead. A node with attributes beyond the head counts (a
+    scale, a soft cap, rotary embeddings…), or a search head with more than LogSoftmax and TopK (an Add of
+    suppressed ids' -inf), keeps ONNX Runtime's nodes."""
     def heads_only(node: onnx.NodeProto) -> bool:
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         return set(attributes) <= {"num_heads", "kv_num_heads"} \
@@ -107,7 +112,11 @@ def with_custom_attention(model: onnx.ModelProto) -> onnx.ModelProto:
 
     nodes = []
     for node in model.graph.node:
-        if node.op_type == "GroupQueryAttention" and heads_only(node):
+        if node.op_type == "If" and list(node.input) == ["with_scores"] and _plain_search_head(node):
+            logits = next(helper.get_attribute_value(a) for a in node.attribute if a.name == "then_branch").node[0].input[0]
+            node = helper.make_node("SearchHead", [logits, "candidates", "with_scores"], list(node.output),
+                                    domain="nmtserve")
+        elif node.op_type == "GroupQueryAttention" and heads_only(node):
             node = helper.make_node("DecodeSelfAttention", [node.input[0], *node.input[3:6]], list(node.output),
                                     domain="nmtserve")
         elif node.op_type == "MultiHeadAttention" and heads_only(node):
@@ -118,6 +127,13 @@ def with_custom_attention(model: onnx.ModelProto) -> onnx.ModelProto:
     model.graph.node.extend(nodes)
     model.opset_import.append(helper.make_opsetid("nmtserve", 1))
     return model
+
+
+def _plain_search_head(node: onnx.NodeProto) -> bool:
+    """Whether an If is `with_search_head`'s over the logits alone: its scoring branch LogSoftmax then TopK
+    (a graph that adds suppressed ids' -inf after the log-softmax keeps ONNX Runtime's nodes)."""
+    branches = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return [n.op_type for n in branches["then_branch"].node] == ["LogSoftmax", "TopK"]
 
 
 if __name__ == "__main__":

@@ -323,7 +323,7 @@ class OnnxTranslator:
         if shared_cross:
             model = with_shared_cross(model, self.bundle.model["n_heads"], self.bundle.model["d_model"])
         if self.attention_kernel:
-            model = kernels.with_custom_attention(model)
+            model = kernels.with_custom_kernels(model)
         return model.SerializeToString()
 
     # -- the two graphs; K/V are stacked (L, B, H, T|S, Dh) here and fed one layer per input

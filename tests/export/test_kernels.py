@@ -1,4 +1,4 @@
-"""nmtserve's decoding-attention kernel (export/runtime/attention.cc, kernels.py): each op against a numpy
+"""nmtserve's decoding kernels (export/runtime/kernels.cc, kernels.py): each op against a numpy
 reference, the cache written in place, the step graph's nodes swapped, and whole searches equal to ONNX
 Runtime's own attention kernels. `make test` builds the library first (`make kernels`)."""
 
@@ -19,8 +19,10 @@ ROWS, HEADS, SLOTS, DIM = 3, 2, 8, 16
 
 
 def _session(node: onnx.NodeProto, inputs: list, outputs: list) -> ort.InferenceSession:
+    """One op; outputs: names of float outputs, or (name, type)."""
+    outputs = [o if isinstance(o, tuple) else (o, TensorProto.FLOAT) for o in outputs]
     graph = helper.make_graph([node], "op", [helper.make_tensor_value_info(n, t, None) for n, t in inputs],
-                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs])
+                              [helper.make_tensor_value_info(n, t, None) for n, t in outputs])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("nmtserve", 1)])
     options = session_options(1)
     options.register_custom_ops_library(str(kernels.LIBRARY))
@@ -90,6 +92,32 @@ def test_cross_attention_reads_each_sources_keys_up_to_its_length():
     assert not out[0].any() and np.isfinite(out).all()
 
 
+@pytest.mark.parametrize("k", [1, 3, 64, 65, 200])  # 65 and up: the partial sort's path (200: the whole vocabulary)
+def test_search_head_gives_each_rows_best_logits_in_order_with_their_log_softmax(k):
+    rng = np.random.default_rng(2)
+    vocab = 200  # three blocks of 64 and a tail of 8
+    logits = rng.standard_normal((4, vocab), dtype=np.float32)
+    logits[1, [5, 70, 150]] = logits[1].max() + 1  # equal best values: lower id first
+    logits[2, 130:] = -np.inf  # suppressed ids (a bias of -inf folded into the projection)
+    logits[3] = 0.5  # all equal
+    session = _session(helper.make_node("SearchHead", ["logits", "candidates", "with_scores"], ["scores", "ids"],
+                                        domain="nmtserve"),
+                       [("logits", TensorProto.FLOAT), ("candidates", TensorProto.INT64), ("with_scores", TensorProto.BOOL)],
+                       ["scores", ("ids", TensorProto.INT64)])
+    expected_ids = np.argsort(-logits, axis=1, kind="stable")[:, :k]  # ties: lower id first
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    for with_scores, expected in ((True, log_probs), (False, logits)):
+        scores, ids = session.run(None, {"logits": logits, "candidates": np.array([k], np.int64),
+                                         "with_scores": np.array(with_scores)})
+        assert ids.shape == scores.shape == (4, k) and ids.dtype == np.int64
+        assert np.array_equal(ids, expected_ids)
+        assert np.allclose(scores, np.take_along_axis(expected, ids, axis=1), atol=1e-5, rtol=0)
+    scores, ids = session.run(None, {"logits": logits, "candidates": np.array([vocab + 5], np.int64),
+                                     "with_scores": np.array(True)})
+    assert ids.shape == (4, vocab)  # at most the vocabulary
+
+
 def _ops(translator: OnnxTranslator) -> list[str]:
     decoder = onnx.load(str(translator.bundle.graph_path(translator.variant, "decoder")))
     return [n.op_type for n in onnx.load_from_string(translator._step_graph(decoder, translator.shared_cross)).graph.node]
@@ -102,12 +130,15 @@ def test_the_step_graph_swaps_ort_attention_for_the_kernels_on_a_cpu(tiny_bundle
     ops = _ops(offline)
     assert ops.count("DecodeSelfAttention") == ops.count("DecodeCrossAttention") == layers
     assert "GroupQueryAttention" not in ops and "MultiHeadAttention" not in ops
+    assert ops.count("SearchHead") == 1 and "If" not in ops  # the search head in one node
     # the server's step: its cross-attention over per-row copies (eos K/V written at the row's cross slot)
     # is a GroupQueryAttention like the self-attention, and becomes the same op
     ops = _ops(served)
     assert ops.count("DecodeSelfAttention") == 2 * layers and "GroupQueryAttention" not in ops
+    assert ops.count("SearchHead") == 1
     ops = _ops(OnnxTranslator(tiny_bundle, shared_cross=False, attention_kernel=False))
     assert ops.count("GroupQueryAttention") == 2 * layers and "DecodeSelfAttention" not in ops
+    assert "If" in ops and "SearchHead" not in ops
 
 
 def test_asking_for_the_kernel_where_it_cannot_run_is_a_config_error(tiny_bundle, monkeypatch):
@@ -120,13 +151,19 @@ def test_asking_for_the_kernel_where_it_cannot_run_is_a_config_error(tiny_bundle
 
 
 @pytest.mark.parametrize("shared_cross", [True, False], ids=["offline", "server-step"])
-def test_searches_with_the_kernel_give_the_tokens_and_scores_of_ort_attention(tiny_bundle, tiny_corpus, shared_cross):
+def test_searches_with_the_kernels_give_the_tokens_and_scores_of_ort_nodes(tiny_bundle, tiny_corpus, shared_cross):
     texts = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
     ours, theirs = (OnnxTranslator(tiny_bundle, variant=TEST_VARIANT if TEST_VARIANT != "fp16" else "fp32",
                                    shared_cross=shared_cross, attention_kernel=kernel) for kernel in (True, False))
-    for options in (DecodingOptions(), DecodingOptions(beam_size=4, num_hypotheses=2)):
-        sources = [ours.tokenizer.encode(t) for t in texts]
+    sources = [ours.tokenizer.encode(t) for t in texts]
+    for options, scores in ((DecodingOptions(), True), (DecodingOptions(), False),
+                            (DecodingOptions(beam_size=4, num_hypotheses=2), True),
+                            (DecodingOptions(sampling_topk=0, seed=7), True)):  # 0: the whole vocabulary
         for batch in (1, 8):
-            a, b = (tr.search_ids(sources, options, max_batch_size=batch) for tr in (ours, theirs))
+            a, b = (tr.search_ids(sources, options, max_batch_size=batch, scores=scores) for tr in (ours, theirs))
             assert [[h.tokens for h in x] for x in a] == [[h.tokens for h in x] for x in b]
-            assert max(abs(h.score - g.score) for x, y in zip(a, b) for h, g in zip(x, y)) < TEST_SCORE_TOLERANCE
+            pairs = np.array([(h.score, g.score) for x, y in zip(a, b) for h, g in zip(x, y)])
+            if scores:
+                assert np.abs(pairs[:, 0] - pairs[:, 1]).max() < TEST_SCORE_TOLERANCE
+            else:  # greedy without scores scores nothing
+                assert np.isnan(pairs).all()

@@ -73,17 +73,23 @@ def test_translate_batch_is_independent_of_batching_and_returns_scores(tiny_bund
     assert all(t.score <= 0 for t in one) and tr.translate_batch(texts[:1])[0].score is None
 
 
+@pytest.mark.parametrize("kernels", [False, True], ids=["ort-nodes", "search-head-kernel"])
 def test_a_step_without_scores_gives_the_best_token_and_its_value_before_the_log_softmax(
-        tiny_bundle, tiny_checkpoint, tiny_corpus, monkeypatch):
+        tiny_bundle, tiny_checkpoint, tiny_corpus, monkeypatch, kernels):
     """The step's search head (with_search_head): scored, each row's candidates are log-probabilities
     (TopK of the log-softmax); unscored, the If skips the log-softmax and gives each row's best token
-    (ArgMax) with its value before the log-softmax: PyTorch's logit for that token."""
-    tr = OnnxTranslator(tiny_bundle)
+    (ArgMax) with its value before the log-softmax: PyTorch's logit for that token. The same from
+    nmtserve.SearchHead, which takes the If's place where nmtserve's kernels are built."""
+    tr = OnnxTranslator(tiny_bundle, attention_kernel=kernels)
     decoder = onnx.load(str(tr.bundle.graph_path("fp32", "decoder")))
-    [head] = [n for n in onnx.load_from_string(tr._step_graph(decoder, True)).graph.node if n.op_type == "If"]
-    branches = {a.name: [n.op_type for n in a.g.node] for a in head.attribute}
-    assert branches["then_branch"].count("LogSoftmax") == 1 and "TopK" in branches["then_branch"]
-    assert "LogSoftmax" not in branches["else_branch"] and "ArgMax" in branches["else_branch"]
+    nodes = onnx.load_from_string(tr._step_graph(decoder, True)).graph.node
+    if kernels:
+        assert [n.op_type for n in nodes].count("SearchHead") == 1
+    else:
+        [head] = [n for n in nodes if n.op_type == "If"]
+        branches = {a.name: [n.op_type for n in a.g.node] for a in head.attribute}
+        assert branches["then_branch"].count("LogSoftmax") == 1 and "TopK" in branches["then_branch"]
+        assert "LogSoftmax" not in branches["else_branch"] and "ArgMax" in branches["else_branch"]
     model = load_model(tiny_checkpoint).model.eval()
     monkeypatch.setattr(model, "_log_probs", lambda x: model.embed.logits(x).float())  # decode() gives logits
     sources = [tr.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs[:6]]

@@ -1,7 +1,8 @@
-// nmtserve's decoding attention for ONNX Runtime's CPU provider: one query per row and head, as a
-// decoder step has. ONNX Runtime's GroupQueryAttention and MultiHeadAttention make two MLAS calls per
+// nmtserve's decoding kernels for ONNX Runtime's CPU provider. Attention with one query per row and head,
+// as a decoder step has: ONNX Runtime's GroupQueryAttention and MultiHeadAttention make two MLAS calls per
 // row and head for a few thousand multiply-adds; here each row and head is one plain loop over its
-// keys, vectorised by the compiler over the head dimension (README, "A kernel of our own").
+// keys, vectorised by the compiler over the head dimension (docs/performance.md, "A kernel of our own").
+// And the step's search head: each row's best candidates and their log-softmax in one pass.
 // Built by export/runtime/kernels.py against ONNX Runtime's C API header; loaded with
 // SessionOptions.register_custom_ops_library; the step graph's nodes are swapped at load time.
 #define ORT_API_MANUAL_INIT
@@ -146,6 +147,100 @@ void DecodeCrossAttention(OrtKernelContext* context, const Ort::Custom::Tensor<f
   Ort::KernelContext(context).ParallelFor(cross_row_head, sources * width * heads, 0, &w);
 }
 
+
+// One row of SearchHead: its k best values (k <= n), best first, ties by lower index, by insertion into a
+// sorted list. A block of 64 values whose maximum does not beat the k-th best is passed over after eight
+// vector maxima (GCC's vector extension: AVX2 in the x86-64-v3 clone); many (k > 64, sampling from the whole
+// vocabulary) by a partial sort of the indices.
+typedef float Floats8 __attribute__((vector_size(32)));
+
+inline float block_max(const float* x) {  // of x[0..63]
+  Floats8 top, v;
+  std::memcpy(&top, x, sizeof top);
+  for (int i = 8; i < 64; i += 8) {
+    std::memcpy(&v, x + i, sizeof v);
+    top = v > top ? v : top;
+  }
+  float best = top[0];
+  for (int i = 1; i < 8; i++) best = top[i] > best ? top[i] : best;
+  return best;
+}
+
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+void best_of_row(const float* x, int64_t n, int64_t k, float* values, int64_t* ids) {
+  if (k > 64) {
+    std::vector<int64_t> order(n);
+    for (int64_t i = 0; i < n; i++) order[i] = i;
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [x](int64_t a, int64_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); });
+    for (int64_t j = 0; j < k; j++) values[j] = x[ids[j] = order[j]];
+    return;
+  }
+  int64_t m = 0;
+  float least = -INFINITY;  // the k-th best so far, once there are k
+  for (int64_t start = 0; start < n; start += 64) {
+    const int64_t stop = std::min(n, start + 64);
+    if (m == k && stop - start == 64 && !(block_max(x + start) > least)) continue;
+    for (int64_t i = start; i < stop; i++) {
+      const float xi = x[i];
+      if (m == k) {
+        if (!(xi > least)) continue;
+        m--;
+      }
+      int64_t j = m++;
+      for (; j > 0 && xi > values[j - 1]; j--) {
+        values[j] = values[j - 1];
+        ids[j] = ids[j - 1];
+      }
+      values[j] = xi;
+      ids[j] = i;
+      least = values[m - 1];
+    }
+  }
+}
+
+// log(sum(exp(x - top))) over a row, top its maximum. Cloned for AVX2 + FMA, picked when the library loads.
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+float log_sum_exp_below(const float* x, int64_t n, float top) {
+  float total = 0.f;
+  for (int64_t i = 0; i < n; i++) total += exp_nonpositive(x[i] - top);
+  return std::log(total);
+}
+
+struct HeadWork {
+  const float* logits;
+  float* values;
+  int64_t* ids;
+  int64_t vocab, k;
+  bool scores;
+};
+
+void head_row(void* data, size_t row) {
+  const auto& w = *static_cast<HeadWork*>(data);
+  const float* x = w.logits + row * w.vocab;
+  float* values = w.values + row * w.k;
+  best_of_row(x, w.vocab, w.k, values, w.ids + row * w.k);
+  if (w.scores) {
+    const float shift = values[0] + log_sum_exp_below(x, w.vocab, values[0]);
+    for (int64_t j = 0; j < w.k; j++) values[j] -= shift;
+  }
+}
+
+// The step's search head (OnnxTranslator's with_search_head: LogSoftmax then TopK, or without scores the
+// best by the values before it) in one pass over each row's logits (B, V): candidate_scores and
+// candidate_ids (B, K), K = min(candidates, V), best first, ties by lower id; with_scores: log-softmax
+// values (logit - max - log(sum(exp(logit - max)))), else the logits themselves.
+void SearchHead(OrtKernelContext* context, const Ort::Custom::Tensor<float>& logits,
+                const Ort::Custom::Tensor<int64_t>& candidates, const Ort::Custom::Tensor<bool>& with_scores,
+                Ort::Custom::Tensor<float>& candidate_scores, Ort::Custom::Tensor<int64_t>& candidate_ids) {
+  const std::vector<int64_t> shape = logits.Shape();
+  const int64_t rows = shape[0], vocab = shape[1];
+  const int64_t k = std::max<int64_t>(0, std::min(candidates.Data()[0], vocab));
+  HeadWork w{logits.Data(), candidate_scores.Allocate({rows, k}), candidate_ids.Allocate({rows, k}), vocab, k,
+             with_scores.Data()[0]};
+  if (k > 0) Ort::KernelContext(context).ParallelFor(head_row, rows, 0, &w);
+}
+
 }  // namespace
 
 extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
@@ -157,7 +252,9 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
       Ort::Custom::CreateLiteCustomOp("DecodeSelfAttention", "CPUExecutionProvider", DecodeSelfAttention)};
   static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> cross_op{
       Ort::Custom::CreateLiteCustomOp("DecodeCrossAttention", "CPUExecutionProvider", DecodeCrossAttention)};
-  static const bool added = (domain.Add(self_op.get()), domain.Add(cross_op.get()), true);
+  static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> head_op{
+      Ort::Custom::CreateLiteCustomOp("SearchHead", "CPUExecutionProvider", SearchHead)};
+  static const bool added = (domain.Add(self_op.get()), domain.Add(cross_op.get()), domain.Add(head_op.get()), true);
   (void)added;
   Ort::UnownedSessionOptions(options).Add(domain);
   return nullptr;
