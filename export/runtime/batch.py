@@ -19,6 +19,13 @@ that stays in the batch for longer than the position table is still a valid inpu
 source's tensors (cross_k, cross_v, cross_eos, src_mask, cross_slot: B / width rows); the engine's
 states have width 1 (a beam's rows each hold a copy: `gather`).
 
+A state with `origin` (B, capacity) int32 (OnnxTranslator's offline states, on the kernels'
+DecodeBeamSelfAttention) keeps slot t of row b's history in row origin[b, t]'s cache: a beam row that
+continues another row's hypothesis (`choose`) copies that row's origin, not its cache. Every slot is
+written once, by the row that owns it (origin[b, t] = b for every slot b has not filled yet), and a
+source's rows point only at each other, so a source's rows move together (`compact`) with their origins
+shifted alike. States without it (the engine's, and ONNX Runtime's attention) copy the cache rows.
+
 k, v, cross_k, cross_v and cross_eos live where `ops` keeps them (export/runtime/tensors.py): numpy
 arrays on the host, or OrtValues on the GPU; the small per-row arrays are always numpy on the host.
 """
@@ -46,6 +53,7 @@ class BatchState:
     ops: object = field(default=HostTensors)  # HostTensors or a DeviceTensors
     width: int = 1  # rows per source: cross_k, cross_v, cross_eos, src_mask and cross_slot hold one row per
     # `width` rows (a widened beam's, OnnxTranslator's offline search); 1 for every state the engine holds
+    origin: np.ndarray | None = None  # (B, capacity) int32: the row holding each slot of each row (above)
     cross_slot: np.ndarray = field(init=False)  # (B / width,) int32, each source's last slot: from src_mask
 
     def __post_init__(self):
@@ -54,12 +62,13 @@ class BatchState:
 
     @classmethod
     def from_encoded(cls, cross_k, cross_v, cross_eos, src_mask: np.ndarray, bos_id: int, capacity: int = 32,
-                     ops=HostTensors) -> BatchState:
-        """Fresh rows (no step taken yet) from the encoder's outputs."""
+                     ops=HostTensors, origin: bool = False) -> BatchState:
+        """Fresh rows (no step taken yet) from the encoder's outputs; origin: with `origin` (above)."""
         n_layers, batch, heads, _, head_dim = ops.shape(cross_k)
         shape, dtype = (n_layers, batch, heads, capacity, head_dim), ops.dtype(cross_k)
         return cls(ops.zeros(shape, dtype), ops.zeros(shape, dtype), cross_k, cross_v, cross_eos, src_mask,
-                   np.zeros(batch, np.int64), np.full(batch, bos_id, np.int64), np.zeros(batch, bool), ops)
+                   np.zeros(batch, np.int64), np.full(batch, bos_id, np.int64), np.zeros(batch, bool), ops,
+                   origin=own_slots(batch, capacity) if origin else None)
 
     @property
     def size(self) -> int:
@@ -81,6 +90,7 @@ class BatchState:
 
     def concatenate(self, other: BatchState) -> BatchState:
         """Rows of self, then rows of other, each with its own slots."""
+        assert self.origin is None and other.origin is None
         ops = self.ops
         capacity = max(self.capacity, other.capacity)
         src_len = max(self.src_mask.shape[1], other.src_mask.shape[1])
@@ -101,8 +111,10 @@ class BatchState:
     def open_slot(self) -> None:
         """Before a step: room for every row's next slot (the cache doubles when full)."""
         if self.length >= self.capacity:
-            grow = 2 * self.capacity
+            had, grow = self.capacity, 2 * self.capacity
             self.k, self.v = self.ops.pad(self.k, 3, grow), self.ops.pad(self.v, 3, grow)
+            if self.origin is not None:
+                self.origin = np.concatenate([self.origin, own_slots(self.size, grow)[:, had:]], axis=1)
 
     def advance(self) -> None:
         """After a step: every row but the holes has its K/V in its next slot and moves on.
@@ -116,10 +128,12 @@ class BatchState:
         """The token each row feeds next; with `parents`, row i continues the hypothesis of row
         parents[i] (beam search): its self-attention cache is copied from there. Only rows of one
         request may be parents of each other (they share source, position and cache slots, so nothing
-        else moves), and only the rows whose parent is another row are written."""
+        else moves), and only the rows whose parent is another row are written (with `origin`, their origins)."""
         if parents is not None:
             moved = np.nonzero(parents != np.arange(self.size))[0]
-            if len(moved):
+            if len(moved) and self.origin is not None:
+                self.origin[moved, :self.length] = self.origin[parents[moved], :self.length]
+            elif len(moved):
                 ops, origin = self.ops, parents[moved]
                 self.k = ops.copy_rows(self.k, moved, origin, self.length)
                 self.v = ops.copy_rows(self.v, moved, origin, self.length)
@@ -143,9 +157,12 @@ class BatchState:
             return ops.slice(x, 3, 0, src_len) if src_len < self.src_mask.shape[1] else x
 
         eos = ops.take(self.cross_eos, sources, 1) if len(sources) < len(kept) else self.cross_eos
+        origin = None  # a kept row's new index for each old one: a source's rows point only at each other
+        if self.origin is not None:
+            origin = (np.cumsum(keep) - 1).astype(np.int32)[self.origin[keep]]
         return BatchState(cache(self.k), cache(self.v), cross(self.cross_k), cross(self.cross_v), eos,
                           np.ascontiguousarray(self.src_mask[kept, :src_len]), self.positions[keep], self.tokens[keep],
-                          self.hole[keep], ops, self.width)
+                          self.hole[keep], ops, self.width, origin)
 
     def _kept_sources(self, keep: np.ndarray) -> np.ndarray:
         """Which sources a row mask keeps (a widened state's rows of one source go together)."""
@@ -176,15 +193,16 @@ class BatchState:
             dst, src = rows(holes), rows(movers)
             k, v = ops.copy_rows(k, dst, src, self.length), ops.copy_rows(v, dst, src, self.length)
             cross_k, cross_v, eos = (ops.copy_rows(x, holes, movers, None) for x in (cross_k, cross_v, eos))
+        origin = None if self.origin is None else self.origin[order] + (np.arange(len(order)) - order)[:, None].astype(np.int32)
         return BatchState(ops.head(k, n * width), ops.head(v, n * width), ops.head(cross_k, n), ops.head(cross_v, n),
                           ops.head(eos, n), self.src_mask[sources], self.positions[order], self.tokens[order],
-                          self.hole[order], ops, width), order
+                          self.hole[order], ops, width, origin), order
 
     def gather(self, rows: np.ndarray) -> BatchState:
         """A new state of the given rows (indices, repeats allowed) in that order, with every slot, each
         with its own copy of its source's cross K/V: how a request with a beam of k rows joins the
         engine's batch from its one encoded row."""
-        assert self.width == 1
+        assert self.width == 1 and self.origin is None
         ops, length = self.ops, self.length
         return BatchState(ops.take_slots(self.k, rows, length), ops.take_slots(self.v, rows, length),
                           ops.take(self.cross_k, rows, 1),
@@ -199,7 +217,7 @@ class BatchState:
         return BatchState(ops.take_slots(self.k, rows, length), ops.take_slots(self.v, rows, length), self.cross_k,
                           self.cross_v,
                           self.cross_eos, self.src_mask, self.positions[rows], self.tokens[rows], self.hole[rows], ops,
-                          width)
+                          width, None if self.origin is None else own_slots(len(rows), self.capacity))
 
     def take(self, rows: np.ndarray) -> BatchState:
         """A new state of the given rows (indices), in that order."""
@@ -210,13 +228,14 @@ class BatchState:
 
     def free(self, rows: list[int]) -> None:
         """Rows become holes: they stop advancing and their slots stop counting (a hole's output is ignored)."""
+        assert self.origin is None
         self.hole[rows] = True
         self.holes = True
         self.positions[rows] = 0
 
     def insert(self, rows: list[int], fresh: BatchState) -> None:
         """Fresh rows (no step taken yet) into holes; they write their first K/V at their slot 0."""
-        assert fresh.length == 0 and len(rows) == fresh.size
+        assert fresh.length == 0 and len(rows) == fresh.size and self.origin is None
         ops = self.ops
         src_len = fresh.src_mask.shape[1]
         if src_len > self.src_mask.shape[1]:  # a longer source than any so far: widen (a copy, rare)
@@ -236,9 +255,15 @@ class BatchState:
 
     def trim(self, min_slots: int = 32) -> None:
         """Drop the cache slots no row reaches once they are over half the cache (amortised copy)."""
+        assert self.origin is None
         keep = max(min_slots, 2 * (self.length + 1))
         if self.capacity > keep:
             self.k, self.v = self.ops.slice(self.k, 3, 0, keep), self.ops.slice(self.v, 3, 0, keep)
+
+
+def own_slots(rows: int, capacity: int) -> np.ndarray:
+    """An origin (B, capacity) int32 in which every row holds its own slots."""
+    return np.repeat(np.arange(rows, dtype=np.int32)[:, None], capacity, axis=1)
 
 
 def eos_of(cross_k: np.ndarray, cross_v: np.ndarray, src_mask: np.ndarray) -> np.ndarray:

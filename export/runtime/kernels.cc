@@ -37,9 +37,12 @@ inline float exp_nonpositive(float x) {
 }
 
 // Softmax-weighted sum over the first n keys and values (rows of d floats) for one query of d floats,
-// scaled by 1/sqrt(d). p: room for n scores. Cloned for AVX2 + FMA, picked when the library loads.
+// scaled by 1/sqrt(d). p: room for n scores. With `from` (DecodeBeamSelfAttention), key and value t are
+// those of row from[t], `row_stride` floats per row away from this one's (row `self`). Cloned for AVX2 +
+// FMA, picked when the library loads.
 __attribute__((target_clones("arch=x86-64-v3", "default")))
-void attend(const float* q, const float* k, const float* v, int64_t n, int64_t d, float* p, float* out) {
+void attend(const float* q, const float* k, const float* v, int64_t n, int64_t d, float* p, float* out,
+            const int32_t* from = nullptr, int64_t self = 0, int64_t row_stride = 0) {
   if (n <= 0) {  // nothing to attend to (a source of no token): zeros, not 0 / 0
     for (int64_t i = 0; i < d; i++) out[i] = 0.f;
     return;
@@ -47,7 +50,7 @@ void attend(const float* q, const float* k, const float* v, int64_t n, int64_t d
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   float best = -INFINITY;
   for (int64_t t = 0; t < n; t++) {
-    const float* kt = k + t * d;
+    const float* kt = k + t * d + (from ? (from[t] - self) * row_stride : 0);
     float s = 0.f;
     for (int64_t i = 0; i < d; i++) s += q[i] * kt[i];
     p[t] = s * scale;
@@ -59,7 +62,7 @@ void attend(const float* q, const float* k, const float* v, int64_t n, int64_t d
   for (int64_t i = 0; i < d; i++) out[i] = 0.f;
   for (int64_t t = 0; t < n; t++) {
     const float w = p[t] / total;
-    const float* vt = v + t * d;
+    const float* vt = v + t * d + (from ? (from[t] - self) * row_stride : 0);
     for (int64_t i = 0; i < d; i++) out[i] += w * vt[i];
   }
 }
@@ -80,6 +83,7 @@ struct SelfWork {
   float *k, *v, *out;
   const int32_t* filled;
   int64_t heads, slots, dim;
+  const int32_t* origin;  // (B, slots) or null: DecodeBeamSelfAttention's
 };
 
 // One row and head of DecodeSelfAttention: its new key and value into the slot after its filled ones,
@@ -99,24 +103,44 @@ void self_row_head(void* data, size_t item) {
   std::memcpy(k + slot * w.dim, row + (w.heads + h) * w.dim, sizeof(float) * w.dim);
   std::memcpy(v + slot * w.dim, row + (2 * w.heads + h) * w.dim, sizeof(float) * w.dim);
   Scores p(slot + 1);
-  attend(row + h * w.dim, k, v, slot + 1, w.dim, p.data(), out);
+  attend(row + h * w.dim, k, v, slot + 1, w.dim, p.data(), out, w.origin ? w.origin + b * w.slots : nullptr, b,
+         w.heads * w.slots * w.dim);
 }
 
 // GroupQueryAttention's decoding case as nmtserve's graphs use it: qkv (B, 1, 3·H·Dh) packed, the
 // caches (B, H, C, Dh), filled (B,) int32 (GroupQueryAttention's seqlens_k). present_k/v are the caches
 // written in place when bound to the same buffers (the runtime binds them so), else a copy.
-void DecodeSelfAttention(OrtKernelContext* context, const Ort::Custom::Tensor<float>& qkv,
-                         const Ort::Custom::Tensor<float>& past_k, const Ort::Custom::Tensor<float>& past_v,
-                         const Ort::Custom::Tensor<int32_t>& filled, Ort::Custom::Tensor<float>& out,
-                         Ort::Custom::Tensor<float>& present_k, Ort::Custom::Tensor<float>& present_v) {
+void self_attention(OrtKernelContext* context, const Ort::Custom::Tensor<float>& qkv,
+                    const Ort::Custom::Tensor<float>& past_k, const Ort::Custom::Tensor<float>& past_v,
+                    const Ort::Custom::Tensor<int32_t>& filled, const int32_t* origin, Ort::Custom::Tensor<float>& out,
+                    Ort::Custom::Tensor<float>& present_k, Ort::Custom::Tensor<float>& present_v) {
   const std::vector<int64_t> shape = past_k.Shape();
   const int64_t rows = shape[0], heads = shape[1], slots = shape[2], dim = shape[3];
   SelfWork w{qkv.Data(), present_k.Allocate(shape), present_v.Allocate(shape),
-             out.Allocate({rows, 1, heads * dim}), filled.Data(), heads, slots, dim};
+             out.Allocate({rows, 1, heads * dim}), filled.Data(), heads, slots, dim, origin};
   const size_t bytes = sizeof(float) * rows * heads * slots * dim;
   if (w.k != past_k.Data()) std::memcpy(w.k, past_k.Data(), bytes);
   if (w.v != past_v.Data()) std::memcpy(w.v, past_v.Data(), bytes);
   Ort::KernelContext(context).ParallelFor(self_row_head, rows * heads, 0, &w);
+}
+
+void DecodeSelfAttention(OrtKernelContext* context, const Ort::Custom::Tensor<float>& qkv,
+                         const Ort::Custom::Tensor<float>& past_k, const Ort::Custom::Tensor<float>& past_v,
+                         const Ort::Custom::Tensor<int32_t>& filled, Ort::Custom::Tensor<float>& out,
+                         Ort::Custom::Tensor<float>& present_k, Ort::Custom::Tensor<float>& present_v) {
+  self_attention(context, qkv, past_k, past_v, filled, nullptr, out, present_k, present_v);
+}
+
+// DecodeSelfAttention whose slots may lie in other rows: origin (B, slots) int32, the row whose cache holds
+// slot t of row b's history (a beam's rows share the slots of their common past, so choosing a parent
+// row copies a row of origin, not of the cache: OnnxTranslator's offline step). Slot filled[b], written
+// by the step, is row b's own (origin[b, filled[b]] = b).
+void DecodeBeamSelfAttention(OrtKernelContext* context, const Ort::Custom::Tensor<float>& qkv,
+                             const Ort::Custom::Tensor<float>& past_k, const Ort::Custom::Tensor<float>& past_v,
+                             const Ort::Custom::Tensor<int32_t>& filled, const Ort::Custom::Tensor<int32_t>& origin,
+                             Ort::Custom::Tensor<float>& out, Ort::Custom::Tensor<float>& present_k,
+                             Ort::Custom::Tensor<float>& present_v) {
+  self_attention(context, qkv, past_k, past_v, filled, origin.Data(), out, present_k, present_v);
 }
 
 struct CrossWork {
@@ -252,9 +276,12 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
       Ort::Custom::CreateLiteCustomOp("DecodeSelfAttention", "CPUExecutionProvider", DecodeSelfAttention)};
   static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> cross_op{
       Ort::Custom::CreateLiteCustomOp("DecodeCrossAttention", "CPUExecutionProvider", DecodeCrossAttention)};
+  static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> beam_op{
+      Ort::Custom::CreateLiteCustomOp("DecodeBeamSelfAttention", "CPUExecutionProvider", DecodeBeamSelfAttention)};
   static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> head_op{
       Ort::Custom::CreateLiteCustomOp("SearchHead", "CPUExecutionProvider", SearchHead)};
-  static const bool added = (domain.Add(self_op.get()), domain.Add(cross_op.get()), domain.Add(head_op.get()), true);
+  static const bool added = (domain.Add(self_op.get()), domain.Add(cross_op.get()), domain.Add(beam_op.get()),
+                              domain.Add(head_op.get()), true);
   (void)added;
   Ort::UnownedSessionOptions(options).Add(domain);
   return nullptr;

@@ -6,7 +6,9 @@ MultiHeadAttention make two MLAS calls per row and head for a few thousand multi
 ops `nmtserve.DecodeSelfAttention` (the self-attention, writing the new K/V into the cache in place as
 GroupQueryAttention does) and `nmtserve.DecodeCrossAttention` (offline steps: each source's queries
 over its one copy of the cross K/V, as `with_shared_cross`'s MultiHeadAttention) do each row and head in
-one loop (docs/performance.md, "A kernel of our own"). `nmtserve.SearchHead` takes the place of the
+one loop (docs/performance.md, "A kernel of our own"); `nmtserve.DecodeBeamSelfAttention` is the
+self-attention of the offline step, each slot read from the row that wrote it (BatchState.origin: a beam
+row that continues another's hypothesis copies no cache). `nmtserve.SearchHead` takes the place of the
 step's search head (`with_search_head`: an If of LogSoftmax then TopK, or ArgMax without scores): each
 row's K best logits in one pass, and their log-softmax from one sum of exponentials, without writing
 the log-probabilities of the whole vocabulary (docs/performance.md, "The search head in one pass").
@@ -97,14 +99,16 @@ def available() -> bool:
     return LIBRARY.exists()
 
 
-def with_custom_kernels(model: onnx.ModelProto) -> onnx.ModelProto:
+def with_custom_kernels(model: onnx.ModelProto, beam_origin: bool = False) -> onnx.ModelProto:
     """The decoder-step graph (changed in place) with its GroupQueryAttention nodes (past K/V in, present
     K/V out, packed q, k and v: the self-attention, and the server step's cross-attention, whose "new"
     key and value are the row's eos K/V written at its cross_slot) as nmtserve.DecodeSelfAttention,
     `with_shared_cross`'s MultiHeadAttention nodes as nmtserve.DecodeCrossAttention, and
     `with_search_head`'s If as nmtserve.SearchHead. A node with attributes beyond the head counts (a
     scale, a soft cap, rotary embeddings…), or a search head with more than LogSoftmax and TopK (an Add of
-    suppressed ids' -inf), keeps ONNX Runtime's nodes."""
+    suppressed ids' -inf), keeps ONNX Runtime's nodes. beam_origin (the offline step, whose cross-attention
+    is with_shared_cross's): the self-attentions become nmtserve.DecodeBeamSelfAttention, over a new input
+    `cache_origin` (B, C) int32, the row whose cache holds each slot of each row (BatchState.origin)."""
     def heads_only(node: onnx.NodeProto) -> bool:
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         return set(attributes) <= {"num_heads", "kv_num_heads"} \
@@ -116,6 +120,9 @@ def with_custom_kernels(model: onnx.ModelProto) -> onnx.ModelProto:
             logits = next(helper.get_attribute_value(a) for a in node.attribute if a.name == "then_branch").node[0].input[0]
             node = helper.make_node("SearchHead", [logits, "candidates", "with_scores"], list(node.output),
                                     domain="nmtserve")
+        elif node.op_type == "GroupQueryAttention" and heads_only(node) and beam_origin:
+            node = helper.make_node("DecodeBeamSelfAttention", [node.input[0], *node.input[3:6], "cache_origin"],
+                                    list(node.output), domain="nmtserve")
         elif node.op_type == "GroupQueryAttention" and heads_only(node):
             node = helper.make_node("DecodeSelfAttention", [node.input[0], *node.input[3:6]], list(node.output),
                                     domain="nmtserve")
@@ -125,6 +132,8 @@ def with_custom_kernels(model: onnx.ModelProto) -> onnx.ModelProto:
         nodes.append(node)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
+    if beam_origin:
+        model.graph.input.append(helper.make_tensor_value_info("cache_origin", onnx.TensorProto.INT32, ["batch", "slots"]))
     model.opset_import.append(helper.make_opsetid("nmtserve", 1))
     return model
 

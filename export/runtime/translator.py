@@ -50,7 +50,7 @@ from onnx import helper
 from nmtserve.decoding import sorted_batches
 from nmtserve.errors import BundleError, ConfigError
 from nmtserve.export.runtime import kernels
-from nmtserve.export.runtime.batch import BatchState, eos_of
+from nmtserve.export.runtime.batch import BatchState, eos_of, own_slots
 from nmtserve.export.runtime.bundle import Bundle, default_variant, load_bundle
 from nmtserve.export.runtime.tensors import DeviceTensors, HostTensors
 from nmtserve.search import BeamSearch, DecodingOptions, Hypothesis, beam_steps, make_search
@@ -297,6 +297,10 @@ class OnnxTranslator:
         # wants; the server's engine, whose steps mix rows of different widths, runs the bundle's step as
         # exported (False), each row with its own copy
         self.shared_cross = shared_cross
+        # offline on nmtserve's kernels, a beam row that continues another's hypothesis points at that row's
+        # cache slots instead of copying them (BatchState.origin; kernels.with_custom_kernels)
+        # (host states only: with io_binding the caches are the ops' tensors, and copied)
+        self.cache_origin = shared_cross and self.attention_kernel and not self.io_binding
         step = self._step_graph(decoder, shared_cross)
         del decoder  # freed before the session makes its own copy (an OPUS-MT-size decoder is ~200 MB)
         self.decoder = make_session(decoder_path, device, intra_op_threads, model=step,
@@ -323,7 +327,7 @@ class OnnxTranslator:
         if shared_cross:
             model = with_shared_cross(model, self.bundle.model["n_heads"], self.bundle.model["d_model"])
         if self.attention_kernel:
-            model = kernels.with_custom_kernels(model)
+            model = kernels.with_custom_kernels(model, beam_origin=self.cache_origin)
         return model.SerializeToString()
 
     # -- the two graphs; K/V are stacked (L, B, H, T|S, Dh) here and fed one layer per input
@@ -349,7 +353,8 @@ class OnnxTranslator:
         assert (np.asarray(positions) == filled).all(), "a row's position is the number of slots it has filled"
         cross_k, cross_v = (np.ascontiguousarray(x, self.kv_dtype) for x in (cross_k, cross_v))
         state = BatchState(k, v, cross_k, cross_v, eos_of(cross_k, cross_v, src_mask), np.ascontiguousarray(src_mask, bool),
-                           filled.astype(np.int64), np.array(tokens, np.int64), np.zeros(batch, bool))
+                           filled.astype(np.int64), np.array(tokens, np.int64), np.zeros(batch, bool),
+                           origin=own_slots(batch, room[3]) if self.cache_origin else None)
         self._with_scores[...] = True
         ids, scores = self._step(state, self.vocab_size)  # every token, best first
         log_probs = np.empty((batch, self.vocab_size), np.float32)
@@ -364,7 +369,7 @@ class OnnxTranslator:
         src_ids, src_mask = self.pad(sources)
         if not self.io_binding:
             cross_k, cross_v, eos = self.encode(src_ids, src_mask)
-            return BatchState.from_encoded(cross_k, cross_v, eos, src_mask, self.bos_id)
+            return BatchState.from_encoded(cross_k, cross_v, eos, src_mask, self.bos_id, origin=self.cache_origin)
         batch, src_len = src_ids.shape
         shape = (self.n_layers, batch, self.n_heads, src_len, self.head_dim)
         cross_k, cross_v = self.ops.empty(shape, self.kv_dtype), self.ops.empty(shape, self.kv_dtype)
@@ -418,7 +423,8 @@ class OnnxTranslator:
         a session on a device are copied to it when bound, so there the per-row arrays (and host caches)
         are bound every step (a translator serves one thread at a time)."""
         binding, bound, shared = self._binding, self._bound, self.shared_cross
-        caches = (state.k, state.v, state.cross_k, state.cross_v, state.cross_eos)
+        caches = (state.k, state.v, state.cross_k, state.cross_v, state.cross_eos) \
+            + (() if state.origin is None else (state.origin,))
         where = state.ops.device  # host arrays are host memory to every session (io_binding off on CUDA too)
         copied_when_bound = where != self.device
         if copied_when_bound or not _same(bound.get("caches"), caches):
@@ -436,6 +442,8 @@ class OnnxTranslator:
             self._slot_counts = np.array([state.capacity, state.ops.shape(state.cross_k)[3]], np.int32)
             for i, name in enumerate(("cache_slots", "source_slots")):  # the attention kernel's total_sequence_length
                 bind_address(binding, name, "cpu", np.int32, (1,), self._slot_counts.ctypes.data + 4 * i)  # host memory
+            if self.cache_origin:
+                bind_address(binding, "cache_origin", "cpu", np.int32, state.origin.shape, state.origin.ctypes.data)
             if shared:  # each source's rows, for the cross-attention's queries
                 self._query_shape = np.array([-1, state.width, self.d_model], np.int64)
                 bind_address(binding, "query_shape", "cpu", np.int64, (3,), self._query_shape.ctypes.data)

@@ -72,6 +72,32 @@ def test_self_attention_writes_each_rows_new_key_and_value_in_place_and_attends_
     assert np.array_equal(unbound[1], k) and np.array_equal(unbound[2], v) and np.allclose(unbound[0].reshape(out.shape), out)
 
 
+def test_beam_self_attention_reads_each_slot_from_the_row_its_origin_names():
+    rng = np.random.default_rng(3)
+    qkv = rng.standard_normal((ROWS, 1, 3 * HEADS * DIM), dtype=np.float32)
+    past_k, past_v = (rng.standard_normal((ROWS, HEADS, SLOTS, DIM), dtype=np.float32) for _ in range(2))
+    filled = np.array([4, 4, 4], np.int32)  # a beam of 3 rows at one position
+    origin = np.array([[0, 0, 0, 0, 0, 5, 5, 5],  # row 0's slots 0-3 all its own
+                       [0, 0, 2, 1, 1, 5, 5, 5],  # row 1 continues a hypothesis that went 0, 0, 2, 1
+                       [1, 2, 0, 2, 2, 5, 5, 5]], np.int32)  # slots past filled are never read
+    origin[:, 4] = np.arange(ROWS)  # the slot each row writes is its own
+    session = _session(helper.make_node("DecodeBeamSelfAttention", ["qkv", "past_k", "past_v", "filled", "origin"],
+                                        ["out", "present_k", "present_v"], domain="nmtserve"),
+                       [("qkv", TensorProto.FLOAT), ("past_k", TensorProto.FLOAT), ("past_v", TensorProto.FLOAT),
+                        ("filled", TensorProto.INT32), ("origin", TensorProto.INT32)], ["out", "present_k", "present_v"])
+    out, k, v = session.run(None, {"qkv": qkv, "past_k": past_k, "past_v": past_v, "filled": filled, "origin": origin})
+    out = out.reshape(ROWS, HEADS, DIM)
+    q, new_k, new_v = qkv.reshape(ROWS, 3, HEADS, DIM).transpose(1, 0, 2, 3)
+    expected_k, expected_v = past_k.copy(), past_v.copy()
+    expected_k[:, :, 4], expected_v[:, :, 4] = new_k, new_v  # each row's new K/V in its own slot 4
+    assert np.array_equal(k, expected_k) and np.array_equal(v, expected_v)
+    for row in range(ROWS):
+        keys = np.stack([expected_k[origin[row, t], :, t] for t in range(5)], axis=1)  # (H, 5, D)
+        values = np.stack([expected_v[origin[row, t], :, t] for t in range(5)], axis=1)
+        for h in range(HEADS):
+            assert np.abs(out[row, h] - _attend(q[row, h], keys[h], values[h])).max() < 1e-5
+
+
 def test_cross_attention_reads_each_sources_keys_up_to_its_length():
     rng = np.random.default_rng(1)
     width, keys = 2, 6  # each source's queries: a beam of 2
@@ -128,14 +154,15 @@ def test_the_step_graph_swaps_ort_attention_for_the_kernels_on_a_cpu(tiny_bundle
     layers = offline.n_layers
     assert offline.attention_kernel and served.attention_kernel
     ops = _ops(offline)
-    assert ops.count("DecodeSelfAttention") == ops.count("DecodeCrossAttention") == layers
+    # offline, a beam row reads its common past from the rows that wrote it (BatchState.origin)
+    assert ops.count("DecodeBeamSelfAttention") == ops.count("DecodeCrossAttention") == layers and offline.cache_origin
     assert "GroupQueryAttention" not in ops and "MultiHeadAttention" not in ops
     assert ops.count("SearchHead") == 1 and "If" not in ops  # the search head in one node
     # the server's step: its cross-attention over per-row copies (eos K/V written at the row's cross slot)
     # is a GroupQueryAttention like the self-attention, and becomes the same op
     ops = _ops(served)
     assert ops.count("DecodeSelfAttention") == 2 * layers and "GroupQueryAttention" not in ops
-    assert ops.count("SearchHead") == 1
+    assert ops.count("SearchHead") == 1 and not served.cache_origin
     ops = _ops(OnnxTranslator(tiny_bundle, shared_cross=False, attention_kernel=False))
     assert ops.count("GroupQueryAttention") == 2 * layers and "DecodeSelfAttention" not in ops
     assert "If" in ops and "SearchHead" not in ops

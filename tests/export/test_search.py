@@ -7,6 +7,7 @@ import pytest
 
 from nmtserve.errors import ConfigError
 from nmtserve.export.build.to_ctranslate2 import convert
+from nmtserve.export.runtime.batch import BatchState
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.search import DecodingOptions
 from nmtserve.training.checkpoint import load_model
@@ -150,6 +151,37 @@ def test_compact_moves_the_last_sources_into_the_holes_and_steps_as_filter(tiny_
         compacted.choose(got[:, 0])
         filtered.choose(expected[:, 0])
     assert state.compact(np.zeros(state.size, bool))[0] is None
+
+
+def test_a_beam_row_that_continues_another_copies_its_origin_not_its_cache():
+    """BatchState.origin (the offline step on nmtserve's kernels): choosing a parent copies the parent's
+    row of origin over the filled slots; the caches stay as the steps wrote them; compaction, filtering
+    and a larger cache keep each origin pointing at the same source's rows, by their new indices."""
+    layers, heads, dim, width = 1, 1, 2, 2
+    cross = np.zeros((layers, 3, heads, 4, dim), np.float32)
+    state = BatchState.from_encoded(cross, cross.copy(), np.zeros((layers, 3, 2, heads, dim), np.float32),
+                                    np.ones((3, 4), bool), bos_id=1, capacity=4, origin=True)
+    assert state.origin.tolist() == [[0] * 4, [1] * 4, [2] * 4]
+    state.advance()  # the first step wrote slot 0 of each row
+    state = state.widen(width)  # 3 sources of 2 rows
+    assert state.origin.tolist() == [[r] * 4 for r in range(6)]
+    state.k[...] = np.arange(6)[None, :, None, None, None]  # each row's cache holds its index
+    k = state.k.copy()
+    for _ in range(2):
+        state.advance()
+    state.choose(np.zeros(6, np.int64), np.array([1, 1, 2, 2, 4, 5]))  # rows 0 and 3 continue 1 and 2
+    assert np.array_equal(state.k, k)  # nothing copied
+    assert state.origin[:, :3].tolist() == [[1] * 3, [1] * 3, [2] * 3, [2] * 3, [4] * 3, [5] * 3]
+    assert state.origin[:, 3].tolist() == list(range(6))  # the next slot: each row's own
+    state.advance()
+    state.open_slot()  # the cache doubles: the new slots each row's own
+    assert state.capacity == 8 and state.origin[:, 4:].tolist() == [[r] * 4 for r in range(6)]
+    filtered = state.filter(np.repeat([False, True, True], width))  # sources 1 and 2 as rows 0-3
+    assert filtered.origin[:, :3].tolist() == [[0] * 3, [0] * 3, [2] * 3, [3] * 3]
+    compacted, order = state.compact(np.repeat([False, True, True], width))  # source 2 moves to source 0's rows
+    assert order.tolist() == [4, 5, 2, 3]
+    assert compacted.origin[:, :3].tolist() == [[0] * 3, [1] * 3, [2] * 3, [2] * 3]
+    assert compacted.origin[:, 4:].tolist() == [[r] * 4 for r in range(4)]
 
 
 def test_io_binding_gives_the_host_paths_n_best_lists(tiny_bundle, tiny_corpus):
