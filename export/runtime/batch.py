@@ -193,7 +193,9 @@ class BatchState:
             dst, src = rows(holes), rows(movers)
             k, v = ops.copy_rows(k, dst, src, self.length), ops.copy_rows(v, dst, src, self.length)
             cross_k, cross_v, eos = (ops.copy_rows(x, holes, movers, None) for x in (cross_k, cross_v, eos))
-        origin = None if self.origin is None else self.origin[order] + (np.arange(len(order)) - order)[:, None].astype(np.int32)
+        origin = None  # each row's origins shift as its source's rows moved
+        if self.origin is not None:
+            origin = self.origin[order] + (np.arange(len(order)) - order).astype(np.int32)[:, None]
         return BatchState(ops.head(k, n * width), ops.head(v, n * width), ops.head(cross_k, n), ops.head(cross_v, n),
                           ops.head(eos, n), self.src_mask[sources], self.positions[order], self.tokens[order],
                           self.hole[order], ops, width, origin), order

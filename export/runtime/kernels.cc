@@ -134,13 +134,21 @@ void DecodeSelfAttention(OrtKernelContext* context, const Ort::Custom::Tensor<fl
 // DecodeSelfAttention whose slots may lie in other rows: origin (B, slots) int32, the row whose cache holds
 // slot t of row b's history (a beam's rows share the slots of their common past, so choosing a parent
 // row copies a row of origin, not of the cache: OnnxTranslator's offline step). Slot filled[b], written
-// by the step, is row b's own (origin[b, filled[b]] = b).
-void DecodeBeamSelfAttention(OrtKernelContext* context, const Ort::Custom::Tensor<float>& qkv,
-                             const Ort::Custom::Tensor<float>& past_k, const Ort::Custom::Tensor<float>& past_v,
-                             const Ort::Custom::Tensor<int32_t>& filled, const Ort::Custom::Tensor<int32_t>& origin,
-                             Ort::Custom::Tensor<float>& out, Ort::Custom::Tensor<float>& present_k,
-                             Ort::Custom::Tensor<float>& present_v) {
-  self_attention(context, qkv, past_k, past_v, filled, origin.Data(), out, present_k, present_v);
+// by the step, is row b's own (origin[b, filled[b]] = b). An origin of another shape, or naming a row
+// outside the batch, is an error of the run (never a read outside the cache).
+Ort::Status DecodeBeamSelfAttention(OrtKernelContext* context, const Ort::Custom::Tensor<float>& qkv,
+                                    const Ort::Custom::Tensor<float>& past_k, const Ort::Custom::Tensor<float>& past_v,
+                                    const Ort::Custom::Tensor<int32_t>& filled,
+                                    const Ort::Custom::Tensor<int32_t>& origin, Ort::Custom::Tensor<float>& out,
+                                    Ort::Custom::Tensor<float>& present_k, Ort::Custom::Tensor<float>& present_v) {
+  const std::vector<int64_t> shape = past_k.Shape(), origin_shape = origin.Shape();
+  if (origin_shape != std::vector<int64_t>{shape[0], shape[2]})
+    return Ort::Status("DecodeBeamSelfAttention: origin must be (rows, slots) of the cache", ORT_INVALID_ARGUMENT);
+  const int32_t* rows = origin.Data();
+  if (!std::all_of(rows, rows + shape[0] * shape[2], [&](int32_t r) { return r >= 0 && r < shape[0]; }))
+    return Ort::Status("DecodeBeamSelfAttention: origin names a row outside the batch", ORT_INVALID_ARGUMENT);
+  self_attention(context, qkv, past_k, past_v, filled, rows, out, present_k, present_v);
+  return Ort::Status{nullptr};
 }
 
 struct CrossWork {

@@ -117,8 +117,8 @@ def with_custom_kernels(model: onnx.ModelProto, beam_origin: bool = False) -> on
     nodes = []
     for node in model.graph.node:
         if node.op_type == "If" and list(node.input) == ["with_scores"] and _plain_search_head(node):
-            logits = next(helper.get_attribute_value(a) for a in node.attribute if a.name == "then_branch").node[0].input[0]
-            node = helper.make_node("SearchHead", [logits, "candidates", "with_scores"], list(node.output),
+            scoring = next(helper.get_attribute_value(a) for a in node.attribute if a.name == "then_branch")
+            node = helper.make_node("SearchHead", [scoring.node[0].input[0], "candidates", "with_scores"], list(node.output),
                                     domain="nmtserve")
         elif node.op_type == "GroupQueryAttention" and heads_only(node) and beam_origin:
             node = helper.make_node("DecodeBeamSelfAttention", [node.input[0], *node.input[3:6], "cache_origin"],

@@ -96,6 +96,9 @@ def test_beam_self_attention_reads_each_slot_from_the_row_its_origin_names():
         values = np.stack([expected_v[origin[row, t], :, t] for t in range(5)], axis=1)
         for h in range(HEADS):
             assert np.abs(out[row, h] - _attend(q[row, h], keys[h], values[h])).max() < 1e-5
+    origin[2, 1] = ROWS  # a row outside the batch: an error of the run, not a read outside the cache
+    with pytest.raises(Exception, match="origin names a row outside the batch"):
+        session.run(None, {"qkv": qkv, "past_k": past_k, "past_v": past_v, "filled": filled, "origin": origin})
 
 
 def test_cross_attention_reads_each_sources_keys_up_to_its_length():
