@@ -134,8 +134,8 @@ void DecodeSelfAttention(OrtKernelContext* context, const Ort::Custom::Tensor<fl
 // DecodeSelfAttention whose slots may lie in other rows: origin (B, slots) int32, the row whose cache holds
 // slot t of row b's history (a beam's rows share the slots of their common past, so choosing a parent
 // row copies a row of origin, not of the cache: OnnxTranslator's offline step). Slot filled[b], written
-// by the step, is row b's own (origin[b, filled[b]] = b). An origin of another shape, or naming a row
-// outside the batch, is an error of the run (never a read outside the cache).
+// by the step, is row b's own (origin[b, filled[b]] = b). An origin of another shape, or one that names a
+// row outside the batch in a slot the step reads, is an error of the run (never a read outside the cache).
 Ort::Status DecodeBeamSelfAttention(OrtKernelContext* context, const Ort::Custom::Tensor<float>& qkv,
                                     const Ort::Custom::Tensor<float>& past_k, const Ort::Custom::Tensor<float>& past_v,
                                     const Ort::Custom::Tensor<int32_t>& filled,
@@ -145,8 +145,12 @@ Ort::Status DecodeBeamSelfAttention(OrtKernelContext* context, const Ort::Custom
   if (origin_shape != std::vector<int64_t>{shape[0], shape[2]})
     return Ort::Status("DecodeBeamSelfAttention: origin must be (rows, slots) of the cache", ORT_INVALID_ARGUMENT);
   const int32_t* rows = origin.Data();
-  if (!std::all_of(rows, rows + shape[0] * shape[2], [&](int32_t r) { return r >= 0 && r < shape[0]; }))
-    return Ort::Status("DecodeBeamSelfAttention: origin names a row outside the batch", ORT_INVALID_ARGUMENT);
+  for (int64_t b = 0; b < shape[0]; b++) {
+    const int32_t* read = rows + b * shape[2];  // the slots row b attends to: 0..filled[b]
+    const int64_t n = std::min<int64_t>(std::max<int32_t>(filled.Data()[b] + 1, 0), shape[2]);
+    if (!std::all_of(read, read + n, [&](int32_t r) { return r >= 0 && r < shape[0]; }))
+      return Ort::Status("DecodeBeamSelfAttention: origin names a row outside the batch", ORT_INVALID_ARGUMENT);
+  }
   self_attention(context, qkv, past_k, past_v, filled, rows, out, present_k, present_v);
   return Ort::Status{nullptr};
 }
