@@ -157,12 +157,9 @@ class BatchState:
             return ops.slice(x, 3, 0, src_len) if src_len < self.src_mask.shape[1] else x
 
         eos = ops.take(self.cross_eos, sources, 1) if len(sources) < len(kept) else self.cross_eos
-        origin = None  # a kept row's new index for each old one: a source's rows point only at each other
-        if self.origin is not None:
-            origin = (np.cumsum(keep) - 1).astype(np.int32)[self.origin[keep]]
         return BatchState(cache(self.k), cache(self.v), cross(self.cross_k), cross(self.cross_v), eos,
                           np.ascontiguousarray(self.src_mask[kept, :src_len]), self.positions[keep], self.tokens[keep],
-                          self.hole[keep], ops, self.width, origin)
+                          self.hole[keep], ops, self.width, self._origin_of(rows))
 
     def _kept_sources(self, keep: np.ndarray) -> np.ndarray:
         """Which sources a row mask keeps (a widened state's rows of one source go together)."""
@@ -193,12 +190,18 @@ class BatchState:
             dst, src = rows(holes), rows(movers)
             k, v = ops.copy_rows(k, dst, src, self.length), ops.copy_rows(v, dst, src, self.length)
             cross_k, cross_v, eos = (ops.copy_rows(x, holes, movers, None) for x in (cross_k, cross_v, eos))
-        origin = None  # each row's origins shift as its source's rows moved
-        if self.origin is not None:
-            origin = self.origin[order] + (np.arange(len(order)) - order).astype(np.int32)[:, None]
         return BatchState(ops.head(k, n * width), ops.head(v, n * width), ops.head(cross_k, n), ops.head(cross_v, n),
                           ops.head(eos, n), self.src_mask[sources], self.positions[order], self.tokens[order],
-                          self.hole[order], ops, width, origin), order
+                          self.hole[order], ops, width, self._origin_of(order)), order
+
+    def _origin_of(self, rows: np.ndarray) -> np.ndarray | None:
+        """The origin of a state of the given rows (the old index of each new row, whole sources: a source's
+        rows point only at each other), renumbered to the new indices; None without one."""
+        if self.origin is None:
+            return None
+        new_index = np.zeros(self.size, np.int32)
+        new_index[rows] = np.arange(len(rows), dtype=np.int32)
+        return new_index[self.origin[rows]]
 
     def gather(self, rows: np.ndarray) -> BatchState:
         """A new state of the given rows (indices, repeats allowed) in that order, with every slot, each

@@ -183,7 +183,6 @@ void DecodeCrossAttention(OrtKernelContext* context, const Ort::Custom::Tensor<f
   Ort::KernelContext(context).ParallelFor(cross_row_head, sources * width * heads, 0, &w);
 }
 
-
 // One row of SearchHead: its k best values (k <= n), best first, ties by lower index, by insertion into a
 // sorted list. A block of 64 values whose maximum does not beat the k-th best is passed over after eight
 // vector maxima (GCC's vector extension: AVX2 in the x86-64-v3 clone); many (k > 64, sampling from the whole

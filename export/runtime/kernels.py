@@ -116,9 +116,9 @@ def with_custom_kernels(model: onnx.ModelProto, beam_origin: bool = False) -> on
 
     nodes = []
     for node in model.graph.node:
-        if node.op_type == "If" and list(node.input) == ["with_scores"] and _plain_search_head(node):
-            scoring = next(helper.get_attribute_value(a) for a in node.attribute if a.name == "then_branch")
-            node = helper.make_node("SearchHead", [scoring.node[0].input[0], "candidates", "with_scores"], list(node.output),
+        logits = _search_head_logits(node)
+        if logits is not None:
+            node = helper.make_node("SearchHead", [logits, "candidates", "with_scores"], list(node.output),
                                     domain="nmtserve")
         elif node.op_type == "GroupQueryAttention" and heads_only(node) and beam_origin:
             node = helper.make_node("DecodeBeamSelfAttention", [node.input[0], *node.input[3:6], "cache_origin"],
@@ -138,11 +138,14 @@ def with_custom_kernels(model: onnx.ModelProto, beam_origin: bool = False) -> on
     return model
 
 
-def _plain_search_head(node: onnx.NodeProto) -> bool:
-    """Whether an If is `with_search_head`'s over the logits alone: its scoring branch LogSoftmax then TopK
-    (a graph that adds suppressed ids' -inf after the log-softmax keeps ONNX Runtime's nodes)."""
-    branches = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    return [n.op_type for n in branches["then_branch"].node] == ["LogSoftmax", "TopK"]
+def _search_head_logits(node: onnx.NodeProto) -> str | None:
+    """The logits an If of `with_search_head` reads when its scoring branch is LogSoftmax then TopK over
+    them alone; else None (another node, or a head that adds suppressed ids' -inf after the log-softmax:
+    it keeps ONNX Runtime's nodes)."""
+    if node.op_type != "If" or list(node.input) != ["with_scores"]:
+        return None
+    scoring = next(helper.get_attribute_value(a) for a in node.attribute if a.name == "then_branch")
+    return scoring.node[0].input[0] if [n.op_type for n in scoring.node] == ["LogSoftmax", "TopK"] else None
 
 
 if __name__ == "__main__":
