@@ -100,14 +100,17 @@ class Request:
     finished: float | None = None
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
+    _budget: int | None = field(default=None, repr=False)  # budget(), once known
 
     def cancel(self) -> None:
         """Ask the engine to drop this request at its next iteration."""
         self.cancelled = True
 
     def budget(self, limits: Limits) -> int:
-        """Most target tokens this request may produce."""
-        return limits.output_budget(len(self.src_ids), self.max_decoding_length, self.options.length_rule)
+        """Most target tokens this request may produce (worked out once: the engine asks at every step)."""
+        if self._budget is None:
+            self._budget = limits.output_budget(len(self.src_ids), self.max_decoding_length, self.options.length_rule)
+        return self._budget
 
     @property
     def width(self) -> int:

