@@ -132,22 +132,25 @@ def steady_window(finished: list[tuple[float, int]], last_sent: float, concurren
 
 # where a one-sentence call's time goes, from the server's Timings and the client's latency; the
 # stages add up to the latency, so their means add up to the mean latency
-STAGES = ("prepare", "queue", "encode + first step", "later steps", "hand-back + response", "gRPC + client")
+STAGES = ("prepare", "queue", "encode", "first step", "later steps", "hand-back", "response", "gRPC + client")
 
 
 def _stages(t, latency: float) -> list[float]:
     """Seconds per stage of STAGES (of the sentence a call waited for longest): validation and
-    tokenization; the engine's queue; admission, the encoder and the first decoder step; the other
-    steps; the engine-to-event-loop hand-back, detokenization and the response's construction; gRPC
-    (both ways) and the client."""
-    prepare, queue, first, total, handler = (x / 1e9 for x in (t.prepare_ns, t.queue_ns, t.time_to_first_token_ns,
-                                                                t.total_ns, t.handler_ns))
-    return [prepare, queue, first - queue, total - first, handler - prepare - total, latency - handler]
+    tokenization; the engine's queue; the encoder call that took the sentence in; admission into the
+    running batch and the first decoder step; the other steps; the engine-to-event-loop hand-back (from
+    the last sentence's end to the handler's resumption); detokenization and the response's construction;
+    gRPC (both ways) and the client."""
+    prepare, queue, encoded, first, total, resumed, handler = (x / 1e9 for x in (
+        t.prepare_ns, t.queue_ns, t.encoded_ns, t.time_to_first_token_ns, t.total_ns, t.resumed_ns, t.handler_ns))
+    return [prepare, queue, encoded - queue, first - encoded, total - first, resumed - prepare - total,
+            handler - resumed, latency - handler]
 
 
 class Baseline:
-    """OnnxTranslator at batch 1 in this process: per-request latency and tokens/s on given requests
-    (greedy ones through its greedy loop, the others through its search, as the engine decides)."""
+    """OnnxTranslator at batch 1 in this process: per-request latency and tokens/s on given requests, and
+    the mean time of its two stages: the encoder (`prefill`), then the decoding loop,
+    greedy or search, as `search_ids` runs them for one source (and as the engine decides)."""
 
     def __init__(self, cfg: ServedBenchConfig):
         from nmtserve.export.runtime.translator import OnnxTranslator
@@ -159,16 +162,23 @@ class Baseline:
         from nmtserve.search import DecodingOptions
 
         tr = self.tr
-        latencies, tokens = [], 0
+        latencies, encoding, tokens = [], [], 0
         for [sentence], options in requests:
             source = tr.tokenizer.encode(sentence, tr.limits.max_source_tokens) or [tr.eos_id]
+            decoding = DecodingOptions().override(**options)
+            decoding.check(tr.vocab_size)
             t0 = time.perf_counter()
+            state = tr.prefill([source])
+            t1 = time.perf_counter()
             # no scores, as the bench's calls ask the servers (greedy then skips the log-softmax in both)
-            [[best, *_]] = tr.search_ids([source], DecodingOptions().override(**options), max_batch_size=1, scores=False)
+            [[best, *_]] = tr.greedy(state, [source], decoding.max_decoding_length, decoding.length_rule, scores=False) \
+                if decoding.greedy else tr.search(state, [source], decoding)
             latencies.append(time.perf_counter() - t0)
+            encoding.append(t1 - t0)
             tokens += len(best.tokens)
         return {"p50_ms": percentile(latencies, 50) * 1e3, "p90_ms": percentile(latencies, 90) * 1e3,
-                "tokens_per_s": tokens / sum(latencies)}
+                "tokens_per_s": tokens / sum(latencies), "encode_ms": statistics.fmean(encoding) * 1e3,
+                "steps_ms": (statistics.fmean(latencies) - statistics.fmean(encoding)) * 1e3}
 
 
 def run_served_bench(cfg: ServedBenchConfig) -> dict:
@@ -260,7 +270,11 @@ def format_table(report: dict) -> str:
         f"{what} {min(p[k] for p in probes):,.1f}–{max(p[k] for p in probes):,.1f}" for k, what in PROBES.items()))
     b = report["baseline_onnx_translator_batch1"]
     if b:
-        lines.append(f"OnnxTranslator batch 1: p50 {b['p50_ms']:.1f} ms, p90 {b['p90_ms']:.1f} ms, {b['tokens_per_s']:.0f} tok/s")
+        lines.append(f"OnnxTranslator batch 1: p50 {b['p50_ms']:.1f} ms, p90 {b['p90_ms']:.1f} ms, {b['tokens_per_s']:.0f} tok/s; "
+                     f"mean ms per stage: encode {b['encode_ms']:.2f}, steps {b['steps_ms']:.2f} (served at 1 client: "
+                     + ", ".join(f"{mode} {r['1']['stages_mean_ms']['encode']:.2f} and "
+                                 f"{r['1']['stages_mean_ms']['first step'] + r['1']['stages_mean_ms']['later steps']:.2f}"
+                                 for mode, r in report["results"].items() if "1" in r) + ")")
     for name, value in report["ratios"].items():
         lines.append(f"{name}: {value}")
     return "\n".join(lines)

@@ -96,6 +96,7 @@ class Request:
     arrived: float = field(default_factory=time.monotonic)
     arrived_step: int = 0  # the engine's step count when it was queued
     admitted: float | None = None
+    encoded: float | None = None  # when the encoder call that took it in returned
     first_token: float | None = None
     finished: float | None = None
     done: threading.Event = field(default_factory=threading.Event)

@@ -22,6 +22,7 @@ Only the engine thread touches a RunningBatch.
 from __future__ import annotations
 
 import math
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -66,6 +67,9 @@ class RunningBatch:
                 return [(requests[0], e)]
             half = len(requests) // 2
             return self.admit(requests[:half]) + self.admit(requests[half:])
+        encoded = time.monotonic()
+        for request in requests:
+            request.encoded = encoded
         owners = [r for r in requests for _ in range(r.width)]
         self._placement = None
         if len(owners) > len(requests):  # a beam's rows share its source

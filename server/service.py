@@ -56,6 +56,7 @@ class _Call:
     mode: str = ""  # its decoding mode, once its options are read
     requests: list[Request] = field(default_factory=list)  # its engine requests, as submitted
     started: float = field(default_factory=time.monotonic)
+    resumed: float | None = None  # when a unary call's handler resumed, its sentences decoded (Timings.resumed_ns)
 
     def cancel(self) -> None:
         """Free the call's rows at the engine's next step."""
@@ -157,7 +158,8 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         timings = pb.Timings(queue_ns=_ns((request.admitted or arrived) - arrived),
                              time_to_first_token_ns=_ns((request.first_token or arrived) - arrived),
                              total_ns=_ns((request.finished or arrived) - arrived),
-                             prepare_ns=_ns(arrived - call.started))
+                             prepare_ns=_ns(arrived - call.started), encoded_ns=_ns((request.encoded or arrived) - arrived),
+                             resumed_ns=_ns((call.resumed or call.started) - call.started))
         alternatives = [pb.Hypothesis(text=model.tokenizer.decode(h.tokens), output_tokens=len(h.tokens), score=h.score)
                         for h in request.hypotheses[1:]]
         translation = pb.Translation(text=model.tokenizer.decode(request.tokens), input_tokens=len(request.src_ids),
@@ -199,6 +201,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             for engine_request, _ in pairs:
                 self._submit(call, model, engine_request)
             done = await asyncio.gather(*(f for _, f in pairs))
+            call.resumed = time.monotonic()
         except NmtserveError as e:
             await self._fail(call, context, e)
         except asyncio.CancelledError:

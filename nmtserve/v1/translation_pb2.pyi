@@ -63,18 +63,22 @@ class DecodingOptions(_message.Message):
     def __init__(self, max_output_tokens: _Optional[int] = ..., return_scores: _Optional[bool] = ..., beam_size: _Optional[int] = ..., num_hypotheses: _Optional[int] = ..., length_penalty: _Optional[float] = ..., patience: _Optional[float] = ..., sampling_topk: _Optional[int] = ..., sampling_topp: _Optional[float] = ..., sampling_temperature: _Optional[float] = ..., seed: _Optional[int] = ..., beam_stopping: _Optional[_Union[BeamStopping, str]] = ..., length_rule: _Optional[_Union[LengthRule, str]] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_ns", "time_to_first_token_ns", "total_ns", "prepare_ns", "handler_ns")
+    __slots__ = ("queue_ns", "time_to_first_token_ns", "total_ns", "prepare_ns", "handler_ns", "encoded_ns", "resumed_ns")
     QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_NS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
     PREPARE_NS_FIELD_NUMBER: _ClassVar[int]
     HANDLER_NS_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_NS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_NS_FIELD_NUMBER: _ClassVar[int]
     queue_ns: int
     time_to_first_token_ns: int
     total_ns: int
     prepare_ns: int
     handler_ns: int
-    def __init__(self, queue_ns: _Optional[int] = ..., time_to_first_token_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., prepare_ns: _Optional[int] = ..., handler_ns: _Optional[int] = ...) -> None: ...
+    encoded_ns: int
+    resumed_ns: int
+    def __init__(self, queue_ns: _Optional[int] = ..., time_to_first_token_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., prepare_ns: _Optional[int] = ..., handler_ns: _Optional[int] = ..., encoded_ns: _Optional[int] = ..., resumed_ns: _Optional[int] = ...) -> None: ...
 
 class Hypothesis(_message.Message):
     __slots__ = ("text", "output_tokens", "score")

@@ -118,6 +118,9 @@ def test_scores_timings_and_finish_reasons(served, sentences):
         assert 0 < t.timings.time_to_first_token_ns <= t.timings.total_ns
         # the handler's time holds validation and tokenization (prepare) and the sentence's time in the engine
         assert 0 < t.timings.prepare_ns and t.timings.prepare_ns + t.timings.total_ns <= t.timings.handler_ns
+        # in order: queued, encoded, first token; the handler resumes after decoding, before the Translation
+        assert t.timings.queue_ns < t.timings.encoded_ns < t.timings.time_to_first_token_ns
+        assert t.timings.prepare_ns + t.timings.total_ns <= t.timings.resumed_ns <= t.timings.handler_ns
         info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
         assert info.limits.max_sentences == 8 and info.variant == "fp32" and len(info.bundle_id) == 64
         # the built-in corpus's corpus.json names its languages; the export carries them into the manifest
