@@ -216,8 +216,8 @@ class Engine:
         leaving = [(r, self._dropped(r, now)) for r in self.batch.requests]
         self._leave([(r, why) for r, why in leaving if why])
         running = self.batch.requests
-        if self.config.batching == "static" and running:
-            return []  # static batching: the running batch finishes before anyone joins
+        if not self.waiting or self.config.batching == "static" and running:
+            return []  # no one to admit; or static batching: the running batch finishes before anyone joins
         budget = self.config.max_batch_tokens - sum(r.cost(self.tr.limits) for r in running)
         rows = sum(r.width for r in running)
         gather = min(self.config.admit_rows, max(1, self.config.max_running_rows // 8))
