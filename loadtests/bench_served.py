@@ -149,8 +149,8 @@ def _stages(t, latency: float) -> list[float]:
 
 class Baseline:
     """OnnxTranslator at batch 1 in this process: per-request latency and tokens/s on given requests, and
-    the mean time of its two stages: the encoder (`prefill`), then the decoding loop,
-    greedy or search, as `search_ids` runs them for one source (and as the engine decides)."""
+    the mean time of its two stages: the encoder (`prefill`), then the decoding loop (`decode`: greedy
+    or search, as `search_ids` runs them for one source and as the engine decides)."""
 
     def __init__(self, cfg: ServedBenchConfig):
         from nmtserve.export.runtime.translator import OnnxTranslator
@@ -171,8 +171,7 @@ class Baseline:
             state = tr.prefill([source])
             t1 = time.perf_counter()
             # no scores, as the bench's calls ask the servers (greedy then skips the log-softmax in both)
-            [[best, *_]] = tr.greedy(state, [source], decoding.max_decoding_length, decoding.length_rule, scores=False) \
-                if decoding.greedy else tr.search(state, [source], decoding)
+            [[best, *_]] = tr.decode(state, [source], decoding, scores=False)
             latencies.append(time.perf_counter() - t0)
             encoding.append(t1 - t0)
             tokens += len(best.tokens)

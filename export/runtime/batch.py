@@ -114,7 +114,7 @@ class BatchState:
             had, grow = self.capacity, 2 * self.capacity
             self.k, self.v = self.ops.pad(self.k, 3, grow), self.ops.pad(self.v, 3, grow)
             if self.origin is not None:
-                self.origin = np.concatenate([self.origin, own_slots(self.size, grow)[:, had:]], axis=1)
+                self.origin = np.concatenate([self.origin, own_slots(self.size, grow - had)], axis=1)
 
     def advance(self) -> None:
         """After a step: every row but the holes has its K/V in its next slot and moves on.

@@ -645,10 +645,16 @@ class OnnxTranslator:
         states = [self.prefill(batch) for batch in group_sources]
         for rows, batch in zip(group, group_sources):
             state = states.pop(0)  # the list lets go of it: its caches are freed once decoded
-            found = self.greedy(state, batch, options.max_decoding_length, options.length_rule, scores) \
-                if options.greedy else self.search(state, batch, options)
-            for i, hypotheses in zip(rows, found):
+            for i, hypotheses in zip(rows, self.decode(state, batch, options, scores)):
                 results[i] = hypotheses
+
+    def decode(self, state: BatchState, sources: list[list[int]], options: DecodingOptions,
+               scores: bool = True) -> list[list[Hypothesis]]:
+        """One batch of token-id sources, encoded in `state` (`prefill`), decoded as options say: `greedy`,
+        or `search` (beam search, sampling)."""
+        if options.greedy:
+            return self.greedy(state, sources, options.max_decoding_length, options.length_rule, scores)
+        return self.search(state, sources, options)
 
     def replica(self) -> OnnxTranslator:
         """This translator with a decoding context of its own (decoder binding and bound buffers) over the
