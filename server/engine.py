@@ -213,15 +213,16 @@ class Engine:
             if reason:
                 self.waiting.remove(request)
                 self._finish(request, reason)
-        leaving = [(r, self._dropped(r, now)) for r in self.batch.requests]
-        self._leave([(r, why) for r, why in leaving if why])
+        self._leave([(r, why) for r in self.batch.requests if (why := self._dropped(r, now))])
+        if not self.waiting:
+            return []  # no one to admit
         running = self.batch.requests
-        if not self.waiting or self.config.batching == "static" and running:
-            return []  # no one to admit; or static batching: the running batch finishes before anyone joins
+        if self.config.batching == "static" and running:
+            return []  # static batching: the running batch finishes before anyone joins
         budget = self.config.max_batch_tokens - sum(r.cost(self.tr.limits) for r in running)
         rows = sum(r.width for r in running)
         gather = min(self.config.admit_rows, max(1, self.config.max_running_rows // 8))
-        if running and self.waiting and self.config.max_running_rows - rows < gather \
+        if running and self.config.max_running_rows - rows < gather \
                 and self.steps - self.waiting[0].arrived_step < self.config.admit_steps:
             return []  # newcomers gather, to join together (EngineConfig.admit_rows)
         admitted = []

@@ -36,6 +36,7 @@ class ServerMetrics:
         self.step_rows = Histogram("nmtserve_step_rows", "Rows in the decoder batch per step", ["model"], buckets=ROW_BUCKETS, registry=r)
         self.step_tokens = Histogram("nmtserve_step_cache_tokens", "Valid self-attention cache slots per step, all rows", ["model"],
                                      buckets=TOKEN_BUCKETS, registry=r)
+        self._step_children: dict[str, tuple] = {}  # step(): each model's three, labelled
         self.input_tokens = Counter("nmtserve_input_tokens", "Source tokens of finished sentences", ["model", "mode"], registry=r)
         self.output_tokens = Counter("nmtserve_output_tokens", "Target tokens produced", ["model", "mode"], registry=r)
         self.requests = Counter("nmtserve_requests", "Finished RPCs by status code", ["model", "mode", "rpc", "code"], registry=r)
@@ -62,9 +63,14 @@ class ServerMetrics:
         self.waiting.labels(model).set_function(lambda: engine.stats()["waiting"])
 
     def step(self, model: str, rows: int, cache_tokens: int, seconds: float) -> None:
-        self.step_rows.labels(model).observe(rows)
-        self.step_tokens.labels(model).observe(cache_tokens)
-        self.step_duration.labels(model).observe(seconds)
+        """After every engine iteration (the engine thread): a model's labelled histograms are looked up
+        once, as `labels()` costs about what an observation does."""
+        children = self._step_children.get(model)
+        if children is None:
+            children = self._step_children[model] = (self.step_rows.labels(model), self.step_tokens.labels(model),
+                                                      self.step_duration.labels(model))
+        for histogram, value in zip(children, (rows, cache_tokens, seconds)):
+            histogram.observe(value)
 
     # -- reported by the servicer
     def sentence(self, model: str, rpc: str, request) -> None:

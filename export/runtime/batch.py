@@ -263,6 +263,8 @@ class BatchState:
         the longest row (amortised copy: the cache must shrink to a quarter of its rows' reach, or grow
         twofold, before it is copied again)."""
         assert self.origin is None
+        if self.capacity < 2 * min_slots:
+            return  # nothing to drop (and the longest row is not looked up: asked at every step)
         keep = max(min_slots, 2 * (self.length + 1))
         if self.capacity >= 2 * keep:
             self.k, self.v = self.ops.slice(self.k, 3, 0, keep), self.ops.slice(self.v, 3, 0, keep)
