@@ -20,7 +20,7 @@ HELPS = {"models": "TOML file of the models to serve: bundle, id, variant, devic
                              "Runtime's nodes (auto: on a CPU when built: make kernels)",
          "max_running_rows": "rows in each model's running decoder batch (a beam search takes beam_size rows)",
          "admit_rows": "continuous batching: newcomers join a running batch once this many rows are free (at most 1/8 of --max-running-rows) …",
-         "admit_steps": "… or once the oldest of them has waited this many decoder steps",
+         "admit_steps": "… or once this many decoder steps have passed since the latest admission",
          "max_beam_size": "highest DecodingOptions.beam_size accepted (lowered to --max-running-rows)",
          "max_batch_tokens": "Σ source + output-budget tokens of running rows",
          "max_waiting": "waiting requests per model before RESOURCE_EXHAUSTED",

@@ -24,7 +24,7 @@ class ServerConfig:
     inter_threads: int = 1  # running batches per model (engines), each on a thread of its own with `threads` intra-op threads
     max_running_rows: int = 64
     admit_rows: int = 8  # continuous batching: newcomers join once this many rows are free (≤ 1/8 of the rows) …
-    admit_steps: int = 4  # … or once the oldest has waited this many decoder steps
+    admit_steps: int = 4  # … or this many decoder steps after the latest admission
     max_batch_tokens: int = 16384
     max_waiting: int = 256
     max_sentences: int = 64

@@ -65,8 +65,8 @@ class EngineConfig:
     max_waiting: int = 256
     batching: str = "continuous"  # or "static": admit only into an empty batch, run it to completion
     # continuous batching: newcomers join a running batch once `admit_rows` rows are free (at most an
-    # eighth of max_running_rows), or once the oldest of them has waited `admit_steps` decoder steps
-    # (text-generation-inference's max_waiting_tokens): a group is encoded in one call (README,
+    # eighth of max_running_rows), or once `admit_steps` decoder steps have passed since the latest
+    # admission (text-generation-inference's max_waiting_tokens): a group is encoded in one call (README,
     # "Admission to a full batch")
     admit_rows: int = 8
     admit_steps: int = 4
@@ -142,6 +142,7 @@ class Engine:
         self.batch = RunningBatch(translator)
         self.ids = itertools.count()
         self.steps = 0
+        self.admitted_step = 0  # the step count at the latest admission (EngineConfig.admit_steps)
         self.next_trim = 0.0
         self.thread = threading.Thread(target=self._loop, name="nmtserve-engine", daemon=True)
 
@@ -223,7 +224,7 @@ class Engine:
         rows = sum(r.width for r in running)
         gather = min(self.config.admit_rows, max(1, self.config.max_running_rows // 8))
         if running and self.config.max_running_rows - rows < gather \
-                and self.steps - self.waiting[0].arrived_step < self.config.admit_steps:
+                and self.steps - self.admitted_step < self.config.admit_steps:
             return []  # newcomers gather, to join together (EngineConfig.admit_rows)
         admitted = []
         for request in sorted(self.waiting, key=self._latest_start) if running else list(self.waiting):
@@ -238,6 +239,8 @@ class Engine:
             budget -= cost
             rows += request.width
             admitted.append(request)
+        if admitted:
+            self.admitted_step = self.steps
         for request in admitted:
             self.waiting.remove(request)
         self.running_count += len(admitted)  # counted from the moment they leave the queue

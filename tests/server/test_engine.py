@@ -373,11 +373,34 @@ def test_newcomers_to_a_full_batch_gather_then_join_longest_source_first(transla
     early, late = engine.submit(Request(short)), engine.submit(Request(long))
     engine.batch.leave(running[:1])  # one free row: fewer than admit_rows (2 of 16)
     engine._publish()
-    joined = [_iterate(engine) for _ in range(4)]
+    joined = [_iterate(engine) for _ in range(3)]
     assert not any(r.done.is_set() for r in running[1:])  # (no other row freed meanwhile)
-    assert joined[:3] == [[], [], []]  # they gather while fewer than admit_rows rows are free …
-    assert joined[3] == [late]  # … until the oldest has waited admit_steps steps; then least slack first:
+    assert joined[:2] == [[], []]  # they gather while fewer than admit_rows rows are free …
+    assert joined[2] == [late]  # … until admit_steps steps have passed since the latest admission (the running
+    # rows' own, at step 0); then least slack first:
     # the longer source joins before the shorter one that came first (it needs more steps)
     engine.batch.leave(running[1:3])
     engine._publish()
     assert _iterate(engine) == [early]  # two free rows: it joins at once
+
+
+def test_requests_that_waited_long_still_gather_after_an_admission(translator, sources):
+    """At saturation every waiting request has waited more than admit_steps; the gathering counts from the
+    latest admission (as text-generation-inference's max_waiting_tokens), so they still join in groups
+    rather than a row or two at every step, each an encoder call of its own."""
+    by_length = sorted(sources, key=len)
+    engine = Engine(translator, EngineConfig(max_running_rows=16, admit_rows=2, admit_steps=3))
+    running = [engine.submit(Request(s)) for s in by_length[-16:]]
+    assert _iterate(engine) == running
+    waiting = [engine.submit(Request(s)) for s in by_length[:3]]
+    assert [_iterate(engine) for _ in range(4)] == [[], [], [], []]  # a full batch: no row free
+    engine.batch.leave(running[:1])
+    engine._publish()
+    first = _iterate(engine)  # one free row, and no admission for 5 steps: one joins at once
+    assert len(first) == 1 and first[0] in waiting
+    engine.batch.leave(running[1:2])
+    engine._publish()
+    joined = [_iterate(engine) for _ in range(3)]
+    assert not any(r.done.is_set() for r in running[2:])  # (no other row freed meanwhile)
+    assert joined[:2] == [[], []]  # waited 6 steps and more, yet they gather: an admission was just made
+    assert len(joined[2]) == 1 and joined[2][0] in waiting
