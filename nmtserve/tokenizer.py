@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import sentencepiece as spm
@@ -178,6 +178,30 @@ class MarianTokenizer:
 
     def special_ids(self) -> dict[str, int]:
         return {"pad": self.pad_id, "unk": self.unk_id, "bos": self.bos_id, "eos": self.eos_id}
+
+
+class StreamDecoder:
+    """The text of a growing sequence of target ids, one delta at a time, as text-generation-inference and
+    vLLM detokenize a stream: each `add` decodes only the ids since the previous delta's start (that delta's
+    ids are the context: a first piece loses its leading space, pieces may join) and never the whole prefix
+    again, so a stream of n tokens costs O(n), not O(n²). A delta is held back while the text could still
+    change (it ends in an incomplete character, or the window's text does not extend what it emitted); what
+    is held back comes with a later delta, or with the final text (the caller compares)."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.ids: list[int] = []
+        self.start = self.read = 0  # ids[start:read]: the last delta's ids, decoded again as context
+
+    def add(self, ids: list[int]) -> str:
+        """The new text that `ids` (appended to those so far) make final; "" while it is held back."""
+        self.ids.extend(ids)
+        context = self.decode(self.ids[self.start:self.read])
+        text = self.decode(self.ids[self.start:])
+        if len(text) <= len(context) or not text.startswith(context) or text.endswith("\ufffd"):
+            return ""
+        self.start, self.read = self.read, len(self.ids)
+        return text[len(context):]
 
 
 def from_payload(payload: bytes | dict) -> Tokenizer | MarianTokenizer:

@@ -7,6 +7,7 @@ raised while a call is validated and submitted, `_EARLY_FINISH` for requests the
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -21,6 +22,7 @@ from nmtserve.server.documents import MIME_TYPES, rejoin
 from nmtserve.server.engine import EngineOverloaded, EngineStopped, FinishReason, Request
 from nmtserve.server.metrics import ServerMetrics
 from nmtserve.server.models import InvalidRequest, ServedModel, route
+from nmtserve.tokenizer import StreamDecoder
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 
@@ -62,6 +64,32 @@ class _Call:
         """Free the call's rows at the engine's next step."""
         for r in self.requests:
             r.cancel()
+
+
+class _Inbox:
+    """A stream's tokens, from the engine thread to its handler: appended there with at most one wake-up
+    of the event loop pending (not a callback per token), taken by the handler all at once."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.items, self.ready, self.pending = loop, collections.deque(), asyncio.Event(), False
+
+    def put(self, item) -> None:
+        """(Engine thread.) Queue an item; wake the handler unless a wake-up is already on its way."""
+        self.items.append(item)
+        if not self.pending:
+            self.pending = True
+            self.loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        self.pending = False  # before the handler takes the items: a later put schedules its own wake-up
+        self.ready.set()
+
+    async def take(self) -> list:
+        """Every item put since the last take (waits for one at least)."""
+        while not self.items:
+            await self.ready.wait()
+            self.ready.clear()
+        return [self.items.popleft() for _ in range(len(self.items))]
 
 
 def _log_line(call: _Call, code: str) -> None:
@@ -215,34 +243,28 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         return response
 
     async def TranslateStream(self, request: pb.TranslateStreamRequest, context):
-        loop = asyncio.get_running_loop()
-        tokens: asyncio.Queue = asyncio.Queue()
+        tokens = _Inbox(asyncio.get_running_loop())
         call = self._call("TranslateStream")
         try:
             model = self._model(call, request)
             options = self._options(call, model, request)
             ids = model.source("sentence", request.sentence, model.language_token(request.target_language))
-            engine_request, future = self._request(
-                call, ids, options, context,
-                on_token=lambda r, t: loop.call_soon_threadsafe(tokens.put_nowait, t),
-                on_done=lambda: loop.call_soon_threadsafe(tokens.put_nowait, None))  # after the last token
+            engine_request, future = self._request(call, ids, options, context, on_token=lambda r, t: tokens.put(t),
+                                                   on_done=lambda: tokens.put(None))  # after the last token
             self._submit(call, model, engine_request)
         except NmtserveError as e:
             await self._fail(call, context, e)
-        emitted, seen, finished = "", [], False
+        emitted, text, finished = "", StreamDecoder(model.tokenizer.decode), False
         try:
             while not finished:
                 # everything the engine has decided since the last wake-up becomes one delta:
                 # a busy event loop sends fewer, larger deltas instead of falling behind
-                items = [await tokens.get()]
-                while not tokens.empty():
-                    items.append(tokens.get_nowait())
+                items = await tokens.take()
                 finished = items[-1] is None
-                seen.extend(t for t in items if t is not None)
-                text = model.tokenizer.decode(seen)
-                if text.startswith(emitted) and len(text) > len(emitted):  # pieces may re-segment; wait if so
-                    yield await self._fit(call, pb.TranslateStreamResponse(delta=text[len(emitted):]), context)
-                    emitted = text
+                delta = text.add([t for t in items if t is not None])
+                if delta:
+                    yield await self._fit(call, pb.TranslateStreamResponse(delta=delta), context)
+                    emitted += delta
             await future
         except asyncio.CancelledError:
             self._cancelled(call)

@@ -4,6 +4,7 @@ nmtserve cannot represent are refused with one line naming the key."""
 from __future__ import annotations
 
 import json
+import random
 import shutil
 
 import pytest
@@ -164,3 +165,17 @@ def test_generation_settings_in_config_json_are_read_when_there_is_no_generation
     assert summary["decoding_defaults"] == {"beam_size": 6, "length_penalty": 1.0, "beam_stopping": "transformers",
                                             "max_decoding_length": 19}
     assert load_model(tmp_path / "old.pt").model.config.suppressed_ids == (config["pad_token_id"],)
+
+
+def test_stream_text_of_a_marian_target_is_always_a_prefix_of_the_whole(marian_dir):
+    """Marian's target detokenization strips the ends: a trailing space waits for the next piece."""
+    from tests.training.test_tokenizer import stream
+
+    tok = MarianTokenizer.from_files(marian_dir)
+    rng = random.Random(0)
+    streamed = 0
+    for text in sentences(ENGLISH, 60, 3):
+        ids = [i for i in tok.encode(text) if i != tok.eos_id]
+        out, _ = stream(tok.decode, ids, rng)
+        streamed += len(out)
+    assert streamed > 0
