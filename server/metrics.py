@@ -37,6 +37,7 @@ class ServerMetrics:
         self.step_tokens = Histogram("nmtserve_step_cache_tokens", "Valid self-attention cache slots per step, all rows", ["model"],
                                      buckets=TOKEN_BUCKETS, registry=r)
         self._step_children: dict[str, tuple] = {}  # step(): each model's three, labelled
+        self._sentence_children: dict[tuple, tuple] = {}  # sentence(): by (model, mode, rpc, finish reason)
         self.input_tokens = Counter("nmtserve_input_tokens", "Source tokens of finished sentences", ["model", "mode"], registry=r)
         self.output_tokens = Counter("nmtserve_output_tokens", "Target tokens produced", ["model", "mode"], registry=r)
         self.requests = Counter("nmtserve_requests", "Finished RPCs by status code", ["model", "mode", "rpc", "code"], registry=r)
@@ -80,17 +81,25 @@ class ServerMetrics:
         if reason in ("cancelled", "deadline"):
             self.cancelled.labels(model, mode, reason).inc()
             return
-        self.sentences.labels(model, mode, reason).inc()
-        self.input_tokens.labels(model, mode).inc(len(request.src_ids))
-        self.output_tokens.labels(model, mode).inc(len(request.tokens))
+        key = (model, mode, rpc, reason)
+        children = self._sentence_children.get(key)
+        if children is None:  # labelled once per key, as step()'s
+            children = self._sentence_children[key] = (
+                self.sentences.labels(model, mode, reason), self.input_tokens.labels(model, mode),
+                self.output_tokens.labels(model, mode), self.queue_time.labels(model, mode),
+                self.ttft.labels(model, mode), self.tpot.labels(model, mode), self.request_duration.labels(model, mode, rpc))
+        sentences, input_tokens, output_tokens, queue_time, ttft, tpot, duration = children
+        sentences.inc()
+        input_tokens.inc(len(request.src_ids))
+        output_tokens.inc(len(request.tokens))
         if request.admitted is not None:
-            self.queue_time.labels(model, mode).observe(request.admitted - request.arrived)
+            queue_time.observe(request.admitted - request.arrived)
         if request.first_token is not None:
-            self.ttft.labels(model, mode).observe(request.first_token - request.arrived)
+            ttft.observe(request.first_token - request.arrived)
             if len(request.tokens) > 1 and request.finished is not None:
-                self.tpot.labels(model, mode).observe((request.finished - request.first_token) / (len(request.tokens) - 1))
+                tpot.observe((request.finished - request.first_token) / (len(request.tokens) - 1))
         if request.finished is not None:
-            self.request_duration.labels(model, mode, rpc).observe(request.finished - request.arrived)
+            duration.observe(request.finished - request.arrived)
 
     def rpc(self, model: str, mode: str, rpc: str, code: str, rejected: bool = False) -> None:
         self.requests.labels(model, mode, rpc, code).inc()

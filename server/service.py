@@ -228,7 +228,8 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             pairs = [self._request(call, ids, options, context) for ids in sources]
             for engine_request, _ in pairs:
                 self._submit(call, model, engine_request)
-            done = await asyncio.gather(*(f for _, f in pairs))
+            # one sentence (most calls) awaits its future itself: gather's own future is one more event-loop hop
+            done = [await pairs[0][1]] if len(pairs) == 1 else await asyncio.gather(*(f for _, f in pairs))
             call.resumed = time.monotonic()
         except NmtserveError as e:
             await self._fail(call, context, e)
