@@ -126,8 +126,9 @@ async def start_server(config: ServerConfig) -> RunningServer:
     credentials = server_credentials(config)  # a bad certificate path fails before the model loads
     io_binding = _switch("io-binding", config.io_binding)  # both checked before any model loads
     attention_kernel = _switch("attention-kernel", config.attention_kernel)
-    if config.max_beam_size < 1:
-        raise ConfigError(f"--max-beam-size {config.max_beam_size}: must be at least 1")
+    for flag, value in (("max-beam-size", config.max_beam_size), ("stream-interval", config.stream_interval)):
+        if value < 1:
+            raise ConfigError(f"--{flag} {value}: must be at least 1")
     specs = model_specs(config)
     metrics = ServerMetrics()
     models: dict[str, ServedModel] = {}

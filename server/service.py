@@ -255,17 +255,20 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             self._submit(call, model, engine_request)
         except NmtserveError as e:
             await self._fail(call, context, e)
-        emitted, text, finished = "", StreamDecoder(model.tokenizer.decode), False
+        emitted, text, held, finished = "", StreamDecoder(model.tokenizer.decode), [], False
         try:
             while not finished:
-                # everything the engine has decided since the last wake-up becomes one delta:
-                # a busy event loop sends fewer, larger deltas instead of falling behind
+                # everything the engine has decided since the last wake-up becomes one delta (a busy event
+                # loop sends fewer, larger deltas instead of falling behind), once --stream-interval tokens
+                # have come; what is held at the end comes with the final text
                 items = await tokens.take()
                 finished = items[-1] is None
-                delta = text.add([t for t in items if t is not None])
-                if delta:
-                    yield await self._fit(call, pb.TranslateStreamResponse(delta=delta), context)
-                    emitted += delta
+                held += [t for t in items if t is not None]
+                if len(held) >= self.config.stream_interval:
+                    delta, held = text.add(held), []
+                    if delta:
+                        yield await self._fit(call, pb.TranslateStreamResponse(delta=delta), context)
+                        emitted += delta
             await future
         except asyncio.CancelledError:
             self._cancelled(call)

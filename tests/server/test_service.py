@@ -1,6 +1,7 @@
 """The gRPC service on a real port: equality with OnnxTranslator under concurrency, streaming,
 invalid input, overload, deadlines, health and reflection."""
 
+import asyncio
 import concurrent.futures
 import random
 import threading
@@ -11,7 +12,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.translator import OnnxTranslator
+from nmtserve.server.app import start_server
 from nmtserve.server.config import ServerConfig
 from nmtserve.training.data import read_tsv
 from nmtserve.v1 import translation_pb2 as pb
@@ -92,6 +95,26 @@ def test_stream_deltas_join_to_the_final_text(served, sentences):
             assert "".join(deltas) == final.text
             unary = stub.Translate(pb.TranslateRequest(sentences=[sentence]), timeout=30).translations[0]
             assert final.text == unary.text and final.output_tokens == unary.output_tokens
+
+
+def test_stream_interval_sends_a_delta_per_interval_of_tokens(tiny_bundle, sentences):
+    server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
+                                       stream_interval=4))
+    try:
+        with server.channel() as channel:
+            stub = pb_grpc.TranslationServiceStub(channel)
+            longest = 0
+            for sentence in sentences[:8]:
+                messages = list(stub.TranslateStream(pb.TranslateStreamRequest(sentence=sentence), timeout=30))
+                final, deltas = messages[-1].final, [m.delta for m in messages[:-1]]
+                assert "".join(deltas) == final.text
+                assert len(deltas) <= final.output_tokens // 4 + 1  # one per 4 tokens, and what is left at the end
+                longest = max(longest, final.output_tokens)
+            assert longest >= 8  # (a stream long enough that one delta a token would break the bound)
+    finally:
+        server.stop()
+    with pytest.raises(ConfigError, match="--stream-interval 0: must be at least 1"):
+        asyncio.run(start_server(ServerConfig(bundle=str(tiny_bundle), port=0, metrics_port=-1, stream_interval=0)))
 
 
 @pytest.mark.parametrize("request_, field", [
