@@ -70,8 +70,10 @@ class ServerMetrics:
         if children is None:
             children = self._step_children[model] = (self.step_rows.labels(model), self.step_tokens.labels(model),
                                                       self.step_duration.labels(model))
-        for histogram, value in zip(children, (rows, cache_tokens, seconds)):
-            histogram.observe(value)
+        step_rows, step_tokens, step_duration = children
+        step_rows.observe(rows)
+        step_tokens.observe(cache_tokens)
+        step_duration.observe(seconds)
 
     # -- reported by the servicer
     def sentence(self, model: str, rpc: str, request) -> None:

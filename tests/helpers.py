@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -21,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from nmtserve.server.app import start_server
 from nmtserve.server.config import ServerConfig
 from nmtserve.server.metrics import ServerMetrics
+from nmtserve.tokenizer import StreamDecoder
 from nmtserve.training.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,3 +129,20 @@ def metric(samples: list, name: str, **labels: str) -> float:
 
 def metric_names(expr: str) -> set[str]:
     return set(re.findall(r"\b(nmtserve_[a-z_]+)\b", expr))
+
+
+def stream_decoded(decode, ids: list[int], rng: random.Random) -> tuple[str, list[int]]:
+    """ids fed to a StreamDecoder in random chunks of 1-3 -> the text it emitted, and the length of every
+    window it decoded; after each chunk the text so far is a prefix of the whole text."""
+    windows: list[int] = []
+
+    def counted(x):
+        windows.append(len(x))
+        return decode(x)
+    decoder, text, i = StreamDecoder(counted), "", 0
+    while i < len(ids):
+        n = rng.choice([1, 1, 2, 3])
+        text += decoder.add(ids[i:i + n])
+        i += n
+        assert decode(ids).startswith(text), (ids, text)
+    return text, windows

@@ -15,7 +15,7 @@ from nmtserve.tokenizer import MarianTokenizer
 from nmtserve.training.checkpoint import load_model
 from nmtserve.training.marian import MarianError, import_marian
 from nmtserve.training.model import KVCache
-from tests.helpers import run_cli
+from tests.helpers import run_cli, stream_decoded
 
 
 def reference(marian_dir):
@@ -169,13 +169,11 @@ def test_generation_settings_in_config_json_are_read_when_there_is_no_generation
 
 def test_stream_text_of_a_marian_target_is_always_a_prefix_of_the_whole(marian_dir):
     """Marian's target detokenization strips the ends: a trailing space waits for the next piece."""
-    from tests.training.test_tokenizer import stream
-
     tok = MarianTokenizer.from_files(marian_dir)
     rng = random.Random(0)
     streamed = 0
     for text in sentences(ENGLISH, 60, 3):
         ids = [i for i in tok.encode(text) if i != tok.eos_id]
-        out, _ = stream(tok.decode, ids, rng)
+        out, _ = stream_decoded(tok.decode, ids, rng)
         streamed += len(out)
     assert streamed > 0

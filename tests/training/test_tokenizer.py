@@ -3,8 +3,9 @@ incrementally."""
 
 import random
 
-from nmtserve.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, StreamDecoder, Tokenizer
+from nmtserve.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 from nmtserve.training.data import read_tsv
+from tests.helpers import stream_decoded
 
 
 def test_round_trip_and_special_ids(tiny_corpus):
@@ -22,35 +23,18 @@ def test_round_trip_and_special_ids(tiny_corpus):
     assert again.encode(pairs[0][0]) == tok.encode(pairs[0][0])
 
 
-def stream(decode, ids: list[int], rng: random.Random) -> tuple[str, list[int]]:
-    """ids fed to a StreamDecoder in random chunks of 1-3 -> the text it emitted, and the length of every
-    window it decoded; after each chunk the text so far is a prefix of the whole text."""
-    windows: list[int] = []
-
-    def counted(x):
-        windows.append(len(x))
-        return decode(x)
-    decoder, text, i = StreamDecoder(counted), "", 0
-    while i < len(ids):
-        n = rng.choice([1, 1, 2, 3])
-        text += decoder.add(ids[i:i + n])
-        i += n
-        assert decode(ids).startswith(text), (ids, text)
-    return text, windows
-
-
 def test_stream_text_joins_to_the_whole_and_decodes_only_a_window(tiny_corpus):
     pairs = read_tsv(tiny_corpus / "train.tsv").pairs
     tok = Tokenizer.train((s for p in pairs for s in p), vocab_size=400)
     rng = random.Random(0)
     for _, target in pairs[:200]:
         ids = tok.encode(target)
-        text, _ = stream(tok.decode, ids, rng)
+        text, _ = stream_decoded(tok.decode, ids, rng)
         assert text == tok.decode(ids) == target
     # a long stream (40 sentences, ~500 ids): each add decodes the ids since the previous delta's start,
     # so the work is linear in the length (decoding the whole prefix each time: ~n²/2 ids)
     long = " ".join(target for _, target in pairs[:40])
     ids = tok.encode(long)
-    text, windows = stream(tok.decode, ids, rng)
+    text, windows = stream_decoded(tok.decode, ids, rng)
     assert text == long and len(ids) > 400
     assert sum(windows) <= 6 * len(ids)
