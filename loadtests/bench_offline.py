@@ -17,8 +17,9 @@ Fair by construction:
 - the report records the CPU model and flags, cores and the libraries' versions, and how fast the host
   ran before and after each measurement (`host_probe`: one core's vector and L3 speed), so a ratio can
   be read against the spells of a shared machine.
-Ratios are ours over CTranslate2's of the same precision, each at its best thread layout. Each
-worker's peak resident memory (ru_maxrss: the model loaded and every batch size run) is reported too.
+Ratios are ours over CTranslate2's of the same precision, each at its best thread layout, and again with
+both at one batch on one thread (1×1) where the sweep has it. Each worker's peak resident memory
+(ru_maxrss: the model loaded and every batch size run) is reported too.
 
 A bundle imported from a Hugging Face Marian directory (`nmtserve import-marian`) is measured against
 that directory: CTranslate2 converts it with its own converter (TransformersConverter, as
@@ -346,6 +347,12 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences:
     # this host's slow spells last minutes, so the spread of these shows how far the ratio itself moved
     paired_ratios = {f"{ours}/{theirs}": {b: _stats([o / t for o, t in zip(per_run(ours, b), per_run(theirs, b))], 3)
                                           for b in batches} for ours, theirs in pairs}
+    # the same ratio with both engines at one batch on one thread (1×1), where both measured it: set beside the
+    # best layouts, it shows how much of a ratio comes from what each engine gains from its other threads
+    single = layout_name(1, 1)
+    single_ratios = {f"{ours}/{theirs}": {b: round(results[ours][single][b]["median"] / results[theirs][single][b]["median"],
+                                                   3) for b in batches}
+                     for ours, theirs in pairs if single in results[ours] and single in results[theirs]}
     reference = next(e for e in ("pytorch", "transformers", "ort_fp32", *cfg.engines) if e in cfg.engines)
     agreement, modules, batch_independent, peak_rss, output_tokens, probe_runs = {}, {}, {}, {}, {}, {}
     for (engine, inter, t), measured in runs.items():
@@ -366,6 +373,7 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences:
             "unit": f"target tokens/s (eos excluded), {decoding_name(cfg.beam_size)}",
             "max_decoding_length": cfg.max_decoding_length, "beam_size": cfg.beam_size,
             "results": results, "best": best, "ratios": ratios, "paired_ratios": paired_ratios,
+            "single_thread_ratios": single_ratios,
             "token_agreement": agreement,
             "peak_rss_mb": peak_rss, "mean_output_tokens": output_tokens,
             "same_output_at_every_batch_size": batch_independent,
@@ -401,6 +409,10 @@ def format_table(report: dict) -> str:
         paired = report["paired_ratios"][name]
         lines.append(f"{'  within each run':<18}" + "".join(
             f"{paired[b]['median']:.2f} [{paired[b]['min']:.2f}–{paired[b]['max']:.2f}]".rjust(20) for b in batches))
+        if name in report.get("single_thread_ratios", {}):
+            row = report["single_thread_ratios"][name]
+            lines.append(f"{'  both at 1x1':<18}" + "".join(f"{row[b]:>8.2f}" for b in batches)
+                         + "   (one batch on one thread each)")
     for name, share in report["token_agreement"].items():
         lines.append(f"{name}: {share:.1%}")
     lines.append("peak RSS (MB): " + ", ".join(f"{e} {mb:,.0f}" for e, mb in report["peak_rss_mb"].items()))

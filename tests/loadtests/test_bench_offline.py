@@ -11,9 +11,9 @@ from tests.helpers import run_cli
 
 def test_offline_bench_measures_each_engine_alone_and_reports_its_best(tiny_bundle, tmp_path):
     out = tmp_path / "bench" / "offline.json"
-    # three of the five engines (the int8 ones are the same code on other files): 10 processes, not 18
+    # three of the five engines (the int8 ones are the same code on other files): 16 processes, not 28
     result = run_cli("bench", "offline", str(tiny_bundle), "--sentences", "12", "--runs", "2", "--batch-sizes", "1,4",
-                     "--threads", "2", "--repeats", "2", "--engines", "pytorch,ort_fp32,ct2_fp32", "--json", str(out),
+                     "--threads", "1,2", "--repeats", "2", "--engines", "pytorch,ort_fp32,ct2_fp32", "--json", str(out),
                      timeout=600)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
@@ -23,8 +23,8 @@ def test_offline_bench_measures_each_engine_alone_and_reports_its_best(tiny_bund
     # each measuring process had its own engine's library loaded and no other
     own = {"pytorch": ["torch"], "ort_fp32": ["onnxruntime"], "ct2_fp32": ["ctranslate2"]}
     assert report["worker_modules_loaded"] == own
-    # 2 threads on one batch; ONNX Runtime and CTranslate2 also as 2 batches at once, one thread each
-    layouts = {e: {"1x2"} | ({"2x1"} if e != "pytorch" else set()) for e in engines}
+    # 1 and 2 threads on one batch; ONNX Runtime and CTranslate2 also as 2 batches at once, one thread each
+    layouts = {e: {"1x1", "1x2"} | ({"2x1"} if e != "pytorch" else set()) for e in engines}
     assert {e: set(names) for e, names in report["layouts_swept"].items()} == layouts
     for engine, by_layout in report["results"].items():
         assert set(by_layout) == layouts[engine]
@@ -43,6 +43,11 @@ def test_offline_bench_measures_each_engine_alone_and_reports_its_best(tiny_bund
         within = sorted(round(o / t, 3) for o, t in zip(ours, theirs))
         paired = report["paired_ratios"]["ort_fp32/ct2_fp32"][batch]
         assert (paired["min"], paired["max"]) == (within[0], within[-1])
+        # and with both engines at one batch on one thread, whatever their best layouts
+        single = report["single_thread_ratios"]["ort_fp32/ct2_fp32"][batch]
+        assert single == round(report["results"]["ort_fp32"]["1x1"][batch]["median"]
+                               / report["results"]["ct2_fp32"]["1x1"][batch]["median"], 3)
+    assert "both at 1x1" in result.stdout
     assert report["token_agreement"]["ort_fp32_vs_pytorch_identical"] == 1.0
     assert report["same_output_at_every_batch_size"]["ort_fp32"] is True
     machine = report["machine"]
