@@ -192,15 +192,16 @@ class StreamDecoder:
         self.decode = decode
         self.ids: list[int] = []
         self.start = self.read = 0  # ids[start:read]: the last delta's ids, decoded again as context
+        self.context = ""  # their text, decoded once per delta (not again while a delta is held back)
 
     def add(self, ids: list[int]) -> str:
         """The new text that `ids` (appended to those so far) make final; "" while it is held back."""
         self.ids.extend(ids)
-        context = self.decode(self.ids[self.start:self.read])
-        text = self.decode(self.ids[self.start:])
+        text, context = self.decode(self.ids[self.start:]), self.context
         if len(text) <= len(context) or not text.startswith(context) or text.endswith("\ufffd"):
             return ""
         self.start, self.read = self.read, len(self.ids)
+        self.context = self.decode(self.ids[self.start:self.read])
         return text[len(context):]
 
 

@@ -20,6 +20,15 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 
 
+def _labelled(cache: dict, key, make) -> tuple:
+    """The labelled children `make()` gives for key, made once: `labels()` costs about what an observation
+    does, and step() and sentence() run for every engine iteration and every sentence."""
+    children = cache.get(key)
+    if children is None:
+        children = cache[key] = make()
+    return children
+
+
 class ServerMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
@@ -64,13 +73,9 @@ class ServerMetrics:
         self.waiting.labels(model).set_function(lambda: engine.stats()["waiting"])
 
     def step(self, model: str, rows: int, cache_tokens: int, seconds: float) -> None:
-        """After every engine iteration (the engine thread): a model's labelled histograms are looked up
-        once, as `labels()` costs about what an observation does."""
-        children = self._step_children.get(model)
-        if children is None:
-            children = self._step_children[model] = (self.step_rows.labels(model), self.step_tokens.labels(model),
-                                                      self.step_duration.labels(model))
-        step_rows, step_tokens, step_duration = children
+        """After every engine iteration (the engine thread)."""
+        step_rows, step_tokens, step_duration = _labelled(self._step_children, model, lambda: (
+            self.step_rows.labels(model), self.step_tokens.labels(model), self.step_duration.labels(model)))
         step_rows.observe(rows)
         step_tokens.observe(cache_tokens)
         step_duration.observe(seconds)
@@ -83,14 +88,11 @@ class ServerMetrics:
         if reason in ("cancelled", "deadline"):
             self.cancelled.labels(model, mode, reason).inc()
             return
-        key = (model, mode, rpc, reason)
-        children = self._sentence_children.get(key)
-        if children is None:  # labelled once per key, as step()'s
-            children = self._sentence_children[key] = (
+        sentences, input_tokens, output_tokens, queue_time, ttft, tpot, duration = _labelled(
+            self._sentence_children, (model, mode, rpc, reason), lambda: (
                 self.sentences.labels(model, mode, reason), self.input_tokens.labels(model, mode),
                 self.output_tokens.labels(model, mode), self.queue_time.labels(model, mode),
-                self.ttft.labels(model, mode), self.tpot.labels(model, mode), self.request_duration.labels(model, mode, rpc))
-        sentences, input_tokens, output_tokens, queue_time, ttft, tpot, duration = children
+                self.ttft.labels(model, mode), self.tpot.labels(model, mode), self.request_duration.labels(model, mode, rpc)))
         sentences.inc()
         input_tokens.inc(len(request.src_ids))
         output_tokens.inc(len(request.tokens))
