@@ -244,3 +244,38 @@ def test_requests_at_every_limit_over_grpc_end_with_length_alone_and_in_a_busy_b
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().endswith(message)
     finally:
         server.stop()
+
+
+def test_engine_threads_wake_the_event_loop_once_for_calls_made_together():
+    """_Wakeups: calls from other threads all run on the loop, each thread's in its order, none lost, with
+    fewer wake-ups of the loop than calls (one write to its self-pipe per call cost the engine thread
+    ~0.24 ms each at saturation)."""
+    from nmtserve.server.service import _Wakeups
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        wakeups, ran, woken = _Wakeups(loop), [], [0]
+        real = loop.call_soon_threadsafe
+
+        def counted(*args):
+            woken[0] += 1
+            return real(*args)
+        loop.call_soon_threadsafe = counted
+
+        def producer(name):
+            for i in range(2000):
+                wakeups.call(lambda i=i: ran.append((name, i, threading.current_thread() is threading.main_thread())))
+        threads = [threading.Thread(target=producer, args=(name,)) for name in "ab"]
+        for t in threads:
+            t.start()
+        deadline = loop.time() + 20  # a lost wake-up leaves calls unrun: the asserts below say so
+        while (any(t.is_alive() for t in threads) or len(ran) < 4000) and loop.time() < deadline:
+            await asyncio.sleep(0.001)
+        for t in threads:
+            t.join()
+        return ran, woken[0]
+    ran, woken = asyncio.run(main())
+    assert len(ran) == 4000 and all(on_loop for _, _, on_loop in ran)
+    for name in "ab":
+        assert [i for n, i, _ in ran if n == name] == list(range(2000))
+    assert 1 <= woken < 4000
