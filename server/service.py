@@ -86,7 +86,7 @@ class _Wakeups:
         self.pending = False  # before the calls are taken: a later call schedules its own wake-up
         for _ in range(len(self.calls)):
             function, args = self.calls.popleft()
-            function(*args)
+            self.loop.call_soon(function, *args)  # each a handle of its own: one that raises stops no other
 
 
 class _Inbox:
