@@ -182,6 +182,8 @@ class Engine:
 
     # -- the loop
     def _loop(self) -> None:
+        if _LIBC is not None:
+            _LIBC.prctl(15, b"nmtserve-engine", 0, 0, 0)  # PR_SET_NAME: top -H and perf show the thread by name
         while True:
             if time.monotonic() >= self.next_trim:
                 release_free_memory()

@@ -5,6 +5,7 @@ Every test runs twice: with the caches as host numpy arrays (the CPU default), a
 OrtValues bound by IOBinding (the CUDA path, here on ONNX Runtime's CPU provider)."""
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -404,3 +405,14 @@ def test_requests_that_waited_long_still_gather_after_an_admission(translator, s
     assert not any(r.done.is_set() for r in running[2:])  # (no other row freed meanwhile)
     assert joined[:2] == [[], []]  # waited 6 steps and more, yet they gather: an admission was just made
     assert len(joined[2]) == 1 and joined[2][0] in waiting
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux only: the thread name is set with prctl")
+def test_the_engine_thread_is_named_for_top_and_perf(translator):
+    """The engine thread's name in the kernel (top -H, perf, /proc) is nmtserve-engine, not python."""
+    engine = Engine(translator).start()
+    try:
+        engine.submit(Request([5, 6, 7], max_decoding_length=2)).done.wait(30)  # the loop has started
+        assert Path(f"/proc/self/task/{engine.thread.native_id}/comm").read_text().strip() == "nmtserve-engine"
+    finally:
+        engine.stop()
