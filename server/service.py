@@ -135,14 +135,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         self.models, self.config, self.metrics = models, config, metrics
         self.accepting = True
         self.last_arrival = time.monotonic()  # when the latest call arrived (the drain waits for a quiet moment)
-        self._wakeups: _Wakeups | None = None  # the serving loop's (wakeups())
-
-    def wakeups(self) -> _Wakeups:
-        """The running event loop's _Wakeups (one loop serves this servicer)."""
-        loop = asyncio.get_running_loop()
-        if self._wakeups is None or self._wakeups.loop is not loop:
-            self._wakeups = _Wakeups(loop)
-        return self._wakeups
+        self.wakeups = _Wakeups(asyncio.get_running_loop())  # made on the loop that serves it (start_server)
 
     def _call(self, rpc: str) -> _Call:
         self.last_arrival = time.monotonic()
@@ -162,7 +155,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
     # -- engine round trip
     def _request(self, call: _Call, ids: list[int], options: tuple[int, DecodingOptions, bool], context, on_token=None,
                  on_done=None):
-        wakeups = self.wakeups()
+        wakeups = self.wakeups
         future = wakeups.loop.create_future()
         remaining = context.time_remaining()
 
@@ -276,7 +269,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         return response
 
     async def TranslateStream(self, request: pb.TranslateStreamRequest, context):
-        tokens = _Inbox(self.wakeups())
+        tokens = _Inbox(self.wakeups)
         call = self._call("TranslateStream")
         try:
             model = self._model(call, request)
