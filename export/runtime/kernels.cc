@@ -2,7 +2,8 @@
 // as a decoder step has: ONNX Runtime's GroupQueryAttention and MultiHeadAttention make two MLAS calls per
 // row and head for a few thousand multiply-adds; here each row and head is one plain loop over its
 // keys, vectorised by the compiler over the head dimension (docs/performance.md, "A kernel of our own").
-// And the step's search head: each row's best candidates and their log-softmax in one pass.
+// And the step's search head: each row's best candidates and their log-softmax in one pass. And the int8
+// graphs' activation quantisation with a scale per row, so that a row's result never depends on its batch.
 // Built by export/runtime/kernels.py against ONNX Runtime's C API header; loaded with
 // SessionOptions.register_custom_ops_library; the step graph's nodes are swapped at load time.
 #define ORT_API_MANUAL_INIT
@@ -276,6 +277,53 @@ void SearchHead(OrtKernelContext* context, const Ort::Custom::Tensor<float>& log
   if (k > 0) Ort::KernelContext(context).ParallelFor(head_row, rows, 0, &w);
 }
 
+// One row of RowQuantize: q = round(x / scale) + zero point (ties to even), scale = max |x| / 127 with zero
+// point 128 (symmetric: 1..255), or max x / 255 with zero point 0 for a row that cannot be negative (a
+// Relu's output; a negative value would clamp to 0). A row of zeros gets scale 1 (all zero points).
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+void quantize_row(const float* x, uint8_t* q, float* scale, int64_t k, bool nonnegative) {
+  Floats8 top8 = {}, v;
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) {
+    std::memcpy(&v, x + i, sizeof v);
+    v = v < 0.f ? -v : v;
+    top8 = v > top8 ? v : top8;
+  }
+  float top = 0.f;
+  for (int j = 0; j < 8; j++) top = top8[j] > top ? top8[j] : top;
+  for (; i < k; i++) top = std::fabs(x[i]) > top ? std::fabs(x[i]) : top;
+  const float levels = nonnegative ? 255.f : 127.f;
+  *scale = top > 0.f ? top / levels : 1.f;
+  const float inverse = top > 0.f ? levels / top : 1.f;
+  if (nonnegative) {
+    for (int64_t j = 0; j < k; j++) q[j] = static_cast<uint8_t>(std::rint(std::max(x[j], 0.f) * inverse));
+  } else {
+    for (int64_t j = 0; j < k; j++) q[j] = static_cast<uint8_t>(static_cast<int32_t>(std::rint(x[j] * inverse)) + 128);
+  }
+}
+
+// DynamicQuantizeLinear with a scale per row instead of one for the whole tensor: x (..., K) float ->
+// q (..., K) uint8 and scale (..., 1), each row over its last axis. zero_point (a uint8 scalar, 128 or 0)
+// is the one the MatMulInteger after it reads (kernels.with_row_quantize). ONNX Runtime's
+// MatMulIntegerToFloat, fused from MatMulInteger and the Mul of the two scales, multiplies each output
+// row by its own scale, and its integer product of a row involves that row alone: int8 results are
+// the same in any batch.
+Ort::Status RowQuantize(const Ort::Custom::Tensor<float>& x, const Ort::Custom::Tensor<uint8_t>& zero_point,
+                        Ort::Custom::Tensor<uint8_t>& q, Ort::Custom::Tensor<float>& scale) {
+  if (zero_point.NumberOfElement() != 1 || (zero_point.Data()[0] != 0 && zero_point.Data()[0] != 128))
+    return Ort::Status("RowQuantize: zero_point must be one value, 128 or 0", ORT_INVALID_ARGUMENT);
+  const uint8_t zp = zero_point.Data()[0];
+  const std::vector<int64_t> shape = x.Shape();
+  std::vector<int64_t> scale_shape = shape;
+  scale_shape.back() = 1;
+  const int64_t k = shape.back(), rows = k > 0 ? x.NumberOfElement() / k : 0;
+  const float* in = x.Data();
+  uint8_t* out = q.Allocate(shape);
+  float* scales = scale.Allocate(scale_shape);
+  for (int64_t r = 0; r < rows; r++) quantize_row(in + r * k, out + r * k, scales + r, k, zp == 0);
+  return Ort::Status{nullptr};
+}
+
 }  // namespace
 
 extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
@@ -291,8 +339,10 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
       Ort::Custom::CreateLiteCustomOp("DecodeBeamSelfAttention", "CPUExecutionProvider", DecodeBeamSelfAttention)};
   static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> head_op{
       Ort::Custom::CreateLiteCustomOp("SearchHead", "CPUExecutionProvider", SearchHead)};
+  static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> quantize_op{
+      Ort::Custom::CreateLiteCustomOp("RowQuantize", "CPUExecutionProvider", RowQuantize)};
   static const bool added = (domain.Add(self_op.get()), domain.Add(cross_op.get()), domain.Add(beam_op.get()),
-                              domain.Add(head_op.get()), true);
+                              domain.Add(head_op.get()), domain.Add(quantize_op.get()), true);
   (void)added;
   Ort::UnownedSessionOptions(options).Add(domain);
   return nullptr;

@@ -12,6 +12,9 @@ row that continues another's hypothesis copies no cache). `nmtserve.SearchHead` 
 step's search head (`with_search_head`: an If of LogSoftmax then TopK, or ArgMax without scores): each
 row's K best logits in one pass, and their log-softmax from one sum of exponentials, without writing
 the log-probabilities of the whole vocabulary (docs/performance.md, "The search head in one pass").
+`nmtserve.RowQuantize` takes the place of each DynamicQuantizeLinear of the int8 graphs, encoder and
+decoder (`with_row_quantize`): each row's activations on a scale of their own, so that a sentence's int8
+result no longer depends on its batch-mates (ONNX Runtime's scale is one for the whole tensor).
 
 The library is built on the machine that runs it, by `python -m nmtserve.export.runtime.kernels` (`make
 kernels`; `make test` runs it), with a C++ compiler and ONNX Runtime's C API headers: the system's
@@ -31,8 +34,9 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from nmtserve.errors import ConfigError
 
@@ -135,6 +139,51 @@ def with_custom_kernels(model: onnx.ModelProto, beam_origin: bool = False) -> on
     if beam_origin:
         model.graph.input.append(helper.make_tensor_value_info("cache_origin", onnx.TensorProto.INT32, ["batch", "slots"]))
     model.opset_import.append(helper.make_opsetid("nmtserve", 1))
+    return model
+
+
+def with_row_quantize(model: onnx.ModelProto) -> onnx.ModelProto:
+    """An int8 graph of `quantize_dynamic` (changed in place) with each DynamicQuantizeLinear as
+    nmtserve.RowQuantize: a scale per row (the last axis) instead of one for the tensor. Its zero point,
+    which the MatMulInteger after it reads, becomes a constant: 0 where the input is a Relu's output (it
+    cannot be negative: 255 levels above zero), else 128 (symmetric, 127 levels each side). ONNX Runtime
+    then fuses MatMulInteger, its Cast and the scales' Mul into MatMulIntegerToFloat, which multiplies each
+    output row by its own scale. It would fold the bias Add after them into that node too, and then scale
+    the bias by the row's scale as well (onnxruntime 1.32: off by up to a quarter of the output in a test
+    of one such node), so each such Add becomes a Sub of the negated bias, which it leaves as it is. A
+    graph without DynamicQuantizeLinear (fp32) comes back unchanged."""
+    made_by = {output: node for node in model.graph.node for output in node.output}
+    constants = {i.name: i for i in model.graph.initializer}
+
+    def from_row_scaled_product(name: str) -> bool:  # Mul(Cast(MatMulInteger(RowQuantize's q…)), scale)
+        chain = [made_by.get(name)]
+        for op in ("Mul", "Cast", "MatMulInteger"):
+            if chain[-1] is None or chain[-1].op_type != op:
+                return False
+            chain.append(made_by.get(chain[-1].input[0]))
+        return chain[-1] is not None and chain[-1].op_type == "DynamicQuantizeLinear"
+
+    nodes = []
+    for node in model.graph.node:
+        if node.op_type == "DynamicQuantizeLinear":
+            quantized, scale, zero_point = node.output
+            source = made_by.get(node.input[0])
+            nonnegative = source is not None and source.op_type == "Relu"
+            model.graph.initializer.append(numpy_helper.from_array(np.array(0 if nonnegative else 128, np.uint8), zero_point))
+            node = helper.make_node("RowQuantize", [node.input[0], zero_point], [quantized, scale], name=node.name,
+                                    domain="nmtserve")
+        elif node.op_type == "Add" and any(from_row_scaled_product(x) and y in constants
+                                            for x, y in (node.input, node.input[::-1])):
+            product, bias = node.input if node.input[1] in constants else node.input[::-1]
+            negated = numpy_helper.from_array(-numpy_helper.to_array(constants[bias]), f"{bias}_negated")
+            model.graph.initializer.append(negated)
+            node = helper.make_node("Sub", [product, negated.name], list(node.output), name=node.name)
+        nodes.append(node)
+    if nodes != list(model.graph.node):
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        if not any(opset.domain == "nmtserve" for opset in model.opset_import):
+            model.opset_import.append(helper.make_opsetid("nmtserve", 1))
     return model
 
 

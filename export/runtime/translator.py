@@ -272,7 +272,7 @@ class OnnxTranslator:
 
     def __init__(self, bundle: str | Path | Bundle, device: str = "cpu", variant: str | None = None,
                  intra_op_threads: int = 0, io_binding: bool | None = None, shared_cross: bool = True,
-                 inter_threads: int = 1, attention_kernel: bool | None = None):
+                 inter_threads: int = 1, attention_kernel: bool | None = None, row_scales: bool | None = None):
         if inter_threads < 1:
             raise ConfigError(f"inter_threads {inter_threads}: must be at least 1")
         if inter_threads > 1 and device == "cuda":
@@ -298,7 +298,18 @@ class OnnxTranslator:
         # the weights both graphs hold (the tied embedding), one host copy read by both sessions
         self.shared_weights = shared_weights(encoder_path, decoder) if device == "cpu" else {}
         self._shared_values = {name: ort.OrtValue.ortvalue_from_numpy(w) for name, w in self.shared_weights.items()}
-        self.encoder = make_session(encoder_path, device, intra_op_threads, initializers=self._shared_values)
+        # int8 on nmtserve's kernels: each row's activations quantised on a scale of its own (RowQuantize), so
+        # that no row's result depends on its batch-mates; off (row_scales=False): ONNX Runtime's one scale
+        # for the whole tensor, 3-14% faster (docs/performance.md, "int8 scales per row")
+        if row_scales and not self.attention_kernel:
+            raise ConfigError("row_scales: int8 scales per row are one of nmtserve's kernels, which are off here")
+        quantised = any(n.op_type == "DynamicQuantizeLinear" for n in decoder.graph.node)
+        self.row_scales = quantised and (self.attention_kernel if row_scales is None else row_scales)
+        encoder = kernels.with_row_quantize(onnx.load(str(encoder_path))).SerializeToString() if self.row_scales else None
+        self.encoder = make_session(encoder_path, device, intra_op_threads, model=encoder,
+                                    custom_ops=kernels.LIBRARY if self.row_scales else None,
+                                    initializers=self._shared_values)
+        del encoder
         # shared_cross: a beam's rows share their source's cross K/V (`with_shared_cross`), as offline search
         # wants; the server's engine, whose steps mix rows of different widths, runs the bundle's step as
         # exported (False), each row with its own copy
@@ -334,6 +345,8 @@ class OnnxTranslator:
             model = with_shared_cross(model, self.bundle.model["n_heads"], self.bundle.model["d_model"])
         if self.attention_kernel:
             model = kernels.with_custom_kernels(model, beam_origin=self.cache_origin)
+        if self.row_scales:
+            model = kernels.with_row_quantize(model)
         return model.SerializeToString()
 
     # -- the two graphs; K/V are stacked (L, B, H, T|S, Dh) here and fed one layer per input

@@ -178,6 +178,9 @@ def test_asking_for_the_kernel_where_it_cannot_run_is_a_config_error(tiny_bundle
     with pytest.raises(ConfigError, match="missing.so is not built"):
         OnnxTranslator(tiny_bundle, attention_kernel=True)
     assert not OnnxTranslator(tiny_bundle).attention_kernel  # not built: ONNX Runtime's own nodes
+    with pytest.raises(ConfigError, match="int8 scales per row are one of nmtserve's kernels"):
+        OnnxTranslator(tiny_bundle, variant="int8", row_scales=True)
+    assert not OnnxTranslator(tiny_bundle, variant="int8").row_scales  # ONNX Runtime's scale per tensor
 
 
 @pytest.mark.parametrize("shared_cross", [True, False], ids=["offline", "server-step"])
@@ -197,3 +200,91 @@ def test_searches_with_the_kernels_give_the_tokens_and_scores_of_ort_nodes(tiny_
                 assert np.abs(pairs[:, 0] - pairs[:, 1]).max() < TEST_SCORE_TOLERANCE
             else:  # greedy without scores scores nothing
                 assert np.isnan(pairs).all()
+
+
+def test_row_quantize_gives_each_row_its_own_scale():
+    """Against numpy: q = round(x / scale) + zero point, ties to even; scale max |x| / 127 around 128, or
+    max x / 255 from 0 (a Relu's output); a row of zeros gets scale 1. Rows of 3 and 21 values (the
+    vectorised loop's tail) and a leading batch axis."""
+    session = _session(helper.make_node("RowQuantize", ["x", "zero_point"], ["q", "scale"], domain="nmtserve"),
+                       [("x", TensorProto.FLOAT), ("zero_point", TensorProto.UINT8)], [("q", TensorProto.UINT8), "scale"])
+    rng = np.random.default_rng(3)
+    for shape in ((4, 21), (2, 3, 3)):
+        x = (rng.standard_normal(shape) * rng.uniform(0.01, 100, shape[:-1] + (1,))).astype(np.float32)
+        x[(0,) * (len(shape) - 1)] = 0  # a row of zeros
+        for zero_point, levels in ((128, 127), (0, 255)):
+            source = x if zero_point else np.maximum(x, 0)
+            q, scale = session.run(None, {"x": source, "zero_point": np.array(zero_point, np.uint8)})
+            top = np.abs(source).max(axis=-1, keepdims=True)
+            safe = np.where(top > 0, top, levels)  # a row of zeros: scale 1
+            expected_scale = (safe / levels).astype(np.float32)
+            assert scale.shape == shape[:-1] + (1,) and np.allclose(scale, expected_scale, rtol=1e-6)
+            expected = np.rint(source * (levels / safe).astype(np.float32)) + zero_point
+            assert q.dtype == np.uint8 and np.abs(q.astype(int) - expected).max() <= 1  # at most a tie rounded apart
+            assert np.mean(q == expected) > 0.95 and (q[(0,) * (len(shape) - 1)] == zero_point).all()
+            assert np.allclose((q.astype(np.float32) - zero_point) * scale, source, atol=float(scale.max()) / 2 + 1e-6)
+    with pytest.raises(Exception, match="zero_point must be one value, 128 or 0"):
+        session.run(None, {"x": np.ones((1, 4), np.float32), "zero_point": np.array(7, np.uint8)})
+
+
+def test_int8_graphs_quantise_each_row_on_its_own_scale_with_the_kernels(tiny_bundle):
+    """Every DynamicQuantizeLinear of the int8 encoder and step becomes RowQuantize, with zero point 0
+    after a Relu and 128 elsewhere; without the kernels the graphs keep ONNX Runtime's per-tensor node."""
+    rows, plain = (OnnxTranslator(tiny_bundle, variant="int8", attention_kernel=kernel) for kernel in (True, False))
+    assert rows.row_scales and not plain.row_scales and not OnnxTranslator(tiny_bundle).row_scales  # fp32: none
+    decoder = onnx.load(str(tiny_bundle / "decoder.int8.onnx"))
+    quantized = sum(n.op_type == "DynamicQuantizeLinear" for n in decoder.graph.node)
+    after_relu = sum(n.op_type == "Relu" for n in decoder.graph.node)
+    graph = onnx.load_from_string(rows._step_graph(decoder, True)).graph
+    assert [n.op_type for n in graph.node].count("RowQuantize") == quantized and quantized > after_relu > 0
+    assert "DynamicQuantizeLinear" not in [n.op_type for n in graph.node]
+    zero_points = {i.name: int(onnx.numpy_helper.to_array(i)) for i in graph.initializer if i.name.endswith("zero_point")}
+    made_by = {o: n.op_type for n in graph.node for o in n.output}
+    for node in (n for n in graph.node if n.op_type == "RowQuantize"):
+        assert zero_points[node.input[1]] == (0 if made_by.get(node.input[0]) == "Relu" else 128)
+    assert "DynamicQuantizeLinear" in _ops(plain)
+    encoder = onnx.load(str(tiny_bundle / "encoder.int8.onnx"))
+    assert "DynamicQuantizeLinear" not in [n.op_type for n in kernels.with_row_quantize(encoder).graph.node]
+
+
+@pytest.mark.parametrize("options", [DecodingOptions(), DecodingOptions(beam_size=4, num_hypotheses=2)], ids=["greedy", "beam4"])
+def test_int8_results_are_the_same_in_any_batch_with_row_scales(tiny_bundle, tiny_corpus, options):
+    """With a scale per row (RowQuantize) a sentence's int8 tokens and scores are the same alone and in
+    batches of 4 and 40, in any order of its batch-mates; ONNX Runtime's per-tensor scale let them move
+    (1 of the 200 test sentences of the default model, greedy; docs/architecture.md)."""
+    tr = OnnxTranslator(tiny_bundle, variant="int8", intra_op_threads=1)
+    sources = [tr.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
+    alone = [tr.search_ids([s], options, max_batch_size=1, scores=True)[0] for s in sources]
+    for batch, order in ((4, sources), (40, sources[::-1])):
+        found = tr.search_ids(order, options, max_batch_size=batch, scores=True)
+        found = found if order is sources else found[::-1]
+        assert [[h.tokens for h in x] for x in found] == [[h.tokens for h in x] for x in alone]
+        assert np.abs(np.array([h.score - g.score for x, y in zip(found, alone) for h, g in zip(x, y)])).max() < 1e-5
+
+
+def test_a_row_quantized_matmul_adds_its_bias_once(tmp_path):
+    """x @ W + b through quantize_dynamic and with_row_quantize, in a session with ONNX Runtime's
+    optimisations on: each row equals numpy's product of that row quantised on its own scale, plus b.
+    (ONNX Runtime would fold the bias Add into MatMulIntegerToFloat and scale the bias by each row's scale;
+    with_row_quantize turns that Add into a Sub it leaves alone.)"""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    rng = np.random.default_rng(4)
+    w, b = rng.standard_normal((32, 24)).astype(np.float32), 10 * rng.standard_normal(24).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["xw"]), helper.make_node("Add", ["b", "xw"], ["y"])],
+                              "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 32])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 24])],
+                              [onnx.numpy_helper.from_array(w, "w"), onnx.numpy_helper.from_array(b, "b")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "fp32.onnx")
+    quantize_dynamic(tmp_path / "fp32.onnx", tmp_path / "int8.onnx", weight_type=QuantType.QInt8)
+    model = kernels.with_row_quantize(onnx.load(tmp_path / "int8.onnx"))
+    assert [n.op_type for n in model.graph.node].count("Sub") == 1
+    options = session_options(1)
+    options.register_custom_ops_library(str(kernels.LIBRARY))
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    x = (rng.standard_normal((5, 32)) * rng.uniform(0.1, 10, (5, 1))).astype(np.float32)
+    [[w_scale], [w_q]] = [[onnx.numpy_helper.to_array(i) for i in model.graph.initializer if i.name.endswith(suffix)]
+                          for suffix in ("w_scale", "w_quantized")]
+    x_scale = np.abs(x).max(axis=1, keepdims=True) / 127
+    expected = (np.rint(x / x_scale) @ w_q.astype(np.float32)) * x_scale * w_scale + b
+    assert np.abs(session.run(None, {"x": x})[0] - expected).max() < 1e-3 * np.abs(expected).max()

@@ -291,6 +291,20 @@ MODES = [DecodingOptions(), DecodingOptions(beam_size=4, num_hypotheses=2), Deco
 def test_greedy_beam_and_sampled_requests_share_steps_and_each_gets_what_it_gets_alone(translator, sources, batching):
     """Requests of every mode and size join one running batch at staggered times: each gets exactly the
     n-best list (or draws) it gets alone, and the rows in use never pass the budget (a beam takes k)."""
+    _share_steps_and_get_what_each_gets_alone(translator, sources, batching)
+
+
+def test_int8_requests_get_what_they_get_alone_in_a_busy_mixed_batch(tiny_bundle, tiny_corpus):
+    """The same with the int8 variant: each row's activations are quantised on a scale of its own
+    (nmtserve.RowQuantize), so its batch-mates cannot move its result (with ONNX Runtime's one scale for
+    the whole tensor, attention_kernel=False, this test fails: a beam's score moves)."""
+    int8 = OnnxTranslator(tiny_bundle, variant="int8", intra_op_threads=1, shared_cross=False)
+    assert int8.row_scales
+    sources = [int8.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
+    _share_steps_and_get_what_each_gets_alone(int8, sources, "continuous")
+
+
+def _share_steps_and_get_what_each_gets_alone(translator, sources, batching):
     modes = [MODES[i % len(MODES)] for i in range(len(sources))]
     alone = [translator.search_ids([s], m, max_batch_size=1)[0] for s, m in zip(sources, modes)]
     seen = []  # (rows in use, decoding modes present) after each step
