@@ -152,8 +152,15 @@ def with_row_quantize(model: onnx.ModelProto) -> onnx.ModelProto:
     the bias by the row's scale as well (onnxruntime 1.32: off by up to a quarter of the output in a test
     of one such node), so each such Add becomes a Sub of the negated bias, which it leaves as it is. A
     graph without DynamicQuantizeLinear (fp32) comes back unchanged."""
+    if not any(node.op_type == "DynamicQuantizeLinear" for node in model.graph.node):
+        return model
     made_by = {output: node for node in model.graph.node for output in node.output}
-    constants = {i.name: i for i in model.graph.initializer}
+    initializers = {i.name: i for i in model.graph.initializer}
+
+    def constant(name: str) -> onnx.TensorProto | None:  # an initializer, or one passed on by Identity nodes
+        while name in made_by and made_by[name].op_type == "Identity":
+            name = made_by[name].input[0]
+        return initializers.get(name)
 
     def from_row_scaled_product(name: str) -> bool:  # Mul(Cast(MatMulInteger(RowQuantize's q…)), scale)
         chain = [made_by.get(name)]
@@ -172,18 +179,17 @@ def with_row_quantize(model: onnx.ModelProto) -> onnx.ModelProto:
             model.graph.initializer.append(numpy_helper.from_array(np.array(0 if nonnegative else 128, np.uint8), zero_point))
             node = helper.make_node("RowQuantize", [node.input[0], zero_point], [quantized, scale], name=node.name,
                                     domain="nmtserve")
-        elif node.op_type == "Add" and any(from_row_scaled_product(x) and y in constants
+        elif node.op_type == "Add" and any(from_row_scaled_product(x) and constant(y) is not None
                                             for x, y in (node.input, node.input[::-1])):
-            product, bias = node.input if node.input[1] in constants else node.input[::-1]
-            negated = numpy_helper.from_array(-numpy_helper.to_array(constants[bias]), f"{bias}_negated")
+            product, bias = node.input if constant(node.input[1]) is not None else node.input[::-1]
+            negated = numpy_helper.from_array(-numpy_helper.to_array(constant(bias)), f"{bias}_negated")
             model.graph.initializer.append(negated)
             node = helper.make_node("Sub", [product, negated.name], list(node.output), name=node.name)
         nodes.append(node)
-    if nodes != list(model.graph.node):
-        del model.graph.node[:]
-        model.graph.node.extend(nodes)
-        if not any(opset.domain == "nmtserve" for opset in model.opset_import):
-            model.opset_import.append(helper.make_opsetid("nmtserve", 1))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    if not any(opset.domain == "nmtserve" for opset in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("nmtserve", 1))
     return model
 
 
