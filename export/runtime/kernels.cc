@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -249,11 +250,29 @@ struct HeadWork {
   int64_t* ids;
   int64_t vocab, k;
   bool scores;
+  const float* row_scale;  // (rows,) or null: logits[r, j] * row_scale[r] (+ bias[j]) are the logits
+  const float* bias;  // (vocab,) or null
 };
+
+// x * scale + bias (bias may be null) into out. Cloned for AVX2 + FMA, picked when the library loads.
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+void scale_row(const float* x, float scale, const float* bias, int64_t n, float* out) {
+  if (bias) {
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * scale + bias[i];
+  } else {
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * scale;
+  }
+}
 
 void head_row(void* data, size_t row) {
   const auto& w = *static_cast<HeadWork*>(data);
   const float* x = w.logits + row * w.vocab;
+  if (w.row_scale || w.bias) {  // the row's logits, finished here: one pass over a row that stays in cache
+    thread_local std::vector<float> scaled;
+    scaled.resize(w.vocab);
+    scale_row(x, w.row_scale ? w.row_scale[row] : 1.f, w.bias, w.vocab, scaled.data());
+    x = scaled.data();
+  }
   float* values = w.values + row * w.k;
   best_of_row(x, w.vocab, w.k, values, w.ids + row * w.k);
   if (w.scores) {
@@ -265,16 +284,27 @@ void head_row(void* data, size_t row) {
 // The step's search head (OnnxTranslator's with_search_head: LogSoftmax then TopK, or without scores the
 // best by the values before it) in one pass over each row's logits (B, V): candidate_scores and
 // candidate_ids (B, K), K = min(candidates, V), best first, ties by lower id; with_scores: log-softmax
-// values (logit - max - log(sum(exp(logit - max)))), else the logits themselves.
-void SearchHead(OrtKernelContext* context, const Ort::Custom::Tensor<float>& logits,
-                const Ort::Custom::Tensor<int64_t>& candidates, const Ort::Custom::Tensor<bool>& with_scores,
-                Ort::Custom::Tensor<float>& candidate_scores, Ort::Custom::Tensor<int64_t>& candidate_ids) {
+// values (logit - max - log(sum(exp(logit - max)))), else the logits themselves. With row_scale (B, 1)
+// and bias (V,) (int8 scales per row: kernels.with_row_quantize), the logits are logits * row_scale +
+// bias: the output projection's last scaling and its bias, applied here instead of in two passes over
+// the whole (B, V) output.
+Ort::Status SearchHead(OrtKernelContext* context, const Ort::Custom::Tensor<float>& logits,
+                       const Ort::Custom::Tensor<int64_t>& candidates, const Ort::Custom::Tensor<bool>& with_scores,
+                       std::optional<const Ort::Custom::Tensor<float>*> row_scale,
+                       std::optional<const Ort::Custom::Tensor<float>*> bias,
+                       Ort::Custom::Tensor<float>& candidate_scores, Ort::Custom::Tensor<int64_t>& candidate_ids) {
   const std::vector<int64_t> shape = logits.Shape();
   const int64_t rows = shape[0], vocab = shape[1];
+  const bool scaled = row_scale.has_value() && *row_scale != nullptr, biased = bias.has_value() && *bias != nullptr;
+  if (scaled && (*row_scale)->NumberOfElement() != rows)
+    return Ort::Status("SearchHead: row_scale must have one value a row", ORT_INVALID_ARGUMENT);
+  if (biased && (*bias)->NumberOfElement() != vocab)
+    return Ort::Status("SearchHead: bias must have one value a logit", ORT_INVALID_ARGUMENT);
   const int64_t k = std::max<int64_t>(0, std::min(candidates.Data()[0], vocab));
   HeadWork w{logits.Data(), candidate_scores.Allocate({rows, k}), candidate_ids.Allocate({rows, k}), vocab, k,
-             with_scores.Data()[0]};
+             with_scores.Data()[0], scaled ? (*row_scale)->Data() : nullptr, biased ? (*bias)->Data() : nullptr};
   if (k > 0) Ort::KernelContext(context).ParallelFor(head_row, rows, 0, &w);
+  return Ort::Status{nullptr};
 }
 
 // One row of RowQuantize: q = round(x / scale) + zero point (ties to even), scale = max |x| / 127 with zero

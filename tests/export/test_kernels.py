@@ -147,6 +147,30 @@ def test_search_head_gives_each_rows_best_logits_in_order_with_their_log_softmax
     assert ids.shape == (4, vocab)  # at most the vocabulary
 
 
+def test_search_head_applies_each_rows_scale_and_the_bias_when_given():
+    """With row_scale (B, 1) and bias (V,) the logits are logits * row_scale + bias (int8 scales per row):
+    the same candidates and log-softmax as the plain head over those logits; bad shapes are run errors."""
+    rng = np.random.default_rng(5)
+    raw, scale, bias = (rng.standard_normal((3, 130), dtype=np.float32), rng.uniform(0.1, 3, (3, 1)).astype(np.float32),
+                        rng.standard_normal(130, dtype=np.float32))
+    inputs = [("logits", TensorProto.FLOAT), ("candidates", TensorProto.INT64), ("with_scores", TensorProto.BOOL)]
+    outputs = ["scores", ("ids", TensorProto.INT64)]
+    plain = _session(helper.make_node("SearchHead", [n for n, _ in inputs], ["scores", "ids"], domain="nmtserve"),
+                     inputs, outputs)
+    for extra, logits in ((["row_scale"], raw * scale), (["row_scale", "bias"], raw * scale + bias)):
+        scaled = _session(helper.make_node("SearchHead", [n for n, _ in inputs] + extra, ["scores", "ids"],
+                                           domain="nmtserve"), inputs + [(n, TensorProto.FLOAT) for n in extra], outputs)
+        for with_scores in (True, False):
+            common = {"candidates": np.array([4], np.int64), "with_scores": np.array(with_scores)}
+            feeds = {"logits": raw, "row_scale": scale, "bias": bias}
+            got = scaled.run(None, {**common, **{n: feeds[n] for n in ["logits"] + extra}})
+            expected = plain.run(None, {**common, "logits": logits})
+            assert np.array_equal(got[1], expected[1]) and np.allclose(got[0], expected[0], atol=1e-5)
+    with pytest.raises(Exception, match="row_scale must have one value a row"):
+        scaled.run(None, {"logits": raw, "candidates": np.array([4], np.int64), "with_scores": np.array(True),
+                          "row_scale": scale[:2], "bias": bias})
+
+
 def _ops(translator: OnnxTranslator) -> list[str]:
     decoder = onnx.load(str(translator.bundle.graph_path(translator.variant, "decoder")))
     return [n.op_type for n in onnx.load_from_string(translator._step_graph(decoder, translator.shared_cross)).graph.node]
@@ -242,6 +266,10 @@ def test_int8_graphs_quantise_each_row_on_its_own_scale_with_the_kernels(tiny_bu
     made_by = {o: n.op_type for n in graph.node for o in n.output}
     for node in (n for n in graph.node if n.op_type == "RowQuantize"):
         assert zero_points[node.input[1]] == (0 if made_by.get(node.input[0]) == "Relu" else 128)
+    # the output projection: one MatMulIntegerToFloat on the weights' scale, the rows' scales in the head
+    [head] = [n for n in graph.node if n.op_type == "SearchHead"]
+    assert head.input[3] in {n.output[1] for n in graph.node if n.op_type == "RowQuantize"}
+    assert made_by[head.input[0]] == "MatMulIntegerToFloat"
     assert "DynamicQuantizeLinear" in _ops(plain)
     encoder = onnx.load(str(tiny_bundle / "encoder.int8.onnx"))
     assert "DynamicQuantizeLinear" not in [n.op_type for n in kernels.with_row_quantize(encoder).graph.node]
