@@ -162,14 +162,6 @@ def with_row_quantize(model: onnx.ModelProto) -> onnx.ModelProto:
             name = made_by[name].input[0]
         return initializers.get(name)
 
-    def from_row_scaled_product(name: str) -> bool:  # Mul(Cast(MatMulInteger(RowQuantize's q…)), scale)
-        chain = [made_by.get(name)]
-        for op in ("Mul", "Cast", "MatMulInteger"):
-            if chain[-1] is None or chain[-1].op_type != op:
-                return False
-            chain.append(made_by.get(chain[-1].input[0]))
-        return chain[-1] is not None and chain[-1].op_type == "DynamicQuantizeLinear"
-
     nodes = []
     for node in model.graph.node:
         if node.op_type == "DynamicQuantizeLinear":
@@ -179,7 +171,7 @@ def with_row_quantize(model: onnx.ModelProto) -> onnx.ModelProto:
             model.graph.initializer.append(numpy_helper.from_array(np.array(0 if nonnegative else 128, np.uint8), zero_point))
             node = helper.make_node("RowQuantize", [node.input[0], zero_point], [quantized, scale], name=node.name,
                                     domain="nmtserve")
-        elif node.op_type == "Add" and any(from_row_scaled_product(x) and constant(y) is not None
+        elif node.op_type == "Add" and any(_scaled_product(made_by, x, "DynamicQuantizeLinear") and constant(y) is not None
                                             for x, y in (node.input, node.input[::-1])):
             product, bias = node.input if constant(node.input[1]) is not None else node.input[::-1]
             negated = numpy_helper.from_array(-numpy_helper.to_array(constant(bias)), f"{bias}_negated")
@@ -193,6 +185,20 @@ def with_row_quantize(model: onnx.ModelProto) -> onnx.ModelProto:
         if not any(opset.domain == domain for opset in model.opset_import):
             model.opset_import.append(helper.make_opsetid(domain, 1))
     return model
+
+
+def _scaled_product(made_by: dict[str, onnx.NodeProto], name: str, quantizer: str) -> tuple | None:
+    """The nodes of quantize_dynamic's product that `name` is, Mul(Cast(MatMulInteger(q, …)), scales) with q
+    made by a `quantizer` node, as (mul, cast, matmul, quantizer node); else None."""
+    mul = made_by.get(name)
+    if mul is None or mul.op_type != "Mul":
+        return None
+    cast = next((made_by[x] for x in mul.input if x in made_by and made_by[x].op_type == "Cast"), None)
+    matmul = made_by.get(cast.input[0]) if cast is not None else None
+    if matmul is None or matmul.op_type != "MatMulInteger":
+        return None
+    quantize = made_by.get(matmul.input[0])
+    return (mul, cast, matmul, quantize) if quantize is not None and quantize.op_type == quantizer else None
 
 
 def _scale_logits_in_search_head(model: onnx.ModelProto) -> None:
@@ -222,13 +228,10 @@ def _scale_logits_in_search_head(model: onnx.ModelProto) -> None:
         sub = made(logits, "Sub")
         if sub is not None and sub.input[1].endswith("_negated"):
             logits, bias = sub.input[0], sub.input[1].removesuffix("_negated")
-        mul = made(logits, "Mul")
-        casts = [made(x, "Cast") for x in mul.input] if mul is not None else []
-        cast = next((c for c in casts if c is not None), None)
-        product = made(cast.input[0], "MatMulInteger") if cast is not None else None
-        quantize = made_by.get(product.input[0]) if product is not None else None
-        if quantize is None or quantize.op_type != "RowQuantize":
+        found = _scaled_product(made_by, logits, "RowQuantize")
+        if found is None or any(readers[n.output[0]] != 1 for n in found[:3]):
             continue
+        mul, cast, product, quantize = found
         row_scale = quantize.output[1]
         scales = made_by.get(next(x for x in mul.input if x != cast.output[0]))
         if scales is None or scales.op_type != "Mul" or row_scale not in scales.input:
