@@ -354,6 +354,80 @@ Ort::Status RowQuantize(const Ort::Custom::Tensor<float>& x, const Ort::Custom::
   return Ort::Status{nullptr};
 }
 
+// After a row-scaled int8 product (kernels.with_row_quantize's epilogues): y = product * row_scale -
+// negated_bias, the product's last scaling and its bias (the graph's Sub of the negated bias).
+// AddNormQuantize: x = y + residual, normed = LayerNormalization(x) over the last axis (gamma, beta,
+// epsilon; mean and variance in two passes), then normed quantised as RowQuantize does around 128: the
+// Sub, Add, LayerNormalization and RowQuantize of a post-norm sublayer's end in one node. normed is an
+// output too: the next sublayer's residual.
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+void add_norm_row(const float* product, float row_scale, const float* negated_bias, const float* residual,
+                  const float* gamma, const float* beta, float epsilon, int64_t n, float* normed) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; i++) {
+    normed[i] = product[i] * row_scale - negated_bias[i] + residual[i];
+    sum += normed[i];
+  }
+  const float mean = sum / n;
+  float squares = 0.f;
+  for (int64_t i = 0; i < n; i++) squares += (normed[i] - mean) * (normed[i] - mean);
+  const float inverse = 1.f / std::sqrt(squares / n + epsilon);
+  for (int64_t i = 0; i < n; i++) normed[i] = (normed[i] - mean) * inverse * gamma[i] + beta[i];
+}
+
+Ort::Status AddNormQuantize(const Ort::Custom::Tensor<float>& product, const Ort::Custom::Tensor<float>& row_scale,
+                            const Ort::Custom::Tensor<float>& negated_bias, const Ort::Custom::Tensor<float>& residual,
+                            const Ort::Custom::Tensor<float>& gamma, const Ort::Custom::Tensor<float>& beta,
+                            const Ort::Custom::Tensor<float>& epsilon, Ort::Custom::Tensor<float>& normed,
+                            Ort::Custom::Tensor<uint8_t>& q, Ort::Custom::Tensor<float>& scale) {
+  const std::vector<int64_t> shape = product.Shape();
+  const int64_t n = shape.back(), rows = n > 0 ? product.NumberOfElement() / n : 0;
+  if (residual.NumberOfElement() != product.NumberOfElement() || row_scale.NumberOfElement() != rows
+      || negated_bias.NumberOfElement() != n || gamma.NumberOfElement() != n || beta.NumberOfElement() != n
+      || epsilon.NumberOfElement() != 1)
+    return Ort::Status("AddNormQuantize: residual must match product, row_scale have one value a row, "
+                       "negated_bias, gamma and beta one a column, epsilon one", ORT_INVALID_ARGUMENT);
+  std::vector<int64_t> scale_shape = shape;
+  scale_shape.back() = 1;
+  float* out = normed.Allocate(shape);
+  uint8_t* quantized = q.Allocate(shape);
+  float* scales = scale.Allocate(scale_shape);
+  for (int64_t r = 0; r < rows; r++) {
+    add_norm_row(product.Data() + r * n, row_scale.Data()[r], negated_bias.Data(), residual.Data() + r * n,
+                 gamma.Data(), beta.Data(), epsilon.Data()[0], n, out + r * n);
+    quantize_row(out + r * n, quantized + r * n, scales + r, n, false);
+  }
+  return Ort::Status{nullptr};
+}
+
+// BiasReluQuantize: Relu(y) quantised as RowQuantize does from 0: the Sub, Relu and RowQuantize between a
+// feed-forward block's two products in one node.
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+void bias_relu_row(const float* product, float row_scale, const float* negated_bias, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; i++) out[i] = std::max(product[i] * row_scale - negated_bias[i], 0.f);
+}
+
+Ort::Status BiasReluQuantize(const Ort::Custom::Tensor<float>& product, const Ort::Custom::Tensor<float>& row_scale,
+                             const Ort::Custom::Tensor<float>& negated_bias, Ort::Custom::Tensor<uint8_t>& q,
+                             Ort::Custom::Tensor<float>& scale) {
+  const std::vector<int64_t> shape = product.Shape();
+  const int64_t n = shape.back(), rows = n > 0 ? product.NumberOfElement() / n : 0;
+  if (row_scale.NumberOfElement() != rows || negated_bias.NumberOfElement() != n)
+    return Ort::Status("BiasReluQuantize: row_scale must have one value a row, negated_bias one a column",
+                       ORT_INVALID_ARGUMENT);
+  std::vector<int64_t> scale_shape = shape;
+  scale_shape.back() = 1;
+  uint8_t* quantized = q.Allocate(shape);
+  float* scales = scale.Allocate(scale_shape);
+  thread_local std::vector<float> row;
+  row.resize(n);
+  for (int64_t r = 0; r < rows; r++) {
+    bias_relu_row(product.Data() + r * n, row_scale.Data()[r], negated_bias.Data(), n, row.data());
+    quantize_row(row.data(), quantized + r * n, scales + r, n, true);
+  }
+  return Ort::Status{nullptr};
+}
+
 }  // namespace
 
 extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
@@ -371,8 +445,13 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
       Ort::Custom::CreateLiteCustomOp("SearchHead", "CPUExecutionProvider", SearchHead)};
   static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> quantize_op{
       Ort::Custom::CreateLiteCustomOp("RowQuantize", "CPUExecutionProvider", RowQuantize)};
+  static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> norm_op{
+      Ort::Custom::CreateLiteCustomOp("AddNormQuantize", "CPUExecutionProvider", AddNormQuantize)};
+  static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> relu_op{
+      Ort::Custom::CreateLiteCustomOp("BiasReluQuantize", "CPUExecutionProvider", BiasReluQuantize)};
   static const bool added = (domain.Add(self_op.get()), domain.Add(cross_op.get()), domain.Add(beam_op.get()),
-                              domain.Add(head_op.get()), domain.Add(quantize_op.get()), true);
+                              domain.Add(head_op.get()), domain.Add(quantize_op.get()), domain.Add(norm_op.get()),
+                              domain.Add(relu_op.get()), true);
   (void)added;
   Ort::UnownedSessionOptions(options).Add(domain);
   return nullptr;

@@ -181,6 +181,7 @@ def with_row_quantize(model: onnx.ModelProto) -> onnx.ModelProto:
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     _scale_logits_in_search_head(model)
+    _fuse_epilogues(model)
     for domain in ("nmtserve", "com.microsoft"):
         if not any(opset.domain == domain for opset in model.opset_import):
             model.opset_import.append(helper.make_opsetid(domain, 1))
@@ -201,23 +202,60 @@ def _scaled_product(made_by: dict[str, onnx.NodeProto], name: str, quantizer: st
     return (mul, cast, matmul, quantize) if quantize is not None and quantize.op_type == quantizer else None
 
 
+def _graph_readers(model: onnx.ModelProto) -> tuple[dict[str, onnx.NodeProto], dict[str, int]]:
+    """Each value's node, and how many nodes (and graph outputs) read each value."""
+    made_by = {output: node for node in model.graph.node for output in node.output}
+    readers: dict[str, int] = {}
+    for name in [x for node in model.graph.node for x in node.input] + [o.name for o in model.graph.output]:
+        readers[name] = readers.get(name, 0) + 1
+    return made_by, readers
+
+
+def _weight_scaled(model: onnx.ModelProto, made_by: dict[str, onnx.NodeProto], readers: dict[str, int],
+                   name: str) -> tuple[onnx.NodeProto, str, list[onnx.NodeProto]] | None:
+    """For a row-scaled product `name` (quantize_dynamic's Mul(Cast(MatMulInteger(q, …)), row scale × weight
+    scale), q from a RowQuantize) that one node alone reads: one com.microsoft MatMulIntegerToFloat on the
+    weights' scale alone, which writes `name`; the row scale, which its reader is to apply; and the nodes it
+    replaces. None for anything else."""
+    found = _scaled_product(made_by, name, "RowQuantize")
+    if found is None or any(readers.get(n.output[0]) != 1 for n in found[:3]):
+        return None
+    mul, cast, product, quantize = found
+    row_scale = quantize.output[1]
+    scales = made_by.get(next(x for x in mul.input if x != cast.output[0]))
+    if scales is None or scales.op_type != "Mul" or row_scale not in scales.input:
+        return None
+    weight_scale = next(x for x in scales.input if x != row_scale)
+    if not any(i.name == "row_quantize_one" for i in model.graph.initializer):
+        model.graph.initializer.append(numpy_helper.from_array(np.array(1, np.float32), "row_quantize_one"))
+    fused = helper.make_node("MatMulIntegerToFloat", [product.input[0], product.input[1], "row_quantize_one",
+                             weight_scale, *product.input[2:4]], [name], name=product.name, domain="com.microsoft")
+    return fused, row_scale, [mul, cast, product] + ([scales] if readers[scales.output[0]] == 1 else [])
+
+
+def _rebuild(model: onnx.ModelProto, inserted: dict[int, list[onnx.NodeProto]], dropped: list[onnx.NodeProto]) -> None:
+    """The graph's nodes with inserted[id(node)] in place of each such node (itself included where listed)
+    and the dropped ones left out; the order stays topological where each insertion's inputs precede it."""
+    gone = {id(n) for n in dropped}
+    nodes = [new for node in model.graph.node
+             for new in inserted.get(id(node), [] if id(node) in gone else [node])]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+
+
 def _scale_logits_in_search_head(model: onnx.ModelProto) -> None:
-    """(with_row_quantize's last part.) The output projection whose logits only nmtserve.SearchHead reads
+    """(with_row_quantize's part.) The output projection whose logits only nmtserve.SearchHead reads
     becomes one com.microsoft MatMulIntegerToFloat with the weights' scale alone, and the search head takes
     the row scales and the bias as inputs and applies them to each row as it reads it: on a vocabulary of
     58,101 the two passes over the (B, V) output (the row scales, the bias) cost as much as a fifth of an
     int8 step at batch 32 (docs/performance.md, "int8 scales per row")."""
-    made_by = {output: node for node in model.graph.node for output in node.output}
-    readers: dict[str, int] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
+    made_by, readers = _graph_readers(model)
 
     def made(name: str, op: str) -> onnx.NodeProto | None:  # the node of type `op` that alone feeds `name`
         node = made_by.get(name)
         return node if node is not None and node.op_type == op and readers.get(name) == 1 else None
 
-    dropped = []
+    inserted, dropped = {}, []
     for head in [n for n in model.graph.node if n.op_type == "SearchHead" and len(n.input) == 3]:
         logits, bias = head.input[0], None
         to_float = made(logits, "Cast")  # the export's Cast of the logits to float, which they already are
@@ -228,27 +266,71 @@ def _scale_logits_in_search_head(model: onnx.ModelProto) -> None:
         sub = made(logits, "Sub")
         if sub is not None and sub.input[1].endswith("_negated"):
             logits, bias = sub.input[0], sub.input[1].removesuffix("_negated")
-        found = _scaled_product(made_by, logits, "RowQuantize")
-        if found is None or any(readers[n.output[0]] != 1 for n in found[:3]):
+        found = _weight_scaled(model, made_by, readers, logits)
+        if found is None:
             continue
-        mul, cast, product, quantize = found
-        row_scale = quantize.output[1]
-        scales = made_by.get(next(x for x in mul.input if x != cast.output[0]))
-        if scales is None or scales.op_type != "Mul" or row_scale not in scales.input:
-            continue
-        weight_scale = next(x for x in scales.input if x != row_scale)
-        if not any(i.name == "row_quantize_one" for i in model.graph.initializer):
-            model.graph.initializer.append(numpy_helper.from_array(np.array(1, np.float32), "row_quantize_one"))
-        fused = helper.make_node("MatMulIntegerToFloat", [product.input[0], product.input[1], "row_quantize_one",
-                                 weight_scale, *product.input[2:4]], [logits], name=product.name, domain="com.microsoft")
-        model.graph.node.insert(list(model.graph.node).index(product), fused)
-        dropped += [n for n in (to_float, sub if bias else None, mul, cast, product) if n is not None]
-        if readers[scales.output[0]] == 1:
-            dropped.append(scales)
+        fused, row_scale, replaced = found
+        inserted[id(replaced[2])] = [fused]
+        dropped += replaced + [n for n in (to_float, sub if bias else None) if n is not None]
         head.input[0] = logits
         head.input.extend([row_scale, *([bias] if bias else [])])
-    for node in dropped:
-        model.graph.node.remove(node)
+    _rebuild(model, inserted, dropped)
+
+
+def _fuse_epilogues(model: onnx.ModelProto) -> None:
+    """(with_row_quantize's part.) What follows a row-scaled product, in one nmtserve node each where the
+    graph has it: the end of a post-norm sublayer, Sub (the bias) → Add (the residual) →
+    LayerNormalization → RowQuantize, as AddNormQuantize; a feed-forward block's middle, Sub → Relu →
+    RowQuantize, as BiasReluQuantize. The product becomes a MatMulIntegerToFloat on the weights' scale
+    alone and the new node applies the row scale: at batch 1 each of ONNX Runtime's nodes costs about a
+    microsecond of a ~200 µs int8 step, and each row scale was a pass of its own over the product."""
+    made_by, readers = _graph_readers(model)
+
+    def only(name: str, op: str) -> onnx.NodeProto | None:  # the node of type `op` that makes `name`, read once
+        node = made_by.get(name)
+        return node if node is not None and node.op_type == op and readers.get(name) == 1 else None
+
+    def biased(name: str) -> onnx.NodeProto | None:  # with_row_quantize's Sub of a negated bias
+        sub = only(name, "Sub")
+        return sub if sub is not None and sub.input[1].endswith("_negated") else None
+
+    def quantizer(name: str) -> onnx.NodeProto | None:  # the one RowQuantize among name's readers
+        found = [n for n in model.graph.node if n.op_type == "RowQuantize" and n.input[0] == name]
+        return found[0] if len(found) == 1 else None
+
+    inserted, dropped = {}, []
+    for node in list(model.graph.node):
+        if node.op_type == "LayerNormalization":
+            attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            add = only(node.input[0], "Add")
+            sub = next((s for s in map(biased, add.input) if s is not None), None) if add is not None else None
+            quantize = quantizer(node.output[0])
+            product = _weight_scaled(model, made_by, readers, sub.input[0]) if sub is not None else None
+            if attributes.get("axis", -1) != -1 or len(node.input) < 3 or len(node.output) > 1 \
+                    or quantize is None or product is None:
+                continue
+            fused, row_scale, replaced = product
+            residual = next(x for x in add.input if x != sub.output[0])
+            epsilon = numpy_helper.from_array(np.array(attributes.get("epsilon", 1e-5), np.float32),
+                                              f"{node.output[0]}_epsilon")
+            model.graph.initializer.append(epsilon)
+            inserted[id(replaced[2])] = [fused]
+            inserted[id(node)] = [helper.make_node(
+                "AddNormQuantize", [sub.input[0], row_scale, sub.input[1], residual, *node.input[1:3], epsilon.name],
+                [node.output[0], *quantize.output], name=node.name, domain="nmtserve")]
+            dropped += replaced + [sub, add, quantize]
+        elif node.op_type == "Relu":
+            sub = biased(node.input[0])
+            quantize = quantizer(node.output[0]) if readers.get(node.output[0]) == 1 else None
+            product = _weight_scaled(model, made_by, readers, sub.input[0]) if sub is not None else None
+            if quantize is None or product is None:
+                continue
+            fused, row_scale, replaced = product
+            inserted[id(replaced[2])] = [fused]
+            inserted[id(node)] = [helper.make_node("BiasReluQuantize", [sub.input[0], row_scale, sub.input[1]],
+                                                   list(quantize.output), name=node.name, domain="nmtserve")]
+            dropped += replaced + [sub, quantize]
+    _rebuild(model, inserted, dropped)
 
 
 def _search_head_logits(node: onnx.NodeProto) -> str | None:
