@@ -211,12 +211,24 @@ def _graph_readers(model: onnx.ModelProto) -> tuple[dict[str, onnx.NodeProto], d
     return made_by, readers
 
 
-def _weight_scaled(model: onnx.ModelProto, made_by: dict[str, onnx.NodeProto], readers: dict[str, int],
-                   name: str) -> tuple[onnx.NodeProto, str, list[onnx.NodeProto]] | None:
+def _made_once(made_by: dict[str, onnx.NodeProto], readers: dict[str, int], name: str, op: str) -> onnx.NodeProto | None:
+    """The node of type `op` that makes `name`, where one node alone reads `name`; else None."""
+    node = made_by.get(name)
+    return node if node is not None and node.op_type == op and readers.get(name) == 1 else None
+
+
+def _bias_sub(made_by: dict[str, onnx.NodeProto], readers: dict[str, int], name: str) -> onnx.NodeProto | None:
+    """with_row_quantize's Sub of a negated bias that makes `name`, read once; else None."""
+    sub = _made_once(made_by, readers, name, "Sub")
+    return sub if sub is not None and sub.input[1].endswith("_negated") else None
+
+
+def _weight_scaled(model: onnx.ModelProto, made_by: dict[str, onnx.NodeProto], readers: dict[str, int], name: str,
+                   inserted: dict[int, list[onnx.NodeProto]], dropped: list[onnx.NodeProto]) -> str | None:
     """For a row-scaled product `name` (quantize_dynamic's Mul(Cast(MatMulInteger(q, …)), row scale × weight
     scale), q from a RowQuantize) that one node alone reads: one com.microsoft MatMulIntegerToFloat on the
-    weights' scale alone, which writes `name`; the row scale, which its reader is to apply; and the nodes it
-    replaces. None for anything else."""
+    weights' scale alone writes `name` instead (put into `inserted` and `dropped`, for _rebuild), and the row
+    scale, which its reader is to apply, is returned. None, and nothing changed, for anything else."""
     found = _scaled_product(made_by, name, "RowQuantize")
     if found is None or any(readers.get(n.output[0]) != 1 for n in found[:3]):
         return None
@@ -228,9 +240,11 @@ def _weight_scaled(model: onnx.ModelProto, made_by: dict[str, onnx.NodeProto], r
     weight_scale = next(x for x in scales.input if x != row_scale)
     if not any(i.name == "row_quantize_one" for i in model.graph.initializer):
         model.graph.initializer.append(numpy_helper.from_array(np.array(1, np.float32), "row_quantize_one"))
-    fused = helper.make_node("MatMulIntegerToFloat", [product.input[0], product.input[1], "row_quantize_one",
-                             weight_scale, *product.input[2:4]], [name], name=product.name, domain="com.microsoft")
-    return fused, row_scale, [mul, cast, product] + ([scales] if readers[scales.output[0]] == 1 else [])
+    inserted[id(product)] = [helper.make_node("MatMulIntegerToFloat", [product.input[0], product.input[1],
+                                              "row_quantize_one", weight_scale, *product.input[2:4]], [name],
+                                              name=product.name, domain="com.microsoft")]
+    dropped += [mul, cast, product] + ([scales] if readers[scales.output[0]] == 1 else [])
+    return row_scale
 
 
 def _rebuild(model: onnx.ModelProto, inserted: dict[int, list[onnx.NodeProto]], dropped: list[onnx.NodeProto]) -> None:
@@ -250,28 +264,21 @@ def _scale_logits_in_search_head(model: onnx.ModelProto) -> None:
     58,101 the two passes over the (B, V) output (the row scales, the bias) cost as much as a fifth of an
     int8 step at batch 32 (docs/performance.md, "int8 scales per row")."""
     made_by, readers = _graph_readers(model)
-
-    def made(name: str, op: str) -> onnx.NodeProto | None:  # the node of type `op` that alone feeds `name`
-        node = made_by.get(name)
-        return node if node is not None and node.op_type == op and readers.get(name) == 1 else None
-
     inserted, dropped = {}, []
     for head in [n for n in model.graph.node if n.op_type == "SearchHead" and len(n.input) == 3]:
         logits, bias = head.input[0], None
-        to_float = made(logits, "Cast")  # the export's Cast of the logits to float, which they already are
+        to_float = _made_once(made_by, readers, logits, "Cast")  # the export's Cast of the logits to float,
         if to_float is not None and helper.get_attribute_value(to_float.attribute[0]) == onnx.TensorProto.FLOAT:
-            logits = to_float.input[0]
+            logits = to_float.input[0]  # which they already are
         else:
             to_float = None
-        sub = made(logits, "Sub")
-        if sub is not None and sub.input[1].endswith("_negated"):
+        sub = _bias_sub(made_by, readers, logits)
+        if sub is not None:
             logits, bias = sub.input[0], sub.input[1].removesuffix("_negated")
-        found = _weight_scaled(model, made_by, readers, logits)
-        if found is None:
+        row_scale = _weight_scaled(model, made_by, readers, logits, inserted, dropped)
+        if row_scale is None:
             continue
-        fused, row_scale, replaced = found
-        inserted[id(replaced[2])] = [fused]
-        dropped += replaced + [n for n in (to_float, sub if bias else None) if n is not None]
+        dropped += [n for n in (to_float, sub) if n is not None]
         head.input[0] = logits
         head.input.extend([row_scale, *([bias] if bias else [])])
     _rebuild(model, inserted, dropped)
@@ -286,51 +293,43 @@ def _fuse_epilogues(model: onnx.ModelProto) -> None:
     custom op) of a ~200 µs int8 step at batch 1, and each row scale was a pass of its own over the product
     (docs/performance.md, "The epilogues fused")."""
     made_by, readers = _graph_readers(model)
-
-    def only(name: str, op: str) -> onnx.NodeProto | None:  # the node of type `op` that makes `name`, read once
-        node = made_by.get(name)
-        return node if node is not None and node.op_type == op and readers.get(name) == 1 else None
-
-    def biased(name: str) -> onnx.NodeProto | None:  # with_row_quantize's Sub of a negated bias
-        sub = only(name, "Sub")
-        return sub if sub is not None and sub.input[1].endswith("_negated") else None
-
-    def quantizer(name: str) -> onnx.NodeProto | None:  # the one RowQuantize among name's readers
-        found = [n for n in model.graph.node if n.op_type == "RowQuantize" and n.input[0] == name]
-        return found[0] if len(found) == 1 else None
-
+    quantizers: dict[str, list[onnx.NodeProto]] = {}  # each value's RowQuantize readers
+    for node in model.graph.node:
+        if node.op_type == "RowQuantize":
+            quantizers.setdefault(node.input[0], []).append(node)
     inserted, dropped = {}, []
     for node in model.graph.node:
+        found = quantizers.get(node.output[0], []) if node.output else []
+        quantize = found[0] if len(found) == 1 else None
         if node.op_type == "LayerNormalization":
             attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-            add = only(node.input[0], "Add")
-            sub = next((s for s in map(biased, add.input) if s is not None), None) if add is not None else None
-            quantize = quantizer(node.output[0])
-            product = _weight_scaled(model, made_by, readers, sub.input[0]) if sub is not None else None
+            add = _made_once(made_by, readers, node.input[0], "Add")
+            sub = next((s for s in (_bias_sub(made_by, readers, x) for x in add.input) if s is not None), None) \
+                if add is not None else None
             if attributes.get("axis", -1) != -1 or len(node.input) < 3 or len(node.output) > 1 \
-                    or quantize is None or product is None:
+                    or quantize is None or sub is None:
                 continue
-            fused, row_scale, replaced = product
+            row_scale = _weight_scaled(model, made_by, readers, sub.input[0], inserted, dropped)
+            if row_scale is None:
+                continue
             residual = next(x for x in add.input if x != sub.output[0])
             epsilon = numpy_helper.from_array(np.array(attributes.get("epsilon", 1e-5), np.float32),
                                               f"{node.output[0]}_epsilon")
             model.graph.initializer.append(epsilon)
-            inserted[id(replaced[2])] = [fused]
             inserted[id(node)] = [helper.make_node(
                 "AddNormQuantize", [sub.input[0], row_scale, sub.input[1], residual, *node.input[1:3], epsilon.name],
                 [node.output[0], *quantize.output], name=node.name, domain="nmtserve")]
-            dropped += replaced + [sub, add, quantize]
+            dropped += [sub, add, quantize]
         elif node.op_type == "Relu":
-            sub = biased(node.input[0])
-            quantize = quantizer(node.output[0]) if readers.get(node.output[0]) == 1 else None
-            product = _weight_scaled(model, made_by, readers, sub.input[0]) if sub is not None else None
-            if quantize is None or product is None:
+            sub = _bias_sub(made_by, readers, node.input[0])
+            if quantize is None or readers.get(node.output[0]) != 1 or sub is None:
                 continue
-            fused, row_scale, replaced = product
-            inserted[id(replaced[2])] = [fused]
+            row_scale = _weight_scaled(model, made_by, readers, sub.input[0], inserted, dropped)
+            if row_scale is None:
+                continue
             inserted[id(node)] = [helper.make_node("BiasReluQuantize", [sub.input[0], row_scale, sub.input[1]],
                                                    list(quantize.output), name=node.name, domain="nmtserve")]
-            dropped += replaced + [sub, quantize]
+            dropped += [sub, quantize]
     _rebuild(model, inserted, dropped)
 
 

@@ -300,7 +300,8 @@ class OnnxTranslator:
         self._shared_values = {name: ort.OrtValue.ortvalue_from_numpy(w) for name, w in self.shared_weights.items()}
         # int8 on nmtserve's kernels: each row's activations quantised on a scale of its own (RowQuantize), so
         # that no row's result depends on its batch-mates; off (row_scales=False): ONNX Runtime's one scale
-        # for the whole tensor, up to 14% faster at batch 1 (docs/performance.md, "int8 scales per row")
+        # for the whole tensor, up to 14% faster at batch 1 before the fused epilogues (docs/performance.md,
+        # "int8 scales per row")
         if row_scales and not self.attention_kernel:
             raise ConfigError("row_scales: int8 scales per row are one of nmtserve's kernels, which are off here")
         quantised = any(n.op_type == "DynamicQuantizeLinear" for n in decoder.graph.node)
