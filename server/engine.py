@@ -72,7 +72,7 @@ class EngineConfig:
     admit_steps: int = 4
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the waiting queue removes requests by it
 class Request:
     """One sentence to translate; the engine fills tokens, score, hypotheses and finish, then sets `done`.
     While a beam search runs, `tokens` holds the prefix every hypothesis shares (it never changes), and
@@ -243,8 +243,8 @@ class Engine:
             admitted.append(request)
         if admitted:
             self.admitted_step = self.steps
-        for request in admitted:
-            self.waiting.remove(request)
+            taken = {id(r) for r in admitted}
+            self.waiting = collections.deque(r for r in self.waiting if id(r) not in taken)
         self.running_count += len(admitted)  # counted from the moment they leave the queue
         return admitted
 
