@@ -13,7 +13,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
 #include <optional>
 #include <vector>
 
@@ -428,12 +432,15 @@ Ort::Status BiasReluQuantize(const Ort::Custom::Tensor<float>& product, const Or
   return Ort::Status{nullptr};
 }
 
+const OrtApiBase* registered_api = nullptr;  // ONNX Runtime's, from the first RegisterCustomOps (below)
+
 }  // namespace
 
 extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
   if (api == nullptr) return nullptr;  // an ONNX Runtime older than these headers: the ops stay unknown
   Ort::InitApi(api);
+  registered_api = api_base;
   static Ort::CustomOpDomain domain{"nmtserve"};
   static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> self_op{
       Ort::Custom::CreateLiteCustomOp("DecodeSelfAttention", "CPUExecutionProvider", DecodeSelfAttention)};
@@ -456,3 +463,140 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
   Ort::UnownedSessionOptions(options).Add(domain);
   return nullptr;
 }
+
+// The decoder step's session held here, and greedy steps run in a loop here: no Python between two steps
+// (export/runtime/native.py). Made through the ONNX Runtime that registered this library, after it has
+// (a session of the caller's with the library registered): the process's one environment, the same
+// session options as the caller's (translator.session_options), the custom ops above, and the caller's
+// initializers read in place. Each function returns 0, or -1 with the error's message in `error`.
+namespace {
+
+struct Runner {
+  Ort::Session session{nullptr};
+  std::vector<Ort::Value> initializers;  // over the caller's memory, which the caller keeps alive
+};
+
+size_t element_size(ONNXTensorElementDataType type) {
+  switch (type) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32: return 4;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64: case ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE: return 8;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT16: return 2;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL: case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8:
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8: return 1;
+    default: throw std::runtime_error("element type " + std::to_string(type) + " is not bound by nmtserve");
+  }
+}
+
+Ort::Value host_tensor(int type, const int64_t* shape, int ndim, void* data) {
+  static const Ort::MemoryInfo cpu = Ort::MemoryInfo::CreateCpu(OrtDeviceAllocator, OrtMemTypeDefault);
+  size_t count = 1;
+  for (int i = 0; i < ndim; i++) count *= static_cast<size_t>(shape[i]);
+  const auto element = static_cast<ONNXTensorElementDataType>(type);
+  return Ort::Value::CreateTensor(cpu, data, count * element_size(element), shape, ndim, element);
+}
+
+int failed(const std::exception& e, char* error, size_t error_size) {
+  std::snprintf(error, error_size, "%s", e.what());
+  return -1;
+}
+
+}  // namespace
+
+extern "C" {
+
+int nmt_runner_create(const void* model, size_t model_size, int threads, const char* disabled_optimizers,
+                      int count, const char* const* names, const int* types, const int64_t* shapes, const int* ndims,
+                      void* const* data, void** runner_out, char* error, size_t error_size) {
+  try {
+    if (registered_api == nullptr) throw std::runtime_error("no ONNX Runtime session has registered the library yet");
+    static Ort::Env* env = new Ort::Env(ORT_LOGGING_LEVEL_ERROR, "nmtserve");  // the process's one, shared
+    Ort::SessionOptions options;
+    options.SetIntraOpNumThreads(threads);
+    options.SetInterOpNumThreads(1);
+    options.SetGraphOptimizationLevel(GraphOptimizationLevel::ORT_ENABLE_ALL);
+    options.DisableCpuMemArena();
+    options.SetLogSeverityLevel(3);
+    options.AddConfigEntry("session.intra_op.allow_spinning", "1");
+    options.AddConfigEntry("session.force_spinning_stop", "1");
+    options.AddConfigEntry("optimization.disable_specified_optimizers", disabled_optimizers);
+    Ort::ThrowOnError(RegisterCustomOps(options, registered_api));
+    auto runner = std::make_unique<Runner>();
+    runner->initializers.reserve(count);
+    for (int i = 0; i < count; shapes += ndims[i], i++) {
+      runner->initializers.push_back(host_tensor(types[i], shapes, ndims[i], data[i]));
+      options.AddInitializer(names[i], runner->initializers.back());
+    }
+    runner->session = Ort::Session(*env, model, model_size, options);
+    *runner_out = runner.release();
+    return 0;
+  } catch (const std::exception& e) {
+    return failed(e, error, error_size);
+  }
+}
+
+void nmt_runner_free(void* runner) { delete static_cast<Runner*>(runner); }
+
+int nmt_binding_create(void* runner, void** binding_out, char* error, size_t error_size) {
+  try {
+    *binding_out = new Ort::IoBinding(static_cast<Runner*>(runner)->session);
+    return 0;
+  } catch (const std::exception& e) {
+    return failed(e, error, error_size);
+  }
+}
+
+void nmt_binding_free(void* binding) { delete static_cast<Ort::IoBinding*>(binding); }
+
+// Binds host memory at `data` (shape, ONNX element type) to an input, or an output (written there in place).
+int nmt_bind(void* binding, const char* name, int type, const int64_t* shape, int ndim, void* data, int output,
+             char* error, size_t error_size) {
+  try {
+    auto& io = *static_cast<Ort::IoBinding*>(binding);
+    Ort::Value value = host_tensor(type, shape, ndim, data);
+    if (output) io.BindOutput(name, value);
+    else io.BindInput(name, value);
+    return 0;
+  } catch (const std::exception& e) {
+    return failed(e, error, error_size);
+  }
+}
+
+int nmt_run(void* runner, void* binding, char* error, size_t error_size) {
+  try {
+    static_cast<Runner*>(runner)->session.Run(Ort::RunOptions{nullptr}, *static_cast<Ort::IoBinding*>(binding));
+    return 0;
+  } catch (const std::exception& e) {
+    return failed(e, error, error_size);
+  }
+}
+
+// Greedy steps of a binding whose step writes each row's best token into its `tokens` input
+// (OnnxTranslator._greedy_binding): after each step every row's position advances, and the tokens (and,
+// with `scores`, their scores) are copied out as that step's row of out_tokens (steps × rows) and
+// out_scores. Stops after the first step in which some row's token is eos, or after max_steps. Returns the
+// steps run, or -1 with the error's message.
+int64_t nmt_greedy_steps(void* runner, void* binding, int64_t* tokens, int64_t* positions, const float* scores,
+                         int64_t rows, int64_t eos, int64_t max_steps, int64_t* out_tokens, float* out_scores,
+                         char* error, size_t error_size) {
+  auto& session = static_cast<Runner*>(runner)->session;
+  auto& io = *static_cast<Ort::IoBinding*>(binding);
+  const Ort::RunOptions run_options{nullptr};
+  try {
+    for (int64_t step = 0; step < max_steps; step++) {
+      session.Run(run_options, io);
+      bool hit = false;
+      for (int64_t r = 0; r < rows; r++) {
+        positions[r] += 1;
+        hit |= tokens[r] == eos;
+      }
+      std::memcpy(out_tokens + step * rows, tokens, rows * sizeof(int64_t));
+      if (out_scores != nullptr) std::memcpy(out_scores + step * rows, scores, rows * sizeof(float));
+      if (hit) return step + 1;
+    }
+    return max_steps;
+  } catch (const std::exception& e) {
+    return failed(e, error, error_size);
+  }
+}
+
+}  // extern "C"

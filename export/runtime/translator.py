@@ -52,6 +52,7 @@ from nmtserve.errors import BundleError, ConfigError
 from nmtserve.export.runtime import kernels
 from nmtserve.export.runtime.batch import BatchState, eos_of, own_slots
 from nmtserve.export.runtime.bundle import Bundle, default_variant, load_bundle
+from nmtserve.export.runtime.native import NativeBinding, NativeSession
 from nmtserve.export.runtime.tensors import DeviceTensors, HostTensors
 from nmtserve.search import BeamSearch, DecodingOptions, Hypothesis, beam_steps, make_search
 
@@ -86,22 +87,29 @@ class Translation:
         return [self, *self.alternatives]
 
 
-def bind_address(binding: ort.IOBinding, name: str, where: str, dtype, shape, address: int,
+def bind_address(binding: ort.IOBinding | NativeBinding, name: str, where: str, dtype, shape, address: int,
                  output: bool = False) -> None:
     """`binding.bind_input` (or `bind_output`) of a buffer at `address` on device `where`, through the
     binding's C object with a device made once per name: the Python wrappers make a new device on every
     call and keep bookkeeping for WebGPU graph capture only, which was half of the time of binding a new
-    batch (README, "Binding a new batch")."""
+    batch (README, "Binding a new batch"). A NativeBinding binds host memory."""
+    if isinstance(binding, NativeBinding):
+        assert where == "cpu", where
+        binding.bind(name, dtype, shape, address, output)
+        return
     device = _DEVICES.get(where)
     if device is None:
         device = _DEVICES[where] = ort.OrtDevice.make(where, 0)._get_c_device()
     (binding._iobinding.bind_output if output else binding._iobinding.bind_input)(name, device, dtype, shape, address)
 
 
-def run_bound(session: ort.InferenceSession, binding: ort.IOBinding) -> None:
+def run_bound(session: ort.InferenceSession | NativeSession, binding: ort.IOBinding | NativeBinding) -> None:
     """`session.run_with_iobinding(binding)` through the session's C object: the Python wrapper looks up
     WebGPU graph capture on every call (a few µs of each decoder step: our Python between steps)."""
-    session._sess.run_with_iobinding(binding._iobinding, None)
+    if isinstance(binding, NativeBinding):
+        binding.run()
+    else:
+        session._sess.run_with_iobinding(binding._iobinding, None)
 
 
 def session_options(intra_op_threads: int = 0) -> ort.SessionOptions:
@@ -272,7 +280,8 @@ class OnnxTranslator:
 
     def __init__(self, bundle: str | Path | Bundle, device: str = "cpu", variant: str | None = None,
                  intra_op_threads: int = 0, io_binding: bool | None = None, shared_cross: bool = True,
-                 inter_threads: int = 1, attention_kernel: bool | None = None, row_scales: bool | None = None):
+                 inter_threads: int = 1, attention_kernel: bool | None = None, row_scales: bool | None = None,
+                 native_steps: bool | None = None):
         if inter_threads < 1:
             raise ConfigError(f"inter_threads {inter_threads}: must be at least 1")
         if inter_threads > 1 and device == "cuda":
@@ -321,9 +330,18 @@ class OnnxTranslator:
         self.cache_origin = shared_cross and self.attention_kernel and not self.io_binding
         step = self._step_graph(decoder, shared_cross)
         del decoder  # freed before the session makes its own copy (an OPUS-MT-size decoder is ~200 MB)
-        self.decoder = make_session(decoder_path, device, intra_op_threads, model=step,
-                                    custom_ops=kernels.LIBRARY if self.attention_kernel else None,
-                                    initializers=self._shared_values)
+        # native_steps: the step's session held by nmtserve's library, greedy steps looping there without
+        # Python between them (export/runtime/native.py); with the kernels, on host states (None), or as asked
+        if native_steps and not (self.attention_kernel and not self.io_binding):
+            raise ConfigError("native_steps: the step's session in nmtserve's library needs its kernels, on a CPU, "
+                              "without io_binding")
+        self.native_steps = self.attention_kernel and not self.io_binding if native_steps is None else native_steps
+        if self.native_steps:
+            self.decoder = NativeSession(step, intra_op_threads, self.shared_weights, CPU_DISABLED_OPTIMIZERS)
+        else:
+            self.decoder = make_session(decoder_path, device, intra_op_threads, model=step,
+                                        custom_ops=kernels.LIBRARY if self.attention_kernel else None,
+                                        initializers=self._shared_values)
         self._binding, self._bound = self.decoder.io_binding(), {}  # see _binding_for
         self._with_scores = np.array(True)  # the step's with_scores input, bound by address
         self.ops = DeviceTensors(device, PROVIDERS[device], session_options(1)) if self.io_binding else HostTensors
@@ -480,7 +498,7 @@ class OnnxTranslator:
         if bound.get("outputs") != (state.size, k):
             self._ids, self._scores = np.empty((state.size, k), np.int64), np.empty((state.size, k), np.float32)
             self._k = np.array([k], np.int64)
-            binding.bind_cpu_input("candidates", self._k)
+            bind_address(binding, "candidates", "cpu", np.int64, (1,), self._k.ctypes.data)
             bind_address(binding, "with_scores", "cpu", np.bool_, (), self._with_scores.ctypes.data)  # host memory
             for name, x in (("candidate_ids", self._ids), ("candidate_scores", self._scores)):
                 bind_address(binding, name, "cpu", x.dtype, x.shape, x.ctypes.data, output=True)
@@ -537,13 +555,24 @@ class OnnxTranslator:
             if binding is None or rebind or len(steps[0]) == state.capacity:  # a new state, or its cache full
                 state.open_slot()
                 binding = self._greedy_binding(state)
-            run_bound(self.decoder, binding)
-            state.positions += 1  # every row: offline batches have no holes
-            tokens = state.tokens.copy()
-            steps[0].append(rows)
-            steps[1].append(tokens)
-            if scores:  # unscored steps' values are not kept: each score is nan
-                steps[2].append(self._scores.copy())
+            if self.native_steps:  # steps in the library until a row's eos, the cache's end or the first budget
+                stepped = len(steps[0])
+                out = np.empty((min(state.capacity, max(last, stepped + 1)) - stepped, state.size), np.int64)
+                out_scores = np.empty(out.shape, np.float32) if scores else None
+                taken = binding.greedy_steps(state.tokens, state.positions, self._scores, self.eos_id, out, out_scores)
+                steps[0].extend([rows] * taken)
+                steps[1].extend(out[:taken])
+                if scores:
+                    steps[2].extend(out_scores[:taken])
+                tokens = out[taken - 1]
+            else:
+                run_bound(self.decoder, binding)
+                state.positions += 1  # every row: offline batches have no holes
+                tokens = state.tokens.copy()
+                steps[0].append(rows)
+                steps[1].append(tokens)
+                if scores:  # unscored steps' values are not kept: each score is nan
+                    steps[2].append(self._scores.copy())
             hit = tokens == self.eos_id
             if not (hit.any() or len(steps[0]) >= last):
                 continue  # most steps: two ufuncs (Python here runs on caches the step has flushed)
@@ -558,7 +587,7 @@ class OnnxTranslator:
                     binding = None
         return self._collect(len(sources), steps[0], steps[1], [s.ravel() for s in steps[2]], end)
 
-    def _greedy_binding(self, state: BatchState) -> ort.IOBinding:
+    def _greedy_binding(self, state: BatchState) -> ort.IOBinding | NativeBinding:
         """The step's binding for greedy search, with its candidate_ids output bound to the `tokens` input's
         own buffer: the step's search head, its last node, writes each row's best token where the next step
         reads it (the embedding's Gather, the first node and only reader of `tokens`, is done by then)."""

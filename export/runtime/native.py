@@ -1,0 +1,142 @@
+"""The decoder step's session held by nmtserve's native library (kernels.cc), and greedy steps run in a
+loop there: no Python, and no wait for the GIL, between two steps.
+
+Offline greedy search at batch 1 spent 41 µs of a 0.35 ms step in Python between the runs, and two
+batches decoded at once (inter_threads 2) each waited for the other's Python (docs/performance.md,
+"Python between the runs"). With `NativeSession` the greedy loop asks the library for steps until a row
+meets eos or the loop must look (its cache full, a row's budget near): one call, the GIL released
+throughout (ctypes releases it for every foreign call). Every other search binds and runs one step at a
+time through the same session, as with ONNX Runtime's own Python session.
+
+The session is made by the ONNX Runtime that Python uses: the library learns its API when a session
+option registers it (`register_custom_ops_library` calls the library's RegisterCustomOps), so the
+library is registered once before the first session is made here. The environment is the process's
+one; the session options are translator.session_options's, with nmtserve's custom ops; the
+initializers the caller gives (the embedding both graphs share) are read in place, and the caller keeps
+them alive. A binding holds addresses of host memory, bound by `bind`, as `translator.bind_address`
+does for ONNX Runtime's own bindings. CPU only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+from onnx import helper
+
+from nmtserve.export.runtime import kernels
+
+_ERROR_SIZE = 2000
+_loaded: list = []  # the library, once opened and registered
+_lock = threading.Lock()
+
+
+class NativeError(RuntimeError):
+    """ONNX Runtime's error in the library's session: its message."""
+
+
+def _library() -> ctypes.CDLL:
+    """The kernel library, opened here and registered with ONNX Runtime once (it keeps ONNX Runtime's API)."""
+    with _lock:
+        if not _loaded:
+            import onnxruntime as ort
+
+            library = ctypes.CDLL(str(kernels.LIBRARY))  # held open: ONNX Runtime unloads its own handle
+            ort.SessionOptions().register_custom_ops_library(str(kernels.LIBRARY))
+            c, p, n = ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t
+            ints, i64 = ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int64)
+            library.nmt_runner_create.argtypes = [p, n, ctypes.c_int, c, ctypes.c_int, ctypes.POINTER(c), ints, i64,
+                                                  ints, ctypes.POINTER(p), ctypes.POINTER(p), c, n]
+            library.nmt_binding_create.argtypes = [p, ctypes.POINTER(p), c, n]
+            library.nmt_bind.argtypes = [p, c, ctypes.c_int, i64, ctypes.c_int, p, ctypes.c_int, c, n]
+            library.nmt_run.argtypes = [p, p, c, n]
+            library.nmt_greedy_steps.argtypes = [p, p, p, p, p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p, p,
+                                                 c, n]
+            library.nmt_greedy_steps.restype = ctypes.c_int64
+            library.nmt_runner_free.argtypes = library.nmt_binding_free.argtypes = [p]
+            _loaded.append(library)
+        return _loaded[0]
+
+
+def _checked(returned: int, error) -> int:
+    if returned < 0:
+        raise NativeError(error.value.decode(errors="replace"))
+    return returned
+
+
+def _element_type(dtype) -> int:
+    return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+
+
+class NativeSession:
+    """The decoder step's session (`model`: the serialized graph) with `threads` intra-op threads and the
+    caller's `initializers` (name -> host array, kept alive by the caller) in place of the graph's own."""
+
+    def __init__(self, model: bytes, threads: int, initializers: dict[str, np.ndarray], disabled_optimizers: list[str]):
+        self._library = library = _library()
+        names = list(initializers)
+        arrays = [initializers[name] for name in names]
+        for name, array in zip(names, arrays):
+            assert array.flags.c_contiguous, name
+        shapes = [d for a in arrays for d in a.shape]
+        error, handle = ctypes.create_string_buffer(_ERROR_SIZE), ctypes.c_void_p()
+        _checked(library.nmt_runner_create(
+            model, len(model), threads, ",".join(disabled_optimizers).encode(), len(names),
+            (ctypes.c_char_p * len(names))(*(n.encode() for n in names)),
+            (ctypes.c_int * len(names))(*(_element_type(a.dtype) for a in arrays)),
+            (ctypes.c_int64 * max(1, len(shapes)))(*shapes), (ctypes.c_int * len(names))(*(a.ndim for a in arrays)),
+            (ctypes.c_void_p * len(names))(*(a.ctypes.data for a in arrays)), ctypes.byref(handle), error, _ERROR_SIZE),
+            error)
+        self._handle = handle
+        self._free = library.nmt_runner_free  # still callable while the interpreter shuts down
+
+    def io_binding(self) -> NativeBinding:
+        return NativeBinding(self)
+
+    def __del__(self):
+        if getattr(self, "_handle", None):
+            self._free(self._handle)
+
+
+class NativeBinding:
+    """A binding of the session's inputs and outputs to host memory (as ONNX Runtime's IOBinding), and the
+    runs over it. Used by one thread at a time."""
+
+    def __init__(self, session: NativeSession):
+        self.session, self._library = session, session._library  # the session outlives its bindings
+        self._error = ctypes.create_string_buffer(_ERROR_SIZE)
+        handle = ctypes.c_void_p()
+        _checked(self._library.nmt_binding_create(session._handle, ctypes.byref(handle), self._error, _ERROR_SIZE),
+                 self._error)
+        self._handle = handle
+        self._free = self._library.nmt_binding_free
+
+    def bind(self, name: str, dtype, shape: tuple, address: int, output: bool = False) -> None:
+        """Host memory at `address` of `shape` and `dtype` as the input (or the output, written there) `name`."""
+        _checked(self._library.nmt_bind(self._handle, name.encode(), _element_type(dtype),
+                                        (ctypes.c_int64 * max(1, len(shape)))(*shape), len(shape), address,
+                                        int(output), self._error, _ERROR_SIZE), self._error)
+
+    def run(self) -> None:
+        """One run of the session over the bound memory."""
+        _checked(self._library.nmt_run(self.session._handle, self._handle, self._error, _ERROR_SIZE), self._error)
+
+    def greedy_steps(self, tokens: np.ndarray, positions: np.ndarray, scores: np.ndarray | None, eos_id: int,
+                     out_tokens: np.ndarray, out_scores: np.ndarray | None) -> int:
+        """Runs until a step in which some row's token is eos, or len(out_tokens) steps; returns the steps run.
+        The binding writes each step's best tokens into `tokens` (its `tokens` input) and their scores into
+        `scores`; after each step every row's position (`positions`, bound as input) advances by one, and
+        tokens (and scores, when out_scores is given) are copied into that step's row of out_tokens (steps,
+        rows) int64 (and out_scores float32)."""
+        rows = len(tokens)
+        assert out_tokens.shape[1:] == (rows,) and out_tokens.flags.c_contiguous and tokens.dtype == np.int64
+        assert positions.dtype == np.int64 and (out_scores is None or out_scores.shape == out_tokens.shape)
+        return _checked(self._library.nmt_greedy_steps(
+            self.session._handle, self._handle, tokens.ctypes.data, positions.ctypes.data,
+            None if out_scores is None else scores.ctypes.data, rows, eos_id, len(out_tokens), out_tokens.ctypes.data,
+            None if out_scores is None else out_scores.ctypes.data, self._error, _ERROR_SIZE), self._error)
+
+    def __del__(self):
+        if getattr(self, "_handle", None):
+            self._free(self._handle)

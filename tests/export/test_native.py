@@ -1,0 +1,68 @@
+"""The decoder step's session in nmtserve's library and its greedy loop (export/runtime/native.py): the
+tokens and scores of ONNX Runtime's own session, errors with ONNX Runtime's message, and the switch."""
+
+import numpy as np
+import pytest
+
+from nmtserve.errors import ConfigError
+from nmtserve.export.runtime.native import NativeBinding, NativeError, NativeSession
+from nmtserve.export.runtime.translator import OnnxTranslator
+from nmtserve.search import DecodingOptions
+from nmtserve.training.data import read_tsv
+
+
+def _pair(bundle, variant: str, **kwargs) -> tuple[OnnxTranslator, OnnxTranslator]:
+    native = OnnxTranslator(bundle, variant=variant, intra_op_threads=1, **kwargs)
+    assert native.native_steps and isinstance(native.decoder, NativeSession)
+    return native, OnnxTranslator(bundle, variant=variant, intra_op_threads=1, native_steps=False, **kwargs)
+
+
+@pytest.mark.parametrize("variant", ["fp32", "int8"])
+def test_native_greedy_steps_give_the_tokens_and_scores_of_onnx_runtimes_session(tiny_bundle, tiny_corpus, variant):
+    """Greedy at batch 1 and 8, with and without scores, and with eos never found, so that every row runs
+    to its budget (2 × source + 10 tokens): the loop stops at each row's budget, and the cache grows past
+    its first 32 slots while the library loops."""
+    native, theirs = _pair(tiny_bundle, variant)
+    sources = [native.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
+    assert max(2 * len(s) + 10 for s in sources) > 32
+    for never_eos in (False, True):
+        if never_eos:
+            native.eos_id = theirs.eos_id = -1
+        for batch in (1, 8):
+            for scores in (True, False):
+                a, b = (tr.search_ids(sources, DecodingOptions(), max_batch_size=batch, scores=scores)
+                        for tr in (native, theirs))
+                assert [h.tokens for h, in a] == [h.tokens for h, in b]
+                assert np.array_equal([h.score for h, in a], [h.score for h, in b], equal_nan=not scores)
+        if never_eos:
+            assert [len(h.tokens) for h, in a] == [native.limits.output_budget(len(s), 256) for s in sources]
+
+
+def test_every_search_runs_on_the_librarys_session(tiny_bundle, tiny_corpus):
+    """Beam search, sampling and the server's step (rows of their own cross K/V) bind and run one step at a
+    time through the same session, with the same results; two batches at once share it."""
+    sources = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
+    for kwargs in ({}, {"shared_cross": False}, {"inter_threads": 2}):
+        native, theirs = _pair(tiny_bundle, "fp32", **kwargs)
+        for options in ({"beam_size": 4, "num_hypotheses": 2}, {"sampling_topk": 5, "seed": 3}, {}):
+            a, b = (tr.translate_batch(sources, max_batch_size=4, return_scores=True, **options) for tr in (native, theirs))
+            assert [(t.text, t.score, [(x.text, x.score) for x in t.alternatives]) for t in a] == \
+                   [(t.text, t.score, [(x.text, x.score) for x in t.alternatives]) for t in b]
+
+
+def test_a_native_error_carries_onnx_runtimes_message_and_the_session_goes_on(tiny_bundle):
+    native, _ = _pair(tiny_bundle, "fp32")
+    binding = native.decoder.io_binding()
+    assert isinstance(binding, NativeBinding)
+    buffer = np.zeros(4, np.int64)
+    with pytest.raises(NativeError, match="no_such_input"):
+        binding.bind("no_such_input", np.int64, (4,), buffer.ctypes.data)
+    with pytest.raises(NativeError):  # nothing bound: ONNX Runtime refuses the run
+        binding.run()
+    assert native.translate_batch(["a b c"])[0].text is not None
+
+
+def test_asking_for_native_steps_where_they_cannot_run_is_a_config_error(tiny_bundle):
+    with pytest.raises(ConfigError, match="native_steps"):
+        OnnxTranslator(tiny_bundle, attention_kernel=False, native_steps=True)
+    assert not OnnxTranslator(tiny_bundle, attention_kernel=False).native_steps  # ONNX Runtime's own session
