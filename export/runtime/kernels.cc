@@ -465,10 +465,10 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
 }
 
 // The decoder step's session held here, and greedy steps run in a loop here: no Python between two steps
-// (export/runtime/native.py). Made through the ONNX Runtime that registered this library, after it has
-// (a session of the caller's with the library registered): the process's one environment, the same
-// session options as the caller's (translator.session_options), the custom ops above, and the caller's
-// initializers read in place. Each function returns 0, or -1 with the error's message in `error`.
+// (export/runtime/native.py). Made through the ONNX Runtime that registered this library (native.py registers
+// it first): the process's one environment, translator.session_options's settings (the caller gives the
+// config entries), the custom ops above, and the caller's initializers read in place. Each function returns
+// 0, or -1 with the error's message in `error`.
 namespace {
 
 struct Runner {
@@ -504,8 +504,8 @@ int failed(const std::exception& e, char* error, size_t error_size) {
 
 extern "C" {
 
-int nmt_runner_create(const void* model, size_t model_size, int threads, const char* disabled_optimizers,
-                      int count, const char* const* names, const int* types, const int64_t* shapes, const int* ndims,
+int nmt_runner_create(const void* model, size_t model_size, int threads, int entries, const char* const* keys,
+                      const char* const* values, int count, const char* const* names, const int* types, const int64_t* shapes, const int* ndims,
                       void* const* data, void** runner_out, char* error, size_t error_size) {
   try {
     if (registered_api == nullptr) throw std::runtime_error("no ONNX Runtime session has registered the library yet");
@@ -516,9 +516,7 @@ int nmt_runner_create(const void* model, size_t model_size, int threads, const c
     options.SetGraphOptimizationLevel(GraphOptimizationLevel::ORT_ENABLE_ALL);
     options.DisableCpuMemArena();
     options.SetLogSeverityLevel(3);
-    options.AddConfigEntry("session.intra_op.allow_spinning", "1");
-    options.AddConfigEntry("session.force_spinning_stop", "1");
-    options.AddConfigEntry("optimization.disable_specified_optimizers", disabled_optimizers);
+    for (int i = 0; i < entries; i++) options.AddConfigEntry(keys[i], values[i]);
     Ort::ThrowOnError(RegisterCustomOps(options, registered_api));
     auto runner = std::make_unique<Runner>();
     runner->initializers.reserve(count);

@@ -11,8 +11,8 @@ time through the same session, as with ONNX Runtime's own Python session.
 The session is made by the ONNX Runtime that Python uses: the library learns its API when a session
 option registers it (`register_custom_ops_library` calls the library's RegisterCustomOps), so the
 library is registered once before the first session is made here. The environment is the process's
-one; the session options are translator.session_options's, with nmtserve's custom ops; the
-initializers the caller gives (the embedding both graphs share) are read in place, and the caller keeps
+one; the session options are translator.session_options's (the caller passes its config entries), with
+nmtserve's custom ops; the initializers the caller gives (the embedding both graphs share) are read in place, and the caller keeps
 them alive. A binding holds addresses of host memory, bound by `bind`, as `translator.bind_address`
 does for ONNX Runtime's own bindings. CPU only.
 """
@@ -46,8 +46,9 @@ def _library() -> ctypes.CDLL:
             ort.SessionOptions().register_custom_ops_library(str(kernels.LIBRARY))
             c, p, n = ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t
             ints, i64 = ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int64)
-            library.nmt_runner_create.argtypes = [p, n, ctypes.c_int, c, ctypes.c_int, ctypes.POINTER(c), ints, i64,
-                                                  ints, ctypes.POINTER(p), ctypes.POINTER(p), c, n]
+            library.nmt_runner_create.argtypes = [p, n, ctypes.c_int, ctypes.c_int, ctypes.POINTER(c), ctypes.POINTER(c),
+                                                  ctypes.c_int, ctypes.POINTER(c), ints, i64, ints, ctypes.POINTER(p),
+                                                  ctypes.POINTER(p), c, n]
             library.nmt_binding_create.argtypes = [p, ctypes.POINTER(p), c, n]
             library.nmt_bind.argtypes = [p, c, ctypes.c_int, i64, ctypes.c_int, p, ctypes.c_int, c, n]
             library.nmt_run.argtypes = [p, p, c, n]
@@ -70,10 +71,11 @@ def _element_type(dtype) -> int:
 
 
 class NativeSession:
-    """The decoder step's session (`model`: the serialized graph) with `threads` intra-op threads and the
-    caller's `initializers` (name -> host array, kept alive by the caller) in place of the graph's own."""
+    """The decoder step's session (`model`: the serialized graph) with `threads` intra-op threads, the
+    session `config` entries, and the caller's `initializers` (name -> host array, kept alive by the caller)
+    in place of the graph's own."""
 
-    def __init__(self, model: bytes, threads: int, initializers: dict[str, np.ndarray], disabled_optimizers: list[str]):
+    def __init__(self, model: bytes, threads: int, initializers: dict[str, np.ndarray], config: dict[str, str]):
         self._library = library = _library()
         names = list(initializers)
         arrays = [initializers[name] for name in names]
@@ -81,8 +83,10 @@ class NativeSession:
             assert array.flags.c_contiguous, name
         shapes = [d for a in arrays for d in a.shape]
         error, handle = ctypes.create_string_buffer(_ERROR_SIZE), ctypes.c_void_p()
+        keys, values = ([x.encode() for x in xs] for xs in (config.keys(), config.values()))
         _checked(library.nmt_runner_create(
-            model, len(model), threads, ",".join(disabled_optimizers).encode(), len(names),
+            model, len(model), threads, len(keys), (ctypes.c_char_p * len(keys))(*keys),
+            (ctypes.c_char_p * len(keys))(*values), len(names),
             (ctypes.c_char_p * len(names))(*(n.encode() for n in names)),
             (ctypes.c_int * len(names))(*(_element_type(a.dtype) for a in arrays)),
             (ctypes.c_int64 * max(1, len(shapes)))(*shapes), (ctypes.c_int * len(names))(*(a.ndim for a in arrays)),

@@ -21,7 +21,8 @@ unless sampling from it; greedy search asked for no scores (translate_batch's re
 as CTranslate2's) skips the log-softmax and takes an ArgMax instead of the TopK. Every cache is bound
 by address, one layer at a time, as both the step's input and its `present` output, so the attention
 kernel writes the new K/V into the cache in place (export/build/graphs.py; on a CPU nmtserve's own
-kernel when built: export/runtime/kernels.py). With io_binding (the default on CUDA) the
+kernel when built: export/runtime/kernels.py, and then the step's session is the library's, whose greedy
+loop runs its steps with no Python between them: export/runtime/native.py). With io_binding (the default on CUDA) the
 caches and cross K/V are OrtValues on the device, so a step sends the device only the small per-row
 arrays (tokens, positions, masks) and brings back only those candidates; without it they are numpy
 arrays.
@@ -68,6 +69,7 @@ PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", 
 # 1 thread, 200 sentences: 32.1 against 39.3 ms at batch 8, 32.5 against 38.5 at 32; README, "The int8
 # encoder without SkipLayerNormalization")
 CPU_DISABLED_OPTIMIZERS = ["SkipLayerNormFusion"]
+SPINNING = {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"}  # session_options says why
 ROW_INPUTS = ("tokens", "positions", "cross_slot")  # the decoder step's per-row inputs (export/build/graphs.py)
 ENCODE_AHEAD = 64  # search_ids encodes batches of up to this many sources in all before decoding them
 _DEVICES: dict = {}  # ONNX Runtime's C-level device of each device name, made once (bind_address)
@@ -128,8 +130,8 @@ def session_options(intra_op_threads: int = 0) -> ort.SessionOptions:
     # it holds a core that our Python between steps, and the other session's run, need. Offline greedy
     # with 2 threads on 2 cores, tok/s at batch 1/8/32/64 (README, "Spinning"): fp32 1,097/3,712/5,785/
     # 6,279 never spinning, 688/2,237/3,074/3,679 spinning always, 1,268/4,060/6,215/6,748 like this
-    so.add_session_config_entry("session.intra_op.allow_spinning", "1")
-    so.add_session_config_entry("session.force_spinning_stop", "1")
+    for key, value in SPINNING.items():
+        so.add_session_config_entry(key, value)
     return so
 
 
@@ -337,7 +339,8 @@ class OnnxTranslator:
                               "without io_binding")
         self.native_steps = self.attention_kernel and not self.io_binding if native_steps is None else native_steps
         if self.native_steps:
-            self.decoder = NativeSession(step, intra_op_threads, self.shared_weights, CPU_DISABLED_OPTIMIZERS)
+            self.decoder = NativeSession(step, intra_op_threads, self.shared_weights, {
+                **SPINNING, "optimization.disable_specified_optimizers": ",".join(CPU_DISABLED_OPTIMIZERS)})
         else:
             self.decoder = make_session(decoder_path, device, intra_op_threads, model=step,
                                         custom_ops=kernels.LIBRARY if self.attention_kernel else None,
