@@ -505,8 +505,9 @@ int failed(const std::exception& e, char* error, size_t error_size) {
 extern "C" {
 
 int nmt_runner_create(const void* model, size_t model_size, int threads, int entries, const char* const* keys,
-                      const char* const* values, int count, const char* const* names, const int* types, const int64_t* shapes, const int* ndims,
-                      void* const* data, void** runner_out, char* error, size_t error_size) {
+                      const char* const* values, int count, const char* const* names, const int* types,
+                      const int64_t* shapes, const int* ndims, void* const* data, void** runner_out, char* error,
+                      size_t error_size) {
   try {
     if (registered_api == nullptr) throw std::runtime_error("no ONNX Runtime session has registered the library yet");
     static Ort::Env* env = new Ort::Env(ORT_LOGGING_LEVEL_ERROR, "nmtserve");  // the process's one, shared
@@ -545,14 +546,17 @@ int nmt_binding_create(void* runner, void** binding_out, char* error, size_t err
 
 void nmt_binding_free(void* binding) { delete static_cast<Ort::IoBinding*>(binding); }
 
-// Binds host memory at `data` (shape, ONNX element type) to an input, or an output (written there in place).
-int nmt_bind(void* binding, const char* name, int type, const int64_t* shape, int ndim, void* data, int output,
-             char* error, size_t error_size) {
+// Binds each of `count` buffers of host memory (data[i]: shapes[8 i …] of ndims[i] dimensions, ONNX element
+// type types[i]) to the input names[i], or to that output when outputs[i] (written there in place).
+int nmt_bind(void* binding, int count, const char* const* names, const int* types, const int64_t* shapes,
+             const int* ndims, void* const* data, const int* outputs, char* error, size_t error_size) {
   try {
     auto& io = *static_cast<Ort::IoBinding*>(binding);
-    Ort::Value value = host_tensor(type, shape, ndim, data);
-    if (output) io.BindOutput(name, value);
-    else io.BindInput(name, value);
+    for (int i = 0; i < count; i++) {
+      Ort::Value value = host_tensor(types[i], shapes + 8 * i, ndims[i], data[i]);
+      if (outputs[i]) io.BindOutput(names[i], value);
+      else io.BindInput(names[i], value);
+    }
     return 0;
   } catch (const std::exception& e) {
     return failed(e, error, error_size);

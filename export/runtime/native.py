@@ -12,9 +12,9 @@ The session is made by the ONNX Runtime that Python uses: the library learns its
 option registers it (`register_custom_ops_library` calls the library's RegisterCustomOps), so the
 library is registered once before the first session is made here. The environment is the process's
 one; the session options are translator.session_options's (the caller passes its config entries), with
-nmtserve's custom ops; the initializers the caller gives (the embedding both graphs share) are read in place, and the caller keeps
-them alive. A binding holds addresses of host memory, bound by `bind`, as `translator.bind_address`
-does for ONNX Runtime's own bindings. CPU only.
+nmtserve's custom ops; the initializers the caller gives (the embedding both graphs share) are read in
+place, and the caller keeps them alive. A binding holds addresses of host memory, bound by `bind` (as
+`translator.bind_address` does for ONNX Runtime's own bindings) and sent with the next run. CPU only.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from onnx import helper
 from nmtserve.export.runtime import kernels
 
 _ERROR_SIZE = 2000
+_MAX_DIMS = 8  # of a bound tensor (nmt_bind)
 _loaded: list = []  # the library, once opened and registered
 _lock = threading.Lock()
 
@@ -50,7 +51,7 @@ def _library() -> ctypes.CDLL:
                                                   ctypes.c_int, ctypes.POINTER(c), ints, i64, ints, ctypes.POINTER(p),
                                                   ctypes.POINTER(p), c, n]
             library.nmt_binding_create.argtypes = [p, ctypes.POINTER(p), c, n]
-            library.nmt_bind.argtypes = [p, c, ctypes.c_int, i64, ctypes.c_int, p, ctypes.c_int, c, n]
+            library.nmt_bind.argtypes = [p, ctypes.c_int, ctypes.POINTER(c), ints, i64, ints, ctypes.POINTER(p), ints, c, n]
             library.nmt_run.argtypes = [p, p, c, n]
             library.nmt_greedy_steps.argtypes = [p, p, p, p, p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p, p,
                                                  c, n]
@@ -66,8 +67,14 @@ def _checked(returned: int, error) -> int:
     return returned
 
 
+_ELEMENT_TYPES: dict = {}  # numpy dtype -> ONNX element type
+
+
 def _element_type(dtype) -> int:
-    return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    found = _ELEMENT_TYPES.get(dtype)
+    if found is None:
+        found = _ELEMENT_TYPES[dtype] = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    return found
 
 
 class NativeSession:
@@ -115,15 +122,29 @@ class NativeBinding:
                  self._error)
         self._handle = handle
         self._free = self._library.nmt_binding_free
+        self._pending: list = []  # binds not yet sent (bind)
 
     def bind(self, name: str, dtype, shape: tuple, address: int, output: bool = False) -> None:
-        """Host memory at `address` of `shape` and `dtype` as the input (or the output, written there) `name`."""
-        _checked(self._library.nmt_bind(self._handle, name.encode(), _element_type(dtype),
-                                        (ctypes.c_int64 * max(1, len(shape)))(*shape), len(shape), address,
-                                        int(output), self._error, _ERROR_SIZE), self._error)
+        """Host memory at `address` of `shape` and `dtype` as the input (or the output, written there) `name`:
+        sent to the library with the next run, all binds since the last one in one call."""
+        self._pending.append((name.encode(), _element_type(dtype), shape, address, output))
+
+    def _send(self) -> None:
+        pending, self._pending = self._pending, []
+        count = len(pending)
+        shapes = (ctypes.c_int64 * (_MAX_DIMS * count))()
+        for i, (_, _, shape, _, _) in enumerate(pending):
+            shapes[_MAX_DIMS * i:_MAX_DIMS * i + len(shape)] = shape
+        names, types, _, addresses, outputs = zip(*pending)
+        _checked(self._library.nmt_bind(
+            self._handle, count, (ctypes.c_char_p * count)(*names), (ctypes.c_int * count)(*types), shapes,
+            (ctypes.c_int * count)(*(len(x[2]) for x in pending)), (ctypes.c_void_p * count)(*addresses),
+            (ctypes.c_int * count)(*outputs), self._error, _ERROR_SIZE), self._error)
 
     def run(self) -> None:
         """One run of the session over the bound memory."""
+        if self._pending:
+            self._send()
         _checked(self._library.nmt_run(self.session._handle, self._handle, self._error, _ERROR_SIZE), self._error)
 
     def greedy_steps(self, tokens: np.ndarray, positions: np.ndarray, scores: np.ndarray | None, eos_id: int,
@@ -133,6 +154,8 @@ class NativeBinding:
         `scores`; after each step every row's position (`positions`, bound as input) advances by one, and
         tokens (and scores, when out_scores is given) are copied into that step's row of out_tokens (steps,
         rows) int64 (and out_scores float32)."""
+        if self._pending:
+            self._send()
         rows = len(tokens)
         assert out_tokens.shape[1:] == (rows,) and out_tokens.flags.c_contiguous and tokens.dtype == np.int64
         assert positions.dtype == np.int64 and (out_scores is None or out_scores.shape == out_tokens.shape)

@@ -55,8 +55,9 @@ def test_a_native_error_carries_onnx_runtimes_message_and_the_session_goes_on(ti
     binding = native.decoder.io_binding()
     assert isinstance(binding, NativeBinding)
     buffer = np.zeros(4, np.int64)
+    binding.bind("no_such_input", np.int64, (4,), buffer.ctypes.data)  # sent with the next run
     with pytest.raises(NativeError, match="no_such_input"):
-        binding.bind("no_such_input", np.int64, (4,), buffer.ctypes.data)
+        binding.run()
     with pytest.raises(NativeError):  # nothing bound: ONNX Runtime refuses the run
         binding.run()
     assert native.translate_batch(["a b c"])[0].text is not None
