@@ -130,15 +130,14 @@ class NativeBinding:
         self._pending.append((name.encode(), _element_type(dtype), shape, address, output))
 
     def _send(self) -> None:
-        pending, self._pending = self._pending, []
-        count = len(pending)
-        shapes = (ctypes.c_int64 * (_MAX_DIMS * count))()
-        for i, (_, _, shape, _, _) in enumerate(pending):
-            shapes[_MAX_DIMS * i:_MAX_DIMS * i + len(shape)] = shape
-        names, types, _, addresses, outputs = zip(*pending)
+        names, types, shapes, addresses, outputs = zip(*self._pending)
+        self._pending, count = [], len(names)
+        flat = (ctypes.c_int64 * (_MAX_DIMS * count))()
+        for i, shape in enumerate(shapes):
+            flat[_MAX_DIMS * i:_MAX_DIMS * i + len(shape)] = shape
         _checked(self._library.nmt_bind(
-            self._handle, count, (ctypes.c_char_p * count)(*names), (ctypes.c_int * count)(*types), shapes,
-            (ctypes.c_int * count)(*(len(x[2]) for x in pending)), (ctypes.c_void_p * count)(*addresses),
+            self._handle, count, (ctypes.c_char_p * count)(*names), (ctypes.c_int * count)(*types), flat,
+            (ctypes.c_int * count)(*map(len, shapes)), (ctypes.c_void_p * count)(*addresses),
             (ctypes.c_int * count)(*outputs), self._error, _ERROR_SIZE), self._error)
 
     def run(self) -> None:

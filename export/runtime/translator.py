@@ -53,7 +53,7 @@ from nmtserve.errors import BundleError, ConfigError
 from nmtserve.export.runtime import kernels
 from nmtserve.export.runtime.batch import BatchState, eos_of, own_slots
 from nmtserve.export.runtime.bundle import Bundle, default_variant, load_bundle
-from nmtserve.export.runtime.native import NativeBinding, NativeSession
+from nmtserve.export.runtime.native import NativeBinding, NativeError, NativeSession
 from nmtserve.export.runtime.tensors import DeviceTensors, HostTensors
 from nmtserve.search import BeamSearch, DecodingOptions, Hypothesis, beam_steps, make_search
 
@@ -155,10 +155,14 @@ def make_session(path: Path, device: str = "cpu", intra_op_threads: int = 0, mod
                                        providers=PROVIDERS[device],
                                        disabled_optimizers=CPU_DISABLED_OPTIMIZERS if device == "cpu" else None)
     except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph types
-        raise BundleError(f"{path}: onnxruntime cannot load it ({str(e).splitlines()[0][:200]})") from None
+        raise cannot_load(path, e) from None
     if session.get_providers()[0] != PROVIDERS[device][0]:
         raise ConfigError(f"{path}: asked for {device} but onnxruntime fell back to {session.get_providers()[0]}")
     return session
+
+
+def cannot_load(path: Path, error: Exception) -> BundleError:
+    return BundleError(f"{path}: onnxruntime cannot load it ({(str(error).splitlines() or [''])[0][:200]})")
 
 
 def shared_weights(encoder_path: Path, decoder: onnx.ModelProto, min_bytes: int = 1 << 16) -> dict[str, np.ndarray]:
@@ -339,8 +343,11 @@ class OnnxTranslator:
                               "without io_binding")
         self.native_steps = self.attention_kernel and not self.io_binding if native_steps is None else native_steps
         if self.native_steps:
-            self.decoder = NativeSession(step, intra_op_threads, self.shared_weights, {
-                **SPINNING, "optimization.disable_specified_optimizers": ",".join(CPU_DISABLED_OPTIMIZERS)})
+            try:
+                self.decoder = NativeSession(step, intra_op_threads, self.shared_weights, {
+                    **SPINNING, "optimization.disable_specified_optimizers": ",".join(CPU_DISABLED_OPTIMIZERS)})
+            except NativeError as e:
+                raise cannot_load(decoder_path, e) from None
         else:
             self.decoder = make_session(decoder_path, device, intra_op_threads, model=step,
                                         custom_ops=kernels.LIBRARY if self.attention_kernel else None,
@@ -545,8 +552,10 @@ class OnnxTranslator:
         ONNX Runtime's CPU attention kernel steps rows at one position faster than rows at mixed ones
         (docs/architecture.md).
         Each step's best token is written straight into the step's `tokens` input (`_greedy_binding`), so
-        between two steps our Python only records it, advances the positions and looks for eos. Without
-        scores the steps skip the log-softmax (`with_search_head`) and each score is nan."""
+        between two steps our Python only records it, advances the positions and looks for eos; with
+        native_steps the library does that, running steps until a row's eos, the cache's end or the first
+        row's budget, and Python looks at the last one only. Without scores the steps skip the log-softmax
+        (`with_search_head`) and each score is nan."""
         rows = np.arange(len(sources))  # the source of each row of `state`, and its budget
         budget = np.array([self.limits.output_budget(len(s), max_decoding_length, length_rule) for s in sources])
         steps = [], [], []  # per step: each row's source, token and (when scored) log-prob

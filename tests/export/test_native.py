@@ -61,6 +61,8 @@ def test_a_native_error_carries_onnx_runtimes_message_and_the_session_goes_on(ti
     with pytest.raises(NativeError):  # nothing bound: ONNX Runtime refuses the run
         binding.run()
     assert native.translate_batch(["a b c"])[0].text is not None
+    with pytest.raises(NativeError, match="(?i)protobuf|parse|model"):  # what ONNX Runtime says of the bytes
+        NativeSession(b"not an onnx model", 1, {}, {})
 
 
 def test_asking_for_native_steps_where_they_cannot_run_is_a_config_error(tiny_bundle):
