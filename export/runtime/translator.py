@@ -338,10 +338,11 @@ class OnnxTranslator:
         del decoder  # freed before the session makes its own copy (an OPUS-MT-size decoder is ~200 MB)
         # native_steps: the step's session held by nmtserve's library, greedy steps looping there without
         # Python between them (export/runtime/native.py); with the kernels, on host states (None), or as asked
-        if native_steps and not (self.attention_kernel and not self.io_binding):
+        possible = self.attention_kernel and not self.io_binding
+        if native_steps and not possible:
             raise ConfigError("native_steps: the step's session in nmtserve's library needs its kernels, on a CPU, "
                               "without io_binding")
-        self.native_steps = self.attention_kernel and not self.io_binding if native_steps is None else native_steps
+        self.native_steps = possible if native_steps is None else native_steps
         if self.native_steps:
             try:
                 self.decoder = NativeSession(step, intra_op_threads, self.shared_weights, {
