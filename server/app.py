@@ -111,7 +111,8 @@ def load_model(spec: ModelSpec, config: ServerConfig, metrics: ServerMetrics, io
                                 attention_kernel=attention_kernel, row_scales=row_scales)
     engine_config = EngineConfig(max_running_rows=config.max_running_rows, max_batch_tokens=config.max_batch_tokens,
                                  max_waiting=config.max_waiting, batching=config.batching,
-                                 admit_rows=config.admit_rows, admit_steps=config.admit_steps)
+                                 admit_rows=config.admit_rows, admit_steps=config.admit_steps,
+                                 max_burst_steps=config.max_burst_steps)
     engine = EnginePool(translator, spec.inter_threads, engine_config,
                         on_step=functools.partial(metrics.step, spec.id)).start()
     metrics.watch_engine(spec.id, engine)
@@ -128,7 +129,8 @@ async def start_server(config: ServerConfig) -> RunningServer:
     io_binding = _switch("io-binding", config.io_binding)  # the switches are checked before any model loads
     attention_kernel = _switch("attention-kernel", config.attention_kernel)
     row_scales = _switch("int8-row-scales", config.int8_row_scales)
-    for flag, value in (("max-beam-size", config.max_beam_size), ("stream-interval", config.stream_interval)):
+    for flag, value in (("max-beam-size", config.max_beam_size), ("stream-interval", config.stream_interval),
+                        ("max-burst-steps", config.max_burst_steps)):
         if value < 1:
             raise ConfigError(f"--{flag} {value}: must be at least 1")
     specs = model_specs(config)

@@ -3,7 +3,8 @@
 One scheduler thread owns the waiting queue and the running batch (server/running_batch.py).
 Each iteration has three phases: schedule (drop cancelled or expired requests, admit waiting ones
 within the budgets), execute (the newcomers join the running batch, one decoder step for every
-row), process outputs (hand each request its token, finish requests at eos or their budget).
+row; when every running request is greedy and no one waits, up to max_burst_steps steps in nmtserve's
+library at once, with no Python between them), process outputs (hand each request its token, finish requests at eos or their budget).
 Requests join and leave between steps; no row ever waits for another to finish. A request is
 decoded greedily, by beam search (beam_size rows) or by sampling, as its DecodingOptions say; all
 three share each decoder step, and a request's result depends on its own rows only. The engine never
@@ -22,6 +23,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from nmtserve.decoding import Limits
 from nmtserve.errors import NmtserveError
@@ -70,6 +73,10 @@ class EngineConfig:
     # "Admission to a full batch")
     admit_rows: int = 8
     admit_steps: int = 4
+    # a batch of greedy requests steps in nmtserve's library (translator.native_steps); when none streams and no
+    # one joins or waits to, up to this many steps at once, with no Python between them (README, "Greedy steps
+    # in the library"); a newcomer ends such a run after its current step; 1: one step an iteration
+    max_burst_steps: int = 16
 
 
 @dataclass(eq=False)  # compared by identity: the waiting queue removes requests by it
@@ -144,6 +151,7 @@ class Engine:
         self.steps = 0
         self.admitted_step = 0  # the step count at the latest admission (EngineConfig.admit_steps)
         self.next_trim = 0.0
+        self.stop_burst = np.zeros(1, np.int32)  # set by submit and stop: the library's greedy steps end after the current one
         self.thread = threading.Thread(target=self._loop, name="nmtserve-engine", daemon=True)
 
     # -- life cycle
@@ -154,6 +162,7 @@ class Engine:
     def stop(self) -> None:
         with self.lock:
             self.stopping = True
+            self.stop_burst[0] = 1
             self.lock.notify_all()
         self.thread.join()
 
@@ -168,6 +177,7 @@ class Engine:
             request.id = request.id or f"r{next(self.ids)}"
             request.arrived_step = self.steps
             self.waiting.append(request)
+            self.stop_burst[0] = 1
             self.lock.notify()
         return request
 
@@ -194,11 +204,14 @@ class Engine:
                 if self.stopping and not self.waiting and not self.running_count:
                     return
                 admitted = self._schedule()
+                burst = self._burst(admitted)
             started = time.perf_counter()
             try:
-                stepped = self._execute(admitted)
-                if self.on_step and stepped:
-                    self.on_step(*stepped, time.perf_counter() - started)
+                stepped = self._execute(admitted, burst)
+                if self.on_step:
+                    seconds = (time.perf_counter() - started) / max(1, len(stepped))
+                    for rows, slots in stepped:
+                        self.on_step(rows, slots, seconds)
             except Exception as e:  # an engine error fails the requests it touched, not the engine
                 running = self.batch.requests
                 placed = {id(r) for r in running}
@@ -265,22 +278,48 @@ class Engine:
             return FinishReason.DEADLINE
         return None
 
-    def _execute(self, admitted: list[Request]) -> tuple[int, int] | None:
-        """Newcomers join, one decoder step, its tokens processed -> (rows, valid cache slots).
-        A request the encoder or the decoder fails on alone finishes with ERROR; the others go on."""
+    def _burst(self, admitted: list[Request]) -> int:
+        """(Lock held.) How many greedy steps this iteration runs in the library: none (0: one step of every
+        search, `RunningBatch.step`) unless every request in the batch is greedy; one when some join, wait to
+        (continuous batching) or stream; else up to max_burst_steps, and no further than the first request's
+        budget. Clears the stop flag that submit sets."""
+        running = self.batch.requests + admitted
+        if not running or not self.tr.native_steps or any(r.search is not None for r in running):
+            return 0
+        if admitted or self.config.max_burst_steps < 2 or (self.waiting and self.config.batching == "continuous") \
+                or any(r.on_token is not None for r in running):
+            return 1
+        self.stop_burst[0] = 0
+        return min(self.config.max_burst_steps, *(r.budget(self.tr.limits) - len(r.tokens) for r in running))
+
+    def _execute(self, admitted: list[Request], burst: int = 0) -> list[tuple[int, int]]:
+        """Newcomers join, one decoder step (with `burst`, up to that many greedy steps in the library), its
+        tokens processed -> (rows, valid cache slots) of each step run. A request the encoder or the decoder
+        fails on alone finishes with ERROR; the others go on."""
         failed = self.batch.admit(admitted) if admitted else []
         self.batch.compact()
-        stepped = None
+        steps = []
         if self.batch.state is not None:
-            outputs, step_failed = self.batch.step()
-            self.steps += 1
-            failed += step_failed
-            stepped = len(self.batch.rows), self.batch.cache_slots()
+            if burst:
+                deadlines = [r.deadline for r in self.batch.requests if r.deadline is not None]
+                stop = self.stop_burst if self.config.batching == "continuous" else None  # static: no one joins
+                try:
+                    steps = self.batch.greedy_steps(burst, stop, min(deadlines, default=0.0))
+                except Exception:
+                    steps = []  # one step below meets the error again and finds whom it belongs to
+            if not steps:
+                outputs, step_failed = self.batch.step()
+                failed += step_failed
+                steps = [outputs]
         if failed:
             self._publish()
             for request, error in failed:
                 self._finish(request, FinishReason.ERROR, error=f"{type(error).__name__}: {error}")
-        if stepped:
+        stepped = []
+        rows, slots = len(self.batch.rows), self.batch.cache_slots()
+        for i, outputs in enumerate(steps):  # a burst's rows each filled one slot a step
+            stepped.append((rows, slots - (len(steps) - 1 - i) * len(outputs)))
+            self.steps += 1
             self._process(outputs)
         return stepped
 

@@ -143,6 +143,22 @@ class RunningBatch:
         self.state.choose(tokens, parents)  # parents: only when a search chose them
         return outputs, []
 
+    def greedy_steps(self, steps: int, stop: np.ndarray | None = None, stop_at: float = 0.0) \
+            -> list[list[tuple[Request, int, float]]]:
+        """Up to `steps` decoder steps of a batch of greedy requests in nmtserve's library, with no Python
+        between them (translator.decode_greedy_steps: until a row says eos, `stop` is set or `stop_at` has
+        passed; each row's token written straight into the next step's input) -> each step's (request,
+        token, log-prob), as `step` gives them. Raises what the library's first step raises; the caller
+        then takes one step with `step`, which finds the rows that fail."""
+        self.state.trim()
+        rows = [(r, int(rows[0])) for r, rows in self.placement()]
+        scored = any(r.scored for r, _ in rows)
+        tokens, scores = self.tr.decode_greedy_steps(self.state, steps, scored, stop, stop_at)
+        tokens = tokens.tolist()  # Python numbers, once (holes' too: picking the rows in numpy costs more)
+        if not scored:
+            return [[(r, step[i], math.nan) for r, i in rows] for step in tokens]
+        return [[(r, step[i], values[i]) for r, i in rows] for step, values in zip(tokens, scores.tolist())]
+
     def _failing_rows(self, rows: list[int]) -> list[tuple[int, Exception]]:
         """The rows whose step fails on a copy of the state holding just them, found by bisection."""
         try:

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -495,6 +496,12 @@ Ort::Value host_tensor(int type, const int64_t* shape, int ndim, void* data) {
   return Ort::Value::CreateTensor(cpu, data, count * element_size(element), shape, ndim, element);
 }
 
+double monotonic_seconds() {  // Python's time.monotonic() (CLOCK_MONOTONIC)
+  timespec now{};
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  return now.tv_sec + now.tv_nsec * 1e-9;
+}
+
 int failed(const std::exception& e, char* error, size_t error_size) {
   std::snprintf(error, error_size, "%s", e.what());
   return -1;
@@ -578,25 +585,28 @@ int nmt_run(void* runner, void* binding, char* error, size_t error_size) {
 // out_scores. Stops after the first step in which some row's token is eos, or after max_steps. Returns the
 // steps run, or -1 with the error's message.
 int64_t nmt_greedy_steps(void* runner, void* binding, int64_t* tokens, int64_t* positions, const float* scores,
-                         int64_t rows, int64_t eos, int64_t max_steps, int64_t* out_tokens, float* out_scores,
-                         char* error, size_t error_size) {
+                         const uint8_t* hole, int64_t rows, int64_t eos, int64_t max_steps, const volatile int32_t* stop,
+                         double stop_at, int64_t* out_tokens, float* out_scores, char* error, size_t error_size) {
   auto& session = static_cast<Runner*>(runner)->session;
   auto& io = *static_cast<Ort::IoBinding*>(binding);
   const Ort::RunOptions run_options{nullptr};
+  int64_t step = 0;
   try {
-    for (int64_t step = 0; step < max_steps; step++) {
+    for (; step < max_steps; step++) {
       session.Run(run_options, io);
       bool hit = false;
       for (int64_t r = 0; r < rows; r++) {
+        if (hole != nullptr && hole[r]) continue;  // a hole neither advances nor ends the loop
         positions[r] += 1;
         hit |= tokens[r] == eos;
       }
       std::memcpy(out_tokens + step * rows, tokens, rows * sizeof(int64_t));
       if (out_scores != nullptr) std::memcpy(out_scores + step * rows, scores, rows * sizeof(float));
-      if (hit) return step + 1;
+      if (hit || (stop != nullptr && *stop) || (stop_at > 0 && monotonic_seconds() >= stop_at)) return step + 1;
     }
     return max_steps;
   } catch (const std::exception& e) {
+    if (step > 0) return step;  // the steps before the failing one stand; the caller's next call meets the error
     return failed(e, error, error_size);
   }
 }

@@ -454,6 +454,27 @@ class OnnxTranslator:
         state.advance()
         return ids, scores
 
+    def decode_greedy_steps(self, state: BatchState, steps: int, scores: bool = True, stop: np.ndarray | None = None,
+                            stop_at: float = 0.0) -> tuple[np.ndarray, np.ndarray | None]:
+        """(native_steps only) Greedy steps of every row in the library, each row fed its own best token, until
+        a step in which a row (not a hole) says eos, `steps` steps, the cache's end, or a stop asked for
+        (`NativeBinding.greedy_steps`: `stop` flag, `stop_at`) -> each step's tokens (n, B) int64 and, with
+        scores, their log-probs (n, B) float32 (without: None). The K/V and positions advance as with
+        `decode_one_token` n times; `state.tokens` ends as the last step's tokens."""
+        state.open_slot()
+        self._with_scores[...] = scores
+        binding = self._greedy_binding(state)
+        steps = steps if steps == 1 else min(steps, state.capacity - state.length)  # open_slot made room for one
+        return self._native_greedy_steps(state, binding, steps, scores, stop, stop_at)
+
+    def _native_greedy_steps(self, state: BatchState, binding: NativeBinding, steps: int, scores: bool,
+                             stop: np.ndarray | None = None, stop_at: float = 0.0) -> tuple[np.ndarray, np.ndarray | None]:
+        out = np.empty((steps, state.size), np.int64)
+        out_scores = np.empty(out.shape, np.float32) if scores else None
+        taken = binding.greedy_steps(state.tokens, state.positions, self._scores, self.eos_id, out, out_scores,
+                                     state.hole if state.holes else None, stop, stop_at)
+        return out[:taken], None if out_scores is None else out_scores[:taken]
+
     def _step(self, state: BatchState, k: int) -> tuple[np.ndarray, np.ndarray]:
         """candidate ids and their scores (B, k) on the host, scored as `_with_scores` says. Every cache is
         bound as both the input and the `present` output of its layer, so the step writes the new K/V into
@@ -462,13 +483,14 @@ class OnnxTranslator:
         run_bound(self.decoder, binding)
         return self._ids.copy(), self._scores.copy()
 
-    def _binding_for(self, state: BatchState, k: int) -> ort.IOBinding:
+    def _binding_for(self, state: BatchState, k: int, greedy: bool = False) -> ort.IOBinding | NativeBinding:
         """The decoder's binding for a step of `state` asking for k candidates. A binding holds addresses,
         so it is kept from step to step and a group is bound again only when its objects change (`_bound`
         holds weak references to them): the caches (each layer as input and `present` output, with their
         slot counts; with shared_cross the cross K/V as inputs only), the per-row arrays (tokens, positions,
         cross_slot: BatchState changes them in place), and the outputs (candidates into buffers of (B, k),
-        with the `candidates` and `with_scores` inputs: the callers set the flag). Host inputs of
+        with the `candidates` and `with_scores` inputs: the callers set the flag; greedy: k = 1 and each
+        row's best token straight into `state.tokens`, `_greedy_binding`). Host inputs of
         a session on a device are copied to it when bound, so there the per-row arrays (and host caches)
         are bound every step (a translator serves one thread at a time)."""
         binding, bound, shared = self._binding, self._bound, self.shared_cross
@@ -497,7 +519,7 @@ class OnnxTranslator:
                 self._query_shape = np.array([-1, state.width, self.d_model], np.int64)
                 bind_address(binding, "query_shape", "cpu", np.int64, (3,), self._query_shape.ctypes.data)
             bound["caches"] = _refs(caches)
-        rows = (state.tokens, state.positions, state.cross_slot)
+        rows, rebound = (state.tokens, state.positions, state.cross_slot), True
         if self.io_binding or copied_when_bound:
             for name, x in zip(ROW_INPUTS, rows):
                 binding.bind_cpu_input(name, np.ascontiguousarray(x))
@@ -506,14 +528,17 @@ class OnnxTranslator:
                 assert x.flags.c_contiguous, name
                 bind_address(binding, name, "cpu", x.dtype, x.shape, x.ctypes.data)
             bound["rows"] = _refs(rows)
-        if bound.get("outputs") != (state.size, k):
+        else:
+            rebound = False
+        if bound.get("outputs") != (state.size, k, greedy) or greedy and rebound:  # greedy: into state.tokens
             self._ids, self._scores = np.empty((state.size, k), np.int64), np.empty((state.size, k), np.float32)
             self._k = np.array([k], np.int64)
             bind_address(binding, "candidates", "cpu", np.int64, (1,), self._k.ctypes.data)
             bind_address(binding, "with_scores", "cpu", np.bool_, (), self._with_scores.ctypes.data)  # host memory
-            for name, x in (("candidate_ids", self._ids), ("candidate_scores", self._scores)):
+            for name, x in (("candidate_ids", state.tokens.reshape(-1, 1) if greedy else self._ids),
+                            ("candidate_scores", self._scores)):
                 bind_address(binding, name, "cpu", x.dtype, x.shape, x.ctypes.data, output=True)
-            bound["outputs"] = (state.size, k)
+            bound["outputs"] = (state.size, k, greedy)
         return binding
 
     def _layer_addresses(self, stacked) -> list[int]:
@@ -570,14 +595,13 @@ class OnnxTranslator:
                 binding = self._greedy_binding(state)
             if self.native_steps:  # steps in the library until a row's eos, the cache's end or the first budget
                 stepped = len(steps[0])
-                out = np.empty((min(state.capacity, max(last, stepped + 1)) - stepped, state.size), np.int64)
-                out_scores = np.empty(out.shape, np.float32) if scores else None
-                taken = binding.greedy_steps(state.tokens, state.positions, self._scores, self.eos_id, out, out_scores)
-                steps[0].extend([rows] * taken)
-                steps[1].extend(out[:taken])
+                out, out_scores = self._native_greedy_steps(state, binding,
+                                                            min(state.capacity, max(last, stepped + 1)) - stepped, scores)
+                steps[0].extend([rows] * len(out))
+                steps[1].extend(out)
                 if scores:
-                    steps[2].extend(out_scores[:taken])
-                tokens = out[taken - 1]
+                    steps[2].extend(out_scores)
+                tokens = out[-1]
             else:
                 run_bound(self.decoder, binding)
                 state.positions += 1  # every row: offline batches have no holes
@@ -604,10 +628,7 @@ class OnnxTranslator:
         """The step's binding for greedy search, with its candidate_ids output bound to the `tokens` input's
         own buffer: the step's search head, its last node, writes each row's best token where the next step
         reads it (the embedding's Gather, the first node and only reader of `tokens`, is done by then)."""
-        binding = self._binding_for(state, 1)
-        bind_address(binding, "candidate_ids", "cpu", np.int64, (state.size, 1), state.tokens.ctypes.data, output=True)
-        del self._bound["outputs"]  # the next other search binds its own candidate buffers again
-        return binding
+        return self._binding_for(state, 1, greedy=True)
 
     def _collect(self, n: int, rows: list, tokens: list, scores: list, end: np.ndarray) -> list[list[Hypothesis]]:
         """Greedy's hypotheses from what each step chose: source s's tokens are those of its rows up to

@@ -69,3 +69,29 @@ def test_asking_for_native_steps_where_they_cannot_run_is_a_config_error(tiny_bu
     with pytest.raises(ConfigError, match="native_steps"):
         OnnxTranslator(tiny_bundle, attention_kernel=False, native_steps=True)
     assert not OnnxTranslator(tiny_bundle, attention_kernel=False).native_steps  # ONNX Runtime's own session
+
+
+def test_the_servers_greedy_steps_in_the_library_keep_holes_still_and_stop_when_asked(tiny_bundle, tiny_corpus):
+    """`decode_greedy_steps` (the engine's bursts) over rows of their own cross K/V with a hole: each step's
+    tokens and scores are those of one step at a time, the hole's position stays at 0, and the loop ends at
+    a row's eos, after one step when the stop flag is set or `stop_at` has passed, and at the cache's end."""
+    native, _ = _pair(tiny_bundle, "fp32", shared_cross=False)
+    sources = [native.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs][:4]
+    ours, theirs = native.prefill(sources), native.prefill(sources)
+    for state in (ours, theirs):
+        state.free([1])
+    tokens, scores = native.decode_greedy_steps(ours, 50)
+    expected = []
+    while not expected or expected[-1][0][~theirs.hole].tolist().count(native.eos_id) == 0:
+        expected.append(native.decode_one_token(theirs))
+    assert len(tokens) == len(expected) < 50  # up to the first eos of a row that is not the hole
+    for (t, s), (want, want_score) in zip(zip(tokens, scores), expected):
+        keep = ~ours.hole
+        assert t[keep].tolist() == want[keep].tolist() and np.array_equal(s[keep], want_score[keep])
+    assert ours.positions.tolist() == theirs.positions.tolist() and ours.positions[1] == 0
+    native.eos_id = -1  # from here on no row ends the loop
+    assert len(native.decode_greedy_steps(ours, 3)[0]) == 3
+    assert len(native.decode_greedy_steps(ours, 10, stop=np.ones(1, np.int32))[0]) == 1
+    assert len(native.decode_greedy_steps(ours, 10, stop_at=1.0)[0]) == 1  # time.monotonic() is past 1.0 s
+    before = ours.length
+    assert len(native.decode_greedy_steps(ours, 1000, scores=False)[0]) == ours.capacity - before == ours.length - before

@@ -61,12 +61,17 @@ def test_steps_of_greedy_rows_no_one_reads_a_score_of_skip_the_log_softmax(trans
     the step scored. Tokens and scores are the translator's either way."""
     unscored_expected = [found.tokens for found, in translator.search_ids(sources, max_batch_size=1, scores=False)]
     scored_expected = translator.translate_ids(sources, max_batch_size=1)
-    flags, decode = [], translator.decode_candidates
+    flags, decode, steps = [], translator.decode_candidates, translator.decode_greedy_steps
 
     def recording(state, k, scores=True):
         flags.append(scores)
         return decode(state, k, scores)
+
+    def recording_steps(state, n, scores=True, *args):  # greedy batches' steps in the library (native_steps)
+        flags.append(scores)
+        return steps(state, n, scores, *args)
     monkeypatch.setattr(translator, "decode_candidates", recording)
+    monkeypatch.setattr(translator, "decode_greedy_steps", recording_steps)
     engine = Engine(translator, EngineConfig(max_running_rows=8)).start()
     try:
         unscored = [engine.submit(Request(src, scored=False)) for src in sources]
@@ -241,18 +246,29 @@ def test_a_source_the_encoder_fails_on_fails_alone(translator, sources):
     assert all(r.finish in (FinishReason.EOS, FinishReason.LENGTH) for r in others)
 
 
-def test_a_row_the_decoder_step_fails_on_fails_alone(translator, sources, monkeypatch):
+@pytest.mark.parametrize("from_step", [0, 3])
+def test_a_row_the_decoder_step_fails_on_fails_alone(translator, sources, monkeypatch, from_step):
+    """A fault for one row at its first step, or at its fourth (from_step 3: by then greedy rows run their steps
+    in the library, `Engine._burst`; a burst that fails leaves the step to the one-step path, which finds the row)."""
     poison = sources[0] * 3
     assert len(poison) not in {len(s) for s in sources[:7]}
-    step = translator._step
+    step, steps = translator._step, translator.decode_greedy_steps
 
-    def fails_for_the_poisoned_row(state, k):  # a fault for one row, wherever it sits in the batch
-        if ((state.src_mask.sum(axis=1) == len(poison)) & ~state.hole).any():
+    def fault(state):  # a fault for one row, wherever it sits in the batch
+        if ((state.src_mask.sum(axis=1) == len(poison)) & ~state.hole & (state.positions >= from_step)).any():
             raise RuntimeError("injected fault")
+
+    def fails_for_the_poisoned_row(state, k):
+        fault(state)
         return step(state, k)
+
+    def bursts_fail_for_the_poisoned_row(state, *args):
+        fault(state)
+        return steps(state, *args)
 
     expected = [tokens for tokens, _ in translator.translate_ids(sources[:7], max_batch_size=1)]
     monkeypatch.setattr(translator, "_step", fails_for_the_poisoned_row)
+    monkeypatch.setattr(translator, "decode_greedy_steps", bursts_fail_for_the_poisoned_row)
     poisoned = Request(poison)
     others = [Request(s) for s in sources[:7]]
     _run_together(translator, [poisoned, *others])
@@ -267,13 +283,7 @@ def test_requests_at_every_limit_finish_with_length_alone_and_in_a_busy_batch(tr
     never past the position tables, alone and beside shorter rows that leave holes as they finish."""
     limits = translator.limits
     longest = (sources[0] * limits.max_source_tokens)[: limits.max_source_tokens]
-    step = translator._step
-
-    def never_eos(state, k):
-        ids, scores = step(state, k)
-        return np.where(ids == translator.eos_id, translator.eos_id + 1, ids), scores
-
-    monkeypatch.setattr(translator, "_step", never_eos)
+    monkeypatch.setattr(translator, "eos_id", -1)  # for the one-step path and the library's steps alike
     for batch_mates in ([], sources[:6]):
         at_limit = Request(longest, max_decoding_length=limits.max_target_tokens)
         others = [Request(s, max_decoding_length=limits.max_target_tokens) for s in batch_mates]
@@ -419,6 +429,54 @@ def test_requests_that_waited_long_still_gather_after_an_admission(translator, s
     assert not any(r.done.is_set() for r in running[2:])  # (no other row freed meanwhile)
     assert joined[:2] == [[], []]  # waited 6 steps and more, yet they gather: an admission was just made
     assert len(joined[2]) == 1 and joined[2][0] in waiting
+
+
+def test_greedy_steps_run_in_the_library_in_bursts_that_a_newcomer_ends(tiny_bundle, tiny_corpus, monkeypatch):
+    """A batch of greedy requests steps in the library (host states; the io-binding translator above steps
+    in Python): with no one waiting, up to max_burst_steps steps an iteration. Tokens and scores are those
+    of ONNX Runtime's own session one step at a time; a burst stops at a row's eos or at the first budget
+    (short budgets here), and the step metrics count every step with its rows. A request submitted during
+    a burst ends it after the current step (the stop flag), and joins at the next iteration."""
+    translator = OnnxTranslator(tiny_bundle, intra_op_threads=1, shared_cross=False)
+    assert translator.native_steps
+    in_python = OnnxTranslator(tiny_bundle, intra_op_threads=1, shared_cross=False, native_steps=False)
+    sources = [translator.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs][:6]
+    budgets = [3, 256, 5, 256, 7, 256]
+    one_step, _ = _run_engine(in_python, sources, budgets)
+    bursts, steps, seen = [], translator.decode_greedy_steps, []
+
+    def recording(*args):
+        tokens, scores = steps(*args)
+        bursts.append(len(tokens))
+        return tokens, scores
+    monkeypatch.setattr(translator, "decode_greedy_steps", recording)
+    requests, engine = _run_engine(translator, sources, budgets, on_step=lambda rows, slots, seconds: seen.append(rows))
+    assert [(r.tokens, r.score, r.finish) for r in requests] == [(r.tokens, r.score, r.finish) for r in one_step]
+    assert {r.finish for r in requests} == {FinishReason.LENGTH, FinishReason.EOS}
+    assert bursts[0] == 1 and max(bursts) > 1  # the admission's step alone, then bursts
+    assert len(seen) == engine.steps == sum(bursts)  # every step in the library, each counted
+    assert seen[0] == len(requests) and seen == sorted(seen, reverse=True)  # rows of each step, holes included
+    engine = Engine(translator, EngineConfig(max_running_rows=8))
+    first = engine.submit(Request(sources[1], max_decoding_length=256))
+    _iterate(engine)  # first joins: one step
+    with engine.lock:
+        burst = engine._burst(engine._schedule())
+    assert burst == engine.config.max_burst_steps
+    newcomer = engine.submit(Request(sources[2]))  # sets the stop flag the burst reads after each step
+    assert len(engine._execute([], burst)) == 1 and len(first.tokens) == 2
+    assert _iterate(engine) == [newcomer]
+
+
+def _run_engine(translator, sources, budgets, on_step=None, **config) -> tuple[list[Request], Engine]:
+    """Greedy requests of the given budgets, submitted before the engine starts; run to the end."""
+    engine = Engine(translator, EngineConfig(max_running_rows=8, **config), on_step=on_step)
+    requests = [engine.submit(Request(s, max_decoding_length=b)) for s, b in zip(sources, budgets)]
+    engine.start()
+    try:
+        assert all(r.done.wait(60) for r in requests)
+    finally:
+        engine.stop()
+    return requests, engine
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux only: the thread name is set with prctl")

@@ -76,17 +76,21 @@ for message in stub.TranslateStream(pb.TranslateStreamRequest(sentence=sys.argv[
 
 
 def test_a_client_killed_mid_stream_frees_its_row_and_its_batch_mates_finish(tiny_bundle, long_sentences, caplog):
-    """In-process server whose decoder step is slowed by 5 ms (a test hook), so that the killed
-    clients' rows are still decoding when their processes die."""
+    """In-process server whose decoder steps are slowed by 5 ms (a test hook, in Python and in the library),
+    so that the killed clients' rows are still decoding when their processes die."""
     server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
                                        max_output_tokens=256))
-    engine, step = server.running.engine, server.running.engine.tr._step
+    engine, step, steps = server.running.engine, server.running.engine.tr._step, server.running.engine.tr.decode_greedy_steps
 
     def slow_step(state, k):
         time.sleep(0.005)
         return step(state, k)
 
-    engine.tr._step = slow_step
+    def slow_steps(state, n, *args):  # one step a call, as slow
+        time.sleep(0.005)
+        return steps(state, 1, *args)
+
+    engine.tr._step, engine.tr.decode_greedy_steps = slow_step, slow_steps
     try:
         alone = _translate(server.target, long_sentences)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:

@@ -122,8 +122,9 @@ def test_stream_interval_sends_a_delta_per_interval_of_tokens(tiny_bundle, sente
             assert longest >= 8  # (a stream long enough that one delta a token would break the bound)
     finally:
         server.stop()
-    with pytest.raises(ConfigError, match="--stream-interval 0: must be at least 1"):
-        asyncio.run(start_server(ServerConfig(bundle=str(tiny_bundle), port=0, metrics_port=-1, stream_interval=0)))
+    for flag, field in (("--stream-interval", "stream_interval"), ("--max-burst-steps", "max_burst_steps")):
+        with pytest.raises(ConfigError, match=f"{flag} 0: must be at least 1"):
+            asyncio.run(start_server(ServerConfig(bundle=str(tiny_bundle), port=0, metrics_port=-1, **{field: 0})))
 
 
 @pytest.mark.parametrize("request_, field", [
@@ -211,13 +212,8 @@ def test_requests_at_every_limit_over_grpc_end_with_length_alone_and_in_a_busy_b
                                        max_sentence_chars=100_000, max_output_tokens=10_000))
     try:
         translator = server.running.engine.tr
-        limits, eos, step = translator.limits, translator.eos_id, translator._step
-
-        def never_eos(state, k):
-            ids, scores = step(state, k)
-            return np.where(ids == eos, eos + 1, ids), scores
-
-        translator._step = never_eos
+        limits = translator.limits
+        translator.eos_id = -1  # the engine and the library's greedy steps never see eos (the server's translator only)
         words, longest = " ".join(sentences).split(), ""
         for n in range(1, len(words)):  # the most words that stay within the source limit
             text = " ".join(words[:n])
