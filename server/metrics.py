@@ -40,7 +40,7 @@ class ServerMetrics:
                               buckets=TTFT_BUCKETS, registry=r)
         self.tpot = Histogram("nmtserve_time_per_output_token_seconds", "Mean time between target tokens of a sentence", ["model", "mode"],
                               buckets=PER_TOKEN_BUCKETS, registry=r)
-        self.step_duration = Histogram("nmtserve_step_duration_seconds", "One engine iteration (encode + decoder step)", ["model"],
+        self.step_duration = Histogram("nmtserve_step_duration_seconds", "One decoder step: an engine iteration (encode + steps) over the steps it ran", ["model"],
                                        buckets=STEP_BUCKETS, registry=r)
         self.step_rows = Histogram("nmtserve_step_rows", "Rows in the decoder batch per step", ["model"], buckets=ROW_BUCKETS, registry=r)
         self.step_tokens = Histogram("nmtserve_step_cache_tokens", "Valid self-attention cache slots per step, all rows", ["model"],
