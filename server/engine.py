@@ -4,7 +4,8 @@ One scheduler thread owns the waiting queue and the running batch (server/runnin
 Each iteration has three phases: schedule (drop cancelled or expired requests, admit waiting ones
 within the budgets), execute (the newcomers join the running batch, one decoder step for every
 row; when every running request is greedy and no one waits, up to max_burst_steps steps in nmtserve's
-library at once, with no Python between them), process outputs (hand each request its token, finish requests at eos or their budget).
+library at once, with no Python between them), process outputs (hand each request its token, finish
+requests at eos or their budget).
 Requests join and leave between steps; no row ever waits for another to finish. A request is
 decoded greedily, by beam search (beam_size rows) or by sampling, as its DecodingOptions say; all
 three share each decoder step, and a request's result depends on its own rows only. The engine never
@@ -281,8 +282,8 @@ class Engine:
     def _burst(self, admitted: list[Request]) -> int:
         """(Lock held.) How many greedy steps this iteration runs in the library: none (0: one step of every
         search, `RunningBatch.step`) unless every request in the batch is greedy; one when some join, wait to
-        (continuous batching) or stream; else up to max_burst_steps, and no further than the first request's
-        budget. Clears the stop flag that submit sets."""
+        (continuous batching) or stream; else up to max_burst_steps, and no further than the nearest budget.
+        Clears the stop flag that submit sets."""
         running = self.batch.requests + admitted
         if not running or not self.tr.native_steps or any(r.search is not None for r in running):
             return 0
