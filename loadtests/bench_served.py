@@ -132,6 +132,7 @@ def steady_window(finished: list[tuple[float, int]], last_sent: float, concurren
 
 # where a one-sentence call's time goes, from the server's Timings and the client's latency; the
 # stages add up to the latency, so their means add up to the mean latency
+STEP_ROWS = (1, 8, 16, 32, 48, 64, 128, 256)  # step_ms_by_rows: the batch sizes timed, up to --max-running-rows
 STAGES = ("prepare", "queue", "encode", "first step", "later steps", "hand-back", "response", "gRPC + client")
 
 
@@ -157,6 +158,23 @@ class Baseline:
 
         self.tr = OnnxTranslator(cfg.bundle, device=cfg.device, variant=cfg.variant, intra_op_threads=cfg.threads)
         self.tr.translate_ids([self.tr.tokenizer.encode("warm up")], max_batch_size=1)
+
+    def step_ms_by_rows(self, pool: list[str], largest: int) -> dict[str, float]:
+        """One greedy decoder step's time (ms, median of 16 steps, each row 8 to 23 tokens in) at each batch
+        size up to `largest` (the servers' --max-running-rows): what a step costs as the running batch fills,
+        so the report shows where more rows stop buying throughput (rows / step time)."""
+        tr = self.tr
+        sources = [tr.tokenizer.encode(s, tr.limits.max_source_tokens) or [tr.eos_id] for s in pool]
+        times_by_rows = {}
+        for rows in sorted({n for n in STEP_ROWS if n < largest} | {largest}):
+            state, times = tr.prefill([sources[i % len(sources)] for i in range(rows)]), []
+            for step in range(24):
+                t0 = time.perf_counter()
+                tr.decode_one_token(state)
+                if step >= 8:
+                    times.append(time.perf_counter() - t0)
+            times_by_rows[str(rows)] = round(statistics.median(times) * 1e3, 3)
+        return times_by_rows
 
     def __call__(self, requests: list[tuple[list[str], dict]]) -> dict:
         from nmtserve.search import DecodingOptions
@@ -206,10 +224,11 @@ def run_served_bench(cfg: ServedBenchConfig) -> dict:
         finally:
             for server in servers.values():
                 server.stop()
-    return _report(cfg, cells, baselines)
+    steps = baseline.step_ms_by_rows(pool, cfg.max_running_rows) if baseline else None  # the servers gone
+    return _report(cfg, cells, baselines, steps)
 
 
-def _report(cfg: ServedBenchConfig, cells: dict, baselines: list[dict]) -> dict:
+def _report(cfg: ServedBenchConfig, cells: dict, baselines: list[dict], step_ms_by_rows: dict | None = None) -> dict:
     results = {}
     for mode, by_c in cells.items():
         results[mode] = {}
@@ -241,7 +260,7 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: list[dict]) -> dict:
             "machine": machine_info(cfg.device),
             "results": results,
             "baseline_onnx_translator_batch1": {k: round(v, 2) for k, v in baseline.items()} if baseline else None,
-            "ratios": ratios}
+            "step_ms_by_rows": step_ms_by_rows, "ratios": ratios}
 
 
 def format_table(report: dict) -> str:
@@ -274,6 +293,10 @@ def format_table(report: dict) -> str:
                      + ", ".join(f"{mode} {r['1']['stages_mean_ms']['encode']:.2f} and "
                                  f"{r['1']['stages_mean_ms']['first step'] + r['1']['stages_mean_ms']['later steps']:.2f}"
                                  for mode, r in report["results"].items() if "1" in r) + ")")
+    steps = report.get("step_ms_by_rows")
+    if steps:
+        lines.append("OnnxTranslator decoder step, ms (rows per ms) by rows: " + ", ".join(
+            f"{rows}: {ms:.2f} ({int(rows) / ms:.1f})" for rows, ms in steps.items()))
     for name, value in report["ratios"].items():
         lines.append(f"{name}: {value}")
     return "\n".join(lines)

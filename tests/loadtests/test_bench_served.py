@@ -49,6 +49,9 @@ def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_p
     assert set(report["ratios"]["continuous/static tokens_per_s"]) == {"1", "2"}
     assert set(report["ratios"]["continuous/static steady_tokens_per_s"]) == {"1", "2"}
     assert report["baseline_onnx_translator_batch1"]["p50_ms"] > 0
+    # the decoder step's time at each batch size up to the servers' rows (64 by default)
+    assert list(report["step_ms_by_rows"]) == ["1", "8", "16", "32", "48", "64"]
+    assert all(ms > 0 for ms in report["step_ms_by_rows"].values()) and "decoder step, ms" in result.stdout
     assert "continuous" in result.stdout and "OnnxTranslator batch 1" in result.stdout and "per stage" in result.stdout
     assert report["machine"]["cpu"] in result.stdout and "onnxruntime" in report["machine"]["versions"]
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -66,5 +69,6 @@ def test_served_bench_sends_several_sentences_a_call(tiny_bundle, tmp_path):
     assert report["sentences_per_call"] == 3 and cell["requests"] == 4 and cell["sentences"] == 12
     assert cell["steady_tokens_per_s"] > 0 and min(cell["stages_mean_ms"].values()) >= 0
     assert report["baseline_onnx_translator_batch1"] is None and "3 sentence(s) a call" in result.stdout
+    assert report["step_ms_by_rows"] is None
     bad = run_cli("bench", "served", str(tiny_bundle), "--sentences-per-call", "0", timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().endswith("--sentences-per-call 0: must be at least 1")
