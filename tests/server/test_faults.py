@@ -80,7 +80,8 @@ def test_a_client_killed_mid_stream_frees_its_row_and_its_batch_mates_finish(tin
     so that the killed clients' rows are still decoding when their processes die."""
     server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
                                        max_output_tokens=256))
-    engine, step, steps = server.running.engine, server.running.engine.tr._step, server.running.engine.tr.decode_greedy_steps
+    engine = server.running.engine
+    step, steps = engine.tr._step, engine.tr.decode_greedy_steps
 
     def slow_step(state, k):
         time.sleep(0.005)
