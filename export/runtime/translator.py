@@ -165,16 +165,11 @@ def cannot_load(path: Path, error: Exception) -> BundleError:
     return BundleError(f"{path}: onnxruntime cannot load it ({(str(error).splitlines() or [''])[0][:200]})")
 
 
-def shared_weights(encoder_path: Path, decoder: onnx.ModelProto, min_bytes: int = 1 << 16) -> dict[str, np.ndarray]:
+def shared_weights(encoder: onnx.ModelProto, decoder: onnx.ModelProto, min_bytes: int = 1 << 16) -> dict[str, np.ndarray]:
     """The initializers of at least `min_bytes` that the encoder graph and the `decoder` both hold, same name
     and same bytes: the tied embedding table (58,101 × 512 fp32, 119 MB, on an OPUS-MT-size model; the int8
     variants keep it in fp32 for the lookups). Given to both sessions (`make_session(initializers=…)`) it
-    is held once (README, "One embedding table for both sessions"). An encoder graph that onnx cannot
-    read shares nothing: its session then says what is wrong with it."""
-    try:
-        encoder = onnx.load(str(encoder_path))
-    except Exception:  # onnx raises protobuf's DecodeError, OSError, …
-        return {}
+    is held once (README, "One embedding table for both sessions")."""
     large = {i.name: i for i in encoder.graph.initializer if len(i.raw_data) >= min_bytes}
     shared = {}
     for weight in decoder.graph.initializer:
@@ -310,8 +305,12 @@ class OnnxTranslator:
                                  if device == "cuda" else ""))
         decoder_path = self.bundle.graph_path(variant, "decoder")
         decoder = onnx.load(str(decoder_path))
+        try:  # read once, for the weights both graphs hold and for the int8 kernels' swap
+            encoder = onnx.load(str(encoder_path)) if device == "cpu" else None
+        except Exception:  # onnx raises protobuf's DecodeError, OSError, …: the session says what is wrong
+            encoder = None
         # the weights both graphs hold (the tied embedding), one host copy read by both sessions
-        self.shared_weights = shared_weights(encoder_path, decoder) if device == "cpu" else {}
+        self.shared_weights = shared_weights(encoder, decoder) if encoder is not None else {}
         self._shared_values = {name: ort.OrtValue.ortvalue_from_numpy(w) for name, w in self.shared_weights.items()}
         # int8 on nmtserve's kernels: each row's activations quantised on a scale of its own (RowQuantize), so
         # that no row's result depends on its batch-mates; off (row_scales=False): ONNX Runtime's one scale
@@ -321,7 +320,7 @@ class OnnxTranslator:
             raise ConfigError("row_scales: int8 scales per row are one of nmtserve's kernels, which are off here")
         quantised = any(n.op_type == "DynamicQuantizeLinear" for n in decoder.graph.node)
         self.row_scales = quantised and (self.attention_kernel if row_scales is None else row_scales)
-        encoder = kernels.with_row_quantize(onnx.load(str(encoder_path))).SerializeToString() if self.row_scales else None
+        encoder = kernels.with_row_quantize(encoder).SerializeToString() if self.row_scales and encoder else None
         self.encoder = make_session(encoder_path, device, intra_op_threads, model=encoder,
                                     custom_ops=kernels.LIBRARY if self.row_scales else None,
                                     initializers=self._shared_values)
