@@ -502,6 +502,8 @@ double monotonic_seconds() {  // Python's time.monotonic() (CLOCK_MONOTONIC)
   return now.tv_sec + now.tv_nsec * 1e-9;
 }
 
+constexpr int kMaxDims = 8;  // the dimensions nmt_bind reads for each tensor (native.py's _MAX_DIMS)
+
 int failed(const std::exception& e, char* error, size_t error_size) {
   std::snprintf(error, error_size, "%s", e.what());
   return -1;
@@ -553,14 +555,14 @@ int nmt_binding_create(void* runner, void** binding_out, char* error, size_t err
 
 void nmt_binding_free(void* binding) { delete static_cast<Ort::IoBinding*>(binding); }
 
-// Binds each of `count` buffers of host memory (data[i]: shapes[8 i …] of ndims[i] dimensions, ONNX element
+// Binds each of `count` buffers of host memory (data[i]: shapes[kMaxDims i …] of ndims[i] dimensions, ONNX element
 // type types[i]) to the input names[i], or to that output when outputs[i] (written there in place).
 int nmt_bind(void* binding, int count, const char* const* names, const int* types, const int64_t* shapes,
              const int* ndims, void* const* data, const int* outputs, char* error, size_t error_size) {
   try {
     auto& io = *static_cast<Ort::IoBinding*>(binding);
     for (int i = 0; i < count; i++) {
-      Ort::Value value = host_tensor(types[i], shapes + 8 * i, ndims[i], data[i]);
+      Ort::Value value = host_tensor(types[i], shapes + kMaxDims * i, ndims[i], data[i]);
       if (outputs[i]) io.BindOutput(names[i], value);
       else io.BindInput(names[i], value);
     }
@@ -582,8 +584,10 @@ int nmt_run(void* runner, void* binding, char* error, size_t error_size) {
 // Greedy steps of a binding whose step writes each row's best token into its `tokens` input
 // (OnnxTranslator._greedy_binding): after each step every row's position advances, and the tokens (and,
 // with `scores`, their scores) are copied out as that step's row of out_tokens (steps × rows) and
-// out_scores. Stops after the first step in which some row's token is eos, or after max_steps. Returns the
-// steps run, or -1 with the error's message.
+// out_scores. Rows where `hole` is set (when given) neither advance nor end the loop. Stops after the first
+// step in which some other row's token is eos, `*stop` is set (by another thread) or CLOCK_MONOTONIC has
+// reached `stop_at` (when above 0), or after max_steps. Returns the steps run; a step that fails after
+// others returns those before it (the next call meets the error), the first one -1 with its message.
 int64_t nmt_greedy_steps(void* runner, void* binding, int64_t* tokens, int64_t* positions, const float* scores,
                          const uint8_t* hole, int64_t rows, int64_t eos, int64_t max_steps, const volatile int32_t* stop,
                          double stop_at, int64_t* out_tokens, float* out_scores, char* error, size_t error_size) {

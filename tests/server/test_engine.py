@@ -221,9 +221,9 @@ def test_a_hole_kept_longer_than_the_position_table_never_advances(translator, s
     assert not with_hole.state.valid[0].any()
 
 
-def _run_together(translator, requests: list[Request]) -> None:
+def _run_together(translator, requests: list[Request], config: EngineConfig | None = None, on_step=None) -> Engine:
     """Submit every request before the engine starts, so all join the same batch; wait for all."""
-    engine = Engine(translator, EngineConfig(max_running_rows=16))
+    engine = Engine(translator, config or EngineConfig(max_running_rows=16), on_step=on_step)
     for request in requests:
         engine.submit(request)
     engine.start()
@@ -232,6 +232,7 @@ def _run_together(translator, requests: list[Request]) -> None:
         assert engine.stats()["running"] == 0
     finally:
         engine.stop()
+    return engine
 
 
 def test_a_source_the_encoder_fails_on_fails_alone(translator, sources):
@@ -442,7 +443,8 @@ def test_greedy_steps_run_in_the_library_in_bursts_that_a_newcomer_ends(tiny_bun
     in_python = OnnxTranslator(tiny_bundle, intra_op_threads=1, shared_cross=False, native_steps=False)
     sources = [translator.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs][:6]
     budgets = [3, 256, 5, 256, 7, 256]
-    one_step, _ = _run_engine(in_python, sources, budgets)
+    one_step = [Request(s, max_decoding_length=b) for s, b in zip(sources, budgets)]
+    _run_together(in_python, one_step, EngineConfig(max_running_rows=8))
     bursts, steps, seen = [], translator.decode_greedy_steps, []
 
     def recording(*args):
@@ -450,7 +452,9 @@ def test_greedy_steps_run_in_the_library_in_bursts_that_a_newcomer_ends(tiny_bun
         bursts.append(len(tokens))
         return tokens, scores
     monkeypatch.setattr(translator, "decode_greedy_steps", recording)
-    requests, engine = _run_engine(translator, sources, budgets, on_step=lambda rows, slots, seconds: seen.append(rows))
+    requests = [Request(s, max_decoding_length=b) for s, b in zip(sources, budgets)]
+    engine = _run_together(translator, requests, EngineConfig(max_running_rows=8),
+                           on_step=lambda rows, slots, seconds: seen.append(rows))
     assert [(r.tokens, r.score, r.finish) for r in requests] == [(r.tokens, r.score, r.finish) for r in one_step]
     assert {r.finish for r in requests} == {FinishReason.LENGTH, FinishReason.EOS}
     assert bursts[0] == 1 and max(bursts) > 1  # the admission's step alone, then bursts
@@ -465,18 +469,6 @@ def test_greedy_steps_run_in_the_library_in_bursts_that_a_newcomer_ends(tiny_bun
     newcomer = engine.submit(Request(sources[2]))  # sets the stop flag the burst reads after each step
     assert len(engine._execute([], burst)) == 1 and len(first.tokens) == 2
     assert _iterate(engine) == [newcomer]
-
-
-def _run_engine(translator, sources, budgets, on_step=None, **config) -> tuple[list[Request], Engine]:
-    """Greedy requests of the given budgets, submitted before the engine starts; run to the end."""
-    engine = Engine(translator, EngineConfig(max_running_rows=8, **config), on_step=on_step)
-    requests = [engine.submit(Request(s, max_decoding_length=b)) for s, b in zip(sources, budgets)]
-    engine.start()
-    try:
-        assert all(r.done.wait(60) for r in requests)
-    finally:
-        engine.stop()
-    return requests, engine
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux only: the thread name is set with prctl")
