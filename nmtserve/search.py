@@ -152,7 +152,12 @@ class BeamSearch:
         # best first; a stable sort keeps equal totals in row order, and each row's candidates come
         # with ties by lower id: the order lexsort((id, row, -total)) would give, in fewer calls
         best = np.argsort(-total, kind="stable")[: 2 * k]
-        cand_row, cand_id, cand_score = best // (2 * k), ids[:, : 2 * k].ravel()[best], total[best]
+        return self.select(best // (2 * k), ids[:, : 2 * k].ravel()[best], total[best])
+
+    def select(self, cand_row: np.ndarray, cand_id: np.ndarray, cand_score: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rest of a step, from its 2k best candidates, best first: each one's row, token and
+        cumulative log-prob -> parents (rows,) and next tokens (rows,)."""
+        k = self.k
         self.steps += 1
         last = self.steps >= self.budget
         chosen = slice(0, k)  # unless a candidate finishes (on most steps none does)
@@ -186,6 +191,17 @@ class BeamSearch:
                               if score > -np.inf]
         self.done = last or stop
         return parents, tokens
+
+    def native_line(self) -> list[int]:
+        """This search's line for the library's beam steps (kernels.cc, nmt_beam_steps): mode (1: it finishes
+        hypotheses and stops by CTranslate2's rule there; 0: ordinary steps only), the steps before the
+        budget's last, the hypotheses finished, whether the best candidate has finished, the finished
+        hypotheses that stop it, and whether it waits for the best to finish (no length penalty)."""
+        transformers = self.options.beam_stopping == "transformers"
+        left = 0 if transformers and len(self.finished) >= self.k else self.budget - self.steps - 1
+        penalty = self.options.length_penalty
+        need = self.options.num_hypotheses if penalty == 0 else round(self.k * self.options.patience)
+        return [0 if transformers else 1, left, len(self.finished), int(self.top_finished), need, int(penalty == 0)]
 
     def ordinary(self, eos_among_best: bool) -> bool:
         """Whether a step is an ordinary one: no eos among its k best candidates, the budget not spent, no

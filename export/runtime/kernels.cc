@@ -615,4 +615,109 @@ int64_t nmt_greedy_steps(void* runner, void* binding, int64_t* tokens, int64_t* 
   }
 }
 
+
+// Beam-search steps of several searches of one beam size k, whose rows lie one after another, k each, on a
+// binding whose step writes each row's `width` (2k) best candidates into `ids` and `scores`, best first
+// (OnnxTranslator._binding_for), over a state with cache origins (BatchState.origin: `origin` rows × capacity).
+// The rules are nmtserve/search.py's BeamSearch with beam_stopping "ctranslate2"; each search's line of
+// `searches` (n × 6) is: mode (-1 over: its rows continue themselves, fed their best token; 0 ordinary steps
+// only; 1 finishing hypotheses too), the steps before its budget's last, hypotheses finished so far, whether
+// the best candidate has finished at some step, the finished hypotheses that stop it, and whether it stops
+// only once the best has finished (no length penalty). `beam` holds each row's cumulative log-prob.
+// Each step: the session runs, every row's position advances, each search ranks its k × 2k extensions (the
+// 2k best, best first; ties: lower row, then the better candidate of the row) into that step's part of
+// out_rows (local rows), out_ids and out_scores (steps × n × 2k); candidate i < k finishes a hypothesis if
+// its token is eos, its place taken by the next candidate from k on that is not eos. Then each row feeds its
+// token, its origin row copied from its parent's (out_parents, out_tokens: steps × rows). Ends after a step
+// that stops a search, after max_steps, or before choosing at a step that BeamSearch must take in Python (a
+// budget's last step, or an eos among the k best of a mode-0 search): then *pending is 1, that step's
+// candidates are in `ids` and `scores` and its positions advanced. Returns the steps chosen, or -1 with the
+// error's message.
+int64_t nmt_beam_steps(void* runner, void* binding, const int64_t* ids, const float* scores, int64_t width,
+                       int64_t* tokens, int64_t* positions, int32_t* origin, int64_t capacity, double* beam,
+                       int64_t* searches, int64_t n, int64_t k, int64_t eos, int64_t max_steps, int64_t* out_rows,
+                       int64_t* out_ids, double* out_scores, int64_t* out_parents, int64_t* out_tokens,
+                       int64_t* pending, char* error, size_t error_size) {
+  auto& session = static_cast<Runner*>(runner)->session;
+  auto& io = *static_cast<Ort::IoBinding*>(binding);
+  const Ort::RunOptions run_options{nullptr};
+  const int64_t rows = n * k, extensions = k * width;
+  std::vector<double> total(extensions);
+  std::vector<char> taken(extensions);
+  std::vector<int32_t> saved;
+  *pending = 0;
+  try {
+    for (int64_t step = 0; step < max_steps; step++) {
+      session.Run(run_options, io);
+      for (int64_t r = 0; r < rows; r++) positions[r] += 1;
+      int64_t* cand_row = out_rows + step * n * width;
+      int64_t* cand_id = out_ids + step * n * width;
+      double* cand_score = out_scores + step * n * width;
+      for (int64_t j = 0; j < n; j++) {  // rank, and see whether Python must take this step
+        const int64_t* s = searches + 6 * j;
+        if (s[0] < 0) continue;
+        const int64_t first = j * k;
+        for (int64_t e = 0; e < extensions; e++)
+          total[e] = beam[first + e / width] + scores[(first + e / width) * width + e % width];
+        std::fill(taken.begin(), taken.end(), 0);
+        for (int64_t c = 0; c < width; c++) {  // selection: the best not taken, the first of equals
+          int64_t best = -1;
+          for (int64_t e = 0; e < extensions; e++)
+            if (!taken[e] && (best < 0 || total[e] > total[best])) best = e;
+          taken[best] = 1;
+          cand_row[j * width + c] = best / width;
+          cand_id[j * width + c] = ids[(first + best / width) * width + best % width];
+          cand_score[j * width + c] = total[best];
+        }
+        bool eos_among_best = false;
+        for (int64_t c = 0; c < k; c++) eos_among_best |= cand_id[j * width + c] == eos;
+        if (step >= s[1] || (eos_among_best && s[0] == 0)) {
+          *pending = 1;
+          return step;
+        }
+      }
+      bool stopped = false;
+      for (int64_t j = 0; j < n; j++) {  // choose: each row's parent and token
+        int64_t* s = searches + 6 * j;
+        const int64_t first = j * k;
+        if (s[0] < 0) {
+          for (int64_t r = first; r < first + k; r++) {
+            tokens[r] = ids[r * width];
+            out_parents[step * rows + r] = r;
+          }
+          continue;
+        }
+        const int64_t* row = cand_row + j * width;
+        const int64_t* id = cand_id + j * width;
+        int64_t spare = k;
+        for (int64_t i = 0; i < k; i++) {
+          int64_t c = i;
+          if (id[i] == eos) {
+            s[2] += 1;
+            s[3] |= i == 0;
+            while (spare < width && id[spare] == eos) spare++;
+            if (spare < width) c = spare++;
+          }
+          out_parents[step * rows + first + i] = first + row[c];
+          tokens[first + i] = id[c];
+          beam[first + i] = cand_score[j * width + c];
+        }
+        stopped |= s[2] >= s[4] && (!s[5] || s[3]);
+        const int64_t length = positions[first];  // a search's rows are all at one position
+        saved.assign(origin + first * capacity, origin + (first + k) * capacity);
+        for (int64_t i = 0; i < k; i++) {
+          const int64_t parent = out_parents[step * rows + first + i] - first;
+          if (parent != i) std::memcpy(origin + (first + i) * capacity, saved.data() + parent * capacity,
+                                       length * sizeof(int32_t));
+        }
+      }
+      std::memcpy(out_tokens + step * rows, tokens, rows * sizeof(int64_t));
+      if (stopped) return step + 1;
+    }
+    return max_steps;
+  } catch (const std::exception& e) {
+    return failed(e, error, error_size);
+  }
+}
+
 }  // extern "C"

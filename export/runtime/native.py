@@ -56,6 +56,9 @@ def _library() -> ctypes.CDLL:
             library.nmt_greedy_steps.argtypes = [p, p, p, p, p, p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p,
                                                  ctypes.c_double, p, p, c, n]
             library.nmt_greedy_steps.restype = ctypes.c_int64
+            library.nmt_beam_steps.argtypes = [p, p, p, p, ctypes.c_int64, p, p, p, ctypes.c_int64, p, p, ctypes.c_int64,
+                                               ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p, p, p, p, p, p, c, n]
+            library.nmt_beam_steps.restype = ctypes.c_int64
             library.nmt_runner_free.argtypes = library.nmt_binding_free.argtypes = [p]
             _loaded.append(library)
         return _loaded[0]
@@ -173,6 +176,31 @@ class NativeBinding:
             self.session._handle, self._handle, tokens_at, positions_at, scores_at, hole_at, rows, eos_id,
             len(out_tokens), stop_at_address, stop_at, out_tokens.ctypes.data,
             None if out_scores is None else out_scores.ctypes.data, self._error, _ERROR_SIZE), self._error)
+
+    def beam_steps(self, ids: np.ndarray, scores: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
+                   origin: np.ndarray, beam: np.ndarray, searches: np.ndarray, k: int, eos_id: int,
+                   out: tuple[np.ndarray, ...]) -> tuple[int, bool]:
+        """Beam-search steps in the library (kernels.cc, nmt_beam_steps: the rules, and when it ends) of the
+        searches whose lines are `searches` (n, 6) int64 over rows of k each; `ids` and `scores` (rows, 2k) are
+        the step's bound candidate outputs, `tokens` and `positions` its bound inputs, `origin` (rows, capacity)
+        int32 the state's cache origins, `beam` (rows,) float64 each row's cumulative log-prob. Writes each step
+        into `out`: its candidates, (steps, n, 2k) int64 rows, int64 ids and float64 scores, and each row's
+        parent and token (steps, rows) int64 -> the steps chosen, and whether one more ran and awaits Python."""
+        if self._pending:
+            self._send()
+        rows, width = ids.shape
+        cand_rows, cand_ids, cand_scores, parents, chosen = out
+        assert searches.shape == (rows // k, 6) and searches.dtype == np.int64 and beam.dtype == np.float64
+        assert ids.dtype == np.int64 and scores.dtype == np.float32 and origin.dtype == np.int32
+        assert cand_rows.shape == cand_ids.shape == cand_scores.shape == (len(parents), rows // k, width)
+        assert parents.shape == chosen.shape == (len(parents), rows) and origin.flags.c_contiguous
+        pending = ctypes.c_int64()
+        steps = _checked(self._library.nmt_beam_steps(
+            self.session._handle, self._handle, ids.ctypes.data, scores.ctypes.data, width, tokens.ctypes.data,
+            positions.ctypes.data, origin.ctypes.data, origin.shape[1], beam.ctypes.data, searches.ctypes.data,
+            rows // k, k, eos_id, len(parents), *(x.ctypes.data for x in out), ctypes.byref(pending),
+            self._error, _ERROR_SIZE), self._error)
+        return steps, bool(pending.value)
 
     def __del__(self):
         if getattr(self, "_handle", None):

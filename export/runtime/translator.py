@@ -655,34 +655,67 @@ class OnnxTranslator:
                     for s in sources]
         width, k = searches[0].rows, searches[0].candidates
         beams = isinstance(searches[0], BeamSearch)
+        native = beams and self.native_steps and self.cache_origin  # beam steps in the library, after the first
         slots = list(range(len(sources)))  # the source each `width` rows search for, in row order; None: done
         results: list = [None] * len(sources)
         while state is not None:
-            ids, scores = self.decode_candidates(state, k)
-            if state.size < width * len(slots):  # the first step, one row per source (a beam's rows all
-                # start alike and its search reads row 0 only): then each row becomes its beam's rows
-                ids, scores = np.repeat(ids, width, axis=0), np.repeat(scores, width, axis=0)
-                # with shared_cross the rows share their source's cross K/V; else each gets a copy
-                state = state.widen(width) if self.shared_cross \
-                    else state.gather(np.repeat(np.arange(len(sources)), width))
-            if beams:  # ranked once for all sources (nmtserve/search.py: beam_steps)
-                parents, tokens = beam_steps([None if r is None else searches[r] for r in slots], ids, scores)
+            if native and state.size == width * len(slots):  # after the first step
+                pending = self._native_beam_steps(state, [None if r is None else searches[r] for r in slots], width)
+                ids, scores = self._ids, self._scores  # a pending step's candidates, read before the next step
             else:
-                tokens, parents = ids[:, 0].copy(), np.arange(state.size)  # a finished source's rows decode on, ignored
-                for j, r in enumerate(slots):
-                    if r is not None:
-                        rows = slice(j * width, (j + 1) * width)
-                        chosen_parents, tokens[rows] = searches[r].step(ids[rows], scores[rows])
-                        parents[rows] = chosen_parents + j * width
+                (ids, scores), pending = self.decode_candidates(state, k), True
+            if pending:  # a step for Python to choose
+                if state.size < width * len(slots):  # the first step, one row per source (a beam's rows all
+                    # start alike and its search reads row 0 only): then each row becomes its beam's rows
+                    ids, scores = np.repeat(ids, width, axis=0), np.repeat(scores, width, axis=0)
+                    # with shared_cross the rows share their source's cross K/V; else each gets a copy
+                    state = state.widen(width) if self.shared_cross \
+                        else state.gather(np.repeat(np.arange(len(sources)), width))
+                if beams:  # ranked once for all sources (nmtserve/search.py: beam_steps)
+                    parents, tokens = beam_steps([None if r is None else searches[r] for r in slots], ids, scores)
+                else:
+                    tokens, parents = ids[:, 0].copy(), np.arange(state.size)  # a finished source's rows decode on
+                    for j, r in enumerate(slots):
+                        if r is not None:
+                            rows = slice(j * width, (j + 1) * width)
+                            chosen_parents, tokens[rows] = searches[r].step(ids[rows], scores[rows])
+                            parents[rows] = chosen_parents + j * width
+                state.choose(tokens, parents)
             for j, r in enumerate(slots):
                 if r is not None and searches[r].done:
                     results[r], slots[j] = searches[r].results(), None
-            state.choose(tokens, parents)
             done = np.array([r is None for r in slots])
             if done.sum() * 4 >= len(slots):  # compact, as greedy does
                 state, order = state.compact(np.repeat(~done, width))
                 slots = [slots[j] for j in order[::width] // width]
         return results
+
+    def _native_beam_steps(self, state: BatchState, searches: list[BeamSearch | None], k: int) -> bool:
+        """Beam-search steps in the library (NativeBinding.beam_steps) until one stops a search, the cache's
+        end, or a step it leaves to Python, whose candidates it leaves in the step's outputs; each chosen step
+        is then taken again by each search from the library's candidates (BeamSearch.select), which must pick
+        what the library fed -> whether a step awaits Python (`beam_steps`, `state.choose`)."""
+        state.open_slot()
+        self._with_scores[...] = True
+        binding = self._binding_for(state, 2 * k)
+        steps, n, rows = state.capacity - state.length, len(searches), state.size
+        lines = np.array([[-1] * 6 if s is None else s.native_line() for s in searches], np.int64)
+        beam = np.concatenate([np.zeros(k) if s is None else s.scores for s in searches])
+        out = (np.empty((steps, n, 2 * k), np.int64), np.empty((steps, n, 2 * k), np.int64),
+               np.empty((steps, n, 2 * k)), np.empty((steps, rows), np.int64), np.empty((steps, rows), np.int64))
+        taken, pending = binding.beam_steps(self._ids, self._scores, state.tokens, state.positions, state.origin,
+                                            beam, lines, k, self.eos_id, out)
+        cand_rows, cand_ids, cand_scores, parents, tokens = out
+        for j, search in enumerate(searches):
+            own = slice(j * k, (j + 1) * k)
+            for step in range(taken) if search is not None else ():
+                if search.done:
+                    raise RuntimeError("beam search in the library went on after its rules in Python stopped it")
+                chosen, fed = search.select(cand_rows[step, j], cand_ids[step, j], cand_scores[step, j])
+                if not (np.array_equal(chosen + j * k, parents[step, own]) and np.array_equal(fed, tokens[step, own])):
+                    raise RuntimeError(f"beam search in the library chose rows {parents[step, own]} and tokens "
+                                       f"{tokens[step, own]}, its rules in Python {chosen + j * k} and {fed}")
+        return pending
 
     def search_ids(self, sources: list[list[int]], options: DecodingOptions = DecodingOptions(), *,
                    max_batch_size: int = 32, scores: bool = True) -> list[list[Hypothesis]]:
