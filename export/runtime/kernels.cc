@@ -623,19 +623,21 @@ int64_t nmt_greedy_steps(void* runner, void* binding, int64_t* tokens, int64_t* 
 // `searches` (n × 6) is: mode (-1 over: its rows continue themselves, fed their best token; 0 ordinary steps
 // only; 1 finishing hypotheses too), the steps before its budget's last, hypotheses finished so far, whether
 // the best candidate has finished at some step, the finished hypotheses that stop it, and whether it stops
-// only once the best has finished (no length penalty). `beam` holds each row's cumulative log-prob.
+// only once the best has finished (no length penalty); the library keeps the lines up to date as it goes
+// (the caller checks its own searches against them). `beam` holds each row's cumulative log-prob.
 // Each step: the session runs, every row's position advances, each search ranks its k × 2k extensions (the
 // 2k best, best first; ties: lower row, then the better candidate of the row) into that step's part of
 // out_rows (local rows), out_ids and out_scores (steps × n × 2k); candidate i < k finishes a hypothesis if
 // its token is eos, its place taken by the next candidate from k on that is not eos. Then each row feeds its
-// token, its origin row copied from its parent's (out_parents, out_tokens: steps × rows). Ends after a step
-// that stops a search, after max_steps, or before choosing at a step that BeamSearch must take in Python (a
-// budget's last step, or an eos among the k best of a mode-0 search): then *pending is 1, that step's
-// candidates are in `ids` and `scores` and its positions advanced. Returns the steps chosen, or -1 with the
-// error's message.
+// token, its origin row copied from its parent's (out_parents, out_tokens: steps × rows); a search that stops
+// is over from the next step on. Ends after the step at which `over_at` searches are over, after max_steps, or
+// before choosing at a step that BeamSearch must take in Python (a budget's last step, or an eos among the k
+// best of a mode-0 search): then *pending is 1, that step's candidates are in `ids` and `scores` and its
+// positions advanced. Returns the steps chosen, or -1 with the error's message.
 int64_t nmt_beam_steps(void* runner, void* binding, const int64_t* ids, const float* scores, int64_t width,
                        int64_t* tokens, int64_t* positions, int32_t* origin, int64_t capacity, double* beam,
-                       int64_t* searches, int64_t n, int64_t k, int64_t eos, int64_t max_steps, int64_t* out_rows,
+                       int64_t* searches, int64_t n, int64_t k, int64_t eos, int64_t max_steps, int64_t over_at,
+                       int64_t* out_rows,
                        int64_t* out_ids, double* out_scores, int64_t* out_parents, int64_t* out_tokens,
                        int64_t* pending, char* error, size_t error_size) {
   auto& session = static_cast<Runner*>(runner)->session;
@@ -645,6 +647,8 @@ int64_t nmt_beam_steps(void* runner, void* binding, const int64_t* ids, const fl
   std::vector<double> total(extensions);
   std::vector<char> taken(extensions);
   std::vector<int32_t> saved;
+  int64_t over = 0;
+  for (int64_t j = 0; j < n; j++) over += searches[6 * j] < 0;
   *pending = 0;
   try {
     for (int64_t step = 0; step < max_steps; step++) {
@@ -676,7 +680,6 @@ int64_t nmt_beam_steps(void* runner, void* binding, const int64_t* ids, const fl
           return step;
         }
       }
-      bool stopped = false;
       for (int64_t j = 0; j < n; j++) {  // choose: each row's parent and token
         int64_t* s = searches + 6 * j;
         const int64_t first = j * k;
@@ -702,7 +705,10 @@ int64_t nmt_beam_steps(void* runner, void* binding, const int64_t* ids, const fl
           tokens[first + i] = id[c];
           beam[first + i] = cand_score[j * width + c];
         }
-        stopped |= s[2] >= s[4] && (!s[5] || s[3]);
+        if (s[2] >= s[4] && (!s[5] || s[3])) {  // stopped
+          s[0] = -1;
+          over++;
+        }
         const int64_t length = positions[first];  // a search's rows are all at one position
         saved.assign(origin + first * capacity, origin + (first + k) * capacity);
         for (int64_t i = 0; i < k; i++) {
@@ -712,7 +718,7 @@ int64_t nmt_beam_steps(void* runner, void* binding, const int64_t* ids, const fl
         }
       }
       std::memcpy(out_tokens + step * rows, tokens, rows * sizeof(int64_t));
-      if (stopped) return step + 1;
+      if (over >= over_at) return step + 1;
     }
     return max_steps;
   } catch (const std::exception& e) {

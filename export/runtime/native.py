@@ -57,7 +57,7 @@ def _library() -> ctypes.CDLL:
                                                  ctypes.c_double, p, p, c, n]
             library.nmt_greedy_steps.restype = ctypes.c_int64
             library.nmt_beam_steps.argtypes = [p, p, p, p, ctypes.c_int64, p, p, p, ctypes.c_int64, p, p, ctypes.c_int64,
-                                               ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p, p, p, p, p, p, c, n]
+                                               ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p, p, p, p, p, p, c, n]
             library.nmt_beam_steps.restype = ctypes.c_int64
             library.nmt_runner_free.argtypes = library.nmt_binding_free.argtypes = [p]
             _loaded.append(library)
@@ -178,12 +178,13 @@ class NativeBinding:
             None if out_scores is None else out_scores.ctypes.data, self._error, _ERROR_SIZE), self._error)
 
     def beam_steps(self, ids: np.ndarray, scores: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
-                   origin: np.ndarray, beam: np.ndarray, searches: np.ndarray, k: int, eos_id: int,
+                   origin: np.ndarray, beam: np.ndarray, searches: np.ndarray, k: int, eos_id: int, over_at: int,
                    out: tuple[np.ndarray, ...]) -> tuple[int, bool]:
         """Beam-search steps in the library (kernels.cc, nmt_beam_steps: the rules, and when it ends) of the
         searches whose lines are `searches` (n, 6) int64 over rows of k each; `ids` and `scores` (rows, 2k) are
         the step's bound candidate outputs, `tokens` and `positions` its bound inputs, `origin` (rows, capacity)
-        int32 the state's cache origins, `beam` (rows,) float64 each row's cumulative log-prob. Writes each step
+        int32 the state's cache origins, `beam` (rows,) float64 each row's cumulative log-prob; it returns once
+        `over_at` searches are over. Writes each step
         into `out`: its candidates, (steps, n, 2k) int64 rows, int64 ids and float64 scores, and each row's
         parent and token (steps, rows) int64 -> the steps chosen, and whether one more ran and awaits Python."""
         if self._pending:
@@ -198,7 +199,7 @@ class NativeBinding:
         steps = _checked(self._library.nmt_beam_steps(
             self.session._handle, self._handle, ids.ctypes.data, scores.ctypes.data, width, tokens.ctypes.data,
             positions.ctypes.data, origin.ctypes.data, origin.shape[1], beam.ctypes.data, searches.ctypes.data,
-            rows // k, k, eos_id, len(parents), *(x.ctypes.data for x in out), ctypes.byref(pending),
+            rows // k, k, eos_id, len(parents), over_at, *(x.ctypes.data for x in out), ctypes.byref(pending),
             self._error, _ERROR_SIZE), self._error)
         return steps, bool(pending.value)
 

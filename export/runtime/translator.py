@@ -691,10 +691,12 @@ class OnnxTranslator:
         return results
 
     def _native_beam_steps(self, state: BatchState, searches: list[BeamSearch | None], k: int) -> bool:
-        """Beam-search steps in the library (NativeBinding.beam_steps) until one stops a search, the cache's
-        end, or a step it leaves to Python, whose candidates it leaves in the step's outputs; each chosen step
-        is then taken again by each search from the library's candidates (BeamSearch.select), which must pick
-        what the library fed -> whether a step awaits Python (`beam_steps`, `state.choose`)."""
+        """Beam-search steps in the library (NativeBinding.beam_steps) until a quarter of the searches are over
+        (`search` then compacts), the cache's end, or a step it leaves to Python, whose candidates it leaves in
+        the step's outputs. Each search then takes the steps the library chose for it, from the library's
+        candidates: an ordinary step (no eos among its k best) by `BeamSearch.advance`, any other by
+        `BeamSearch.select`, whose choice, finished hypotheses and stop must be the library's -> whether a step awaits Python (`beam_steps`,
+        `state.choose`)."""
         state.open_slot()
         self._with_scores[...] = True
         binding = self._binding_for(state, 2 * k)
@@ -704,17 +706,26 @@ class OnnxTranslator:
         out = (np.empty((steps, n, 2 * k), np.int64), np.empty((steps, n, 2 * k), np.int64),
                np.empty((steps, n, 2 * k)), np.empty((steps, rows), np.int64), np.empty((steps, rows), np.int64))
         taken, pending = binding.beam_steps(self._ids, self._scores, state.tokens, state.positions, state.origin,
-                                            beam, lines, k, self.eos_id, out)
-        cand_rows, cand_ids, cand_scores, parents, tokens = out
+                                            beam, lines, k, self.eos_id, -(-n // 4), out)
+        cand_rows, cand_ids, cand_scores, parents, tokens = (x[:taken] for x in out)
+        finishing = (cand_ids[:, :, :k] == self.eos_id).any(axis=2).tolist()  # (steps, n)
+        best_rows, best_ids = cand_rows[:, :, :k].tolist(), cand_ids[:, :, :k].tolist()
         for j, search in enumerate(searches):
             own = slice(j * k, (j + 1) * k)
             for step in range(taken) if search is not None else ():
-                if search.done:
-                    raise RuntimeError("beam search in the library went on after its rules in Python stopped it")
+                if search.done:  # stopped at an earlier step: its rows decoded on, ignored
+                    break
+                if not finishing[step][j]:
+                    search.advance(best_rows[step][j], best_ids[step][j], cand_scores[step, j, :k])
+                    continue
                 chosen, fed = search.select(cand_rows[step, j], cand_ids[step, j], cand_scores[step, j])
                 if not (np.array_equal(chosen + j * k, parents[step, own]) and np.array_equal(fed, tokens[step, own])):
                     raise RuntimeError(f"beam search in the library chose rows {parents[step, own]} and tokens "
                                        f"{tokens[step, own]}, its rules in Python {chosen + j * k} and {fed}")
+            if search is not None and (search.done != (lines[j, 0] < 0) or len(search.finished) != lines[j, 2]):
+                raise RuntimeError(f"beam search in the library has {lines[j, 2]} hypotheses finished and "
+                                   f"{'stopped' if lines[j, 0] < 0 else 'goes on'}; its rules in Python "
+                                   f"{len(search.finished)}, and {'stopped' if search.done else 'go on'}")
         return pending
 
     def search_ids(self, sources: list[list[int]], options: DecodingOptions = DecodingOptions(), *,

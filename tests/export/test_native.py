@@ -7,7 +7,7 @@ import pytest
 from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.native import NativeBinding, NativeError, NativeSession
 from nmtserve.export.runtime.translator import OnnxTranslator
-from nmtserve.search import DecodingOptions
+from nmtserve.search import BeamSearch, DecodingOptions
 from nmtserve.training.data import read_tsv
 
 
@@ -48,6 +48,56 @@ def test_every_search_runs_on_the_librarys_session(tiny_bundle, tiny_corpus):
             a, b = (tr.translate_batch(sources, max_batch_size=4, return_scores=True, **options) for tr in (native, theirs))
             assert [(t.text, t.score, [(x.text, x.score) for x in t.alternatives]) for t in a] == \
                    [(t.text, t.score, [(x.text, x.score) for x in t.alternatives]) for t in b]
+
+
+BEAM_OPTIONS = [  # CTranslate2's stopping with and without a length penalty, then steps the library leaves to Python
+    DecodingOptions(beam_size=4, num_hypotheses=2),
+    DecodingOptions(beam_size=3, num_hypotheses=3, length_penalty=1.0, patience=1.5),
+    DecodingOptions(beam_size=5, max_decoding_length=4),  # budgets that end searches
+    DecodingOptions(beam_size=4, length_penalty=0.6, beam_stopping="transformers"),
+    DecodingOptions(beam_size=2, max_decoding_length=6, length_rule="transformers"),
+]
+
+
+@pytest.mark.parametrize("variant", ["fp32", "int8"])
+def test_native_beam_steps_give_the_n_best_lists_of_the_search_in_python(tiny_bundle, tiny_corpus, variant,
+                                                                         monkeypatch):
+    """Beam search in the library (nmt_beam_steps) at batch 1, 3 and 8, with each of BEAM_OPTIONS, and with eos
+    never found (every search to its budget, the cache growing past its first 32 slots while the library
+    loops): the same hypotheses, scores and finish as the search in Python one step at a time, and the
+    library chose most steps."""
+    native, theirs = _pair(tiny_bundle, variant)
+    sources = [native.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
+    chosen, run_steps = [0], NativeBinding.beam_steps
+
+    def counted(*args):
+        taken, pending = run_steps(*args)
+        chosen[0] += taken
+        return taken, pending
+    monkeypatch.setattr(NativeBinding, "beam_steps", counted)
+    for never_eos in (False, True):
+        if never_eos:
+            native.eos_id = theirs.eos_id = -1
+        for options in BEAM_OPTIONS[:1] if never_eos else BEAM_OPTIONS:
+            for batch in (1, 3, 8):
+                steps_before = chosen[0]
+                a, b = (tr.search_ids(sources, options, max_batch_size=batch) for tr in (native, theirs))
+                assert a == b, (options, batch)
+                if options.beam_stopping == "ctranslate2" and options.length_rule == "nmtserve":
+                    assert chosen[0] - steps_before > sum(len(h[0].tokens) for h in a) // (2 * batch)
+        if never_eos:
+            assert [len(h[0].tokens) for h in a] == [native.limits.output_budget(len(s), 256) for s in sources]
+            assert max(len(h[0].tokens) for h in a) > 32
+
+
+def test_native_beam_steps_are_checked_against_the_rules_in_python(tiny_bundle, tiny_corpus, monkeypatch):
+    """A library that would go on with a search that its rules in Python stop is an error, never a result."""
+    native, _ = _pair(tiny_bundle, "fp32")
+    sources = [native.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
+    line = BeamSearch.native_line
+    monkeypatch.setattr(BeamSearch, "native_line", lambda self: line(self)[:4] + [10 ** 6, 1])  # never stops
+    with pytest.raises(RuntimeError, match="beam search in the library"):
+        native.search_ids(sources, DecodingOptions(beam_size=4), max_batch_size=4)
 
 
 def test_a_native_error_carries_onnx_runtimes_message_and_the_session_goes_on(tiny_bundle):
