@@ -184,9 +184,9 @@ class NativeBinding:
         searches whose lines are `searches` (n, 6) int64 over rows of k each; `ids` and `scores` (rows, 2k) are
         the step's bound candidate outputs, `tokens` and `positions` its bound inputs, `origin` (rows, capacity)
         int32 the state's cache origins, `beam` (rows,) float64 each row's cumulative log-prob; it returns once
-        `over_at` searches are over. Writes each step
-        into `out`: its candidates, (steps, n, 2k) int64 rows, int64 ids and float64 scores, and each row's
-        parent and token (steps, rows) int64 -> the steps chosen, and whether one more ran and awaits Python."""
+        `over_at` searches are over. Writes each step into `out`: its candidates, (steps, n, 2k) int64 rows,
+        int64 ids and float64 scores, and each row's parent and token (steps, rows) int64 -> the steps chosen,
+        and whether one more ran and awaits Python."""
         if self._pending:
             self._send()
         rows, width = ids.shape

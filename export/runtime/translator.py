@@ -695,16 +695,17 @@ class OnnxTranslator:
         (`search` then compacts), the cache's end, or a step it leaves to Python, whose candidates it leaves in
         the step's outputs. Each search then takes the steps the library chose for it, from the library's
         candidates: an ordinary step (no eos among its k best) by `BeamSearch.advance`, any other by
-        `BeamSearch.select`, whose choice, finished hypotheses and stop must be the library's -> whether a step awaits Python (`beam_steps`,
-        `state.choose`)."""
+        `BeamSearch.select`; its choices, finished hypotheses and stop must be the library's, or this is a
+        RuntimeError -> whether a step awaits Python (`beam_steps`, `state.choose`)."""
         state.open_slot()
         self._with_scores[...] = True
         binding = self._binding_for(state, 2 * k)
         steps, n, rows = state.capacity - state.length, len(searches), state.size
         lines = np.array([[-1] * 6 if s is None else s.native_line() for s in searches], np.int64)
         beam = np.concatenate([np.zeros(k) if s is None else s.scores for s in searches])
-        out = (np.empty((steps, n, 2 * k), np.int64), np.empty((steps, n, 2 * k), np.int64),
-               np.empty((steps, n, 2 * k)), np.empty((steps, rows), np.int64), np.empty((steps, rows), np.int64))
+        # zeros: the candidates of a search the library stopped are not written (the checks below catch a replay of them)
+        out = (np.zeros((steps, n, 2 * k), np.int64), np.zeros((steps, n, 2 * k), np.int64),
+               np.zeros((steps, n, 2 * k)), np.empty((steps, rows), np.int64), np.empty((steps, rows), np.int64))
         taken, pending = binding.beam_steps(self._ids, self._scores, state.tokens, state.positions, state.origin,
                                             beam, lines, k, self.eos_id, -(-n // 4), out)
         cand_rows, cand_ids, cand_scores, parents, tokens = (x[:taken] for x in out)
