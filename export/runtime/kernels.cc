@@ -615,7 +615,6 @@ int64_t nmt_greedy_steps(void* runner, void* binding, int64_t* tokens, int64_t* 
   }
 }
 
-
 // Beam-search steps of several searches of one beam size k, whose rows lie one after another, k each, on a
 // binding whose step writes each row's `width` (2k) best candidates into `ids` and `scores`, best first
 // (OnnxTranslator._binding_for), over a state with cache origins (BatchState.origin: `origin` rows × capacity).
@@ -637,9 +636,8 @@ int64_t nmt_greedy_steps(void* runner, void* binding, int64_t* tokens, int64_t* 
 int64_t nmt_beam_steps(void* runner, void* binding, const int64_t* ids, const float* scores, int64_t width,
                        int64_t* tokens, int64_t* positions, int32_t* origin, int64_t capacity, double* beam,
                        int64_t* searches, int64_t n, int64_t k, int64_t eos, int64_t max_steps, int64_t over_at,
-                       int64_t* out_rows,
-                       int64_t* out_ids, double* out_scores, int64_t* out_parents, int64_t* out_tokens,
-                       int64_t* pending, char* error, size_t error_size) {
+                       int64_t* out_rows, int64_t* out_ids, double* out_scores, int64_t* out_parents,
+                       int64_t* out_tokens, int64_t* pending, char* error, size_t error_size) {
   auto& session = static_cast<Runner*>(runner)->session;
   auto& io = *static_cast<Ort::IoBinding*>(binding);
   const Ort::RunOptions run_options{nullptr};
