@@ -182,32 +182,43 @@ class BeamSearch:
         if self.options.beam_stopping == "transformers":
             stop = len(self.finished) >= k and self.scores.max() / self.steps ** self.options.length_penalty \
                 <= heapq.nlargest(k, (h.score for h in self._scored()))[-1]
-        elif self.options.length_penalty == 0:
-            stop = self.top_finished and len(self.finished) >= self.options.num_hypotheses
         else:
-            stop = len(self.finished) >= round(k * self.options.patience)
+            need, best_first = self._ctranslate2_rule()
+            stop = len(self.finished) >= need and (self.top_finished or not best_first)
         if last and self.forced_eos and not stop:
             self.finished += [(tokens, float(score), True, "length") for tokens, score in zip(self.live, self.scores)
                               if score > -np.inf]
         self.done = last or stop
         return parents, tokens
 
+    def _ctranslate2_rule(self) -> tuple[int, bool]:
+        """CTranslate2's stopping rule: the finished hypotheses that stop the search, and whether the best
+        candidate must have finished too (without a length penalty: num_hypotheses and yes; with one:
+        round(beam_size × patience) and no)."""
+        if self.options.length_penalty == 0:
+            return self.options.num_hypotheses, True
+        return round(self.k * self.options.patience), False
+
+    def _ordinary_steps_left(self) -> int:
+        """The steps before one that is never ordinary: the budget's last, or any once transformers' stopping
+        rule has beam_size finished hypotheses to check."""
+        if self.options.beam_stopping == "transformers" and len(self.finished) >= self.k:
+            return 0
+        return self.budget - self.steps - 1
+
     def native_line(self) -> list[int]:
         """This search's line for the library's beam steps (kernels.cc, nmt_beam_steps): mode (1: it finishes
-        hypotheses and stops by CTranslate2's rule there; 0: ordinary steps only), the steps before the
-        budget's last, the hypotheses finished, whether the best candidate has finished, the finished
-        hypotheses that stop it, and whether it waits for the best to finish (no length penalty)."""
-        transformers = self.options.beam_stopping == "transformers"
-        left = 0 if transformers and len(self.finished) >= self.k else self.budget - self.steps - 1
-        penalty = self.options.length_penalty
-        need = self.options.num_hypotheses if penalty == 0 else round(self.k * self.options.patience)
-        return [0 if transformers else 1, left, len(self.finished), int(self.top_finished), need, int(penalty == 0)]
+        hypotheses and stops by CTranslate2's rule there; 0: ordinary steps only), the steps before one that is
+        never ordinary, the hypotheses finished, whether the best candidate has finished, and CTranslate2's
+        rule (`_ctranslate2_rule`)."""
+        need, best_first = self._ctranslate2_rule()
+        return [int(self.options.beam_stopping != "transformers"), self._ordinary_steps_left(), len(self.finished),
+                int(self.top_finished), need, int(best_first)]
 
     def ordinary(self, eos_among_best: bool) -> bool:
         """Whether a step is an ordinary one: no eos among its k best candidates, the budget not spent, no
         stopping rule to check. Then `step` would keep the k best candidates and not stop: `advance`."""
-        return not (eos_among_best or self.steps + 1 >= self.budget
-                    or self.options.beam_stopping == "transformers" and len(self.finished) >= self.k)
+        return not eos_among_best and self._ordinary_steps_left() > 0
 
     def advance(self, parents: list[int], tokens: list[int], scores: np.ndarray) -> None:
         """An ordinary step (`ordinary`), ranked by the caller: the k best candidates' rows, ids and scores."""

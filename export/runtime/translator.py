@@ -659,8 +659,9 @@ class OnnxTranslator:
         slots = list(range(len(sources)))  # the source each `width` rows search for, in row order; None: done
         results: list = [None] * len(sources)
         while state is not None:
+            live = [None if r is None else searches[r] for r in slots]  # each slot's search, None once done
             if native and state.size == width * len(slots):  # after the first step
-                pending = self._native_beam_steps(state, [None if r is None else searches[r] for r in slots], width)
+                pending = self._native_beam_steps(state, live, width)
                 ids, scores = self._ids, self._scores  # a pending step's candidates, read before the next step
             else:
                 (ids, scores), pending = self.decode_candidates(state, k), True
@@ -672,13 +673,13 @@ class OnnxTranslator:
                     state = state.widen(width) if self.shared_cross \
                         else state.gather(np.repeat(np.arange(len(sources)), width))
                 if beams:  # ranked once for all sources (nmtserve/search.py: beam_steps)
-                    parents, tokens = beam_steps([None if r is None else searches[r] for r in slots], ids, scores)
+                    parents, tokens = beam_steps(live, ids, scores)
                 else:
                     tokens, parents = ids[:, 0].copy(), np.arange(state.size)  # a finished source's rows decode on
-                    for j, r in enumerate(slots):
-                        if r is not None:
+                    for j, search in enumerate(live):
+                        if search is not None:
                             rows = slice(j * width, (j + 1) * width)
-                            chosen_parents, tokens[rows] = searches[r].step(ids[rows], scores[rows])
+                            chosen_parents, tokens[rows] = search.step(ids[rows], scores[rows])
                             parents[rows] = chosen_parents + j * width
                 state.choose(tokens, parents)
             for j, r in enumerate(slots):
