@@ -75,6 +75,17 @@ def build_parser(command: str | None) -> ArgumentParser:
     return parser
 
 
+def _parse(parser: ArgumentParser, argv: list[str]):
+    """parse_args, except that words after options still join translate's MODEL_OR_TEXT (argparse gives a
+    `nargs="*"` positional only the words before the first option: `translate BUNDLE --beam-size 4 TEXT`)."""
+    args, rest = parser.parse_known_args(argv)
+    if rest and isinstance(getattr(args, "inputs", None), list) and not any(a.startswith("-") for a in rest):
+        args.inputs += rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def _missing_extra(e: ModuleNotFoundError) -> str | None:
     extra = EXTRAS.get((e.name or "").split(".")[0])
     return extra and f"needs the '{extra}' extra (no module named {e.name!r}): pip install 'nmtserve[{extra}]'"
@@ -86,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     command = command if command in COMMANDS else None
     prefix = f"nmtserve {command or ''}".strip()
     try:
-        args = build_parser(command).parse_args(argv)
+        args = _parse(build_parser(command), argv)
         return args.func(args)
     except (NmtserveError, OSError, ValueError) as e:
         print(f"{prefix}: error: {e}", file=sys.stderr)
