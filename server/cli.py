@@ -22,7 +22,7 @@ HELPS = {"models": "TOML file of the models to serve: bundle, id, variant, devic
                             "so a request's result never depends on its batch-mates (off: ONNX Runtime's one scale per "
                             "tensor, faster; auto: on with the kernels)",
          "max_running_rows": "rows in each model's running decoder batch (a beam search takes beam_size rows)",
-         "admit_rows": "continuous batching: newcomers join a running batch once this many rows are free (at most 1/8 of --max-running-rows) …",
+         "admit_rows": "continuous batching: newcomers join a running batch once this many of their rows wait and are free (at most 1/8 of --max-running-rows) …",
          "admit_steps": "… or once this many decoder steps have passed since the latest admission",
          "max_burst_steps": "when every running request is greedy and none streams, and no one waits, up to this many "
                             "decoder steps run at once in nmtserve's library, with no Python between them (a newcomer "

@@ -24,7 +24,7 @@ class ServerConfig:
     threads: int = 2  # ONNX Runtime intra-op threads (sessions never spin): the deployment's CPU request
     inter_threads: int = 1  # running batches per model (engines), each on a thread of its own with `threads` intra-op threads
     max_running_rows: int = 64
-    admit_rows: int = 8  # continuous batching: newcomers join once this many rows are free (≤ 1/8 of the rows) …
+    admit_rows: int = 8  # continuous batching: newcomers join once this many of their rows wait and are free (≤ 1/8 of the rows) …
     admit_steps: int = 4  # … or this many decoder steps after the latest admission
     max_burst_steps: int = 16  # greedy steps run at once in nmtserve's library when no one waits (1: one at a time)
     max_batch_tokens: int = 16384

@@ -68,15 +68,16 @@ class EngineConfig:
     max_batch_tokens: int = 16384  # Σ over running rows of source tokens + output budget
     max_waiting: int = 256
     batching: str = "continuous"  # or "static": admit only into an empty batch, run it to completion
-    # continuous batching: newcomers join a running batch once `admit_rows` rows are free (at most an
-    # eighth of max_running_rows), or once `admit_steps` decoder steps have passed since the latest
-    # admission (text-generation-inference's max_waiting_tokens): a group is encoded in one call (README,
-    # "Admission to a full batch")
+    # continuous batching: newcomers join a running batch once `admit_rows` of their rows wait and are free
+    # (at most an eighth of max_running_rows), or once `admit_steps` decoder steps have passed since the
+    # latest admission (text-generation-inference's max_waiting_tokens): a group is encoded in one call
+    # (README, "Admission to a running batch")
     admit_rows: int = 8
     admit_steps: int = 4
     # a batch of greedy requests steps in nmtserve's library (translator.native_steps); when none streams and no
-    # one joins or waits to, up to this many steps at once, with no Python between them (README, "Greedy steps
-    # in the library"); a newcomer ends such a run after its current step; 1: one step an iteration
+    # one joins, up to this many steps at once (while newcomers gather, up to the steps left of their
+    # gathering), with no Python between them (README, "Greedy steps in the library"); a newcomer ends such a
+    # run after its current step; 1: one step an iteration
     max_burst_steps: int = 16
 
 
@@ -239,9 +240,9 @@ class Engine:
         budget = self.config.max_batch_tokens - sum(r.cost(self.tr.limits) for r in running)
         rows = sum(r.width for r in running)
         gather = min(self.config.admit_rows, max(1, self.config.max_running_rows // 8))
-        if running and self.config.max_running_rows - rows < gather \
-                and self.steps - self.admitted_step < self.config.admit_steps:
-            return []  # newcomers gather, to join together (EngineConfig.admit_rows)
+        joining = min(self.config.max_running_rows - rows, sum(r.width for r in self.waiting))
+        if running and joining < gather and self.steps - self.admitted_step < self.config.admit_steps:
+            return []  # newcomers gather, to be encoded together (EngineConfig.admit_rows)
         admitted = []
         for request in sorted(self.waiting, key=self._latest_start) if running else list(self.waiting):
             if rows + request.width > self.config.max_running_rows:
@@ -281,17 +282,21 @@ class Engine:
 
     def _burst(self, admitted: list[Request]) -> int:
         """(Lock held.) How many greedy steps this iteration runs in the library: none (0: one step of every
-        search, `RunningBatch.step`) unless every request in the batch is greedy; one when some join, wait to
-        (continuous batching) or stream; else up to max_burst_steps, and no further than the nearest budget.
-        Clears the stop flag that submit sets."""
+        search, `RunningBatch.step`) unless every request in the batch is greedy; one when some join or stream;
+        while newcomers gather (continuous batching), the steps left of their gathering (one if under two);
+        else up to max_burst_steps; never further than the nearest budget. Clears the stop flag that submit sets."""
         running = self.batch.requests + admitted
         if not running or not self.tr.native_steps or any(r.search is not None for r in running):
             return 0
-        if admitted or self.config.max_burst_steps < 2 or (self.waiting and self.config.batching == "continuous") \
-                or any(r.on_token is not None for r in running):
+        if admitted or self.config.max_burst_steps < 2 or any(r.on_token is not None for r in running):
             return 1
+        steps = self.config.max_burst_steps
+        if self.waiting and self.config.batching == "continuous":
+            steps = min(steps, self.admitted_step + self.config.admit_steps - self.steps)
+            if steps < 2:
+                return 1
         self.stop_burst[0] = 0
-        return min(self.config.max_burst_steps, *(r.budget(self.tr.limits) - len(r.tokens) for r in running))
+        return min(steps, *(r.budget(self.tr.limits) - len(r.tokens) for r in running))
 
     def _execute(self, admitted: list[Request], burst: int = 0) -> list[tuple[int, int]]:
         """Newcomers join, one decoder step (with `burst`, up to that many greedy steps in the library), its

@@ -407,7 +407,25 @@ def test_newcomers_to_a_full_batch_gather_then_join_longest_source_first(transla
     # the longer source joins before the shorter one that came first (it needs more steps)
     engine.batch.leave(running[1:3])
     engine._publish()
-    assert _iterate(engine) == [early]  # two free rows: it joins at once
+    other = engine.submit(Request(short))
+    assert sorted(map(id, _iterate(engine))) == sorted(map(id, [early, other]))  # two free rows, two waiting: at once
+
+
+def test_newcomers_below_saturation_gather_too(translator, sources):
+    """Free rows are plenty, yet a lone newcomer gathers until admit_rows rows of newcomers wait or admit_steps
+    steps have passed since the latest admission: each group is one encoder call, and each call stalls every
+    running row (one sentence encoded costs about two of a group of eight)."""
+    by_length = sorted(sources, key=len)
+    engine = Engine(translator, EngineConfig(max_running_rows=16, admit_rows=2, admit_steps=3))
+    running = [engine.submit(Request(s)) for s in by_length[-4:]]
+    assert _iterate(engine) == running
+    lone = engine.submit(Request(by_length[0]))
+    assert [_iterate(engine) for _ in range(3)] == [[], [], [lone]]  # one row waiting: until admit_steps
+    pair = [engine.submit(Request(s)) for s in by_length[1:3]]
+    assert sorted(map(id, _iterate(engine))) == sorted(map(id, pair))  # two rows waiting: at once
+    beam = engine.submit(Request(by_length[3], options=DecodingOptions(beam_size=2)))
+    assert _iterate(engine) == [beam]  # a beam of two rows: at once
+    assert not any(r.done.is_set() for r in running)  # (every step above had free rows to spare)
 
 
 def test_requests_that_waited_long_still_gather_after_an_admission(translator, sources):
@@ -437,7 +455,8 @@ def test_greedy_steps_run_in_the_library_in_bursts_that_a_newcomer_ends(tiny_bun
     in Python): with no one waiting, up to max_burst_steps steps an iteration. Tokens and scores are those
     of ONNX Runtime's own session one step at a time; a burst stops at a row's eos or at the first budget
     (short budgets here), and the step metrics count every step with its rows. A request submitted during
-    a burst ends it after the current step (the stop flag), and joins at the next iteration."""
+    a burst ends it after the current step (the stop flag), and joins at the next iteration; one that
+    gathers (fewer than admit_rows rows wait) lets the batch burst through the rest of its gathering."""
     translator = OnnxTranslator(tiny_bundle, intra_op_threads=1, shared_cross=False)
     assert translator.native_steps
     in_python = OnnxTranslator(tiny_bundle, intra_op_threads=1, shared_cross=False, native_steps=False)
@@ -468,6 +487,14 @@ def test_greedy_steps_run_in_the_library_in_bursts_that_a_newcomer_ends(tiny_bun
     assert burst == engine.config.max_burst_steps
     newcomer = engine.submit(Request(sources[2]))  # sets the stop flag the burst reads after each step
     assert len(engine._execute([], burst)) == 1 and len(first.tokens) == 2
+    assert _iterate(engine) == [newcomer]  # (8 rows: a group of one joins at once)
+    engine = Engine(translator, EngineConfig(max_running_rows=16, admit_rows=2, admit_steps=4))
+    first = engine.submit(Request(sources[1], max_decoding_length=256))
+    _iterate(engine)  # first joins: one step
+    newcomer = engine.submit(Request(sources[2]))  # one row: it gathers until 4 steps after first's admission
+    with engine.lock:
+        assert engine._schedule() == [] and engine._burst([]) == 3  # the rest of its gathering, in one burst
+    assert len(engine._execute([], 3)) == 3 and len(first.tokens) == 4
     assert _iterate(engine) == [newcomer]
 
 
