@@ -26,7 +26,7 @@ class ServerConfig:
     max_running_rows: int = 64
     admit_rows: int = 8  # continuous batching: newcomers join once this many of their rows wait and are free (≤ 1/8 of the rows) …
     admit_steps: int = 4  # … or this many decoder steps after the latest admission
-    max_burst_steps: int = 16  # greedy steps run at once in nmtserve's library when no one waits (1: one at a time)
+    max_burst_steps: int = 16  # greedy steps run at once in nmtserve's library when no one joins (1: one at a time)
     max_batch_tokens: int = 16384
     max_waiting: int = 256
     max_sentences: int = 64

@@ -3,7 +3,7 @@
 One scheduler thread owns the waiting queue and the running batch (server/running_batch.py).
 Each iteration has three phases: schedule (drop cancelled or expired requests, admit waiting ones
 within the budgets), execute (the newcomers join the running batch, one decoder step for every
-row; when every running request is greedy and no one waits, up to max_burst_steps steps in nmtserve's
+row; when every running request is greedy and no one joins, up to max_burst_steps steps in nmtserve's
 library at once, with no Python between them), process outputs (hand each request its token, finish
 requests at eos or their budget).
 Requests join and leave between steps; no row ever waits for another to finish. A request is
