@@ -67,6 +67,8 @@ def translate_local(model: str, texts: list[str], args) -> list[list[tuple[str, 
         raise NmtserveError(f"--threads {args.threads}: must be at least 0 (0: ONNX Runtime's default, a thread per core)")
     if args.inter_threads < 1:
         raise NmtserveError(f"--inter-threads {args.inter_threads}: must be at least 1")
+    if not Path(model).exists():
+        raise NmtserveError(f"{model}: no such bundle directory or checkpoint file")
     return _translate_bundle(model, texts, args) if Path(model).is_dir() else _translate_checkpoint(model, texts, args)
 
 

@@ -93,9 +93,10 @@ def test_translate_cli_runs_the_bundle_variant_it_is_given(tiny_bundle):
     assert len(scores["int8"]) == len(sentences)
 
 
-def test_translate_cli_takes_text_after_the_options(tiny_bundle):
+def test_translate_cli_takes_text_after_the_options_and_names_a_missing_model(tiny_bundle):
     """`translate BUNDLE --beam-size 2 TEXT…` (text after options) translates what `translate --beam-size 2
-    BUNDLE TEXT…` does; an unknown option is still refused."""
+    BUNDLE TEXT…` does; an unknown option is still refused, and a path that is neither bundle nor
+    checkpoint is named as such (it used to say "no such checkpoint")."""
     sentences = ["the cat sleeps .", "a dog eats the bread ."]
     before = run_cli("translate", "--beam-size", "2", str(tiny_bundle), *sentences, timeout=120)
     after = run_cli("translate", str(tiny_bundle), "--beam-size", "2", *sentences, timeout=120)
@@ -103,6 +104,8 @@ def test_translate_cli_takes_text_after_the_options(tiny_bundle):
     assert after.stdout == before.stdout and after.stdout.count("\n") == 2
     bad = run_cli("translate", str(tiny_bundle), "--beam-sizes", "2", *sentences)
     assert bad.returncode == 2 and "unrecognized arguments: --beam-sizes 2" in bad.stderr
+    absent = run_cli("translate", str(tiny_bundle) + "-absent", *sentences)
+    assert absent.returncode == 2 and absent.stderr.strip().endswith("-absent: no such bundle directory or checkpoint file")
 
 
 def test_translate_cli_decodes_a_bundles_batches_at_once_on_threads_of_their_own(served, tiny_bundle, tiny_checkpoint,
