@@ -71,7 +71,7 @@ class EngineConfig:
     # continuous batching: newcomers join a running batch once `admit_rows` of their rows wait and are free
     # (at most an eighth of max_running_rows), or once `admit_steps` decoder steps have passed since the
     # latest admission (text-generation-inference's max_waiting_tokens): a group is encoded in one call
-    # (README, "Admission to a running batch")
+    # (README, "Admission to a running batch"); a batch of fewer than half `admit_rows` rows takes them at once
     admit_rows: int = 8
     admit_steps: int = 4
     # a batch of greedy requests steps in nmtserve's library (translator.native_steps); when none streams and no
@@ -241,7 +241,7 @@ class Engine:
         rows = sum(r.width for r in running)
         gather = min(self.config.admit_rows, max(1, self.config.max_running_rows // 8))
         joining = min(self.config.max_running_rows - rows, sum(r.width for r in self.waiting))
-        if running and joining < gather and self.steps - self.admitted_step < self.config.admit_steps:
+        if running and rows >= gather // 2 and joining < gather and self.steps - self.admitted_step < self.config.admit_steps:
             return []  # newcomers gather, to be encoded together (EngineConfig.admit_rows)
         admitted = []
         for request in sorted(self.waiting, key=self._latest_start) if running else list(self.waiting):

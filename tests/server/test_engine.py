@@ -414,7 +414,8 @@ def test_newcomers_to_a_full_batch_gather_then_join_longest_source_first(transla
 def test_newcomers_below_saturation_gather_too(translator, sources):
     """Free rows are plenty, yet a lone newcomer gathers until admit_rows rows of newcomers wait or admit_steps
     steps have passed since the latest admission: each group is one encoder call, and each call stalls every
-    running row (one sentence encoded costs about two of a group of eight)."""
+    running row (one sentence encoded costs about two of a group of eight). A batch of fewer than half
+    admit_rows rows takes newcomers at once (few rows to stall, and newcomers too rare to gather)."""
     by_length = sorted(sources, key=len)
     engine = Engine(translator, EngineConfig(max_running_rows=16, admit_rows=2, admit_steps=3))
     running = [engine.submit(Request(s)) for s in by_length[-4:]]
@@ -426,6 +427,14 @@ def test_newcomers_below_saturation_gather_too(translator, sources):
     beam = engine.submit(Request(by_length[3], options=DecodingOptions(beam_size=2)))
     assert _iterate(engine) == [beam]  # a beam of two rows: at once
     assert not any(r.done.is_set() for r in running)  # (every step above had free rows to spare)
+    engine = Engine(translator, EngineConfig(max_running_rows=64, admit_rows=8, admit_steps=4))
+    running = [engine.submit(Request(s)) for s in by_length[-3:]]
+    assert _iterate(engine) == running
+    lone = engine.submit(Request(by_length[0]))
+    assert _iterate(engine) == [lone]  # three rows running, fewer than half of admit_rows: at once
+    lone = engine.submit(Request(by_length[1]))
+    assert _iterate(engine) == []  # four: it gathers
+    assert not any(r.done.is_set() for r in running)
 
 
 def test_requests_that_waited_long_still_gather_after_an_admission(translator, sources):
