@@ -152,6 +152,7 @@ class Engine:
         self.ids = itertools.count()
         self.steps = 0
         self.admitted_step = 0  # the step count at the latest admission (EngineConfig.admit_steps)
+        self.admissions = 0  # groups admitted (each one encoder call), since the start
         self.next_trim = 0.0
         self.stop_burst = np.zeros(1, np.int32)  # set by submit and stop: the library's greedy steps end after the current one
         self.thread = threading.Thread(target=self._loop, name="nmtserve-engine", daemon=True)
@@ -185,7 +186,8 @@ class Engine:
 
     def stats(self) -> dict:
         with self.lock:
-            return {"waiting": len(self.waiting), "running": self.running_count, "steps": self.steps}
+            return {"waiting": len(self.waiting), "running": self.running_count, "steps": self.steps,
+                    "admissions": self.admissions}
 
     def idle(self) -> bool:
         """No request waiting or running."""
@@ -258,6 +260,7 @@ class Engine:
             admitted.append(request)
         if admitted:
             self.admitted_step = self.steps
+            self.admissions += 1
             taken = {id(r) for r in admitted}
             self.waiting = collections.deque(r for r in self.waiting if id(r) not in taken)
         self.running_count += len(admitted)  # counted from the moment they leave the queue
@@ -419,7 +422,7 @@ class EnginePool:
         return self.engines[least].submit(request)
 
     def stats(self) -> dict:
-        """Waiting and running requests and decoder steps, summed over the engines."""
+        """Waiting and running requests, decoder steps and admissions, summed over the engines."""
         each = [engine.stats() for engine in self.engines]
         return {key: sum(s[key] for s in each) for key in each[0]}
 

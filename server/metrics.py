@@ -11,6 +11,7 @@ its options were read); engine steps mix modes, so step series have none.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, start_http_server
+from prometheus_client.core import CounterMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -58,6 +59,8 @@ class ServerMetrics:
         self.running = Gauge("nmtserve_requests_running", "Rows in the running batch", ["model"], registry=r)
         self.waiting = Gauge("nmtserve_requests_waiting", "Requests waiting for admission", ["model"], registry=r)
         self.model = Info("nmtserve_model", "The bundles being served, one series per model", ["model"], registry=r)
+        self._engines: dict[str, object] = {}  # each model's engine, read at each scrape (watch_engine)
+        r.register(_Admissions(self._engines))
         # process_resident_memory_bytes, process_open_fds, process_cpu_seconds_total, … (Linux /proc)
         ProcessCollector(registry=r)
 
@@ -71,6 +74,7 @@ class ServerMetrics:
         """The model's running rows and waiting requests, read from its engine at each scrape."""
         self.running.labels(model).set_function(lambda: engine.stats()["running"])
         self.waiting.labels(model).set_function(lambda: engine.stats()["waiting"])
+        self._engines[model] = engine
 
     def step(self, model: str, rows: int, cache_tokens: int, seconds: float) -> None:
         """After every engine iteration (the engine thread)."""
@@ -109,3 +113,19 @@ class ServerMetrics:
         self.requests.labels(model, mode, rpc, code).inc()
         if rejected:
             self.rejected.labels(model, mode, code).inc()
+
+
+class _Admissions:
+    """nmtserve_admissions_total{model}: groups of newcomers encoded together and joined to the running batch,
+    each one encoder call that every running row waits for; with nmtserve_sentences_total, the sentences per
+    call (README, "Admission to a running batch": --admit-rows, --admit-steps). Read from the engines."""
+
+    def __init__(self, engines: dict):
+        self.engines = engines
+
+    def collect(self):
+        family = CounterMetricFamily("nmtserve_admissions", "Groups of newcomers encoded together (one encoder call "
+                                     "each) and joined to the running batch", labels=["model"])
+        for model, engine in self.engines.items():
+            family.add_metric([model], engine.stats()["admissions"])
+        yield family

@@ -141,7 +141,7 @@ def test_a_pool_of_engines_spreads_requests_and_each_gets_the_translator_tokens(
     pool = EnginePool(translator, 2, EngineConfig(max_running_rows=8))
     queued = [pool.submit(Request(src)) for src in sources[:4]]  # not started yet: all four wait
     assert [len(engine.waiting) for engine in pool.engines] == [2, 2]
-    assert pool.stats() == {"waiting": 4, "running": 0, "steps": 0}
+    assert pool.stats() == {"waiting": 4, "running": 0, "steps": 0, "admissions": 0}
     pool.start()
     try:
         requests = queued + [pool.submit(Request(src)) for src in sources[4:]]
@@ -149,7 +149,8 @@ def test_a_pool_of_engines_spreads_requests_and_each_gets_the_translator_tokens(
             assert r.done.wait(60)
         assert [r.tokens for r in requests] == expected
         assert len({r.id for r in requests}) == len(requests)
-        assert all(engine.steps > 0 for engine in pool.engines)
+        assert all(engine.steps > 0 and engine.admissions > 0 for engine in pool.engines)
+        assert pool.stats()["admissions"] == sum(engine.admissions for engine in pool.engines)
         assert pool.idle()
     finally:
         pool.stop()
@@ -427,6 +428,7 @@ def test_newcomers_below_saturation_gather_too(translator, sources):
     beam = engine.submit(Request(by_length[3], options=DecodingOptions(beam_size=2)))
     assert _iterate(engine) == [beam]  # a beam of two rows: at once
     assert not any(r.done.is_set() for r in running)  # (every step above had free rows to spare)
+    assert engine.stats()["admissions"] == 4  # running, lone, pair, beam: an encoder call each
     engine = Engine(translator, EngineConfig(max_running_rows=64, admit_rows=8, admit_steps=4))
     running = [engine.submit(Request(s)) for s in by_length[-3:]]
     assert _iterate(engine) == running

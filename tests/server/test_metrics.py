@@ -62,6 +62,7 @@ def test_scrape_agrees_with_traffic_and_static_batching_gives_the_same_text(tiny
             assert delta("nmtserve_time_to_first_token_seconds_count") == 6
             assert delta("nmtserve_request_duration_seconds_count", rpc="Translate") == 6
             assert delta("nmtserve_step_duration_seconds_count", mode=None) > 0
+            assert 3 <= delta("nmtserve_admissions_total", mode=None) <= 6  # three calls of two sentences
             idle = (("model", model),)
             assert after[("nmtserve_requests_running", idle)] == 0 and after[("nmtserve_requests_waiting", idle)] == 0
         finally:
