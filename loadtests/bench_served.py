@@ -9,7 +9,8 @@ split, drawn at random (seeded) so that lengths mix as in traffic; with `--decod
 request's decoding mode is drawn too (50% greedy, 40% beam 4, 10% sampled: workload.DECODING_MIX),
 the same draws for both servers. Throughput counts target tokens of the best translation (eos
 excluded); latency is the client's time for one Translate call, broken down into stages (STAGES)
-with the server's Timings. The baseline is OnnxTranslator on
+with the server's Timings, and each cell's sentences per admission (one encoder call each) comes from
+the server's /metrics (nmtserve_admissions_total). The baseline is OnnxTranslator on
 the same requests at batch 1 with the same thread count, in this process while the servers are idle.
 With `--sentences-per-call N` each call carries N sentences (Translate's `sentences`), so the cost of
 a call is paid once for N (no baseline then: it compares one-sentence calls).
@@ -29,7 +30,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nmtserve.loadtests.machine import PROBES, describe, host_probe, machine_info
-from nmtserve.loadtests.workload import ServerProcess, default_sentence_file, draw_decoding, mixed, read_sentences
+from nmtserve.loadtests.workload import (
+    ServerProcess,
+    default_sentence_file,
+    draw_decoding,
+    free_port,
+    mixed,
+    read_sentences,
+    scrape,
+)
 
 MODES = ("continuous", "static")
 
@@ -55,6 +64,9 @@ class ServedBenchConfig:
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+# the series each cell reads from its server's /metrics, before and after (workload.scrape)
+ADMISSIONS = {"nmtserve_admissions_total": "admissions", "nmtserve_sentences_total": "sentences"}
 
 
 def work(cfg: ServedBenchConfig, pool: list[str], n: int, seed: int) -> list[tuple[list[str], dict]]:
@@ -200,7 +212,7 @@ class Baseline:
 
 def run_served_bench(cfg: ServedBenchConfig) -> dict:
     pool = read_sentences(cfg.sentences_file or default_sentence_file(cfg.bundle))
-    flags = ["--metrics-port", "-1", "--threads", str(cfg.threads), "--variant", cfg.variant, "--device", cfg.device,
+    flags = ["--threads", str(cfg.threads), "--variant", cfg.variant, "--device", cfg.device,
              "--max-running-rows", str(cfg.max_running_rows),
              "--max-waiting", str(max(256, 2 * max(cfg.concurrency) * cfg.sentences_per_call)),
              "--max-sentences", str(max(64, cfg.sentences_per_call)),
@@ -209,7 +221,9 @@ def run_served_bench(cfg: ServedBenchConfig) -> dict:
     baselines: list[dict] = []
     baseline = Baseline(cfg) if cfg.sentences_per_call == 1 else None
     with tempfile.TemporaryDirectory() as logs:
-        servers = {m: ServerProcess(cfg.bundle, "--batching", m, *flags, log=Path(logs) / f"{m}.log") for m in cfg.modes}
+        ports = {m: free_port() for m in cfg.modes}  # /metrics: the admissions of each cell
+        servers = {m: ServerProcess(cfg.bundle, "--batching", m, "--metrics-port", str(ports[m]), *flags,
+                                    log=Path(logs) / f"{m}.log") for m in cfg.modes}
         try:
             for mode, server in servers.items():  # warm-up: the first calls of a channel and a process
                 _cell(server.target, work(cfg, pool, 16, seed=-1), 8)
@@ -218,7 +232,13 @@ def run_served_bench(cfg: ServedBenchConfig) -> dict:
                     requests = work(cfg, pool, cfg.requests or max(64, 16 * c), seed=cfg.seed + 1000 * run + c)
                     for mode, server in servers.items():
                         probe = host_probe()  # both servers idle: how fast the host runs as the cell starts
-                        cells[mode][c].append({**_cell(server.target, requests, c), "host_probe": probe})
+                        url = f"http://127.0.0.1:{ports[mode]}/metrics"
+                        before = scrape(url, ADMISSIONS)
+                        cell = _cell(server.target, requests, c)
+                        after = scrape(url, ADMISSIONS)
+                        admitted = {k: after[k] - before[k] for k in after}
+                        cells[mode][c].append({**cell, "host_probe": probe, "sentences_per_admission":
+                                               admitted["sentences"] / max(1.0, admitted["admissions"])})
                     if c == 1 and baseline:  # the same requests, right after, while both servers are idle
                         baselines.append(baseline(requests))
         finally:
@@ -243,6 +263,8 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: list[dict], step_ms_
             results[mode][str(c)]["stages_mean_ms"] = {  # the median over runs of each stage's mean
                 name: round(statistics.median(r["stages_mean_ms"][name] for r in runs), 3) for name in STAGES}
             results[mode][str(c)]["host_probe_runs"] = [r["host_probe"] for r in runs]
+            results[mode][str(c)]["sentences_per_admission"] = round(
+                statistics.median(r["sentences_per_admission"] for r in runs), 2)
     ratios = {}
     if {"continuous", "static"} <= set(results):
         for key in ("tokens_per_s", "steady_tokens_per_s"):
@@ -283,6 +305,9 @@ def format_table(report: dict) -> str:
     for mode, by_c in report["results"].items():
         for c, r in by_c.items():
             lines.append(f"{mode:<11}{c:>8}  " + "  ".join(f"{r['stages_mean_ms'][name]:.2f}" for name in STAGES))
+    lines.append("sentences per admission (one encoder call each, nmtserve_admissions_total): " + "; ".join(
+        f"{mode} " + ", ".join(f"{c}: {r['sentences_per_admission']:.1f}" for c, r in by_c.items())
+        for mode, by_c in report["results"].items() if all("sentences_per_admission" in r for r in by_c.values())))
     probes = [p for by_c in report["results"].values() for r in by_c.values() for p in r["host_probe_runs"]]
     lines.append("host probe as each cell started (one core), min–max: " + "; ".join(
         f"{what} {min(p[k] for p in probes):,.1f}–{max(p[k] for p in probes):,.1f}" for k, what in PROBES.items()))

@@ -24,17 +24,15 @@ import random
 import statistics
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from nmtserve.client import open_channel, wait_serving
 from nmtserve.errors import ConfigError
-from nmtserve.loadtests.workload import ServerProcess, default_sentence_file, free_port, read_sentences
+from nmtserve.loadtests.workload import ServerProcess, default_sentence_file, free_port, read_sentences, scrape
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 
@@ -169,18 +167,9 @@ def expected_codes(kind: str) -> set[str]:
     return KINDS[kind.split(":")[0]][1] | ALWAYS_CORRECT
 
 
-def scrape(url: str) -> dict[str, float]:
-    """Resident memory, running and waiting rows (summed over the served models) from one /metrics page."""
-    wanted = {"process_resident_memory_bytes": "rss_bytes", "nmtserve_requests_running": "running",
-              "nmtserve_requests_waiting": "waiting"}
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode("utf-8")
-    values = dict.fromkeys(wanted.values(), 0.0)
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name in wanted:
-                values[wanted[s.name]] += s.value
-    return values
+# what the sampler reads from each /metrics page: resident memory, running and waiting rows (over the models)
+SAMPLED = {"process_resident_memory_bytes": "rss_bytes", "nmtserve_requests_running": "running",
+           "nmtserve_requests_waiting": "waiting"}
 
 
 class Sampler(threading.Thread):
@@ -194,7 +183,7 @@ class Sampler(threading.Thread):
     def run(self) -> None:
         while not self.stopped.is_set():
             try:
-                self.samples.append((round(time.monotonic() - self.start_time, 2), scrape(self.url)))
+                self.samples.append((round(time.monotonic() - self.start_time, 2), scrape(self.url, SAMPLED)))
             except OSError:
                 self.errors += 1
             self.stopped.wait(self.every)
@@ -223,7 +212,7 @@ def _gauges_back_to_zero(url: str, seconds: float = 30.0) -> dict:
     deadline = time.monotonic() + seconds
     while True:
         try:
-            values = scrape(url)
+            values = scrape(url, SAMPLED)
         except OSError as e:
             return {"passed": False, "error": f"cannot scrape {url}: {e}"}
         if values.get("running") == 0 and values.get("waiting") == 0:

@@ -14,7 +14,10 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from nmtserve.errors import ConfigError
 
@@ -83,6 +86,19 @@ def mixed(sentences: list[str], n: int, seed: int = 0) -> list[str]:
     """n sentences drawn (seeded) so that short, medium and long ones arrive interleaved as in traffic."""
     rng = random.Random(seed)
     return [rng.choice(sentences) for _ in range(n)]
+
+
+def scrape(url: str, wanted: dict[str, str]) -> dict[str, float]:
+    """From one /metrics page, each wanted series' samples summed over their labels (models, codes, …):
+    {wanted[series name]: sum}, 0 for a series the page lacks."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode("utf-8")
+    values = dict.fromkeys(wanted.values(), 0.0)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in wanted:
+                values[wanted[s.name]] += s.value
+    return values
 
 
 def free_port() -> int:

@@ -45,7 +45,11 @@ def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_p
             # how fast the host ran as the cell started, one probe per run
             assert [set(p) for p in cell["host_probe_runs"]] == [{"exp_mps", "l3_gbps"}]
             assert all(v > 0 for v in cell["host_probe_runs"][0].values())
-    assert "host probe as each cell started" in result.stdout
+        # the servers' own count of encoder calls (nmtserve_admissions_total): one request at a time is one
+        # sentence each; two clients, one or two
+        assert report["results"][mode]["1"]["sentences_per_admission"] == 1.0
+        assert 1.0 <= report["results"][mode]["2"]["sentences_per_admission"] <= 2.0
+    assert "host probe as each cell started" in result.stdout and "sentences per admission" in result.stdout
     assert set(report["ratios"]["continuous/static tokens_per_s"]) == {"1", "2"}
     assert set(report["ratios"]["continuous/static steady_tokens_per_s"]) == {"1", "2"}
     assert report["baseline_onnx_translator_batch1"]["p50_ms"] > 0
