@@ -41,6 +41,8 @@ from nmtserve.loadtests.workload import (
 )
 
 MODES = ("continuous", "static")
+# the series each cell reads from its server's /metrics, before and after (workload.scrape)
+ADMISSIONS = {"nmtserve_admissions_total": "admissions", "nmtserve_sentences_total": "sentences"}
 
 
 @dataclass
@@ -64,9 +66,6 @@ class ServedBenchConfig:
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
-
-# the series each cell reads from its server's /metrics, before and after (workload.scrape)
-ADMISSIONS = {"nmtserve_admissions_total": "admissions", "nmtserve_sentences_total": "sentences"}
 
 
 def work(cfg: ServedBenchConfig, pool: list[str], n: int, seed: int) -> list[tuple[list[str], dict]]:

@@ -71,7 +71,7 @@ class ServerMetrics:
 
     # -- reported by the engine
     def watch_engine(self, model: str, engine) -> None:
-        """The model's running rows and waiting requests, read from its engine at each scrape."""
+        """The model's running rows, waiting requests and admissions, read from its engine at each scrape."""
         self.running.labels(model).set_function(lambda: engine.stats()["running"])
         self.waiting.labels(model).set_function(lambda: engine.stats()["waiting"])
         self._engines[model] = engine
