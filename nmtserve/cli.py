@@ -75,12 +75,23 @@ def build_parser(command: str | None) -> ArgumentParser:
     return parser
 
 
-def _parse(parser: ArgumentParser, argv: list[str]):
-    """parse_args, except that words after options still join translate's MODEL_OR_TEXT (argparse gives a
-    `nargs="*"` positional only the words before the first option: `translate BUNDLE --beam-size 4 TEXT`)."""
+def _listed_positional(parser: ArgumentParser, command: str | None) -> str | None:
+    """The dest of `command`'s one positional that takes a list of words (nargs * or +: translate's
+    MODEL_OR_TEXT, serve's bundles, average's checkpoints), else None."""
+    sub = next((a for a in parser._actions if isinstance(a.choices, dict)), None)  # the commands
+    command_parser = sub.choices.get(command) if sub is not None and command else None
+    listed = [a.dest for a in getattr(command_parser, "_actions", []) if not a.option_strings and a.nargs in ("*", "+")]
+    return listed[0] if len(listed) == 1 else None
+
+
+def _parse(parser: ArgumentParser, command: str | None, argv: list[str]):
+    """parse_args, except that words after options still join a command's list of positional words (argparse
+    gives one only the words before the first option: `translate BUNDLE --beam-size 4 TEXT`, `serve
+    BUNDLE --port 50051 BUNDLE2`)."""
     args, rest = parser.parse_known_args(argv)
-    if rest and isinstance(getattr(args, "inputs", None), list) and not any(a.startswith("-") for a in rest):
-        args.inputs += rest
+    listed = _listed_positional(parser, command)
+    if rest and listed and not any(a.startswith("-") for a in rest):
+        getattr(args, listed).extend(rest)
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args
@@ -97,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     command = command if command in COMMANDS else None
     prefix = f"nmtserve {command or ''}".strip()
     try:
-        args = _parse(build_parser(command), argv)
+        args = _parse(build_parser(command), command, argv)
         return args.func(args)
     except (NmtserveError, OSError, ValueError) as e:
         print(f"{prefix}: error: {e}", file=sys.stderr)
