@@ -90,8 +90,9 @@ def _parse(parser: ArgumentParser, command: str | None, argv: list[str]):
     BUNDLE --port 50051 BUNDLE2`)."""
     args, rest = parser.parse_known_args(argv)
     listed = _listed_positional(parser, command)
-    if rest and listed and not any(a.startswith("-") for a in rest):
-        getattr(args, listed).extend(rest)
+    words = getattr(args, listed) if listed else None  # its default when it took no word: not a list
+    if rest and isinstance(words, list) and not any(a.startswith("-") for a in rest):
+        words.extend(rest)
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args
