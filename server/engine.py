@@ -242,8 +242,8 @@ class Engine:
         budget = self.config.max_batch_tokens - sum(r.cost(self.tr.limits) for r in running)
         rows = sum(r.width for r in running)
         gather = min(self.config.admit_rows, max(1, self.config.max_running_rows // 8))
-        joining = min(self.config.max_running_rows - rows, sum(r.width for r in self.waiting))
-        if running and rows >= gather // 2 and joining < gather and self.steps - self.admitted_step < self.config.admit_steps:
+        if running and rows >= gather // 2 and self.steps - self.admitted_step < self.config.admit_steps \
+                and min(self.config.max_running_rows - rows, sum(r.width for r in self.waiting)) < gather:
             return []  # newcomers gather, to be encoded together (EngineConfig.admit_rows)
         admitted = []
         for request in sorted(self.waiting, key=self._latest_start) if running else list(self.waiting):
