@@ -4,18 +4,24 @@ versus static batching on the same bundle, side by side in one run, against Onnx
     nmtserve bench served bundles/default --concurrency 1,8,32,128 --json docs/bench/served-cpu-2core.json
 
 Both servers run at once (their engines sleep while idle) and take turns cell by cell within each
-run, so drift of the machine hits them alike. Each request is one sentence of the bundle's test
+run, so drift of the machine hits them alike. `--threads 1,2` sweeps ONNX Runtime's intra-op threads:
+a server per mode and thread count, all taking turns (in an order rotated from run to run), and each
+mode is reported at its best thread count for each concurrency (highest steady-state tokens/s), the
+others beside it: on a small host the engine's threads compete with gRPC's and the client's for the
+cores, and the modes need not be best at the same count. Each request is one sentence of the bundle's test
 split, drawn at random (seeded) so that lengths mix as in traffic; with `--decoding mixed` each
 request's decoding mode is drawn too (50% greedy, 40% beam 4, 10% sampled: workload.DECODING_MIX),
 the same draws for both servers. Throughput counts target tokens of the best translation (eos
 excluded); latency is the client's time for one Translate call, broken down into stages (STAGES)
 with the server's Timings, and each cell's sentences per admission (one encoder call each) comes from
 the server's /metrics (nmtserve_admissions_total). The baseline is OnnxTranslator on
-the same requests at batch 1 with the same thread count, in this process while the servers are idle.
+the same requests at batch 1 (at each thread count; the lowest p50 is reported), in this process
+while the servers are idle.
 With `--sentences-per-call N` each call carries N sentences (Translate's `sentences`), so the cost of
 a call is paid once for N (no baseline then: it compares one-sentence calls).
 
     nmtserve bench served bundles/default --decoding mixed --concurrency 1,8,32
+    nmtserve bench served bundles/default --variant int8 --threads 1,2 --concurrency 1,8,64,128
     nmtserve bench served bundles/default --sentences-per-call 8 --concurrency 4,16,32
 """
 
@@ -52,7 +58,7 @@ class ServedBenchConfig:
     concurrency: tuple[int, ...] = (1, 8, 32, 128)
     requests: int = 0  # per cell; 0: max(64, 16 × concurrency), so that the steady window spans ~14 rounds
     runs: int = 3
-    threads: int = 2  # ONNX Runtime intra-op threads, for the servers and the baseline alike (as serve)
+    threads: tuple[int, ...] = (2,)  # ONNX Runtime intra-op threads of servers and baseline (as serve); several: swept
     variant: str = "fp32"
     max_running_rows: int = 64
     device: str = "cpu"  # cuda: servers and baseline on the GPU (IOBinding, unless a server flag says otherwise)
@@ -164,10 +170,11 @@ class Baseline:
     the mean time of its two stages: the encoder (`prefill`), then the decoding loop (`decode`: greedy
     or search, as `search_ids` runs them for one source and as the engine decides)."""
 
-    def __init__(self, cfg: ServedBenchConfig):
+    def __init__(self, cfg: ServedBenchConfig, threads: int):
         from nmtserve.export.runtime.translator import OnnxTranslator
 
-        self.tr = OnnxTranslator(cfg.bundle, device=cfg.device, variant=cfg.variant, intra_op_threads=cfg.threads)
+        self.threads = threads
+        self.tr = OnnxTranslator(cfg.bundle, device=cfg.device, variant=cfg.variant, intra_op_threads=threads)
         self.tr.translate_ids([self.tr.tokenizer.encode("warm up")], max_batch_size=1)
 
     def step_ms_by_rows(self, pool: list[str], largest: int) -> dict[str, float]:
@@ -204,92 +211,118 @@ class Baseline:
             latencies.append(time.perf_counter() - t0)
             encoding.append(t1 - t0)
             tokens += len(best.tokens)
-        return {"p50_ms": percentile(latencies, 50) * 1e3, "p90_ms": percentile(latencies, 90) * 1e3,
+        return {"threads": self.threads, "p50_ms": percentile(latencies, 50) * 1e3, "p90_ms": percentile(latencies, 90) * 1e3,
                 "tokens_per_s": tokens / sum(latencies), "encode_ms": statistics.fmean(encoding) * 1e3,
                 "steps_ms": (statistics.fmean(latencies) - statistics.fmean(encoding)) * 1e3}
 
 
 def run_served_bench(cfg: ServedBenchConfig) -> dict:
     pool = read_sentences(cfg.sentences_file or default_sentence_file(cfg.bundle))
-    flags = ["--threads", str(cfg.threads), "--variant", cfg.variant, "--device", cfg.device,
-             "--max-running-rows", str(cfg.max_running_rows),
+    flags = ["--variant", cfg.variant, "--device", cfg.device, "--max-running-rows", str(cfg.max_running_rows),
              "--max-waiting", str(max(256, 2 * max(cfg.concurrency) * cfg.sentences_per_call)),
              "--max-sentences", str(max(64, cfg.sentences_per_call)),
              *cfg.server_flags]
-    cells: dict[str, dict[int, list[dict]]] = {m: {c: [] for c in cfg.concurrency} for m in cfg.modes}
-    baselines: list[dict] = []
-    baseline = Baseline(cfg) if cfg.sentences_per_call == 1 else None
+    layouts = [(m, t) for m in cfg.modes for t in cfg.threads]  # a server each
+    cells: dict[tuple[str, int], dict[int, list[dict]]] = {layout: {c: [] for c in cfg.concurrency} for layout in layouts}
+    baselines: dict[int, list[dict]] = {t: [] for t in cfg.threads}
+    translators = {t: Baseline(cfg, t) for t in cfg.threads} if cfg.sentences_per_call == 1 else {}
     with tempfile.TemporaryDirectory() as logs:
-        ports = {m: free_port() for m in cfg.modes}  # /metrics: the admissions of each cell
-        servers = {m: ServerProcess(cfg.bundle, "--batching", m, "--metrics-port", str(ports[m]), *flags,
-                                    log=Path(logs) / f"{m}.log") for m in cfg.modes}
+        ports = {layout: free_port() for layout in layouts}  # /metrics: the admissions of each cell
+        servers = {}
         try:
-            for mode, server in servers.items():  # warm-up: the first calls of a channel and a process
+            for (m, t) in layouts:
+                servers[m, t] = ServerProcess(cfg.bundle, "--batching", m, "--threads", str(t), "--metrics-port",
+                                              str(ports[m, t]), *flags, log=Path(logs) / f"{m}-{t}.log")
+            for server in servers.values():  # warm-up: the first calls of a channel and a process
                 _cell(server.target, work(cfg, pool, 16, seed=-1), 8)
             for run in range(cfg.runs):
+                order = layouts[run % len(layouts):] + layouts[:run % len(layouts)]  # rotated: no layout always first
                 for c in cfg.concurrency:
                     requests = work(cfg, pool, cfg.requests or max(64, 16 * c), seed=cfg.seed + 1000 * run + c)
-                    for mode, server in servers.items():
-                        probe = host_probe()  # both servers idle: how fast the host runs as the cell starts
-                        url = f"http://127.0.0.1:{ports[mode]}/metrics"
+                    for layout in order:
+                        probe = host_probe()  # every server idle: how fast the host runs as the cell starts
+                        url = f"http://127.0.0.1:{ports[layout]}/metrics"
                         before = scrape(url, ADMISSIONS)
-                        cell = _cell(server.target, requests, c)
+                        cell = _cell(servers[layout].target, requests, c)
                         after = scrape(url, ADMISSIONS)
                         admitted = {k: after[k] - before[k] for k in after}
-                        cells[mode][c].append({**cell, "host_probe": probe, "sentences_per_admission":
-                                               admitted["sentences"] / max(1.0, admitted["admissions"])})
-                    if c == 1 and baseline:  # the same requests, right after, while both servers are idle
-                        baselines.append(baseline(requests))
+                        cells[layout][c].append({**cell, "host_probe": probe, "sentences_per_admission":
+                                                 admitted["sentences"] / max(1.0, admitted["admissions"])})
+                    if c == 1:  # the same requests, right after, while every server is idle
+                        for t, baseline in translators.items():
+                            baselines[t].append(baseline(requests))
         finally:
             for server in servers.values():
                 server.stop()
-    steps = baseline.step_ms_by_rows(pool, cfg.max_running_rows) if baseline else None  # the servers gone
+    # the servers gone: at the most threads swept
+    steps = translators[max(cfg.threads)].step_ms_by_rows(pool, cfg.max_running_rows) if translators else None
     return _report(cfg, cells, baselines, steps)
 
 
-def _report(cfg: ServedBenchConfig, cells: dict, baselines: list[dict], step_ms_by_rows: dict | None = None) -> dict:
+def _summary(runs: list[dict]) -> dict:
+    """One cell's runs: the median of each figure, the spread of some, the median of each stage's mean."""
+    cell = {key: round(statistics.median(r[key] for r in runs), 2)
+            for key in ("tokens_per_s", "steady_tokens_per_s", "requests_per_s", "p50_ms", "p90_ms", "p99_ms",
+                        "server_p50_ms")}
+    for key in ("tokens_per_s", "steady_tokens_per_s", "p50_ms"):  # the spread over runs, beside the median
+        cell[f"{key}_min_max"] = [round(min(r[key] for r in runs), 2), round(max(r[key] for r in runs), 2)]
+    cell["requests"], cell["sentences"] = runs[0]["requests"], runs[0]["sentences"]
+    cell["stages_mean_ms"] = {name: round(statistics.median(r["stages_mean_ms"][name] for r in runs), 3) for name in STAGES}
+    cell["host_probe_runs"] = [r["host_probe"] for r in runs]
+    cell["sentences_per_admission"] = round(statistics.median(r["sentences_per_admission"] for r in runs), 2)
+    return cell
+
+
+def _ratios(results: dict, key: str) -> dict[str, float]:
+    return {c: round(results["continuous"][c][key] / results["static"][c][key], 2) for c in results["continuous"]}
+
+
+def _report(cfg: ServedBenchConfig, cells: dict, baselines: dict[int, list[dict]],
+            step_ms_by_rows: dict | None = None) -> dict:
+    """`results`: each mode at its best thread count for each concurrency (highest steady-state tokens/s;
+    `threads` says which); with several thread counts, `results_by_threads` has every one."""
+    by_threads = {str(t): {m: {str(c): _summary(cells[m, t][c]) for c in cfg.concurrency} for m in cfg.modes}
+                  for t in cfg.threads}
     results = {}
-    for mode, by_c in cells.items():
-        results[mode] = {}
-        for c, runs in by_c.items():
-            results[mode][str(c)] = {key: round(statistics.median(r[key] for r in runs), 2)
-                                     for key in ("tokens_per_s", "steady_tokens_per_s", "requests_per_s", "p50_ms",
-                                                 "p90_ms", "p99_ms", "server_p50_ms")}
-            for key in ("tokens_per_s", "steady_tokens_per_s", "p50_ms"):  # the spread over runs, beside the median
-                results[mode][str(c)][f"{key}_min_max"] = [round(min(r[key] for r in runs), 2),
-                                                           round(max(r[key] for r in runs), 2)]
-            results[mode][str(c)]["requests"], results[mode][str(c)]["sentences"] = runs[0]["requests"], runs[0]["sentences"]
-            results[mode][str(c)]["stages_mean_ms"] = {  # the median over runs of each stage's mean
-                name: round(statistics.median(r["stages_mean_ms"][name] for r in runs), 3) for name in STAGES}
-            results[mode][str(c)]["host_probe_runs"] = [r["host_probe"] for r in runs]
-            results[mode][str(c)]["sentences_per_admission"] = round(
-                statistics.median(r["sentences_per_admission"] for r in runs), 2)
+    for m in cfg.modes:
+        results[m] = {}
+        for c in map(str, cfg.concurrency):
+            best = max(by_threads, key=lambda t: by_threads[t][m][c]["steady_tokens_per_s"])
+            results[m][c] = {"threads": int(best), **by_threads[best][m][c]}
     ratios = {}
     if {"continuous", "static"} <= set(results):
         for key in ("tokens_per_s", "steady_tokens_per_s"):
-            ratios[f"continuous/static {key}"] = {
-                c: round(results["continuous"][c][key] / results["static"][c][key], 2) for c in results["continuous"]}
-    baseline = {key: statistics.median(b[key] for b in baselines) for key in baselines[0]} if baselines else None
+            ratios[f"continuous/static {key}"] = _ratios(results, key)
+        if len(cfg.threads) > 1:
+            for t, at_t in by_threads.items():
+                ratios[f"continuous/static steady_tokens_per_s, both at {t} thread(s)"] = _ratios(at_t, "steady_tokens_per_s")
+    medians = [{key: statistics.median(b[key] for b in runs) for key in runs[0]} for runs in baselines.values() if runs]
+    baseline = min(medians, key=lambda b: b["p50_ms"]) if medians else None  # at its best thread count
     if baseline:
         for mode in results:
             ratios[f"{mode} p50 at concurrency 1 / OnnxTranslator batch-1 p50"] = round(
                 results[mode]["1"]["p50_ms"] / baseline["p50_ms"], 3)
     return {"bundle": cfg.bundle, "variant": cfg.variant, "device": cfg.device, "server_flags": cfg.server_flags,
             "decoding": cfg.decoding, "sentences_per_call": cfg.sentences_per_call,
-            "threads": cfg.threads, "runs": cfg.runs,
+            "threads": list(cfg.threads), "runs": cfg.runs,
             "max_running_rows": cfg.max_running_rows, "concurrency": list(cfg.concurrency),
             "machine": machine_info(cfg.device),
-            "results": results,
+            "results": results, "results_by_threads": by_threads if len(cfg.threads) > 1 else None,
             "baseline_onnx_translator_batch1": {k: round(v, 2) for k, v in baseline.items()} if baseline else None,
             "step_ms_by_rows": step_ms_by_rows, "ratios": ratios}
 
 
+def _threads(report: dict) -> str:
+    threads = ", ".join(map(str, report["threads"]))
+    return f"ORT threads {threads} swept (each mode at its best: 'thr')" if report["results_by_threads"] \
+        else f"{threads} ORT thread(s)"
+
+
 def format_table(report: dict) -> str:
     lines = [describe(report["machine"]),
-             f"{report['variant']} on {report.get('device', 'cpu')}, {report['threads']} ORT thread(s), "
-             f"{report.get('decoding', 'greedy')} decoding, {report.get('sentences_per_call', 1)} sentence(s) a call, "
-             f"median of {report['runs']} runs",
-             f"{'mode':<11}{'clients':>8}{'tok/s [min–max]':>22}{'steady tok/s [min–max]':>25}{'req/s':>8}"
+             f"{report['variant']} on {report['device']}, {_threads(report)}, {report['decoding']} decoding, "
+             f"{report['sentences_per_call']} sentence(s) a call, median of {report['runs']} runs",
+             f"{'mode':<11}{'clients':>8}{'thr':>4}{'tok/s [min–max]':>22}{'steady tok/s [min–max]':>25}{'req/s':>8}"
              f"{'p50 ms [min–max]':>24}{'p90 ms':>9}{'p99 ms':>9}{'in-server p50':>15}"]
     for mode, by_c in report["results"].items():
         for c, r in by_c.items():
@@ -298,8 +331,12 @@ def format_table(report: dict) -> str:
             throughput = f"{r['tokens_per_s']:.0f} [{t_lo:.0f}–{t_hi:.0f}]"
             steady = f"{r['steady_tokens_per_s']:.0f} [{s_lo:.0f}–{s_hi:.0f}]"
             p50 = f"{r['p50_ms']:.1f} [{p_lo:.1f}–{p_hi:.1f}]"
-            lines.append(f"{mode:<11}{c:>8}{throughput:>22}{steady:>25}{r['requests_per_s']:>8.1f}{p50:>24}"
+            lines.append(f"{mode:<11}{c:>8}{r['threads']:>4}{throughput:>22}{steady:>25}{r['requests_per_s']:>8.1f}{p50:>24}"
                          f"{r['p90_ms']:>9.1f}{r['p99_ms']:>9.1f}{r['server_p50_ms']:>15.1f}")
+    for t, by_mode in (report["results_by_threads"] or {}).items():  # every thread count, steady tok/s, p50 / p99 ms
+        lines.append(f"at {t} thread(s), steady tok/s, p50 / p99 ms: " + "; ".join(
+            f"{mode} " + ", ".join(f"{c}: {r['steady_tokens_per_s']:.0f}, {r['p50_ms']:.1f} / {r['p99_ms']:.1f}"
+                                   for c, r in by_c.items()) for mode, by_c in by_mode.items()))
     lines.append("mean ms per stage: " + ", ".join(STAGES))
     for mode, by_c in report["results"].items():
         for c, r in by_c.items():
@@ -312,12 +349,12 @@ def format_table(report: dict) -> str:
         f"{what} {min(p[k] for p in probes):,.1f}–{max(p[k] for p in probes):,.1f}" for k, what in PROBES.items()))
     b = report["baseline_onnx_translator_batch1"]
     if b:
-        lines.append(f"OnnxTranslator batch 1: p50 {b['p50_ms']:.1f} ms, p90 {b['p90_ms']:.1f} ms, {b['tokens_per_s']:.0f} tok/s; "
+        lines.append(f"OnnxTranslator batch 1 ({b['threads']} thread(s)): p50 {b['p50_ms']:.1f} ms, p90 {b['p90_ms']:.1f} ms, {b['tokens_per_s']:.0f} tok/s; "
                      f"mean ms per stage: encode {b['encode_ms']:.2f}, steps {b['steps_ms']:.2f} (served at 1 client: "
                      + ", ".join(f"{mode} {r['1']['stages_mean_ms']['encode']:.2f} and "
                                  f"{r['1']['stages_mean_ms']['first step'] + r['1']['stages_mean_ms']['later steps']:.2f}"
                                  for mode, r in report["results"].items() if "1" in r) + ")")
-    steps = report.get("step_ms_by_rows")
+    steps = report["step_ms_by_rows"]
     if steps:
         lines.append("OnnxTranslator decoder step, ms (rows per ms) by rows: " + ", ".join(
             f"{rows}: {ms:.2f} ({int(rows) / ms:.1f})" for rows, ms in steps.items()))
@@ -354,9 +391,9 @@ def draw_chart(report: dict, path: Path) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     latency.set_yscale("log")
-    flags = "".join(f" {flag}" for flag in report.get("server_flags", []))
-    fig.suptitle(f"nmtserve serve{flags}, {report['variant']} on {report['device']}, {report['threads']} thread(s), "
-                 f"{report.get('decoding', 'greedy')} decoding, {report.get('sentences_per_call', 1)} sentence(s) a call, "
+    flags = "".join(f" {flag}" for flag in report["server_flags"])
+    fig.suptitle(f"nmtserve serve{flags}, {report['variant']} on {report['device']}, {_threads(report)}, "
+                 f"{report['decoding']} decoding, {report['sentences_per_call']} sentence(s) a call, "
                  f"median of {report['runs']} runs — {report['machine']['cpu']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

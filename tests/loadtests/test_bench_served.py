@@ -28,14 +28,22 @@ def test_the_steady_window_leaves_out_the_first_round_and_the_tail():
 
 
 def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_path):
+    """Two thread counts swept: a server per mode and count, each mode reported at its best count per
+    concurrency, every count beside it."""
     out = tmp_path / "served.json"
     result = run_cli("bench", "served", str(tiny_bundle), "--concurrency", "1,2", "--requests", "6", "--runs", "1",
-                     "--server-flag=--io-binding=on", "--decoding", "mixed", "--json", str(out), timeout=300)
+                     "--threads", "1,2", "--server-flag=--io-binding=on", "--decoding", "mixed", "--json", str(out),
+                     timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["device"] == "cpu" and report["server_flags"] == ["--io-binding=on"] and report["decoding"] == "mixed"
+    assert report["threads"] == [1, 2] and set(report["results_by_threads"]) == {"1", "2"}
     for mode in ("continuous", "static"):
         assert set(report["results"][mode]) == {"1", "2"}
+        for c, cell in report["results"][mode].items():
+            swept = {t: report["results_by_threads"][t][mode][c] for t in ("1", "2")}
+            best = max(swept, key=lambda t: swept[t]["steady_tokens_per_s"])
+            assert cell == {"threads": int(best), **swept[best]}
         for cell in report["results"][mode].values():
             assert cell["requests"] == cell["sentences"] == 6 and cell["tokens_per_s"] > 0 and cell["steady_tokens_per_s"] > 0
             low, high = cell["p50_ms_min_max"]
@@ -52,7 +60,11 @@ def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_p
     assert "host probe as each cell started" in result.stdout and "sentences per admission" in result.stdout
     assert set(report["ratios"]["continuous/static tokens_per_s"]) == {"1", "2"}
     assert set(report["ratios"]["continuous/static steady_tokens_per_s"]) == {"1", "2"}
+    for t in ("1", "2"):
+        assert set(report["ratios"][f"continuous/static steady_tokens_per_s, both at {t} thread(s)"]) == {"1", "2"}
+        assert f"at {t} thread(s), steady tok/s" in result.stdout
     assert report["baseline_onnx_translator_batch1"]["p50_ms"] > 0
+    assert report["baseline_onnx_translator_batch1"]["threads"] in (1, 2)
     # the decoder step's time at each batch size up to the servers' rows (64 by default)
     assert list(report["step_ms_by_rows"]) == ["1", "8", "16", "32", "48", "64"]
     assert all(ms > 0 for ms in report["step_ms_by_rows"].values()) and "decoder step, ms" in result.stdout
@@ -74,5 +86,6 @@ def test_served_bench_sends_several_sentences_a_call(tiny_bundle, tmp_path):
     assert cell["steady_tokens_per_s"] > 0 and min(cell["stages_mean_ms"].values()) >= 0
     assert report["baseline_onnx_translator_batch1"] is None and "3 sentence(s) a call" in result.stdout
     assert report["step_ms_by_rows"] is None
+    assert report["threads"] == [2] and report["results_by_threads"] is None and cell["threads"] == 2
     bad = run_cli("bench", "served", str(tiny_bundle), "--sentences-per-call", "0", timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().endswith("--sentences-per-call 0: must be at least 1")
