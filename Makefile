@@ -80,9 +80,9 @@ soak: $(BUNDLE)/manifest.json
 bench-offline: $(BUNDLE)/manifest.json
 	$(NMT) bench offline $(BUNDLE) --json docs/bench/offline-cpu-2core.json
 
-# served throughput/latency, continuous vs static batching (a few minutes)
+# served throughput/latency, continuous vs static batching, each at its best layout of 1 and 2 threads (10 minutes)
 bench-served: $(BUNDLE)/manifest.json
-	$(NMT) bench served $(BUNDLE) --json docs/bench/served-cpu-2core.json
+	$(NMT) bench served $(BUNDLE) --threads 1,2 --json docs/bench/served-cpu-2core.json
 
 # on a machine with a GPU, onnxruntime-gpu in place of onnxruntime (deploy/Dockerfile.gpu): the fp16 variant
 # against PyTorch and transformers, and served on CUDA (docs/bench/*-gpu-h100.json were made so)

@@ -4,12 +4,13 @@ versus static batching on the same bundle, side by side in one run, against Onnx
     nmtserve bench served bundles/default --concurrency 1,8,32,128 --json docs/bench/served-cpu-2core.json
 
 Both servers run at once (their engines sleep while idle) and take turns cell by cell within each
-run, so drift of the machine hits them alike. `--threads 1,2` sweeps ONNX Runtime's intra-op threads:
-a server per mode and thread count, all taking turns (in an order rotated from run to run), and each
-mode is reported at its best thread count for each concurrency (highest steady-state tokens/s), the
-others beside it: on a small host the engine's threads compete with gRPC's and the client's for the
-cores, and the modes need not be best at the same count. Each request is one sentence of the bundle's test
-split, drawn at random (seeded) so that lengths mix as in traffic; with `--decoding mixed` each
+run, so drift of the machine hits them alike. Several thread counts (`--threads 1,2`) are swept in
+layouts as the offline benchmark's, engines × intra-op threads each: 1 × n for each count n, and n × 1
+(`serve --inter-threads n --threads 1`) for each n above 1 on a CPU; a server per mode and layout, all
+taking turns in an order rotated from run to run, and each mode is reported at its best layout for each
+concurrency (highest steady-state tokens/s), the others beside it: on a small host the engine's
+threads compete with gRPC's and the client's for the cores, and the modes need not be best alike.
+Each request is one sentence of the bundle's test split, drawn at random (seeded) so that lengths mix as in traffic; with `--decoding mixed` each
 request's decoding mode is drawn too (50% greedy, 40% beam 4, 10% sampled: workload.DECODING_MIX),
 the same draws for both servers. Throughput counts target tokens of the best translation (eos
 excluded); latency is the client's time for one Translate call, broken down into stages (STAGES)
@@ -21,7 +22,7 @@ With `--sentences-per-call N` each call carries N sentences (Translate's `senten
 a call is paid once for N (no baseline then: it compares one-sentence calls).
 
     nmtserve bench served bundles/default --decoding mixed --concurrency 1,8,32
-    nmtserve bench served bundles/default --variant int8 --threads 1,2 --concurrency 1,8,64,128
+    nmtserve bench served bundles/default --variant int8 --threads 1,2 --concurrency 1,8,64,128  # 1x1, 1x2, 2x1
     nmtserve bench served bundles/default --sentences-per-call 8 --concurrency 4,16,32
 """
 
@@ -35,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nmtserve.loadtests.bench_offline import layout_name
 from nmtserve.loadtests.machine import PROBES, describe, host_probe, machine_info
 from nmtserve.loadtests.workload import (
     ServerProcess,
@@ -216,38 +218,49 @@ class Baseline:
                 "steps_ms": (statistics.fmean(latencies) - statistics.fmean(encoding)) * 1e3}
 
 
+def layouts(cfg: ServedBenchConfig) -> list[tuple[int, int]]:
+    """(engines, intra-op threads each) to serve with: the one count given, or, for several, each count n
+    as 1 × n and, on a CPU (CUDA takes one engine), as n × 1."""
+    if len(cfg.threads) == 1:
+        return [(1, cfg.threads[0])]
+    return [(1, n) for n in cfg.threads] + [(n, 1) for n in cfg.threads if n > 1 and cfg.device == "cpu"]
+
+
 def run_served_bench(cfg: ServedBenchConfig) -> dict:
     pool = read_sentences(cfg.sentences_file or default_sentence_file(cfg.bundle))
     flags = ["--variant", cfg.variant, "--device", cfg.device, "--max-running-rows", str(cfg.max_running_rows),
              "--max-waiting", str(max(256, 2 * max(cfg.concurrency) * cfg.sentences_per_call)),
              "--max-sentences", str(max(64, cfg.sentences_per_call)),
              *cfg.server_flags]
-    layouts = [(m, t) for m in cfg.modes for t in cfg.threads]  # a server each
-    cells: dict[tuple[str, int], dict[int, list[dict]]] = {layout: {c: [] for c in cfg.concurrency} for layout in layouts}
+    servers_at = [(m, layout) for m in cfg.modes for layout in layouts(cfg)]  # a server each
+    cells: dict[tuple[str, tuple[int, int]], dict[int, list[dict]]] = {at: {c: [] for c in cfg.concurrency}
+                                                                       for at in servers_at}
     baselines: dict[int, list[dict]] = {t: [] for t in cfg.threads}
     translators = {t: Baseline(cfg, t) for t in cfg.threads} if cfg.sentences_per_call == 1 else {}
     with tempfile.TemporaryDirectory() as logs:
-        ports = {layout: free_port() for layout in layouts}  # /metrics: the admissions of each cell
+        ports = {at: free_port() for at in servers_at}  # /metrics: the admissions of each cell
         servers = {}
         try:
-            for (m, t) in layouts:
-                servers[m, t] = ServerProcess(cfg.bundle, "--batching", m, "--threads", str(t), "--metrics-port",
-                                              str(ports[m, t]), *flags, log=Path(logs) / f"{m}-{t}.log")
+            for at in servers_at:
+                m, (engines, t) = at
+                servers[at] = ServerProcess(cfg.bundle, "--batching", m, "--inter-threads", str(engines), "--threads",
+                                            str(t), "--metrics-port", str(ports[at]), *flags,
+                                            log=Path(logs) / f"{m}-{layout_name(engines, t)}.log")
             for server in servers.values():  # warm-up: the first calls of a channel and a process
                 _cell(server.target, work(cfg, pool, 16, seed=-1), 8)
             for run in range(cfg.runs):
-                order = layouts[run % len(layouts):] + layouts[:run % len(layouts)]  # rotated: no layout always first
+                order = servers_at[run % len(servers_at):] + servers_at[:run % len(servers_at)]  # none always first
                 for c in cfg.concurrency:
                     requests = work(cfg, pool, cfg.requests or max(64, 16 * c), seed=cfg.seed + 1000 * run + c)
-                    for layout in order:
+                    for at in order:
                         probe = host_probe()  # every server idle: how fast the host runs as the cell starts
-                        url = f"http://127.0.0.1:{ports[layout]}/metrics"
+                        url = f"http://127.0.0.1:{ports[at]}/metrics"
                         before = scrape(url, ADMISSIONS)
-                        cell = _cell(servers[layout].target, requests, c)
+                        cell = _cell(servers[at].target, requests, c)
                         after = scrape(url, ADMISSIONS)
                         admitted = {k: after[k] - before[k] for k in after}
-                        cells[layout][c].append({**cell, "host_probe": probe, "sentences_per_admission":
-                                                 admitted["sentences"] / max(1.0, admitted["admissions"])})
+                        cells[at][c].append({**cell, "host_probe": probe, "sentences_per_admission":
+                                             admitted["sentences"] / max(1.0, admitted["admissions"])})
                     if c == 1:  # the same requests, right after, while every server is idle
                         for t, baseline in translators.items():
                             baselines[t].append(baseline(requests))
@@ -279,23 +292,23 @@ def _ratios(results: dict, key: str) -> dict[str, float]:
 
 def _report(cfg: ServedBenchConfig, cells: dict, baselines: dict[int, list[dict]],
             step_ms_by_rows: dict | None = None) -> dict:
-    """`results`: each mode at its best thread count for each concurrency (highest steady-state tokens/s;
-    `threads` says which); with several thread counts, `results_by_threads` has every one."""
-    by_threads = {str(t): {m: {str(c): _summary(cells[m, t][c]) for c in cfg.concurrency} for m in cfg.modes}
-                  for t in cfg.threads}
+    """`results`: each mode at its best layout for each concurrency (highest steady-state tokens/s; `layout`
+    says which, engines x threads); with several layouts, `results_by_layout` has every one."""
+    by_layout = {layout_name(*layout): {m: {str(c): _summary(cells[m, layout][c]) for c in cfg.concurrency}
+                                        for m in cfg.modes} for layout in layouts(cfg)}
     results = {}
     for m in cfg.modes:
         results[m] = {}
         for c in map(str, cfg.concurrency):
-            best = max(by_threads, key=lambda t: by_threads[t][m][c]["steady_tokens_per_s"])
-            results[m][c] = {"threads": int(best), **by_threads[best][m][c]}
+            best = max(by_layout, key=lambda name: by_layout[name][m][c]["steady_tokens_per_s"])
+            results[m][c] = {"layout": best, **by_layout[best][m][c]}
     ratios = {}
     if {"continuous", "static"} <= set(results):
         for key in ("tokens_per_s", "steady_tokens_per_s"):
             ratios[f"continuous/static {key}"] = _ratios(results, key)
-        if len(cfg.threads) > 1:
-            for t, at_t in by_threads.items():
-                ratios[f"continuous/static steady_tokens_per_s, both at {t} thread(s)"] = _ratios(at_t, "steady_tokens_per_s")
+        if len(by_layout) > 1:
+            for name, at in by_layout.items():
+                ratios[f"continuous/static steady_tokens_per_s, both at {name}"] = _ratios(at, "steady_tokens_per_s")
     medians = [{key: statistics.median(b[key] for b in runs) for key in runs[0]} for runs in baselines.values() if runs]
     baseline = min(medians, key=lambda b: b["p50_ms"]) if medians else None  # at its best thread count
     if baseline:
@@ -307,22 +320,22 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: dict[int, list[dict]
             "threads": list(cfg.threads), "runs": cfg.runs,
             "max_running_rows": cfg.max_running_rows, "concurrency": list(cfg.concurrency),
             "machine": machine_info(cfg.device),
-            "results": results, "results_by_threads": by_threads if len(cfg.threads) > 1 else None,
+            "results": results, "results_by_layout": by_layout if len(by_layout) > 1 else None,
             "baseline_onnx_translator_batch1": {k: round(v, 2) for k, v in baseline.items()} if baseline else None,
             "step_ms_by_rows": step_ms_by_rows, "ratios": ratios}
 
 
 def _threads(report: dict) -> str:
-    threads = ", ".join(map(str, report["threads"]))
-    return f"ORT threads {threads} swept (each mode at its best: 'thr')" if report["results_by_threads"] \
-        else f"{threads} ORT thread(s)"
+    swept = report["results_by_layout"]
+    return f"layouts {', '.join(swept)} (engines x ORT threads) swept, each mode at its best" if swept \
+        else f"{report['threads'][0]} ORT thread(s)"
 
 
 def format_table(report: dict) -> str:
     lines = [describe(report["machine"]),
              f"{report['variant']} on {report['device']}, {_threads(report)}, {report['decoding']} decoding, "
              f"{report['sentences_per_call']} sentence(s) a call, median of {report['runs']} runs",
-             f"{'mode':<11}{'clients':>8}{'thr':>4}{'tok/s [min–max]':>22}{'steady tok/s [min–max]':>25}{'req/s':>8}"
+             f"{'mode':<11}{'clients':>8}{'layout':>7}{'tok/s [min–max]':>22}{'steady tok/s [min–max]':>25}{'req/s':>8}"
              f"{'p50 ms [min–max]':>24}{'p90 ms':>9}{'p99 ms':>9}{'in-server p50':>15}"]
     for mode, by_c in report["results"].items():
         for c, r in by_c.items():
@@ -331,10 +344,10 @@ def format_table(report: dict) -> str:
             throughput = f"{r['tokens_per_s']:.0f} [{t_lo:.0f}–{t_hi:.0f}]"
             steady = f"{r['steady_tokens_per_s']:.0f} [{s_lo:.0f}–{s_hi:.0f}]"
             p50 = f"{r['p50_ms']:.1f} [{p_lo:.1f}–{p_hi:.1f}]"
-            lines.append(f"{mode:<11}{c:>8}{r['threads']:>4}{throughput:>22}{steady:>25}{r['requests_per_s']:>8.1f}{p50:>24}"
+            lines.append(f"{mode:<11}{c:>8}{r['layout']:>7}{throughput:>22}{steady:>25}{r['requests_per_s']:>8.1f}{p50:>24}"
                          f"{r['p90_ms']:>9.1f}{r['p99_ms']:>9.1f}{r['server_p50_ms']:>15.1f}")
-    for t, by_mode in (report["results_by_threads"] or {}).items():  # every thread count, steady tok/s, p50 / p99 ms
-        lines.append(f"at {t} thread(s), steady tok/s, p50 / p99 ms: " + "; ".join(
+    for name, by_mode in (report["results_by_layout"] or {}).items():  # every layout: steady tok/s, p50 / p99 ms
+        lines.append(f"at {name}, steady tok/s, p50 / p99 ms: " + "; ".join(
             f"{mode} " + ", ".join(f"{c}: {r['steady_tokens_per_s']:.0f}, {r['p50_ms']:.1f} / {r['p99_ms']:.1f}"
                                    for c, r in by_c.items()) for mode, by_c in by_mode.items()))
     lines.append("mean ms per stage: " + ", ".join(STAGES))

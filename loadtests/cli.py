@@ -158,8 +158,8 @@ def _add_bench(p) -> None:
     p.add_argument("--requests", type=int, default=0, help="requests per cell (0: max(64, 16 × concurrency))")
     p.add_argument("--runs", type=int, default=3, help="runs per cell; the median is reported")
     p.add_argument("--threads", type=_int_list, default=(2,),
-                   help="ONNX Runtime intra-op threads of servers and baseline; several (1,2) are swept, a server "
-                        "each, and each mode is reported at its best")
+                   help="ONNX Runtime intra-op threads of servers and baseline; several (1,2) are swept as layouts "
+                        "1x1, 1x2, 2x1 (engines x threads each), a server each, each mode shown at its best")
     p.add_argument("--variant", help="the servers' and baseline's (default: fp32 on cpu, fp16 on cuda)")
     p.add_argument("--max-running-rows", type=int, default=64)
     p.add_argument("--device", default="cpu", help="cpu or cuda, for the servers and the baseline")

@@ -28,8 +28,8 @@ def test_the_steady_window_leaves_out_the_first_round_and_the_tail():
 
 
 def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_path):
-    """Two thread counts swept: a server per mode and count, each mode reported at its best count per
-    concurrency, every count beside it."""
+    """Two thread counts swept in three layouts (1 x 1, 1 x 2, 2 engines x 1): a server per mode and layout,
+    each mode reported at its best layout per concurrency, every layout beside it."""
     out = tmp_path / "served.json"
     result = run_cli("bench", "served", str(tiny_bundle), "--concurrency", "1,2", "--requests", "6", "--runs", "1",
                      "--threads", "1,2", "--server-flag=--io-binding=on", "--decoding", "mixed", "--json", str(out),
@@ -37,13 +37,13 @@ def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_p
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["device"] == "cpu" and report["server_flags"] == ["--io-binding=on"] and report["decoding"] == "mixed"
-    assert report["threads"] == [1, 2] and set(report["results_by_threads"]) == {"1", "2"}
+    assert report["threads"] == [1, 2] and list(report["results_by_layout"]) == ["1x1", "1x2", "2x1"]
     for mode in ("continuous", "static"):
         assert set(report["results"][mode]) == {"1", "2"}
         for c, cell in report["results"][mode].items():
-            swept = {t: report["results_by_threads"][t][mode][c] for t in ("1", "2")}
-            best = max(swept, key=lambda t: swept[t]["steady_tokens_per_s"])
-            assert cell == {"threads": int(best), **swept[best]}
+            swept = {name: at[mode][c] for name, at in report["results_by_layout"].items()}
+            best = max(swept, key=lambda name: swept[name]["steady_tokens_per_s"])
+            assert cell == {"layout": best, **swept[best]}
         for cell in report["results"][mode].values():
             assert cell["requests"] == cell["sentences"] == 6 and cell["tokens_per_s"] > 0 and cell["steady_tokens_per_s"] > 0
             low, high = cell["p50_ms_min_max"]
@@ -60,9 +60,9 @@ def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_p
     assert "host probe as each cell started" in result.stdout and "sentences per admission" in result.stdout
     assert set(report["ratios"]["continuous/static tokens_per_s"]) == {"1", "2"}
     assert set(report["ratios"]["continuous/static steady_tokens_per_s"]) == {"1", "2"}
-    for t in ("1", "2"):
-        assert set(report["ratios"][f"continuous/static steady_tokens_per_s, both at {t} thread(s)"]) == {"1", "2"}
-        assert f"at {t} thread(s), steady tok/s" in result.stdout
+    for name in ("1x1", "1x2", "2x1"):
+        assert set(report["ratios"][f"continuous/static steady_tokens_per_s, both at {name}"]) == {"1", "2"}
+        assert f"at {name}, steady tok/s" in result.stdout
     assert report["baseline_onnx_translator_batch1"]["p50_ms"] > 0
     assert report["baseline_onnx_translator_batch1"]["threads"] in (1, 2)
     # the decoder step's time at each batch size up to the servers' rows (64 by default)
@@ -86,6 +86,6 @@ def test_served_bench_sends_several_sentences_a_call(tiny_bundle, tmp_path):
     assert cell["steady_tokens_per_s"] > 0 and min(cell["stages_mean_ms"].values()) >= 0
     assert report["baseline_onnx_translator_batch1"] is None and "3 sentence(s) a call" in result.stdout
     assert report["step_ms_by_rows"] is None
-    assert report["threads"] == [2] and report["results_by_threads"] is None and cell["threads"] == 2
+    assert report["threads"] == [2] and report["results_by_layout"] is None and cell["layout"] == "1x2"
     bad = run_cli("bench", "served", str(tiny_bundle), "--sentences-per-call", "0", timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().endswith("--sentences-per-call 0: must be at least 1")
