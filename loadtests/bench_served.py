@@ -61,6 +61,7 @@ class ServedBenchConfig:
     requests: int = 0  # per cell; 0: max(64, 16 × concurrency), so that the steady window spans ~14 rounds
     runs: int = 3
     threads: tuple[int, ...] = (2,)  # ONNX Runtime intra-op threads of servers and baseline (as serve); several: swept
+    inter_threads: int = 1  # engines per server (serve --inter-threads) when one thread count is given
     variant: str = "fp32"
     max_running_rows: int = 64
     device: str = "cpu"  # cuda: servers and baseline on the GPU (IOBinding, unless a server flag says otherwise)
@@ -219,10 +220,10 @@ class Baseline:
 
 
 def layouts(cfg: ServedBenchConfig) -> list[tuple[int, int]]:
-    """(engines, intra-op threads each) to serve with: the one count given, or, for several, each count n
-    as 1 × n and, on a CPU (CUDA takes one engine), as n × 1."""
+    """(engines, intra-op threads each) to serve with: the one count given (on inter_threads engines), or,
+    for several, each count n as 1 × n and, on a CPU (CUDA takes one engine), as n × 1."""
     if len(cfg.threads) == 1:
-        return [(1, cfg.threads[0])]
+        return [(cfg.inter_threads, cfg.threads[0])]
     return [(1, n) for n in cfg.threads] + [(n, 1) for n in cfg.threads if n > 1 and cfg.device == "cpu"]
 
 

@@ -78,11 +78,18 @@ def cmd_bench_served(args) -> int:
 
     _at_least(1, runs=args.runs, sentences_per_call=args.sentences_per_call)
     _at_least(0, requests=args.requests)
+    _at_least(1, inter_threads=args.inter_threads)
     modes = tuple(m.strip() for m in args.modes.split(","))
     if not modes or any(m not in MODES for m in modes):
         raise NmtserveError(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
+    if args.inter_threads > 1 and len(args.threads) > 1:
+        raise NmtserveError(f"--inter-threads {args.inter_threads} with --threads {','.join(map(str, args.threads))}: "
+                            "a sweep sets the engines itself (1 x n and n x 1)")
+    for flag in args.server_flag or []:  # the bench names each server's layout: it sets these two itself
+        if flag.split("=")[0] in ("--threads", "--inter-threads"):
+            raise NmtserveError(f"--server-flag {flag}: use bench served's own {flag.split('=')[0]}")
     report = run_served_bench(ServedBenchConfig(args.bundle, args.sentences, args.concurrency, args.requests, args.runs,
-                                                args.threads, args.variant or default_variant(args.device),
+                                                args.threads, args.inter_threads, args.variant or default_variant(args.device),
                                                 args.max_running_rows, args.device, modes,
                                                 server_flags=args.server_flag or [], decoding=args.decoding,
                                                 sentences_per_call=args.sentences_per_call))
@@ -160,6 +167,8 @@ def _add_bench(p) -> None:
     p.add_argument("--threads", type=_int_list, default=(2,),
                    help="ONNX Runtime intra-op threads of servers and baseline; several (1,2) are swept as layouts "
                         "1x1, 1x2, 2x1 (engines x threads each), a server each, each mode shown at its best")
+    p.add_argument("--inter-threads", type=int, default=1,
+                   help="engines per server (serve --inter-threads), each with --threads threads; one thread count only")
     p.add_argument("--variant", help="the servers' and baseline's (default: fp32 on cpu, fp16 on cuda)")
     p.add_argument("--max-running-rows", type=int, default=64)
     p.add_argument("--device", default="cpu", help="cpu or cuda, for the servers and the baseline")

@@ -75,10 +75,11 @@ def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_p
 
 def test_served_bench_sends_several_sentences_a_call(tiny_bundle, tmp_path):
     """--sentences-per-call 3: each Translate call carries 3 sentences (the servers' limit raised if need be);
-    no one-sentence baseline then."""
+    no one-sentence baseline then. One thread count on two engines: one layout, 2 x 1."""
     out = tmp_path / "served.json"
     result = run_cli("bench", "served", str(tiny_bundle), "--concurrency", "2", "--requests", "4", "--runs", "1",
-                     "--modes", "continuous", "--sentences-per-call", "3", "--json", str(out), timeout=300)
+                     "--modes", "continuous", "--sentences-per-call", "3", "--threads", "1", "--inter-threads", "2",
+                     "--json", str(out), timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     cell = report["results"]["continuous"]["2"]
@@ -86,6 +87,10 @@ def test_served_bench_sends_several_sentences_a_call(tiny_bundle, tmp_path):
     assert cell["steady_tokens_per_s"] > 0 and min(cell["stages_mean_ms"].values()) >= 0
     assert report["baseline_onnx_translator_batch1"] is None and "3 sentence(s) a call" in result.stdout
     assert report["step_ms_by_rows"] is None
-    assert report["threads"] == [2] and report["results_by_layout"] is None and cell["layout"] == "1x2"
+    assert report["threads"] == [1] and report["results_by_layout"] is None and cell["layout"] == "2x1"
     bad = run_cli("bench", "served", str(tiny_bundle), "--sentences-per-call", "0", timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().endswith("--sentences-per-call 0: must be at least 1")
+    bad = run_cli("bench", "served", str(tiny_bundle), "--threads", "1,2", "--inter-threads", "2", timeout=120)
+    assert bad.returncode == 2 and "--inter-threads 2 with --threads 1,2: a sweep sets the engines itself" in bad.stderr
+    bad = run_cli("bench", "served", str(tiny_bundle), "--server-flag=--inter-threads=2", timeout=120)
+    assert bad.returncode == 2 and "--server-flag --inter-threads=2: use bench served's own --inter-threads" in bad.stderr
