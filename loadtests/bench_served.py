@@ -10,9 +10,9 @@ layouts as the offline benchmark's, engines × intra-op threads each: 1 × n for
 taking turns in an order rotated from run to run, and each mode is reported at its best layout for each
 concurrency (highest steady-state tokens/s), the others beside it: on a small host the engine's
 threads compete with gRPC's and the client's for the cores, and the modes need not be best alike.
-Each request is one sentence of the bundle's test split, drawn at random (seeded) so that lengths mix as in traffic; with `--decoding mixed` each
-request's decoding mode is drawn too (50% greedy, 40% beam 4, 10% sampled: workload.DECODING_MIX),
-the same draws for both servers. Throughput counts target tokens of the best translation (eos
+Each request is one sentence of the bundle's test split, drawn at random (seeded) so that lengths mix
+as in traffic; with `--decoding mixed` each request's decoding mode is drawn too (50% greedy, 40% beam
+4, 10% sampled: workload.DECODING_MIX), the same draws for every server. Throughput counts target tokens of the best translation (eos
 excluded); latency is the client's time for one Translate call, broken down into stages (STAGES)
 with the server's Timings, and each cell's sentences per admission (one encoder call each) comes from
 the server's /metrics (nmtserve_admissions_total). The baseline is OnnxTranslator on
