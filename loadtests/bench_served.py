@@ -408,7 +408,7 @@ def draw_chart(report: dict, path: Path) -> None:
     flags = "".join(f" {flag}" for flag in report["server_flags"])
     fig.suptitle(f"nmtserve serve{flags}, {report['variant']} on {report['device']}, {_threads(report)}, "
                  f"{report['decoding']} decoding, {report['sentences_per_call']} sentence(s) a call, "
-                 f"median of {report['runs']} runs — {report['machine']['cpu']}", fontsize=9)
+                 f"median of {report['runs']} runs\n{report['machine']['cpu']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
