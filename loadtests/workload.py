@@ -128,12 +128,18 @@ class ServerProcess:
                 raise ConfigError(f"nmtserve serve {bundle}: not serving after {start_timeout:.0f} s")
             line = self.proc.stdout.readline()
             if not line:
-                raise ConfigError(f"nmtserve serve {bundle} exited with {self.proc.wait()} before serving"
-                                  + (f"; see {self.log_path}" if self.log_path else ""))
+                raise ConfigError(f"nmtserve serve {bundle} exited with {self.stop()} before serving{self._last_words()}")
             match = re.match(r"nmtserve: serving on port (\d+)", line)
             if match:
                 self.port = int(match.group(1))
         self.target = f"127.0.0.1:{self.port}"
+
+    def _last_words(self) -> str:
+        """The server's last line on stderr (its error), from the log: a caller's log may lie in a temporary
+        folder that is gone by the time anyone reads the message."""
+        lines = self.log_path.read_text(errors="replace").split("\n") if self.log_path else []
+        last = next((line.strip() for line in reversed(lines) if line.strip()), "")
+        return f": {last} (log {self.log_path})" if last else ""
 
     def stop(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:

@@ -31,6 +31,10 @@ from nmtserve.v1 import translation_pb2, translation_pb2_grpc
 log = logging.getLogger("nmtserve.server")
 QUIET_SECONDS = 0.5  # the drain stops the gRPC server once no call has arrived for this long
 SERVICE_NAME = translation_pb2.DESCRIPTOR.services_by_name["TranslationService"].full_name
+# the ServerConfig fields that must be at least 1 (start_server refuses less)
+AT_LEAST_ONE = ("max_beam_size", "stream_interval", "max_burst_steps", "max_running_rows", "max_batch_tokens",
+                "max_waiting", "max_sentences", "max_sentence_chars", "max_text_chars", "max_call_chars",
+                "max_output_tokens", "max_message_bytes")
 
 
 def health_names(models) -> list[str]:
@@ -129,10 +133,10 @@ async def start_server(config: ServerConfig) -> RunningServer:
     io_binding = _switch("io-binding", config.io_binding)  # the switches are checked before any model loads
     attention_kernel = _switch("attention-kernel", config.attention_kernel)
     row_scales = _switch("int8-row-scales", config.int8_row_scales)
-    for flag, value in (("max-beam-size", config.max_beam_size), ("stream-interval", config.stream_interval),
-                        ("max-burst-steps", config.max_burst_steps)):
+    for name in AT_LEAST_ONE:  # 0 rows or a queue of 0 would take no request, ever
+        value = getattr(config, name)
         if value < 1:
-            raise ConfigError(f"--{flag} {value}: must be at least 1")
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be at least 1")
     specs = model_specs(config)
     metrics = ServerMetrics()
     models: dict[str, ServedModel] = {}

@@ -94,3 +94,8 @@ def test_served_bench_sends_several_sentences_a_call(tiny_bundle, tmp_path):
     assert bad.returncode == 2 and "--inter-threads 2 with --threads 1,2: a sweep sets the engines itself" in bad.stderr
     bad = run_cli("bench", "served", str(tiny_bundle), "--server-flag=--inter-threads=2", timeout=120)
     assert bad.returncode == 2 and "--server-flag --inter-threads=2: use bench served's own --inter-threads" in bad.stderr
+    # a server that refuses its flags: its own error reaches the bench's message (its log is gone with the bench)
+    bad = run_cli("bench", "served", str(tiny_bundle), "--server-flag=--max-running-rows=0", "--concurrency", "1",
+                  "--runs", "1", timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert "exited with 2 before serving: nmtserve serve: error: --max-running-rows 0: must be at least 1" in bad.stderr

@@ -121,7 +121,10 @@ def test_stream_interval_sends_a_delta_per_interval_of_tokens(tiny_bundle, sente
             assert longest >= 8  # (a stream long enough that one delta a token would break the bound)
     finally:
         server.stop()
-    for flag, field in (("--stream-interval", "stream_interval"), ("--max-burst-steps", "max_burst_steps")):
+    # (0 running rows used to serve, and every request then waited for its deadline)
+    for flag, field in (("--stream-interval", "stream_interval"), ("--max-burst-steps", "max_burst_steps"),
+                        ("--max-running-rows", "max_running_rows"), ("--max-waiting", "max_waiting"),
+                        ("--max-output-tokens", "max_output_tokens")):
         with pytest.raises(ConfigError, match=f"{flag} 0: must be at least 1"):
             asyncio.run(start_server(ServerConfig(bundle=str(tiny_bundle), port=0, metrics_port=-1, **{field: 0})))
 
