@@ -236,8 +236,8 @@ def run_served_bench(cfg: ServedBenchConfig) -> dict:
     servers_at = [(m, layout) for m in cfg.modes for layout in layouts(cfg)]  # a server each
     cells: dict[tuple[str, tuple[int, int]], dict[int, list[dict]]] = {at: {c: [] for c in cfg.concurrency}
                                                                        for at in servers_at}
-    baselines: dict[int, list[dict]] = {t: [] for t in cfg.threads}
     translators = {t: Baseline(cfg, t) for t in cfg.threads} if cfg.sentences_per_call == 1 else {}
+    baselines: dict[int, list[dict]] = {t: [] for t in translators}
     with tempfile.TemporaryDirectory() as logs:
         ports = {at: free_port() for at in servers_at}  # /metrics: the admissions of each cell
         servers = {}

@@ -76,9 +76,8 @@ def cmd_bench_served(args) -> int:
     from nmtserve.export.runtime.bundle import default_variant
     from nmtserve.loadtests.bench_served import MODES, ServedBenchConfig, draw_chart, format_table, run_served_bench
 
-    _at_least(1, runs=args.runs, sentences_per_call=args.sentences_per_call)
+    _at_least(1, runs=args.runs, sentences_per_call=args.sentences_per_call, inter_threads=args.inter_threads)
     _at_least(0, requests=args.requests)
-    _at_least(1, inter_threads=args.inter_threads)
     modes = tuple(m.strip() for m in args.modes.split(","))
     if not modes or any(m not in MODES for m in modes):
         raise NmtserveError(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
