@@ -148,7 +148,7 @@ class Engine:
         self.waiting: collections.deque[Request] = collections.deque()
         self.stopping = False
         self.running_count = 0
-        self.batch = RunningBatch(translator)
+        self.batch = RunningBatch(translator, room=self.config.max_running_rows)
         self.ids = itertools.count()
         self.steps = 0
         self.admitted_step = 0  # the step count at the latest admission (EngineConfig.admit_steps)

@@ -5,7 +5,9 @@ The engine decides who joins and who leaves; RunningBatch keeps rows and state i
 takes `request.width` rows: one when greedy or sampled, beam_size for beam search, all holding a copy
 of its source's cross-attention K/V (encoded once). A finished request's rows stay in place as holes
 (None) that the next newcomers fill, so under steady load no step copies the KV cache; `compact`
-removes holes once they are a quarter of the batch. Greedy, beam and sampled requests share every
+removes holes once they are a quarter of the batch, on the host by moving only the rows past the kept
+count into them, and newcomers beyond the holes are written into the room the buffers keep past the
+rows (`room`, BatchState.append): a running row is copied only when the buffers must grow. Greedy, beam and sampled requests share every
 decoder step: the step returns each row's best candidates (as many as the most demanding request
 needs), a greedy request takes its row's best, and a beam or sampled request's search
 (nmtserve/search.py) takes its own rows' candidates and says which of its rows each continues; a
@@ -35,8 +37,9 @@ if TYPE_CHECKING:
 
 
 class RunningBatch:
-    def __init__(self, translator: OnnxTranslator):
+    def __init__(self, translator: OnnxTranslator, room: int = 0):
         self.tr = translator
+        self.room = room  # rows the state's buffers make room for when newcomers outgrow them (BatchState.append)
         self.rows: list[Request | None] = []  # rows[i] is row i of `state`; None is a hole
         self.state: BatchState | None = None  # None when no request runs
         self._placement: list[tuple[Request, np.ndarray]] | None = None  # placement(), until rows change
@@ -81,7 +84,7 @@ class RunningBatch:
                 self.rows[i] = request
         if len(owners) > len(holes):
             rest = fresh.take(np.arange(len(holes), fresh.size)) if holes else fresh
-            self.state = rest if self.state is None else self.state.concatenate(rest)
+            self.state = rest if self.state is None else self.state.append(rest, self.room)
             self.rows.extend(owners[len(holes):])
         return []
 
@@ -100,11 +103,25 @@ class RunningBatch:
             self.clear()
 
     def compact(self) -> None:
-        """Remove the holes once they are a quarter of the batch (a copy, amortised)."""
+        """Remove the holes once they are a quarter of the batch. On the host in place (BatchState.relocate):
+        the requests with a row at or past the kept count move, whole and in order, into the first places that
+        the others do not hold, and only their rows are copied; the buffers keep the room past them for
+        newcomers (`admit`). On a device every kept row is copied (`filter`: an OrtValue is not a view)."""
         holes = sum(r is None for r in self.rows)
-        if holes and holes * 4 >= len(self.rows):
+        if not holes or holes * 4 < len(self.rows):
+            return
+        self._placement = None
+        if not self.state.ops.views:
             self.state = self.state.filter(np.array([r is not None for r in self.rows]))
-            self.rows, self._placement = [r for r in self.rows if r is not None], None
+            self.rows = [r for r in self.rows if r is not None]
+            return
+        n = len(self.rows) - holes
+        moving = {id(r) for r in self.rows[n:] if r is not None}
+        movers = [i for i, r in enumerate(self.rows) if r is not None and id(r) in moving]
+        sources = np.arange(n)
+        sources[[i for i, r in enumerate(self.rows[:n]) if r is None or id(r) in moving]] = movers
+        self.state = self.state.relocate(sources)
+        self.rows = [self.rows[i] for i in sources]
 
     def step(self) -> tuple[list[tuple[Request, int | None, float | None]], list[tuple[Request, Exception]]]:
         """One decoder step of every row -> (request, token, log-prob) of each greedy request, (request,

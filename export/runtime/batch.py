@@ -2,8 +2,10 @@
 
 Used by OnnxTranslator (rows only leave) and by the server's RunningBatch (rows join and leave),
 which leaves a finished row in place as a hole (`free`) and puts the next newcomer into it
-(`insert`), so under steady load no step copies the cache; `filter` compacts when holes pile up
-and `trim` drops cache slots that no row reaches any more — both copy, and both are amortised.
+(`insert`), so under steady load no step copies the cache; `relocate` compacts when holes pile up,
+moving only the rows past the kept count, in place (a view of the same buffers, whose room past the
+rows `append` fills with newcomers), and `trim` drops cache slots that no row reaches any more (a copy,
+amortised).
 
 Each row's cache is its own from slot 0: k, v (L, B, H, capacity, Dh) hold row b's keys and values
 in slots 0..positions[b]-1, and a step writes its new ones at slot positions[b] (the decoder step's
@@ -108,6 +110,44 @@ class BatchState:
             np.concatenate([self.positions, other.positions]), np.concatenate([self.tokens, other.tokens]),
             np.concatenate([self.hole, other.hole]), ops)
 
+    def append(self, fresh: BatchState, room: int = 0) -> BatchState:
+        """Fresh rows (no step taken yet) after this state's -> the state of both. On the host they are written
+        into the room past this state's rows when its buffers have enough (a state from `relocate` or an earlier
+        append: no running row is copied); else this state's rows are copied once, into buffers with room for
+        `room` rows in all. On a device (an OrtValue is not a view) as `concatenate`."""
+        assert fresh.length == 0 and self.width == fresh.width == 1 and self.origin is None
+        if not self.ops.views:
+            return self.concatenate(fresh)
+        start, size = self.size, self.size + fresh.size
+        state = self if self._grown(size) else self._with_room(max(room, size))
+        if state is not self:
+            assert state._grown(size)
+        state.insert(list(range(start, size)), fresh)
+        return state
+
+    def _grown(self, size: int) -> bool:
+        """This state extended in place to `size` rows when the buffers behind its tensors have them: the new
+        rows are holes, their tensors holding whatever the buffers held (insert fills them) -> whether they had."""
+        grown = [self.ops.grow_rows(x, size) for x in (self.k, self.v, self.cross_k, self.cross_v, self.cross_eos)]
+        if any(x is None for x in grown):
+            return False
+        self.k, self.v, self.cross_k, self.cross_v, self.cross_eos = grown
+        extra = size - self.size
+        self.src_mask = np.concatenate([self.src_mask, np.zeros((extra, self.src_mask.shape[1]), bool)])
+        self.positions, self.tokens = (np.concatenate([x, np.zeros(extra, x.dtype)]) for x in (self.positions, self.tokens))
+        self.cross_slot = np.concatenate([self.cross_slot, np.zeros(extra, np.int32)])
+        self.hole = np.concatenate([self.hole, np.ones(extra, bool)])
+        self.holes = True
+        return True
+
+    def _with_room(self, rows: int) -> BatchState:
+        """A copy of this (host) state whose tensors are the first rows of buffers of `rows` rows (caches: the
+        filled slots only)."""
+        ops = self.ops
+        k, v = (ops.with_rows(x, rows, self.length) for x in (self.k, self.v))
+        cross_k, cross_v, eos = (ops.with_rows(x, rows, None) for x in (self.cross_k, self.cross_v, self.cross_eos))
+        return BatchState(k, v, cross_k, cross_v, eos, self.src_mask, self.positions, self.tokens, self.hole, ops)
+
     def open_slot(self) -> None:
         """Before a step: room for every row's next slot (the cache doubles when full)."""
         if self.length >= self.capacity:
@@ -175,24 +215,29 @@ class BatchState:
         the old index of each of its rows)."""
         if not keep.any():
             return None, np.zeros(0, np.int64)
-        width, ops, kept = self.width, self.ops, self._kept_sources(keep)
+        kept = self._kept_sources(keep)
         n = int(kept.sum())
         holes, movers = np.flatnonzero(~kept[:n]), np.flatnonzero(kept[n:]) + n  # as many of each
         sources = np.arange(n)
         sources[holes] = movers
+        return self.relocate(sources), source_rows(sources, self.width)
 
-        def rows(of_sources):
-            return (of_sources[:, None] * width + np.arange(width)).ravel()
-
-        order = rows(sources)
+    def relocate(self, sources: np.ndarray) -> BatchState:
+        """The given sources (the old index of each new one; a source is `width` rows) as the first places of
+        the same buffers, in that order, copying only the sources whose place changes (sources[i] != i), in
+        place: the state is a view of those buffers (each layer's rows stay one block, as the decoder's
+        binding takes them), and the places past it are room for `append`."""
+        width, ops, n = self.width, self.ops, len(sources)
+        order = source_rows(sources, width)
         k, v, cross_k, cross_v, eos = self.k, self.v, self.cross_k, self.cross_v, self.cross_eos
-        if len(holes):
-            dst, src = rows(holes), rows(movers)
-            k, v = ops.copy_rows(k, dst, src, self.length), ops.copy_rows(v, dst, src, self.length)
-            cross_k, cross_v, eos = (ops.copy_rows(x, holes, movers, None) for x in (cross_k, cross_v, eos))
+        moved = np.flatnonzero(sources != np.arange(n))
+        if len(moved):  # copy_rows reads the moving rows before it writes any: a place may be both
+            dst, src = moved, sources[moved]
+            k, v = (ops.copy_rows(x, source_rows(dst, width), source_rows(src, width), self.length) for x in (k, v))
+            cross_k, cross_v, eos = (ops.copy_rows(x, dst, src, None) for x in (cross_k, cross_v, eos))
         return BatchState(ops.head(k, n * width), ops.head(v, n * width), ops.head(cross_k, n), ops.head(cross_v, n),
                           ops.head(eos, n), self.src_mask[sources], self.positions[order], self.tokens[order],
-                          self.hole[order], ops, width, self._origin_of(order)), order
+                          self.hole[order], ops, width, self._origin_of(order))
 
     def _origin_of(self, rows: np.ndarray) -> np.ndarray | None:
         """The origin of a state of the given rows (the old index of each new row, whole sources: a source's
@@ -268,6 +313,11 @@ class BatchState:
         keep = max(min_slots, 2 * (self.length + 1))
         if self.capacity >= 2 * keep:
             self.k, self.v = self.ops.slice(self.k, 3, 0, keep), self.ops.slice(self.v, 3, 0, keep)
+
+
+def source_rows(sources: np.ndarray, width: int) -> np.ndarray:
+    """The rows of the given sources, `width` each, in order."""
+    return (sources[:, None] * width + np.arange(width)).ravel()
 
 
 def own_slots(rows: int, capacity: int) -> np.ndarray:

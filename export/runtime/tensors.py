@@ -29,6 +29,7 @@ class HostTensors:
     """numpy arrays in host memory (the CPU path: ONNX Runtime reads them without a copy)."""
 
     device = "cpu"
+    views = True  # a tensor may be the first rows of a larger buffer (`head`, `with_rows`)
 
     @staticmethod
     def zeros(shape: tuple, dtype) -> np.ndarray:
@@ -92,6 +93,24 @@ class HostTensors:
     def head(x: np.ndarray, n: int) -> np.ndarray:
         """x's first n rows (axis 1), a view: each layer's rows are still one contiguous block."""
         return x[:, :n]
+
+    @staticmethod
+    def grow_rows(x: np.ndarray, n: int) -> np.ndarray | None:
+        """x and the rows after it up to n in all, a view, when x is the first rows of a buffer that has them
+        (`head`, `with_rows`): rows past x's hold whatever the buffer held. None when it has not."""
+        base = x.base
+        if (isinstance(base, np.ndarray) and base.ndim == x.ndim and base.shape[1] >= n and base.shape[0] == x.shape[0]
+                and base.shape[2:] == x.shape[2:] and base.flags.c_contiguous and base.ctypes.data == x.ctypes.data):
+            return base[:, :n]
+        return None
+
+    @staticmethod
+    def with_rows(x: np.ndarray, rows: int, stop: int | None) -> np.ndarray:
+        """x's rows (a cache's slots 0..stop-1; None: all of them) as the first rows of a new buffer of `rows`
+        rows, a view: the rest is room for grow_rows."""
+        out = np.empty((x.shape[0], rows, *x.shape[2:]), x.dtype)
+        out[:, :x.shape[1], :, :stop] = x[:, :, :, :stop]
+        return out[:, :x.shape[1]]
 
     @staticmethod
     def concat_slots(xs: list[np.ndarray], stops: list[int], capacity: int) -> np.ndarray:
@@ -173,6 +192,8 @@ def _op_graph(op: str, elem: int) -> bytes:
 class DeviceTensors:
     """OrtValues on `device` ("cuda", or "cpu" to run the same path without a GPU); the op graphs
     run with the given providers and session options (the model's own)."""
+
+    views = False  # an OrtValue is its own buffer: BatchState.append and the engine's compaction copy instead
 
     def __init__(self, device: str, providers: list[str], options: ort.SessionOptions, device_id: int = 0):
         self.device, self.device_id = device, device_id

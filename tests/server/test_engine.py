@@ -13,7 +13,7 @@ import pytest
 from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.batch import BatchState
 from nmtserve.export.runtime.translator import OnnxTranslator
-from nmtserve.search import DecodingOptions
+from nmtserve.search import DecodingOptions, make_search
 from nmtserve.server.engine import Engine, EngineConfig, EngineOverloaded, EnginePool, FinishReason, Request
 from nmtserve.server.running_batch import RunningBatch
 from nmtserve.training.data import read_tsv
@@ -196,10 +196,67 @@ def test_the_running_batch_keeps_requests_and_rows_in_step(translator, sources):
     assert batch.rows == [a, d, c, e] and batch.state.size == 4
     assert [request for request, _, _ in batch.step()[0]] == [a, d, c, e]
     batch.leave([a])
-    batch.compact()  # one hole in four: compacted
-    assert batch.rows == [d, c, e] and batch.state.size == 3 and batch.state.positions.tolist() == [1, 2, 1]
+    batch.compact()  # one hole in four: compacted (on the host in place: the last row moves into the hole)
+    if translator.ops.views:
+        assert batch.rows == [e, d, c] and batch.state.positions.tolist() == [1, 1, 2]
+    else:
+        assert batch.rows == [d, c, e] and batch.state.positions.tolist() == [1, 2, 1]
+    assert batch.state.size == 3
     batch.leave([d, c, e])
     assert batch.rows == [] and batch.state is None
+
+
+def test_compaction_moves_whole_requests_and_newcomers_take_the_room_each_getting_what_it_gets_alone(translator,
+                                                                                                   sources):
+    """On the host the holes go in place: a request with a row at or past the kept count moves whole, its
+    rows in their order, into the first places the others leave free, and no other row is copied; newcomers
+    then take the room past the rows, the running rows not copied either (the same buffers throughout). On a
+    device every kept row is copied (`filter`). Either way each request gets what it gets alone."""
+    limits, eos = translator.limits, translator.eos_id
+    greedy = [Request(s) for s in sources[:5]]
+    beam = Request(sources[5], options=DecodingOptions(beam_size=3, num_hypotheses=2))
+    beam.search = make_search(beam.options, beam.budget(limits), eos)  # as the engine's admission does
+    newcomers = [Request(s) for s in sources[6:8]]
+    batch = RunningBatch(translator, room=8)
+    batch.admit([*greedy, beam])
+    assert batch.rows == [*greedy, beam, beam, beam]
+    tokens = {id(r): [] for r in [*greedy, *newcomers]}
+
+    def step():
+        outputs, failed = batch.step()
+        assert failed == []
+        for request, token, _ in outputs:
+            if request.search is None and token != eos:
+                tokens[id(request)].append(token)
+        batch.leave([r for r, token, _ in outputs if (r.search.done if r.search else
+                                                      token == eos or len(tokens[id(r)]) >= r.budget(limits))])
+
+    for _ in range(2):
+        step()
+    assert batch.rows == [*greedy, beam, beam, beam]  # no one finished yet
+    g1, g2, g3, g4, g5 = greedy
+    before = batch.state.k
+    kept = {i: translator.ops.numpy(before)[:, i, :, :2].copy() for i in range(8)}
+    batch.leave([g1, g3])  # two holes in eight rows (as cancelled): compacted
+    batch.compact()
+    if translator.ops.views:
+        assert batch.rows == [beam, g2, beam, g4, g5, beam]
+        after = batch.state.k
+        assert np.shares_memory(after, before)
+        for new, old in enumerate([5, 1, 6, 3, 4, 7]):
+            assert (after[:, new, :, :2] == kept[old]).all()
+    else:
+        assert batch.rows == [g2, g4, g5, beam, beam, beam]
+    batch.admit(newcomers)
+    assert batch.rows[6:] == newcomers
+    if translator.ops.views:
+        assert np.shares_memory(batch.state.k, before)  # in the room: the running rows were not copied
+    while batch.state is not None:
+        step()
+    for request in [g2, g4, g5, *newcomers]:
+        assert tokens[id(request)] == translator.translate_ids([request.src_ids], max_batch_size=1)[0][0]
+    alone = translator.search_ids([beam.src_ids], beam.options, max_batch_size=1)[0]
+    assert [h.tokens for h in beam.search.results()] == [h.tokens for h in alone]
 
 
 def test_a_hole_kept_longer_than_the_position_table_never_advances(translator, sources):
