@@ -7,12 +7,12 @@ of its source's cross-attention K/V (encoded once). A finished request's rows st
 (None) that the next newcomers fill, so under steady load no step copies the KV cache; `compact`
 removes holes once they are a quarter of the batch, on the host by moving only the rows past the kept
 count into them, and newcomers beyond the holes are written into the room the buffers keep past the
-rows (`room`, BatchState.append): a running row is copied only when the buffers must grow. Greedy, beam and sampled requests share every
-decoder step: the step returns each row's best candidates (as many as the most demanding request
-needs), a greedy request takes its row's best, and a beam or sampled request's search
-(nmtserve/search.py) takes its own rows' candidates and says which of its rows each continues; a
-beam's cache rows are copied among its own rows only, and only when a parent changes. K/V never leave
-this object and the translator.
+rows (`room`, BatchState.append): a running row is copied only when the buffers must grow. Greedy,
+beam and sampled requests share every decoder step: the step returns each row's best candidates (as
+many as the most demanding request needs), a greedy request takes its row's best, and a beam or
+sampled request's search (nmtserve/search.py) takes its own rows' candidates and says which of its
+rows each continues; a beam's cache rows are copied among its own rows only, and only when a parent
+changes. K/V never leave this object and the translator.
 
 Blast radius of one: when the encoder fails for a group of newcomers, or the decoder step fails,
 the rows are bisected (the decoder on copies of the state) until the ones that fail on their own

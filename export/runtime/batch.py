@@ -118,10 +118,10 @@ class BatchState:
         assert fresh.length == 0 and self.width == fresh.width == 1 and self.origin is None
         if not self.ops.views:
             return self.concatenate(fresh)
-        start, size = self.size, self.size + fresh.size
-        state = self if self._grown(size) else self._with_room(max(room, size))
-        if state is not self:
-            assert state._grown(size)
+        start, size, state = self.size, self.size + fresh.size, self
+        if not state._grown(size):  # no room: this state's rows are copied once, into buffers that have it
+            state = self._with_room(max(room, size))
+            state._grown(size)
         state.insert(list(range(start, size)), fresh)
         return state
 
