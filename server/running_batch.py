@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 class RunningBatch:
     def __init__(self, translator: OnnxTranslator, room: int = 0):
         self.tr = translator
-        self.room = room  # rows the state's buffers make room for when newcomers outgrow them (BatchState.append)
+        self.room = room  # the most rows the state's buffers make room for when newcomers outgrow them (append)
         self.rows: list[Request | None] = []  # rows[i] is row i of `state`; None is a hole
         self.state: BatchState | None = None  # None when no request runs
         self._placement: list[tuple[Request, np.ndarray]] | None = None  # placement(), until rows change

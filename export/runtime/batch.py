@@ -114,13 +114,14 @@ class BatchState:
         """Fresh rows (no step taken yet) after this state's -> the state of both. On the host they are written
         into the room past this state's rows when its buffers have enough (a state from `relocate` or an earlier
         append: no running row is copied); else this state's rows are copied once, into buffers with room for
-        `room` rows in all. On a device (an OrtValue is not a view) as `concatenate`."""
+        twice its rows, at most `room` rows in all (the rows' cap; doubling keeps the copies amortised and the
+        buffers within twice the rows in use). On a device (an OrtValue is not a view) as `concatenate`."""
         assert fresh.length == 0 and self.width == fresh.width == 1 and self.origin is None
         if not self.ops.views:
             return self.concatenate(fresh)
         start, size, state = self.size, self.size + fresh.size, self
         if not state._grown(size):  # no room: this state's rows are copied once, into buffers that have it
-            state = self._with_room(max(room, size))
+            state = self._with_room(max(size, min(room, 2 * size)))
             state._grown(size)
         state.insert(list(range(start, size)), fresh)
         return state
