@@ -8,6 +8,7 @@ import pytest
 from nmtserve.errors import ConfigError
 from nmtserve.export.build.to_ctranslate2 import convert
 from nmtserve.export.runtime.batch import BatchState
+from nmtserve.export.runtime.tensors import HostTensors
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.search import DecodingOptions
 from nmtserve.training.checkpoint import load_model
@@ -151,6 +152,23 @@ def test_compact_moves_the_last_sources_into_the_holes_and_steps_as_filter(tiny_
         compacted.choose(got[:, 0])
         filtered.choose(expected[:, 0])
     assert state.compact(np.zeros(state.size, bool))[0] is None
+
+
+def test_a_cache_grows_only_into_the_room_of_its_own_buffer():
+    """HostTensors.grow_rows extends a view of a buffer's first rows and nothing else: a view of other rows
+    or of fewer slots, or a whole array, has no room, so BatchState.append never writes over rows it does not
+    hold. with_rows copies a cache's filled slots to the head of a buffer with room."""
+    buffer = np.zeros((2, 8, 3, 4, 5), np.float32)
+    grown = HostTensors.grow_rows(HostTensors.head(buffer, 5), 7)
+    assert grown.shape == (2, 7, 3, 4, 5) and grown.ctypes.data == buffer.ctypes.data
+    assert HostTensors.grow_rows(HostTensors.head(buffer, 5), 9) is None  # past the buffer's rows
+    assert HostTensors.grow_rows(buffer[:, 1:5], 6) is None  # not its first rows
+    assert HostTensors.grow_rows(buffer[:, :5, :, :2], 6) is None  # fewer slots
+    assert HostTensors.grow_rows(buffer, 8) is None  # nothing behind it
+    cache = np.arange(2 * 3 * 3 * 4 * 5, dtype=np.float32).reshape(2, 3, 3, 4, 5)
+    roomy = HostTensors.with_rows(cache, 6, 2)
+    assert roomy.shape == cache.shape and (roomy[:, :, :, :2] == cache[:, :, :, :2]).all()
+    assert HostTensors.grow_rows(roomy, 6).shape[1] == 6 and HostTensors.grow_rows(roomy, 7) is None
 
 
 def test_a_beam_row_that_continues_another_copies_its_origin_not_its_cache():
