@@ -47,6 +47,9 @@ def test_cached_step_by_step_decode_matches_pytorch(tiny_bundle, tiny_checkpoint
     sources = [loaded.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs[:6]]
     report = cached_decode_parity(loaded.model, OnnxTranslator(tiny_bundle), sources, steps=20)
     assert report["log_prob_diff"] < 1e-4 and report["same_best_token"] >= 0.99
+    # each row is judged up to the step that gives its eos (PyTorch's greedy tokens, then eos), not after
+    ended = reference_tokens(loaded.model, sources, batch_size=len(sources))
+    assert report["judged_row_steps"] == sum(min(20, len(tokens) + 1) for tokens in ended) < 20 * len(sources)
 
 
 def test_end_to_end_greedy_tokens_identical_to_pytorch(tiny_bundle, tiny_checkpoint, tiny_corpus):
