@@ -153,11 +153,11 @@ def _load_engine(engine: str, inter: int, threads: int, spec: dict):
         @torch.autocast(device, dtype=torch.float16, enabled=device == "cuda")
         def decode(src, mask):
             if search["beam_size"] == 1:
-                return greedy_decode(model, src, mask, search["max_decoding_length"])[0]
+                return greedy_decode(model, src, mask, search["max_decoding_length"], search["length_rule"])[0]
             return [found[0][0] for found in beam_search(
                 model, src, mask, beam_size=search["beam_size"], length_penalty=search["length_penalty"],
                 patience=search["patience"], beam_stopping=search["beam_stopping"],
-                max_decoding_length=search["max_decoding_length"])]
+                max_decoding_length=search["max_decoding_length"], length_rule=search["length_rule"])]
 
         def run(sources, batch_size):
             out = [None] * len(sources)
@@ -281,9 +281,13 @@ def _spec(cfg: BenchConfig, workdir: Path) -> dict:
     if "transformers" in cfg.engines and not marian:
         raise NmtserveError(f"--engines transformers: {cfg.bundle} was not imported from a Marian directory")
     # our engines search as the model's defaults say (an imported Marian model's length penalty and
-    # stopping rule: what transformers' generate does with the same directory), at the asked beam and length
+    # stopping rule: what transformers' generate does with the same directory), at the asked beam and length;
+    # our own model's with CTranslate2's length rule, so that a sentence that never says eos costs every engine
+    # the same steps (nmtserve's 2 × source + 10 cap would stop ours where CTranslate2 decodes on)
     search = replace(DecodingOptions(**(bundle.manifest.get("decoding_defaults") or {})).override(
         beam_size=cfg.beam_size), max_decoding_length=cfg.max_decoding_length)
+    if not marian:
+        search = replace(search, length_rule="ctranslate2")
     spec = {"bundle": cfg.bundle, "device": cfg.device, "checkpoint": checkpoint, "marian_directory": marian,
             "sources": sources, "batch_sizes": list(cfg.batch_sizes), "repeats": cfg.repeats, "search": asdict(search)}
     if any(e.startswith("ct2_") for e in cfg.engines):
@@ -314,7 +318,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
             for engine, inter, t in configs[run % len(configs):] + configs[: run % len(configs)]:
                 progress(f"run {run + 1}/{cfg.runs}: {engine}, {inter} batch(es) at once × {t} thread(s)")
                 runs[(engine, inter, t)].append(_run_worker(engine, inter, t, spec_path))
-    return _report(cfg, threads, runs, len(spec["sources"]), spec["checkpoint"])
+    return _report(cfg, threads, runs, spec)
 
 
 def _stats(values: list[float], digits: int = 1) -> dict:
@@ -322,7 +326,8 @@ def _stats(values: list[float], digits: int = 1) -> dict:
             "max": round(max(values), digits)}
 
 
-def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences: int, checkpoint: str) -> dict:
+def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, spec: dict) -> dict:
+    n_sentences, checkpoint = len(spec["sources"]), spec["checkpoint"]
     batches = [str(b) for b in cfg.batch_sizes]
     results: dict = {}
     for (engine, inter, t), measured in runs.items():
@@ -372,6 +377,7 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, n_sentences:
             "batch_sizes": list(cfg.batch_sizes),
             "unit": f"target tokens/s (eos excluded), {decoding_name(cfg.beam_size)}",
             "max_decoding_length": cfg.max_decoding_length, "beam_size": cfg.beam_size,
+            "length_rule": spec["search"]["length_rule"],
             "results": results, "best": best, "ratios": ratios, "paired_ratios": paired_ratios,
             "single_thread_ratios": single_ratios,
             "token_agreement": agreement,
@@ -417,6 +423,10 @@ def format_table(report: dict) -> str:
         lines.append(f"{name}: {share:.1%}")
     lines.append("peak RSS (MB): " + ", ".join(f"{e} {mb:,.0f}" for e, mb in report["peak_rss_mb"].items()))
     lines.append("output tokens per sentence: " + ", ".join(f"{e} {n:.1f}" for e, n in report["mean_output_tokens"].items()))
+    counts = report["mean_output_tokens"].values()
+    if max(counts) > 1.01 * min(counts):  # tokens/s then compares unequal work: say so beside the table
+        lines.append("NOTE: the engines decoded different numbers of tokens (more than 1% apart), so their tokens/s "
+                     "do not measure the same work")
     for name, what in PROBES.items():
         lines.append(f"host probe ({what}; one core, before and after each measurement), median [min–max]: " + ", ".join(
             f"{e} {p[name]['median']:,.1f} [{p[name]['min']:,.1f}–{p[name]['max']:,.1f}]"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-LENGTH_RULES = ("nmtserve", "transformers")
+LENGTH_RULES = ("nmtserve", "transformers", "ctranslate2")
 
 
 def output_budget(src_len: int, max_decoding_length: int, max_len: int, length_rule: str = "nmtserve") -> int:
@@ -14,9 +14,13 @@ def output_budget(src_len: int, max_decoding_length: int, max_len: int, length_r
     guard against a decoder that never stops) and the model's position table; the last one is a real
     token (finish "length"). "transformers", the rule of transformers' generate with forced_eos_token_id:
     the caller's limit and the position table only, and the limit's last token is a forced eos with
-    log-prob 0, so one real token fewer (BeamSearch finishes every live beam there)."""
+    log-prob 0, so one real token fewer (BeamSearch finishes every live beam there). "ctranslate2",
+    CTranslate2's max_decoding_length: the caller's limit and the position table only, the last one a real
+    token (what the offline benchmark gives every engine: the same work for the same sentence)."""
     if length_rule == "transformers":
         return max(1, min(max_decoding_length, max_len) - 1)
+    if length_rule == "ctranslate2":
+        return max(1, min(max_decoding_length, max_len))
     return max(1, min(max_decoding_length, 2 * src_len + 10, max_len))
 
 

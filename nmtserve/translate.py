@@ -260,7 +260,8 @@ def add_decoding_flags(p) -> None:
     search.add_argument("--patience", type=float)
     search.add_argument("--beam-stopping", choices=BEAM_STOPPING, help="whose rule stops beam search")
     search.add_argument("--length-rule", choices=LENGTH_RULES, help="nmtserve: at most 2 × source + 10 tokens, "
-                        "the last a real one; transformers: no such cap, the --max-length-th token a forced eos")
+                        "the last a real one; transformers: no such cap, the --max-length-th token a forced eos; "
+                        "ctranslate2: no such cap, the last a real one")
     search.add_argument("--sampling-topk", type=int, help="1: no sampling; 0: the whole vocabulary")
     search.add_argument("--sampling-topp", type=float)
     search.add_argument("--sampling-temperature", type=float)

@@ -18,6 +18,7 @@ class LengthRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LENGTH_RULE_UNSPECIFIED: _ClassVar[LengthRule]
     LENGTH_RULE_NMTSERVE: _ClassVar[LengthRule]
     LENGTH_RULE_TRANSFORMERS: _ClassVar[LengthRule]
+    LENGTH_RULE_CTRANSLATE2: _ClassVar[LengthRule]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -30,6 +31,7 @@ BEAM_STOPPING_TRANSFORMERS: BeamStopping
 LENGTH_RULE_UNSPECIFIED: LengthRule
 LENGTH_RULE_NMTSERVE: LengthRule
 LENGTH_RULE_TRANSFORMERS: LengthRule
+LENGTH_RULE_CTRANSLATE2: LengthRule
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_LENGTH: FinishReason

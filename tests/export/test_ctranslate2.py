@@ -24,3 +24,26 @@ def test_ctranslate2_matches_pytorch_tokens(tiny_checkpoint, tiny_corpus, tmp_pa
     same = sum(a == b or (len(b) == output_budget(len(s), 256, max_len) and a[: len(b)] == b)
                for a, b, s in zip(got, expected, sources)) / len(sources)
     assert same >= 0.95, same
+
+
+def test_length_rule_ctranslate2_gives_ctranslate2s_tokens_where_nmtserves_cap_stops_a_row(tiny_checkpoint, tiny_corpus,
+                                                                                           tmp_path):
+    """The offline benchmark's rule: CTranslate2's max_decoding_length alone, so that a row that never says eos
+    costs both engines the same steps (under nmtserve's 2 × source + 10 cap ours would stop first)."""
+    import torch
+
+    from nmtserve.training.data import pad
+    from nmtserve.training.decode import greedy_decode
+
+    assert (output_budget(3, 256, 256, "ctranslate2"), output_budget(3, 256, 256), output_budget(3, 40, 30,
+            "ctranslate2")) == (256, 16, 30)
+    loaded = load_model(tiny_checkpoint)
+    sp = loaded.tokenizer.sp
+    sources = [loaded.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
+    results = ctranslate2.Translator(str(convert(loaded, tmp_path / "ct2")), device="cpu").translate_batch(
+        [[sp.id_to_piece(i) for i in s] for s in sources], beam_size=1, max_decoding_length=60)
+    got = [[sp.piece_to_id(p) for p in r.hypotheses[0]] for r in results]
+    with torch.no_grad():
+        ours = [greedy_decode(loaded.model.eval(), *pad([s], 0), 60, "ctranslate2")[0][0] for s in sources]
+    assert any(len(t) > 2 * len(s) + 10 for t, s in zip(ours, sources))  # some rows ran past nmtserve's cap
+    assert sum(a == b for a, b in zip(got, ours)) >= 0.95 * len(sources)

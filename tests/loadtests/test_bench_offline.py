@@ -49,6 +49,9 @@ def test_offline_bench_measures_each_engine_alone_and_reports_its_best(tiny_bund
                                / report["results"]["ct2_fp32"]["1x1"][batch]["median"], 3)
     assert "both at 1x1" in result.stdout
     assert report["token_agreement"]["ort_fp32_vs_pytorch_identical"] == 1.0
+    # every engine decodes under CTranslate2's length rule: the same tokens, so tokens/s measure the same work
+    assert report["length_rule"] == "ctranslate2" and len(set(report["mean_output_tokens"].values())) == 1
+    assert "NOTE: the engines decoded different numbers" not in result.stdout
     assert report["same_output_at_every_batch_size"]["ort_fp32"] is True
     machine = report["machine"]
     assert machine["cpu"] and machine["usable_cores"] >= 1 and {"onnxruntime", "ctranslate2", "torch", "numpy"} <= \
