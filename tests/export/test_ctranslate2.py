@@ -1,12 +1,14 @@
-"""The CTranslate2 converter gives CTranslate2 our model: same greedy tokens."""
+"""The CTranslate2 converter gives CTranslate2 our model: same greedy tokens (under its length rule too)."""
 
 import ctranslate2
+import torch
 
 from nmtserve.decoding import output_budget
 from nmtserve.export.build.to_ctranslate2 import convert
 from nmtserve.export.build.verify import reference_tokens
 from nmtserve.training.checkpoint import load_model
-from nmtserve.training.data import read_tsv
+from nmtserve.training.data import pad, read_tsv
+from nmtserve.training.decode import greedy_decode
 
 
 def test_ctranslate2_matches_pytorch_tokens(tiny_checkpoint, tiny_corpus, tmp_path):
@@ -30,11 +32,6 @@ def test_length_rule_ctranslate2_gives_ctranslate2s_tokens_where_nmtserves_cap_s
                                                                                            tmp_path):
     """The offline benchmark's rule: CTranslate2's max_decoding_length alone, so that a row that never says eos
     costs both engines the same steps (under nmtserve's 2 × source + 10 cap ours would stop first)."""
-    import torch
-
-    from nmtserve.training.data import pad
-    from nmtserve.training.decode import greedy_decode
-
     assert (output_budget(3, 256, 256, "ctranslate2"), output_budget(3, 256, 256), output_budget(3, 40, 30,
             "ctranslate2")) == (256, 16, 30)
     loaded = load_model(tiny_checkpoint)
