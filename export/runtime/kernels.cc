@@ -584,29 +584,35 @@ int nmt_run(void* runner, void* binding, char* error, size_t error_size) {
 // Greedy steps of a binding whose step writes each row's best token into its `tokens` input
 // (OnnxTranslator._greedy_binding): after each step every row's position advances, and the tokens (and,
 // with `scores`, their scores) are copied out as that step's row of out_tokens (steps × rows) and
-// out_scores. Rows where `hole` is set (when given) neither advance nor end the loop. Stops after the first
-// step in which some other row's token is eos, `*stop` is set (by another thread) or CLOCK_MONOTONIC has
-// reached `stop_at` (when above 0), or after max_steps. Returns the steps run; a step that fails after
-// others returns those before it (the next call meets the error), the first one -1 with its message.
+// out_scores. Rows where `hole` or `done` is set (when given) neither advance nor end the loop; a row whose
+// token is eos is set in `done` (when given) from then on. Stops after the step in which the rows whose
+// token is eos reach `until` in all (1: the first step in which some row's token is eos), `*stop` is set (by
+// another thread) or CLOCK_MONOTONIC has reached `stop_at` (when above 0), or after max_steps. Returns the
+// steps run; a step that fails after others returns those before it (the next call meets the error), the
+// first one -1 with its message.
 int64_t nmt_greedy_steps(void* runner, void* binding, int64_t* tokens, int64_t* positions, const float* scores,
-                         const uint8_t* hole, int64_t rows, int64_t eos, int64_t max_steps, const volatile int32_t* stop,
-                         double stop_at, int64_t* out_tokens, float* out_scores, char* error, size_t error_size) {
+                         const uint8_t* hole, uint8_t* done, int64_t rows, int64_t eos, int64_t until,
+                         int64_t max_steps, const volatile int32_t* stop, double stop_at, int64_t* out_tokens,
+                         float* out_scores, char* error, size_t error_size) {
   auto& session = static_cast<Runner*>(runner)->session;
   auto& io = *static_cast<Ort::IoBinding*>(binding);
   const Ort::RunOptions run_options{nullptr};
-  int64_t step = 0;
+  int64_t step = 0, ended = 0;
   try {
     for (; step < max_steps; step++) {
       session.Run(run_options, io);
-      bool hit = false;
       for (int64_t r = 0; r < rows; r++) {
-        if (hole != nullptr && hole[r]) continue;  // a hole neither advances nor ends the loop
+        if ((hole != nullptr && hole[r]) || (done != nullptr && done[r])) continue;  // neither advances nor ends
         positions[r] += 1;
-        hit |= tokens[r] == eos;
+        if (tokens[r] == eos) {
+          ended += 1;
+          if (done != nullptr) done[r] = 1;
+        }
       }
       std::memcpy(out_tokens + step * rows, tokens, rows * sizeof(int64_t));
       if (out_scores != nullptr) std::memcpy(out_scores + step * rows, scores, rows * sizeof(float));
-      if (hit || (stop != nullptr && *stop) || (stop_at > 0 && monotonic_seconds() >= stop_at)) return step + 1;
+      if (ended >= until || (stop != nullptr && *stop) || (stop_at > 0 && monotonic_seconds() >= stop_at))
+        return step + 1;
     }
     return max_steps;
   } catch (const std::exception& e) {

@@ -53,8 +53,8 @@ def _library() -> ctypes.CDLL:
             library.nmt_binding_create.argtypes = [p, ctypes.POINTER(p), c, n]
             library.nmt_bind.argtypes = [p, ctypes.c_int, ctypes.POINTER(c), ints, i64, ints, ctypes.POINTER(p), ints, c, n]
             library.nmt_run.argtypes = [p, p, c, n]
-            library.nmt_greedy_steps.argtypes = [p, p, p, p, p, p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p,
-                                                 ctypes.c_double, p, p, c, n]
+            library.nmt_greedy_steps.argtypes = [p, p, p, p, p, p, p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                                 ctypes.c_int64, p, ctypes.c_double, p, p, c, n]
             library.nmt_greedy_steps.restype = ctypes.c_int64
             library.nmt_beam_steps.argtypes = [p, p, p, p, ctypes.c_int64, p, p, p, ctypes.c_int64, p, p, ctypes.c_int64,
                                                ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p, p, p, p, p, p, c, n]
@@ -126,7 +126,7 @@ class NativeBinding:
         self._handle = handle
         self._free = self._library.nmt_binding_free
         self._pending: list = []  # binds not yet sent (bind)
-        self._arrays: tuple = (None,) * 5  # greedy_steps' per-row arrays at its last call, and their addresses
+        self._arrays: tuple = (None,) * 6  # greedy_steps' per-row arrays at its last call, and their addresses
         self._addresses: list = []
 
     def bind(self, name: str, dtype, shape: tuple, address: int, output: bool = False) -> None:
@@ -153,12 +153,14 @@ class NativeBinding:
 
     def greedy_steps(self, tokens: np.ndarray, positions: np.ndarray, scores: np.ndarray | None, eos_id: int,
                      out_tokens: np.ndarray, out_scores: np.ndarray | None, hole: np.ndarray | None = None,
-                     stop: np.ndarray | None = None, stop_at: float = 0.0) -> int:
-        """Runs until a step in which some row's token is eos, or len(out_tokens) steps; returns the steps run.
-        The binding writes each step's best tokens into `tokens` (its `tokens` input) and their scores into
-        `scores`; after each step every row's position (`positions`, bound as input) advances by one, and
-        tokens (and scores, when out_scores is given) are copied into that step's row of out_tokens (steps,
-        rows) int64 (and out_scores float32). Rows where `hole` (bool) is set neither advance nor end the loop.
+                     stop: np.ndarray | None = None, stop_at: float = 0.0, done: np.ndarray | None = None,
+                     until: int = 1) -> int:
+        """Runs until the step in which `until` rows in all have said eos (1: some row), or len(out_tokens)
+        steps; returns the steps run. The binding writes each step's best tokens into `tokens` (its `tokens`
+        input) and their scores into `scores`; after each step every row's position (`positions`, bound as
+        input) advances by one, and tokens (and scores, when out_scores is given) are copied into that step's
+        row of out_tokens (steps, rows) int64 (and out_scores float32). Rows where `hole` or `done` (bool) is
+        set neither advance nor end the loop; a row that says eos is set in `done` (when given) from then on.
         The loop also ends after a step once `stop` (one int32, set by another thread) is nonzero or
         time.monotonic() has reached `stop_at` (when above 0). A step that fails after others ends the loop
         there (the steps before it are returned); the next call meets the error."""
@@ -168,13 +170,14 @@ class NativeBinding:
         assert out_tokens.shape[1:] == (rows,) and out_tokens.flags.c_contiguous and tokens.dtype == np.int64
         assert positions.dtype == np.int64 and (out_scores is None or out_scores.shape == out_tokens.shape)
         assert (hole is None or hole.dtype == bool) and (stop is None or stop.dtype == np.int32)
-        arrays = (tokens, positions, None if out_scores is None else scores, hole, stop)
+        assert done is None or (done.dtype == bool and done.shape == (rows,) and done.flags.c_contiguous)
+        arrays = (tokens, positions, None if out_scores is None else scores, hole, stop, done)
         if any(a is not b for a, b in zip(arrays, self._arrays)):  # `.ctypes.data` costs 2 µs an array
             self._arrays, self._addresses = arrays, [None if a is None else a.ctypes.data for a in arrays]
-        tokens_at, positions_at, scores_at, hole_at, stop_at_address = self._addresses
+        tokens_at, positions_at, scores_at, hole_at, stop_at_address, done_at = self._addresses
         return _checked(self._library.nmt_greedy_steps(
-            self.session._handle, self._handle, tokens_at, positions_at, scores_at, hole_at, rows, eos_id,
-            len(out_tokens), stop_at_address, stop_at, out_tokens.ctypes.data,
+            self.session._handle, self._handle, tokens_at, positions_at, scores_at, hole_at, done_at, rows, eos_id,
+            until, len(out_tokens), stop_at_address, stop_at, out_tokens.ctypes.data,
             None if out_scores is None else out_scores.ctypes.data, self._error, _ERROR_SIZE), self._error)
 
     def beam_steps(self, ids: np.ndarray, scores: np.ndarray, tokens: np.ndarray, positions: np.ndarray,

@@ -467,11 +467,12 @@ class OnnxTranslator:
         return self._native_greedy_steps(state, binding, steps, scores, stop, stop_at)
 
     def _native_greedy_steps(self, state: BatchState, binding: NativeBinding, steps: int, scores: bool,
-                             stop: np.ndarray | None = None, stop_at: float = 0.0) -> tuple[np.ndarray, np.ndarray | None]:
+                             stop: np.ndarray | None = None, stop_at: float = 0.0, done: np.ndarray | None = None,
+                             until: int = 1) -> tuple[np.ndarray, np.ndarray | None]:
         out = np.empty((steps, state.size), np.int64)
         out_scores = np.empty(out.shape, np.float32) if scores else None
         taken = binding.greedy_steps(state.tokens, state.positions, self._scores, self.eos_id, out, out_scores,
-                                     state.hole if state.holes else None, stop, stop_at)
+                                     state.hole if state.holes else None, stop, stop_at, done, until)
         return out[:taken], None if out_scores is None else out_scores[:taken]
 
     def _step(self, state: BatchState, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -573,34 +574,37 @@ class OnnxTranslator:
         """Greedy search for one batch of token-id sources, encoded in `state` (`prefill`). A finished row
         stays in the batch, decoding on with its output ignored, until such rows are a quarter of the
         batch; then they leave together (`BatchState.compact`: the last rows move into their places, once
-        instead of at every step where a row finishes). Meanwhile every row stays at the same position:
-        ONNX Runtime's CPU attention kernel steps rows at one position faster than rows at mixed ones
-        (docs/architecture.md).
+        instead of at every step where a row finishes).
         Each step's best token is written straight into the step's `tokens` input (`_greedy_binding`), so
-        between two steps our Python only records it, advances the positions and looks for eos; with
-        native_steps the library does that, running steps until a row's eos, the cache's end or the first
-        row's budget, and Python looks at the last one only. Without scores the steps skip the log-softmax
-        (`with_search_head`) and each score is nan."""
+        between two steps our Python only records it, advances the positions and looks for eos. With
+        native_steps the library does that, running steps until the finished rows make compaction due, the
+        cache's end or the first live row's budget; a row that has said eos stays where it is (the library
+        marks it in `done`: it neither advances nor ends a later run), so a run ends on the eos of a live row
+        only, and Python looks at the steps of a run only when it ends. Without scores the steps skip the
+        log-softmax (`with_search_head`) and each score is nan."""
         rows = np.arange(len(sources))  # the source of each row of `state`, and its budget
         budget = np.array([self.limits.output_budget(len(s), max_decoding_length, length_rule) for s in sources])
         steps = [], [], []  # per step: each row's source, token and (when scored) log-prob
         finished, end = np.zeros(len(sources), bool), np.zeros(len(sources), np.int64)  # end: its last step
-        last = int(budget.min())  # the first step at which some row reaches its budget
+        done = np.zeros(len(rows), bool)  # the rows of `state` whose source has finished (they leave together)
         binding, rebind = None, self.io_binding or state.ops.device != self.device  # rows bound by value: every step
         self._with_scores[...] = scores
         while state is not None:
             if binding is None or rebind or len(steps[0]) == state.capacity:  # a new state, or its cache full
                 state.open_slot()
                 binding = self._greedy_binding(state)
-            if self.native_steps:  # steps in the library until a row's eos, the cache's end or the first budget
-                stepped = len(steps[0])
-                out, out_scores = self._native_greedy_steps(state, binding,
-                                                            min(state.capacity, max(last, stepped + 1)) - stepped, scores)
+            stepped = len(steps[0])
+            if self.native_steps:  # steps in the library (above)
+                before = done.copy()
+                room = min(state.capacity - stepped, int((budget - state.positions)[~done].min()))
+                out, out_scores = self._native_greedy_steps(state, binding, max(1, room), scores, done=done,
+                                                            until=-(-len(rows) // 4) - int(before.sum()))
+                said_eos = done & ~before
+                at = stepped + (out[:, said_eos] == self.eos_id).argmax(0)  # the step of each one's eos
                 steps[0].extend([rows] * len(out))
                 steps[1].extend(out)
                 if scores:
                     steps[2].extend(out_scores)
-                tokens = out[-1]
             else:
                 run_bound(self.decoder, binding)
                 state.positions += 1  # every row: offline batches have no holes
@@ -609,18 +613,18 @@ class OnnxTranslator:
                 steps[1].append(tokens)
                 if scores:  # unscored steps' values are not kept: each score is nan
                     steps[2].append(self._scores.copy())
-            hit = tokens == self.eos_id
-            if not (hit.any() or len(steps[0]) >= last):
-                continue  # most steps: two ufuncs (Python here runs on caches the step has flushed)
-            done = finished[rows]
-            newly = (hit | (state.positions >= budget)) & ~done
-            if newly.any():
-                finished[rows[newly]], end[rows[newly]] = True, len(steps[0]) - 1
-                done |= newly
-                if done.sum() * 4 >= len(rows):  # compact: the last rows move into the finished ones' places
-                    state, order = state.compact(~done)
-                    rows, budget = rows[order], budget[order]
-                    binding = None
+                said_eos, at = (tokens == self.eos_id) & ~done, stepped
+                done |= said_eos
+            over = (state.positions >= budget) & ~done  # live rows at their budget (after the run's last step)
+            if not (said_eos.any() or over.any()):
+                continue  # most Python steps: a few ufuncs (Python here runs on caches the step has flushed)
+            finished[rows[said_eos]], end[rows[said_eos]] = True, at
+            finished[rows[over]], end[rows[over]] = True, len(steps[0]) - 1
+            done |= over
+            if done.sum() * 4 >= len(rows):  # compact: the last rows move into the finished ones' places
+                state, order = state.compact(~done)
+                rows, budget, done = rows[order], budget[order], np.zeros(len(order), bool)
+                binding = None
         return self._collect(len(sources), steps[0], steps[1], [s.ravel() for s in steps[2]], end)
 
     def _greedy_binding(self, state: BatchState) -> ort.IOBinding | NativeBinding:

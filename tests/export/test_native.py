@@ -145,3 +145,31 @@ def test_the_servers_greedy_steps_in_the_library_keep_holes_still_and_stop_when_
     assert len(native.decode_greedy_steps(ours, 10, stop_at=1.0)[0]) == 1  # time.monotonic() is past 1.0 s
     before = ours.length
     assert len(native.decode_greedy_steps(ours, 1000, scores=False)[0]) == ours.capacity - before == ours.length - before
+
+
+def test_offline_greedy_runs_end_on_the_eos_that_makes_compaction_due_and_finished_rows_stay_still(tiny_bundle,
+                                                                                                  tiny_corpus):
+    """`done` and `until` (offline greedy's runs): a run ends at the step in which `until` rows in all have said
+    eos; those rows are marked in `done` and stay at the position of their eos, also through a later run.
+    Tokens and scores are those of one step at a time (offline greedy against the Python loop: above)."""
+    native, _ = _pair(tiny_bundle, "fp32")
+    sources = [native.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs][:8]
+    ours, theirs = native.prefill(sources), native.prefill(sources)
+    ours.open_slot()
+    done = np.zeros(len(sources), bool)
+    tokens, scores = native._native_greedy_steps(ours, native._greedy_binding(ours), 30, True, done=done, until=3)
+    expected = [native.decode_one_token(theirs) for _ in range(len(tokens))]
+    first_eos = [next((i for i, (t, _) in enumerate(expected) if t[r] == native.eos_id), None) for r in range(8)]
+    ended = sorted(i for i in first_eos if i is not None)
+    assert len(ended) >= 3 and ended[2] == len(tokens) - 1  # the run ended at the third row's eos
+    assert done.tolist() == [i is not None for i in first_eos]
+    for r, i in enumerate(first_eos):
+        assert ours.positions[r] == (len(tokens) if i is None else i + 1)  # a finished row stays at its eos
+        upto = len(tokens) if i is None else i + 1
+        assert tokens[:upto, r].tolist() == [t[r] for t, _ in expected[:upto]]
+        assert np.array_equal(scores[:upto, r], [s[r] for _, s in expected[:upto]])
+    held = ours.positions[done].copy()
+    native.eos_id = -1  # no row ends the next run
+    assert len(native._native_greedy_steps(ours, native._greedy_binding(ours), 4, False, done=done)[0]) == 4
+    assert ours.positions[done].tolist() == held.tolist()
+    assert (ours.positions[~done] == len(tokens) + 4).all()
