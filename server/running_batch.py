@@ -63,8 +63,10 @@ class RunningBatch:
     def admit(self, requests: list[Request]) -> list[tuple[Request, Exception]]:
         """Encode the newcomers once and place their rows: into holes first (no copy of the running
         cache), the rest appended as new rows. Returns the newcomers the encoder fails on, with the error."""
+        # on the host the rows go into the running state's buffers, which take only their cross K/V: no caches
+        caches = self.state is None or not self.state.ops.views
         try:
-            fresh = self.tr.prefill([r.src_ids for r in requests])
+            fresh = self.tr.prefill([r.src_ids for r in requests], caches)
         except Exception as e:
             if len(requests) == 1:
                 return [(requests[0], e)]
@@ -79,12 +81,11 @@ class RunningBatch:
             fresh = fresh.gather(np.repeat(np.arange(len(requests)), [r.width for r in requests]))
         holes = [i for i, r in enumerate(self.rows) if r is None][: len(owners)]
         if holes:
-            self.state.insert(holes, fresh.take(np.arange(len(holes))) if len(holes) < fresh.size else fresh)
+            self.state.insert(holes, fresh)  # its first rows
             for i, request in zip(holes, owners):
                 self.rows[i] = request
-        if len(owners) > len(holes):
-            rest = fresh.take(np.arange(len(holes), fresh.size)) if holes else fresh
-            self.state = rest if self.state is None else self.state.append(rest, self.room)
+        if len(owners) > len(holes):  # the rest
+            self.state = fresh if self.state is None else self.state.append(fresh, self.room, len(holes))
             self.rows.extend(owners[len(holes):])
         return []
 

@@ -110,20 +110,21 @@ class BatchState:
             np.concatenate([self.positions, other.positions]), np.concatenate([self.tokens, other.tokens]),
             np.concatenate([self.hole, other.hole]), ops)
 
-    def append(self, fresh: BatchState, room: int = 0) -> BatchState:
-        """Fresh rows (no step taken yet) after this state's -> the state of both. On the host they are written
-        into the room past this state's rows when its buffers have enough (a state from `relocate` or an earlier
-        append: no running row is copied); else this state's rows are copied once, into buffers with room for
-        twice its rows, at most `room` rows in all (the rows' cap; doubling keeps the copies amortised and the
-        buffers within twice the rows in use). On a device (an OrtValue is not a view) as `concatenate`."""
+    def append(self, fresh: BatchState, room: int = 0, start: int = 0) -> BatchState:
+        """Fresh rows (no step taken yet), fresh's rows from `start` on, after this state's -> the state of both.
+        On the host they are written into the room past this state's rows when its buffers have enough (a state
+        from `relocate` or an earlier append: no running row is copied); else this state's rows are copied once,
+        into buffers with room for twice its rows, at most `room` rows in all (the rows' cap; doubling keeps the
+        copies amortised and the buffers within twice the rows in use). On a device (an OrtValue is not a view)
+        as `concatenate`."""
         assert fresh.length == 0 and self.width == fresh.width == 1 and self.origin is None
         if not self.ops.views:
-            return self.concatenate(fresh)
-        start, size, state = self.size, self.size + fresh.size, self
+            return self.concatenate(fresh.take(np.arange(start, fresh.size)) if start else fresh)
+        first, size, state = self.size, self.size + fresh.size - start, self
         if not state._grown(size):  # no room: this state's rows are copied once, into buffers that have it
             state = self._with_room(max(size, min(room, 2 * size)))
             state._grown(size)
-        state.insert(list(range(start, size)), fresh)
+        state.insert(list(range(first, size)), fresh, start)
         return state
 
     def _grown(self, size: int) -> bool:
@@ -284,25 +285,27 @@ class BatchState:
         self.holes = True
         self.positions[rows] = 0
 
-    def insert(self, rows: list[int], fresh: BatchState) -> None:
-        """Fresh rows (no step taken yet) into holes; they write their first K/V at their slot 0."""
-        assert fresh.length == 0 and len(rows) == fresh.size and self.origin is None
+    def insert(self, rows: list[int], fresh: BatchState, start: int = 0) -> None:
+        """Fresh rows (no step taken yet), fresh's rows start.. one for each, into holes; they write their
+        first K/V at their slot 0 (fresh's own caches are not read: `prefill` may make them without slots)."""
+        part = slice(start, start + len(rows))
+        assert fresh.length == 0 and part.stop <= fresh.size and self.origin is None
         ops = self.ops
         src_len = fresh.src_mask.shape[1]
         if src_len > self.src_mask.shape[1]:  # a longer source than any so far: widen (a copy, rare)
             grow = max(src_len, self.src_mask.shape[1] * 3 // 2)
             self.cross_k, self.cross_v = ops.pad(self.cross_k, 3, grow), ops.pad(self.cross_v, 3, grow)
             self.src_mask = HostTensors.pad(self.src_mask, 1, grow)
-        width = self.src_mask.shape[1]  # the newcomers' cross K/V, zero past their own source
-        self.cross_k = ops.scatter_rows(self.cross_k, rows, ops.pad(fresh.cross_k, 3, width))
-        self.cross_v = ops.scatter_rows(self.cross_v, rows, ops.pad(fresh.cross_v, 3, width))
-        self.cross_eos = ops.scatter_rows(self.cross_eos, rows, fresh.cross_eos)
-        self.src_mask[rows] = HostTensors.pad(fresh.src_mask, 1, width)
-        self.cross_slot[rows] = fresh.cross_slot  # in place, as the other per-row arrays: the binding holds them
+        # the newcomers' cross K/V, zero past their own source
+        self.cross_k = ops.place_rows(self.cross_k, rows, fresh.cross_k, start)
+        self.cross_v = ops.place_rows(self.cross_v, rows, fresh.cross_v, start)
+        self.cross_eos = ops.place_rows(self.cross_eos, rows, fresh.cross_eos, start)
+        self.src_mask[rows] = HostTensors.pad(fresh.src_mask[part], 1, self.src_mask.shape[1])
+        self.cross_slot[rows] = fresh.cross_slot[part]  # in place, as the other per-row arrays: the binding holds them
         self.hole[rows] = False
         self.holes = bool(self.hole.any())
-        self.positions[rows] = fresh.positions
-        self.tokens[rows] = fresh.tokens
+        self.positions[rows] = fresh.positions[part]
+        self.tokens[rows] = fresh.tokens[part]
 
     def trim(self, min_slots: int = 32) -> None:
         """Drop the cache slots no row reaches once that halves the cache at least, keeping room for twice

@@ -81,6 +81,16 @@ class HostTensors:
         x[:, rows] = updates
         return x
 
+    @staticmethod
+    def place_rows(x: np.ndarray, rows: list[int], y: np.ndarray, start: int = 0) -> np.ndarray:
+        """x[:, rows] = y's rows start.. (one each), in place, zeros past y's length along axis 3 (a newcomer's
+        cross K/V into a batch of longer sources): one copy, no padded temporary."""
+        width = y.shape[3]
+        x[:, rows, :, :width] = y[:, start:start + len(rows)]
+        if width < x.shape[3]:
+            x[:, rows, :, width:] = 0
+        return x
+
     # Cache operations that touch only the slots in use (a cache's capacity runs ahead of its length)
     @staticmethod
     def copy_rows(x: np.ndarray, dst: np.ndarray, src: np.ndarray, stop: int | None) -> np.ndarray:
@@ -264,6 +274,12 @@ class DeviceTensors:
     def scatter_rows(self, x: ort.OrtValue, rows: list[int], updates: ort.OrtValue) -> ort.OrtValue:
         index = np.asarray(rows, np.int64).reshape(1, -1, 1, 1, 1)
         return self._run("scatter_rows", self.dtype(x), x=x, r=index, u=updates)
+
+    def place_rows(self, x: ort.OrtValue, rows: list[int], y: ort.OrtValue, start: int = 0) -> ort.OrtValue:
+        """As HostTensors.place_rows (the rows taken and padded, then scattered)."""
+        if start or len(rows) < self.shape(y)[1]:
+            y = self.slice(y, 1, start, start + len(rows))
+        return self.scatter_rows(x, rows, self.pad(y, 3, self.shape(x)[3]))
 
     def copy_rows(self, x: ort.OrtValue, dst: np.ndarray, src: np.ndarray, stop: int | None) -> ort.OrtValue:
         """As HostTensors.copy_rows, over every slot (the graphs copy the whole tensor anyway)."""

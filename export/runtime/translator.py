@@ -412,12 +412,16 @@ class OnnxTranslator:
         return log_probs, new_k, new_v
 
     # -- the same on the batch state, wherever its tensors live: callers never see K/V
-    def prefill(self, sources: list[list[int]]) -> BatchState:
-        """Encode token-id sources once -> fresh rows for the decoder batch (on this translator's device)."""
+    def prefill(self, sources: list[list[int]], caches: bool = True) -> BatchState:
+        """Encode token-id sources once -> fresh rows for the decoder batch (on this translator's device).
+        caches=False: their self-attention caches have no slots (rows that another state's `insert` or
+        `append` takes, which read only their cross K/V)."""
         src_ids, src_mask = self.pad(sources)
+        capacity = 32 if caches else 0
         if not self.io_binding:
             cross_k, cross_v, eos = self.encode(src_ids, src_mask)
-            return BatchState.from_encoded(cross_k, cross_v, eos, src_mask, self.bos_id, origin=self.cache_origin)
+            return BatchState.from_encoded(cross_k, cross_v, eos, src_mask, self.bos_id, capacity,
+                                           origin=self.cache_origin)
         batch, src_len = src_ids.shape
         shape = (self.n_layers, batch, self.n_heads, src_len, self.head_dim)
         cross_k, cross_v = self.ops.empty(shape, self.kv_dtype), self.ops.empty(shape, self.kv_dtype)
@@ -430,7 +434,7 @@ class OnnxTranslator:
             for layer, address in enumerate(self._layer_addresses(stacked)):
                 bind_address(binding, f"{prefix}_{layer}", self.device, self.kv_dtype, layer_shape, address, output=True)
         run_bound(self.encoder, binding)
-        return BatchState.from_encoded(cross_k, cross_v, eos, src_mask, self.bos_id, ops=self.ops)
+        return BatchState.from_encoded(cross_k, cross_v, eos, src_mask, self.bos_id, capacity, ops=self.ops)
 
     def decode_one_token(self, state: BatchState) -> tuple[np.ndarray, np.ndarray]:
         """One greedy step of every row -> tokens (B,) int64 and their log-probs (B,); the step's K/V

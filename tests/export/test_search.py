@@ -171,6 +171,34 @@ def test_a_cache_grows_only_into_the_room_of_its_own_buffer():
     assert HostTensors.grow_rows(roomy, 6).shape[1] == 6 and HostTensors.grow_rows(roomy, 7) is None
 
 
+def test_newcomers_are_placed_from_their_own_rows_with_zeros_past_their_sources():
+    """BatchState.insert (holes) and append (the rest) take a fresh state's rows from `start` on, with no
+    caches of their own (`prefill(caches=False)`): each hole gets its newcomer's cross K/V, zero past its
+    source's slots, mask, eos slot and token; the rows around them keep theirs."""
+    layers, heads, dim = 1, 2, 3
+
+    def encoded(rows: int, slots: int, value: float, caches: int) -> BatchState:
+        mask = np.ones((rows, slots), bool)
+        mask[0, slots - 1] = False  # the first row's source is one slot shorter
+        cross = np.full((layers, rows, heads, slots, dim), value, np.float32) + np.arange(rows)[None, :, None, None, None]
+        return BatchState.from_encoded(cross, cross + 0.5, np.zeros((layers, rows, 2, heads, dim), np.float32), mask,
+                                       bos_id=1, capacity=caches)
+
+    running = encoded(4, 6, 100.0, 4)
+    running.free([1, 3])
+    fresh = encoded(3, 4, 10.0, 0)
+    assert fresh.k.shape[3] == 0
+    running.insert([3, 1], fresh)  # fresh rows 0 and 1
+    assert (running.cross_k[:, 3, :, :4] == 10.0).all() and (running.cross_k[:, 1, :, :4] == 11.0).all()
+    assert (running.cross_k[:, [1, 3], :, 4:] == 0).all() and (running.cross_v[:, 1, :, :4] == 11.5).all()
+    assert (running.cross_k[:, 0] == 100.0).all() and (running.cross_k[:, 2] == 102.0).all()
+    assert running.src_mask.tolist()[3] == [True, True, True, False, False, False]
+    assert running.cross_slot.tolist() == [4, 3, 5, 2] and not running.holes  # each source's last slot
+    running = running.append(fresh, room=8, start=2)  # fresh row 2 after the four
+    assert running.size == 5 and (running.cross_k[:, 4, :, :4] == 12.0).all() and (running.cross_k[:, 4, :, 4:] == 0).all()
+    assert (running.cross_k[:, 1, :, :4] == 11.0).all() and running.cross_slot.tolist() == [4, 3, 5, 2, 3]
+
+
 def test_a_beam_row_that_continues_another_copies_its_origin_not_its_cache():
     """BatchState.origin (the offline step on nmtserve's kernels): choosing a parent copies the parent's
     row of origin over the filled slots; the caches stay as the steps wrote them; compaction, filtering
