@@ -291,16 +291,16 @@ class BatchState:
         part = slice(start, start + len(rows))
         assert fresh.length == 0 and part.stop <= fresh.size and self.origin is None
         ops = self.ops
-        src_len = fresh.src_mask.shape[1]
+        src_len = int(fresh.cross_slot[part].max()) + 1  # the longest of these newcomers' sources
         if src_len > self.src_mask.shape[1]:  # a longer source than any so far: widen (a copy, rare)
             grow = max(src_len, self.src_mask.shape[1] * 3 // 2)
             self.cross_k, self.cross_v = ops.pad(self.cross_k, 3, grow), ops.pad(self.cross_v, 3, grow)
             self.src_mask = HostTensors.pad(self.src_mask, 1, grow)
-        # the newcomers' cross K/V, zero past their own source
-        self.cross_k = ops.place_rows(self.cross_k, rows, fresh.cross_k, start)
-        self.cross_v = ops.place_rows(self.cross_v, rows, fresh.cross_v, start)
+        # the newcomers' cross K/V, zero past their own sources
+        self.cross_k = ops.place_rows(self.cross_k, rows, fresh.cross_k, start, src_len)
+        self.cross_v = ops.place_rows(self.cross_v, rows, fresh.cross_v, start, src_len)
         self.cross_eos = ops.place_rows(self.cross_eos, rows, fresh.cross_eos, start)
-        self.src_mask[rows] = HostTensors.pad(fresh.src_mask[part], 1, self.src_mask.shape[1])
+        self.src_mask[rows] = HostTensors.pad(fresh.src_mask[part, :src_len], 1, self.src_mask.shape[1])
         self.cross_slot[rows] = fresh.cross_slot[part]  # in place, as the other per-row arrays: the binding holds them
         self.hole[rows] = False
         self.holes = bool(self.hole.any())

@@ -82,11 +82,11 @@ class HostTensors:
         return x
 
     @staticmethod
-    def place_rows(x: np.ndarray, rows: list[int], y: np.ndarray, start: int = 0) -> np.ndarray:
-        """x[:, rows] = y's rows start.. (one each), in place, zeros past y's length along axis 3 (a newcomer's
-        cross K/V into a batch of longer sources): one copy, no padded temporary."""
-        width = y.shape[3]
-        x[:, rows, :, :width] = y[:, start:start + len(rows)]
+    def place_rows(x: np.ndarray, rows: list[int], y: np.ndarray, start: int = 0, width: int | None = None) -> np.ndarray:
+        """x[:, rows] = y's rows start.. (one each), in place: along axis 3 y's first `width` (None: all), zeros
+        past them (a newcomer's cross K/V into a batch of longer sources): one copy, no padded temporary."""
+        width = y.shape[3] if width is None else width
+        x[:, rows, :, :width] = y[:, start:start + len(rows), :, :width]
         if width < x.shape[3]:
             x[:, rows, :, width:] = 0
         return x
@@ -275,10 +275,13 @@ class DeviceTensors:
         index = np.asarray(rows, np.int64).reshape(1, -1, 1, 1, 1)
         return self._run("scatter_rows", self.dtype(x), x=x, r=index, u=updates)
 
-    def place_rows(self, x: ort.OrtValue, rows: list[int], y: ort.OrtValue, start: int = 0) -> ort.OrtValue:
-        """As HostTensors.place_rows (the rows taken and padded, then scattered)."""
+    def place_rows(self, x: ort.OrtValue, rows: list[int], y: ort.OrtValue, start: int = 0,
+                   width: int | None = None) -> ort.OrtValue:
+        """As HostTensors.place_rows (the rows and slots taken and padded, then scattered)."""
         if start or len(rows) < self.shape(y)[1]:
             y = self.slice(y, 1, start, start + len(rows))
+        if width is not None and width < self.shape(y)[3]:
+            y = self.slice(y, 3, 0, width)
         return self.scatter_rows(x, rows, self.pad(y, 3, self.shape(x)[3]))
 
     def copy_rows(self, x: ort.OrtValue, dst: np.ndarray, src: np.ndarray, stop: int | None) -> ort.OrtValue:
