@@ -584,8 +584,10 @@ class OnnxTranslator:
         native_steps the library does that, running steps until the finished rows make compaction due, the
         cache's end or the first live row's budget; a row that has said eos stays where it is (the library
         marks it in `done`: it neither advances nor ends a later run), so a run ends on the eos of a live row
-        only, and Python looks at the steps of a run only when it ends. Without scores the steps skip the
-        log-softmax (`with_search_head`) and each score is nan."""
+        only, and Python looks at the steps of a run only when it ends. The Python loop (ONNX Runtime's own
+        attention: no kernels, or CUDA) keeps every row at one position, which that attention steps faster
+        than rows at mixed ones. Without scores the steps skip the log-softmax (`with_search_head`) and each
+        score is nan."""
         rows = np.arange(len(sources))  # the source of each row of `state`, and its budget
         budget = np.array([self.limits.output_budget(len(s), max_decoding_length, length_rule) for s in sources])
         steps = [], [], []  # per step: each row's source, token and (when scored) log-prob
