@@ -407,11 +407,22 @@ def _share_steps_and_get_what_each_gets_alone(translator, sources, batching):
     assert max(len(modes) for _, modes in seen) >= 3  # modes really shared steps
 
 
-def test_a_cancelled_beam_frees_all_its_rows_and_its_batch_mates_finish(translator, sources):
+def test_a_cancelled_beam_frees_all_its_rows_and_its_batch_mates_finish(translator, sources, monkeypatch):
     greedy_alone = [tokens for tokens, _ in translator.translate_ids(sources[:3], max_batch_size=1)]
-    engine = Engine(translator, EngineConfig(max_running_rows=16)).start()
+    engine = Engine(translator, EngineConfig(max_running_rows=16))
+    beam = Request(sources[0] * 6, max_decoding_length=200, options=DecodingOptions(beam_size=4, length_rule="ctranslate2"))
+    step = translator._step
+
+    def beam_never_says_eos(state, k):  # the beam ends by its cancel, not by finishing first (a fast host did)
+        ids, scores = step(state, k)
+        own = [i for i, r in enumerate(engine.batch.rows) if r is beam]
+        ids[own] = np.where(ids[own] == translator.eos_id, translator.eos_id + 1, ids[own])
+        return ids, scores
+
+    monkeypatch.setattr(translator, "_step", beam_never_says_eos)
+    engine.start()
     try:
-        beam = engine.submit(Request(sources[0] * 6, max_decoding_length=200, options=DecodingOptions(beam_size=4)))
+        engine.submit(beam)
         deadline = time.monotonic() + 10
         while beam.admitted is None and time.monotonic() < deadline:
             time.sleep(0.001)
