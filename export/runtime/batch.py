@@ -40,6 +40,8 @@ import numpy as np
 
 from nmtserve.export.runtime.tensors import HostTensors
 
+FRESH_SLOTS = 32  # the cache slots of a state fresh from the encoder (open_slot doubles them when full)
+
 
 @dataclass
 class BatchState:
@@ -63,7 +65,7 @@ class BatchState:
         self.cross_slot = eos_slot(self.src_mask)
 
     @classmethod
-    def from_encoded(cls, cross_k, cross_v, cross_eos, src_mask: np.ndarray, bos_id: int, capacity: int = 32,
+    def from_encoded(cls, cross_k, cross_v, cross_eos, src_mask: np.ndarray, bos_id: int, capacity: int = FRESH_SLOTS,
                      ops=HostTensors, origin: bool = False) -> BatchState:
         """Fresh rows (no step taken yet) from the encoder's outputs; origin: with `origin` (above)."""
         n_layers, batch, heads, _, head_dim = ops.shape(cross_k)

@@ -76,12 +76,6 @@ class HostTensors:
         return np.ascontiguousarray(x[tuple(index)])
 
     @staticmethod
-    def scatter_rows(x: np.ndarray, rows: list[int], updates: np.ndarray) -> np.ndarray:
-        """x[:, rows] = updates, in place."""
-        x[:, rows] = updates
-        return x
-
-    @staticmethod
     def place_rows(x: np.ndarray, rows: list[int], y: np.ndarray, start: int = 0, width: int | None = None) -> np.ndarray:
         """x[:, rows] = y's rows start.. (one each), in place: along axis 3 y's first `width` (None: all), zeros
         past them (a newcomer's cross K/V into a batch of longer sources): one copy, no padded temporary."""

@@ -51,7 +51,7 @@ from onnx import helper
 from nmtserve.decoding import sorted_batches
 from nmtserve.errors import BundleError, ConfigError
 from nmtserve.export.runtime import kernels
-from nmtserve.export.runtime.batch import BatchState, eos_of, own_slots
+from nmtserve.export.runtime.batch import FRESH_SLOTS, BatchState, eos_of, own_slots
 from nmtserve.export.runtime.bundle import Bundle, default_variant, load_bundle
 from nmtserve.export.runtime.native import NativeBinding, NativeError, NativeSession
 from nmtserve.export.runtime.tensors import DeviceTensors, HostTensors
@@ -417,7 +417,7 @@ class OnnxTranslator:
         caches=False: their self-attention caches have no slots (rows that another state's `insert` or
         `append` takes, which read only their cross K/V)."""
         src_ids, src_mask = self.pad(sources)
-        capacity = 32 if caches else 0
+        capacity = FRESH_SLOTS if caches else 0
         if not self.io_binding:
             cross_k, cross_v, eos = self.encode(src_ids, src_mask)
             return BatchState.from_encoded(cross_k, cross_v, eos, src_mask, self.bos_id, capacity,
