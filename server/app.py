@@ -22,7 +22,7 @@ from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.bundle import load_bundle
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.server.config import ServerConfig
-from nmtserve.server.engine import EngineConfig, EnginePool, Request, keep_freed_memory
+from nmtserve.server.engine import EngineConfig, EnginePool, Request
 from nmtserve.server.metrics import ServerMetrics
 from nmtserve.server.models import ModelSpec, ServedModel, model_specs
 from nmtserve.server.service import TranslationServicer
@@ -138,7 +138,6 @@ async def start_server(config: ServerConfig) -> RunningServer:
         if value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be at least 1")
     specs = model_specs(config)
-    keep_freed_memory()
     metrics = ServerMetrics()
     models: dict[str, ServedModel] = {}
     try:

@@ -15,11 +15,8 @@ sees K/V: the running batch and the translator keep them.
 from __future__ import annotations
 
 import collections
-import ctypes
-import ctypes.util
 import enum
 import itertools
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,39 +26,12 @@ import numpy as np
 
 from nmtserve.decoding import Limits
 from nmtserve.errors import NmtserveError
+from nmtserve.export.runtime.memory import LIBC, release_free_memory
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.search import BeamSearch, DecodingOptions, Hypothesis, Sampling, make_search
 from nmtserve.server.running_batch import RunningBatch
 
 TRIM_SECONDS = 5.0  # how often a busy engine gives the C heap's free pages back (release_free_memory)
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if sys.platform == "linux" else None
-# glibc mallopt parameters (malloc.h) and the values keep_freed_memory sets
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks up to this size come from the heap, not from mmap
-HEAP_TRIM_THRESHOLD = 256 << 20  # free() gives the heap's top back only above this; release_free_memory does the rest
-
-
-def keep_freed_memory() -> bool:
-    """Let glibc's malloc reuse the memory the engine frees rather than hand it back at once (a server's
-    process-wide setting; a no-op off glibc) -> whether it was set. By default a block above a threshold
-    (128 kB, raised as such blocks are freed) is mmap'd and munmap'd at free, and free trims the heap's top,
-    so the next batch's cross K/V, cache buffers and ONNX Runtime's outputs (its arena is off) are faulted
-    in page by page again (docs/performance.md, "Freed memory kept for the next batch"). Resident memory
-    stays bounded: release_free_memory gives the free pages back every TRIM_SECONDS."""
-    mallopt = getattr(_LIBC, "mallopt", None)
-    if mallopt is None:
-        return False
-    # both or neither: a trim threshold alone also fixes the mmap threshold at its 128 kB start
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD))
-
-
-def release_free_memory() -> None:
-    """Give the C heap's free pages back to the system (glibc's malloc_trim; a no-op elsewhere). With
-    ONNX Runtime's arena off, every tensor comes from malloc, and glibc's heaps otherwise keep the pages
-    that the largest batches needed: resident memory climbs to their level and stays there."""
-    trim = getattr(_LIBC, "malloc_trim", None)
-    if trim is not None:
-        trim(0)
 
 
 class EngineOverloaded(NmtserveError):
@@ -214,8 +184,8 @@ class Engine:
 
     # -- the loop
     def _loop(self) -> None:
-        if _LIBC is not None:
-            _LIBC.prctl(15, b"nmtserve-engine", 0, 0, 0)  # PR_SET_NAME: top -H and perf show the thread by name
+        if LIBC is not None:
+            LIBC.prctl(15, b"nmtserve-engine", 0, 0, 0)  # PR_SET_NAME: top -H and perf show the thread by name
         while True:
             if time.monotonic() >= self.next_trim:
                 release_free_memory()

@@ -50,7 +50,7 @@ from onnx import helper
 
 from nmtserve.decoding import sorted_batches
 from nmtserve.errors import BundleError, ConfigError
-from nmtserve.export.runtime import kernels
+from nmtserve.export.runtime import kernels, memory
 from nmtserve.export.runtime.batch import FRESH_SLOTS, BatchState, eos_of, own_slots
 from nmtserve.export.runtime.bundle import Bundle, default_variant, load_bundle
 from nmtserve.export.runtime.native import NativeBinding, NativeError, NativeSession
@@ -282,12 +282,14 @@ class OnnxTranslator:
     def __init__(self, bundle: str | Path | Bundle, device: str = "cpu", variant: str | None = None,
                  intra_op_threads: int = 0, io_binding: bool | None = None, shared_cross: bool = True,
                  inter_threads: int = 1, attention_kernel: bool | None = None, row_scales: bool | None = None,
-                 native_steps: bool | None = None):
+                 native_steps: bool | None = None, keep_freed_memory: bool = True):
         if inter_threads < 1:
             raise ConfigError(f"inter_threads {inter_threads}: must be at least 1")
         if inter_threads > 1 and device == "cuda":
             raise ConfigError(CUDA_INTER_THREADS.format(n=inter_threads))
         self.inter_threads = inter_threads  # batches decoded at once (search_ids), each on a thread of its own
+        if keep_freed_memory:  # glibc's malloc keeps freed caches for the next batch (process-wide: memory.py)
+            memory.keep_freed_memory()
         # nmtserve's attention kernel (export/runtime/kernels.py): on a CPU when it is built (None), or as asked
         if attention_kernel and (device != "cpu" or not kernels.available()):
             raise ConfigError(f"attention_kernel on {device}: " + ("the kernel runs on a CPU only" if device != "cpu"

@@ -4,8 +4,6 @@ KV shapes after join/leave, cancellation, deadlines and overload.
 Every test runs twice: with the caches as host numpy arrays (the CPU default), and with them as
 OrtValues bound by IOBinding (the CUDA path, here on ONNX Runtime's CPU provider)."""
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -577,36 +575,6 @@ def test_greedy_steps_run_in_the_library_in_bursts_that_a_newcomer_ends(tiny_bun
         assert engine._schedule() == [] and engine._burst([]) == 3  # the rest of its gathering, in one burst
     assert len(engine._execute([], 3)) == 3 and len(first.tokens) == 4
     assert _iterate(engine) == [newcomer]
-
-
-FAULTS_PER_ROUND = """
-import resource, sys, numpy as np
-from nmtserve.server.engine import keep_freed_memory
-if sys.argv[1] == "keep":
-    assert keep_freed_memory()
-def faults():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-def one_round():  # 500 blocks of 96 kB, below the default mmap threshold: the heap's top grows 48 MB, then is freed
-    blocks = [np.ones(12_000) for _ in range(500)]
-    del blocks
-one_round()
-before = faults()
-for _ in range(5):
-    one_round()
-print((faults() - before) / 5)
-"""
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc (mallopt)")
-def test_freed_memory_is_reused_without_page_faults_once_the_server_keeps_it():
-    """keep_freed_memory (start_server calls it): memory freed at the heap's top is kept for the next
-    allocations instead of being given back and faulted in again page by page (each in a fresh process)."""
-    def faults_per_round(mode: str) -> float:
-        done = subprocess.run([sys.executable, "-c", FAULTS_PER_ROUND, mode], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        return float(done.stdout)
-    assert faults_per_round("default") > 5000  # ~12,000 (48 MB in 4 kB pages): glibc trims the top at each free
-    assert faults_per_round("keep") < 100
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux only: the thread name is set with prctl")
