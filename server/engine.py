@@ -64,7 +64,7 @@ class EngineConfig:
     admit_steps: int = 4
     # a batch of greedy requests steps in nmtserve's library (translator.native_steps); when none streams and no
     # one joins, up to this many steps at once (while newcomers gather, up to the steps left of their
-    # gathering), with no Python between them (README, "Greedy steps in the library"); a newcomer ends such a
+    # gathering), with no Python between them (docs/performance.md, "Greedy steps in the library, in the server"); a newcomer ends such a
     # run after its current step; 1: one step an iteration
     max_burst_steps: int = 16
 
@@ -383,7 +383,7 @@ class EnginePool:
     """A model's engines (`serve --inter-threads N`): each its own thread, waiting queue and running batch, over
     the same sessions through a decoding context of its own (OnnxTranslator.replica). On a CPU, N running
     batches of one intra-op thread each keep the cores busier than one batch on N threads, whose kernels
-    are short at these sizes (README, "Batches at once"); one client's request still runs on one thread.
+    are short at these sizes (docs/performance.md, "Batches at once"); one client's request still runs on one thread.
     A request goes to the engine with the fewest requests waiting and running; its result does not depend
     on which (it depends on its own rows only). The pool has an Engine's interface."""
 

@@ -70,7 +70,7 @@ class _Wakeups:
     """Calls from the engine threads into the event loop, run in order there with one wake-up of the loop
     pending at a time (two engine threads racing may schedule a second one: harmless). A wake-up is a
     write to the loop's self-pipe; one per finished request cost the engine thread ~0.24 ms each at
-    saturation (the woken loop takes the GIL; README, "Waking the event loop"), where a step finishes
+    saturation (the woken loop takes the GIL; docs/benchmarks.md, "Waking the event loop"), where a step finishes
     several requests at once."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):

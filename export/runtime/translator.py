@@ -13,7 +13,7 @@ weights stay in the CPU cache between its runs (a batch's result is the same eit
 inter_threads > 1 (CTranslate2's name) that many batches, or groups of them, decode at once on
 threads of their own, each with its own binding over the same two sessions (ONNX Runtime runs one
 session's graphs concurrently): on a CPU this uses the cores better than one batch on more intra-op
-threads, whose parallel regions are short at these sizes (README, "Batches at once").
+threads, whose parallel regions are short at these sizes (docs/performance.md, "Batches at once").
 
 The decoder graph gets a TopK appended (`with_search_head`): a step returns each row's k best tokens
 and their log-probabilities (k = 1 greedy, 2 × beam for beam search), never the whole distribution
@@ -66,7 +66,7 @@ CUDA_INTER_THREADS = ("inter_threads {n} on cuda: one decoding context per model
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 # ONNX Runtime graph optimisations left out on CPU: SkipLayerNormFusion turns the int8 encoder's residual Add
 # and LayerNormalization into SkipLayerNormalization, whose CPU kernel is slower than the two (encoder alone,
-# 1 thread, 200 sentences: 32.1 against 39.3 ms at batch 8, 32.5 against 38.5 at 32; README, "The int8
+# 1 thread, 200 sentences: 32.1 against 39.3 ms at batch 8, 32.5 against 38.5 at 32; docs/performance.md, "The int8
 # encoder without SkipLayerNormalization")
 CPU_DISABLED_OPTIMIZERS = ["SkipLayerNormFusion"]
 SPINNING = {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"}  # session_options says why
@@ -94,7 +94,7 @@ def bind_address(binding: ort.IOBinding | NativeBinding, name: str, where: str, 
     """`binding.bind_input` (or `bind_output`) of a buffer at `address` on device `where`, through the
     binding's C object with a device made once per name: the Python wrappers make a new device on every
     call and keep bookkeeping for WebGPU graph capture only, which was half of the time of binding a new
-    batch (README, "Binding a new batch"). A NativeBinding binds host memory."""
+    batch (docs/performance.md, "Binding a new batch"). A NativeBinding binds host memory."""
     if isinstance(binding, NativeBinding):
         assert where == "cpu", where
         binding.bind(name, dtype, shape, address, output)
@@ -128,7 +128,7 @@ def session_options(intra_op_threads: int = 0) -> ort.SessionOptions:
     # workers spin between the kernels of one run (a futex wake-up per parallel kernel cost 115 µs of
     # a 530 µs decoder step at batch 1) and stop when the run returns: a worker still spinning after
     # it holds a core that our Python between steps, and the other session's run, need. Offline greedy
-    # with 2 threads on 2 cores, tok/s at batch 1/8/32/64 (README, "Spinning"): fp32 1,097/3,712/5,785/
+    # with 2 threads on 2 cores, tok/s at batch 1/8/32/64 (docs/performance.md, "Spinning"): fp32 1,097/3,712/5,785/
     # 6,279 never spinning, 688/2,237/3,074/3,679 spinning always, 1,268/4,060/6,215/6,748 like this
     for key, value in SPINNING.items():
         so.add_session_config_entry(key, value)
@@ -169,7 +169,7 @@ def shared_weights(encoder: onnx.ModelProto, decoder: onnx.ModelProto, min_bytes
     """The initializers of at least `min_bytes` that the encoder graph and the `decoder` both hold, same name
     and same bytes: the tied embedding table (58,101 × 512 fp32, 119 MB, on an OPUS-MT-size model; the int8
     variants keep it in fp32 for the lookups). Given to both sessions (`make_session(initializers=…)`) it
-    is held once (README, "One embedding table for both sessions")."""
+    is held once (docs/benchmarks.md, "One embedding table for both sessions")."""
     large = {i.name: i for i in encoder.graph.initializer if len(i.raw_data) >= min_bytes}
     shared = {}
     for weight in decoder.graph.initializer:
