@@ -247,7 +247,8 @@ def add_bundle_flags(p) -> None:
                    help="a bundle: ONNX Runtime intra-op threads of each batch (default 0: a thread per core)")
     p.add_argument("--inter-threads", type=int, default=1,
                    help="a bundle: batches decoded at once, each on a thread of its own (CTranslate2's name); "
-                        "on a CPU, --inter-threads 2 --threads 1 beat one batch on 2 threads (docs/performance.md, 'Batches at once')")
+                        "on a CPU, --inter-threads 2 --threads 1 beat one batch on 2 threads "
+                        "(docs/performance.md, 'Batches at once')")
 
 
 def add_decoding_flags(p) -> None:

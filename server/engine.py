@@ -64,8 +64,8 @@ class EngineConfig:
     admit_steps: int = 4
     # a batch of greedy requests steps in nmtserve's library (translator.native_steps); when none streams and no
     # one joins, up to this many steps at once (while newcomers gather, up to the steps left of their
-    # gathering), with no Python between them (docs/performance.md, "Greedy steps in the library, in the server"); a newcomer ends such a
-    # run after its current step; 1: one step an iteration
+    # gathering), with no Python between them (docs/performance.md, "Greedy steps in the library, in the
+    # server"); a newcomer ends such a run after its current step; 1: one step an iteration
     max_burst_steps: int = 16
 
 
