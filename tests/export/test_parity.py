@@ -25,6 +25,7 @@ from nmtserve.export.build.verify import (
 from nmtserve.export.runtime import translator as translator_module
 from nmtserve.export.runtime.bundle import load_bundle
 from nmtserve.export.runtime.translator import OnnxTranslator
+from nmtserve.search import DecodingOptions
 from nmtserve.training.checkpoint import load_model
 from nmtserve.training.data import read_tsv
 from tests.helpers import TEST_DEVICE, TEST_SCORE_TOLERANCE, TEST_VARIANT, run_cli
@@ -132,6 +133,26 @@ def test_greedy_without_scores_gives_the_scored_tokens_and_no_score(tiny_bundle,
     assert diverging_off_a_tie(load_model(tiny_checkpoint).model.eval(), sources, [t.tokens for t in unscored],
                                [t.tokens for t in scored]) == []
     assert all(np.isnan(h.score) for h, in tr.search_ids(sources[:5], scores=False))
+
+
+def test_a_group_of_batches_is_encoded_in_one_call_with_the_results_of_a_call_each(tiny_bundle, tiny_corpus,
+                                                                                    monkeypatch):
+    """search_ids encodes a group of batches (up to ENCODE_AHEAD sources) in one encoder call, each batch's
+    cross K/V a view of its rows: at batch 1, greedy and beam give what each sentence encoded alone gives."""
+    texts = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs[:24]]
+    tr = OnnxTranslator(tiny_bundle)
+    sources = [tr.tokenizer.encode(t, tr.limits.max_source_tokens) for t in texts]
+    for options in (DecodingOptions(), DecodingOptions(beam_size=3, num_hypotheses=2)):
+        alone = [tr.search_ids([s], options, max_batch_size=1)[0] for s in sources]
+        calls = []
+        prefill = OnnxTranslator.prefill
+        monkeypatch.setattr(OnnxTranslator, "prefill",
+                            lambda self, batch, caches=True: calls.append(len(batch)) or prefill(self, batch, caches))
+        grouped = tr.search_ids(sources, options, max_batch_size=1)
+        monkeypatch.undo()
+        assert calls == [24]  # 24 batches of one, one encoder call
+        assert [[h.tokens for h in x] for x in grouped] == [[h.tokens for h in x] for x in alone]
+        assert np.allclose([h.score for x in grouped for h in x], [h.score for x in alone for h in x], atol=1e-5)
 
 
 def test_batches_decoded_at_once_on_threads_give_the_results_of_one_at_a_time(tiny_bundle, tiny_corpus, monkeypatch):
