@@ -792,14 +792,15 @@ class OnnxTranslator:
     def _prefill_group(self, batches: list[list[list[int]]]) -> list[BatchState]:
         """Fresh states for several batches of token-id sources. On the host one encoder call for all of them
         (the graph runs on their real tokens only), each batch's cross K/V a view of its rows of the group's:
-        a call's fixed cost (~0.15 ms on the default model) is paid once rather than per batch, which at batch
-        1 is a tenth of an int8 sentence. On a device (an OrtValue is not a view) one call per batch."""
+        a call's fixed cost (~0.12 ms on the default model in int8) is paid once rather than per batch, 7% of
+        a sentence at batch 1. On a device (an OrtValue is not a view) one call per batch."""
         if len(batches) == 1 or not self.ops.views:
             return [self.prefill(batch) for batch in batches]
         whole = self.prefill([source for batch in batches for source in batch], caches=False)
         states, start = [], 0
         for batch in batches:
-            rows, start = slice(start, start + len(batch)), start + len(batch)
+            rows = slice(start, start + len(batch))
+            start = rows.stop
             states.append(BatchState.from_encoded(whole.cross_k[:, rows], whole.cross_v[:, rows],
                                                   whole.cross_eos[:, rows], whole.src_mask[rows], self.bos_id,
                                                   origin=self.cache_origin))
