@@ -61,7 +61,7 @@ from nmtserve.search import BeamSearch, DecodingOptions, Hypothesis, beam_steps,
 # Two decoding contexts over one CUDA device (serve --inter-threads 2, the pool's test on an H200,
 # onnxruntime-gpu 1.31.1) gave requests GroupQueryAttention errors ("total_sequence_length must be
 # positive, got 0") and cut-off tokens, with one decoder session each too; cause not found. One running
-# batch is what a GPU wants anyway (README, "On a GPU"), so on CUDA a model has one.
+# batch is what a GPU wants anyway (docs/benchmarks.md, "GPU runs"), so on CUDA a model has one.
 CUDA_INTER_THREADS = ("inter_threads {n} on cuda: one decoding context per model on a GPU (two at once gave wrong "
                       "tokens there; one running batch fills the GPU): use inter_threads 1")
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
