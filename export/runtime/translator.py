@@ -5,16 +5,16 @@
     for t in tr.translate_batch(["The cat sleeps."], beam_size=4, num_hypotheses=2, return_scores=True):
         print(t.text, t.score, [(a.text, a.score) for a in t.alternatives])
 
-Inputs are sorted by length and cut into batches of at most `max_batch_size` to cut padding;
-within a batch, finished rows (a beam's: when its search is done) decode on, ignored, until they
-are a quarter of the batch, then leave together, so the remaining ones run smaller steps. Small
-batches are encoded ahead, up to ENCODE_AHEAD sources in one encoder call on the host, then decoded one
-after another: each graph's weights stay in the CPU cache between its runs, and a call's fixed cost is paid
-once (a batch's result is the same either way). With
-inter_threads > 1 (CTranslate2's name) that many batches, or groups of them, decode at once on
-threads of their own, each with its own binding over the same two sessions (ONNX Runtime runs one
-session's graphs concurrently): on a CPU this uses the cores better than one batch on more intra-op
-threads, whose parallel regions are short at these sizes (docs/performance.md, "Batches at once").
+Inputs are sorted by length and cut into batches of at most `max_batch_size` to cut padding; within a
+batch, finished rows (a beam's: when its search is done) decode on, ignored, until they are a quarter of
+the batch, then leave together, so the remaining ones run smaller steps. Small batches are encoded ahead,
+up to ENCODE_AHEAD sources in one encoder call on the host, then decoded one after another: each graph's
+weights stay in the CPU cache between its runs, and a call's fixed cost is paid once (a batch's result is
+the same either way). With inter_threads > 1 (CTranslate2's name) that many batches, or groups of them,
+decode at once on threads of their own, each with its own binding over the same two sessions (ONNX
+Runtime runs one session's graphs concurrently): on a CPU this uses the cores better than one batch on
+more intra-op threads, whose parallel regions are short at these sizes (docs/performance.md, "Batches at
+once").
 
 The decoder graph gets a TopK appended (`with_search_head`): a step returns each row's k best tokens
 and their log-probabilities (k = 1 greedy, 2 × beam for beam search), never the whole distribution
