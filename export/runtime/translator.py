@@ -124,7 +124,7 @@ def session_options(intra_op_threads: int = 0) -> ort.SessionOptions:
     # no CPU arena: the arena keeps the largest buffers any shape ever needed, and the running batch's
     # shapes change every step. Measured with `nmtserve soak` (default bundle, 24 clients, 180 s):
     # resident memory peaked at 785 MB with it, 739 MB without memory patterns, 523 MB without the
-    # arena, at the same throughput (README, "Soak")
+    # arena, at the same throughput (docs/performance.md, "Memory under sustained traffic")
     so.enable_cpu_mem_arena = False
     # workers spin between the kernels of one run (a futex wake-up per parallel kernel cost 115 µs of
     # a 530 µs decoder step at batch 1) and stop when the run returns: a worker still spinning after
