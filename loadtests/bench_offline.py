@@ -360,11 +360,13 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, spec: dict) 
                      for ours, theirs in pairs if single in results[ours] and single in results[theirs]}
     reference = next(e for e in ("pytorch", "transformers", "ort_fp32", *cfg.engines) if e in cfg.engines)
     agreement, modules, batch_independent, peak_rss, output_tokens, probe_runs = {}, {}, {}, {}, {}, {}
+    at_limit = {}  # sentences decoded to --max-decoding-length: a batch holding one runs that many steps
     for (engine, inter, t), measured in runs.items():
         probe_runs.setdefault(engine, {})[layout_name(inter, t)] = [m["host_probe"] for m in measured]  # [before, after]
         modules.setdefault(engine, set()).update(*(m["modules_loaded"] for m in measured))
         peak_rss[engine] = max(peak_rss.get(engine, 0), *(m["peak_rss_mb"] for m in measured))
         output_tokens[engine] = round(measured[0]["tokens"][batches[-1]] / n_sentences, 2)
+        at_limit[engine] = sum(len(o) >= cfg.max_decoding_length for o in measured[0]["outputs"])
         batch_independent[engine] = batch_independent.get(engine, True) and all(
             m["same_output_at_every_batch_size"] for m in measured)
         if (reference, 1, threads[0]) in runs and engine != reference and (inter, t) == (1, threads[0]):
@@ -381,7 +383,7 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, spec: dict) 
             "results": results, "best": best, "ratios": ratios, "paired_ratios": paired_ratios,
             "single_thread_ratios": single_ratios,
             "token_agreement": agreement,
-            "peak_rss_mb": peak_rss, "mean_output_tokens": output_tokens,
+            "peak_rss_mb": peak_rss, "mean_output_tokens": output_tokens, "at_max_decoding_length": at_limit,
             "same_output_at_every_batch_size": batch_independent,
             "host_probe": {e: {name: _stats([p[name] for runs in by_layout.values() for pair in runs for p in pair])
                                for name in PROBES} for e, by_layout in probe_runs.items()},
@@ -423,6 +425,10 @@ def format_table(report: dict) -> str:
         lines.append(f"{name}: {share:.1%}")
     lines.append("peak RSS (MB): " + ", ".join(f"{e} {mb:,.0f}" for e, mb in report["peak_rss_mb"].items()))
     lines.append("output tokens per sentence: " + ", ".join(f"{e} {n:.1f}" for e, n in report["mean_output_tokens"].items()))
+    if any(report.get("at_max_decoding_length", {}).values()):  # where a GPU's flat-cost steps go (docs/benchmarks.md)
+        lines.append(f"sentences decoded to the length limit ({report['max_decoding_length']} tokens, no eos), of "
+                     f"{report['sentences']}: " + ", ".join(f"{e} {n}" for e, n in report["at_max_decoding_length"].items())
+                     + "; each keeps its batch stepping to the limit")
     counts = report["mean_output_tokens"].values()
     if max(counts) > 1.01 * min(counts):  # tokens/s then compares unequal work: say so beside the table
         lines.append("NOTE: the engines decoded different numbers of tokens (more than 1% apart), so their tokens/s "

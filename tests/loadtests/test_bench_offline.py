@@ -52,6 +52,7 @@ def test_offline_bench_measures_each_engine_alone_and_reports_its_best(tiny_bund
     # every engine decodes under CTranslate2's length rule: the same tokens, so tokens/s measure the same work
     assert report["length_rule"] == "ctranslate2" and len(set(report["mean_output_tokens"].values())) == 1
     assert "NOTE: the engines decoded different numbers" not in result.stdout
+    assert set(report["at_max_decoding_length"]) == engines  # how many reached the 256-token limit, per engine
     assert report["same_output_at_every_batch_size"]["ort_fp32"] is True
     machine = report["machine"]
     assert machine["cpu"] and machine["usable_cores"] >= 1 and {"onnxruntime", "ctranslate2", "torch", "numpy"} <= \
@@ -89,6 +90,20 @@ def test_offline_bench_of_an_imported_marian_bundle_measures_transformers_and_ct
     # the same model three ways: ours matches transformers' beam search, as export --verify checks
     assert report["token_agreement"]["ort_fp32_vs_transformers_identical"] == 1.0
     assert all(report["peak_rss_mb"][e] > 20 for e in ("transformers", "ort_fp32", "ct2_fp32"))
+
+
+def test_the_report_counts_the_sentences_decoded_to_the_length_limit(tiny_bundle, tmp_path):
+    """Each such sentence keeps its batch stepping to the limit (on a GPU, at the cost of a full step each):
+    the report and the table say how many there were. With a limit of 3 tokens every test sentence reaches it."""
+    out = tmp_path / "offline.json"
+    result = run_cli("bench", "offline", str(tiny_bundle), "--sentences", "6", "--runs", "1", "--repeats", "1",
+                     "--threads", "1", "--batch-sizes", "2", "--max-decoding-length", "3", "--engines", "ort_fp32,ct2_fp32",
+                     "--json", str(out), timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["mean_output_tokens"] == {"ort_fp32": 3.0, "ct2_fp32": 3.0}
+    assert report["at_max_decoding_length"] == {"ort_fp32": 6, "ct2_fp32": 6}
+    assert "sentences decoded to the length limit (3 tokens, no eos), of 6: ort_fp32 6, ct2_fp32 6" in result.stdout
 
 
 def test_transformers_is_an_engine_of_imported_bundles_only(tiny_bundle):
