@@ -190,6 +190,55 @@ void DecodeCrossAttention(OrtKernelContext* context, const Ort::Custom::Tensor<f
   Ort::KernelContext(context).ParallelFor(cross_row_head, sources * width * heads, 0, &w);
 }
 
+struct EncodeWork {
+  const float *q, *k, *v;
+  float* out;
+  const int64_t* first;  // (B + 1): sentence b's tokens are the packed rows first[b] .. first[b + 1] - 1
+  int64_t heads, dim;    // dim: of a head
+};
+
+// One sentence and head of EncodeSelfAttention: its keys and values copied into rows of their own (a packed
+// row holds every head of its token), then each of its queries attends to all of them.
+void sentence_head(void* data, size_t item) {
+  const auto& w = *static_cast<EncodeWork*>(data);
+  const int64_t b = item / w.heads, h = item % w.heads, first = w.first[b], n = w.first[b + 1] - first;
+  const int64_t width = w.heads * w.dim, at = first * width + h * w.dim;
+  std::vector<float> kv(2 * n * w.dim);
+  float *k = kv.data(), *v = kv.data() + n * w.dim;
+  for (int64_t t = 0; t < n; t++) {
+    std::memcpy(k + t * w.dim, w.k + at + t * width, sizeof(float) * w.dim);
+    std::memcpy(v + t * w.dim, w.v + at + t * width, sizeof(float) * w.dim);
+  }
+  Scores p(n);
+  for (int64_t i = 0; i < n; i++) attend(w.q + at + i * width, k, v, n, w.dim, p.data(), w.out + at + i * width);
+}
+
+// The encoder's self-attention over packed tokens: q, k and v (1, T, H·Dh) hold the batch's T real tokens one
+// after another, sentence by sentence (the order of NonZero over src_mask), and each sentence's queries attend
+// to its own keys; src_mask (B, L) says how many tokens each sentence has, heads (1,) is H. It stands for the
+// exported graph's Gathers into a padded (B, L, H·Dh), ONNX Runtime's MultiHeadAttention with src_mask as the
+// key padding mask, and the Gather that packs its output again (kernels.with_packed_attention).
+Ort::Status EncodeSelfAttention(OrtKernelContext* context, const Ort::Custom::Tensor<float>& q,
+                                const Ort::Custom::Tensor<float>& k, const Ort::Custom::Tensor<float>& v,
+                                const Ort::Custom::Tensor<bool>& mask, const Ort::Custom::Tensor<int64_t>& heads,
+                                Ort::Custom::Tensor<float>& out) {
+  const std::vector<int64_t> qs = q.Shape(), ms = mask.Shape();
+  if (qs.size() != 3 || ms.size() != 2 || heads.NumberOfElement() != 1 || heads.Data()[0] <= 0 ||
+      qs[2] % heads.Data()[0] != 0 || k.Shape() != qs || v.Shape() != qs)
+    return Ort::Status("EncodeSelfAttention: q, k and v must be (1, T, H·Dh) alike, src_mask (B, L), heads (1,)",
+                       ORT_INVALID_ARGUMENT);
+  const int64_t sentences = ms[0], length = ms[1], tokens = qs[0] * qs[1], h = heads.Data()[0];
+  std::vector<int64_t> first(sentences + 1, 0);
+  const bool* m = mask.Data();
+  for (int64_t b = 0; b < sentences; b++)
+    first[b + 1] = first[b] + std::count(m + b * length, m + (b + 1) * length, true);
+  if (first[sentences] != tokens)
+    return Ort::Status("EncodeSelfAttention: src_mask's tokens are not the packed rows of q", ORT_INVALID_ARGUMENT);
+  EncodeWork w{q.Data(), k.Data(), v.Data(), out.Allocate(qs), first.data(), h, qs[2] / h};
+  Ort::KernelContext(context).ParallelFor(sentence_head, sentences * h, 0, &w);
+  return Ort::Status{nullptr};
+}
+
 // One row of SearchHead: its k best values (k <= n), best first, ties by lower index, by insertion into a
 // sorted list. A block of 64 values whose maximum does not beat the k-th best is passed over after eight
 // vector maxima (GCC's vector extension: AVX2 in the x86-64-v3 clone); many (k > 64, sampling from the whole
@@ -457,9 +506,11 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
       Ort::Custom::CreateLiteCustomOp("AddNormQuantize", "CPUExecutionProvider", AddNormQuantize)};
   static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> relu_op{
       Ort::Custom::CreateLiteCustomOp("BiasReluQuantize", "CPUExecutionProvider", BiasReluQuantize)};
+  static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> encode_op{
+      Ort::Custom::CreateLiteCustomOp("EncodeSelfAttention", "CPUExecutionProvider", EncodeSelfAttention)};
   static const bool added = (domain.Add(self_op.get()), domain.Add(cross_op.get()), domain.Add(beam_op.get()),
                               domain.Add(head_op.get()), domain.Add(quantize_op.get()), domain.Add(norm_op.get()),
-                              domain.Add(relu_op.get()), true);
+                              domain.Add(relu_op.get()), domain.Add(encode_op.get()), true);
   (void)added;
   Ort::UnownedSessionOptions(options).Add(domain);
   return nullptr;

@@ -142,6 +142,61 @@ def with_custom_kernels(model: onnx.ModelProto, beam_origin: bool = False) -> on
     return model
 
 
+def with_packed_attention(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The encoder graph (changed in place) with each self-attention over unpacked tokens — the exported
+    encoder runs on the batch's real tokens packed in one row, (1, T, D), and for attention Gathers q, k and
+    v into a padded (B, L, D), runs MultiHeadAttention with src_mask as the key padding mask and Gathers its
+    output back into the packed row — as one nmtserve.EncodeSelfAttention over the packed q, k and v. A
+    MultiHeadAttention of another form (attributes beyond num_heads, a bias, another mask, an output used
+    elsewhere) keeps ONNX Runtime's nodes; a graph without any comes back unchanged."""
+    made_by = {output: node for node in model.graph.node for output in node.output}
+    used_by: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            used_by.setdefault(name, []).append(node)
+    inputs = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
+
+    def only_user(name: str, op_type: str) -> onnx.NodeProto | None:
+        users = used_by.get(name, [])
+        return users[0] if len(users) == 1 and users[0].op_type == op_type else None
+
+    def unpacked(name: str) -> tuple | None:  # Reshape(Gather(packed, indices, axis=1)) used by the attention alone
+        reshape = made_by.get(name)
+        gather = made_by.get(reshape.input[0]) if reshape is not None and reshape.op_type == "Reshape" else None
+        if gather is None or gather.op_type != "Gather" or only_user(gather.output[0], "Reshape") is not reshape:
+            return None
+        return gather.input[0], (reshape, gather)
+
+    replaced, dropped, heads_names = {}, set(), {}
+    for node in model.graph.node:
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type != "MultiHeadAttention" or set(attributes) != {"num_heads"} or len(node.input) != 5 \
+                or node.input[3] or any(only_user(x, "MultiHeadAttention") is not node for x in node.input[:3]):
+            continue
+        cast = made_by.get(node.input[4])
+        mask = cast.input[0] if cast is not None and cast.op_type == "Cast" else None
+        qkv = [unpacked(x) for x in node.input[:3]]
+        back = only_user(node.output[0], "Reshape")
+        pack = only_user(back.output[0], "Gather") if back is not None else None
+        if inputs.get(mask) != onnx.TensorProto.BOOL or None in qkv or pack is None:
+            continue
+        heads = attributes["num_heads"]
+        if heads not in heads_names:
+            heads_names[heads] = f"nmtserve_heads_{heads}"
+            model.graph.initializer.append(numpy_helper.from_array(np.array([heads], np.int64), heads_names[heads]))
+        replaced[id(node)] = helper.make_node("EncodeSelfAttention", [*(x for x, _ in qkv), mask, heads_names[heads]],
+                                              list(pack.output), name=node.name, domain="nmtserve")
+        dropped |= {id(n) for _, pair in qkv for n in pair} | {id(back), id(pack)}
+    if not replaced:
+        return model
+    nodes = [replaced.get(id(node), node) for node in model.graph.node if id(node) not in dropped]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    if not any(opset.domain == "nmtserve" for opset in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("nmtserve", 1))
+    return model
+
+
 def with_row_quantize(model: onnx.ModelProto) -> onnx.ModelProto:
     """An int8 graph of `quantize_dynamic` (changed in place) with each DynamicQuantizeLinear as
     nmtserve.RowQuantize: a scale per row (the last axis) instead of one for the tensor. Its zero point,

@@ -323,9 +323,15 @@ class OnnxTranslator:
             raise ConfigError("row_scales: int8 scales per row are one of nmtserve's kernels, which are off here")
         quantised = any(n.op_type == "DynamicQuantizeLinear" for n in decoder.graph.node)
         self.row_scales = quantised and (self.attention_kernel if row_scales is None else row_scales)
-        encoder = kernels.with_row_quantize(encoder).SerializeToString() if self.row_scales and encoder else None
+        # on nmtserve's kernels the encoder's self-attention runs on the packed tokens (with_packed_attention), and
+        # an int8 encoder quantises each row on its own scale
+        if encoder is not None and self.attention_kernel:
+            encoder = kernels.with_packed_attention(encoder)
+            encoder = (kernels.with_row_quantize(encoder) if self.row_scales else encoder).SerializeToString()
+        else:
+            encoder = None
         self.encoder = make_session(encoder_path, device, intra_op_threads, model=encoder,
-                                    custom_ops=kernels.LIBRARY if self.row_scales else None,
+                                    custom_ops=kernels.LIBRARY if self.attention_kernel else None,
                                     initializers=self._shared_values)
         del encoder
         # shared_cross: a beam's rows share their source's cross K/V (`with_shared_cross`), as offline search

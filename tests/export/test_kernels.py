@@ -121,6 +121,49 @@ def test_cross_attention_reads_each_sources_keys_up_to_its_length():
     assert not out[0].any() and np.isfinite(out).all()
 
 
+def test_encoder_self_attention_attends_within_each_sentence_of_the_packed_tokens():
+    rng = np.random.default_rng(2)
+    mask = np.zeros((3, 5), bool)
+    mask[0, :2], mask[1, :5], mask[2, :1] = True, True, True  # 2, 5 and 1 tokens: 8 packed rows
+    q, k, v = (rng.standard_normal((1, 8, HEADS * DIM), dtype=np.float32) for _ in range(3))
+    session = _session(helper.make_node("EncodeSelfAttention", ["q", "k", "v", "mask", "heads"], ["out"], domain="nmtserve"),
+                       [("q", TensorProto.FLOAT), ("k", TensorProto.FLOAT), ("v", TensorProto.FLOAT),
+                        ("mask", TensorProto.BOOL), ("heads", TensorProto.INT64)], ["out"])
+    feed = {"q": q, "k": k, "v": v, "mask": mask, "heads": np.array([HEADS], np.int64)}
+    out = session.run(None, feed)[0].reshape(8, HEADS, DIM)
+    q, k, v = (x.reshape(8, HEADS, DIM) for x in (q, k, v))
+    first = [0, 2, 7, 8]
+    for s in range(3):
+        rows = range(first[s], first[s + 1])
+        for i in rows:
+            for h in range(HEADS):
+                want = _attend(q[i, h], k[rows.start:rows.stop, h], v[rows.start:rows.stop, h])
+                assert np.abs(out[i, h] - want).max() < 1e-5
+    feed["mask"] = np.ones((3, 5), bool)  # 15 tokens for 8 rows: refused, never read past the rows
+    with pytest.raises(Exception, match="src_mask's tokens are not the packed rows of q"):
+        session.run(None, feed)
+
+
+def test_the_encoder_attends_on_packed_tokens_with_the_results_of_ort_nodes(tiny_bundle):
+    """with_packed_attention swaps each self-attention's unpacking Gathers, MultiHeadAttention and packing
+    Gather for one EncodeSelfAttention; a batch of sources of different lengths encodes as before."""
+    translator = OnnxTranslator(tiny_bundle)
+    path = translator.bundle.graph_path("fp32", "encoder")
+    before, after = onnx.load(str(path)), kernels.with_packed_attention(onnx.load(str(path)))
+    ops = [n.op_type for n in after.graph.node]
+    layers = translator.bundle.model["n_encoder_layers"]
+    assert [n.op_type for n in before.graph.node].count("MultiHeadAttention") == layers
+    assert ops.count("EncodeSelfAttention") == layers and "MultiHeadAttention" not in ops
+    sources = [[5, 6, 7, 8, 9, 10, 11, translator.eos_id], [12, translator.eos_id], [13, 14, 15, translator.eos_id]]
+    src_ids, src_mask = translator.pad(sources)
+    options = session_options(1)
+    options.register_custom_ops_library(str(kernels.LIBRARY))
+    ours, theirs = (ort.InferenceSession(m.SerializeToString(), o, providers=["CPUExecutionProvider"])
+                    for m, o in ((after, options), (before, session_options(1))))
+    for a, b in zip(*(s.run(None, {"src_ids": src_ids, "src_mask": src_mask}) for s in (ours, theirs))):
+        assert np.abs(a - b).max() < 1e-5
+
+
 @pytest.mark.parametrize("k", [1, 3, 64, 65, 200])  # 65 and up: the partial sort's path (200: the whole vocabulary)
 def test_search_head_gives_each_rows_best_logits_in_order_with_their_log_softmax(k):
     rng = np.random.default_rng(2)
