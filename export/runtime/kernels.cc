@@ -240,6 +240,43 @@ Ort::Status EncodeSelfAttention(OrtKernelContext* context, const Ort::Custom::Te
   return Ort::Status{nullptr};
 }
 
+struct HeadsWork {
+  const float* x;
+  const int64_t* index;
+  float* out;
+  int64_t tokens, length, heads, dim;  // dim: of a head
+};
+
+void sentence_to_heads(void* data, size_t b) {  // sentence b's L slots of every head
+  const auto& w = *static_cast<HeadsWork*>(data);
+  for (int64_t h = 0; h < w.heads; h++)
+    for (int64_t l = 0; l < w.length; l++)
+      std::memcpy(w.out + ((b * w.heads + h) * w.length + l) * w.dim,
+                  w.x + w.index[b * w.length + l] * w.heads * w.dim + h * w.dim, sizeof(float) * w.dim);
+}
+
+// The encoder's cross K or V for the decoder, (B, H, L, Dh), from the packed rows x (1, T, H·Dh): slot l of
+// sentence b is row index[b·L + l] (the exported graph's Gather indices, which give padded slots a real row
+// too). It stands for that Gather, two Reshapes and the Transpose into heads (kernels.with_packed_attention);
+// src_mask (B, L) gives the shape, heads (1,) is H. An index outside the rows is an error, never a read.
+Ort::Status PackedToHeads(OrtKernelContext* context, const Ort::Custom::Tensor<float>& x,
+                          const Ort::Custom::Tensor<int64_t>& index, const Ort::Custom::Tensor<bool>& mask,
+                          const Ort::Custom::Tensor<int64_t>& heads, Ort::Custom::Tensor<float>& out) {
+  const std::vector<int64_t> xs = x.Shape(), ms = mask.Shape();
+  if (xs.size() != 3 || xs[0] != 1 || ms.size() != 2 || heads.NumberOfElement() != 1 || heads.Data()[0] <= 0 ||
+      xs[2] % heads.Data()[0] != 0 || index.NumberOfElement() != ms[0] * ms[1])
+    return Ort::Status("PackedToHeads: x must be (1, T, H·Dh), index (B·L,) for src_mask (B, L), heads (1,)",
+                       ORT_INVALID_ARGUMENT);
+  const int64_t h = heads.Data()[0];
+  const int64_t* index_data = index.Data();
+  for (int64_t i = 0; i < index.NumberOfElement(); i++)
+    if (index_data[i] < 0 || index_data[i] >= xs[1])
+      return Ort::Status("PackedToHeads: an index is outside the packed rows", ORT_INVALID_ARGUMENT);
+  HeadsWork w{x.Data(), index_data, out.Allocate({ms[0], h, ms[1], xs[2] / h}), xs[1], ms[1], h, xs[2] / h};
+  Ort::KernelContext(context).ParallelFor(sentence_to_heads, ms[0], 0, &w);
+  return Ort::Status{nullptr};
+}
+
 // One row of SearchHead: its k best values (k <= n), best first, ties by lower index, by insertion into a
 // sorted list. A block of 64 values whose maximum does not beat the k-th best is passed over after eight
 // vector maxima (GCC's vector extension: AVX2 in the x86-64-v3 clone); many (k > 64, sampling from the whole
@@ -509,9 +546,12 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
       Ort::Custom::CreateLiteCustomOp("BiasReluQuantize", "CPUExecutionProvider", BiasReluQuantize)};
   static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> encode_op{
       Ort::Custom::CreateLiteCustomOp("EncodeSelfAttention", "CPUExecutionProvider", EncodeSelfAttention)};
+  static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> heads_op{
+      Ort::Custom::CreateLiteCustomOp("PackedToHeads", "CPUExecutionProvider", PackedToHeads)};
   static const bool added = (domain.Add(self_op.get()), domain.Add(cross_op.get()), domain.Add(beam_op.get()),
                               domain.Add(head_op.get()), domain.Add(quantize_op.get()), domain.Add(norm_op.get()),
-                              domain.Add(relu_op.get()), domain.Add(encode_op.get()), true);
+                              domain.Add(relu_op.get()), domain.Add(encode_op.get()),
+                              domain.Add(heads_op.get()), true);
   (void)added;
   Ort::UnownedSessionOptions(options).Add(domain);
   return nullptr;

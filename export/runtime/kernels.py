@@ -148,7 +148,8 @@ def with_packed_attention(model: onnx.ModelProto) -> onnx.ModelProto:
     v into a padded (B, L, D), runs MultiHeadAttention with src_mask as the key padding mask and Gathers its
     output back into the packed row — as one nmtserve.EncodeSelfAttention over the packed q, k and v. A
     MultiHeadAttention of another form (attributes beyond num_heads, a bias, another mask, an output used
-    elsewhere) keeps ONNX Runtime's nodes; a graph without any comes back unchanged."""
+    elsewhere) keeps ONNX Runtime's nodes; a graph without any comes back unchanged. Each cross K and V that
+    the graph unpacks the same way and transposes into (B, H, L, Dh) becomes one nmtserve.PackedToHeads."""
     made_by = {output: node for node in model.graph.node for output in node.output}
     used_by: dict[str, list[onnx.NodeProto]] = {}
     for node in model.graph.node:
@@ -167,7 +168,7 @@ def with_packed_attention(model: onnx.ModelProto) -> onnx.ModelProto:
             return None
         return gather.input[0], (reshape, gather)
 
-    replaced, dropped, heads_names = {}, set(), {}
+    replaced, dropped, heads_names, masks = {}, set(), {}, set()
     for node in model.graph.node:
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type != "MultiHeadAttention" or set(attributes) != {"num_heads"} or len(node.input) != 5 \
@@ -187,14 +188,50 @@ def with_packed_attention(model: onnx.ModelProto) -> onnx.ModelProto:
         replaced[id(node)] = helper.make_node("EncodeSelfAttention", [*(x for x, _ in qkv), mask, heads_names[heads]],
                                               list(pack.output), name=node.name, domain="nmtserve")
         dropped |= {id(n) for _, pair in qkv for n in pair} | {id(back), id(pack)}
+        masks.add(mask)
+    # each cross K or V output, Transpose(Reshape(Reshape(Gather(packed, indices, axis=1)))) into (B, H, L, Dh),
+    # as one nmtserve.PackedToHeads of the same rows, when the attentions above gave the mask and head count
+    outputs = {o.name for o in model.graph.output}
+    if len(heads_names) == 1 and len(masks) == 1:
+        mask, casts = next(iter(masks)), set()
+        for node in model.graph.node:
+            perm = [helper.get_attribute_value(a) for a in node.attribute if a.name == "perm"]
+            chain = [made_by.get(node.input[0])] if node.op_type == "Transpose" and perm == [[0, 2, 1, 3]] \
+                and node.output[0] in outputs else []
+            while chain and chain[-1] is not None and chain[-1].op_type == "Reshape" and len(chain) < 3:
+                chain.append(made_by.get(chain[-1].input[0]))
+            gather = chain[-1] if len(chain) == 3 else None
+            if gather is None or gather.op_type != "Gather" or [a.i for a in gather.attribute if a.name == "axis"] != [1]:
+                continue
+            if only_user(chain[0].output[0], "Transpose") is not node:
+                continue
+            index = f"{gather.input[1]}_int64"  # the op reads int64 indices, whatever the graph's type: one Cast each
+            cast = [] if index in casts else [helper.make_node("Cast", [gather.input[1]], [index], to=onnx.TensorProto.INT64)]
+            casts.add(index)
+            replaced[id(node)] = [*cast, helper.make_node("PackedToHeads", [gather.input[0], index, mask,
+                                                                           *heads_names.values()],
+                                                          list(node.output), name=node.name, domain="nmtserve")]
+            dropped |= {id(n) for n in chain}
     if not replaced:
         return model
-    nodes = [replaced.get(id(node), node) for node in model.graph.node if id(node) not in dropped]
+    nodes = [new for node in model.graph.node if id(node) not in dropped
+             for new in (lambda n: n if isinstance(n, list) else [n])(replaced.get(id(node), node))]
     del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    model.graph.node.extend(_live(nodes, {o.name for o in model.graph.output}))
     if not any(opset.domain == "nmtserve" for opset in model.opset_import):
         model.opset_import.append(helper.make_opsetid("nmtserve", 1))
     return model
+
+
+def _live(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
+    """The nodes that lead to a graph output, in order: those left with no reader by a rewrite (the shape
+    computations of the Reshapes it removed) go too, so that none reads a tensor no node makes any more."""
+    needed, live = set(outputs), []
+    for node in reversed(nodes):
+        if any(o in needed for o in node.output):
+            live.append(node)
+            needed.update(node.input)
+    return live[::-1]
 
 
 def with_row_quantize(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -144,9 +144,26 @@ def test_encoder_self_attention_attends_within_each_sentence_of_the_packed_token
         session.run(None, feed)
 
 
+def test_packed_to_heads_puts_each_slot_s_row_into_every_head_and_refuses_an_index_outside_the_rows():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 5, HEADS * DIM), dtype=np.float32)
+    index = np.array([0, 1, 1, 2, 3, 4], np.int64)  # 2 sentences of 3 slots: rows 0 1 1 (a padded slot), 2 3 4
+    session = _session(helper.make_node("PackedToHeads", ["x", "index", "mask", "heads"], ["out"], domain="nmtserve"),
+                       [("x", TensorProto.FLOAT), ("index", TensorProto.INT64), ("mask", TensorProto.BOOL),
+                        ("heads", TensorProto.INT64)], ["out"])
+    feed = {"x": x, "index": index, "mask": np.ones((2, 3), bool), "heads": np.array([HEADS], np.int64)}
+    out = session.run(None, feed)[0]
+    want = x[0, index].reshape(2, 3, HEADS, DIM).transpose(0, 2, 1, 3)
+    assert out.shape == (2, HEADS, 3, DIM) and np.array_equal(out, want)
+    feed["index"] = np.array([0, 1, 1, 2, 3, 5], np.int64)
+    with pytest.raises(Exception, match="an index is outside the packed rows"):
+        session.run(None, feed)
+
+
 def test_the_encoder_attends_on_packed_tokens_with_the_results_of_ort_nodes(tiny_bundle):
     """with_packed_attention swaps each self-attention's unpacking Gathers, MultiHeadAttention and packing
-    Gather for one EncodeSelfAttention; a batch of sources of different lengths encodes as before."""
+    Gather for one EncodeSelfAttention, and each cross K/V's Gather, Reshapes and Transpose for one
+    PackedToHeads; a batch of sources of different lengths encodes as before, padded slots too."""
     translator = OnnxTranslator(tiny_bundle)
     path = translator.bundle.graph_path("fp32", "encoder")
     before, after = onnx.load(str(path)), kernels.with_packed_attention(onnx.load(str(path)))
@@ -154,6 +171,9 @@ def test_the_encoder_attends_on_packed_tokens_with_the_results_of_ort_nodes(tiny
     layers = translator.bundle.model["n_encoder_layers"]
     assert [n.op_type for n in before.graph.node].count("MultiHeadAttention") == layers
     assert ops.count("EncodeSelfAttention") == layers and "MultiHeadAttention" not in ops
+    # each decoder layer's cross K and V straight from the packed rows into (B, H, L, Dh)
+    assert ops.count("PackedToHeads") == 2 * translator.n_layers
+    onnx.checker.check_model(after)  # no node reads what the removed nodes made
     sources = [[5, 6, 7, 8, 9, 10, 11, translator.eos_id], [12, translator.eos_id], [13, 14, 15, translator.eos_id]]
     src_ids, src_mask = translator.pad(sources)
     options = session_options(1)
