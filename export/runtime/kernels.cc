@@ -4,7 +4,8 @@
 // keys, vectorised by the compiler over the head dimension (docs/performance.md, "A kernel of our own").
 // And the step's search head: each row's best candidates and their log-softmax in one pass. And the int8
 // graphs' activation quantisation with a scale per row, so that a row's result never depends on its batch. And
-// the encoder's self-attention over the batch's packed tokens, each sentence's queries over its own keys.
+// the encoder's self-attention over the batch's packed tokens, each sentence's queries over its own keys, and
+// its cross K/V from those packed rows into heads.
 // Built by export/runtime/kernels.py against ONNX Runtime's C API header; loaded with
 // SessionOptions.register_custom_ops_library; the step graph's nodes are swapped at load time.
 #define ORT_API_MANUAL_INIT
