@@ -168,7 +168,7 @@ def with_packed_attention(model: onnx.ModelProto) -> onnx.ModelProto:
             return None
         return gather.input[0], (reshape, gather)
 
-    replaced, dropped, heads_names, masks = {}, set(), {}, set()
+    replaced, dropped, heads_dropped, heads_names, masks = {}, set(), set(), {}, set()
     for node in model.graph.node:
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type != "MultiHeadAttention" or set(attributes) != {"num_heads"} or len(node.input) != 5 \
@@ -211,16 +211,28 @@ def with_packed_attention(model: onnx.ModelProto) -> onnx.ModelProto:
             replaced[id(node)] = [*cast, helper.make_node("PackedToHeads", [gather.input[0], index, mask,
                                                                            *heads_names.values()],
                                                           list(node.output), name=node.name, domain="nmtserve")]
-            dropped |= {id(n) for n in chain}
+            heads_dropped |= {id(n) for n in chain}
     if not replaced:
         return model
-    nodes = [new for node in model.graph.node if id(node) not in dropped
-             for new in (lambda n: n if isinstance(n, list) else [n])(replaced.get(id(node), node))]
+    nodes = _rebuilt(model, replaced, dropped | heads_dropped)
+    made = {i.name for i in [*model.graph.initializer, *model.graph.input]} | {o for n in nodes for o in n.output} | {""}
+    read = [name for node in nodes for name in node.input] + [o.name for o in model.graph.output]
+    if any(name not in made for name in read):  # a removed node's output is still read or an output:
+        replaced = {k: v for k, v in replaced.items() if not isinstance(v, list)}  # the cross K/V stay as exported
+        nodes = _rebuilt(model, replaced, dropped)
     del model.graph.node[:]
-    model.graph.node.extend(_live(nodes, {o.name for o in model.graph.output}))
+    model.graph.node.extend(nodes)
     if not any(opset.domain == "nmtserve" for opset in model.opset_import):
         model.opset_import.append(helper.make_opsetid("nmtserve", 1))
     return model
+
+
+def _rebuilt(model: onnx.ModelProto, replaced: dict, dropped: set) -> list[onnx.NodeProto]:
+    """The graph's nodes less `dropped`, each in `replaced` (by id) as its node or list of nodes, less those
+    that no longer lead to an output (`_live`)."""
+    nodes = [new for node in model.graph.node if id(node) not in dropped
+             for new in (lambda n: n if isinstance(n, list) else [n])(replaced.get(id(node), node))]
+    return _live(nodes, {o.name for o in model.graph.output})
 
 
 def _live(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:

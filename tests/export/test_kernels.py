@@ -182,6 +182,15 @@ def test_the_encoder_attends_on_packed_tokens_with_the_results_of_ort_nodes(tiny
                     for m, o in ((after, options), (before, session_options(1))))
     for a, b in zip(*(s.run(None, {"src_ids": src_ids, "src_mask": src_mask}) for s in (ours, theirs))):
         assert np.abs(a - b).max() < 1e-5
+    # a cross K whose unpacked rows are read elsewhere too (here: an output) keeps the exported nodes
+    transposed = next(n for n in before.graph.node if n.op_type == "Transpose" and n.output[0] == "cross_k_0")
+    made_by = {o: n for n in before.graph.node for o in n.output}
+    gather = made_by[made_by[made_by[transposed.input[0]].input[0]].input[0]]
+    before.graph.output.append(helper.make_tensor_value_info(gather.output[0], TensorProto.FLOAT, ["one", "rows", "dim"]))
+    kept = kernels.with_packed_attention(before)
+    onnx.checker.check_model(kept)
+    ops = [n.op_type for n in kept.graph.node]
+    assert ops.count("EncodeSelfAttention") == layers and "PackedToHeads" not in ops
 
 
 @pytest.mark.parametrize("k", [1, 3, 64, 65, 200])  # 65 and up: the partial sort's path (200: the whole vocabulary)
