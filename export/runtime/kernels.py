@@ -230,8 +230,11 @@ def with_packed_attention(model: onnx.ModelProto) -> onnx.ModelProto:
 def _rebuilt(model: onnx.ModelProto, replaced: dict, dropped: set) -> list[onnx.NodeProto]:
     """The graph's nodes less `dropped`, each in `replaced` (by id) as its node or list of nodes, less those
     that no longer lead to an output (`_live`)."""
-    nodes = [new for node in model.graph.node if id(node) not in dropped
-             for new in (lambda n: n if isinstance(n, list) else [n])(replaced.get(id(node), node))]
+    nodes = []
+    for node in model.graph.node:
+        if id(node) not in dropped:
+            new = replaced.get(id(node), node)
+            nodes.extend(new if isinstance(new, list) else [new])
     return _live(nodes, {o.name for o in model.graph.output})
 
 
