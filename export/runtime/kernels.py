@@ -201,21 +201,24 @@ def with_packed_attention(model: onnx.ModelProto) -> onnx.ModelProto:
             while chain and chain[-1] is not None and chain[-1].op_type == "Reshape" and len(chain) < 3:
                 chain.append(made_by.get(chain[-1].input[0]))
             gather = chain[-1] if len(chain) == 3 else None
-            if gather is None or gather.op_type != "Gather" or [a.i for a in gather.attribute if a.name == "axis"] != [1]:
+            axis = [a.i for a in gather.attribute if a.name == "axis"] if gather is not None else None
+            if gather is None or gather.op_type != "Gather" or axis != [1]:
                 continue
             if only_user(chain[0].output[0], "Transpose") is not node:
                 continue
             index = f"{gather.input[1]}_int64"  # the op reads int64 indices, whatever the graph's type: one Cast each
-            cast = [] if index in casts else [helper.make_node("Cast", [gather.input[1]], [index], to=onnx.TensorProto.INT64)]
+            cast = [] if index in casts else [
+                helper.make_node("Cast", [gather.input[1]], [index], to=onnx.TensorProto.INT64)]
             casts.add(index)
-            replaced[id(node)] = [*cast, helper.make_node("PackedToHeads", [gather.input[0], index, mask,
-                                                                           *heads_names.values()],
-                                                          list(node.output), name=node.name, domain="nmtserve")]
+            heads_node = helper.make_node("PackedToHeads", [gather.input[0], index, mask, *heads_names.values()],
+                                          list(node.output), name=node.name, domain="nmtserve")
+            replaced[id(node)] = [*cast, heads_node]
             heads_dropped |= {id(n) for n in chain}
     if not replaced:
         return model
     nodes = _rebuilt(model, replaced, dropped | heads_dropped)
-    made = {i.name for i in [*model.graph.initializer, *model.graph.input]} | {o for n in nodes for o in n.output} | {""}
+    made = {i.name for i in [*model.graph.initializer, *model.graph.input]} | {o for n in nodes for o in n.output}
+    made.add("")  # an optional input left out
     read = [name for node in nodes for name in node.input] + [o.name for o in model.graph.output]
     if any(name not in made for name in read):  # a removed node's output is still read or an output:
         replaced = {k: v for k, v in replaced.items() if not isinstance(v, list)}  # the cross K/V stay as exported
