@@ -93,6 +93,26 @@ struct SelfWork {
   const int32_t* filled;
   int64_t heads, slots, dim;
   const int32_t* origin;  // (B, slots) or null: DecodeBeamSelfAttention's
+  const float* negated_bias;  // (3·H·Dh) or null: subtracted from each row of qkv as it is read
+};
+
+// x less the negated bias (null: x itself), n floats: the bias add of the graph's Sub that the kernel reads
+// through (kernels.with_row_quantize), in the same arithmetic. Into `own` when there is a bias.
+inline const float* biased(const float* x, const float* negated_bias, int64_t n, float* own) {
+  if (!negated_bias) return x;
+  for (int64_t i = 0; i < n; i++) own[i] = x[i] - negated_bias[i];
+  return own;
+}
+
+// Room for one head's query: on the stack up to 256 floats, else on the heap.
+class Query {
+ public:
+  explicit Query(int64_t n) : heap_(n > 256 ? n : 0) {}
+  float* data() { return heap_.empty() ? stack_ : heap_.data(); }
+
+ private:
+  float stack_[256];
+  std::vector<float> heap_;
 };
 
 // One row and head of DecodeSelfAttention: its new key and value into the slot after its filled ones,
@@ -106,38 +126,65 @@ void self_row_head(void* data, size_t item) {
     std::memset(out, 0, sizeof(float) * w.dim);
     return;
   }
-  const float* row = w.qkv + b * 3 * w.heads * w.dim;  // q of every head, then k, then v
+  const int64_t width = 3 * w.heads * w.dim;  // q of every head, then k, then v
+  const float* row = w.qkv + b * width;
+  const float* bias = w.negated_bias;
   float* k = w.k + item * w.slots * w.dim;
   float* v = w.v + item * w.slots * w.dim;
-  std::memcpy(k + slot * w.dim, row + (w.heads + h) * w.dim, sizeof(float) * w.dim);
-  std::memcpy(v + slot * w.dim, row + (2 * w.heads + h) * w.dim, sizeof(float) * w.dim);
+  const int64_t at_q = h * w.dim, at_k = (w.heads + h) * w.dim, at_v = (2 * w.heads + h) * w.dim;
+  Query q(w.dim);
+  if (bias) {
+    biased(row + at_k, bias + at_k, w.dim, k + slot * w.dim);
+    biased(row + at_v, bias + at_v, w.dim, v + slot * w.dim);
+  } else {
+    std::memcpy(k + slot * w.dim, row + at_k, sizeof(float) * w.dim);
+    std::memcpy(v + slot * w.dim, row + at_v, sizeof(float) * w.dim);
+  }
   Scores p(slot + 1);
-  attend(row + h * w.dim, k, v, slot + 1, w.dim, p.data(), out, w.origin ? w.origin + b * w.slots : nullptr, b,
-         w.heads * w.slots * w.dim);
+  attend(biased(row + at_q, bias ? bias + at_q : nullptr, w.dim, q.data()), k, v, slot + 1, w.dim, p.data(), out,
+         w.origin ? w.origin + b * w.slots : nullptr, b, w.heads * w.slots * w.dim);
 }
 
 // GroupQueryAttention's decoding case as nmtserve's graphs use it: qkv (B, 1, 3·H·Dh) packed, the
 // caches (B, H, C, Dh), filled (B,) int32 (GroupQueryAttention's seqlens_k). present_k/v are the caches
-// written in place when bound to the same buffers (the runtime binds them so), else a copy.
-void self_attention(OrtKernelContext* context, const Ort::Custom::Tensor<float>& qkv,
-                    const Ort::Custom::Tensor<float>& past_k, const Ort::Custom::Tensor<float>& past_v,
-                    const Ort::Custom::Tensor<int32_t>& filled, const int32_t* origin, Ort::Custom::Tensor<float>& out,
-                    Ort::Custom::Tensor<float>& present_k, Ort::Custom::Tensor<float>& present_v) {
-  const std::vector<int64_t> shape = past_k.Shape();
+// written in place when bound to the same buffers (the runtime binds them so), else a copy. qkv may also be
+// (B, 3·H·Dh), and then out is (B, H·Dh) (kernels.with_custom_kernels drops the Unsqueeze before the node and
+// the Gather after it); with negated_bias (3·H·Dh) qkv is the projection before its bias, which the kernel
+// subtracts as it reads (the Sub that kernels.with_row_quantize makes of an int8 graph's bias Add).
+using OptionalFloats = std::optional<const Ort::Custom::Tensor<float>*>;
+
+Ort::Status self_attention(OrtKernelContext* context, const char* op, const Ort::Custom::Tensor<float>& qkv,
+                           const Ort::Custom::Tensor<float>& past_k, const Ort::Custom::Tensor<float>& past_v,
+                           const Ort::Custom::Tensor<int32_t>& filled, const int32_t* origin,
+                           const OptionalFloats& negated_bias, Ort::Custom::Tensor<float>& out,
+                           Ort::Custom::Tensor<float>& present_k, Ort::Custom::Tensor<float>& present_v) {
+  const std::vector<int64_t> shape = past_k.Shape(), qkv_shape = qkv.Shape();
+  const std::string error = std::string(op) + ": qkv must be (B, 1, 3·H·Dh) or (B, 3·H·Dh), the caches (B, H, C, "
+                            "Dh), filled (B,) and a bias (3·H·Dh)";
+  if (shape.size() != 4) return Ort::Status(error.c_str(), ORT_INVALID_ARGUMENT);
   const int64_t rows = shape[0], heads = shape[1], slots = shape[2], dim = shape[3];
+  const bool flat = qkv_shape.size() == 2;
+  if (past_v.Shape() != shape || filled.NumberOfElement() != rows ||
+      qkv_shape != (flat ? std::vector<int64_t>{rows, 3 * heads * dim} : std::vector<int64_t>{rows, 1, 3 * heads * dim}) ||
+      (negated_bias && (*negated_bias)->NumberOfElement() != 3 * heads * dim))
+    return Ort::Status(error.c_str(), ORT_INVALID_ARGUMENT);
   SelfWork w{qkv.Data(), present_k.Allocate(shape), present_v.Allocate(shape),
-             out.Allocate({rows, 1, heads * dim}), filled.Data(), heads, slots, dim, origin};
+             out.Allocate(flat ? std::vector<int64_t>{rows, heads * dim} : std::vector<int64_t>{rows, 1, heads * dim}),
+             filled.Data(), heads, slots, dim, origin, negated_bias ? (*negated_bias)->Data() : nullptr};
   const size_t bytes = sizeof(float) * rows * heads * slots * dim;
   if (w.k != past_k.Data()) std::memcpy(w.k, past_k.Data(), bytes);
   if (w.v != past_v.Data()) std::memcpy(w.v, past_v.Data(), bytes);
   Ort::KernelContext(context).ParallelFor(self_row_head, rows * heads, 0, &w);
+  return Ort::Status{nullptr};
 }
 
-void DecodeSelfAttention(OrtKernelContext* context, const Ort::Custom::Tensor<float>& qkv,
-                         const Ort::Custom::Tensor<float>& past_k, const Ort::Custom::Tensor<float>& past_v,
-                         const Ort::Custom::Tensor<int32_t>& filled, Ort::Custom::Tensor<float>& out,
-                         Ort::Custom::Tensor<float>& present_k, Ort::Custom::Tensor<float>& present_v) {
-  self_attention(context, qkv, past_k, past_v, filled, nullptr, out, present_k, present_v);
+Ort::Status DecodeSelfAttention(OrtKernelContext* context, const Ort::Custom::Tensor<float>& qkv,
+                                const Ort::Custom::Tensor<float>& past_k, const Ort::Custom::Tensor<float>& past_v,
+                                const Ort::Custom::Tensor<int32_t>& filled, OptionalFloats negated_bias,
+                                Ort::Custom::Tensor<float>& out, Ort::Custom::Tensor<float>& present_k,
+                                Ort::Custom::Tensor<float>& present_v) {
+  return self_attention(context, "DecodeSelfAttention", qkv, past_k, past_v, filled, nullptr, negated_bias, out,
+                        present_k, present_v);
 }
 
 // DecodeSelfAttention whose slots may lie in other rows: origin (B, slots) int32, the row whose cache holds
@@ -148,10 +195,12 @@ void DecodeSelfAttention(OrtKernelContext* context, const Ort::Custom::Tensor<fl
 Ort::Status DecodeBeamSelfAttention(OrtKernelContext* context, const Ort::Custom::Tensor<float>& qkv,
                                     const Ort::Custom::Tensor<float>& past_k, const Ort::Custom::Tensor<float>& past_v,
                                     const Ort::Custom::Tensor<int32_t>& filled,
-                                    const Ort::Custom::Tensor<int32_t>& origin, Ort::Custom::Tensor<float>& out,
-                                    Ort::Custom::Tensor<float>& present_k, Ort::Custom::Tensor<float>& present_v) {
+                                    const Ort::Custom::Tensor<int32_t>& origin, OptionalFloats negated_bias,
+                                    Ort::Custom::Tensor<float>& out, Ort::Custom::Tensor<float>& present_k,
+                                    Ort::Custom::Tensor<float>& present_v) {
   const std::vector<int64_t> shape = past_k.Shape(), origin_shape = origin.Shape();
-  if (origin_shape != std::vector<int64_t>{shape[0], shape[2]})
+  if (shape.size() != 4 || origin_shape != std::vector<int64_t>{shape[0], shape[2]} ||
+      filled.NumberOfElement() != shape[0])
     return Ort::Status("DecodeBeamSelfAttention: origin must be (rows, slots) of the cache", ORT_INVALID_ARGUMENT);
   const int32_t* rows = origin.Data();
   for (int64_t b = 0; b < shape[0]; b++) {
@@ -160,8 +209,8 @@ Ort::Status DecodeBeamSelfAttention(OrtKernelContext* context, const Ort::Custom
     if (!std::all_of(read, read + n, [&](int32_t r) { return r >= 0 && r < shape[0]; }))
       return Ort::Status("DecodeBeamSelfAttention: origin names a row outside the batch", ORT_INVALID_ARGUMENT);
   }
-  self_attention(context, qkv, past_k, past_v, filled, rows, out, present_k, present_v);
-  return Ort::Status{nullptr};
+  return self_attention(context, "DecodeBeamSelfAttention", qkv, past_k, past_v, filled, rows, negated_bias, out,
+                        present_k, present_v);
 }
 
 struct CrossWork {
@@ -169,6 +218,7 @@ struct CrossWork {
   float* out;
   const int32_t* lengths;
   int64_t width, heads, keys, dim;
+  const float* negated_bias;  // (H·Dh) or null
 };
 
 void cross_row_head(void* data, size_t item) {  // item: (source, query of it, head)
@@ -177,19 +227,28 @@ void cross_row_head(void* data, size_t item) {  // item: (source, query of it, h
   const int64_t n = std::min<int64_t>(std::max<int32_t>(w.lengths[s], 0), w.keys);
   const int64_t kv = (s * w.heads + h) * w.keys * w.dim;
   Scores p(n);
-  attend(w.q + item * w.dim, w.k + kv, w.v + kv, n, w.dim, p.data(), w.out + item * w.dim);
+  Query q(w.dim);
+  attend(biased(w.q + item * w.dim, w.negated_bias ? w.negated_bias + h * w.dim : nullptr, w.dim, q.data()),
+         w.k + kv, w.v + kv, n, w.dim, p.data(), w.out + item * w.dim);
 }
 
 // MultiHeadAttention's case in nmtserve's offline step: each source's W queries q (Bs, W, H·Dh) over its
-// one copy of the cross K/V (Bs, H, S, Dh), the first lengths[s] keys of it.
-void DecodeCrossAttention(OrtKernelContext* context, const Ort::Custom::Tensor<float>& q,
-                          const Ort::Custom::Tensor<float>& k, const Ort::Custom::Tensor<float>& v,
-                          const Ort::Custom::Tensor<int32_t>& lengths, Ort::Custom::Tensor<float>& out) {
+// one copy of the cross K/V (Bs, H, S, Dh), the first lengths[s] keys of it; with negated_bias (H·Dh), q is the
+// projection before its bias (as DecodeSelfAttention's).
+Ort::Status DecodeCrossAttention(OrtKernelContext* context, const Ort::Custom::Tensor<float>& q,
+                                 const Ort::Custom::Tensor<float>& k, const Ort::Custom::Tensor<float>& v,
+                                 const Ort::Custom::Tensor<int32_t>& lengths, OptionalFloats negated_bias,
+                                 Ort::Custom::Tensor<float>& out) {
   const std::vector<int64_t> qs = q.Shape(), ks = k.Shape();
+  if (qs.size() != 3 || ks.size() != 4 || v.Shape() != ks || ks[0] != qs[0] || qs[2] != ks[1] * ks[3] ||
+      lengths.NumberOfElement() != qs[0] || (negated_bias && (*negated_bias)->NumberOfElement() != qs[2]))
+    return Ort::Status("DecodeCrossAttention: q must be (Bs, W, H·Dh), k and v (Bs, H, S, Dh), lengths (Bs,) "
+                       "and a bias (H·Dh)", ORT_INVALID_ARGUMENT);
   const int64_t sources = qs[0], width = qs[1], heads = ks[1], keys = ks[2], dim = ks[3];
   CrossWork w{q.Data(), k.Data(), v.Data(), out.Allocate({sources, width, heads * dim}), lengths.Data(),
-              width, heads, keys, dim};
+              width, heads, keys, dim, negated_bias ? (*negated_bias)->Data() : nullptr};
   Ort::KernelContext(context).ParallelFor(cross_row_head, sources * width * heads, 0, &w);
+  return Ort::Status{nullptr};
 }
 
 struct EncodeWork {

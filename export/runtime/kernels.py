@@ -136,10 +136,44 @@ def with_custom_kernels(model: onnx.ModelProto, beam_origin: bool = False) -> on
         nodes.append(node)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
+    _flat_self_attention(model)
     if beam_origin:
         model.graph.input.append(helper.make_tensor_value_info("cache_origin", onnx.TensorProto.INT32, ["batch", "slots"]))
     model.opset_import.append(helper.make_opsetid("nmtserve", 1))
     return model
+
+
+def _flat_self_attention(model: onnx.ModelProto) -> None:
+    """(with_custom_kernels' part.) Each self-attention kernel whose packed qkv is Unsqueeze(x, axis 1) and whose
+    output one Gather of index 0 on axis 1 alone reads (the exported step's (B, 3·D) -> (B, 1, 3·D) and (B, 1, D)
+    -> (B, D) around GroupQueryAttention) reads x and writes the Gather's output itself: given qkv (B, 3·H·Dh) the
+    kernel writes (B, H·Dh). Two nodes fewer a layer, and the Gather's copy."""
+    made_by, readers = _graph_readers(model)
+    read_by = {name: node for node in model.graph.node for name in node.input}  # the one reader, where one
+    dropped = set()
+    for node in model.graph.node:
+        if node.op_type not in ("DecodeSelfAttention", "DecodeBeamSelfAttention"):
+            continue
+        unsqueeze = _made_once(made_by, readers, node.input[0], "Unsqueeze")
+        gather = read_by.get(node.output[0]) if readers.get(node.output[0]) == 1 else None
+        if unsqueeze is None or len(unsqueeze.input) != 2 or gather is None or gather.op_type != "Gather" \
+                or _constant(model, made_by, unsqueeze.input[1]) != [1] or _constant(model, made_by, gather.input[1]) != 0 \
+                or [helper.get_attribute_value(a) for a in gather.attribute if a.name == "axis"] != [1]:
+            continue
+        node.input[0], node.output[0] = unsqueeze.input[0], gather.output[0]
+        dropped |= {id(unsqueeze), id(gather)}
+    nodes = _rebuilt(model, {}, dropped)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+
+
+def _constant(model: onnx.ModelProto, made_by: dict[str, onnx.NodeProto], name: str) -> list | int | float | None:
+    """The value of a Constant node's output or an initializer, as a Python list or number; else None."""
+    node = made_by.get(name)
+    if node is not None and node.op_type == "Constant" and [a.name for a in node.attribute] == ["value"]:
+        return numpy_helper.to_array(node.attribute[0].t).tolist()
+    tensor = next((i for i in model.graph.initializer if i.name == name), None)
+    return None if tensor is None else numpy_helper.to_array(tensor).tolist()
 
 
 def with_packed_attention(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -292,6 +326,7 @@ def with_row_quantize(model: onnx.ModelProto) -> onnx.ModelProto:
     model.graph.node.extend(nodes)
     _scale_logits_in_search_head(model)
     _fuse_epilogues(model)
+    _bias_into_attention(model)
     for domain in ("nmtserve", "com.microsoft"):
         if not any(opset.domain == domain for opset in model.opset_import):
             model.opset_import.append(helper.make_opsetid(domain, 1))
@@ -441,6 +476,27 @@ def _fuse_epilogues(model: onnx.ModelProto) -> None:
                                                    list(quantize.output), name=node.name, domain="nmtserve")]
             dropped += [sub, quantize]
     _rebuild(model, inserted, dropped)
+
+
+def _bias_into_attention(model: onnx.ModelProto) -> None:
+    """(with_row_quantize's part.) The bias Sub before an attention kernel's packed qkv (the self-attentions),
+    or before the Reshape of its queries (the offline step's cross-attention), goes: the kernel reads the
+    product and subtracts the negated bias as it reads each row (one pass over the projection fewer, and a
+    node). A kernel that already has one, or reads anything else, keeps its inputs."""
+    made_by, readers = _graph_readers(model)
+    inputs = {"DecodeSelfAttention": 4, "DecodeBeamSelfAttention": 5, "DecodeCrossAttention": 4}  # without a bias
+    dropped = []
+    for node in model.graph.node:
+        if inputs.get(node.op_type) != len(node.input):
+            continue
+        reader = _made_once(made_by, readers, node.input[0], "Reshape") or node  # the node that reads the Sub
+        sub = _bias_sub(made_by, readers, reader.input[0])
+        if sub is None:
+            continue
+        reader.input[0] = sub.input[0]
+        node.input.append(sub.input[1])
+        dropped.append(sub)
+    _rebuild(model, {}, dropped)
 
 
 def _search_head_logits(node: onnx.NodeProto) -> str | None:

@@ -101,6 +101,34 @@ def test_beam_self_attention_reads_each_slot_from_the_row_its_origin_names():
         session.run(None, {"qkv": qkv, "past_k": past_k, "past_v": past_v, "filled": filled, "origin": origin})
 
 
+@pytest.mark.parametrize("op", ["DecodeSelfAttention", "DecodeBeamSelfAttention"])
+def test_self_attention_reads_a_flat_qkv_through_its_bias_and_writes_flat_rows(op):
+    """qkv (B, 3·H·Dh) before its bias, and the negated bias as the last input (kernels._flat_self_attention,
+    _bias_into_attention): out is (B, H·Dh) and equals the node's on qkv - negated_bias, (B, 1, 3·H·Dh),
+    bit for bit, caches included; a bias of another size is an error of the run."""
+    rng = np.random.default_rng(5)
+    qkv = rng.standard_normal((ROWS, 3 * HEADS * DIM), dtype=np.float32)
+    negated_bias = rng.standard_normal(3 * HEADS * DIM, dtype=np.float32)
+    past_k, past_v = (rng.standard_normal((ROWS, HEADS, SLOTS, DIM), dtype=np.float32) for _ in range(2))
+    filled = np.array([0, 5, 3], np.int32)
+    origin = np.tile(np.arange(ROWS, dtype=np.int32)[:, None], (1, SLOTS))  # each row's slots its own
+    extra = [("origin", TensorProto.INT32)] if op == "DecodeBeamSelfAttention" else []
+    inputs = [("qkv", TensorProto.FLOAT), ("past_k", TensorProto.FLOAT), ("past_v", TensorProto.FLOAT),
+              ("filled", TensorProto.INT32), *extra]
+    feeds = {"past_k": past_k, "past_v": past_v, "filled": filled, **({"origin": origin} if extra else {})}
+    outputs = ["out", "present_k", "present_v"]
+    biased = _session(helper.make_node(op, [n for n, _ in inputs] + ["negated_bias"], outputs, domain="nmtserve"),
+                      inputs + [("negated_bias", TensorProto.FLOAT)], outputs)
+    plain = _session(helper.make_node(op, [n for n, _ in inputs], outputs, domain="nmtserve"), inputs, outputs)
+    found = biased.run(None, {"qkv": qkv, "negated_bias": negated_bias, **feeds})
+    expected = plain.run(None, {"qkv": (qkv - negated_bias)[:, None, :], **feeds})
+    assert found[0].shape == (ROWS, HEADS * DIM) and expected[0].shape == (ROWS, 1, HEADS * DIM)
+    assert np.array_equal(found[0], expected[0][:, 0]) and all(np.array_equal(x, y) for x, y in zip(found[1:], expected[1:]))
+    assert not np.array_equal(found[0], plain.run(None, {"qkv": qkv[:, None, :], **feeds})[0][:, 0])  # the bias counts
+    with pytest.raises(Exception, match=f"{op}: qkv must be"):
+        biased.run(None, {"qkv": qkv, "negated_bias": negated_bias[:-1], **feeds})
+
+
 def test_cross_attention_reads_each_sources_keys_up_to_its_length():
     rng = np.random.default_rng(1)
     width, keys = 2, 6  # each source's queries: a beam of 2
@@ -119,6 +147,16 @@ def test_cross_attention_reads_each_sources_keys_up_to_its_length():
     lengths[0] = 0  # no key: zeros, not NaN
     out = session.run(None, {"q": q, "k": k, "v": v, "lengths": lengths})[0].reshape(ROWS, width, HEADS, DIM)
     assert not out[0].any() and np.isfinite(out).all()
+    # q before its bias, and the negated bias (kernels._bias_into_attention): the same, bit for bit
+    negated_bias = rng.standard_normal(HEADS * DIM, dtype=np.float32)
+    biased = _session(helper.make_node("DecodeCrossAttention", ["q", "k", "v", "lengths", "negated_bias"], ["out"],
+                                       domain="nmtserve"),
+                      [("q", TensorProto.FLOAT), ("k", TensorProto.FLOAT), ("v", TensorProto.FLOAT),
+                       ("lengths", TensorProto.INT32), ("negated_bias", TensorProto.FLOAT)], ["out"])
+    found = biased.run(None, {"q": q, "k": k, "v": v, "lengths": lengths, "negated_bias": negated_bias})[0]
+    assert np.array_equal(found, session.run(None, {"q": q - negated_bias, "k": k, "v": v, "lengths": lengths})[0])
+    with pytest.raises(Exception, match="DecodeCrossAttention: q must be"):
+        biased.run(None, {"q": q, "k": k, "v": v, "lengths": lengths, "negated_bias": negated_bias[:-1]})
 
 
 def test_encoder_self_attention_attends_within_each_sentence_of_the_packed_tokens():
@@ -264,7 +302,36 @@ def test_the_step_graph_swaps_ort_attention_for_the_kernels_on_a_cpu(tiny_bundle
     assert ops.count("SearchHead") == 1 and not served.cache_origin
     ops = _ops(OnnxTranslator(tiny_bundle, shared_cross=False, attention_kernel=False))
     assert ops.count("GroupQueryAttention") == 2 * layers and "DecodeSelfAttention" not in ops
-    assert "If" in ops and "SearchHead" not in ops
+    assert "If" in ops and "SearchHead" not in ops and ops.count("Unsqueeze") == 2 * layers
+
+
+def test_the_kernels_read_the_projections_around_them_directly(tiny_bundle, tiny_corpus, monkeypatch):
+    """Each self-attention kernel reads its (B, 3·D) projection and writes (B, D) without the exported
+    Unsqueeze and Gather around it (_flat_self_attention); in the int8 graphs each attention kernel (the
+    server's cross-attention, whose queries are concatenated with the eos K/V, excepted) reads its projection
+    before the bias Sub and subtracts the negated bias itself (_bias_into_attention). The same arithmetic: the
+    tokens and scores of the graphs without either, exactly."""
+    layers = OnnxTranslator(tiny_bundle).n_layers
+    for variant in ("fp32", "int8"):
+        for shared_cross in (True, False):
+            ops = _ops(OnnxTranslator(tiny_bundle, variant=variant, shared_cross=shared_cross))
+            assert "Unsqueeze" not in ops or not shared_cross and ops.count("Unsqueeze") == layers  # the cross ones
+            assert ops.count("Gather") == 2  # the token and position embeddings
+            assert ops.count("Sub") == (layers if variant == "int8" and not shared_cross else 0)
+    texts = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
+    found = {}
+    for arm in ("rewritten", "plain"):
+        if arm == "plain":
+            monkeypatch.setattr(kernels, "_flat_self_attention", lambda model: None)
+            monkeypatch.setattr(kernels, "_bias_into_attention", lambda model: None)
+            assert "Sub" in _ops(OnnxTranslator(tiny_bundle, variant="int8"))
+        for shared_cross in (True, False):
+            tr = OnnxTranslator(tiny_bundle, variant="int8", shared_cross=shared_cross, intra_op_threads=1)
+            sources = [tr.tokenizer.encode(t) for t in texts]
+            for options in (DecodingOptions(), DecodingOptions(beam_size=4, num_hypotheses=2)):
+                found[arm, shared_cross, options.beam_size] = [[(h.tokens, h.score) for h in x] for x in
+                                                               tr.search_ids(sources, options, max_batch_size=8)]
+    assert all(found[key] == found[("plain", *key[1:])] for key in found if key[0] == "rewritten")
 
 
 def test_asking_for_the_kernel_where_it_cannot_run_is_a_config_error(tiny_bundle, monkeypatch):
