@@ -39,13 +39,16 @@ class Limits:
         return output_budget(src_len, max_decoding_length, self.max_target_tokens, length_rule)
 
 
-def sorted_batches(lengths: list[int], max_batch_size: int) -> Iterator[list[int]]:
+def sorted_batches(lengths: list[int], max_batch_size: int, at_once: int = 1) -> Iterator[list[int]]:
     """Indices sorted by length, longest first, cut into as few batches of at most max_batch_size as
     possible, of sizes that differ by one at most (200 sources at 64: four of 50, not 64, 64, 64 and 8):
-    little padding per batch, no small batch left at the end, and batches decoded at once finish about
-    together."""
+    little padding per batch, no small batch left at the end. With `at_once` batches decoded at once (each
+    thread taking the next), their count is rounded up to a multiple of at_once where there are sources
+    enough (200 at 32 on 2 threads: eight of 25, not seven of 28–29, the last of which would run alone), so
+    that the threads finish about together."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     count = -(-len(order) // max_batch_size)
+    count = min(len(order), -(-count // at_once) * at_once)
     bounds = [i * len(order) // count for i in range(count + 1)]
     for start, stop in zip(bounds, bounds[1:]):
         yield order[start:stop]

@@ -184,11 +184,14 @@ def test_a_beam_over_the_servers_limit_is_refused():
         DecodingOptions(beam_size=5).check(1000, max_beam_size=4)
 
 
-@pytest.mark.parametrize("n, most, sizes", [(200, 64, [50, 50, 50, 50]), (200, 32, [28, 29, 28, 29, 28, 29, 29]),
-                                            (16, 8, [8, 8]), (5, 8, [5]), (3, 1, [1, 1, 1])])
-def test_sorted_batches_are_as_few_as_the_limit_allows_and_even(n, most, sizes):
+@pytest.mark.parametrize("n, most, at_once, sizes", [
+    (200, 64, 1, [50, 50, 50, 50]), (200, 32, 1, [28, 29, 28, 29, 28, 29, 29]), (16, 8, 1, [8, 8]), (5, 8, 1, [5]),
+    (3, 1, 1, [1, 1, 1]),
+    # decoded two at a time: a count the threads share evenly, where there are sources enough
+    (200, 32, 2, [25] * 8), (200, 64, 2, [50] * 4), (5, 8, 2, [2, 3]), (3, 1, 2, [1, 1, 1]), (9, 4, 4, [2, 2, 2, 3])])
+def test_sorted_batches_are_as_few_as_the_limit_allows_and_even(n, most, at_once, sizes):
     lengths = [(7 * i) % 23 for i in range(n)]
-    batches = list(sorted_batches(lengths, most))
+    batches = list(sorted_batches(lengths, most, at_once))
     assert [len(b) for b in batches] == sizes
     order = [i for b in batches for i in b]
     assert sorted(order) == list(range(n)) and [lengths[i] for i in order] == sorted(lengths, reverse=True)

@@ -758,7 +758,7 @@ class OnnxTranslator:
             raise ConfigError(f"max_batch_size {max_batch_size}: must be at least 1")
         options.check(self.vocab_size)
         results: list = [None] * len(sources)
-        batches = list(sorted_batches([len(s) for s in sources], max_batch_size))
+        batches = list(sorted_batches([len(s) for s in sources], max_batch_size, self.inter_threads))
         ahead = max(1, ENCODE_AHEAD // max_batch_size)
         if self.inter_threads > 1:  # groups small enough that the threads finish about together
             ahead = min(ahead, max(1, len(batches) // (4 * self.inter_threads)))
