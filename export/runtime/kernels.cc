@@ -76,16 +76,19 @@ void attend(const float* q, const float* k, const float* v, int64_t n, int64_t d
   }
 }
 
-// Room for one query's scores: on the stack up to 1,024 keys, else on the heap.
-class Scores {
+// Room for n floats: on the stack up to N, else on the heap.
+template <int64_t N>
+class Room {
  public:
-  explicit Scores(int64_t n) : heap_(n > 1024 ? n : 0) {}
+  explicit Room(int64_t n) : heap_(n > N ? n : 0) {}
   float* data() { return heap_.empty() ? stack_ : heap_.data(); }
 
  private:
-  float stack_[1024];
+  float stack_[N];
   std::vector<float> heap_;
 };
+using Scores = Room<1024>;  // one query's scores, a float a key
+using Query = Room<256>;    // one head's query, when the kernel adds its bias
 
 struct SelfWork {
   const float* qkv;
@@ -104,16 +107,6 @@ inline const float* biased(const float* x, const float* negated_bias, int64_t n,
   return own;
 }
 
-// Room for one head's query: on the stack up to 256 floats, else on the heap.
-class Query {
- public:
-  explicit Query(int64_t n) : heap_(n > 256 ? n : 0) {}
-  float* data() { return heap_.empty() ? stack_ : heap_.data(); }
-
- private:
-  float stack_[256];
-  std::vector<float> heap_;
-};
 
 // One row and head of DecodeSelfAttention: its new key and value into the slot after its filled ones,
 // then attention over all of them. A row whose slot is outside the cache (a hole of the server's
@@ -201,7 +194,8 @@ Ort::Status DecodeBeamSelfAttention(OrtKernelContext* context, const Ort::Custom
   const std::vector<int64_t> shape = past_k.Shape(), origin_shape = origin.Shape();
   if (shape.size() != 4 || origin_shape != std::vector<int64_t>{shape[0], shape[2]} ||
       filled.NumberOfElement() != shape[0])
-    return Ort::Status("DecodeBeamSelfAttention: origin must be (rows, slots) of the cache", ORT_INVALID_ARGUMENT);
+    return Ort::Status("DecodeBeamSelfAttention: origin must be (rows, slots) of the cache, filled (rows,)",
+                       ORT_INVALID_ARGUMENT);
   const int32_t* rows = origin.Data();
   for (int64_t b = 0; b < shape[0]; b++) {
     const int32_t* read = rows + b * shape[2];  // the slots row b attends to: 0..filled[b]
