@@ -150,7 +150,7 @@ def _flat_self_attention(model: onnx.ModelProto) -> None:
     kernel writes (B, H·Dh). Two nodes fewer a layer, and the Gather's copy."""
     made_by, readers = _graph_readers(model)
     read_by = {name: node for node in model.graph.node for name in node.input}  # the one reader, where one
-    dropped = set()
+    dropped = []
     for node in model.graph.node:
         if node.op_type not in ("DecodeSelfAttention", "DecodeBeamSelfAttention"):
             continue
@@ -161,10 +161,8 @@ def _flat_self_attention(model: onnx.ModelProto) -> None:
                 or [helper.get_attribute_value(a) for a in gather.attribute if a.name == "axis"] != [1]:
             continue
         node.input[0], node.output[0] = unsqueeze.input[0], gather.output[0]
-        dropped |= {id(unsqueeze), id(gather)}
-    nodes = _rebuilt(model, {}, dropped)
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+        dropped += [unsqueeze, gather]
+    _rebuild(model, {}, dropped)
 
 
 def _constant(model: onnx.ModelProto, made_by: dict[str, onnx.NodeProto], name: str) -> list | int | float | None:
@@ -265,13 +263,12 @@ def with_packed_attention(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _rebuilt(model: onnx.ModelProto, replaced: dict, dropped: set) -> list[onnx.NodeProto]:
-    """The graph's nodes less `dropped`, each in `replaced` (by id) as its node or list of nodes, less those
-    that no longer lead to an output (`_live`)."""
+    """The graph's nodes, each in `replaced` (by id) as its node or list of nodes (itself included where listed),
+    less the other nodes in `dropped` (ids), less those that no longer lead to an output (`_live`)."""
     nodes = []
     for node in model.graph.node:
-        if id(node) not in dropped:
-            new = replaced.get(id(node), node)
-            nodes.extend(new if isinstance(new, list) else [new])
+        new = replaced.get(id(node), [] if id(node) in dropped else node)
+        nodes.extend(new if isinstance(new, list) else [new])
     return _live(nodes, {o.name for o in model.graph.output})
 
 
@@ -393,11 +390,8 @@ def _weight_scaled(model: onnx.ModelProto, made_by: dict[str, onnx.NodeProto], r
 
 
 def _rebuild(model: onnx.ModelProto, inserted: dict[int, list[onnx.NodeProto]], dropped: list[onnx.NodeProto]) -> None:
-    """The graph's nodes with inserted[id(node)] in place of each such node (itself included where listed)
-    and the dropped ones left out; the order stays topological where each insertion's inputs precede it."""
-    gone = {id(n) for n in dropped}
-    nodes = [new for node in model.graph.node
-             for new in inserted.get(id(node), [] if id(node) in gone else [node])]
+    """The graph's nodes, in place, as `_rebuilt` gives them."""
+    nodes = _rebuilt(model, inserted, {id(n) for n in dropped})
     del model.graph.node[:]
     model.graph.node.extend(nodes)
 
