@@ -26,6 +26,11 @@
 
 namespace {
 
+// The loops below that the compiler vectorises are compiled three times, and the loader picks the clone the CPU
+// runs best: x86-64-v4 (AVX-512, 512-bit vectors with kernels.py's -mprefer-vector-width=512: ONNX Runtime's own
+// GEMMs run 512-bit on such a CPU already), x86-64-v3 (AVX2 + FMA) or the SSE2 baseline.
+#define CLONED __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+
 // exp(x) for x <= 0 (scores less their maximum), as Cephes' expf: x = n·ln 2 + r, exp(r) by a polynomial,
 // 2^n put into the exponent bits. Plain arithmetic that the compiler vectorises (std::exp is a scalar call
 // without -ffast-math). Within 1 ulp of exp as written; built with -fassociative-math (kernels.py) the
@@ -47,9 +52,8 @@ inline float exp_nonpositive(float x) {
 
 // Softmax-weighted sum over the first n keys and values (rows of d floats) for one query of d floats,
 // scaled by 1/sqrt(d). p: room for n scores. With `from` (DecodeBeamSelfAttention), key and value t are
-// those of row from[t], `row_stride` floats per row away from this one's (row `self`). Cloned for AVX2 +
-// FMA, picked when the library loads.
-__attribute__((target_clones("arch=x86-64-v3", "default")))
+// those of row from[t], `row_stride` floats per row away from this one's (row `self`).
+CLONED
 void attend(const float* q, const float* k, const float* v, int64_t n, int64_t d, float* p, float* out,
             const int32_t* from = nullptr, int64_t self = 0, int64_t row_stride = 0) {
   if (n <= 0) {  // nothing to attend to (a source of no token): zeros, not 0 / 0
@@ -333,7 +337,7 @@ Ort::Status PackedToHeads(OrtKernelContext* context, const Ort::Custom::Tensor<f
 
 // One row of SearchHead: its k best values (k <= n), best first, ties by lower index, by insertion into a
 // sorted list. A block of 64 values whose maximum does not beat the k-th best is passed over after eight
-// vector maxima (GCC's vector extension: AVX2 in the x86-64-v3 clone); many (k > 64, sampling from the whole
+// vector maxima (GCC's vector extension); many (k > 64, sampling from the whole
 // vocabulary) by a partial sort of the indices.
 typedef float Floats8 __attribute__((vector_size(32)));
 
@@ -349,7 +353,7 @@ inline float block_max(const float* x) {  // of x[0..63]
   return best;
 }
 
-__attribute__((target_clones("arch=x86-64-v3", "default")))
+CLONED
 void best_of_row(const float* x, int64_t n, int64_t k, float* values, int64_t* ids) {
   if (k > 64) {
     std::vector<int64_t> order(n);
@@ -382,8 +386,8 @@ void best_of_row(const float* x, int64_t n, int64_t k, float* values, int64_t* i
   }
 }
 
-// log(sum(exp(x - top))) over a row, top its maximum. Cloned for AVX2 + FMA, picked when the library loads.
-__attribute__((target_clones("arch=x86-64-v3", "default")))
+// log(sum(exp(x - top))) over a row, top its maximum.
+CLONED
 float log_sum_exp_below(const float* x, int64_t n, float top) {
   float total = 0.f;
   for (int64_t i = 0; i < n; i++) total += exp_nonpositive(x[i] - top);
@@ -400,8 +404,8 @@ struct HeadWork {
   const float* bias;  // (vocab,) or null
 };
 
-// x * scale + bias (bias may be null) into out. Cloned for AVX2 + FMA, picked when the library loads.
-__attribute__((target_clones("arch=x86-64-v3", "default")))
+// x * scale + bias (bias may be null) into out.
+CLONED
 void scale_row(const float* x, float scale, const float* bias, int64_t n, float* out) {
   if (bias) {
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * scale + bias[i];
@@ -456,7 +460,7 @@ Ort::Status SearchHead(OrtKernelContext* context, const Ort::Custom::Tensor<floa
 // One row of RowQuantize: q = round(x / scale) + zero point (ties to even), scale = max |x| / 127 with zero
 // point 128 (symmetric: 1..255), or max x / 255 with zero point 0 for a row that cannot be negative (a
 // Relu's output; a negative value would clamp to 0). A row of zeros gets scale 1 (all zero points).
-__attribute__((target_clones("arch=x86-64-v3", "default")))
+CLONED
 void quantize_row(const float* x, uint8_t* q, float* scale, int64_t k, bool nonnegative) {
   Floats8 top8 = {}, v;
   int64_t i = 0;
@@ -506,7 +510,7 @@ Ort::Status RowQuantize(const Ort::Custom::Tensor<float>& x, const Ort::Custom::
 // epsilon; mean and variance in two passes), then normed quantised as RowQuantize does around 128: the
 // Sub, Add, LayerNormalization and RowQuantize of a post-norm sublayer's end in one node. normed is an
 // output too: the next sublayer's residual.
-__attribute__((target_clones("arch=x86-64-v3", "default")))
+CLONED
 void add_norm_row(const float* product, float row_scale, const float* negated_bias, const float* residual,
                   const float* gamma, const float* beta, float epsilon, int64_t n, float* normed) {
   float sum = 0.f;
@@ -548,7 +552,7 @@ Ort::Status AddNormQuantize(const Ort::Custom::Tensor<float>& product, const Ort
 
 // BiasReluQuantize: Relu(y) quantised as RowQuantize does from 0: the Sub, Relu and RowQuantize between a
 // feed-forward block's two products in one node.
-__attribute__((target_clones("arch=x86-64-v3", "default")))
+CLONED
 void bias_relu_row(const float* product, float row_scale, const float* negated_bias, int64_t n, float* out) {
   for (int64_t i = 0; i < n; i++) out[i] = std::max(product[i] * row_scale - negated_bias[i], 0.f);
 }

@@ -50,9 +50,10 @@ DEBIAN = "https://deb.debian.org/debian"
 DEBIAN_SUITE = "trixie"  # the first Debian release with onnxruntime (1.21); headers work with any newer runtime
 HEADER_PACKAGE = "libonnxruntime-dev"
 # warnings off: the lite custom-op header's own unused parameters; no -ffast-math: in a shared library
-# it would set flush-to-zero for the whole process
+# it would set flush-to-zero for the whole process; 512-bit vectors in the AVX-512 clones (kernels.cc, CLONED),
+# which GCC's generic tuning would keep at 256
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
-         "-fno-signed-zeros", "-w"]
+         "-fno-signed-zeros", "-mprefer-vector-width=512", "-w"]
 
 
 def header_dir() -> Path:
