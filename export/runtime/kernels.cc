@@ -551,19 +551,33 @@ Ort::Status AddNormQuantize(const Ort::Custom::Tensor<float>& product, const Ort
 }
 
 // BiasReluQuantize: Relu(y) quantised as RowQuantize does from 0: the Sub, Relu and RowQuantize between a
-// feed-forward block's two products in one node.
+// feed-forward block's two products in one node. BiasSwishQuantize: y · sigmoid(y) (Marian's swish, which ONNX
+// Runtime would fuse as QuickGelu) quantised around 128: the Sub, Sigmoid, Mul and RowQuantize.
 CLONED
 void bias_relu_row(const float* product, float row_scale, const float* negated_bias, int64_t n, float* out) {
   for (int64_t i = 0; i < n; i++) out[i] = std::max(product[i] * row_scale - negated_bias[i], 0.f);
 }
 
-Ort::Status BiasReluQuantize(const Ort::Custom::Tensor<float>& product, const Ort::Custom::Tensor<float>& row_scale,
-                             const Ort::Custom::Tensor<float>& negated_bias, Ort::Custom::Tensor<uint8_t>& q,
-                             Ort::Custom::Tensor<float>& scale) {
+CLONED
+void bias_swish_row(const float* product, float row_scale, const float* negated_bias, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; i++) {
+    const float y = product[i] * row_scale - negated_bias[i];
+    const float e = exp_nonpositive(-std::fabs(y));  // sigmoid(y) from exp(-|y|): no overflow on either side
+    out[i] = y * (y >= 0.f ? 1.f / (1.f + e) : e / (1.f + e));
+  }
+}
+
+// y = product * row_scale - negated_bias, activated a row at a time by `activate`, quantised (from 0 when the
+// activation cannot be negative).
+Ort::Status bias_activation_quantize(const char* op, void (*activate)(const float*, float, const float*, int64_t, float*),
+                                     bool nonnegative, const Ort::Custom::Tensor<float>& product,
+                                     const Ort::Custom::Tensor<float>& row_scale,
+                                     const Ort::Custom::Tensor<float>& negated_bias, Ort::Custom::Tensor<uint8_t>& q,
+                                     Ort::Custom::Tensor<float>& scale) {
   const std::vector<int64_t> shape = product.Shape();
   const int64_t n = shape.back(), rows = n > 0 ? product.NumberOfElement() / n : 0;
   if (row_scale.NumberOfElement() != rows || negated_bias.NumberOfElement() != n)
-    return Ort::Status("BiasReluQuantize: row_scale must have one value a row, negated_bias one a column",
+    return Ort::Status((std::string(op) + ": row_scale must have one value a row, negated_bias one a column").c_str(),
                        ORT_INVALID_ARGUMENT);
   std::vector<int64_t> scale_shape = shape;
   scale_shape.back() = 1;
@@ -572,10 +586,23 @@ Ort::Status BiasReluQuantize(const Ort::Custom::Tensor<float>& product, const Or
   thread_local std::vector<float> row;
   row.resize(n);
   for (int64_t r = 0; r < rows; r++) {
-    bias_relu_row(product.Data() + r * n, row_scale.Data()[r], negated_bias.Data(), n, row.data());
-    quantize_row(row.data(), quantized + r * n, scales + r, n, true);
+    activate(product.Data() + r * n, row_scale.Data()[r], negated_bias.Data(), n, row.data());
+    quantize_row(row.data(), quantized + r * n, scales + r, n, nonnegative);
   }
   return Ort::Status{nullptr};
+}
+
+Ort::Status BiasReluQuantize(const Ort::Custom::Tensor<float>& product, const Ort::Custom::Tensor<float>& row_scale,
+                             const Ort::Custom::Tensor<float>& negated_bias, Ort::Custom::Tensor<uint8_t>& q,
+                             Ort::Custom::Tensor<float>& scale) {
+  return bias_activation_quantize("BiasReluQuantize", bias_relu_row, true, product, row_scale, negated_bias, q, scale);
+}
+
+Ort::Status BiasSwishQuantize(const Ort::Custom::Tensor<float>& product, const Ort::Custom::Tensor<float>& row_scale,
+                              const Ort::Custom::Tensor<float>& negated_bias, Ort::Custom::Tensor<uint8_t>& q,
+                              Ort::Custom::Tensor<float>& scale) {
+  return bias_activation_quantize("BiasSwishQuantize", bias_swish_row, false, product, row_scale, negated_bias, q,
+                                  scale);
 }
 
 const OrtApiBase* registered_api = nullptr;  // ONNX Runtime's, from the first RegisterCustomOps (below)
@@ -602,13 +629,15 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
       Ort::Custom::CreateLiteCustomOp("AddNormQuantize", "CPUExecutionProvider", AddNormQuantize)};
   static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> relu_op{
       Ort::Custom::CreateLiteCustomOp("BiasReluQuantize", "CPUExecutionProvider", BiasReluQuantize)};
+  static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> swish_op{
+      Ort::Custom::CreateLiteCustomOp("BiasSwishQuantize", "CPUExecutionProvider", BiasSwishQuantize)};
   static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> encode_op{
       Ort::Custom::CreateLiteCustomOp("EncodeSelfAttention", "CPUExecutionProvider", EncodeSelfAttention)};
   static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> heads_op{
       Ort::Custom::CreateLiteCustomOp("PackedToHeads", "CPUExecutionProvider", PackedToHeads)};
   static const bool added = (domain.Add(self_op.get()), domain.Add(cross_op.get()), domain.Add(beam_op.get()),
                               domain.Add(head_op.get()), domain.Add(quantize_op.get()), domain.Add(norm_op.get()),
-                              domain.Add(relu_op.get()), domain.Add(encode_op.get()),
+                              domain.Add(relu_op.get()), domain.Add(swish_op.get()), domain.Add(encode_op.get()),
                               domain.Add(heads_op.get()), true);
   (void)added;
   Ort::UnownedSessionOptions(options).Add(domain);

@@ -439,6 +439,27 @@ def test_bias_relu_quantize_quantises_the_relu_of_each_scaled_row_from_zero():
     assert np.mean(q == expected_q) > 0.95 and (q[0] == 0).all() and scale[0, 0] == 1
 
 
+def test_bias_swish_quantize_quantises_the_swish_of_each_scaled_row_around_128():
+    """Against numpy: y · sigmoid(y), y = product * row_scale - negated_bias, quantised around 128 as RowQuantize
+    does (swish can be negative, down to -0.28); values far out on both sides (no overflow of exp)."""
+    node = helper.make_node("BiasSwishQuantize", ["product", "row_scale", "negated_bias"], ["q", "scale"],
+                            domain="nmtserve")
+    session = _session(node, [(n, TensorProto.FLOAT) for n in ("product", "row_scale", "negated_bias")],
+                       [("q", TensorProto.UINT8), "scale"])
+    rng = np.random.default_rng(7)
+    product = (rng.standard_normal((5, 37)) * 4).astype(np.float32)
+    product[0, :4] = [-200, 200, -90, 90]
+    row_scale = rng.uniform(0.5, 2, (5, 1)).astype(np.float32)
+    negated_bias = rng.standard_normal(37).astype(np.float32)
+    q, scale = session.run(None, {"product": product, "row_scale": row_scale, "negated_bias": negated_bias})
+    y = product.astype(np.float64) * row_scale - negated_bias
+    expected_q, expected_scale = _row_quantized(y / (1 + np.exp(-y)), 128)
+    assert np.allclose(scale, expected_scale, rtol=1e-5) and np.abs(q.astype(int) - expected_q).max() <= 1
+    assert np.mean(q == expected_q) > 0.95
+    with pytest.raises(Exception, match="BiasSwishQuantize: row_scale must have one value a row"):
+        session.run(None, {"product": product, "row_scale": row_scale[:2], "negated_bias": negated_bias})
+
+
 def test_fused_epilogues_give_the_int8_tokens_of_the_nodes_they_replace(tiny_bundle, tiny_corpus, monkeypatch):
     """The int8 step and encoder with the fused epilogues against the same graphs without them (RowQuantize
     after ONNX Runtime's LayerNormalization and Relu): greedy and beam 4, the same tokens for all but at
@@ -554,6 +575,7 @@ def test_no_row_scaled_product_has_its_bias_folded_in(tiny_bundle, marian_bundle
             quantize_int8(marian_bundle / f"{graph}.onnx", path)
         quantized = onnx.load(str(path))
         linear = sum(n.op_type == "DynamicQuantizeLinear" for n in quantized.graph.node)
+        swishes = sum(n.op_type == "Sigmoid" for n in quantized.graph.node)
         options = session_options(1)
         options.register_custom_ops_library(str(kernels.LIBRARY))
         options.optimized_model_filepath = str(tmp_path / f"{graph}.optimized.onnx")
@@ -561,6 +583,36 @@ def test_no_row_scaled_product_has_its_bias_folded_in(tiny_bundle, marian_bundle
                              providers=["CPUExecutionProvider"])
         nodes = onnx.load(options.optimized_model_filepath).graph.node
         fused = [n for n in nodes if n.op_type == "MatMulIntegerToFloat"]
-        quantizers = [n for n in nodes if n.op_type in ("RowQuantize", "AddNormQuantize", "BiasReluQuantize")]
+        quantizers = [n for n in nodes if n.op_type in ("RowQuantize", "AddNormQuantize", "BiasReluQuantize",
+                                                        "BiasSwishQuantize")]
         assert len(quantizers) == linear > 0 and fused
+        # a swish (Marian's Sub → Sigmoid, Mul) ends in BiasSwishQuantize: no Sigmoid or QuickGelu is left
+        assert sum(n.op_type == "BiasSwishQuantize" for n in nodes) == swishes
+        assert not any(n.op_type in ("Sigmoid", "QuickGelu") for n in nodes)
         assert all(len(n.input) < 7 or not n.input[6] for n in fused), [list(n.input) for n in fused]
+
+
+def test_the_swish_epilogue_gives_the_encoder_outputs_of_the_nodes_it_replaces(marian_bundle, tmp_path, monkeypatch):
+    """The Marian model's int8 encoder with BiasSwishQuantize (or, for the relu model, BiasReluQuantize) against
+    the same graph with ONNX Runtime's nodes for the activation: every cross K/V within a few quantisation
+    steps of the activation's row (the exponential is nmtserve's, and a value on a rounding boundary may
+    round the other way)."""
+    from nmtserve.export.build.variants import quantize_int8
+
+    quantize_int8(marian_bundle / "encoder.onnx", tmp_path / "encoder.int8.onnx")
+    rng = np.random.default_rng(8)
+    src_ids = rng.integers(4, 60, (3, 9)).astype(np.int64)
+    src_mask = np.ones((3, 9), bool)
+    src_mask[1, 6:] = src_mask[2, 3:] = False
+    outputs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(kernels, "_fuse_epilogues", lambda model: None)
+        model = kernels.with_row_quantize(onnx.load(str(tmp_path / "encoder.int8.onnx")))
+        options = session_options(1)
+        options.register_custom_ops_library(str(kernels.LIBRARY))
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        outputs.append(session.run(None, {"src_ids": src_ids, "src_mask": src_mask}))
+    for x, y in zip(*outputs):
+        assert x.shape == y.shape and np.abs(x - y).max() < 0.05 * np.abs(y).max()
+        assert np.median(np.abs(x - y)) < 1e-3 * np.abs(y).max()
