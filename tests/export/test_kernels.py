@@ -593,10 +593,10 @@ def test_no_row_scaled_product_has_its_bias_folded_in(tiny_bundle, marian_bundle
 
 
 def test_the_swish_epilogue_gives_the_encoder_outputs_of_the_nodes_it_replaces(marian_bundle, tmp_path, monkeypatch):
-    """The Marian model's int8 encoder with BiasSwishQuantize (or, for the relu model, BiasReluQuantize) against
-    the same graph with ONNX Runtime's nodes for the activation: every cross K/V within a few quantisation
-    steps of the activation's row (the exponential is nmtserve's, and a value on a rounding boundary may
-    round the other way)."""
+    """The Marian model's int8 encoder with its fused epilogues (BiasSwishQuantize, or BiasReluQuantize for the
+    relu model, and AddNormQuantize) against the same graph without them (ONNX Runtime's nodes for the bias,
+    the activation and the norm): every cross K/V within a few quantisation steps (the exponential and the
+    norm's sums are nmtserve's, and a value on a rounding boundary may round the other way)."""
     from nmtserve.export.build.variants import quantize_int8
 
     quantize_int8(marian_bundle / "encoder.onnx", tmp_path / "encoder.int8.onnx")
