@@ -360,10 +360,12 @@ def _made_once(made_by: dict[str, onnx.NodeProto], readers: dict[str, int], name
     return node if node is not None and node.op_type == op and readers.get(name) == 1 else None
 
 
-def _bias_sub(made_by: dict[str, onnx.NodeProto], readers: dict[str, int], name: str) -> onnx.NodeProto | None:
-    """with_row_quantize's Sub of a negated bias that makes `name`, read once; else None."""
-    sub = _made_once(made_by, readers, name, "Sub")
-    return sub if sub is not None and sub.input[1].endswith("_negated") else None
+def _bias_sub(made_by: dict[str, onnx.NodeProto], readers: dict[str, int], name: str,
+              reads: int = 1) -> onnx.NodeProto | None:
+    """with_row_quantize's Sub of a negated bias that makes `name`, read by `reads` nodes; else None."""
+    sub = made_by.get(name)
+    return sub if sub is not None and sub.op_type == "Sub" and readers.get(name) == reads \
+        and sub.input[1].endswith("_negated") else None
 
 
 def _weight_scaled(model: onnx.ModelProto, made_by: dict[str, onnx.NodeProto], readers: dict[str, int], name: str,
@@ -471,12 +473,14 @@ def _fuse_epilogues(model: onnx.ModelProto) -> None:
             inserted[id(node)] = [helper.make_node("BiasReluQuantize", [sub.input[0], row_scale, sub.input[1]],
                                                    list(quantize.output), name=node.name, domain="nmtserve")]
             dropped += [sub, quantize]
-        elif node.op_type == "Mul" and quantize is not None and readers.get(node.output[0]) == 1:
-            swish = _swish(made_by, readers, node)
-            row_scale = _weight_scaled(model, made_by, readers, swish[0].input[0], inserted, dropped) if swish else None
-            if row_scale is None:
+        elif node.op_type == "Mul":
+            swish = _swish(made_by, readers, node) if quantize is not None and readers.get(node.output[0]) == 1 else None
+            if swish is None:
                 continue
             sub, sigmoid = swish
+            row_scale = _weight_scaled(model, made_by, readers, sub.input[0], inserted, dropped)
+            if row_scale is None:
+                continue
             inserted[id(node)] = [helper.make_node("BiasSwishQuantize", [sub.input[0], row_scale, sub.input[1]],
                                                    list(quantize.output), name=node.name, domain="nmtserve")]
             dropped += [sub, sigmoid, quantize]
@@ -488,9 +492,8 @@ def _swish(made_by: dict[str, onnx.NodeProto], readers: dict[str, int], mul: onn
     bias) read by these two nodes alone, as (sub, sigmoid); else None."""
     for x, s in (mul.input, mul.input[::-1]):
         sigmoid = _made_once(made_by, readers, s, "Sigmoid")
-        sub = made_by.get(x)
-        if sigmoid is not None and sigmoid.input[0] == x and sub is not None and sub.op_type == "Sub" \
-                and sub.input[1].endswith("_negated") and readers.get(x) == 2:
+        sub = _bias_sub(made_by, readers, x, reads=2)
+        if sigmoid is not None and sigmoid.input[0] == x and sub is not None:
             return sub, sigmoid
     return None
 

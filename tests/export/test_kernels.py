@@ -23,9 +23,17 @@ def _session(node: onnx.NodeProto, inputs: list, outputs: list) -> ort.Inference
     outputs = [o if isinstance(o, tuple) else (o, TensorProto.FLOAT) for o in outputs]
     graph = helper.make_graph([node], "op", [helper.make_tensor_value_info(n, t, None) for n, t in inputs],
                               [helper.make_tensor_value_info(n, t, None) for n, t in outputs])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("nmtserve", 1)])
+    return _kernel_session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                                    helper.make_opsetid("nmtserve", 1)]))
+
+
+def _kernel_session(model: onnx.ModelProto, optimized_path=None) -> ort.InferenceSession:
+    """A one-thread CPU session of `model` with nmtserve's kernel library (and the graph ONNX Runtime optimised
+    written to optimized_path, when given)."""
     options = session_options(1)
     options.register_custom_ops_library(str(kernels.LIBRARY))
+    if optimized_path:
+        options.optimized_model_filepath = str(optimized_path)
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
@@ -214,10 +222,8 @@ def test_the_encoder_attends_on_packed_tokens_with_the_results_of_ort_nodes(tiny
     onnx.checker.check_model(after)  # no node reads what the removed nodes made
     sources = [[5, 6, 7, 8, 9, 10, 11, translator.eos_id], [12, translator.eos_id], [13, 14, 15, translator.eos_id]]
     src_ids, src_mask = translator.pad(sources)
-    options = session_options(1)
-    options.register_custom_ops_library(str(kernels.LIBRARY))
-    ours, theirs = (ort.InferenceSession(m.SerializeToString(), o, providers=["CPUExecutionProvider"])
-                    for m, o in ((after, options), (before, session_options(1))))
+    ours = _kernel_session(after)
+    theirs = ort.InferenceSession(before.SerializeToString(), session_options(1), providers=["CPUExecutionProvider"])
     for a, b in zip(*(s.run(None, {"src_ids": src_ids, "src_mask": src_mask}) for s in (ours, theirs))):
         assert np.abs(a - b).max() < 1e-5
     # a cross K whose unpacked rows are read elsewhere too (here: an output) keeps the exported nodes
@@ -549,9 +555,7 @@ def test_a_row_quantized_matmul_adds_its_bias_once(tmp_path):
     quantize_dynamic(tmp_path / "fp32.onnx", tmp_path / "int8.onnx", weight_type=QuantType.QInt8)
     model = kernels.with_row_quantize(onnx.load(tmp_path / "int8.onnx"))
     assert [n.op_type for n in model.graph.node].count("Sub") == 1
-    options = session_options(1)
-    options.register_custom_ops_library(str(kernels.LIBRARY))
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = _kernel_session(model)
     x = (rng.standard_normal((5, 32)) * rng.uniform(0.1, 10, (5, 1))).astype(np.float32)
     [[w_scale], [w_q]] = [[onnx.numpy_helper.to_array(i) for i in model.graph.initializer if i.name.endswith(suffix)]
                           for suffix in ("w_scale", "w_quantized")]
@@ -576,12 +580,8 @@ def test_no_row_scaled_product_has_its_bias_folded_in(tiny_bundle, marian_bundle
         quantized = onnx.load(str(path))
         linear = sum(n.op_type == "DynamicQuantizeLinear" for n in quantized.graph.node)
         swishes = sum(n.op_type == "Sigmoid" for n in quantized.graph.node)
-        options = session_options(1)
-        options.register_custom_ops_library(str(kernels.LIBRARY))
-        options.optimized_model_filepath = str(tmp_path / f"{graph}.optimized.onnx")
-        ort.InferenceSession(kernels.with_row_quantize(quantized).SerializeToString(), options,
-                             providers=["CPUExecutionProvider"])
-        nodes = onnx.load(options.optimized_model_filepath).graph.node
+        _kernel_session(kernels.with_row_quantize(quantized), tmp_path / f"{graph}.optimized.onnx")
+        nodes = onnx.load(str(tmp_path / f"{graph}.optimized.onnx")).graph.node
         fused = [n for n in nodes if n.op_type == "MatMulIntegerToFloat"]
         quantizers = [n for n in nodes if n.op_type in ("RowQuantize", "AddNormQuantize", "BiasReluQuantize",
                                                         "BiasSwishQuantize")]
@@ -609,10 +609,7 @@ def test_the_swish_epilogue_gives_the_encoder_outputs_of_the_nodes_it_replaces(m
         if not fused:
             monkeypatch.setattr(kernels, "_fuse_epilogues", lambda model: None)
         model = kernels.with_row_quantize(onnx.load(str(tmp_path / "encoder.int8.onnx")))
-        options = session_options(1)
-        options.register_custom_ops_library(str(kernels.LIBRARY))
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        outputs.append(session.run(None, {"src_ids": src_ids, "src_mask": src_mask}))
+        outputs.append(_kernel_session(model).run(None, {"src_ids": src_ids, "src_mask": src_mask}))
     for x, y in zip(*outputs):
         assert x.shape == y.shape and np.abs(x - y).max() < 0.05 * np.abs(y).max()
         assert np.median(np.abs(x - y)) < 1e-3 * np.abs(y).max()
