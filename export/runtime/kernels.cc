@@ -21,6 +21,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <unistd.h>
 #include <optional>
 #include <vector>
 
@@ -48,6 +49,43 @@ inline float exp_nonpositive(float x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
   return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+}
+
+// Each row and head's keys and values are a few kB in caches of many MB (a 128-row step of the default model reads
+// ~10 MB of them), so `attend` would wait on memory a line at a time: an attention item first asks for the keys
+// and values of the item PREFETCH_AHEAD after it (prefetch_keys), when the layer's keys and values read by the step
+// outgrow a quarter of the core's L2 cache (outgrows_cache: they come back to this layer a step later, after the
+// other layers' caches and weights have passed through it; below that they are still there, and the asking cost
+// 1.7% of a whole translation at batch 1). docs/performance.md, "Prefetching the caches".
+constexpr int64_t PREFETCH_AHEAD = 2;
+
+bool outgrows_cache(int64_t bytes) {
+  static const int64_t l2 = [] {
+    const long size = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return size > 0 ? int64_t{size} : int64_t{1} << 20;
+  }();
+  return bytes > l2 / 4;
+}
+
+// The bytes of the keys and values a step's attention reads: n[i] (clamped to 0..limit) keys and as many values
+// of `per_key` floats each.
+int64_t read_bytes(const int32_t* n, int64_t count, int64_t limit, int64_t per_key) {
+  int64_t keys = 0;
+  for (int64_t i = 0; i < count; i++) keys += std::min<int64_t>(std::max<int32_t>(n[i], 0), limit);
+  return 2 * keys * per_key * static_cast<int64_t>(sizeof(float));
+}
+
+// Asks the memory for the first n keys and values (rows of d floats) that `attend` will read, addressed as it
+// addresses them.
+void prefetch_keys(const float* k, const float* v, int64_t n, int64_t d, const int32_t* from = nullptr,
+                   int64_t self = 0, int64_t row_stride = 0) {
+  for (int64_t t = 0; t < n; t++) {
+    const int64_t at = t * d + (from ? (from[t] - self) * row_stride : 0);
+    for (int64_t i = 0; i < d; i += 64 / sizeof(float)) {
+      __builtin_prefetch(k + at + i);
+      __builtin_prefetch(v + at + i);
+    }
+  }
 }
 
 // Softmax-weighted sum over the first n keys and values (rows of d floats) for one query of d floats,
@@ -101,6 +139,7 @@ struct SelfWork {
   int64_t heads, slots, dim;
   const int32_t* origin;  // (B, slots) or null: DecodeBeamSelfAttention's
   const float* negated_bias;  // (3·H·Dh) or null: subtracted from each row of qkv as it is read
+  int64_t prefetched;  // items (rows × heads) whose keys are asked for ahead: all or none (outgrows_cache)
 };
 
 // x less the negated bias (null: x itself), n floats: the bias add of the graph's Sub that the kernel reads
@@ -119,6 +158,12 @@ void self_row_head(void* data, size_t item) {
   const auto& w = *static_cast<SelfWork*>(data);
   const int64_t b = item / w.heads, h = item % w.heads, slot = w.filled[b];
   float* out = w.out + item * w.dim;
+  const int64_t ahead = item + PREFETCH_AHEAD, ahead_b = ahead / w.heads;
+  if (ahead < w.prefetched) {
+    const int64_t n = std::min<int64_t>(w.filled[ahead_b], w.slots);  // its filled slots (the new one it writes)
+    prefetch_keys(w.k + ahead * w.slots * w.dim, w.v + ahead * w.slots * w.dim, n, w.dim,
+                  w.origin ? w.origin + ahead_b * w.slots : nullptr, ahead_b, w.heads * w.slots * w.dim);
+  }
   if (slot < 0 || slot >= w.slots) {
     std::memset(out, 0, sizeof(float) * w.dim);
     return;
@@ -167,7 +212,8 @@ Ort::Status self_attention(OrtKernelContext* context, const char* op, const Ort:
     return Ort::Status(error.c_str(), ORT_INVALID_ARGUMENT);
   SelfWork w{qkv.Data(), present_k.Allocate(shape), present_v.Allocate(shape),
              out.Allocate(flat ? std::vector<int64_t>{rows, heads * dim} : std::vector<int64_t>{rows, 1, heads * dim}),
-             filled.Data(), heads, slots, dim, origin, negated_bias ? (*negated_bias)->Data() : nullptr};
+             filled.Data(), heads, slots, dim, origin, negated_bias ? (*negated_bias)->Data() : nullptr,
+             outgrows_cache(read_bytes(filled.Data(), rows, slots, heads * dim)) ? rows * heads : 0};
   const size_t bytes = sizeof(float) * rows * heads * slots * dim;
   if (w.k != past_k.Data()) std::memcpy(w.k, past_k.Data(), bytes);
   if (w.v != past_v.Data()) std::memcpy(w.v, past_v.Data(), bytes);
@@ -217,6 +263,7 @@ struct CrossWork {
   const int32_t* lengths;
   int64_t width, heads, keys, dim;
   const float* negated_bias;  // (H·Dh) or null
+  int64_t prefetched;  // items (sources × width × heads) as SelfWork's
 };
 
 void cross_row_head(void* data, size_t item) {  // item: (source, query of it, head)
@@ -224,6 +271,11 @@ void cross_row_head(void* data, size_t item) {  // item: (source, query of it, h
   const int64_t s = item / (w.width * w.heads), h = item % w.heads;
   const int64_t n = std::min<int64_t>(std::max<int32_t>(w.lengths[s], 0), w.keys);
   const int64_t kv = (s * w.heads + h) * w.keys * w.dim;
+  const int64_t ahead = item + PREFETCH_AHEAD, ahead_s = ahead / (w.width * w.heads);
+  if (ahead < w.prefetched && (ahead_s != s || ahead % w.heads != h)) {  // a beam's queries share their source's keys
+    const int64_t at = (ahead_s * w.heads + ahead % w.heads) * w.keys * w.dim;
+    prefetch_keys(w.k + at, w.v + at, std::min<int64_t>(std::max<int32_t>(w.lengths[ahead_s], 0), w.keys), w.dim);
+  }
   Scores p(n);
   Query q(w.dim);
   attend(biased(w.q + item * w.dim, w.negated_bias ? w.negated_bias + h * w.dim : nullptr, w.dim, q.data()),
@@ -244,7 +296,8 @@ Ort::Status DecodeCrossAttention(OrtKernelContext* context, const Ort::Custom::T
                        "and a bias (H·Dh)", ORT_INVALID_ARGUMENT);
   const int64_t sources = qs[0], width = qs[1], heads = ks[1], keys = ks[2], dim = ks[3];
   CrossWork w{q.Data(), k.Data(), v.Data(), out.Allocate({sources, width, heads * dim}), lengths.Data(),
-              width, heads, keys, dim, negated_bias ? (*negated_bias)->Data() : nullptr};
+              width, heads, keys, dim, negated_bias ? (*negated_bias)->Data() : nullptr,
+              outgrows_cache(read_bytes(lengths.Data(), sources, keys, heads * dim)) ? sources * width * heads : 0};
   Ort::KernelContext(context).ParallelFor(cross_row_head, sources * width * heads, 0, &w);
   return Ort::Status{nullptr};
 }

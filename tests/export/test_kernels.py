@@ -137,6 +137,56 @@ def test_self_attention_reads_a_flat_qkv_through_its_bias_and_writes_flat_rows(o
         biased.run(None, {"qkv": qkv, "negated_bias": negated_bias[:-1], **feeds})
 
 
+@pytest.mark.parametrize("op", ["DecodeSelfAttention", "DecodeBeamSelfAttention", "DecodeCrossAttention"])
+def test_attention_over_caches_larger_than_a_cores_l2_gives_the_reference_results(op):
+    """Caches of ~6 MB, past any core's L2 cache, which the kernels read asking for each item's keys ahead
+    (kernels.cc, prefetch_keys): each row and head as numpy attends, holes (a slot outside the cache, or below
+    it) give zeros, and beam rows read the slots their origin names."""
+    rng = np.random.default_rng(7)
+    rows, heads, slots, dim = 48, 4, 96, 64
+    filled = rng.integers(40, slots, rows).astype(np.int32)
+    filled[[5, 17]] = slots, -1  # holes
+    if op == "DecodeCrossAttention":  # a source per row, its first `filled` keys
+        q = rng.standard_normal((rows, 1, heads * dim), dtype=np.float32)
+        k, v = (rng.standard_normal((rows, heads, slots, dim), dtype=np.float32) for _ in range(2))
+        session = _session(helper.make_node(op, ["q", "k", "v", "lengths"], ["out"], domain="nmtserve"),
+                           [("q", TensorProto.FLOAT), ("k", TensorProto.FLOAT), ("v", TensorProto.FLOAT),
+                            ("lengths", TensorProto.INT32)], ["out"])
+        out = session.run(None, {"q": q, "k": k, "v": v, "lengths": filled})[0].reshape(rows, heads, dim)
+        q = q.reshape(rows, heads, dim)
+        keys = [k[b, :, :max(n, 0)] for b, n in enumerate(filled)]
+        values = [v[b, :, :max(n, 0)] for b, n in enumerate(filled)]
+    else:  # a new key and value written at slot filled[b], then attention over slots 0..filled[b]
+        qkv = rng.standard_normal((rows, 1, 3 * heads * dim), dtype=np.float32)
+        past_k, past_v = (rng.standard_normal((rows, heads, slots, dim), dtype=np.float32) for _ in range(2))
+        inputs = [("qkv", TensorProto.FLOAT), ("past_k", TensorProto.FLOAT), ("past_v", TensorProto.FLOAT),
+                  ("filled", TensorProto.INT32)]
+        feeds = {"qkv": qkv, "past_k": past_k, "past_v": past_v, "filled": filled}
+        origin = np.tile(np.arange(rows, dtype=np.int32)[:, None], (1, slots))
+        if op == "DecodeBeamSelfAttention":  # beams of 4 rows at one position: slots from any row of the beam
+            filled = feeds["filled"] = np.repeat(filled[::4], 4)
+            beam = np.arange(rows)[:, None] // 4 * 4
+            origin = (beam + rng.integers(0, 4, (rows, slots))).astype(np.int32)
+            origin[np.arange(rows), np.clip(filled, 0, slots - 1)] = np.arange(rows)  # the slot a row writes is its own
+            inputs.append(("origin", TensorProto.INT32))
+            feeds["origin"] = origin
+        session = _session(helper.make_node(op, [n for n, _ in inputs], ["out", "present_k", "present_v"],
+                                            domain="nmtserve"), inputs, ["out", "present_k", "present_v"])
+        out, k, v = session.run(None, feeds)
+        out = out.reshape(rows, heads, dim)
+        q = qkv.reshape(rows, 3, heads, dim)[:, 0]
+        keys = [np.stack([k[origin[b, t], :, t] for t in range(n + 1)], axis=1) if 0 <= n < slots else None
+                for b, n in enumerate(filled)]
+        values = [np.stack([v[origin[b, t], :, t] for t in range(n + 1)], axis=1) if 0 <= n < slots else None
+                  for b, n in enumerate(filled)]
+    for b in range(rows):
+        if keys[b] is None or keys[b].shape[1] == 0:  # a hole, or a source of no key
+            assert not out[b].any(), b
+            continue
+        for h in range(heads):
+            assert np.abs(out[b, h] - _attend(q[b, h], keys[b][h], values[b][h])).max() < 1e-5, (b, h)
+
+
 def test_cross_attention_reads_each_sources_keys_up_to_its_length():
     rng = np.random.default_rng(1)
     width, keys = 2, 6  # each source's queries: a beam of 2
