@@ -21,9 +21,10 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
-#include <unistd.h>
 #include <optional>
 #include <vector>
+
+#include <unistd.h>
 
 namespace {
 
@@ -160,7 +161,7 @@ void self_row_head(void* data, size_t item) {
   float* out = w.out + item * w.dim;
   const int64_t ahead = item + PREFETCH_AHEAD, ahead_b = ahead / w.heads;
   if (ahead < w.prefetched) {
-    const int64_t n = std::min<int64_t>(w.filled[ahead_b], w.slots);  // its filled slots (the new one it writes)
+    const int64_t n = std::min<int64_t>(w.filled[ahead_b], w.slots);  // the slots it has filled (it writes the next)
     prefetch_keys(w.k + ahead * w.slots * w.dim, w.v + ahead * w.slots * w.dim, n, w.dim,
                   w.origin ? w.origin + ahead_b * w.slots : nullptr, ahead_b, w.heads * w.slots * w.dim);
   }
