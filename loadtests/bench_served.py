@@ -14,8 +14,9 @@ Each request is one sentence of the bundle's test split, drawn at random (seeded
 as in traffic; with `--decoding mixed` each request's decoding mode is drawn too (50% greedy, 40% beam
 4, 10% sampled: workload.DECODING_MIX), the same draws for every server. Throughput counts target tokens of the best translation (eos
 excluded); latency is the client's time for one Translate call, broken down into stages (STAGES)
-with the server's Timings, and each cell's sentences per admission (one encoder call each) comes from
-the server's /metrics (nmtserve_admissions_total). The baseline is OnnxTranslator on
+with the server's Timings, each cell's sentences per admission (one encoder call each) comes from
+the server's /metrics (nmtserve_admissions_total), and its CPU a call by whom (`cpu_per_call`: the server's
+event loop, engines and other threads, each also waiting for a core, and the client). The baseline is OnnxTranslator on
 the same requests at batch 1 (at each thread count; the lowest p50 is reported), in this process
 while the servers are idle.
 With `--sentences-per-call N` each call carries N sentences (Translate's `sentences`), so the cost of
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nmtserve.loadtests.bench_offline import layout_name
-from nmtserve.loadtests.machine import PROBES, describe, host_probe, machine_info
+from nmtserve.loadtests.machine import PROBES, THREAD_KINDS, describe, host_probe, machine_info, thread_times
 from nmtserve.loadtests.workload import (
     ServerProcess,
     default_sentence_file,
@@ -168,6 +169,18 @@ def _stages(t, latency: float) -> list[float]:
             handler - resumed, latency - handler]
 
 
+def cpu_per_call(before: dict | None, after: dict | None, client_seconds: float, calls: int) -> dict | None:
+    """A cell's CPU, ms a call: `run` by each kind of the server's threads (machine.THREAD_KINDS, from
+    `thread_times` before and after) and by the client (this process: the cell's client threads and gRPC's, which
+    share the host's cores with the server here), and `waiting` (runnable, for a core) by each kind of the
+    server's; None where the server's threads cannot be read."""
+    if before is None or after is None:
+        return None
+    run = {kind: (after[kind][0] - before[kind][0]) * 1e3 / calls for kind in THREAD_KINDS}
+    return {"run": {**run, "client": client_seconds * 1e3 / calls},
+            "waiting": {kind: (after[kind][1] - before[kind][1]) * 1e3 / calls for kind in THREAD_KINDS}}
+
+
 class Baseline:
     """OnnxTranslator at batch 1 in this process: per-request latency and tokens/s on given requests, and
     the mean time of its two stages: the encoder (`prefill`), then the decoding loop (`decode`: greedy
@@ -257,10 +270,13 @@ def run_served_bench(cfg: ServedBenchConfig) -> dict:
                         probe = host_probe()  # every server idle: how fast the host runs as the cell starts
                         url = f"http://127.0.0.1:{ports[at]}/metrics"
                         before = scrape(url, ADMISSIONS)
+                        threads, client = thread_times(servers[at].proc.pid), time.process_time()
                         cell = _cell(servers[at].target, requests, c)
+                        cpu = cpu_per_call(threads, thread_times(servers[at].proc.pid),
+                                           time.process_time() - client, len(requests))
                         after = scrape(url, ADMISSIONS)
                         admitted = {k: after[k] - before[k] for k in after}
-                        cells[at][c].append({**cell, "host_probe": probe, "sentences_per_admission":
+                        cells[at][c].append({**cell, "host_probe": probe, "cpu_ms_per_call": cpu, "sentences_per_admission":
                                              admitted["sentences"] / max(1.0, admitted["admissions"])})
                     if c == 1:  # the same requests, right after, while every server is idle
                         for t, baseline in translators.items():
@@ -284,6 +300,9 @@ def _summary(runs: list[dict]) -> dict:
     cell["stages_mean_ms"] = {name: round(statistics.median(r["stages_mean_ms"][name] for r in runs), 3) for name in STAGES}
     cell["host_probe_runs"] = [r["host_probe"] for r in runs]
     cell["sentences_per_admission"] = round(statistics.median(r["sentences_per_admission"] for r in runs), 2)
+    cpu = [r["cpu_ms_per_call"] for r in runs if r["cpu_ms_per_call"]]
+    cell["cpu_ms_per_call"] = {part: {who: round(statistics.median(c[part][who] for c in cpu), 3) for who in cpu[0][part]}
+                               for part in cpu[0]} if cpu else None
     return cell
 
 
@@ -355,6 +374,13 @@ def format_table(report: dict) -> str:
     for mode, by_c in report["results"].items():
         for c, r in by_c.items():
             lines.append(f"{mode:<11}{c:>8}  " + "  ".join(f"{r['stages_mean_ms'][name]:.2f}" for name in STAGES))
+    if all(r["cpu_ms_per_call"] for by_c in report["results"].values() for r in by_c.values()):
+        lines.append("CPU ms a call, run (and runnable, waiting for a core): " + ", ".join(THREAD_KINDS) + ", client")
+        for mode, by_c in report["results"].items():
+            for c, r in by_c.items():
+                run, waiting = r["cpu_ms_per_call"]["run"], r["cpu_ms_per_call"]["waiting"]
+                lines.append(f"{mode:<11}{c:>8}  " + "  ".join(f"{run[k]:.3f} ({waiting[k]:.3f})" for k in THREAD_KINDS)
+                             + f"  {run['client']:.3f}")
     lines.append("sentences per admission (one encoder call each, nmtserve_admissions_total): " + "; ".join(
         f"{mode} " + ", ".join(f"{c}: {r['sentences_per_admission']:.1f}" for c, r in by_c.items())
         for mode, by_c in report["results"].items() if all("sentences_per_admission" in r for r in by_c.values())))

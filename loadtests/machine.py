@@ -89,3 +89,31 @@ def host_probe() -> dict:
     big.sum()
     return {"exp_mps": rate(lambda: [np.exp(x, out=y) for _ in range(20)], 20 * 65_536 / 1e6),
             "l3_gbps": rate(lambda: [big.sum() for _ in range(4)], 4 * big.nbytes / 1e9)}
+
+
+# A served cell's CPU by whom (thread_times): the server's event loop (its main thread), its engines (threads named
+# as server/engine.py names them), its other threads (gRPC's, the metrics endpoint's), and the load generator
+THREAD_KINDS = ("event loop", "engines", "other server threads")
+
+
+def thread_times(pid: int) -> dict[str, tuple[float, float]] | None:
+    """Seconds each kind of a server's threads (THREAD_KINDS) has run and has waited, runnable, for a core, summed
+    over its threads, from Linux's /proc/PID/task/*/schedstat; None where that cannot be read (another OS, or a
+    kernel without scheduler statistics). Threads that ended between two readings drop out of the later one."""
+    times = {kind: [0.0, 0.0] for kind in THREAD_KINDS}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        if not (tasks[0] / "schedstat").exists():
+            return None
+    except (OSError, IndexError):
+        return None
+    for task in tasks:
+        try:
+            run_ns, wait_ns = (int(x) for x in (task / "schedstat").read_text().split()[:2])
+            name = (task / "comm").read_text().strip()
+        except OSError:  # the thread ended
+            continue
+        kind = "event loop" if task.name == str(pid) else "engines" if name == "nmtserve-engine" else "other server threads"
+        times[kind][0] += run_ns / 1e9
+        times[kind][1] += wait_ns / 1e9
+    return {kind: (run, wait) for kind, (run, wait) in times.items()}

@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 
 from nmtserve.loadtests.bench_served import STAGES, steady_window
+from nmtserve.loadtests.machine import THREAD_KINDS
 from nmtserve.loadtests.workload import DECODING_MIX, draw_decoding
 from tests.helpers import run_cli
 
@@ -53,11 +54,17 @@ def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_p
             # how fast the host ran as the cell started, one probe per run
             assert [set(p) for p in cell["host_probe_runs"]] == [{"exp_mps", "l3_gbps"}]
             assert all(v > 0 for v in cell["host_probe_runs"][0].values())
+            # the cell's CPU a call, by the server's threads (Linux's scheduler statistics) and the client
+            cpu = cell["cpu_ms_per_call"]
+            assert set(cpu["run"]) == {*THREAD_KINDS, "client"} and set(cpu["waiting"]) == set(THREAD_KINDS)
+            assert cpu["run"]["engines"] > 0 and cpu["run"]["event loop"] > 0 and cpu["run"]["client"] > 0
+            assert min(cpu["waiting"].values()) >= 0
         # the servers' own count of encoder calls (nmtserve_admissions_total): one request at a time is one
         # sentence each; two clients, one or two
         assert report["results"][mode]["1"]["sentences_per_admission"] == 1.0
         assert 1.0 <= report["results"][mode]["2"]["sentences_per_admission"] <= 2.0
     assert "host probe as each cell started" in result.stdout and "sentences per admission" in result.stdout
+    assert "CPU ms a call" in result.stdout
     assert set(report["ratios"]["continuous/static tokens_per_s"]) == {"1", "2"}
     assert set(report["ratios"]["continuous/static steady_tokens_per_s"]) == {"1", "2"}
     for name in ("1x1", "1x2", "2x1"):
