@@ -92,7 +92,8 @@ def host_probe() -> dict:
 
 
 # A served cell's CPU by whom (thread_times): the server's event loop (its main thread), its engines (threads named
-# as server/engine.py names them), its other threads (gRPC's, the metrics endpoint's), and the load generator
+# as server/engine.py names them), its other threads (gRPC's, the metrics endpoint's, and ONNX Runtime's intra-op
+# pool when an engine has more than one thread: `--threads 2`'s second thread counts here)
 THREAD_KINDS = ("event loop", "engines", "other server threads")
 
 
