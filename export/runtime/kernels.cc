@@ -91,10 +91,13 @@ void prefetch_keys(const float* k, const float* v, int64_t n, int64_t d, const i
 
 // Softmax-weighted sum over the first n keys and values (rows of d floats) for one query of d floats,
 // scaled by 1/sqrt(d). p: room for n scores. With `from` (DecodeBeamSelfAttention), key and value t are
-// those of row from[t], `row_stride` floats per row away from this one's (row `self`).
-CLONED
-void attend(const float* q, const float* k, const float* v, int64_t n, int64_t d, float* p, float* out,
-            const int32_t* from = nullptr, int64_t self = 0, int64_t row_stride = 0) {
+// those of row from[t], `row_stride` floats per row away from this one's (row `self`). D: d known when compiled
+// (0: read from d), which lets the compiler keep a row's products and the output in registers.
+template <int64_t D>
+__attribute__((always_inline)) inline void attend_rows(const float* q, const float* k, const float* v, int64_t n,
+                                                       int64_t d_given, float* p, float* out, const int32_t* from,
+                                                       int64_t self, int64_t row_stride) {
+  const int64_t d = D ? D : d_given;
   if (n <= 0) {  // nothing to attend to (a source of no token): zeros, not 0 / 0
     for (int64_t i = 0; i < d; i++) out[i] = 0.f;
     return;
@@ -117,6 +120,15 @@ void attend(const float* q, const float* k, const float* v, int64_t n, int64_t d
     const float* vt = v + t * d + (from ? (from[t] - self) * row_stride : 0);
     for (int64_t i = 0; i < d; i++) out[i] += w * vt[i];
   }
+}
+
+CLONED
+void attend(const float* q, const float* k, const float* v, int64_t n, int64_t d, float* p, float* out,
+            const int32_t* from = nullptr, int64_t self = 0, int64_t row_stride = 0) {
+  if (d == 64)  // the head size of both the default and the OPUS-MT models
+    attend_rows<64>(q, k, v, n, d, p, out, from, self, row_stride);
+  else
+    attend_rows<0>(q, k, v, n, d, p, out, from, self, row_stride);
 }
 
 // Room for n floats: on the stack up to N, else on the heap.
