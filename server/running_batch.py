@@ -31,6 +31,7 @@ import numpy as np
 
 from nmtserve.export.runtime.batch import BatchState
 from nmtserve.export.runtime.translator import OnnxTranslator
+from nmtserve.search import top_candidates
 
 if TYPE_CHECKING:
     from nmtserve.server.engine import Request
@@ -131,11 +132,15 @@ class RunningBatch:
         fails alone, the error is the batch's and is raised."""
         self.state.trim()
         placement = self.placement()
-        k = max((r.search.candidates or self.tr.vocab_size) if r.search else 1 for r, _ in placement)
+        # a sampler without top-k (candidates 0) gets its row's log-probs over the whole vocabulary, unranked, and
+        # ranks them itself: the step ranks only the k best of each row, as the others need
+        whole = [i for i, (r, _) in enumerate(placement) if r.search is not None and r.search.candidates == 0]
+        k = max([r.search.candidates if r.search else 1 for r, _ in placement] + [1])
         # greedy rows that no one reads a score of: the step skips the log-softmax (with_search_head)
         scored = any(r.scored or r.search is not None for r, _ in placement)
         try:
-            ids, scores = self.tr.decode_candidates(self.state, k, scores=scored)
+            ids, scores, *vocabulary = self.tr.decode_candidates(
+                self.state, k, scores=scored, whole=np.array([placement[i][1][0] for i in whole]) if whole else None)
         except Exception:
             culprits = self._failing_rows([i for i, r in enumerate(self.rows) if r is not None])
             if not culprits:
@@ -148,13 +153,14 @@ class RunningBatch:
             return outputs, failed + more
         tokens, parents = ids[:, 0].copy(), None  # holes keep theirs: never read
         best, best_scores = tokens.tolist(), scores[:, 0].tolist() if scored else None  # Python numbers, once
-        outputs = []
-        for request, rows in placement:
+        outputs, ranked = [], dict(zip(whole, vocabulary[0])) if whole else {}
+        for j, (request, rows) in enumerate(placement):
             if request.search is None:
                 row = int(rows[0])
                 outputs.append((request, best[row], best_scores[row] if scored else math.nan))
                 continue
-            chosen_parents, chosen = request.search.step(ids[rows], scores[rows])
+            own = top_candidates(ranked[j][None], 0) if j in ranked else (ids[rows], scores[rows])
+            chosen_parents, chosen = request.search.step(*own)
             parents = np.arange(len(self.rows)) if parents is None else parents
             parents[rows], tokens[rows] = rows[chosen_parents], chosen
             outputs.append((request, None, None))

@@ -403,8 +403,8 @@ Ort::Status PackedToHeads(OrtKernelContext* context, const Ort::Custom::Tensor<f
 
 // One row of SearchHead: its k best values (k <= n), best first, ties by lower index, by insertion into a
 // sorted list. A block of 64 values whose maximum does not beat the k-th best is passed over after eight
-// vector maxima (GCC's vector extension); many (k > 64, sampling from the whole
-// vocabulary) by a partial sort of the indices.
+// vector maxima (GCC's vector extension); many (k > 64: OnnxTranslator.step's whole vocabulary, ranked) by
+// a partial sort of the indices.
 typedef float Floats8 __attribute__((vector_size(32)));
 
 inline float block_max(const float* x) {  // of x[0..63]
@@ -468,6 +468,8 @@ struct HeadWork {
   bool scores;
   const float* row_scale;  // (rows,) or null: logits[r, j] * row_scale[r] (+ bias[j]) are the logits
   const float* bias;  // (vocab,) or null
+  const int64_t* whole_of_row;  // (rows,): the row's place among whole_rows, or -1
+  float* whole;  // (whole rows, vocab): their log-softmax (without scores: their logits)
 };
 
 // x * scale + bias (bias may be null) into out.
@@ -490,36 +492,53 @@ void head_row(void* data, size_t row) {
     x = scaled.data();
   }
   float* values = w.values + row * w.k;
-  best_of_row(x, w.vocab, w.k, values, w.ids + row * w.k);
-  if (w.scores) {
-    const float shift = values[0] + log_sum_exp_below(x, w.vocab, values[0]);
+  if (w.k > 0) best_of_row(x, w.vocab, w.k, values, w.ids + row * w.k);
+  float* whole = w.whole_of_row[row] < 0 ? nullptr : w.whole + w.whole_of_row[row] * w.vocab;
+  if (w.scores && (w.k > 0 || whole)) {
+    const float top = w.k > 0 ? values[0] : *std::max_element(x, x + w.vocab);
+    const float shift = top + log_sum_exp_below(x, w.vocab, top);
     for (int64_t j = 0; j < w.k; j++) values[j] -= shift;
+    if (whole)
+      for (int64_t j = 0; j < w.vocab; j++) whole[j] = x[j] - shift;
+  } else if (whole) {
+    std::memcpy(whole, x, w.vocab * sizeof(float));
   }
 }
 
 // The step's search head (OnnxTranslator's with_search_head: LogSoftmax then TopK, or without scores the
 // best by the values before it) in one pass over each row's logits (B, V): candidate_scores and
-// candidate_ids (B, K), K = min(candidates, V), best first, ties by lower id; with_scores: log-softmax
-// values (logit - max - log(sum(exp(logit - max)))), else the logits themselves. With row_scale (B, 1)
-// and bias (V,) (int8 scales per row: kernels.with_row_quantize), the logits are logits * row_scale +
-// bias: the output projection's last scaling and its bias, applied here instead of in two passes over
-// the whole (B, V) output.
+// candidate_ids (B, K), K = min(candidates, V), best first, ties by lower id; with_scores:
+// log-softmax values (logit - max - log(sum(exp(logit - max)))), else the logits themselves; and
+// whole_log_probs (R, V), the same values over the whole vocabulary of the rows whole_rows (R,) names (a
+// sampler without top-k among rows that need K). With row_scale (B, 1) and bias (V,) (int8 scales per
+// row: kernels.with_row_quantize), the logits are logits * row_scale + bias: the output projection's last
+// scaling and its bias, applied here instead of in two passes over the whole (B, V) output.
 Ort::Status SearchHead(OrtKernelContext* context, const Ort::Custom::Tensor<float>& logits,
                        const Ort::Custom::Tensor<int64_t>& candidates, const Ort::Custom::Tensor<bool>& with_scores,
+                       const Ort::Custom::Tensor<int64_t>& whole_rows,
                        std::optional<const Ort::Custom::Tensor<float>*> row_scale,
                        std::optional<const Ort::Custom::Tensor<float>*> bias,
-                       Ort::Custom::Tensor<float>& candidate_scores, Ort::Custom::Tensor<int64_t>& candidate_ids) {
+                       Ort::Custom::Tensor<float>& candidate_scores, Ort::Custom::Tensor<int64_t>& candidate_ids,
+                       Ort::Custom::Tensor<float>& whole_log_probs) {
   const std::vector<int64_t> shape = logits.Shape();
-  const int64_t rows = shape[0], vocab = shape[1];
+  const int64_t rows = shape[0], vocab = shape[1], wholes = whole_rows.NumberOfElement();
   const bool scaled = row_scale.has_value() && *row_scale != nullptr, biased = bias.has_value() && *bias != nullptr;
   if (scaled && (*row_scale)->NumberOfElement() != rows)
     return Ort::Status("SearchHead: row_scale must have one value a row", ORT_INVALID_ARGUMENT);
   if (biased && (*bias)->NumberOfElement() != vocab)
     return Ort::Status("SearchHead: bias must have one value a logit", ORT_INVALID_ARGUMENT);
+  std::vector<int64_t> whole_of_row(rows, -1);
+  for (int64_t i = 0; i < wholes; i++) {
+    const int64_t row = whole_rows.Data()[i];
+    if (row < 0 || row >= rows || whole_of_row[row] >= 0)
+      return Ort::Status("SearchHead: whole_rows must name distinct rows of the batch", ORT_INVALID_ARGUMENT);
+    whole_of_row[row] = i;
+  }
   const int64_t k = std::max<int64_t>(0, std::min(candidates.Data()[0], vocab));
   HeadWork w{logits.Data(), candidate_scores.Allocate({rows, k}), candidate_ids.Allocate({rows, k}), vocab, k,
-             with_scores.Data()[0], scaled ? (*row_scale)->Data() : nullptr, biased ? (*bias)->Data() : nullptr};
-  if (k > 0) Ort::KernelContext(context).ParallelFor(head_row, rows, 0, &w);
+             with_scores.Data()[0], scaled ? (*row_scale)->Data() : nullptr, biased ? (*bias)->Data() : nullptr,
+             whole_of_row.data(), whole_log_probs.Allocate({wholes, vocab})};
+  if (k > 0 || wholes > 0) Ort::KernelContext(context).ParallelFor(head_row, rows, 0, &w);
   return Ort::Status{nullptr};
 }
 

@@ -11,7 +11,8 @@ self-attention of the offline step, each slot read from the row that wrote it (B
 row that continues another's hypothesis copies no cache). `nmtserve.SearchHead` takes the place of the
 step's search head (`with_search_head`: an If of LogSoftmax then TopK, or ArgMax without scores): each
 row's K best logits in one pass, and their log-softmax from one sum of exponentials, without writing
-the log-probabilities of the whole vocabulary (docs/performance.md, "The search head in one pass").
+the log-probabilities of the whole vocabulary but for the rows `whole_rows` names (docs/performance.md,
+"The search head in one pass").
 `nmtserve.RowQuantize` takes the place of each DynamicQuantizeLinear of the int8 graphs, encoder and
 decoder (`with_row_quantize`): each row's activations on a scale of their own, so that a sentence's int8
 result no longer depends on its batch-mates (ONNX Runtime's scale is one for the whole tensor).
@@ -123,8 +124,8 @@ def with_custom_kernels(model: onnx.ModelProto, beam_origin: bool = False) -> on
     for node in model.graph.node:
         logits = _search_head_logits(node)
         if logits is not None:
-            node = helper.make_node("SearchHead", [logits, "candidates", "with_scores"], list(node.output),
-                                    domain="nmtserve")
+            node = helper.make_node("SearchHead", [logits, "candidates", "with_scores", "whole_rows"],
+                                    list(node.output), domain="nmtserve")
         elif node.op_type == "GroupQueryAttention" and heads_only(node) and beam_origin:
             node = helper.make_node("DecodeBeamSelfAttention", [node.input[0], *node.input[3:6], "cache_origin"],
                                     list(node.output), domain="nmtserve")
@@ -407,7 +408,7 @@ def _scale_logits_in_search_head(model: onnx.ModelProto) -> None:
     int8 step at batch 32 (docs/performance.md, "int8 scales per row")."""
     made_by, readers = _graph_readers(model)
     inserted, dropped = {}, []
-    for head in [n for n in model.graph.node if n.op_type == "SearchHead" and len(n.input) == 3]:
+    for head in [n for n in model.graph.node if n.op_type == "SearchHead" and len(n.input) == 4]:
         logits, bias = head.input[0], None
         to_float = _made_once(made_by, readers, logits, "Cast")  # the export's Cast of the logits to float,
         if to_float is not None and helper.get_attribute_value(to_float.attribute[0]) == onnx.TensorProto.FLOAT:
@@ -520,13 +521,13 @@ def _bias_into_attention(model: onnx.ModelProto) -> None:
 
 
 def _search_head_logits(node: onnx.NodeProto) -> str | None:
-    """The logits an If of `with_search_head` reads when its scoring branch is LogSoftmax then TopK over
-    them alone; else None (another node, or a head that adds suppressed ids' -inf after the log-softmax:
-    it keeps ONNX Runtime's nodes)."""
+    """The logits an If of `with_search_head` reads when its scoring branch is LogSoftmax then TopK (and the
+    whole rows' Gather) over them alone; else None (another node, or a head that adds suppressed ids' -inf
+    after the log-softmax: it keeps ONNX Runtime's nodes)."""
     if node.op_type != "If" or list(node.input) != ["with_scores"]:
         return None
     scoring = next(helper.get_attribute_value(a) for a in node.attribute if a.name == "then_branch")
-    return scoring.node[0].input[0] if [n.op_type for n in scoring.node] == ["LogSoftmax", "TopK"] else None
+    return scoring.node[0].input[0] if [n.op_type for n in scoring.node] == ["LogSoftmax", "TopK", "Gather"] else None
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ once").
 
 The decoder graph gets a TopK appended (`with_search_head`): a step returns each row's k best tokens
 and their log-probabilities (k = 1 greedy, 2 × beam for beam search), never the whole distribution
-unless sampling from it; greedy search asked for no scores (translate_batch's return_scores=False,
+unless sampling from it, and then only the sampling rows' log-probs, unranked (its `whole_rows`; they are
+ranked on the host, so a sampler without top-k does not make the step rank the vocabulary of every row in
+the server's batch); greedy search asked for no scores (translate_batch's return_scores=False,
 as CTranslate2's) skips the log-softmax and takes an ArgMax instead of the TopK. Every cache is bound
 by address, one layer at a time, as both the step's input and its `present` output, so the attention
 kernel writes the new K/V into the cache in place (export/build/graphs.py; on a CPU nmtserve's own
@@ -56,7 +58,7 @@ from nmtserve.export.runtime.batch import FRESH_SLOTS, BatchState, eos_of, own_s
 from nmtserve.export.runtime.bundle import Bundle, default_variant, load_bundle
 from nmtserve.export.runtime.native import NativeBinding, NativeError, NativeSession
 from nmtserve.export.runtime.tensors import DeviceTensors, HostTensors
-from nmtserve.search import BeamSearch, DecodingOptions, Hypothesis, beam_steps, make_search
+from nmtserve.search import BeamSearch, DecodingOptions, Hypothesis, beam_steps, make_search, top_candidates
 
 # Two decoding contexts over one CUDA device (serve --inter-threads 2, the pool's test on an H200,
 # onnxruntime-gpu 1.31.1) gave requests GroupQueryAttention errors ("total_sequence_length must be
@@ -191,7 +193,10 @@ def with_search_head(model: onnx.ModelProto) -> onnx.ModelProto:
     rounding ties; its score is then that value), as CTranslate2's greedy search does when return_scores
     is off (the log-softmax was 1.7% of the default model's decoder kernel time at batch 64, 2.5% of an
     OPUS-MT-size model's: README). log_probs leaves the outputs, since ONNX Runtime runs every node of
-    the graph whatever outputs a run asks for; `OnnxTranslator.step` rebuilds it from the K = V best."""
+    the graph whatever outputs a run asks for; `OnnxTranslator.step` rebuilds it from the K = V best.
+    Input `whole_rows` (R,) int64 and output whole_log_probs (R, V): those rows' log-probabilities over the
+    whole vocabulary (in the ArgMax branch the values before the log-softmax), for a sampler without top-k
+    among rows that need K of them: the step then ranks K per row, not the vocabulary of every row."""
     graph = model.graph
     producer = {out: node for node in graph.node for out in node.output}
     chain = [producer["log_probs"]]  # LogSoftmax, then perhaps an Add of the suppressed ids' -inf
@@ -211,24 +216,28 @@ def with_search_head(model: onnx.ModelProto) -> onnx.ModelProto:
             node.output[:] = [rename[o] for o in node.output]
             node.name = ""
             nodes.append(node)
-        outputs = [f"candidate_scores_{name}", f"candidate_ids_{name}"]
+        outputs = [f"candidate_scores_{name}", f"candidate_ids_{name}", f"whole_log_probs_{name}"]
         if softmax:
-            nodes.append(helper.make_node("TopK", [rename["log_probs"], "candidates"], outputs, axis=-1, largest=1,
+            nodes.append(helper.make_node("TopK", [rename["log_probs"], "candidates"], outputs[:2], axis=-1, largest=1,
                                           sorted=1))
         else:  # greedy's one best: ArgMax takes half TopK's time at K = 1 (README)
             nodes += [helper.make_node("ArgMax", [rename["log_probs"]], [outputs[1]], axis=-1, keepdims=1),
                       helper.make_node("GatherElements", [rename["log_probs"], outputs[1]], [outputs[0]], axis=-1)]
+        nodes.append(helper.make_node("Gather", [rename["log_probs"], "whole_rows"], [outputs[2]], axis=0))
         return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(outputs[0], onnx.TensorProto.FLOAT, None),
-                                                   helper.make_tensor_value_info(outputs[1], onnx.TensorProto.INT64, None)])
+                                                   helper.make_tensor_value_info(outputs[1], onnx.TensorProto.INT64, None),
+                                                   helper.make_tensor_value_info(outputs[2], onnx.TensorProto.FLOAT, None)])
 
     graph.input.extend([helper.make_tensor_value_info("candidates", onnx.TensorProto.INT64, [1]),
-                        helper.make_tensor_value_info("with_scores", onnx.TensorProto.BOOL, [])])
-    graph.node.append(helper.make_node("If", ["with_scores"], ["candidate_scores", "candidate_ids"],
+                        helper.make_tensor_value_info("with_scores", onnx.TensorProto.BOOL, []),
+                        helper.make_tensor_value_info("whole_rows", onnx.TensorProto.INT64, ["whole"])])
+    graph.node.append(helper.make_node("If", ["with_scores"], ["candidate_scores", "candidate_ids", "whole_log_probs"],
                                        then_branch=branch("scores", True), else_branch=branch("ranks", False)))
     outputs = [o for o in graph.output if o.name != "log_probs"]
     del graph.output[:]
     graph.output.extend(outputs + [helper.make_tensor_value_info("candidate_ids", onnx.TensorProto.INT64, ["batch", "k"]),
-                                   helper.make_tensor_value_info("candidate_scores", onnx.TensorProto.FLOAT, ["batch", "k"])])
+                                   helper.make_tensor_value_info("candidate_scores", onnx.TensorProto.FLOAT, ["batch", "k"]),
+                                   helper.make_tensor_value_info("whole_log_probs", onnx.TensorProto.FLOAT, ["whole", "vocab"])])
     return model
 
 
@@ -452,19 +461,27 @@ class OnnxTranslator:
         state.choose(ids[:, 0])
         return ids[:, 0], scores[:, 0]
 
-    def decode_candidates(self, state: BatchState, k: int, scores: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    def decode_candidates(self, state: BatchState, k: int, scores: bool = True, whole: np.ndarray | None = None) \
+            -> tuple[np.ndarray, ...]:
         """One step of every row -> its k best next tokens (B, k) int64 and their log-probs (B, k), best
-        first (k = 0: the whole vocabulary); scores=False (k = 1 only): the best by the values before the
-        log-softmax, which the step skips, and the scores are those values (`with_search_head`). The step's
-        K/V are written into `state`; the caller then picks each row's next token, and for a beam its parent
-        row, with `state.choose`."""
-        if not scores and k != 1:
-            raise ValueError(f"k {k}: a step without scores gives each row's one best token (k = 1)")
+        first (k = 0: the whole vocabulary, ranked here from `whole`'s log-probs of every row); scores=False
+        (k = 1 only): the best by the values before the log-softmax, which the step skips, and the scores are
+        those values (`with_search_head`). With `whole` (R,) int64, rows that need the whole vocabulary among
+        rows that need k (a sampler without top-k in the server's batch): those rows' log-probs over the
+        vocabulary (R, V) as a third value, unranked. The step's K/V are written into `state`; the caller then
+        picks each row's next token, and for a beam its parent row, with `state.choose`."""
+        if not scores and (k != 1 or whole is not None):
+            raise ValueError(f"k {k}, whole rows {None if whole is None else whole.tolist()}: a step without scores "
+                             "gives each row's one best token only (k = 1, no whole rows)")
         state.open_slot()
         self._with_scores[...] = scores
-        ids, scores = self._step(state, k or self.vocab_size)
+        if k == 0:  # ranked on the host, as the server ranks its whole-vocabulary rows: one order for both
+            self._step(state, 1, np.arange(state.size))
+            state.advance()
+            return top_candidates(self._whole, 0)
+        ids, scores = self._step(state, k, whole)
         state.advance()
-        return ids, scores
+        return (ids, scores) if whole is None else (ids, scores, self._whole.copy())
 
     def decode_greedy_steps(self, state: BatchState, steps: int, scores: bool = True, stop: np.ndarray | None = None,
                             stop_at: float = 0.0) -> tuple[np.ndarray, np.ndarray | None]:
@@ -488,22 +505,25 @@ class OnnxTranslator:
                                      state.hole if state.holes else None, stop, stop_at, done, until)
         return out[:taken], None if out_scores is None else out_scores[:taken]
 
-    def _step(self, state: BatchState, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """candidate ids and their scores (B, k) on the host, scored as `_with_scores` says. Every cache is
-        bound as both the input and the `present` output of its layer, so the step writes the new K/V into
-        `state`'s own buffers, wherever they live (`_binding_for`)."""
-        binding = self._binding_for(state, k)
+    def _step(self, state: BatchState, k: int, whole: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """candidate ids and their scores (B, k) on the host, scored as `_with_scores` says (and the `whole`
+        rows' log-probs over the vocabulary in `_whole`). Every cache is bound as both the input and the
+        `present` output of its layer, so the step writes the new K/V into `state`'s own buffers, wherever
+        they live (`_binding_for`)."""
+        binding = self._binding_for(state, k, whole=whole)
         run_bound(self.decoder, binding)
         return self._ids.copy(), self._scores.copy()
 
-    def _binding_for(self, state: BatchState, k: int, greedy: bool = False) -> ort.IOBinding | NativeBinding:
+    def _binding_for(self, state: BatchState, k: int, greedy: bool = False, whole: np.ndarray | None = None) \
+            -> ort.IOBinding | NativeBinding:
         """The decoder's binding for a step of `state` asking for k candidates. A binding holds addresses,
         so it is kept from step to step and a group is bound again only when its objects change (`_bound`
         holds weak references to them): the caches (each layer as input and `present` output, with their
         slot counts; with shared_cross the cross K/V as inputs only), the per-row arrays (tokens, positions,
         cross_slot: BatchState changes them in place), and the outputs (candidates into buffers of (B, k),
         with the `candidates` and `with_scores` inputs: the callers set the flag; greedy: k = 1 and each
-        row's best token straight into `state.tokens`, `_greedy_binding`). Host inputs of
+        row's best token straight into `state.tokens`, `_greedy_binding`; the `whole` rows, none by default,
+        and their log-probs over the vocabulary into `_whole`). Host inputs of
         a session on a device are copied to it when bound, so there the per-row arrays (and host caches)
         are bound every step (a translator serves one thread at a time)."""
         binding, bound, shared = self._binding, self._bound, self.shared_cross
@@ -543,15 +563,21 @@ class OnnxTranslator:
             bound["rows"] = _refs(rows)
         else:
             rebound = False
-        if bound.get("outputs") != (state.size, k, greedy) or greedy and rebound:  # greedy: into state.tokens
+        wholes, new_outputs = 0 if whole is None else len(whole), False
+        if bound.get("outputs") != (state.size, k, greedy, wholes) or greedy and rebound:  # greedy: into state.tokens
             self._ids, self._scores = np.empty((state.size, k), np.int64), np.empty((state.size, k), np.float32)
             self._k = np.array([k], np.int64)
+            self._whole_rows, self._whole = np.zeros(wholes, np.int64), np.empty((wholes, self.vocab_size), np.float32)
             bind_address(binding, "candidates", "cpu", np.int64, (1,), self._k.ctypes.data)
             bind_address(binding, "with_scores", "cpu", np.bool_, (), self._with_scores.ctypes.data)  # host memory
             for name, x in (("candidate_ids", state.tokens.reshape(-1, 1) if greedy else self._ids),
-                            ("candidate_scores", self._scores)):
+                            ("candidate_scores", self._scores), ("whole_log_probs", self._whole)):
                 bind_address(binding, name, "cpu", x.dtype, x.shape, x.ctypes.data, output=True)
-            bound["outputs"] = (state.size, k, greedy)
+            bound["outputs"], new_outputs = (state.size, k, greedy, wholes), True
+        if wholes:
+            self._whole_rows[:] = whole  # in place: on the host the binding reads it there
+        if new_outputs or wholes and self.device != "cpu":  # a device's session copies it when bound
+            bind_address(binding, "whole_rows", "cpu", np.int64, (wholes,), self._whole_rows.ctypes.data)
         return binding
 
     def _layer_addresses(self, stacked) -> list[int]:

@@ -295,22 +295,31 @@ def test_search_head_gives_each_rows_best_logits_in_order_with_their_log_softmax
     logits[1, [5, 70, 150]] = logits[1].max() + 1  # equal best values: lower id first
     logits[2, 130:] = -np.inf  # suppressed ids (a bias of -inf folded into the projection)
     logits[3] = 0.5  # all equal
-    session = _session(helper.make_node("SearchHead", ["logits", "candidates", "with_scores"], ["scores", "ids"],
-                                        domain="nmtserve"),
-                       [("logits", TensorProto.FLOAT), ("candidates", TensorProto.INT64), ("with_scores", TensorProto.BOOL)],
-                       ["scores", ("ids", TensorProto.INT64)])
+    session = _session(helper.make_node("SearchHead", ["logits", "candidates", "with_scores", "whole_rows"],
+                                        ["scores", "ids", "whole"], domain="nmtserve"),
+                       [("logits", TensorProto.FLOAT), ("candidates", TensorProto.INT64), ("with_scores", TensorProto.BOOL),
+                        ("whole_rows", TensorProto.INT64)],
+                       ["scores", ("ids", TensorProto.INT64), "whole"])
     expected_ids = np.argsort(-logits, axis=1, kind="stable")[:, :k]  # ties: lower id first
     shifted = logits - logits.max(axis=1, keepdims=True)
     log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
     for with_scores, expected in ((True, log_probs), (False, logits)):
-        scores, ids = session.run(None, {"logits": logits, "candidates": np.array([k], np.int64),
-                                         "with_scores": np.array(with_scores)})
-        assert ids.shape == scores.shape == (4, k) and ids.dtype == np.int64
-        assert np.array_equal(ids, expected_ids)
-        assert np.allclose(scores, np.take_along_axis(expected, ids, axis=1), atol=1e-5, rtol=0)
-    scores, ids = session.run(None, {"logits": logits, "candidates": np.array([vocab + 5], np.int64),
-                                     "with_scores": np.array(True)})
+        for whole_rows in ([], [2, 0]):  # and those rows' values over the whole vocabulary, unranked
+            scores, ids, whole = session.run(None, {"logits": logits, "candidates": np.array([k], np.int64),
+                                                    "with_scores": np.array(with_scores),
+                                                    "whole_rows": np.array(whole_rows, np.int64)})
+            assert ids.shape == scores.shape == (4, k) and ids.dtype == np.int64
+            assert np.array_equal(ids, expected_ids)
+            assert np.allclose(scores, np.take_along_axis(expected, ids, axis=1), atol=1e-5, rtol=0)
+            assert whole.shape == (len(whole_rows), vocab)
+            assert np.allclose(whole, expected[whole_rows], atol=1e-5, rtol=0)
+    scores, ids, _ = session.run(None, {"logits": logits, "candidates": np.array([vocab + 5], np.int64),
+                                        "with_scores": np.array(True), "whole_rows": np.zeros(0, np.int64)})
     assert ids.shape == (4, vocab)  # at most the vocabulary
+    for whole_rows in ([1, 1], [4]):
+        with pytest.raises(Exception, match="whole_rows must name distinct rows of the batch"):
+            session.run(None, {"logits": logits, "candidates": np.array([k], np.int64), "with_scores": np.array(True),
+                               "whole_rows": np.array(whole_rows, np.int64)})
 
 
 def test_search_head_applies_each_rows_scale_and_the_bias_when_given():
@@ -319,22 +328,25 @@ def test_search_head_applies_each_rows_scale_and_the_bias_when_given():
     rng = np.random.default_rng(5)
     raw, scale, bias = (rng.standard_normal((3, 130), dtype=np.float32), rng.uniform(0.1, 3, (3, 1)).astype(np.float32),
                         rng.standard_normal(130, dtype=np.float32))
-    inputs = [("logits", TensorProto.FLOAT), ("candidates", TensorProto.INT64), ("with_scores", TensorProto.BOOL)]
-    outputs = ["scores", ("ids", TensorProto.INT64)]
-    plain = _session(helper.make_node("SearchHead", [n for n, _ in inputs], ["scores", "ids"], domain="nmtserve"),
+    inputs = [("logits", TensorProto.FLOAT), ("candidates", TensorProto.INT64), ("with_scores", TensorProto.BOOL),
+              ("whole_rows", TensorProto.INT64)]
+    outputs = ["scores", ("ids", TensorProto.INT64), "whole"]
+    plain = _session(helper.make_node("SearchHead", [n for n, _ in inputs], ["scores", "ids", "whole"], domain="nmtserve"),
                      inputs, outputs)
     for extra, logits in ((["row_scale"], raw * scale), (["row_scale", "bias"], raw * scale + bias)):
-        scaled = _session(helper.make_node("SearchHead", [n for n, _ in inputs] + extra, ["scores", "ids"],
+        scaled = _session(helper.make_node("SearchHead", [n for n, _ in inputs] + extra, ["scores", "ids", "whole"],
                                            domain="nmtserve"), inputs + [(n, TensorProto.FLOAT) for n in extra], outputs)
         for with_scores in (True, False):
-            common = {"candidates": np.array([4], np.int64), "with_scores": np.array(with_scores)}
+            common = {"candidates": np.array([4], np.int64), "with_scores": np.array(with_scores),
+                      "whole_rows": np.array([1], np.int64)}
             feeds = {"logits": raw, "row_scale": scale, "bias": bias}
             got = scaled.run(None, {**common, **{n: feeds[n] for n in ["logits"] + extra}})
             expected = plain.run(None, {**common, "logits": logits})
             assert np.array_equal(got[1], expected[1]) and np.allclose(got[0], expected[0], atol=1e-5)
+            assert np.allclose(got[2], expected[2], atol=1e-5)
     with pytest.raises(Exception, match="row_scale must have one value a row"):
         scaled.run(None, {"logits": raw, "candidates": np.array([4], np.int64), "with_scores": np.array(True),
-                          "row_scale": scale[:2], "bias": bias})
+                          "whole_rows": np.zeros(0, np.int64), "row_scale": scale[:2], "bias": bias})
 
 
 def _ops(translator: OnnxTranslator) -> list[str]:
@@ -566,7 +578,7 @@ def test_int8_graphs_quantise_each_row_on_its_own_scale_with_the_kernels(tiny_bu
         assert zero_points[quantized_by[q]] == (0 if node.op_type == "BiasReluQuantize" else 128)
     # the output projection: one MatMulIntegerToFloat on the weights' scale, the rows' scales in the head
     [head] = [n for n in graph.node if n.op_type == "SearchHead"]
-    assert head.input[3] in {n.output[-1] for n in graph.node if n.op_type in ("RowQuantize", "AddNormQuantize")}
+    assert head.input[4] in {n.output[-1] for n in graph.node if n.op_type in ("RowQuantize", "AddNormQuantize")}
     assert made_by[head.input[0]] == "MatMulIntegerToFloat"
     assert "DynamicQuantizeLinear" in _ops(plain)
     encoder = onnx.load(str(tiny_bundle / "encoder.int8.onnx"))

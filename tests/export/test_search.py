@@ -118,6 +118,28 @@ def test_beam_rows_sharing_their_sources_cross_kv_step_as_rows_with_copies(tiny_
             state.choose(expected[:, 1], parents)
 
 
+@pytest.mark.parametrize("io_binding", [False, True], ids=["host-arrays", "io-binding"])
+def test_whole_vocabulary_rows_come_unranked_beside_the_k_best_of_every_row(tiny_bundle, sources, io_binding):
+    """A step with `whole` rows (a sampler without top-k in the server's batch): every row gets its k best
+    from the graph's TopK, and only the whole rows' log-probs over the vocabulary come back, the same as
+    a step that ranks the whole vocabulary of every row (k = 0) gives those rows."""
+    tr = OnnxTranslator(tiny_bundle, shared_cross=False, io_binding=io_binding, device=TEST_DEVICE if io_binding else "cpu")
+    states = [tr.prefill(sources[:5]) for _ in range(2)]
+    whole = np.array([3, 1])
+    for _ in range(3):
+        ranked, ranked_scores = tr.decode_candidates(states[0], 0)
+        ids, scores, vocabulary = tr.decode_candidates(states[1], 4, whole=whole)
+        assert ids.shape == scores.shape == (5, 4) and vocabulary.shape == (2, tr.vocab_size)
+        assert (ids == ranked[:, :4]).all() and np.allclose(scores, ranked_scores[:, :4], atol=1e-5)
+        expected = np.empty_like(ranked_scores)
+        np.put_along_axis(expected, ranked, ranked_scores, axis=1)
+        assert np.allclose(vocabulary, expected[whole], atol=1e-5)
+        for state in states:
+            state.choose(ranked[:, 0])
+    with pytest.raises(ValueError, match=r"k 1, whole rows \[3, 1\]: a step without scores"):
+        tr.decode_candidates(states[1], 1, scores=False, whole=whole)
+
+
 @pytest.mark.parametrize("shared_cross", [True, False], ids=["shared cross", "cross per row"])
 def test_compact_moves_the_last_sources_into_the_holes_and_steps_as_filter(tiny_bundle, sources, shared_cross):
     """Offline search drops finished sources with `compact`: the last kept sources move into the places

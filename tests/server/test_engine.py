@@ -63,9 +63,9 @@ def test_steps_of_greedy_rows_no_one_reads_a_score_of_skip_the_log_softmax(trans
     scored_expected = translator.translate_ids(sources, max_batch_size=1)
     flags, decode, steps = [], translator.decode_candidates, translator.decode_greedy_steps
 
-    def recording(state, k, scores=True):
+    def recording(state, k, scores=True, whole=None):
         flags.append(scores)
-        return decode(state, k, scores)
+        return decode(state, k, scores, whole)
 
     def recording_steps(state, n, scores=True, *args):  # greedy batches' steps in the library (native_steps)
         flags.append(scores)
@@ -317,9 +317,9 @@ def test_a_row_the_decoder_step_fails_on_fails_alone(translator, sources, monkey
         if ((state.src_mask.sum(axis=1) == len(poison)) & ~state.hole & (state.positions >= from_step)).any():
             raise RuntimeError("injected fault")
 
-    def fails_for_the_poisoned_row(state, k):
+    def fails_for_the_poisoned_row(state, k, *whole):
         fault(state)
-        return step(state, k)
+        return step(state, k, *whole)
 
     def bursts_fail_for_the_poisoned_row(state, *args):
         fault(state)
@@ -361,6 +361,32 @@ def test_greedy_beam_and_sampled_requests_share_steps_and_each_gets_what_it_gets
     """Requests of every mode and size join one running batch at staggered times: each gets exactly the
     n-best list (or draws) it gets alone, and the rows in use never pass the budget (a beam takes k)."""
     _share_steps_and_get_what_each_gets_alone(translator, sources, batching)
+
+
+def test_a_sampler_without_top_k_does_not_make_its_batch_mates_rank_the_vocabulary(translator, sources, monkeypatch):
+    """A sampled request without top-k needs its row's whole distribution; the step ranks only the k best of
+    every row (a beam's 2 × 4 here) and hands the sampler its row's log-probs over the vocabulary, which it
+    ranks itself. Every request gets what it gets alone."""
+    modes = [DecodingOptions(), DecodingOptions(beam_size=4), DecodingOptions(sampling_topk=0, seed=7)] * 3
+    alone = [translator.search_ids([s], m, max_batch_size=1)[0] for s, m in zip(sources, modes)]
+    asked, decode = [], translator.decode_candidates
+
+    def recording(state, k, scores=True, whole=None):
+        asked.append((k, None if whole is None else [engine.batch.rows[i].options for i in whole]))
+        return decode(state, k, scores, whole)
+
+    monkeypatch.setattr(translator, "decode_candidates", recording)
+    engine = Engine(translator, EngineConfig(max_running_rows=32))
+    requests = [engine.submit(Request(s, options=m)) for s, m in zip(sources, modes)]  # before the start: one batch
+    engine.start()
+    try:
+        assert all(r.done.wait(60) for r in requests)
+    finally:
+        engine.stop()
+    assert (8, [modes[2]] * 3) in asked  # three samplers among beams and greedy rows
+    assert all(k <= 8 for k, _ in asked)
+    assert all(whole is None or whole == [modes[2]] * len(whole) for _, whole in asked)
+    assert [r.tokens for r in requests] == [expected[0].tokens for expected in alone]
 
 
 def test_int8_requests_get_what_they_get_alone_in_a_busy_mixed_batch(tiny_bundle, tiny_corpus):
@@ -413,8 +439,8 @@ def test_a_cancelled_beam_frees_all_its_rows_and_its_batch_mates_finish(translat
     beam = Request(sources[0] * 6, max_decoding_length=200, options=DecodingOptions(beam_size=4, length_rule="ctranslate2"))
     step = translator._step
 
-    def beam_never_says_eos(state, k):  # the beam ends by its cancel, not by finishing first (a fast host did)
-        ids, scores = step(state, k)
+    def beam_never_says_eos(state, k, *whole):  # the beam ends by its cancel, not by finishing first (a fast host did)
+        ids, scores = step(state, k, *whole)
         own = [i for i, r in enumerate(engine.batch.rows) if r is beam]
         ids[own] = np.where(ids[own] == translator.eos_id, translator.eos_id + 1, ids[own])
         return ids, scores
@@ -439,8 +465,8 @@ def test_a_cancelled_beam_frees_all_its_rows_and_its_batch_mates_finish(translat
 def test_a_beam_that_never_says_eos_ends_with_length_at_its_budget(translator, sources, monkeypatch):
     step = translator._step
 
-    def never_eos(state, k):
-        ids, scores = step(state, k)
+    def never_eos(state, k, *whole):
+        ids, scores = step(state, k, *whole)
         return np.where(ids == translator.eos_id, translator.eos_id + 1, ids), scores
 
     monkeypatch.setattr(translator, "_step", never_eos)

@@ -83,9 +83,9 @@ def test_a_client_killed_mid_stream_frees_its_row_and_its_batch_mates_finish(tin
     engine = server.running.engine
     step, steps = engine.tr._step, engine.tr.decode_greedy_steps
 
-    def slow_step(state, k):
+    def slow_step(state, k, *whole):
         time.sleep(0.005)
-        return step(state, k)
+        return step(state, k, *whole)
 
     def slow_steps(state, n, *args):  # one step a call, as slow
         time.sleep(0.005)
