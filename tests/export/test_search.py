@@ -221,6 +221,26 @@ def test_newcomers_are_placed_from_their_own_rows_with_zeros_past_their_sources(
     assert (running.cross_k[:, 1, :, :4] == 11.0).all() and running.cross_slot.tolist() == [4, 3, 5, 2, 3]
 
 
+@pytest.mark.parametrize("origin", [False, True], ids=["copies", "origins"])
+def test_a_beam_row_takes_its_parents_filled_slots_only_beside_longer_rows(origin):
+    """In the server's batch a beam's rows share a batch with longer rows: a row that continues its
+    parent's hypothesis takes the parent's slots up to their own position, and the slots past it keep
+    what they held (the cache: the next step writes there; the origin: each row's own)."""
+    layers, heads, dim, capacity = 1, 1, 2, 8
+    cross = np.zeros((layers, 3, heads, 4, dim), np.float32)
+    state = BatchState.from_encoded(cross, cross.copy(), np.zeros((layers, 3, 2, heads, dim), np.float32),
+                                    np.ones((3, 4), bool), bos_id=1, capacity=capacity, origin=origin)
+    state.k[...] = (100 * np.arange(3)[:, None] + np.arange(capacity))[None, :, None, :, None]  # 100 · row + slot
+    k = state.k.copy()
+    state.positions[:] = [6, 2, 2]  # a greedy row six slots in, a beam of two rows two slots in
+    state.choose(np.zeros(3, np.int64), np.array([0, 2, 2]))  # row 1 continues row 2
+    if origin:
+        assert np.array_equal(state.k, k) and state.origin[1].tolist() == [2, 2] + [1] * 6
+    else:
+        assert state.k[0, 1, 0, :, 0].tolist() == [200, 201] + list(range(102, 108))
+        assert np.array_equal(np.delete(state.k, 1, axis=1), np.delete(k, 1, axis=1))
+
+
 def test_a_beam_row_that_continues_another_copies_its_origin_not_its_cache():
     """BatchState.origin (the offline step on nmtserve's kernels): choosing a parent copies the parent's
     row of origin over the filled slots; the caches stay as the steps wrote them; compaction, filtering
