@@ -9,7 +9,8 @@ removes holes once they are a quarter of the batch, on the host by moving only t
 count into them, and newcomers beyond the holes are written into the room the buffers keep past the
 rows (`room`, BatchState.append): a running row is copied only when the buffers must grow. Greedy,
 beam and sampled requests share every decoder step: the step returns each row's best candidates (as
-many as the most demanding request needs), a greedy request takes its row's best, and a beam or
+many as the most demanding request needs; a request sampling the whole vocabulary gets its row's log-probs,
+unranked, and ranks them itself, so it does not make every row rank the vocabulary), a greedy request takes its row's best, and a beam or
 sampled request's search (nmtserve/search.py) takes its own rows' candidates and says which of its
 rows each continues; a beam's cache rows are copied among its own rows only, and only when a parent
 changes. K/V never leave this object and the translator.
@@ -153,13 +154,13 @@ class RunningBatch:
             return outputs, failed + more
         tokens, parents = ids[:, 0].copy(), None  # holes keep theirs: never read
         best, best_scores = tokens.tolist(), scores[:, 0].tolist() if scored else None  # Python numbers, once
-        outputs, ranked = [], dict(zip(whole, vocabulary[0])) if whole else {}
+        outputs, whole_log_probs = [], dict(zip(whole, vocabulary[0])) if whole else {}  # by placement index
         for j, (request, rows) in enumerate(placement):
             if request.search is None:
                 row = int(rows[0])
                 outputs.append((request, best[row], best_scores[row] if scored else math.nan))
                 continue
-            own = top_candidates(ranked[j][None], 0) if j in ranked else (ids[rows], scores[rows])
+            own = top_candidates(whole_log_probs[j][None], 0) if j in whole_log_probs else (ids[rows], scores[rows])
             chosen_parents, chosen = request.search.step(*own)
             parents = np.arange(len(self.rows)) if parents is None else parents
             parents[rows], tokens[rows] = rows[chosen_parents], chosen
