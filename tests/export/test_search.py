@@ -118,12 +118,14 @@ def test_beam_rows_sharing_their_sources_cross_kv_step_as_rows_with_copies(tiny_
             state.choose(expected[:, 1], parents)
 
 
-@pytest.mark.parametrize("io_binding", [False, True], ids=["host-arrays", "io-binding"])
-def test_whole_vocabulary_rows_come_unranked_beside_the_k_best_of_every_row(tiny_bundle, sources, io_binding):
+@pytest.mark.parametrize("options", [{}, {"io_binding": True, "device": TEST_DEVICE}, {"attention_kernel": False}],
+                         ids=["kernels", "io-binding", "onnx-runtime-nodes"])
+def test_whole_vocabulary_rows_come_unranked_beside_the_k_best_of_every_row(tiny_bundle, sources, options):
     """A step with `whole` rows (a sampler without top-k in the server's batch): every row gets its k best
-    from the graph's TopK, and only the whole rows' log-probs over the vocabulary come back, the same as
-    a step that ranks the whole vocabulary of every row (k = 0) gives those rows."""
-    tr = OnnxTranslator(tiny_bundle, shared_cross=False, io_binding=io_binding, device=TEST_DEVICE if io_binding else "cpu")
+    from the search head (nmtserve.SearchHead, or ONNX Runtime's If of TopK and Gather), and only the whole
+    rows' log-probs over the vocabulary come back, the same as a step that ranks the whole vocabulary of
+    every row (k = 0) gives those rows."""
+    tr = OnnxTranslator(tiny_bundle, shared_cross=False, **options)
     states = [tr.prefill(sources[:5]) for _ in range(2)]
     whole = np.array([3, 1])
     for _ in range(3):
