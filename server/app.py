@@ -79,6 +79,7 @@ class RunningServer:
         await self.server.stop(grace=max(0.0, deadline - loop.time()))
         for model in self.models.values():
             await loop.run_in_executor(None, model.engine.stop)
+        self.servicer.wakeups.close()
 
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -66,28 +68,58 @@ class _Call:
             r.cancel()
 
 
+# write(2) called with the GIL held (ctypes.PyDLL does not release it, as CDLL and Python's own writes do)
+_LIBC = ctypes.PyDLL(None)
+_LIBC.write.argtypes, _LIBC.write.restype = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t], ctypes.c_ssize_t
+
+
+def _write(fd: int, hold_gil: bool) -> None:
+    if hold_gil:
+        _LIBC.write(fd, b"\0", 1)  # a full pipe (EAGAIN) already holds a wake-up
+    else:
+        try:
+            os.write(fd, b"\0")
+        except BlockingIOError:
+            pass
+
+
 class _Wakeups:
     """Calls from the engine threads into the event loop, run in order there with one wake-up of the loop
     pending at a time (two engine threads racing may schedule a second one: harmless). A wake-up is a
-    write to the loop's self-pipe; one per finished request cost the engine thread ~0.24 ms each at
-    saturation (the woken loop takes the GIL; docs/benchmarks.md, "Waking the event loop"), where a step finishes
-    several requests at once."""
+    byte written to a pipe the loop reads (`add_reader`); one per finished request cost the engine thread
+    ~0.24 ms each at saturation (docs/benchmarks.md, "Waking the event loop"), where a step finishes several
+    requests at once. While the engine has more work (`busy`) the byte is written with the GIL held: a write
+    that released it (the loop's own `call_soon_threadsafe`) let the woken loop take the GIL and the engine
+    thread wait for it mid-step; held, the loop gets it when the engine thread next lets go of it, in its next
+    decoder step. An engine with nothing left to do lets it go at once."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.calls, self.pending = loop, collections.deque(), False
+        self.reader, self.writer = os.pipe()  # not inherited by child processes (os.pipe's default)
+        os.set_blocking(self.reader, False)
+        os.set_blocking(self.writer, False)
+        loop.add_reader(self.reader, self._run)
 
-    def call(self, function, *args) -> None:
-        """(Any thread.) Run function(*args) on the loop; wake it unless a wake-up is already on its way."""
+    def call(self, function, *args, busy: bool = False) -> None:
+        """(Any thread.) Run function(*args) on the loop; wake it unless a wake-up is already on its way (busy:
+        the calling engine thread goes on to another step, holding the GIL until then)."""
         self.calls.append((function, args))
         if not self.pending:
             self.pending = True
-            self.loop.call_soon_threadsafe(self._run)
+            _write(self.writer, busy)
 
     def _run(self) -> None:
+        os.read(self.reader, 4096)  # the wake-ups written so far; one written after this line stays for the next
         self.pending = False  # before the calls are taken: a later call schedules its own wake-up
         for _ in range(len(self.calls)):
             function, args = self.calls.popleft()
             self.loop.call_soon(function, *args)  # each a handle of its own: one that raises stops no other
+
+    def close(self) -> None:
+        """(The loop's thread, once no engine thread calls any more.)"""
+        self.loop.remove_reader(self.reader)
+        os.close(self.reader)
+        os.close(self.writer)
 
 
 class _Inbox:
@@ -161,7 +193,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
 
         def on_finish(r: Request) -> None:  # engine thread
             self.metrics.sentence(call.model, call.rpc, r)
-            wakeups.call(_resolve, future, r)
+            wakeups.call(_resolve, future, r, busy=not self.models[call.model].engine.idle())
             if on_done:
                 on_done()
 

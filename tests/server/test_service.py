@@ -253,25 +253,26 @@ def test_requests_at_every_limit_over_grpc_end_with_length_alone_and_in_a_busy_b
         server.stop()
 
 
-def test_engine_threads_wake_the_event_loop_once_for_calls_made_together():
+def test_engine_threads_wake_the_event_loop_once_for_calls_made_together(monkeypatch):
     """_Wakeups: calls from other threads all run on the loop, each thread's in its order, none lost, with
     fewer wake-ups of the loop than calls (one write to its self-pipe per call cost the engine thread
     ~0.24 ms each at saturation)."""
-    from nmtserve.server.service import _Wakeups
+    from nmtserve.server import service
 
     async def main():
         loop = asyncio.get_running_loop()
-        wakeups, ran, woken = _Wakeups(loop), [], [0]
-        real = loop.call_soon_threadsafe
+        wakeups, ran, woken = service._Wakeups(loop), [], [0]
+        real = service._write
 
-        def counted(*args):
+        def counted(fd, hold_gil):
             woken[0] += 1
-            return real(*args)
-        loop.call_soon_threadsafe = counted
+            return real(fd, hold_gil)
+        monkeypatch.setattr(service, "_write", counted)
 
         def producer(name):
             for i in range(2000):
-                wakeups.call(lambda i=i: ran.append((name, i, threading.current_thread() is threading.main_thread())))
+                wakeups.call(lambda i=i: ran.append((name, i, threading.current_thread() is threading.main_thread())),
+                             busy=name == "a")  # one thread's wake-ups written holding the GIL, the other's letting it go
         threads = [threading.Thread(target=producer, args=(name,)) for name in "ab"]
         for t in threads:
             t.start()
@@ -280,6 +281,7 @@ def test_engine_threads_wake_the_event_loop_once_for_calls_made_together():
             await asyncio.sleep(0.001)
         for t in threads:
             t.join()
+        wakeups.close()
         return ran, woken[0]
     ran, woken = asyncio.run(main())
     assert len(ran) == 4000 and all(on_loop for _, _, on_loop in ran)
