@@ -12,7 +12,7 @@ concurrency (highest steady-state tokens/s), the others beside it: on a small ho
 threads compete with gRPC's and the client's for the cores, and the modes need not be best alike.
 Each request is one sentence of the bundle's test split, drawn at random (seeded) so that lengths mix
 as in traffic; with `--decoding mixed` each request's decoding mode is drawn too (50% greedy, 40% beam
-4, 10% sampled: workload.DECODING_MIX), the same draws for every server. Throughput counts target tokens of the best translation (eos
+4, 10% sampled, half from the top 10 and half by top-p 0.9: workload.DECODING_MIX), the same draws for every server. Throughput counts target tokens of the best translation (eos
 excluded); latency is the client's time for one Translate call, broken down into stages (STAGES)
 with the server's Timings, each cell's sentences per admission (one encoder call each) comes from
 the server's /metrics (nmtserve_admissions_total), and its CPU a call by whom (`cpu_per_call`: the server's

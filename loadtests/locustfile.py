@@ -22,7 +22,8 @@ Several models: each user asks the server's ListModels and sends each call to a 
 random, naming it; entries then carry the model ("Translate [en-fr]"). `--sentences` gives one
 file for every model, or MODEL=FILE pairs, comma-separated (models of different source languages).
 
-`--decoding mixed` decodes 50% of calls greedily, 40% with beam 4 and 10% by sampling (top 10), and
+`--decoding mixed` decodes 50% of calls greedily, 40% with beam 4 and 10% by sampling (half from the top 10,
+half by top-p 0.9 over the whole vocabulary), and
 entries carry the mode ("Translate [beam]", "Translate [en-fr, beam]"); the default sends no
 decoding option, so each model decodes with its own defaults.
 """
