@@ -12,7 +12,7 @@ beam and sampled requests share every decoder step: the step returns each row's 
 many as the most demanding request needs; a request sampling the whole vocabulary gets its row's log-probs,
 unranked, and ranks them itself, so it does not make every row rank the vocabulary), a greedy request takes its row's best, and a beam or
 sampled request's search (nmtserve/search.py) takes its own rows' candidates and says which of its
-rows each continues; a beam's cache rows are copied among its own rows only, and only when a parent
+rows each continues (the beams of one size ranked at once, `search.beam_steps`, as offline); a beam's cache rows are copied among its own rows only, and only when a parent
 changes. K/V never leave this object and the translator.
 
 Blast radius of one: when the encoder fails for a group of newcomers, or the decoder step fails,
@@ -32,7 +32,7 @@ import numpy as np
 
 from nmtserve.export.runtime.batch import BatchState
 from nmtserve.export.runtime.translator import OnnxTranslator
-from nmtserve.search import top_candidates
+from nmtserve.search import BeamSearch, beam_steps, top_candidates
 
 if TYPE_CHECKING:
     from nmtserve.server.engine import Request
@@ -155,16 +155,24 @@ class RunningBatch:
         tokens, parents = ids[:, 0].copy(), None  # holes keep theirs: never read
         best, best_scores = tokens.tolist(), scores[:, 0].tolist() if scored else None  # Python numbers, once
         outputs, whole_log_probs = [], dict(zip(whole, vocabulary[0])) if whole else {}  # by placement index
+        beams: dict[int, list[tuple[BeamSearch, np.ndarray]]] = {}  # beam size -> its searches and their rows
         for j, (request, rows) in enumerate(placement):
             if request.search is None:
                 row = int(rows[0])
                 outputs.append((request, best[row], best_scores[row] if scored else math.nan))
                 continue
+            outputs.append((request, None, None))
+            parents = np.arange(len(self.rows)) if parents is None else parents
+            if isinstance(request.search, BeamSearch):
+                beams.setdefault(request.search.k, []).append((request.search, rows))
+                continue
             own = top_candidates(whole_log_probs[j][None], 0) if j in whole_log_probs else (ids[rows], scores[rows])
             chosen_parents, chosen = request.search.step(*own)
-            parents = np.arange(len(self.rows)) if parents is None else parents
             parents[rows], tokens[rows] = rows[chosen_parents], chosen
-            outputs.append((request, None, None))
+        for searches in beams.values():  # the beams of one size ranked at once (search.beam_steps), their rows gathered
+            rows = np.concatenate([rows for _, rows in searches])
+            chosen_parents, chosen = beam_steps([search for search, _ in searches], ids[rows], scores[rows])
+            parents[rows], tokens[rows] = rows[chosen_parents], chosen
         self.state.choose(tokens, parents)  # parents: only when a search chose them
         return outputs, []
 
