@@ -9,11 +9,12 @@ removes holes once they are a quarter of the batch, on the host by moving only t
 count into them, and newcomers beyond the holes are written into the room the buffers keep past the
 rows (`room`, BatchState.append): a running row is copied only when the buffers must grow. Greedy,
 beam and sampled requests share every decoder step: the step returns each row's best candidates (as
-many as the most demanding request needs; a request sampling the whole vocabulary gets its row's log-probs,
-unranked, and ranks them itself, so it does not make every row rank the vocabulary), a greedy request takes its row's best, and a beam or
-sampled request's search (nmtserve/search.py) takes its own rows' candidates and says which of its
-rows each continues (the beams of one size ranked at once, `search.beam_steps`, as offline); a beam's cache rows are copied among its own rows only, and only when a parent
-changes. K/V never leave this object and the translator.
+many as the most demanding request needs; a request sampling the whole vocabulary gets its row's
+log-probs, unranked, and ranks them itself, so it does not make every row rank the vocabulary), a
+greedy request takes its row's best, and a beam or sampled request's search (nmtserve/search.py) takes
+its own rows' candidates and says which of its rows each continues (the beams of one size ranked at
+once, `search.beam_steps`, as offline); a beam's cache rows are copied among its own rows only, and
+only when a parent changes. K/V never leave this object and the translator.
 
 Blast radius of one: when the encoder fails for a group of newcomers, or the decoder step fails,
 the rows are bisected (the decoder on copies of the state) until the ones that fail on their own
