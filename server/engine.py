@@ -182,6 +182,11 @@ class Engine:
         with self.lock:
             return not self.waiting and not self.running_count
 
+    def busy(self) -> bool:
+        """Requests waiting or running, read without the lock: a hint, for the callbacks an engine thread makes
+        (`on_finish`), which may hold its own engine's lock while another engine's thread holds its."""
+        return bool(self.waiting) or self.running_count > 0
+
     # -- the loop
     def _loop(self) -> None:
         if LIBC is not None:
@@ -416,3 +421,7 @@ class EnginePool:
 
     def idle(self) -> bool:
         return all(engine.idle() for engine in self.engines)
+
+    def busy(self) -> bool:
+        """(Engine.busy) Any engine with requests waiting or running, read without their locks."""
+        return any(engine.busy() for engine in self.engines)

@@ -193,7 +193,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
 
         def on_finish(r: Request) -> None:  # engine thread
             self.metrics.sentence(call.model, call.rpc, r)
-            wakeups.call(_resolve, future, r, busy=not self.models[call.model].engine.idle())
+            wakeups.call(_resolve, future, r, busy=self.models[call.model].engine.busy())
             if on_done:
                 on_done()
 

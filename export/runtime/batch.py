@@ -174,15 +174,13 @@ class BatchState:
         request may be parents of each other (they share source, position and cache slots, so nothing
         else moves), and only the rows whose parent is another row are written (with `origin`, their origins),
         over the slots they have filled: in the server's batch other rows may have filled many more."""
-        if parents is not None:
-            moved = np.nonzero(parents != np.arange(self.size))[0]
-            filled = int(self.positions[moved].max()) if len(moved) else 0
-            if len(moved) and self.origin is not None:
+        if parents is not None and len(moved := np.nonzero(parents != np.arange(self.size))[0]):
+            filled = int(self.positions[moved].max())
+            if self.origin is not None:
                 self.origin[moved, :filled] = self.origin[parents[moved], :filled]
-            elif len(moved):
-                ops, origin = self.ops, parents[moved]
-                self.k = ops.copy_rows(self.k, moved, origin, filled)
-                self.v = ops.copy_rows(self.v, moved, origin, filled)
+            else:
+                self.k = self.ops.copy_rows(self.k, moved, parents[moved], filled)
+                self.v = self.ops.copy_rows(self.v, moved, parents[moved], filled)
         self.tokens[:] = tokens  # in place: the decoder's binding holds this array's address
 
     def filter(self, keep: np.ndarray) -> BatchState | None:

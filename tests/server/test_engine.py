@@ -4,6 +4,7 @@ KV shapes after join/leave, cancellation, deadlines and overload.
 Every test runs twice: with the caches as host numpy arrays (the CPU default), and with them as
 OrtValues bound by IOBinding (the CUDA path, here on ONNX Runtime's CPU provider)."""
 
+import threading
 import time
 from pathlib import Path
 
@@ -154,6 +155,20 @@ def test_a_pool_of_engines_spreads_requests_and_each_gets_the_translator_tokens(
         assert pool.idle()
     finally:
         pool.stop()
+
+
+def test_a_pools_busy_hint_takes_no_engines_lock(translator, sources):
+    """EnginePool.busy is asked from an engine thread's on_finish, which may hold its own engine's lock while
+    another engine's thread, holding its lock, asks too: the hint reads without the locks, so neither waits."""
+    pool = EnginePool(translator, 2, EngineConfig(max_running_rows=8))  # not started: the request waits
+    assert not pool.busy()
+    pool.submit(Request(sources[0]))
+    answers = []
+    with pool.engines[0].lock, pool.engines[1].lock:  # both engines' locks held by someone else
+        asking = threading.Thread(target=lambda: answers.append(pool.busy()))
+        asking.start()
+        asking.join(5)
+    assert answers == [True]
 
 
 def test_full_waiting_queue_is_refused_at_once(translator, sources):
