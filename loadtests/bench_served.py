@@ -82,7 +82,9 @@ def work(cfg: ServedBenchConfig, pool: list[str], n: int, seed: int) -> list[tup
     """n calls: (sentences, DecodingOptions fields), drawn (seeded) from the pool and the decoding mix."""
     rng, k = random.Random(seed), cfg.sentences_per_call
     sentences = mixed(pool, n * k, seed=seed)
-    return [(sentences[i * k:(i + 1) * k], draw_decoding(rng)[1] if cfg.decoding == "mixed" else {}) for i in range(n)]
+    # greedy says beam_size 1: a call that gave nothing would get the bundle's defaults (beam 4 for OPUS-MT)
+    return [(sentences[i * k:(i + 1) * k], draw_decoding(rng)[1] if cfg.decoding == "mixed" else {"beam_size": 1})
+            for i in range(n)]
 
 
 def _cell(target: str, requests: list[tuple[list[str], dict]], concurrency: int) -> dict:
@@ -188,10 +190,18 @@ class Baseline:
 
     def __init__(self, cfg: ServedBenchConfig, threads: int):
         from nmtserve.export.runtime.translator import OnnxTranslator
+        from nmtserve.search import DecodingOptions
+        from nmtserve.server.config import ServerConfig
 
         self.threads = threads
         self.tr = OnnxTranslator(cfg.bundle, device=cfg.device, variant=cfg.variant, intra_op_threads=threads)
         self.tr.translate_ids([self.tr.tokenizer.encode("warm up")], max_batch_size=1)
+        # the servers' defaults for what a call leaves unset (ServedModel): the bundle's decoding defaults (an
+        # imported Marian model's length penalty and stopping rule), at most serve's --max-output-tokens
+        defaults = dict(self.tr.bundle.manifest.get("decoding_defaults") or {})
+        defaults["max_decoding_length"] = min(ServerConfig.max_output_tokens, self.tr.limits.max_target_tokens,
+                                              defaults.get("max_decoding_length", ServerConfig.max_output_tokens))
+        self.defaults = DecodingOptions(**defaults)
 
     def step_ms_by_rows(self, pool: list[str], largest: int) -> dict[str, float]:
         """One greedy decoder step's time (ms, median of 16 steps, each row 8 to 23 tokens in) at each batch
@@ -211,13 +221,11 @@ class Baseline:
         return times_by_rows
 
     def __call__(self, requests: list[tuple[list[str], dict]]) -> dict:
-        from nmtserve.search import DecodingOptions
-
         tr = self.tr
         latencies, encoding, tokens = [], [], 0
         for [sentence], options in requests:
             source = tr.tokenizer.encode(sentence, tr.limits.max_source_tokens) or [tr.eos_id]
-            decoding = DecodingOptions().override(**options)
+            decoding = self.defaults.override(**options)
             decoding.check(tr.vocab_size)
             t0 = time.perf_counter()
             state = tr.prefill([source])

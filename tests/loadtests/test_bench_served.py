@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from nmtserve.loadtests.bench_served import STAGES, steady_window
+from nmtserve.loadtests.bench_served import STAGES, Baseline, ServedBenchConfig, steady_window, work
 from nmtserve.loadtests.machine import THREAD_KINDS
 from nmtserve.loadtests.workload import DECODING_MIX, draw_decoding
 from tests.helpers import run_cli
@@ -26,6 +26,19 @@ def test_the_steady_window_leaves_out_the_first_round_and_the_tail():
     finished = [(1.0, 10), (1.1, 10), (2.0, 7), (3.0, 9), (4.0, 11), (4.5, 50), (4.6, 50)]
     assert steady_window(finished, 4.0, 2) == pytest.approx((7 + 9 + 11) / 2.9)
     assert steady_window(finished[:2], 1.05, 2) is None  # too few requests per client: no window
+
+
+def test_greedy_calls_say_greedy_and_the_baseline_decodes_as_the_servers(marian_bundle):
+    """An imported OPUS-MT model's bundle says beam 4 (its generation_config.json), which a server applies
+    to a call that gives no beam_size: the greedy bench's calls give beam_size 1, and the baseline fills
+    what a call leaves unset as the servers do (the bundle's defaults, serve's default output limit)."""
+    cfg = ServedBenchConfig(bundle=str(marian_bundle))
+    assert [options for _, options in work(cfg, ["a b", "c d e"], 4, seed=0)] == [{"beam_size": 1}] * 4
+    defaults = Baseline(cfg, threads=1).defaults
+    assert (defaults.beam_size, defaults.length_penalty, defaults.beam_stopping) == (4, 1.0, "transformers")
+    bundle_limit = json.loads((marian_bundle / "manifest.json").read_text())["decoding_defaults"]["max_decoding_length"]
+    assert defaults.max_decoding_length == min(256, bundle_limit) == 39  # the lower of serve's and the bundle's
+    assert defaults.override(beam_size=1).greedy
 
 
 def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_path):
