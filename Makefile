@@ -14,7 +14,7 @@ PAIRS  ?= 200000
 TRAIN_MINUTES ?= 20
 PYTEST_ARGS ?=
 
-.PHONY: install tools kernels lint demo test clean protos loadtest bench-offline bench-served soak bench-gpu test-gpu
+.PHONY: install tools kernels lint demo test clean protos loadtest bench-offline bench-served soak bench-gpu bench-opus test-gpu
 
 install: $(VENV)/.installed
 
@@ -83,6 +83,21 @@ bench-offline: $(BUNDLE)/manifest.json
 # served throughput/latency, continuous vs static batching, each at its best layout of 1 and 2 threads (10 minutes)
 bench-served: $(BUNDLE)/manifest.json
 	$(NMT) bench served $(BUNDLE) --threads 1,2 --json docs/bench/served-cpu-2core.json
+
+# an OPUS-MT-size model (random weights, OPUS-MT's shapes; nothing downloaded): built, imported and exported,
+# then offline greedy and beam 4 against CTranslate2 and served greedy int8, as the README's tables (about 80 minutes)
+OPUS := runs/opus-shaped
+bundles/opus-shaped/manifest.json: | install
+	$(PY) -m nmtserve.loadtests.marian_model $(OPUS)
+	$(NMT) import-marian $(OPUS) --out $(OPUS).pt --source-lang en --target-lang fr
+	$(NMT) export $(OPUS).pt --out bundles/opus-shaped
+
+bench-opus: bundles/opus-shaped/manifest.json
+	for beam in 1 4; do $(NMT) bench offline bundles/opus-shaped --sentences-file $(OPUS)/sentences.txt --sentences 64 \
+	  --threads 2 --max-decoding-length 32 --beam-size $$beam --engines ort_fp32,ort_int8,ct2_fp32,ct2_int8 \
+	  --json docs/bench/marian-offline-beam$$beam.json || exit 1; done
+	$(NMT) bench served bundles/opus-shaped --sentences $(OPUS)/sentences.txt --variant int8 --threads 1,2 \
+	  --concurrency 1,8,64,128 --json docs/bench/served-marian-int8.json
 
 # on a machine with a GPU, onnxruntime-gpu in place of onnxruntime (deploy/Dockerfile.gpu): the fp16 variant
 # against PyTorch and transformers, and served on CUDA (docs/bench/*-gpu-h100.json were made so)
