@@ -18,7 +18,9 @@ with the server's Timings, each cell's sentences per admission (one encoder call
 the server's /metrics (nmtserve_admissions_total), and its CPU a call by whom (`cpu_per_call`: the server's
 event loop, engines and other threads, each also waiting for a core, and the client). The baseline is OnnxTranslator on
 the same requests at batch 1 (at each thread count; the lowest p50 is reported), in this process
-while the servers are idle.
+while the servers are idle; with greedy decoding, OnnxTranslator's offline throughput too, in a process of
+its own at each layout once a run (bench_offline's worker, on sentences drawn from the same pool, at half the
+servers' rows and at all of them), to which each mode's highest steady throughput compares.
 With `--sentences-per-call N` each call carries N sentences (Translate's `sentences`), so the cost of
 a call is paid once for N (no baseline then: it compares one-sentence calls).
 
@@ -29,15 +31,16 @@ a call is paid once for N (no baseline then: it compares one-sentence calls).
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from nmtserve.loadtests.bench_offline import layout_name
+from nmtserve.loadtests.bench_offline import _run_worker, layout_name
 from nmtserve.loadtests.machine import PROBES, THREAD_KINDS, describe, host_probe, machine_info, thread_times
 from nmtserve.loadtests.workload import (
     ServerProcess,
@@ -50,6 +53,7 @@ from nmtserve.loadtests.workload import (
 )
 
 MODES = ("continuous", "static")
+OFFLINE_SENTENCES = 256  # the offline throughput baseline's (offline_spec)
 # the series each cell reads from its server's /metrics, before and after (workload.scrape)
 ADMISSIONS = {"nmtserve_admissions_total": "admissions", "nmtserve_sentences_total": "sentences"}
 
@@ -183,6 +187,33 @@ def cpu_per_call(before: dict | None, after: dict | None, client_seconds: float,
             "waiting": {kind: (after[kind][1] - before[kind][1]) * 1e3 / calls for kind in THREAD_KINDS}}
 
 
+def served_defaults(bundle):
+    """How a server decodes what a call leaves unset (ServedModel): the bundle's decoding defaults (an imported
+    Marian model's beam, length penalty and stopping rule), at most serve's default --max-output-tokens."""
+    from nmtserve.search import DecodingOptions
+    from nmtserve.server.config import ServerConfig
+
+    defaults = dict(bundle.manifest.get("decoding_defaults") or {})
+    defaults["max_decoding_length"] = min(ServerConfig.max_output_tokens, bundle.limits.max_target_tokens,
+                                          defaults.get("max_decoding_length", ServerConfig.max_output_tokens))
+    return DecodingOptions(**defaults)
+
+
+def offline_spec(cfg: ServedBenchConfig, pool: list[str]) -> dict:
+    """The offline baseline's work (a bench_offline worker's spec): OFFLINE_SENTENCES sentences drawn from the
+    pool as the cells draw them, greedy as the servers decode the greedy calls, at half the servers' rows and
+    at all of them: the most tokens/s OnnxTranslator makes of such sentences, to which the servers' best
+    throughput at saturation compares (issue 16, item 3)."""
+    from nmtserve.export.runtime.bundle import load_bundle
+
+    bundle = load_bundle(cfg.bundle)
+    tokenizer, limit = bundle.tokenizer(), bundle.limits.max_source_tokens
+    sources = [tokenizer.encode(t, limit) or [bundle.special_ids["eos"]] for t in mixed(pool, OFFLINE_SENTENCES, cfg.seed)]
+    return {"bundle": cfg.bundle, "device": cfg.device, "sources": sources, "repeats": 1,
+            "batch_sizes": sorted({max(1, cfg.max_running_rows // 2), cfg.max_running_rows}),
+            "search": asdict(served_defaults(bundle).override(beam_size=1))}
+
+
 class Baseline:
     """OnnxTranslator at batch 1 in this process: per-request latency and tokens/s on given requests, and
     the mean time of its two stages: the encoder (`prefill`), then the decoding loop (`decode`: greedy
@@ -190,18 +221,11 @@ class Baseline:
 
     def __init__(self, cfg: ServedBenchConfig, threads: int):
         from nmtserve.export.runtime.translator import OnnxTranslator
-        from nmtserve.search import DecodingOptions
-        from nmtserve.server.config import ServerConfig
 
         self.threads = threads
         self.tr = OnnxTranslator(cfg.bundle, device=cfg.device, variant=cfg.variant, intra_op_threads=threads)
         self.tr.translate_ids([self.tr.tokenizer.encode("warm up")], max_batch_size=1)
-        # the servers' defaults for what a call leaves unset (ServedModel): the bundle's decoding defaults (an
-        # imported Marian model's length penalty and stopping rule), at most serve's --max-output-tokens
-        defaults = dict(self.tr.bundle.manifest.get("decoding_defaults") or {})
-        defaults["max_decoding_length"] = min(ServerConfig.max_output_tokens, self.tr.limits.max_target_tokens,
-                                              defaults.get("max_decoding_length", ServerConfig.max_output_tokens))
-        self.defaults = DecodingOptions(**defaults)
+        self.defaults = served_defaults(self.tr.bundle)
 
     def step_ms_by_rows(self, pool: list[str], largest: int) -> dict[str, float]:
         """One greedy decoder step's time (ms, median of 16 steps, each row 8 to 23 tokens in) at each batch
@@ -259,7 +283,12 @@ def run_served_bench(cfg: ServedBenchConfig) -> dict:
                                                                        for at in servers_at}
     translators = {t: Baseline(cfg, t) for t in cfg.threads} if cfg.sentences_per_call == 1 else {}
     baselines: dict[int, list[dict]] = {t: [] for t in translators}
+    # greedy: OnnxTranslator's offline throughput in a process of its own at each layout, once a run
+    offline: dict[tuple[int, int], list[dict]] = {layout: [] for layout in layouts(cfg)} if cfg.decoding == "greedy" else {}
     with tempfile.TemporaryDirectory() as logs:
+        spec_path = Path(logs) / "offline-spec.json"
+        if offline:
+            spec_path.write_text(json.dumps(offline_spec(cfg, pool)), encoding="utf-8")
         ports = {at: free_port() for at in servers_at}  # /metrics: the admissions of each cell
         servers = {}
         try:
@@ -289,12 +318,28 @@ def run_served_bench(cfg: ServedBenchConfig) -> dict:
                     if c == 1:  # the same requests, right after, while every server is idle
                         for t, baseline in translators.items():
                             baselines[t].append(baseline(requests))
+                for engines, t in offline:  # every server idle
+                    offline[engines, t].append(_run_worker(f"ort_{cfg.variant}", engines, t, spec_path))
         finally:
             for server in servers.values():
                 server.stop()
     # the servers gone: at the most threads swept
     steps = translators[max(cfg.threads)].step_ms_by_rows(pool, cfg.max_running_rows) if translators else None
-    return _report(cfg, cells, baselines, steps)
+    return _report(cfg, cells, baselines, steps, offline_best(offline))
+
+
+def offline_best(offline: dict[tuple[int, int], list[dict]]) -> dict | None:
+    """The highest median tokens/s of the offline runs over layouts and batch sizes, with its spread."""
+    best = None
+    for (engines, t), runs in offline.items():
+        for batch in runs[0]["seconds"]:
+            values = [r["tokens"][batch] / r["seconds"][batch] for r in runs]
+            found = {"tokens_per_s": round(statistics.median(values), 1),
+                     "tokens_per_s_min_max": [round(min(values), 1), round(max(values), 1)],
+                     "layout": layout_name(engines, t), "batch_size": int(batch)}
+            if best is None or found["tokens_per_s"] > best["tokens_per_s"]:
+                best = found
+    return best
 
 
 def _summary(runs: list[dict]) -> dict:
@@ -319,9 +364,10 @@ def _ratios(results: dict, key: str) -> dict[str, float]:
 
 
 def _report(cfg: ServedBenchConfig, cells: dict, baselines: dict[int, list[dict]],
-            step_ms_by_rows: dict | None = None) -> dict:
+            step_ms_by_rows: dict | None = None, offline: dict | None = None) -> dict:
     """`results`: each mode at its best layout for each concurrency (highest steady-state tokens/s; `layout`
-    says which, engines x threads); with several layouts, `results_by_layout` has every one."""
+    says which, engines x threads); with several layouts, `results_by_layout` has every one. `offline`:
+    offline_best's, to which each mode's highest steady tokens/s over the concurrencies compares."""
     by_layout = {layout_name(*layout): {m: {str(c): _summary(cells[m, layout][c]) for c in cfg.concurrency}
                                         for m in cfg.modes} for layout in layouts(cfg)}
     results = {}
@@ -343,6 +389,10 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: dict[int, list[dict]
         for mode in results:
             ratios[f"{mode} p50 at concurrency 1 / OnnxTranslator batch-1 p50"] = round(
                 results[mode]["1"]["p50_ms"] / baseline["p50_ms"], 3)
+    if offline:
+        for mode in results:
+            ratios[f"{mode} saturation / OnnxTranslator offline best"] = round(
+                max(cell["steady_tokens_per_s"] for cell in results[mode].values()) / offline["tokens_per_s"], 3)
     return {"bundle": cfg.bundle, "variant": cfg.variant, "device": cfg.device, "server_flags": cfg.server_flags,
             "decoding": cfg.decoding, "sentences_per_call": cfg.sentences_per_call,
             "threads": list(cfg.threads), "runs": cfg.runs,
@@ -350,7 +400,7 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: dict[int, list[dict]
             "machine": machine_info(cfg.device),
             "results": results, "results_by_layout": by_layout if len(by_layout) > 1 else None,
             "baseline_onnx_translator_batch1": {k: round(v, 2) for k, v in baseline.items()} if baseline else None,
-            "step_ms_by_rows": step_ms_by_rows, "ratios": ratios}
+            "step_ms_by_rows": step_ms_by_rows, "offline_best": offline, "ratios": ratios}
 
 
 def _threads(report: dict) -> str:
@@ -406,6 +456,13 @@ def format_table(report: dict) -> str:
     if steps:
         lines.append("OnnxTranslator decoder step, ms (rows per ms) by rows: " + ", ".join(
             f"{rows}: {ms:.2f} ({int(rows) / ms:.1f})" for rows, ms in steps.items()))
+    offline = report["offline_best"]
+    if offline:
+        low, high = offline["tokens_per_s_min_max"]
+        lines.append(f"OnnxTranslator offline, greedy, {OFFLINE_SENTENCES} of the sentences, best of batch "
+                     f"{report['max_running_rows'] // 2} and {report['max_running_rows']} at each layout: "
+                     f"{offline['tokens_per_s']:,.0f} [{low:,.0f}–{high:,.0f}] tok/s at batch {offline['batch_size']}, "
+                     f"{offline['layout']} (against each mode's highest steady tok/s below)")
     for name, value in report["ratios"].items():
         lines.append(f"{name}: {value}")
     return "\n".join(lines)

@@ -51,6 +51,7 @@ def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_p
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["device"] == "cpu" and report["server_flags"] == ["--io-binding=on"] and report["decoding"] == "mixed"
+    assert report["offline_best"] is None  # a mix of decodings has no one offline throughput
     assert report["threads"] == [1, 2] and list(report["results_by_layout"]) == ["1x1", "1x2", "2x1"]
     for mode in ("continuous", "static"):
         assert set(report["results"][mode]) == {"1", "2"}
@@ -107,6 +108,14 @@ def test_served_bench_sends_several_sentences_a_call(tiny_bundle, tmp_path):
     assert cell["steady_tokens_per_s"] > 0 and min(cell["stages_mean_ms"].values()) >= 0
     assert report["baseline_onnx_translator_batch1"] is None and "3 sentence(s) a call" in result.stdout
     assert report["step_ms_by_rows"] is None
+    # greedy: OnnxTranslator's offline throughput at the servers' layout, half their rows and all of them
+    offline = report["offline_best"]
+    assert offline["layout"] == "2x1" and offline["batch_size"] in (32, 64) and offline["tokens_per_s"] > 0
+    low, high = offline["tokens_per_s_min_max"]
+    assert low <= offline["tokens_per_s"] <= high
+    assert report["ratios"]["continuous saturation / OnnxTranslator offline best"] == pytest.approx(
+        cell["steady_tokens_per_s"] / offline["tokens_per_s"], abs=1e-3)
+    assert "OnnxTranslator offline, greedy" in result.stdout
     assert report["threads"] == [1] and report["results_by_layout"] is None and cell["layout"] == "2x1"
     bad = run_cli("bench", "served", str(tiny_bundle), "--sentences-per-call", "0", timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().endswith("--sentences-per-call 0: must be at least 1")
