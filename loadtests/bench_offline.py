@@ -255,7 +255,8 @@ def measure(engine: str, inter: int, threads: int, spec: dict) -> dict:
             "modules_loaded": [m for m in ENGINE_MODULES if m in sys.modules]}
 
 
-def _run_worker(engine: str, inter: int, threads: int, spec_path: Path) -> dict:
+def run_worker(engine: str, inter: int, threads: int, spec_path: Path) -> dict:
+    """`measure` in a process of its own (only `engine`'s library loaded), on the spec written at spec_path."""
     env = {**os.environ, **{v: str(threads) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}}
     done = subprocess.run([sys.executable, "-m", "nmtserve.loadtests.bench_offline", "worker", engine, str(inter),
                            str(threads), str(spec_path)], capture_output=True, text=True, env=env, timeout=3600)
@@ -317,7 +318,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         for run in range(cfg.runs):
             for engine, inter, t in configs[run % len(configs):] + configs[: run % len(configs)]:
                 progress(f"run {run + 1}/{cfg.runs}: {engine}, {inter} batch(es) at once × {t} thread(s)")
-                runs[(engine, inter, t)].append(_run_worker(engine, inter, t, spec_path))
+                runs[(engine, inter, t)].append(run_worker(engine, inter, t, spec_path))
     return _report(cfg, threads, runs, spec)
 
 

@@ -22,7 +22,7 @@ while the servers are idle; with greedy decoding, OnnxTranslator's offline throu
 its own at each layout once a run (bench_offline's worker, on sentences drawn from the same pool, at half the
 servers' rows and at all of them), to which each mode's highest steady throughput compares.
 With `--sentences-per-call N` each call carries N sentences (Translate's `sentences`), so the cost of
-a call is paid once for N (no baseline then: it compares one-sentence calls).
+a call is paid once for N (no batch-1 baseline then: it compares one-sentence calls).
 
     nmtserve bench served bundles/default --decoding mixed --concurrency 1,8,32
     nmtserve bench served bundles/default --variant int8 --threads 1,2 --concurrency 1,8,64,128  # 1x1, 1x2, 2x1
@@ -40,7 +40,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from nmtserve.loadtests.bench_offline import _run_worker, layout_name
+from nmtserve.loadtests.bench_offline import layout_name, run_worker
 from nmtserve.loadtests.machine import PROBES, THREAD_KINDS, describe, host_probe, machine_info, thread_times
 from nmtserve.loadtests.workload import (
     ServerProcess,
@@ -319,7 +319,7 @@ def run_served_bench(cfg: ServedBenchConfig) -> dict:
                         for t, baseline in translators.items():
                             baselines[t].append(baseline(requests))
                 for engines, t in offline:  # every server idle
-                    offline[engines, t].append(_run_worker(f"ort_{cfg.variant}", engines, t, spec_path))
+                    offline[engines, t].append(run_worker(f"ort_{cfg.variant}", engines, t, spec_path))
         finally:
             for server in servers.values():
                 server.stop()
