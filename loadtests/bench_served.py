@@ -37,7 +37,7 @@ import statistics
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from nmtserve.loadtests.bench_offline import layout_name, run_worker
@@ -188,15 +188,14 @@ def cpu_per_call(before: dict | None, after: dict | None, client_seconds: float,
 
 
 def served_defaults(bundle):
-    """How a server decodes what a call leaves unset (ServedModel): the bundle's decoding defaults (an imported
-    Marian model's beam, length penalty and stopping rule), at most serve's default --max-output-tokens."""
-    from nmtserve.search import DecodingOptions
+    """How a server with serve's default limits decodes what a call leaves unset (models.bundle_defaults): the
+    bundle's decoding defaults (an imported Marian model's beam, length penalty and stopping rule)."""
     from nmtserve.server.config import ServerConfig
+    from nmtserve.server.models import bundle_defaults
 
-    defaults = dict(bundle.manifest.get("decoding_defaults") or {})
-    defaults["max_decoding_length"] = min(ServerConfig.max_output_tokens, bundle.limits.max_target_tokens,
-                                          defaults.get("max_decoding_length", ServerConfig.max_output_tokens))
-    return DecodingOptions(**defaults)
+    defaults, output_tokens = bundle_defaults(
+        bundle.manifest, min(ServerConfig.max_output_tokens, bundle.limits.max_target_tokens))
+    return replace(defaults, max_decoding_length=output_tokens)
 
 
 def offline_spec(cfg: ServedBenchConfig, pool: list[str]) -> dict:

@@ -108,6 +108,15 @@ def model_specs(config: ServerConfig) -> list[ModelSpec]:
     return specs
 
 
+def bundle_defaults(manifest: dict, max_output_tokens: int) -> tuple[DecodingOptions, int]:
+    """How a call that leaves its options unset is decoded: the bundle's decoding defaults (an imported Marian
+    model's generation_config.json; else CTranslate2's), and the most output tokens, the bundle's
+    max_decoding_length within the server's limit."""
+    defaults = dict(manifest.get("decoding_defaults") or {})
+    output_tokens = min(max_output_tokens, defaults.pop("max_decoding_length", max_output_tokens))
+    return DecodingOptions(**defaults), output_tokens
+
+
 class ServedModel:
     """One model behind the server: its engine, and the checks and defaults of its requests."""
 
@@ -119,10 +128,7 @@ class ServedModel:
         # a budget past the decoder's position table could never be spent: the smaller limit is the one told
         self.max_output_tokens = min(config.max_output_tokens, tr.limits.max_target_tokens)
         self.max_beam_size = min(config.max_beam_size, config.max_running_rows)  # a beam takes beam_size rows
-        # the bundle's decoding defaults (an imported Marian model's generation_config.json; else CTranslate2's)
-        defaults = dict(tr.bundle.manifest.get("decoding_defaults") or {})
-        self.default_output_tokens = min(self.max_output_tokens, defaults.pop("max_decoding_length", self.max_output_tokens))
-        self.defaults = DecodingOptions(**defaults)
+        self.defaults, self.default_output_tokens = bundle_defaults(tr.bundle.manifest, self.max_output_tokens)
         self.manifest_path = Path(spec.bundle) / MANIFEST
         self._info: pb.ModelInfo | None = None  # info(), built on first use
         languages = tr.bundle.manifest.get("languages") or {}
