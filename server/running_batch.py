@@ -13,8 +13,9 @@ many as the most demanding request needs; a request sampling the whole vocabular
 log-probs, unranked, and ranks them itself, so it does not make every row rank the vocabulary), a
 greedy request takes its row's best, and a beam or sampled request's search (nmtserve/search.py) takes
 its own rows' candidates and says which of its rows each continues (the beams of one size ranked at
-once, `search.beam_steps`, as offline); a beam's cache rows are copied among its own rows only, and
-only when a parent changes. K/V never leave this object and the translator.
+once, `search.beam_steps`, as offline); a row that continues another of its beam points at that row's
+cache slots (BatchState.origin, on nmtserve's kernels; else its cache rows are copied), among its own
+rows only, and only when a parent changes. K/V never leave this object and the translator.
 
 Blast radius of one: when the encoder fails for a group of newcomers, or the decoder step fails,
 the rows are bisected (the decoder on copies of the state) until the ones that fail on their own

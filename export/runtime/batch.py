@@ -25,8 +25,10 @@ A state with `origin` (B, capacity) int32 (OnnxTranslator's offline states, on t
 DecodeBeamSelfAttention) keeps slot t of row b's history in row origin[b, t]'s cache: a beam row that
 continues another row's hypothesis (`choose`) copies that row's origin, not its cache. Every slot is
 written once, by the row that owns it (origin[b, t] = b for every slot b has not filled yet), and a
-source's rows point only at each other, so a source's rows move together (`compact`) with their origins
-shifted alike. States without it (the engine's, and ONNX Runtime's attention) copy the cache rows.
+source's rows point only at each other, so a source's rows move together (`compact`, `relocate`) with their
+origins shifted alike. The engine's states have it too on the kernels (a beam's rows, each with its own copy
+of the source's cross K/V, point at each other's slots; a row that joins, leaves or grows holds its own slots:
+`insert`, `free`, `append`). States without it (ONNX Runtime's attention, a device's) copy the cache rows.
 
 k, v, cross_k, cross_v and cross_eos live where `ops` keeps them (export/runtime/tensors.py): numpy
 arrays on the host, or OrtValues on the GPU; the small per-row arrays are always numpy on the host.
@@ -93,10 +95,15 @@ class BatchState:
         return np.arange(self.capacity)[None, :] < self.positions[:, None]
 
     def concatenate(self, other: BatchState) -> BatchState:
-        """Rows of self, then rows of other, each with its own slots."""
-        assert self.origin is None and other.origin is None
+        """Rows of self, then rows of other, each with its own slots (and origins, renumbered)."""
+        assert (self.origin is None) == (other.origin is None)
         ops = self.ops
         capacity = max(self.capacity, other.capacity)
+        origin = None
+        if self.origin is not None:  # slots past a state's capacity each row's own
+            origin = own_slots(self.size + other.size, capacity)
+            origin[:self.size, :self.capacity] = self.origin
+            origin[self.size:, :other.capacity] = other.origin + self.size
         src_len = max(self.src_mask.shape[1], other.src_mask.shape[1])
 
         def widen(state: BatchState):
@@ -110,7 +117,7 @@ class BatchState:
             ops.concat([self.cross_eos, other.cross_eos], 1),
             np.concatenate([HostTensors.pad(self.src_mask, 1, src_len), HostTensors.pad(other.src_mask, 1, src_len)]),
             np.concatenate([self.positions, other.positions]), np.concatenate([self.tokens, other.tokens]),
-            np.concatenate([self.hole, other.hole]), ops)
+            np.concatenate([self.hole, other.hole]), ops, origin=origin)
 
     def append(self, fresh: BatchState, room: int = 0, start: int = 0) -> BatchState:
         """Fresh rows (no step taken yet), fresh's rows from `start` on, after this state's -> the state of both.
@@ -119,7 +126,7 @@ class BatchState:
         into buffers with room for twice its rows, at most `room` rows in all (the rows' cap; doubling keeps the
         copies amortised and the buffers within twice the rows in use). On a device (an OrtValue is not a view)
         as `concatenate`."""
-        assert fresh.length == 0 and self.width == fresh.width == 1 and self.origin is None
+        assert fresh.length == 0 and self.width == fresh.width == 1
         if not self.ops.views:
             return self.concatenate(fresh.take(np.arange(start, fresh.size)) if start else fresh)
         first, size, state = self.size, self.size + fresh.size - start, self
@@ -142,6 +149,8 @@ class BatchState:
         self.cross_slot = np.concatenate([self.cross_slot, np.zeros(extra, np.int32)])
         self.hole = np.concatenate([self.hole, np.ones(extra, bool)])
         self.holes = True
+        if self.origin is not None:  # the new rows' slots their own (insert writes them again)
+            self.origin = np.concatenate([self.origin, own_slots(size, self.capacity)[size - extra:]])
         return True
 
     def _with_room(self, rows: int) -> BatchState:
@@ -150,7 +159,8 @@ class BatchState:
         ops = self.ops
         k, v = (ops.with_rows(x, rows, self.length) for x in (self.k, self.v))
         cross_k, cross_v, eos = (ops.with_rows(x, rows, None) for x in (self.cross_k, self.cross_v, self.cross_eos))
-        return BatchState(k, v, cross_k, cross_v, eos, self.src_mask, self.positions, self.tokens, self.hole, ops)
+        return BatchState(k, v, cross_k, cross_v, eos, self.src_mask, self.positions, self.tokens, self.hole, ops,
+                          origin=None if self.origin is None else self.origin.copy())
 
     def open_slot(self) -> None:
         """Before a step: room for every row's next slot (the cache doubles when full)."""
@@ -173,11 +183,13 @@ class BatchState:
         parents[i] (beam search): its self-attention cache is copied from there. Only rows of one
         request may be parents of each other (they share source, position and cache slots, so nothing
         else moves), and only the rows whose parent is another row are written (with `origin`, their origins),
-        over the slots they have filled: in the server's batch other rows may have filled many more."""
+        over the slots they have filled: in the server's batch other rows may have filled many more (a row's
+        origin past its own filled slots stays its own: its next step writes its slot there)."""
         if parents is not None and len(moved := np.nonzero(parents != np.arange(self.size))[0]):
             filled = int(self.positions[moved].max())
-            if self.origin is not None:
-                self.origin[moved, :filled] = self.origin[parents[moved], :filled]
+            if self.origin is not None:  # beams of different lengths may move in one step
+                own = np.arange(filled)[None, :] >= self.positions[moved][:, None]
+                self.origin[moved, :filled] = np.where(own, moved[:, None], self.origin[parents[moved], :filled])
             else:
                 self.k = self.ops.copy_rows(self.k, moved, parents[moved], filled)
                 self.v = self.ops.copy_rows(self.v, moved, parents[moved], filled)
@@ -255,13 +267,19 @@ class BatchState:
     def gather(self, rows: np.ndarray) -> BatchState:
         """A new state of the given rows (indices, repeats allowed) in that order, with every slot, each
         with its own copy of its source's cross K/V: how a request with a beam of k rows joins the
-        engine's batch from its one encoded row."""
-        assert self.width == 1 and self.origin is None
+        engine's batch from its one encoded row. The cache slots are copied, so each new row holds its own
+        (a state with origins: only from rows that hold their own filled slots)."""
+        assert self.width == 1 and (self.origin is None or self._own_filled_slots())
         ops, length = self.ops, self.length
         return BatchState(ops.take_slots(self.k, rows, length), ops.take_slots(self.v, rows, length),
                           ops.take(self.cross_k, rows, 1),
                           ops.take(self.cross_v, rows, 1), ops.take(self.cross_eos, rows, 1), self.src_mask[rows],
-                          self.positions[rows], self.tokens[rows], self.hole[rows], ops)
+                          self.positions[rows], self.tokens[rows], self.hole[rows], ops,
+                          origin=None if self.origin is None else own_slots(len(rows), self.capacity))
+
+    def _own_filled_slots(self) -> bool:
+        """Every row's filled slots are its own (`origin`)."""
+        return bool((self.origin[self.valid] == np.nonzero(self.valid)[0]).all())
 
     def widen(self, width: int) -> BatchState:
         """Each row becomes `width` rows (a beam's, from its one encoded row) that share the row's source:
@@ -281,8 +299,10 @@ class BatchState:
         return self.filter(keep)
 
     def free(self, rows: list[int]) -> None:
-        """Rows become holes: they stop advancing and their slots stop counting (a hole's output is ignored)."""
-        assert self.origin is None
+        """Rows become holes: they stop advancing and their slots stop counting (a hole's output is ignored);
+        with origins, each holds its own slots again (a hole's step writes and reads its slot 0)."""
+        if self.origin is not None:
+            self.origin[rows] = np.asarray(rows, np.int32)[:, None]
         self.hole[rows] = True
         self.holes = True
         self.positions[rows] = 0
@@ -291,7 +311,7 @@ class BatchState:
         """Fresh rows (no step taken yet), fresh's rows start.. one for each, into holes; they write their
         first K/V at their slot 0 (fresh's own caches are not read: `prefill` may make them without slots)."""
         part = slice(start, start + len(rows))
-        assert fresh.length == 0 and part.stop <= fresh.size and self.origin is None
+        assert fresh.length == 0 and part.stop <= fresh.size
         ops = self.ops
         src_len = int(fresh.cross_slot[part].max()) + 1  # the longest of these newcomers' sources
         if src_len > self.src_mask.shape[1]:  # a longer source than any so far: widen (a copy, rare)
@@ -304,6 +324,8 @@ class BatchState:
         self.cross_eos = ops.place_rows(self.cross_eos, rows, fresh.cross_eos, start)
         self.src_mask[rows] = HostTensors.pad(fresh.src_mask[part, :src_len], 1, self.src_mask.shape[1])
         self.cross_slot[rows] = fresh.cross_slot[part]  # in place, as the other per-row arrays: the binding holds them
+        if self.origin is not None:  # each its own slots
+            self.origin[rows] = np.asarray(rows, np.int32)[:, None]
         self.hole[rows] = False
         self.holes = bool(self.hole.any())
         self.positions[rows] = fresh.positions[part]
@@ -313,12 +335,13 @@ class BatchState:
         """Drop the cache slots no row reaches once that halves the cache at least, keeping room for twice
         the longest row (amortised copy: the cache must shrink to a quarter of its rows' reach, or grow
         twofold, before it is copied again)."""
-        assert self.origin is None
         if self.capacity < 2 * min_slots:
             return  # nothing to drop (and the longest row is not looked up: asked at every step)
         keep = max(min_slots, 2 * (self.length + 1))
         if self.capacity >= 2 * keep:
             self.k, self.v = self.ops.slice(self.k, 3, 0, keep), self.ops.slice(self.v, 3, 0, keep)
+            if self.origin is not None:
+                self.origin = np.ascontiguousarray(self.origin[:, :keep])
 
 
 def source_rows(sources: np.ndarray, width: int) -> np.ndarray:

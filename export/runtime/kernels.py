@@ -112,9 +112,10 @@ def with_custom_kernels(model: onnx.ModelProto, beam_origin: bool = False) -> on
     `with_shared_cross`'s MultiHeadAttention nodes as nmtserve.DecodeCrossAttention, and
     `with_search_head`'s If as nmtserve.SearchHead. A node with attributes beyond the head counts (a
     scale, a soft cap, rotary embeddings…), or a search head with more than LogSoftmax and TopK (an Add of
-    suppressed ids' -inf), keeps ONNX Runtime's nodes. beam_origin (the offline step, whose cross-attention
-    is with_shared_cross's): the self-attentions become nmtserve.DecodeBeamSelfAttention, over a new input
-    `cache_origin` (B, C) int32, the row whose cache holds each slot of each row (BatchState.origin)."""
+    suppressed ids' -inf), keeps ONNX Runtime's nodes. beam_origin: the self-attentions (over the `past_`
+    caches) become nmtserve.DecodeBeamSelfAttention, over a new input `cache_origin` (B, C) int32, the row
+    whose cache holds each slot of each row (BatchState.origin); the server step's cross-attention stays
+    DecodeSelfAttention."""
     def heads_only(node: onnx.NodeProto) -> bool:
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         return set(attributes) <= {"num_heads", "kv_num_heads"} \
@@ -126,7 +127,8 @@ def with_custom_kernels(model: onnx.ModelProto, beam_origin: bool = False) -> on
         if logits is not None:
             node = helper.make_node("SearchHead", [logits, "candidates", "with_scores", "whole_rows"],
                                     list(node.output), domain="nmtserve")
-        elif node.op_type == "GroupQueryAttention" and heads_only(node) and beam_origin:
+        elif node.op_type == "GroupQueryAttention" and heads_only(node) and beam_origin \
+                and node.input[3].startswith("past_"):
             node = helper.make_node("DecodeBeamSelfAttention", [node.input[0], *node.input[3:6], "cache_origin"],
                                     list(node.output), domain="nmtserve")
         elif node.op_type == "GroupQueryAttention" and heads_only(node):

@@ -347,10 +347,10 @@ class OnnxTranslator:
         # wants; the server's engine, whose steps mix rows of different widths, runs the bundle's step as
         # exported (False), each row with its own copy
         self.shared_cross = shared_cross
-        # offline on nmtserve's kernels, a beam row that continues another's hypothesis points at that row's
-        # cache slots instead of copying them (BatchState.origin; kernels.with_custom_kernels)
+        # on nmtserve's kernels, a beam row that continues another's hypothesis points at that row's cache slots
+        # instead of copying them (BatchState.origin; kernels.with_custom_kernels), offline and in the server
         # (host states only: with io_binding the caches are the ops' tensors, and copied)
-        self.cache_origin = shared_cross and self.attention_kernel and not self.io_binding
+        self.cache_origin = self.attention_kernel and not self.io_binding
         step = self._step_graph(decoder, shared_cross)
         del decoder  # freed before the session makes its own copy (an OPUS-MT-size decoder is ~200 MB)
         # native_steps: the step's session held by nmtserve's library, greedy steps looping there without
@@ -700,7 +700,8 @@ class OnnxTranslator:
                     for s in sources]
         width, k = searches[0].rows, searches[0].candidates
         beams = isinstance(searches[0], BeamSearch)
-        native = beams and self.native_steps and self.cache_origin  # beam steps in the library, after the first
+        # beam steps in the library, after the first (on the step that shares each source's cross K/V)
+        native = beams and self.native_steps and self.cache_origin and self.shared_cross
         slots = list(range(len(sources)))  # the source each `width` rows search for, in row order; None: done
         results: list = [None] * len(sources)
         while state is not None:

@@ -364,10 +364,11 @@ def test_the_step_graph_swaps_ort_attention_for_the_kernels_on_a_cpu(tiny_bundle
     assert "GroupQueryAttention" not in ops and "MultiHeadAttention" not in ops
     assert ops.count("SearchHead") == 1 and "If" not in ops  # the search head in one node
     # the server's step: its cross-attention over per-row copies (eos K/V written at the row's cross slot)
-    # is a GroupQueryAttention like the self-attention, and becomes the same op
+    # is a GroupQueryAttention like the self-attention, and becomes DecodeSelfAttention; its self-attention
+    # reads a beam's common past through origins, as offline
     ops = _ops(served)
-    assert ops.count("DecodeSelfAttention") == 2 * layers and "GroupQueryAttention" not in ops
-    assert ops.count("SearchHead") == 1 and not served.cache_origin
+    assert ops.count("DecodeSelfAttention") == ops.count("DecodeBeamSelfAttention") == layers
+    assert "GroupQueryAttention" not in ops and ops.count("SearchHead") == 1 and served.cache_origin
     ops = _ops(OnnxTranslator(tiny_bundle, shared_cross=False, attention_kernel=False))
     assert ops.count("GroupQueryAttention") == 2 * layers and "DecodeSelfAttention" not in ops
     assert "If" in ops and "SearchHead" not in ops and ops.count("Unsqueeze") == 2 * layers

@@ -243,6 +243,40 @@ def test_a_beam_row_takes_its_parents_filled_slots_only_beside_longer_rows(origi
         assert np.array_equal(np.delete(state.k, 1, axis=1), np.delete(k, 1, axis=1))
 
 
+def test_beams_of_different_lengths_moving_in_one_step_keep_their_next_slots_their_own():
+    """With origins in the server's batch, two beams moving at once (rows 0-1 six slots in, rows 2-3 two):
+    each moved row points at its parent's filled slots only; from its own position on (where its next step
+    writes) its slots stay its own."""
+    cross = np.zeros((1, 4, 1, 4, 2), np.float32)
+    state = BatchState.from_encoded(cross, cross.copy(), np.zeros((1, 4, 2, 1, 2), np.float32), np.ones((4, 4), bool),
+                                    bos_id=1, capacity=8, origin=True)
+    state.positions[:] = [6, 6, 2, 2]
+    state.choose(np.zeros(4, np.int64), np.array([1, 1, 3, 3]))  # rows 0 and 2 continue rows 1 and 3
+    assert state.origin.tolist() == [[1] * 6 + [0] * 2, [1] * 8, [3] * 2 + [2] * 6, [3] * 8]
+
+
+def test_rows_that_join_or_leave_the_servers_batch_hold_their_own_slots():
+    """The engine's operations on a state with origins: a freed row (a hole, whose step writes and reads its
+    slot 0), a newcomer in a hole, rows appended into new room and a trimmed cache each hold their own slots;
+    a running beam keeps pointing at its parent's."""
+    def fresh(rows, capacity):
+        cross = np.zeros((1, rows, 1, 4, 2), np.float32)
+        return BatchState.from_encoded(cross, cross.copy(), np.zeros((1, rows, 2, 1, 2), np.float32),
+                                       np.ones((rows, 4), bool), bos_id=1, capacity=capacity, origin=True)
+
+    state = fresh(4, 128)
+    state.positions[:] = 3
+    state.choose(np.zeros(4, np.int64), np.array([0, 0, 2, 2]))  # rows 1 and 3 continue rows 0 and 2
+    state.free([2, 3])
+    assert state.origin[2:].tolist() == [[2] * 128, [3] * 128] and state.origin[1, :4].tolist() == [0, 0, 0, 1]
+    state.insert([3], fresh(1, 0))
+    assert state.origin[3].tolist() == [3] * 128
+    state = state.append(fresh(3, 0), room=8)  # no room in the buffers: copied into buffers of 8 rows
+    assert state.size == 7 and state.origin[4:].tolist() == [[r] * 128 for r in (4, 5, 6)]
+    state.trim()  # 128 slots to 32
+    assert state.origin.shape == (7, 32) and state.origin[1, :4].tolist() == [0, 0, 0, 1]
+
+
 def test_a_beam_row_that_continues_another_copies_its_origin_not_its_cache():
     """BatchState.origin (the offline step on nmtserve's kernels): choosing a parent copies the parent's
     row of origin over the filled slots; the caches stay as the steps wrote them; compaction, filtering
