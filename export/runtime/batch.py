@@ -163,10 +163,11 @@ class BatchState:
                           origin=None if self.origin is None else self.origin.copy())
 
     def open_slot(self) -> None:
-        """Before a step: room for every row's next slot (the cache doubles when full)."""
+        """Before a step: room for every row's next slot (the cache doubles when full, in buffers with the room
+        for rows its buffers had: `append` still writes newcomers there)."""
         if self.length >= self.capacity:
             had, grow = self.capacity, 2 * self.capacity
-            self.k, self.v = self.ops.pad(self.k, 3, grow), self.ops.pad(self.v, 3, grow)
+            self.k, self.v = (self.ops.with_slots(x, grow, self.length) for x in (self.k, self.v))
             if self.origin is not None:
                 self.origin = np.concatenate([self.origin, own_slots(self.size, grow - had)], axis=1)
 
@@ -334,12 +335,12 @@ class BatchState:
     def trim(self, min_slots: int = 32) -> None:
         """Drop the cache slots no row reaches once that halves the cache at least, keeping room for twice
         the longest row (amortised copy: the cache must shrink to a quarter of its rows' reach, or grow
-        twofold, before it is copied again)."""
+        twofold, before it is copied again), in buffers with the room for rows its buffers had (`append`)."""
         if self.capacity < 2 * min_slots:
             return  # nothing to drop (and the longest row is not looked up: asked at every step)
         keep = max(min_slots, 2 * (self.length + 1))
         if self.capacity >= 2 * keep:
-            self.k, self.v = self.ops.slice(self.k, 3, 0, keep), self.ops.slice(self.v, 3, 0, keep)
+            self.k, self.v = (self.ops.with_slots(x, keep, self.length) for x in (self.k, self.v))
             if self.origin is not None:
                 self.origin = np.ascontiguousarray(self.origin[:, :keep])
 

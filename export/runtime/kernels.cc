@@ -151,6 +151,7 @@ struct SelfWork {
   const int32_t* filled;
   int64_t heads, slots, dim;
   const int32_t* origin;  // (B, slots) or null: DecodeBeamSelfAttention's
+  const uint8_t* borrows;  // (B,) with origin: whether a row reads a slot of another row (else it reads its own)
   const float* negated_bias;  // (3·H·Dh) or null: subtracted from each row of qkv as it is read
   int64_t prefetched;  // items (rows × heads) whose keys are asked for ahead: all or none (outgrows_cache)
 };
@@ -175,7 +176,8 @@ void self_row_head(void* data, size_t item) {
   if (ahead < w.prefetched) {
     const int64_t n = std::min<int64_t>(w.filled[ahead_b], w.slots);  // the slots it has filled (it writes the next)
     prefetch_keys(w.k + ahead * w.slots * w.dim, w.v + ahead * w.slots * w.dim, n, w.dim,
-                  w.origin ? w.origin + ahead_b * w.slots : nullptr, ahead_b, w.heads * w.slots * w.dim);
+                  w.origin && w.borrows[ahead_b] ? w.origin + ahead_b * w.slots : nullptr, ahead_b,
+                  w.heads * w.slots * w.dim);
   }
   if (slot < 0 || slot >= w.slots) {
     std::memset(out, 0, sizeof(float) * w.dim);
@@ -197,7 +199,7 @@ void self_row_head(void* data, size_t item) {
   }
   Scores p(slot + 1);
   attend(biased(row + at_q, bias ? bias + at_q : nullptr, w.dim, q.data()), k, v, slot + 1, w.dim, p.data(), out,
-         w.origin ? w.origin + b * w.slots : nullptr, b, w.heads * w.slots * w.dim);
+         w.origin && w.borrows[b] ? w.origin + b * w.slots : nullptr, b, w.heads * w.slots * w.dim);
 }
 
 // GroupQueryAttention's decoding case as nmtserve's graphs use it: qkv (B, 1, 3·H·Dh) packed, the
@@ -211,7 +213,7 @@ using OptionalFloats = std::optional<const Ort::Custom::Tensor<float>*>;
 Ort::Status self_attention(OrtKernelContext* context, const char* op, const Ort::Custom::Tensor<float>& qkv,
                            const Ort::Custom::Tensor<float>& past_k, const Ort::Custom::Tensor<float>& past_v,
                            const Ort::Custom::Tensor<int32_t>& filled, const int32_t* origin,
-                           const OptionalFloats& negated_bias, Ort::Custom::Tensor<float>& out,
+                           const uint8_t* borrows, const OptionalFloats& negated_bias, Ort::Custom::Tensor<float>& out,
                            Ort::Custom::Tensor<float>& present_k, Ort::Custom::Tensor<float>& present_v) {
   const std::vector<int64_t> shape = past_k.Shape(), qkv_shape = qkv.Shape();
   const std::string error = std::string(op) + ": qkv must be (B, 1, 3·H·Dh) or (B, 3·H·Dh), the caches (B, H, C, "
@@ -225,7 +227,7 @@ Ort::Status self_attention(OrtKernelContext* context, const char* op, const Ort:
     return Ort::Status(error.c_str(), ORT_INVALID_ARGUMENT);
   SelfWork w{qkv.Data(), present_k.Allocate(shape), present_v.Allocate(shape),
              out.Allocate(flat ? std::vector<int64_t>{rows, heads * dim} : std::vector<int64_t>{rows, 1, heads * dim}),
-             filled.Data(), heads, slots, dim, origin, negated_bias ? (*negated_bias)->Data() : nullptr,
+             filled.Data(), heads, slots, dim, origin, borrows, negated_bias ? (*negated_bias)->Data() : nullptr,
              outgrows_cache(read_bytes(filled.Data(), rows, slots, heads * dim)) ? rows * heads : 0};
   const size_t bytes = sizeof(float) * rows * heads * slots * dim;
   if (w.k != past_k.Data()) std::memcpy(w.k, past_k.Data(), bytes);
@@ -239,15 +241,17 @@ Ort::Status DecodeSelfAttention(OrtKernelContext* context, const Ort::Custom::Te
                                 const Ort::Custom::Tensor<int32_t>& filled, OptionalFloats negated_bias,
                                 Ort::Custom::Tensor<float>& out, Ort::Custom::Tensor<float>& present_k,
                                 Ort::Custom::Tensor<float>& present_v) {
-  return self_attention(context, "DecodeSelfAttention", qkv, past_k, past_v, filled, nullptr, negated_bias, out,
-                        present_k, present_v);
+  return self_attention(context, "DecodeSelfAttention", qkv, past_k, past_v, filled, nullptr, nullptr, negated_bias,
+                        out, present_k, present_v);
 }
 
 // DecodeSelfAttention whose slots may lie in other rows: origin (B, slots) int32, the row whose cache holds
 // slot t of row b's history (a beam's rows share the slots of their common past, so choosing a parent
 // row copies a row of origin, not of the cache: OnnxTranslator's offline step). Slot filled[b], written
 // by the step, is row b's own (origin[b, filled[b]] = b). An origin of another shape, or one that names a
-// row outside the batch in a slot the step reads, is an error of the run (never a read outside the cache).
+// row outside the batch in a slot the step reads, is an error of the run (never a read outside the cache). A row
+// whose slots are all its own (a greedy or sampled row, a beam row that never took another's past) reads them as
+// DecodeSelfAttention does, without looking its slots up.
 Ort::Status DecodeBeamSelfAttention(OrtKernelContext* context, const Ort::Custom::Tensor<float>& qkv,
                                     const Ort::Custom::Tensor<float>& past_k, const Ort::Custom::Tensor<float>& past_v,
                                     const Ort::Custom::Tensor<int32_t>& filled,
@@ -260,14 +264,20 @@ Ort::Status DecodeBeamSelfAttention(OrtKernelContext* context, const Ort::Custom
     return Ort::Status("DecodeBeamSelfAttention: origin must be (rows, slots) of the cache, filled (rows,)",
                        ORT_INVALID_ARGUMENT);
   const int32_t* rows = origin.Data();
+  std::vector<uint8_t> borrows(shape[0]);
   for (int64_t b = 0; b < shape[0]; b++) {
     const int32_t* read = rows + b * shape[2];  // the slots row b attends to: 0..filled[b]
     const int64_t n = std::min<int64_t>(std::max<int32_t>(filled.Data()[b] + 1, 0), shape[2]);
-    if (!std::all_of(read, read + n, [&](int32_t r) { return r >= 0 && r < shape[0]; }))
-      return Ort::Status("DecodeBeamSelfAttention: origin names a row outside the batch", ORT_INVALID_ARGUMENT);
+    bool own = true;
+    for (int64_t t = 0; t < n; t++) {
+      if (read[t] < 0 || read[t] >= shape[0])
+        return Ort::Status("DecodeBeamSelfAttention: origin names a row outside the batch", ORT_INVALID_ARGUMENT);
+      own &= read[t] == b;
+    }
+    borrows[b] = !own;
   }
-  return self_attention(context, "DecodeBeamSelfAttention", qkv, past_k, past_v, filled, rows, negated_bias, out,
-                        present_k, present_v);
+  return self_attention(context, "DecodeBeamSelfAttention", qkv, past_k, past_v, filled, rows, borrows.data(),
+                        negated_bias, out, present_k, present_v);
 }
 
 struct CrossWork {

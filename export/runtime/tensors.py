@@ -117,6 +117,16 @@ class HostTensors:
         return out[:, :x.shape[1]]
 
     @staticmethod
+    def with_slots(x: np.ndarray, size: int, stop: int) -> np.ndarray:
+        """x with `size` slots (axis 3) holding its slots 0..stop-1, the rest unset, in a new buffer with as many
+        rows as the one behind x (`head`, `with_rows`): a cache that grows or shrinks its slots keeps the room its
+        buffers had for newcomers' rows (grow_rows)."""
+        rows = x.base.shape[1] if HostTensors.grow_rows(x, x.shape[1]) is not None else x.shape[1]
+        out = np.empty((x.shape[0], rows, x.shape[2], size, x.shape[4]), x.dtype)
+        out[:, :x.shape[1], :, :stop] = x[:, :, :, :stop]
+        return out[:, :x.shape[1]]
+
+    @staticmethod
     def concat_slots(xs: list[np.ndarray], stops: list[int], capacity: int) -> np.ndarray:
         """The caches xs one after another along the rows, with `capacity` slots holding each x's slots
         0..stop-1, the rest unset (as take_slots): one copy of the filled slots only."""
@@ -259,6 +269,10 @@ class DeviceTensors:
     def take(self, x: ort.OrtValue, rows: np.ndarray, axis: int) -> ort.OrtValue:
         assert axis == 1, "rows are axis 1 of every device tensor"
         return self._run("take", self.dtype(x), x=x, i=np.asarray(rows, np.int64))
+
+    def with_slots(self, x: ort.OrtValue, size: int, stop: int) -> ort.OrtValue:
+        """x with `size` slots (axis 3), its slots 0..stop-1 kept (a new OrtValue: no room for rows here)."""
+        return self.pad(x, 3, size) if size >= self.shape(x)[3] else self.slice(x, 3, 0, size)
 
     def slice(self, x: ort.OrtValue, axis: int, start: int, stop: int | None = None) -> ort.OrtValue:
         stop = self.shape(x)[axis] if stop is None else stop

@@ -258,7 +258,8 @@ def test_beams_of_different_lengths_moving_in_one_step_keep_their_next_slots_the
 def test_rows_that_join_or_leave_the_servers_batch_hold_their_own_slots():
     """The engine's operations on a state with origins: a freed row (a hole, whose step writes and reads its
     slot 0), a newcomer in a hole, rows appended into new room and a trimmed cache each hold their own slots;
-    a running beam keeps pointing at its parent's."""
+    a running beam keeps pointing at its parent's. A cache whose slots shrink or grow keeps its buffers' room
+    for rows, which the next newcomers take without a copy."""
     def fresh(rows, capacity):
         cross = np.zeros((1, rows, 1, 4, 2), np.float32)
         return BatchState.from_encoded(cross, cross.copy(), np.zeros((1, rows, 2, 1, 2), np.float32),
@@ -273,8 +274,16 @@ def test_rows_that_join_or_leave_the_servers_batch_hold_their_own_slots():
     assert state.origin[3].tolist() == [3] * 128
     state = state.append(fresh(3, 0), room=8)  # no room in the buffers: copied into buffers of 8 rows
     assert state.size == 7 and state.origin[4:].tolist() == [[r] * 128 for r in (4, 5, 6)]
-    state.trim()  # 128 slots to 32
+    state.trim()  # 128 slots to 32, in buffers that keep the room for 8 rows
     assert state.origin.shape == (7, 32) and state.origin[1, :4].tolist() == [0, 0, 0, 1]
+    buffer = state.k.base
+    state.positions[:] = 32
+    state.open_slot()  # 64 slots, the room for rows kept
+    assert state.capacity == 64 and state.k.base.shape[1] == 8 and state.k.base is not buffer
+    buffer, filled = state.k.base, state.k[:, :, :, :32].copy()
+    state = state.append(fresh(1, 0), room=8)  # into the room: no row copied
+    assert state.size == 8 and state.k.base is buffer and np.array_equal(state.k[:, :7, :, :32], filled)
+    assert state.origin[7].tolist() == [7] * 64
 
 
 def test_a_beam_row_that_continues_another_copies_its_origin_not_its_cache():
