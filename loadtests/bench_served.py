@@ -20,7 +20,10 @@ event loop, engines and other threads, each also waiting for a core, and the cli
 the same requests at batch 1 (at each thread count; the lowest p50 is reported), in this process
 while the servers are idle; with greedy decoding, OnnxTranslator's offline throughput too, in a process of
 its own at each layout once a run (bench_offline's worker, on sentences drawn from the same pool, at half the
-servers' rows and at all of them), to which each mode's highest steady throughput compares.
+servers' rows and at all of them), to which each mode's highest steady throughput compares, and the servers'
+engines alone (`engines_alone`: a server's model and engines as `serve` loads them, in a process of their own at
+each layout, fed the same kind of calls by a closed loop without gRPC, continuous batching): where the served
+throughput falls short of the offline one, this says whether the engines or the RPC path around them lose it.
 With `--sentences-per-call N` each call carries N sentences (Translate's `sentences`), so the cost of
 a call is paid once for N (no batch-1 baseline then: it compares one-sentence calls).
 
@@ -32,14 +35,18 @@ a call is paid once for N (no batch-1 baseline then: it compares one-sentence ca
 from __future__ import annotations
 
 import json
+import queue
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from nmtserve.errors import NmtserveError
 from nmtserve.loadtests.bench_offline import layout_name, run_worker
 from nmtserve.loadtests.machine import PROBES, THREAD_KINDS, describe, host_probe, machine_info, thread_times
 from nmtserve.loadtests.workload import (
@@ -213,6 +220,70 @@ def offline_spec(cfg: ServedBenchConfig, pool: list[str]) -> dict:
             "search": asdict(served_defaults(bundle).override(beam_size=1))}
 
 
+def engines_spec(cfg: ServedBenchConfig, pool: list[str]) -> dict:
+    """The engines-alone measure's work (`engines_alone`): calls drawn as the cells draw them (as many as a cell's,
+    at least 16 a client), as many clients as the largest cell's, and the flags the bench gives its servers (serve's defaults otherwise; --server-flag's are
+    not applied)."""
+    clients = max(cfg.concurrency)
+    return {"bundle": cfg.bundle, "variant": cfg.variant, "device": cfg.device, "max_running_rows": cfg.max_running_rows,
+            "max_waiting": max(256, 2 * clients), "clients": clients,
+            "calls": work(cfg, pool, max(cfg.requests, 16 * clients), seed=cfg.seed - 2)}
+
+
+def engines_alone(spec: dict, engines: int, threads: int) -> dict:
+    """The servers' engines without gRPC: the model loaded as `serve` loads it (server.app.load_model: the same
+    translator, EnginePool of `engines` × `threads`, EngineConfig and metrics), each call's one sentence checked
+    and tokenized as the server does (ServedModel.source, .options), fed by `clients` closed-loop submitters in
+    this thread (each call's successor sent from its on_finish) -> tokens, seconds, tokens/s over the whole run and
+    at steady state (`steady_window`), as a cell counts them."""
+    from nmtserve.server.app import load_model, warm_up
+    from nmtserve.server.config import ServerConfig
+    from nmtserve.server.engine import FinishReason, Request
+    from nmtserve.server.metrics import ServerMetrics
+    from nmtserve.server.models import ModelSpec
+    from nmtserve.v1 import translation_pb2 as pb
+
+    config = ServerConfig(bundle=spec["bundle"], max_running_rows=spec["max_running_rows"], max_waiting=spec["max_waiting"])
+    model = load_model(ModelSpec("bench", spec["bundle"], spec["variant"], spec["device"], threads, engines), config,
+                       ServerMetrics())
+    warm_up(model.engine)
+    calls = [(model.source("sentence", sentence), *model.options(pb.DecodingOptions(**options)))
+             for [sentence], options in spec["calls"]]
+    done: queue.SimpleQueue = queue.SimpleQueue()
+
+    def send(i: int) -> None:
+        ids, max_tokens, search = calls[i]
+        model.engine.submit(Request(ids, max_decoding_length=max_tokens, options=search, on_finish=done.put, scored=False))
+
+    clients = min(spec["clients"], len(calls))
+    started = last_sent = time.perf_counter()
+    for i in range(clients):
+        send(i)
+    finished: list[tuple[float, int]] = []
+    for i in range(clients, len(calls) + clients):
+        request = done.get()
+        finished.append((time.perf_counter(), len(request.tokens)))
+        if request.finish not in (FinishReason.EOS, FinishReason.LENGTH):
+            raise NmtserveError(f"engines alone: a request ended {request.finish} ({request.error})")
+        if i < len(calls):
+            last_sent = time.perf_counter()
+            send(i)
+    seconds = time.perf_counter() - started
+    model.engine.stop()
+    tokens = sum(n for _, n in finished)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "steady_tokens_per_s": steady_window(finished, last_sent, clients) or tokens / seconds}
+
+
+def run_engines_alone(engines: int, threads: int, spec_path: Path) -> dict:
+    """`engines_alone` in a process of its own (nothing else of the bench loaded), on the spec at spec_path."""
+    done = subprocess.run([sys.executable, "-m", "nmtserve.loadtests.bench_served", "engines", str(engines), str(threads),
+                           str(spec_path)], capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise NmtserveError(f"engines alone ({layout_name(engines, threads)}) failed: {done.stderr.strip()[-800:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 class Baseline:
     """OnnxTranslator at batch 1 in this process: per-request latency and tokens/s on given requests, and
     the mean time of its two stages: the encoder (`prefill`), then the decoding loop (`decode`: greedy
@@ -284,10 +355,15 @@ def run_served_bench(cfg: ServedBenchConfig) -> dict:
     baselines: dict[int, list[dict]] = {t: [] for t in translators}
     # greedy: OnnxTranslator's offline throughput in a process of its own at each layout, once a run
     offline: dict[tuple[int, int], list[dict]] = {layout: [] for layout in layouts(cfg)} if cfg.decoding == "greedy" else {}
+    # one-sentence calls: the servers' engines without gRPC, in a process of their own at each layout, once a run
+    alone: dict[tuple[int, int], list[dict]] = {layout: [] for layout in layouts(cfg)} \
+        if cfg.sentences_per_call == 1 else {}
     with tempfile.TemporaryDirectory() as logs:
-        spec_path = Path(logs) / "offline-spec.json"
+        spec_path, engines_path = Path(logs) / "offline-spec.json", Path(logs) / "engines-spec.json"
         if offline:
             spec_path.write_text(json.dumps(offline_spec(cfg, pool)), encoding="utf-8")
+        if alone:
+            engines_path.write_text(json.dumps(engines_spec(cfg, pool)), encoding="utf-8")
         ports = {at: free_port() for at in servers_at}  # /metrics: the admissions of each cell
         servers = {}
         try:
@@ -319,12 +395,14 @@ def run_served_bench(cfg: ServedBenchConfig) -> dict:
                             baselines[t].append(baseline(requests))
                 for engines, t in offline:  # every server idle
                     offline[engines, t].append(run_worker(f"ort_{cfg.variant}", engines, t, spec_path))
+                for engines, t in alone:
+                    alone[engines, t].append(run_engines_alone(engines, t, engines_path))
         finally:
             for server in servers.values():
                 server.stop()
     # the servers gone: at the most threads swept
     steps = translators[max(cfg.threads)].step_ms_by_rows(pool, cfg.max_running_rows) if translators else None
-    return _report(cfg, cells, baselines, steps, offline_best(offline))
+    return _report(cfg, cells, baselines, steps, offline_best(offline), engines_best(alone))
 
 
 def offline_best(offline: dict[tuple[int, int], list[dict]]) -> dict | None:
@@ -338,6 +416,19 @@ def offline_best(offline: dict[tuple[int, int], list[dict]]) -> dict | None:
                      "layout": layout_name(engines, t), "batch_size": int(batch)}
             if best is None or found["tokens_per_s"] > best["tokens_per_s"]:
                 best = found
+    return best
+
+
+def engines_best(alone: dict[tuple[int, int], list[dict]]) -> dict | None:
+    """The highest median steady tokens/s of the engines-alone runs over layouts, with its spread."""
+    best = None
+    for (engines, t), runs in alone.items():
+        values = [r["steady_tokens_per_s"] for r in runs]
+        found = {"steady_tokens_per_s": round(statistics.median(values), 1),
+                 "steady_tokens_per_s_min_max": [round(min(values), 1), round(max(values), 1)],
+                 "layout": layout_name(engines, t)}
+        if best is None or found["steady_tokens_per_s"] > best["steady_tokens_per_s"]:
+            best = found
     return best
 
 
@@ -363,10 +454,11 @@ def _ratios(results: dict, key: str) -> dict[str, float]:
 
 
 def _report(cfg: ServedBenchConfig, cells: dict, baselines: dict[int, list[dict]],
-            step_ms_by_rows: dict | None = None, offline: dict | None = None) -> dict:
+            step_ms_by_rows: dict | None = None, offline: dict | None = None, alone: dict | None = None) -> dict:
     """`results`: each mode at its best layout for each concurrency (highest steady-state tokens/s; `layout`
     says which, engines x threads); with several layouts, `results_by_layout` has every one. `offline`:
-    offline_best's, to which each mode's highest steady tokens/s over the concurrencies compares."""
+    offline_best's, `alone`: engines_best's, to each of which each mode's highest steady tokens/s over the
+    concurrencies compares."""
     by_layout = {layout_name(*layout): {m: {str(c): _summary(cells[m, layout][c]) for c in cfg.concurrency}
                                         for m in cfg.modes} for layout in layouts(cfg)}
     results = {}
@@ -388,10 +480,16 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: dict[int, list[dict]
         for mode in results:
             ratios[f"{mode} p50 at concurrency 1 / OnnxTranslator batch-1 p50"] = round(
                 results[mode]["1"]["p50_ms"] / baseline["p50_ms"], 3)
+    saturation = {mode: max(cell["steady_tokens_per_s"] for cell in results[mode].values()) for mode in results}
     if offline:
         for mode in results:
-            ratios[f"{mode} saturation / OnnxTranslator offline best"] = round(
-                max(cell["steady_tokens_per_s"] for cell in results[mode].values()) / offline["tokens_per_s"], 3)
+            ratios[f"{mode} saturation / OnnxTranslator offline best"] = round(saturation[mode] / offline["tokens_per_s"], 3)
+    if alone:
+        ratios["continuous saturation / the engines alone"] = round(
+            saturation["continuous"] / alone["steady_tokens_per_s"], 3) if "continuous" in saturation else None
+        if offline:
+            ratios["the engines alone / OnnxTranslator offline best"] = round(
+                alone["steady_tokens_per_s"] / offline["tokens_per_s"], 3)
     return {"bundle": cfg.bundle, "variant": cfg.variant, "device": cfg.device, "server_flags": cfg.server_flags,
             "decoding": cfg.decoding, "sentences_per_call": cfg.sentences_per_call,
             "threads": list(cfg.threads), "runs": cfg.runs,
@@ -399,7 +497,7 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: dict[int, list[dict]
             "machine": machine_info(cfg.device),
             "results": results, "results_by_layout": by_layout if len(by_layout) > 1 else None,
             "baseline_onnx_translator_batch1": {k: round(v, 2) for k, v in baseline.items()} if baseline else None,
-            "step_ms_by_rows": step_ms_by_rows, "offline_best": offline, "ratios": ratios}
+            "step_ms_by_rows": step_ms_by_rows, "offline_best": offline, "engines_alone": alone, "ratios": ratios}
 
 
 def _threads(report: dict) -> str:
@@ -462,6 +560,11 @@ def format_table(report: dict) -> str:
                      f"{report['max_running_rows'] // 2} and {report['max_running_rows']} at each layout: "
                      f"{offline['tokens_per_s']:,.0f} [{low:,.0f}–{high:,.0f}] tok/s at batch {offline['batch_size']}, "
                      f"{offline['layout']} (against each mode's highest steady tok/s below)")
+    alone = report.get("engines_alone")
+    if alone:
+        low, high = alone["steady_tokens_per_s_min_max"]
+        lines.append(f"the servers' engines alone (no gRPC, continuous, {report['concurrency'][-1]} clients' calls), best "
+                     f"layout: {alone['steady_tokens_per_s']:,.0f} [{low:,.0f}–{high:,.0f}] steady tok/s, {alone['layout']}")
     for name, value in report["ratios"].items():
         lines.append(f"{name}: {value}")
     return "\n".join(lines)
@@ -485,6 +588,11 @@ def draw_chart(report: dict, path: Path) -> None:
                         label=f"{mode}, steady state")
         throughput.plot(clients, [cells[c]["tokens_per_s"] for c in cells], "--", color=color, marker=".",
                         label=f"{mode}, whole cell")
+    for name, line, color in (("offline_best", "OnnxTranslator offline best", "gray"),
+                              ("engines_alone", "the engines alone (no gRPC)", "tab:green")):
+        if report.get(name):
+            figure = report[name].get("tokens_per_s") or report[name]["steady_tokens_per_s"]
+            throughput.axhline(figure, color=color, linewidth=0.8, linestyle="-.", label=line)
     baseline = report["baseline_onnx_translator_batch1"]
     if baseline:
         latency.axhline(baseline["p50_ms"], color="gray", linewidth=0.8, label="OnnxTranslator batch-1 p50")
@@ -502,3 +610,8 @@ def draw_chart(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["engines"]:  # run_engines_alone's process: engines, threads, spec path
+    print(json.dumps(engines_alone(json.loads(Path(sys.argv[4]).read_text(encoding="utf-8")), int(sys.argv[2]),
+                                   int(sys.argv[3]))))

@@ -52,6 +52,15 @@ def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_p
     report = json.loads(out.read_text())
     assert report["device"] == "cpu" and report["server_flags"] == ["--io-binding=on"] and report["decoding"] == "mixed"
     assert report["offline_best"] is None  # a mix of decodings has no one offline throughput
+    # the servers' engines without gRPC, at each layout: the best of them, and the served saturation against it
+    alone = report["engines_alone"]
+    assert alone["layout"] in ("1x1", "1x2", "2x1") and alone["steady_tokens_per_s"] > 0
+    low, high = alone["steady_tokens_per_s_min_max"]
+    assert low <= alone["steady_tokens_per_s"] <= high
+    saturation = max(cell["steady_tokens_per_s"] for cell in report["results"]["continuous"].values())
+    assert report["ratios"]["continuous saturation / the engines alone"] == round(
+        saturation / alone["steady_tokens_per_s"], 3)
+    assert "the servers' engines alone" in result.stdout
     assert report["threads"] == [1, 2] and list(report["results_by_layout"]) == ["1x1", "1x2", "2x1"]
     for mode in ("continuous", "static"):
         assert set(report["results"][mode]) == {"1", "2"}
@@ -107,7 +116,7 @@ def test_served_bench_sends_several_sentences_a_call(tiny_bundle, tmp_path):
     assert report["sentences_per_call"] == 3 and cell["requests"] == 4 and cell["sentences"] == 12
     assert cell["steady_tokens_per_s"] > 0 and min(cell["stages_mean_ms"].values()) >= 0
     assert report["baseline_onnx_translator_batch1"] is None and "3 sentence(s) a call" in result.stdout
-    assert report["step_ms_by_rows"] is None
+    assert report["step_ms_by_rows"] is None and report["engines_alone"] is None  # it takes one-sentence calls
     # greedy: OnnxTranslator's offline throughput at the servers' layout, half their rows and all of them
     offline = report["offline_best"]
     assert offline["layout"] == "2x1" and offline["batch_size"] in (32, 64) and offline["tokens_per_s"] > 0
