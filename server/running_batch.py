@@ -47,6 +47,7 @@ class RunningBatch:
         self.rows: list[Request | None] = []  # rows[i] is row i of `state`; None is a hole
         self.state: BatchState | None = None  # None when no request runs
         self._placement: list[tuple[Request, np.ndarray]] | None = None  # placement(), until rows change
+        self._slots = 0  # the cache slots the running requests' budgets may fill (placement() works it out)
 
     @property
     def requests(self) -> list[Request]:
@@ -62,7 +63,14 @@ class RunningBatch:
                 if r is not None:
                     rows.setdefault(id(r), (r, []))[1].append(i)
             self._placement = [(r, np.array(found)) for r, found in rows.values()]
+            self._slots = max((r.budget(self.tr.limits) + 1 for r, _ in self._placement), default=0)
         return self._placement
+
+    def slots(self) -> int:
+        """The cache slots the running requests may fill (their largest budget, and one): the state keeps
+        them (`reserve` once they join, `trim` never below), so no row copies the cache as it fills it."""
+        self.placement()
+        return self._slots
 
     def admit(self, requests: list[Request]) -> list[tuple[Request, Exception]]:
         """Encode the newcomers once and place their rows: into holes first (no copy of the running
@@ -91,6 +99,7 @@ class RunningBatch:
         if len(owners) > len(holes):  # the rest
             self.state = fresh if self.state is None else self.state.append(fresh, self.room, len(holes))
             self.rows.extend(owners[len(holes):])
+        self.state.reserve(self.slots())
         return []
 
     def leave(self, requests: list[Request]) -> None:
@@ -133,7 +142,7 @@ class RunningBatch:
         None, None) of each beam or sampled request once its search has taken its rows' candidates; and
         the requests whose rows fail the step on their own (they leave, with the error). When no row
         fails alone, the error is the batch's and is raised."""
-        self.state.trim()
+        self.state.trim(self.slots())
         placement = self.placement()
         # a sampler without top-k (candidates 0) gets its row's log-probs over the whole vocabulary, unranked, and
         # ranks them itself: the step ranks only the k best of each row, as the others need
@@ -185,7 +194,7 @@ class RunningBatch:
         passed; each row's token written straight into the next step's input) -> each step's (request,
         token, log-prob), as `step` gives them. Raises what the library's first step raises; the caller
         then takes one step with `step`, which finds the rows that fail."""
-        self.state.trim()
+        self.state.trim(self.slots())
         rows = [(r, int(rows[0])) for r, rows in self.placement()]
         scored = any(r.scored for r, _ in rows)
         tokens, scores = self.tr.decode_greedy_steps(self.state, steps, scored, stop, stop_at)

@@ -163,13 +163,24 @@ class BatchState:
                           origin=None if self.origin is None else self.origin.copy())
 
     def open_slot(self) -> None:
-        """Before a step: room for every row's next slot (the cache doubles when full, in buffers with the room
-        for rows its buffers had: `append` still writes newcomers there)."""
+        """Before a step: room for every row's next slot (the cache doubles when full)."""
         if self.length >= self.capacity:
-            had, grow = self.capacity, 2 * self.capacity
-            self.k, self.v = (self.ops.with_slots(x, grow, self.length) for x in (self.k, self.v))
-            if self.origin is not None:
-                self.origin = np.concatenate([self.origin, own_slots(self.size, grow - had)], axis=1)
+            self._resize(2 * self.capacity)
+
+    def reserve(self, slots: int) -> None:
+        """Room for `slots` slots a row at once (the next power of two), so that rows that will fill them need not
+        copy the cache as it doubles (`open_slot`): the server's batch, whose requests' budgets are known."""
+        if slots > self.capacity:
+            self._resize(1 << (slots - 1).bit_length())
+
+    def _resize(self, slots: int) -> None:
+        """The caches with `slots` slots a row, the filled ones kept (a copy), in buffers with the room for rows
+        that theirs had (`append` still writes newcomers there); the new slots of an origin each row's own."""
+        had = self.capacity
+        self.k, self.v = (self.ops.with_slots(x, slots, self.length) for x in (self.k, self.v))
+        if self.origin is not None:
+            self.origin = np.concatenate([self.origin, own_slots(self.size, slots - had)], axis=1) if slots > had \
+                else np.ascontiguousarray(self.origin[:, :slots])
 
     def advance(self) -> None:
         """After a step: every row but the holes has its K/V in its next slot and moves on.
@@ -315,9 +326,10 @@ class BatchState:
         assert fresh.length == 0 and part.stop <= fresh.size
         ops = self.ops
         src_len = int(fresh.cross_slot[part].max()) + 1  # the longest of these newcomers' sources
-        if src_len > self.src_mask.shape[1]:  # a longer source than any so far: widen (a copy, rare)
-            grow = max(src_len, self.src_mask.shape[1] * 3 // 2)
-            self.cross_k, self.cross_v = ops.pad(self.cross_k, 3, grow), ops.pad(self.cross_v, 3, grow)
+        if src_len > self.src_mask.shape[1]:  # a longer source than any so far: widen (a copy, rare; the room for rows
+            # kept: the slots past a row's source are never read)
+            had, grow = self.src_mask.shape[1], max(src_len, self.src_mask.shape[1] * 3 // 2)
+            self.cross_k, self.cross_v = (ops.with_slots(x, grow, had) for x in (self.cross_k, self.cross_v))
             self.src_mask = HostTensors.pad(self.src_mask, 1, grow)
         # the newcomers' cross K/V, zero past their own sources
         self.cross_k = ops.place_rows(self.cross_k, rows, fresh.cross_k, start, src_len)
@@ -333,16 +345,14 @@ class BatchState:
         self.tokens[rows] = fresh.tokens[part]
 
     def trim(self, min_slots: int = 32) -> None:
-        """Drop the cache slots no row reaches once that halves the cache at least, keeping room for twice
-        the longest row (amortised copy: the cache must shrink to a quarter of its rows' reach, or grow
-        twofold, before it is copied again), in buffers with the room for rows its buffers had (`append`)."""
+        """Drop the cache slots no row reaches once that halves the cache at least, keeping `min_slots` (the
+        server's: what its running requests' budgets may fill) and room for twice the longest row (amortised
+        copy: the cache must shrink to a quarter of its rows' reach, or grow twofold, before it is copied again)."""
         if self.capacity < 2 * min_slots:
             return  # nothing to drop (and the longest row is not looked up: asked at every step)
         keep = max(min_slots, 2 * (self.length + 1))
         if self.capacity >= 2 * keep:
-            self.k, self.v = (self.ops.with_slots(x, keep, self.length) for x in (self.k, self.v))
-            if self.origin is not None:
-                self.origin = np.ascontiguousarray(self.origin[:, :keep])
+            self._resize(keep)
 
 
 def source_rows(sources: np.ndarray, width: int) -> np.ndarray:
