@@ -326,10 +326,10 @@ class BatchState:
         assert fresh.length == 0 and part.stop <= fresh.size
         ops = self.ops
         src_len = int(fresh.cross_slot[part].max()) + 1  # the longest of these newcomers' sources
-        if src_len > self.src_mask.shape[1]:  # a longer source than any so far: widen (a copy, rare; the room for rows
-            # kept: the slots past a row's source are never read)
+        if src_len > self.src_mask.shape[1]:  # a longer source than any so far: widen (a copy, rare; zeros past the
+            # rows' sources, and the buffers' room for rows kept, as `append` needs it)
             had, grow = self.src_mask.shape[1], max(src_len, self.src_mask.shape[1] * 3 // 2)
-            self.cross_k, self.cross_v = (ops.with_slots(x, grow, had) for x in (self.cross_k, self.cross_v))
+            self.cross_k, self.cross_v = (ops.with_slots(x, grow, had, zeros=True) for x in (self.cross_k, self.cross_v))
             self.src_mask = HostTensors.pad(self.src_mask, 1, grow)
         # the newcomers' cross K/V, zero past their own sources
         self.cross_k = ops.place_rows(self.cross_k, rows, fresh.cross_k, start, src_len)

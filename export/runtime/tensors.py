@@ -117,13 +117,15 @@ class HostTensors:
         return out[:, :x.shape[1]]
 
     @staticmethod
-    def with_slots(x: np.ndarray, size: int, stop: int) -> np.ndarray:
-        """x with `size` slots (axis 3) holding its slots 0..stop-1, the rest unset, in a new buffer with as many
-        rows as the one behind x (`head`, `with_rows`): a cache that grows or shrinks its slots keeps the room its
-        buffers had for newcomers' rows (grow_rows)."""
+    def with_slots(x: np.ndarray, size: int, stop: int, zeros: bool = False) -> np.ndarray:
+        """x with `size` slots (axis 3) holding its slots 0..stop-1, the rest unset (zeros: zero), in a new buffer
+        with as many rows as the one behind x (`head`, `with_rows`): a cache or a source axis that grows or shrinks
+        keeps the room its buffers had for newcomers' rows (grow_rows)."""
         rows = x.base.shape[1] if HostTensors.grow_rows(x, x.shape[1]) is not None else x.shape[1]
         out = np.empty((x.shape[0], rows, x.shape[2], size, x.shape[4]), x.dtype)
         out[:, :x.shape[1], :, :stop] = x[:, :, :, :stop]
+        if zeros:
+            out[:, :x.shape[1], :, stop:] = 0
         return out[:, :x.shape[1]]
 
     @staticmethod
@@ -270,8 +272,9 @@ class DeviceTensors:
         assert axis == 1, "rows are axis 1 of every device tensor"
         return self._run("take", self.dtype(x), x=x, i=np.asarray(rows, np.int64))
 
-    def with_slots(self, x: ort.OrtValue, size: int, stop: int) -> ort.OrtValue:
-        """x with `size` slots (axis 3), its slots 0..stop-1 kept (a new OrtValue: no room for rows here)."""
+    def with_slots(self, x: ort.OrtValue, size: int, stop: int, zeros: bool = False) -> ort.OrtValue:
+        """x with `size` slots (axis 3), its slots 0..stop-1 kept, zeros past x's (a new OrtValue: no room for
+        rows here)."""
         return self.pad(x, 3, size) if size >= self.shape(x)[3] else self.slice(x, 3, 0, size)
 
     def slice(self, x: ort.OrtValue, axis: int, start: int, stop: int | None = None) -> ort.OrtValue:
