@@ -257,12 +257,18 @@ def measure(engine: str, inter: int, threads: int, spec: dict) -> dict:
 
 def run_worker(engine: str, inter: int, threads: int, spec_path: Path) -> dict:
     """`measure` in a process of its own (only `engine`'s library loaded), on the spec written at spec_path."""
+    return run_measure(["nmtserve.loadtests.bench_offline", "worker", engine], inter, threads, spec_path,
+                       f"bench worker {engine}")
+
+
+def run_measure(module_and_args: list[str], inter: int, threads: int, spec_path: Path, what: str) -> dict:
+    """`python -m MODULE ARGS… INTER THREADS SPEC` in a process of its own (the math libraries on `threads`
+    threads), whose last line of output is its JSON result; NmtserveError with the end of its stderr if it fails."""
     env = {**os.environ, **{v: str(threads) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}}
-    done = subprocess.run([sys.executable, "-m", "nmtserve.loadtests.bench_offline", "worker", engine, str(inter),
-                           str(threads), str(spec_path)], capture_output=True, text=True, env=env, timeout=3600)
+    done = subprocess.run([sys.executable, "-m", *module_and_args, str(inter), str(threads), str(spec_path)],
+                          capture_output=True, text=True, env=env, timeout=3600)
     if done.returncode != 0:
-        raise NmtserveError(f"bench worker {engine} ({layout_name(inter, threads)} threads) failed: "
-                            f"{done.stderr.strip()[-800:]}")
+        raise NmtserveError(f"{what} ({layout_name(inter, threads)} threads) failed: {done.stderr.strip()[-800:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -38,7 +38,6 @@ import json
 import queue
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -47,7 +46,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from nmtserve.errors import NmtserveError
-from nmtserve.loadtests.bench_offline import layout_name, run_worker
+from nmtserve.loadtests.bench_offline import layout_name, run_measure, run_worker
 from nmtserve.loadtests.machine import PROBES, THREAD_KINDS, describe, host_probe, machine_info, thread_times
 from nmtserve.loadtests.workload import (
     ServerProcess,
@@ -220,13 +219,18 @@ def offline_spec(cfg: ServedBenchConfig, pool: list[str]) -> dict:
             "search": asdict(served_defaults(bundle).override(beam_size=1))}
 
 
+def max_waiting(cfg: ServedBenchConfig) -> int:
+    """The servers' --max-waiting (and the engines alone's): room for every sentence the largest cell has in flight."""
+    return max(256, 2 * max(cfg.concurrency) * cfg.sentences_per_call)
+
+
 def engines_spec(cfg: ServedBenchConfig, pool: list[str]) -> dict:
     """The engines-alone measure's work (`engines_alone`): calls drawn as the cells draw them (as many as a cell's,
     at least 16 a client), as many clients as the largest cell's, and the flags the bench gives its servers (serve's defaults otherwise; --server-flag's are
     not applied)."""
     clients = max(cfg.concurrency)
     return {"bundle": cfg.bundle, "variant": cfg.variant, "device": cfg.device, "max_running_rows": cfg.max_running_rows,
-            "max_waiting": max(256, 2 * clients), "clients": clients,
+            "max_waiting": max_waiting(cfg), "clients": clients,
             "calls": work(cfg, pool, max(cfg.requests, 16 * clients), seed=cfg.seed - 2)}
 
 
@@ -277,11 +281,7 @@ def engines_alone(spec: dict, engines: int, threads: int) -> dict:
 
 def run_engines_alone(engines: int, threads: int, spec_path: Path) -> dict:
     """`engines_alone` in a process of its own (nothing else of the bench loaded), on the spec at spec_path."""
-    done = subprocess.run([sys.executable, "-m", "nmtserve.loadtests.bench_served", "engines", str(engines), str(threads),
-                           str(spec_path)], capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        raise NmtserveError(f"engines alone ({layout_name(engines, threads)}) failed: {done.stderr.strip()[-800:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_measure(["nmtserve.loadtests.bench_served", "engines"], engines, threads, spec_path, "engines alone")
 
 
 class Baseline:
@@ -345,7 +345,7 @@ def layouts(cfg: ServedBenchConfig) -> list[tuple[int, int]]:
 def run_served_bench(cfg: ServedBenchConfig) -> dict:
     pool = read_sentences(cfg.sentences_file or default_sentence_file(cfg.bundle))
     flags = ["--variant", cfg.variant, "--device", cfg.device, "--max-running-rows", str(cfg.max_running_rows),
-             "--max-waiting", str(max(256, 2 * max(cfg.concurrency) * cfg.sentences_per_call)),
+             "--max-waiting", str(max_waiting(cfg)),
              "--max-sentences", str(max(64, cfg.sentences_per_call)),
              *cfg.server_flags]
     servers_at = [(m, layout) for m in cfg.modes for layout in layouts(cfg)]  # a server each
@@ -407,27 +407,25 @@ def run_served_bench(cfg: ServedBenchConfig) -> dict:
 
 def offline_best(offline: dict[tuple[int, int], list[dict]]) -> dict | None:
     """The highest median tokens/s of the offline runs over layouts and batch sizes, with its spread."""
-    best = None
-    for (engines, t), runs in offline.items():
-        for batch in runs[0]["seconds"]:
-            values = [r["tokens"][batch] / r["seconds"][batch] for r in runs]
-            found = {"tokens_per_s": round(statistics.median(values), 1),
-                     "tokens_per_s_min_max": [round(min(values), 1), round(max(values), 1)],
-                     "layout": layout_name(engines, t), "batch_size": int(batch)}
-            if best is None or found["tokens_per_s"] > best["tokens_per_s"]:
-                best = found
-    return best
+    return _best("tokens_per_s", (([r["tokens"][batch] / r["seconds"][batch] for r in runs],
+                                   {"layout": layout_name(*layout), "batch_size": int(batch)})
+                                  for layout, runs in offline.items() for batch in runs[0]["seconds"]))
 
 
 def engines_best(alone: dict[tuple[int, int], list[dict]]) -> dict | None:
     """The highest median steady tokens/s of the engines-alone runs over layouts, with its spread."""
+    return _best("steady_tokens_per_s", (([r["steady_tokens_per_s"] for r in runs], {"layout": layout_name(*layout)})
+                                         for layout, runs in alone.items()))
+
+
+def _best(key: str, candidates) -> dict | None:
+    """Of (runs' values, what names them) candidates, the one of the highest median: {key: median, key_min_max:
+    [min, max], **what names it}; None without any."""
     best = None
-    for (engines, t), runs in alone.items():
-        values = [r["steady_tokens_per_s"] for r in runs]
-        found = {"steady_tokens_per_s": round(statistics.median(values), 1),
-                 "steady_tokens_per_s_min_max": [round(min(values), 1), round(max(values), 1)],
-                 "layout": layout_name(engines, t)}
-        if best is None or found["steady_tokens_per_s"] > best["steady_tokens_per_s"]:
+    for values, named in candidates:
+        found = {key: round(statistics.median(values), 1),
+                 f"{key}_min_max": [round(min(values), 1), round(max(values), 1)], **named}
+        if best is None or found[key] > best[key]:
             best = found
     return best
 
