@@ -4,8 +4,10 @@ KV shapes after join/leave, cancellation, deadlines and overload.
 Every test runs twice: with the caches as host numpy arrays (the CPU default), and with them as
 OrtValues bound by IOBinding (the CUDA path, here on ONNX Runtime's CPU provider)."""
 
+import random
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -463,6 +465,53 @@ def _share_steps_and_get_what_each_gets_alone(translator, sources, batching):
             assert request.score == pytest.approx(expected[0].score, abs=1e-3)
     assert max(rows for rows, _ in seen) <= 12 and engine.stats()["running"] == 0
     assert max(len(modes) for _, modes in seen) >= 3  # modes really shared steps
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_traffic_with_cancellations_gets_what_each_request_gets_alone(translator, sources, seed):
+    """Seeded random traffic: greedy, beam (2-5 beams, n-best, length penalty, patience) and sampled requests
+    with output limits from 5 tokens to the model's, arriving at random moments into a continuous or static
+    batch of a random row cap, a sixth of them cancelled while others run. Every request not cancelled gets
+    exactly the n-best list it gets alone (a driver like this one found two beams of different lengths
+    moving in one step: tests/export/test_search.py)."""
+    rng = random.Random(seed)
+
+    def options() -> DecodingOptions:
+        kind = rng.random()
+        if kind < 0.4:
+            return DecodingOptions()
+        if kind < 0.8:
+            k = rng.randint(2, 5)
+            return DecodingOptions(beam_size=k, num_hypotheses=rng.randint(1, k), length_penalty=rng.choice([0.0, 1.0]),
+                                   patience=rng.choice([1.0, 2.0]))
+        return DecodingOptions(sampling_topk=rng.choice([0, 5]), sampling_topp=rng.choice([1.0, 0.9]),
+                               sampling_temperature=rng.choice([1.0, 0.7]), seed=rng.randint(1, 1000))
+
+    jobs = [(rng.choice(sources), options(), rng.choice([256, 20, 5])) for _ in range(24)]
+    engine = Engine(translator, EngineConfig(max_running_rows=rng.choice([6, 12, 24]), admit_rows=rng.choice([1, 8]),
+                                             admit_steps=rng.choice([1, 4]),
+                                             batching=rng.choice(["continuous", "continuous", "static"]))).start()
+    try:
+        requests, to_cancel = [], []
+        for source, mode, limit in jobs:
+            requests.append(engine.submit(Request(source, max_decoding_length=limit, options=mode)))
+            if rng.random() < 0.3:
+                time.sleep(rng.random() * 0.01)
+            if rng.random() < 0.2:
+                to_cancel.append(requests[-1])
+            if to_cancel and rng.random() < 0.3:
+                to_cancel.pop().cancel()
+        assert all(r.done.wait(120) for r in requests)
+    finally:
+        engine.stop()
+    checked = 0
+    for (source, mode, limit), request in zip(jobs, requests):
+        if request.cancelled or (mode.sampling and TEST_VARIANT == "fp16"):  # fp16: see _share_steps_and_get_what_…
+            continue
+        alone = translator.search_ids([source], replace(mode, max_decoding_length=limit), max_batch_size=1)[0]
+        assert [h.tokens for h in request.hypotheses or [request]] == [h.tokens for h in alone], (mode, limit)
+        checked += 1
+    assert checked >= len(jobs) // 2
 
 
 def test_a_cancelled_beam_frees_all_its_rows_and_its_batch_mates_finish(translator, sources, monkeypatch):
