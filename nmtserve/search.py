@@ -256,13 +256,20 @@ class Sampling:
         self.finish = ""
         self.done = False
 
-    def step(self, ids: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def step(self, ids: np.ndarray | None, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """ids, scores (1, ≥ K): the row's best tokens and log-probs, best first (K = sampling_topk, or the
-        whole vocabulary when it is 0) -> parents (1,) and the next token (1,)."""
-        k = self.candidates or scores.shape[1]
-        i = sample_index(scores[0, :k], self.options.sampling_temperature, self.options.sampling_topp, self.rng)
-        token = int(ids[0, i])
-        self.score += float(scores[0, i])
+        whole vocabulary when it is 0); or, for the whole vocabulary, ids None and scores (1, V) the row's
+        log-probs by token id, unranked (`sample_whole` draws the same token without ranking them) ->
+        parents (1,) and the next token (1,)."""
+        options = self.options
+        if ids is None:
+            token = sample_whole(scores[0], options.sampling_temperature, options.sampling_topp, self.rng)
+            score = scores[0, token]
+        else:
+            i = sample_index(scores[0, :self.candidates or None], options.sampling_temperature, options.sampling_topp,
+                             self.rng)
+            token, score = int(ids[0, i]), scores[0, i]
+        self.score += float(score)
         if token == self.eos_id:
             self.finish = "eos"
         else:
@@ -312,15 +319,25 @@ def beam_steps(searches: list[BeamSearch | None], ids: np.ndarray, scores: np.nd
 
 
 def sample_index(log_probs: np.ndarray, temperature: float, topp: float, rng: np.random.Generator) -> int:
-    """Index of the drawn candidate among log_probs (K,), sorted best first (ties: as given)."""
+    """Index of the drawn candidate among log_probs (K,), sorted best first (ties: as given). Top-p keeps a
+    candidate while the probability of the better ones is below topp; the draw never lands past the last one
+    kept (rounding can put it at the very end of the sum)."""
     z = log_probs.astype(np.float64) / temperature
-    probs = np.exp(z - z.max())
-    probs /= probs.sum()
-    if topp < 1:
-        before = np.cumsum(probs) - probs  # probability of the better candidates
-        probs = np.where(before < topp, probs, 0.0)
-        probs /= probs.sum()
-    return min(int(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), side="right")), len(probs) - 1)
+    probs = np.exp(z - z.max())  # unnormalised
+    mass = np.cumsum(probs)  # of each candidate and the better ones
+    kept = len(probs) if topp >= 1 else int(np.count_nonzero(mass - probs < topp * mass[-1]))  # a prefix: sorted
+    return min(int(np.searchsorted(mass[:kept], rng.random() * mass[kept - 1], side="right")), kept - 1)
+
+
+def sample_whole(log_probs: np.ndarray, temperature: float, topp: float, rng: np.random.Generator) -> int:
+    """The token that sample_index draws from the whole vocabulary ranked best first, ties by lower id (as
+    top_candidates ranks it), without ranking the tokens: sample_index on the log-probs' values sorted (the
+    same numbers in the same order), then the token at the drawn place among the tokens of its value, by id.
+    log_probs (V,) by token id. A sort of V values, not of V (value, id) keys."""
+    ranked = -np.sort(-log_probs)  # best first
+    i = sample_index(ranked, temperature, topp, rng)
+    value = ranked[i]
+    return int(np.flatnonzero(log_probs == value)[i - np.count_nonzero(log_probs > value)])
 
 
 def top_candidates(log_probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

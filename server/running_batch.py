@@ -10,7 +10,7 @@ count into them, and newcomers beyond the holes are written into the room the bu
 rows (`room`, BatchState.append): a running row is copied only when the buffers must grow. Greedy,
 beam and sampled requests share every decoder step: the step returns each row's best candidates (as
 many as the most demanding request needs; a request sampling the whole vocabulary gets its row's
-log-probs, unranked, and ranks them itself, so it does not make every row rank the vocabulary), a
+log-probs, unranked, and draws from them itself, so it does not make every row rank the vocabulary), a
 greedy request takes its row's best, and a beam or sampled request's search (nmtserve/search.py) takes
 its own rows' candidates and says which of its rows each continues (the beams of one size ranked at
 once, `search.beam_steps`, as offline); a row that continues another of its beam points at that row's
@@ -34,7 +34,7 @@ import numpy as np
 
 from nmtserve.export.runtime.batch import FRESH_SLOTS, BatchState
 from nmtserve.export.runtime.translator import OnnxTranslator
-from nmtserve.search import BeamSearch, beam_steps, top_candidates
+from nmtserve.search import BeamSearch, beam_steps
 
 if TYPE_CHECKING:
     from nmtserve.server.engine import Request
@@ -146,7 +146,7 @@ class RunningBatch:
         self.state.trim(max(FRESH_SLOTS, self.slots()))
         placement = self.placement()
         # a sampler without top-k (candidates 0) gets its row's log-probs over the whole vocabulary, unranked, and
-        # ranks them itself: the step ranks only the k best of each row, as the others need
+        # draws from them (search.sample_whole): the step ranks only the k best of each row, as the others need
         whole = [i for i, (r, _) in enumerate(placement) if r.search is not None and r.search.candidates == 0]
         k = max([r.search.candidates if r.search else 1 for r, _ in placement] + [1])
         # greedy rows that no one reads a score of: the step skips the log-softmax (with_search_head)
@@ -178,7 +178,7 @@ class RunningBatch:
             if isinstance(request.search, BeamSearch):
                 beams.setdefault(request.search.k, []).append((request.search, rows))
                 continue
-            own = top_candidates(whole_log_probs[j][None], 0) if j in whole_log_probs else (ids[rows], scores[rows])
+            own = (None, whole_log_probs[j][None]) if j in whole_log_probs else (ids[rows], scores[rows])
             chosen_parents, chosen = request.search.step(*own)
             parents[rows], tokens[rows] = rows[chosen_parents], chosen
         for searches in beams.values():  # the beams of one size ranked at once (search.beam_steps), their rows gathered

@@ -5,7 +5,15 @@ import pytest
 
 from nmtserve.decoding import sorted_batches
 from nmtserve.errors import ConfigError
-from nmtserve.search import BeamSearch, DecodingOptions, Sampling, beam_steps, sample_index, top_candidates
+from nmtserve.search import (
+    BeamSearch,
+    DecodingOptions,
+    Sampling,
+    beam_steps,
+    sample_index,
+    sample_whole,
+    top_candidates,
+)
 
 EOS = 3
 V = 10
@@ -161,6 +169,37 @@ def test_sampling_follows_the_distribution_and_a_seed_repeats_it():
         return search.results()[0].tokens
 
     assert run(11) == run(11) and len({tuple(run(s)) for s in range(1, 30)}) > 5
+
+
+@pytest.mark.parametrize("topp", [1.0, 0.9, 0.3])
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 3.0])
+def test_sampling_the_whole_vocabulary_unranked_draws_the_token_of_the_ranked_draw(temperature, topp):
+    """sample_whole over a row's log-probs by id draws, seed for seed, the token that sample_index draws from
+    the same row ranked best first with ties by lower id (top_candidates, what the search was given before):
+    rows with ties (values rounded to a few levels) and without, a peaked one, and one whose tail's
+    probabilities underflow to 0."""
+    rng = np.random.default_rng(int(temperature * 10 + topp * 100))
+    rows = [rng.standard_normal(500), np.round(rng.standard_normal(500), 1), np.r_[40.0, rng.standard_normal(499)],
+            np.r_[0.0, rng.standard_normal(499) - 800]]
+    for logits in rows:
+        log_probs = (logits - np.log(np.exp(logits).sum())).astype(np.float32)
+        ids, scores = top_candidates(log_probs[None], 0)
+        for seed in range(1, 200):
+            ranked = ids[0, sample_index(scores[0], temperature, topp, np.random.Generator(np.random.PCG64(seed)))]
+            assert sample_whole(log_probs, temperature, topp, np.random.Generator(np.random.PCG64(seed))) == ranked
+
+
+def test_a_top_p_draw_never_lands_past_the_last_token_kept():
+    """A draw at the very end of the sum, where rounding can put it, falls on the last candidate kept, not on
+    the last candidate."""
+
+    class End:  # a draw of the whole sum (rng.random() is below 1; u × sum can round up to the last cumsum)
+        @staticmethod
+        def random() -> float:
+            return 1.0
+
+    log_probs = np.log(np.array([0.6, 0.3, 0.1]))
+    assert sample_index(log_probs, 1.0, 0.8, End()) == 1 and sample_index(log_probs, 1.0, 1.0, End()) == 2
 
 
 @pytest.mark.parametrize("options, message", [

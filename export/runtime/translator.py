@@ -58,7 +58,7 @@ from nmtserve.export.runtime.batch import FRESH_SLOTS, BatchState, eos_of, own_s
 from nmtserve.export.runtime.bundle import Bundle, default_variant, load_bundle
 from nmtserve.export.runtime.native import NativeBinding, NativeError, NativeSession
 from nmtserve.export.runtime.tensors import DeviceTensors, HostTensors
-from nmtserve.search import BeamSearch, DecodingOptions, Hypothesis, beam_steps, make_search, top_candidates
+from nmtserve.search import BeamSearch, DecodingOptions, Hypothesis, beam_steps, make_search
 
 # Two decoding contexts over one CUDA device (serve --inter-threads 2, the pool's test on an H200,
 # onnxruntime-gpu 1.31.1) gave requests GroupQueryAttention errors ("total_sequence_length must be
@@ -464,7 +464,7 @@ class OnnxTranslator:
     def decode_candidates(self, state: BatchState, k: int, scores: bool = True, whole: np.ndarray | None = None) \
             -> tuple[np.ndarray, ...]:
         """One step of every row -> its k best next tokens (B, k) int64 and their log-probs (B, k), best
-        first (k = 0: the whole vocabulary, ranked here from `whole`'s log-probs of every row); scores=False
+        first (k = 0: None and every row's log-probs over the vocabulary (B, V), unranked); scores=False
         (k = 1 only): the best by the values before the log-softmax, which the step skips, and the scores are
         those values (`with_search_head`). With `whole` (R,) int64, rows that need the whole vocabulary among
         rows that need k (a sampler without top-k in the server's batch): those rows' log-probs over the
@@ -475,10 +475,10 @@ class OnnxTranslator:
                              "gives each row's one best token only (k = 1, no whole rows)")
         state.open_slot()
         self._with_scores[...] = scores
-        if k == 0:  # ranked on the host, as the server ranks its whole-vocabulary rows: one order for both
+        if k == 0:  # a sampler draws from them unranked (Sampling.step), as in the server's batch
             self._step(state, 1, np.arange(state.size))
             state.advance()
-            return top_candidates(self._whole, 0)
+            return None, self._whole.copy()
         ids, scores = self._step(state, k, whole)
         state.advance()
         return (ids, scores) if whole is None else (ids, scores, self._whole.copy())
@@ -721,11 +721,13 @@ class OnnxTranslator:
                 if beams:  # ranked once for all sources (nmtserve/search.py: beam_steps)
                     parents, tokens = beam_steps(live, ids, scores)
                 else:
-                    tokens, parents = ids[:, 0].copy(), np.arange(state.size)  # a finished source's rows decode on
+                    # a finished source's rows decode on (on eos when the step ranked nothing: k = 0)
+                    tokens = np.full(state.size, self.eos_id) if ids is None else ids[:, 0].copy()
+                    parents = np.arange(state.size)
                     for j, search in enumerate(live):
                         if search is not None:
                             rows = slice(j * width, (j + 1) * width)
-                            chosen_parents, tokens[rows] = search.step(ids[rows], scores[rows])
+                            chosen_parents, tokens[rows] = search.step(None if ids is None else ids[rows], scores[rows])
                             parents[rows] = chosen_parents + j * width
                 state.choose(tokens, parents)
             for j, r in enumerate(slots):

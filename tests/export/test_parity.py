@@ -185,10 +185,7 @@ def _teacher_forced_log_probs(tr: OnnxTranslator, sources, paths) -> np.ndarray:
     state = tr.prefill(sources)
     steps = []
     for t in range(max(len(p) for p in paths) + 1):
-        ids, scores = tr.decode_candidates(state, 0)  # the whole vocabulary, best first
-        log_probs = np.empty_like(scores)
-        np.put_along_axis(log_probs, ids, scores, axis=1)
-        steps.append(log_probs)
+        steps.append(tr.decode_candidates(state, 0)[1])  # (B, V): the whole vocabulary, by token id
         state.choose(np.array([p[t] if t < len(p) else tr.eos_id for p in paths], np.int64))
     return np.stack(steps, axis=1)
 
