@@ -168,10 +168,11 @@ class BatchState:
             self._resize(2 * self.capacity)
 
     def reserve(self, slots: int) -> None:
-        """Room for `slots` slots a row at once (the next power of two), so that rows that will fill them need not
-        copy the cache as it doubles (`open_slot`): the server's batch, whose requests' budgets are known."""
+        """Room for `slots` slots a row at once (rounded up to a multiple of a fresh state's), so that rows that
+        will fill them need not copy the cache as it doubles (`open_slot`): the server's batch, whose requests'
+        budgets are known and bound its growth (a power of two would hold up to twice the slots they need)."""
         if slots > self.capacity:
-            self._resize(1 << (slots - 1).bit_length())
+            self._resize(-(-slots // FRESH_SLOTS) * FRESH_SLOTS)
 
     def _resize(self, slots: int) -> None:
         """The caches with `slots` slots a row, the filled ones kept (a copy), in buffers with the room for rows

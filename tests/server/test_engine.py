@@ -200,20 +200,23 @@ def test_a_newcomer_in_a_hole_decodes_as_if_alone_and_trim_drops_slots_no_row_re
 
 
 def test_the_running_batch_reserves_its_requests_budgets_and_never_copies_the_cache_as_rows_fill_it(translator, sources):
-    """Slots for the largest budget of the running requests (and one) at admission, in one resize to a power of
-    two, where the cache would double as the rows filled it; trim keeps them while such a request runs."""
+    """Slots for the largest budget of the running requests (and one) at admission, in one resize to a multiple of
+    a fresh state's 32, where the cache would double as the rows filled it; trim keeps them while such a request
+    runs."""
     batch = RunningBatch(translator, room=8)
     long, short = Request(sources[0], max_decoding_length=60), Request(sources[1], max_decoding_length=3)
     batch.admit([long, short])
     budget = long.budget(translator.limits)
     assert budget > 32 and batch.slots() == budget + 1  # past the 32 slots of a fresh state
-    assert batch.state.capacity == 1 << budget.bit_length()
+    assert batch.state.capacity == -(-(budget + 1) // 32) * 32
     k, capacity = batch.state.k, batch.state.capacity
     for _ in range(budget):  # the long request's every step (its rows decode on, as no engine finishes them)
         batch.step()
         assert batch.state.k is k and batch.state.capacity == capacity
     batch.leave([long])
     assert batch.slots() == short.budget(translator.limits) + 1
+    batch.state.reserve(65)  # past a power of two: 96 slots, not 128
+    assert batch.state.capacity == 96
 
 
 def test_the_running_batch_keeps_requests_and_rows_in_step(translator, sources):
