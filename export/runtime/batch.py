@@ -131,7 +131,7 @@ class BatchState:
             return self.concatenate(fresh.take(np.arange(start, fresh.size)) if start else fresh)
         first, size, state = self.size, self.size + fresh.size - start, self
         if not state._grown(size):  # no room: this state's rows are copied once, into buffers that have it
-            state = self._with_room(max(size, min(room, 2 * size)))
+            state = self.with_room(max(size, min(room, 2 * size)))
             state._grown(size)
         state.insert(list(range(first, size)), fresh, start)
         return state
@@ -153,9 +153,10 @@ class BatchState:
             self.origin = np.concatenate([self.origin, own_slots(size, self.capacity)[size - extra:]])
         return True
 
-    def _with_room(self, rows: int) -> BatchState:
+    def with_room(self, rows: int) -> BatchState:
         """A copy of this (host) state whose tensors are the first rows of buffers of `rows` rows (caches: the
-        filled slots only)."""
+        filled slots only): `append` then writes newcomers into the room without copying these rows. The room
+        costs address space only until rows are written there (the pages are the kernel's until touched)."""
         ops = self.ops
         k, v = (ops.with_rows(x, rows, self.length) for x in (self.k, self.v))
         cross_k, cross_v, eos = (ops.with_rows(x, rows, None) for x in (self.cross_k, self.cross_v, self.cross_eos))

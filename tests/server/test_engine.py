@@ -219,6 +219,19 @@ def test_the_running_batch_reserves_its_requests_budgets_and_never_copies_the_ca
     assert batch.state.capacity == 96
 
 
+def test_a_batch_starts_with_room_for_its_rows_so_newcomers_never_copy_it(translator, sources):
+    """On the host the first admission puts the rows in buffers with room for `room` rows, so newcomers up to
+    it are written past the running rows, which are never copied (the same buffers); a device copies."""
+    batch = RunningBatch(translator, room=8)
+    batch.admit([Request(s, max_decoding_length=20) for s in sources[:2]])  # budgets within the slots reserved
+    k = batch.state.k
+    for _ in range(2):
+        batch.step()
+    batch.admit([Request(s, max_decoding_length=20) for s in sources[2:5]])
+    batch.admit([Request(s, max_decoding_length=20) for s in sources[5:8]])
+    assert len(batch.rows) == 8 and batch.state.ops.views == np.shares_memory(batch.state.k, k)
+
+
 def test_the_running_batch_keeps_requests_and_rows_in_step(translator, sources):
     batch = RunningBatch(translator)
     a, b, c, d, e = (Request(s) for s in sources[:5])
