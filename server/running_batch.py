@@ -7,8 +7,7 @@ of its source's cross-attention K/V (encoded once). A finished request's rows st
 (None) that the next newcomers fill, so under steady load no step copies the KV cache; `compact`
 removes holes once they are a quarter of the batch, on the host by moving only the rows past the kept
 count into them, and newcomers beyond the holes are written into the room the buffers keep past the
-rows (`room`, BatchState.append; a batch starts in buffers with room for `room` rows, address space only until
-rows are written there): a running row is not copied for a newcomer. Greedy,
+rows (`room`, BatchState.append): a running row is copied only when the buffers must grow. Greedy,
 beam and sampled requests share every decoder step: the step returns each row's best candidates (as
 many as the most demanding request needs; a request sampling the whole vocabulary gets its row's
 log-probs, unranked, and draws from them itself, so it does not make every row rank the vocabulary), a
@@ -76,13 +75,11 @@ class RunningBatch:
 
     def admit(self, requests: list[Request]) -> list[tuple[Request, Exception]]:
         """Encode the newcomers once and place their rows: into holes first (no copy of the running
-        cache), the rest appended as new rows. Returns the newcomers the encoder fails on, with the error.
-        On the host a batch starts in buffers with room for `room` rows, so no later newcomer copies it."""
+        cache), the rest appended as new rows. Returns the newcomers the encoder fails on, with the error."""
         # on the host the rows go into the running state's buffers, which take only their cross K/V: no caches
-        # (`reserve` makes a starting batch's, with the room)
-        host = self.tr.ops.views
+        caches = self.state is None or not self.state.ops.views
         try:
-            fresh = self.tr.prefill([r.src_ids for r in requests], caches=not host)
+            fresh = self.tr.prefill([r.src_ids for r in requests], caches)
         except Exception as e:
             if len(requests) == 1:
                 return [(requests[0], e)]
@@ -101,10 +98,7 @@ class RunningBatch:
             for i, request in zip(holes, owners):
                 self.rows[i] = request
         if len(owners) > len(holes):  # the rest
-            if self.state is None:  # a batch starts: on the host in buffers with room for the rows it may hold
-                self.state = fresh.with_room(max(self.room, fresh.size)) if host else fresh
-            else:
-                self.state = self.state.append(fresh, self.room, len(holes))
+            self.state = fresh if self.state is None else self.state.append(fresh, self.room, len(holes))
             self.rows.extend(owners[len(holes):])
         self.state.reserve(self.slots())
         return []

@@ -123,15 +123,15 @@ class BatchState:
         """Fresh rows (no step taken yet), fresh's rows from `start` on, after this state's -> the state of both.
         On the host they are written into the room past this state's rows when its buffers have enough (a state
         from `relocate` or an earlier append: no running row is copied); else this state's rows are copied once,
-        into buffers with room for twice its rows, at most `room` rows in all (the rows' cap; doubling keeps the
-        copies amortised and the buffers within twice the rows in use). On a device (an OrtValue is not a view)
-        as `concatenate`."""
+        into buffers with room for `room` rows (the rows' cap: no later newcomer copies them again; the room is
+        address space only until rows are written there, the pages the kernel's until touched). On a device (an
+        OrtValue is not a view) as `concatenate`."""
         assert fresh.length == 0 and self.width == fresh.width == 1
         if not self.ops.views:
             return self.concatenate(fresh.take(np.arange(start, fresh.size)) if start else fresh)
         first, size, state = self.size, self.size + fresh.size - start, self
         if not state._grown(size):  # no room: this state's rows are copied once, into buffers that have it
-            state = self.with_room(max(size, min(room, 2 * size)))
+            state = self._with_room(max(size, room))
             state._grown(size)
         state.insert(list(range(first, size)), fresh, start)
         return state
@@ -153,10 +153,9 @@ class BatchState:
             self.origin = np.concatenate([self.origin, own_slots(size, self.capacity)[size - extra:]])
         return True
 
-    def with_room(self, rows: int) -> BatchState:
+    def _with_room(self, rows: int) -> BatchState:
         """A copy of this (host) state whose tensors are the first rows of buffers of `rows` rows (caches: the
-        filled slots only): `append` then writes newcomers into the room without copying these rows. The room
-        costs address space only until rows are written there (the pages are the kernel's until touched)."""
+        filled slots only)."""
         ops = self.ops
         k, v = (ops.with_rows(x, rows, self.length) for x in (self.k, self.v))
         cross_k, cross_v, eos = (ops.with_rows(x, rows, None) for x in (self.cross_k, self.cross_v, self.cross_eos))

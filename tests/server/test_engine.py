@@ -219,16 +219,18 @@ def test_the_running_batch_reserves_its_requests_budgets_and_never_copies_the_ca
     assert batch.state.capacity == 96
 
 
-def test_a_batch_starts_with_room_for_its_rows_so_newcomers_never_copy_it(translator, sources):
-    """On the host the first admission puts the rows in buffers with room for `room` rows, so newcomers up to
-    it are written past the running rows, which are never copied (the same buffers); a device copies."""
+
+def test_newcomers_past_the_buffers_copy_the_running_rows_once_into_room_for_every_row(translator, sources):
+    """On the host a batch starts in its first rows' buffers (one request alone pays for no room); the first
+    newcomers past them copy the running rows once, into buffers with room for `room` rows, and later ones up
+    to it are written there without a copy (doubling, 3 rows grew to 6, then 8). A device copies each time."""
     batch = RunningBatch(translator, room=8)
     batch.admit([Request(s, max_decoding_length=20) for s in sources[:2]])  # budgets within the slots reserved
+    batch.step()
+    batch.admit([Request(sources[2], max_decoding_length=20)])
     k = batch.state.k
-    for _ in range(2):
-        batch.step()
-    batch.admit([Request(s, max_decoding_length=20) for s in sources[2:5]])
-    batch.admit([Request(s, max_decoding_length=20) for s in sources[5:8]])
+    batch.step()
+    batch.admit([Request(s, max_decoding_length=20) for s in sources[3:8]])
     assert len(batch.rows) == 8 and batch.state.ops.views == np.shares_memory(batch.state.k, k)
 
 
