@@ -219,7 +219,6 @@ def test_the_running_batch_reserves_its_requests_budgets_and_never_copies_the_ca
     assert batch.state.capacity == 96
 
 
-
 def test_newcomers_past_the_buffers_copy_the_running_rows_once_into_room_for_every_row(translator, sources):
     """On the host a batch starts in its first rows' buffers (one request alone pays for no room); the first
     newcomers past them copy the running rows once, into buffers with room for `room` rows, and later ones up
