@@ -9,6 +9,7 @@ from nmtserve.search import (
     BeamSearch,
     DecodingOptions,
     Sampling,
+    _first_past,
     beam_steps,
     sample_index,
     sample_whole,
@@ -180,13 +181,26 @@ def test_sampling_the_whole_vocabulary_unranked_draws_the_token_of_the_ranked_dr
     probabilities underflow to 0."""
     rng = np.random.default_rng(int(temperature * 10 + topp * 100))
     rows = [rng.standard_normal(500), np.round(rng.standard_normal(500), 1), np.r_[40.0, rng.standard_normal(499)],
-            np.r_[0.0, rng.standard_normal(499) - 800]]
+            np.r_[0.0, rng.standard_normal(499) - 800], rng.standard_normal(3000)]  # 3,000: blocks of the mass
     for logits in rows:
         log_probs = (logits - np.log(np.exp(logits).sum())).astype(np.float32)
         ids, scores = top_candidates(log_probs[None], 0)
         for seed in range(1, 200):
             ranked = ids[0, sample_index(scores[0], temperature, topp, np.random.Generator(np.random.PCG64(seed)))]
             assert sample_whole(log_probs, temperature, topp, np.random.Generator(np.random.PCG64(seed))) == ranked
+
+
+@pytest.mark.parametrize("n", [7, 1024, 1025, 5000])
+def test_the_first_place_past_a_mass_found_by_blocks_is_the_cumulative_sums(n):
+    """_first_past (sums of blocks, then one block's cumulative sum) gives what a search of the whole cumulative
+    sum gives, for either side, at limits on a sum and between sums, and past the total. Whole numbers: the sums
+    are exact in any order."""
+    probs = np.random.default_rng(n).integers(0, 5, n).astype(np.float64)
+    mass = np.cumsum(probs)
+    limits = [0.0, 0.5, *mass[[0, n // 3, n // 2, n - 1]], mass[n // 2] + 0.5, mass[-1] + 1]
+    for limit in limits:
+        for side in ("left", "right"):
+            assert _first_past(probs, limit, side) == min(int(np.searchsorted(mass, limit, side)), n), (limit, side)
 
 
 def test_a_top_p_draw_never_lands_past_the_last_token_kept():
