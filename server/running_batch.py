@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nmtserve.export.runtime.batch import FRESH_SLOTS, BatchState
+from nmtserve.export.runtime.batch import BatchState
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.search import BeamSearch, beam_steps
 
@@ -143,7 +143,7 @@ class RunningBatch:
         None, None) of each beam or sampled request once its search has taken its rows' candidates; and
         the requests whose rows fail the step on their own (they leave, with the error). When no row
         fails alone, the error is the batch's and is raised."""
-        self.state.trim(max(FRESH_SLOTS, self.slots()))
+        self.state.trim(self.slots())
         placement = self.placement()
         # a sampler without top-k (candidates 0) gets its row's log-probs over the whole vocabulary, unranked, and
         # draws from them (search.sample_whole): the step ranks only the k best of each row, as the others need
@@ -195,7 +195,7 @@ class RunningBatch:
         passed; each row's token written straight into the next step's input) -> each step's (request,
         token, log-prob), as `step` gives them. Raises what the library's first step raises; the caller
         then takes one step with `step`, which finds the rows that fail."""
-        self.state.trim(max(FRESH_SLOTS, self.slots()))
+        self.state.trim(self.slots())
         rows = [(r, int(rows[0])) for r, rows in self.placement()]
         scored = any(r.scored for r, _ in rows)
         tokens, scores = self.tr.decode_greedy_steps(self.state, steps, scored, stop, stop_at)

@@ -345,10 +345,12 @@ class BatchState:
         self.positions[rows] = fresh.positions[part]
         self.tokens[rows] = fresh.tokens[part]
 
-    def trim(self, min_slots: int = 32) -> None:
+    def trim(self, min_slots: int = 0) -> None:
         """Drop the cache slots no row reaches once that halves the cache at least, keeping `min_slots` (the
-        server's: what its running requests' budgets may fill) and room for twice the longest row (amortised
-        copy: the cache must shrink to a quarter of its rows' reach, or grow twofold, before it is copied again)."""
+        server's: what its running requests' budgets may fill), a fresh state's slots at least, and room for twice
+        the longest row (amortised copy: the cache must shrink to a quarter of its rows' reach, or grow twofold,
+        before it is copied again)."""
+        min_slots = max(FRESH_SLOTS, min_slots)
         if self.capacity < 2 * min_slots:
             return  # nothing to drop (and the longest row is not looked up: asked at every step)
         keep = max(min_slots, 2 * (self.length + 1))
