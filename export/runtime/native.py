@@ -29,6 +29,7 @@ from nmtserve.export.runtime import kernels
 
 _ERROR_SIZE = 2000
 _MAX_DIMS = 8  # of a bound tensor (nmt_bind)
+_TABLES = 64  # the kinds of send a binding keeps the C arrays of (_send)
 _loaded: list = []  # the library, once opened and registered
 _lock = threading.Lock()
 
@@ -126,6 +127,7 @@ class NativeBinding:
         self._handle = handle
         self._free = self._library.nmt_binding_free
         self._pending: list = []  # binds not yet sent (bind)
+        self._tables: dict = {}  # (names, types, shapes, outputs) of a send -> their C arrays (_send)
         self._arrays: tuple = (None,) * 6  # greedy_steps' per-row arrays at its last call, and their addresses
         self._addresses: list = []
 
@@ -137,13 +139,20 @@ class NativeBinding:
     def _send(self) -> None:
         names, types, shapes, addresses, outputs = zip(*self._pending)
         self._pending, count = [], len(names)
-        flat = (ctypes.c_int64 * (_MAX_DIMS * count))()
-        for i, shape in enumerate(shapes):
-            flat[_MAX_DIMS * i:_MAX_DIMS * i + len(shape)] = shape
-        _checked(self._library.nmt_bind(
-            self._handle, count, (ctypes.c_char_p * count)(*names), (ctypes.c_int * count)(*types), flat,
-            (ctypes.c_int * count)(*map(len, shapes)), (ctypes.c_void_p * count)(*addresses),
-            (ctypes.c_int * count)(*outputs), self._error, _ERROR_SIZE), self._error)
+        key = (names, types, shapes, outputs)
+        table = self._tables.get(key)  # the same binds come again with each new state of a shape: their C arrays once
+        if table is None:
+            if len(self._tables) >= _TABLES:
+                self._tables.clear()
+            flat = (ctypes.c_int64 * (_MAX_DIMS * count))()
+            for i, shape in enumerate(shapes):
+                flat[_MAX_DIMS * i:_MAX_DIMS * i + len(shape)] = shape
+            table = self._tables[key] = ((ctypes.c_char_p * count)(*names), (ctypes.c_int * count)(*types), flat,
+                                         (ctypes.c_int * count)(*map(len, shapes)), (ctypes.c_int * count)(*outputs))
+        c_names, c_types, c_shapes, c_ndims, c_outputs = table
+        _checked(self._library.nmt_bind(self._handle, count, c_names, c_types, c_shapes, c_ndims,
+                                         (ctypes.c_void_p * count)(*addresses), c_outputs, self._error, _ERROR_SIZE),
+                 self._error)
 
     def run(self) -> None:
         """One run of the session over the bound memory."""

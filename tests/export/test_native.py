@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from nmtserve.errors import ConfigError
+from nmtserve.export.runtime import native as native_module
 from nmtserve.export.runtime.native import NativeBinding, NativeError, NativeSession
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.search import BeamSearch, DecodingOptions
@@ -36,6 +37,20 @@ def test_native_greedy_steps_give_the_tokens_and_scores_of_onnx_runtimes_session
                 assert np.array_equal([h.score for h, in a], [h.score for h, in b], equal_nan=not scores)
         if never_eos:
             assert [len(h.tokens) for h, in a] == [native.limits.output_budget(len(s), 256) for s in sources]
+
+
+def test_a_binding_keeps_the_c_arrays_of_each_kind_of_send_and_binds_each_new_states_buffers(tiny_bundle, tiny_corpus,
+                                                                                             monkeypatch):
+    """Each batch of one binds a new state's buffers (new addresses, and a new source length's shapes): a send of
+    the same names and shapes reuses its C arrays with the new addresses, and a binding that keeps only one kind
+    (`_TABLES` 1) makes them again at each new kind; the tokens are ONNX Runtime's session's either way."""
+    sources = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
+    for kinds in (native_module._TABLES, 1):
+        monkeypatch.setattr(native_module, "_TABLES", kinds)
+        native, theirs = _pair(tiny_bundle, "fp32")
+        expected = [t.text for t in theirs.translate_batch(sources, max_batch_size=1)]
+        assert [t.text for t in native.translate_batch(sources, max_batch_size=1)] == expected
+        assert len(native._binding._tables) == min(kinds, 3)  # three kinds of send: the shapes of the batches of this corpus
 
 
 def test_every_search_runs_on_the_librarys_session(tiny_bundle, tiny_corpus):
