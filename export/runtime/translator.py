@@ -40,6 +40,7 @@ with its own copy (BatchState.gather).
 from __future__ import annotations
 
 import copy
+import math
 import queue
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -678,6 +679,11 @@ class OnnxTranslator:
         """Greedy's hypotheses from what each step chose: source s's tokens are those of its rows up to
         its last step end[s], eos excluded; its score is their sum (nan when the steps kept no scores:
         `scores` empty)."""
+        if n == 1:  # a batch of one: its row's tokens up to its end (a sum in the same order as bincount's)
+            kept = np.concatenate(tokens)[:end[0] + 1].tolist()
+            text = [t for t in kept if t != self.eos_id]
+            score = sum(np.concatenate(scores)[:end[0] + 1].tolist()) if scores else math.nan
+            return [[Hypothesis(text, float(score), "eos" if len(text) < len(kept) else "length")]]
         step = np.repeat(np.arange(len(rows)), [len(r) for r in rows])
         rows, tokens = np.concatenate(rows), np.concatenate(tokens)
         kept = step <= end[rows]
