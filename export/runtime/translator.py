@@ -623,7 +623,9 @@ class OnnxTranslator:
         only, and Python looks at the steps of a run only when it ends. The Python loop (ONNX Runtime's own
         attention: no kernels, or CUDA) keeps every row at one position, which that attention steps faster
         than rows at mixed ones. Without scores the steps skip the log-softmax (`with_search_head`) and each
-        score is nan."""
+        score is nan. A batch of one on the library: `_greedy_one`."""
+        if len(sources) == 1 and self.native_steps:
+            return [[self._greedy_one(state, sources[0], max_decoding_length, length_rule, scores)]]
         rows = np.arange(len(sources))  # the source of each row of `state`, and its budget
         budget = np.array([self.limits.output_budget(len(s), max_decoding_length, length_rule) for s in sources])
         steps = [], [], []  # per step: each row's source, token and (when scored) log-prob
@@ -669,6 +671,23 @@ class OnnxTranslator:
                 binding = None
         return self._collect(len(sources), steps[0], steps[1], [s.ravel() for s in steps[2]], end)
 
+    def _greedy_one(self, state: BatchState, source: list[int], max_decoding_length: int, length_rule: str,
+                    scores: bool) -> Hypothesis:
+        """`greedy` of a batch of one on the library, without the bookkeeping of rows that finish apart: runs
+        until its eos or its budget, the cache doubling (and bound again) when full. Its score is the sum of its
+        steps' log-probs, eos included, in step order (as `_collect`'s)."""
+        budget = self.limits.output_budget(len(source), max_decoding_length, length_rule)
+        tokens, values = [], []
+        self._with_scores[...] = scores
+        while not tokens or tokens[-1] != self.eos_id and len(tokens) < budget:
+            state.open_slot()
+            binding = self._greedy_binding(state)
+            out, out_scores = self._native_greedy_steps(state, binding, min(state.capacity, budget) - len(tokens), scores)
+            tokens += out[:, 0].tolist()
+            values += out_scores[:, 0].tolist() if scores else []
+        eos = tokens[-1] == self.eos_id
+        return Hypothesis(tokens[:-1] if eos else tokens, sum(values) if scores else math.nan, "eos" if eos else "length")
+
     def _greedy_binding(self, state: BatchState) -> ort.IOBinding | NativeBinding:
         """The step's binding for greedy search, with its candidate_ids output bound to the `tokens` input's
         own buffer: the step's search head, its last node, writes each row's best token where the next step
@@ -679,11 +698,6 @@ class OnnxTranslator:
         """Greedy's hypotheses from what each step chose: source s's tokens are those of its rows up to
         its last step end[s], eos excluded; its score is their sum (nan when the steps kept no scores:
         `scores` empty)."""
-        if n == 1:  # a batch of one: its row's tokens up to its end (a sum in the same order as bincount's)
-            kept = np.concatenate(tokens)[:end[0] + 1].tolist()
-            text = [t for t in kept if t != self.eos_id]
-            score = sum(np.concatenate(scores)[:end[0] + 1].tolist()) if scores else math.nan
-            return [[Hypothesis(text, float(score), "eos" if len(text) < len(kept) else "length")]]
         step = np.repeat(np.arange(len(rows)), [len(r) for r in rows])
         rows, tokens = np.concatenate(rows), np.concatenate(tokens)
         kept = step <= end[rows]
