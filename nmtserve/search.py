@@ -15,7 +15,7 @@ the search stops.
 
     search = make_search(DecodingOptions(beam_size=4, num_hypotheses=2), budget=30, eos_id=3)
     while not search.done:
-        ids, scores = top_candidates(rows_log_probs, search.candidates)   # (rows, K) each
+        ids, scores = decoder_step(search.candidates)   # (rows, K) each: the rows' best, ties by lower id
         parents, tokens = search.step(ids, scores)
     search.results()   # [Hypothesis(tokens, score, finish), …], best first
 """
@@ -348,28 +348,14 @@ def _first_past(probs: np.ndarray, limit: float, side: str) -> int:
 
 
 def sample_whole(log_probs: np.ndarray, temperature: float, topp: float, rng: np.random.Generator) -> int:
-    """The token that sample_index draws from the whole vocabulary ranked best first, ties by lower id (as
-    top_candidates ranks it), without ranking the tokens: sample_index on the log-probs' values sorted (the
-    same numbers in the same order), then the token at the drawn place among the tokens of its value, by id.
-    log_probs (V,) by token id. A sort of V values, not of V (value, id) keys."""
+    """The token that sample_index draws from the whole vocabulary ranked best first, ties by lower id (as the
+    decoder's TopK head ranks it), without ranking the tokens: sample_index on the log-probs' values sorted
+    (the same numbers in the same order), then the token at the drawn place among the tokens of its value, by
+    id. log_probs (V,) by token id. A sort of V values, not of V (value, id) keys."""
     ranked = -np.sort(-log_probs)  # best first
     i = sample_index(ranked, temperature, topp, rng)
     value = ranked[i]
     return int(np.flatnonzero(log_probs == value)[i - np.count_nonzero(log_probs > value)])
-
-
-def top_candidates(log_probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k best tokens of each row (all of them if k is 0) and their log-probs, best first, ties by
-    lower id: what the decoder graph's TopK head returns. log_probs (B, V) -> ids, scores (B, k).
-    Sorted as one 64-bit key per token: its value's float32 bits, made to order best first, above its id.
-    The keys are distinct, so any sort puts them in that one order (a stable argsort's, which took 3.9 ms
-    a row of 58,101 here against 1.1; NaN is not a log-prob and is not ordered as argsort would)."""
-    k = k or log_probs.shape[1]
-    bits = (np.asarray(log_probs, np.float32) + np.float32(0)).view(np.int32).astype(np.int64)  # + 0: -0.0 is 0.0
-    ascending = np.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: larger magnitudes lower
-    keys = ((0x7FFFFFFF - ascending) << 32 | np.arange(bits.shape[1])).view(np.uint64)  # best first, then by id
-    ids = (np.sort(keys, axis=1)[:, :k] & np.uint64(0xFFFFFFFF)).astype(np.int64)
-    return ids, np.take_along_axis(log_probs, ids, axis=1)
 
 
 def make_search(options: DecodingOptions, budget: int, eos_id: int) -> BeamSearch | Sampling:

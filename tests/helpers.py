@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from nmtserve.server.app import start_server
@@ -146,3 +147,10 @@ def stream_decoded(decode, ids: list[int], rng: random.Random) -> tuple[str, lis
         i += n
         assert decode(ids).startswith(text), (ids, text)
     return text, windows
+
+
+def top_candidates(log_probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k best tokens of each row (all of them if k is 0) and their log-probs, best first, ties by lower id:
+    what the decoder graph's TopK head returns. log_probs (B, V) -> ids, scores (B, k)."""
+    ids = np.argsort(-log_probs, axis=1, kind="stable")[:, :k or None]
+    return ids, np.take_along_axis(log_probs, ids, axis=1)

@@ -13,8 +13,8 @@ from nmtserve.search import (
     beam_steps,
     sample_index,
     sample_whole,
-    top_candidates,
 )
+from tests.helpers import top_candidates
 
 EOS = 3
 V = 10
@@ -176,7 +176,7 @@ def test_sampling_follows_the_distribution_and_a_seed_repeats_it():
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 3.0])
 def test_sampling_the_whole_vocabulary_unranked_draws_the_token_of_the_ranked_draw(temperature, topp):
     """sample_whole over a row's log-probs by id draws, seed for seed, the token that sample_index draws from
-    the same row ranked best first with ties by lower id (top_candidates, what the search was given before):
+    the same row ranked best first with ties by lower id (top_candidates: what the TopK head gives):
     rows with ties (values rounded to a few levels) and without, a peaked one, and one whose tail's
     probabilities underflow to 0."""
     rng = np.random.default_rng(int(temperature * 10 + topp * 100))
@@ -248,17 +248,3 @@ def test_sorted_batches_are_as_few_as_the_limit_allows_and_even(n, most, at_once
     assert [len(b) for b in batches] == sizes
     order = [i for b in batches for i in b]
     assert sorted(order) == list(range(n)) and [lengths[i] for i in order] == sorted(lengths, reverse=True)
-
-
-@pytest.mark.parametrize("k", [0, 1, 5])
-def test_top_candidates_ranks_best_first_with_ties_by_lower_id_as_a_stable_argsort(k):
-    rng = np.random.default_rng(4)
-    log_probs = rng.standard_normal((3, 500)).astype(np.float32) - 5
-    log_probs[0, 3:400:9] = log_probs[0, 1]  # equal values: lower id first
-    log_probs[1, 100:] = -np.inf  # suppressed ids
-    log_probs[2, [7, 70]] = [-0.0, 0.0]  # the best, equal though their bits differ
-    log_probs[2, 200] = np.float32(-1e-38)  # a denormal just below them
-    ids, scores = top_candidates(log_probs, k)
-    expected = np.argsort(-log_probs, axis=1, kind="stable")[:, :k or None]
-    assert ids.dtype == np.int64 and np.array_equal(ids, expected)
-    assert np.array_equal(scores, np.take_along_axis(log_probs, expected, axis=1))

@@ -10,11 +10,11 @@ from nmtserve.export.build.to_ctranslate2 import convert
 from nmtserve.export.runtime.batch import BatchState
 from nmtserve.export.runtime.tensors import HostTensors
 from nmtserve.export.runtime.translator import OnnxTranslator
-from nmtserve.search import DecodingOptions, top_candidates
+from nmtserve.search import DecodingOptions
 from nmtserve.training.checkpoint import load_model
 from nmtserve.training.data import pad, read_tsv
 from nmtserve.training.decode import beam_search, sample
-from tests.helpers import TEST_DEVICE, TEST_SCORE_TOLERANCE, TEST_VARIANT
+from tests.helpers import TEST_DEVICE, TEST_SCORE_TOLERANCE, TEST_VARIANT, top_candidates
 
 BEAMS = [dict(beam_size=4, num_hypotheses=2), dict(beam_size=5, num_hypotheses=3, length_penalty=0.6, patience=2.0),
          dict(beam_size=2, length_penalty=1.0)]
