@@ -131,7 +131,10 @@ class BatchState:
             return self.concatenate(fresh.take(np.arange(start, fresh.size)) if start else fresh)
         first, size, state = self.size, self.size + fresh.size - start, self
         if not state._grown(size):  # no room: this state's rows are copied once, into buffers that have it
-            state = self._with_room(max(size, room))
+            try:
+                state = self._with_room(max(size, room))
+            except MemoryError:  # the room is address space, which a host may refuse (ulimit -v, strict overcommit)
+                state = self._with_room(size)
             state._grown(size)
         state.insert(list(range(first, size)), fresh, start)
         return state

@@ -120,9 +120,12 @@ class HostTensors:
     def with_slots(x: np.ndarray, size: int, stop: int, zeros: bool = False) -> np.ndarray:
         """x with `size` slots (axis 3) holding its slots 0..stop-1, the rest unset (zeros: zero), in a new buffer
         with as many rows as the one behind x (`head`, `with_rows`): a cache or a source axis that grows or shrinks
-        keeps the room its buffers had for newcomers' rows (grow_rows)."""
+        keeps the room its buffers had for newcomers' rows (grow_rows), unless the host refuses its address space."""
         rows = x.base.shape[1] if HostTensors.grow_rows(x, x.shape[1]) is not None else x.shape[1]
-        out = np.empty((x.shape[0], rows, x.shape[2], size, x.shape[4]), x.dtype)
+        try:
+            out = np.empty((x.shape[0], rows, x.shape[2], size, x.shape[4]), x.dtype)
+        except MemoryError:  # x's own rows only (BatchState.append then makes room again)
+            out = np.empty((x.shape[0], x.shape[1], x.shape[2], size, x.shape[4]), x.dtype)
         out[:, :x.shape[1], :, :stop] = x[:, :, :, :stop]
         if zeros:
             out[:, :x.shape[1], :, stop:] = 0

@@ -34,3 +34,45 @@ def test_a_translator_keeps_freed_memory_for_the_next_allocations_unless_told_no
         return float(done.stdout.strip().splitlines()[-1])
     assert faults_per_round("off") > 5000  # ~12,000: 48 MB faulted in again in 4 kB pages every round
     assert faults_per_round("keep") < 100
+
+
+# In a fresh process under an address-space limit (ulimit -v) 256 MiB above what it holds: a running state's rows
+# are appended with room for a million rows (32 GB: refused), then with room for 2,000 (128 MB: granted), and
+# the cache grows to 1,024 slots a row (the room's 2,000 rows would take 1 GB: refused). Each time the state
+# goes on in buffers of its own rows, with every filled slot kept.
+ROOM_REFUSED = """
+import resource, numpy as np
+from nmtserve.export.runtime.batch import BatchState
+from nmtserve.export.runtime.tensors import HostTensors
+
+def fresh(rows, capacity):
+    cross = np.zeros((1, rows, 1, 4, 64), np.float32)
+    return BatchState.from_encoded(cross, cross.copy(), np.zeros((1, rows, 2, 1, 64), np.float32),
+                                   np.ones((rows, 4), bool), bos_id=1, capacity=capacity)
+
+def address_space():
+    status = open("/proc/self/status").read()
+    return int(status.split("VmSize:")[1].split()[0]) * 1024
+
+state = fresh(4, 128)
+state.positions[:] = 3
+state.k[...] = np.arange(4, dtype=np.float32)[None, :, None, None, None]
+resource.setrlimit(resource.RLIMIT_AS, (address_space() + 256 * 2**20, resource.getrlimit(resource.RLIMIT_AS)[1]))
+state = state.append(fresh(2, 0), room=10**6)
+assert state.size == 6 and state.k.base.shape[1] == 6, state.k.base.shape
+state = state.append(fresh(1, 0), room=2000)
+assert state.size == 7 and state.k.base.shape[1] == 2000, state.k.base.shape
+state.reserve(1024)
+assert state.capacity == 1024 and state.k.base.shape[1] == 7, state.k.base.shape
+assert (state.k[0, :4, 0, :3] == np.arange(4)[:, None, None]).all()
+state.positions[:] = 1024
+state.open_slot()
+assert state.capacity == 2048 and (state.k[0, :4, 0, :3] == np.arange(4)[:, None, None]).all()
+print("ok")
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/status and RLIMIT_AS")
+def test_a_state_refused_the_address_space_of_its_room_goes_on_in_buffers_of_its_own_rows():
+    done = subprocess.run([sys.executable, "-c", ROOM_REFUSED], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
