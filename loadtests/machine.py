@@ -18,15 +18,18 @@ CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx
              "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
 
 
-def _cpuinfo() -> tuple[str, list[str]]:
+def _cpuinfo() -> tuple[str, str, list[str]]:
+    """The CPU's model name, its family and model numbers ("family 25, model 17": a hypervisor may name every
+    generation alike, "AMD EPYC"), and the flags of CPU_FLAGS it has."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return platform.processor() or platform.machine(), []
+        return platform.processor() or platform.machine(), "", []
     fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)  # the last CPU's lines win
     fields = {k.strip(): v.strip() for k, v in fields.items()}
     flags = set(fields.get("flags", "").split())
-    return fields.get("model name", platform.machine()), [f for f in CPU_FLAGS if f in flags]
+    family = f"family {fields['cpu family']}, model {fields['model']}" if "cpu family" in fields else ""
+    return fields.get("model name", platform.machine()), family, [f for f in CPU_FLAGS if f in flags]
 
 
 def usable_cores() -> int:
@@ -46,14 +49,14 @@ def gpu_info() -> str:
 
 def machine_info(device: str = "cpu") -> dict:
     """Where a benchmark ran; with the GPU's name, memory and driver when it ran on `cuda`."""
-    model, flags = _cpuinfo()
+    model, family, flags = _cpuinfo()
     versions = {}
     for name in LIBRARIES:
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             pass
-    return {"cpu": model, "cpu_flags": flags, "logical_cores": os.cpu_count(),
+    return {"cpu": model, "cpu_family": family, "cpu_flags": flags, "logical_cores": os.cpu_count(),
             "usable_cores": usable_cores(),
             "system": f"{platform.system()} {platform.release()}", "python": platform.python_version(),
             "versions": versions, **({"gpu": gpu_info()} if device == "cuda" else {})}
@@ -63,7 +66,8 @@ def describe(info: dict) -> str:
     """One line for the top of a printed report."""
     versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items())
     gpu = f"GPU {info['gpu']}; " if "gpu" in info else ""
-    return (f"{gpu}{info['cpu']} ({info['usable_cores']} usable cores; {' '.join(info['cpu_flags'])}); "
+    family = f"{info['cpu_family']}; " if info.get("cpu_family") else ""  # reports before 2026-11-29 lack it
+    return (f"{gpu}{info['cpu']} ({family}{info['usable_cores']} usable cores; {' '.join(info['cpu_flags'])}); "
             f"Python {info['python']}; {versions}")
 
 

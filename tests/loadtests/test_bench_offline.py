@@ -3,6 +3,8 @@ own, at every thread layout, the best of each reported with its spread, and the 
 machine (figures are not judged here)."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -67,6 +69,11 @@ def test_offline_bench_measures_each_engine_alone_and_reports_its_best(tiny_bund
     assert "host probe (exp in L2" in result.stdout and "host probe (sum over 8 MB" in result.stdout
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "ort_fp32/ct2_fp32" in result.stdout and "within each run" in result.stdout and machine["cpu"] in result.stdout
+    # the family and model numbers, which tell apart CPUs that a hypervisor names alike ("AMD EPYC")
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    family = re.search(r"^cpu family\s*:\s*(\d+)$.*?^model\s*:\s*(\d+)$", cpuinfo, re.S | re.M)
+    assert machine["cpu_family"] == (f"family {family[1]}, model {family[2]}" if family else "")
+    assert machine["cpu_family"] in result.stdout
 
 
 @pytest.mark.parametrize("marian_dir", ["swish"], indirect=True)
