@@ -43,7 +43,6 @@ def test_a_translator_keeps_freed_memory_for_the_next_allocations_unless_told_no
 ROOM_REFUSED = """
 import resource, numpy as np
 from nmtserve.export.runtime.batch import BatchState
-from nmtserve.export.runtime.tensors import HostTensors
 
 def fresh(rows, capacity):
     cross = np.zeros((1, rows, 1, 4, 64), np.float32)
