@@ -14,6 +14,10 @@ Fair by construction:
   where the engine has both (ONNX Runtime, CTranslate2): n intra-op threads on one batch at a time
   (1×n), and n batches at a time on one thread each (n×1, CTranslate2's `inter_threads`); each
   engine is reported, per batch size, at its best layout, as the median with min–max over runs;
+- CTranslate2 runs its own kernels in AVX2 code on every x86 CPU, Intel's too, unless told otherwise
+  (`CT2_FORCE_CPU_ISA=AVX512`; its src/cpu/cpu_isa.cc: "AVX512 can only be enabled with the environment
+  variable"): where the CPU has what its AVX-512 code needs, each CTranslate2 layout is measured both ways
+  (`1x2` and `1x2+avx512`), and the report keeps what CTranslate2 logged of the code it chose (CT2_VERBOSE);
 - the report records the CPU model and flags, cores and the libraries' versions, and how fast the host
   ran before and after each measurement (`host_probe`: one core's vector and L3 speed), so a ratio can
   be read against the spells of a shared machine.
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -48,7 +53,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from nmtserve.errors import NmtserveError
-from nmtserve.loadtests.machine import PROBES, describe, host_probe, machine_info, usable_cores
+from nmtserve.loadtests.machine import PROBES, cpu_flags, describe, host_probe, machine_info, usable_cores
 from nmtserve.search import DecodingOptions
 
 BATCH_SIZES = (1, 8, 32, 64)
@@ -75,15 +80,27 @@ def default_threads(device: str = "cpu") -> tuple[int, ...]:
     return tuple(sorted({max(1, cores // 2), cores}))
 
 
-def layouts(engine: str, threads: tuple[int, ...]) -> list[tuple[int, int]]:
-    """(inter, intra) thread layouts to measure `engine` at: each count n as n intra-op threads on one
-    batch, and, for engines that can, as n batches at once on one thread each."""
-    inter = engine.split("_")[0] in INTER_ENGINES
-    return [(1, n) for n in threads] + [(n, 1) for n in threads if n > 1 and inter]
+CT2_ISA = "CT2_FORCE_CPU_ISA"  # CTranslate2's code path for its own kernels; unset: AVX2 on any x86 CPU that has it
+CT2_AVX512_FLAGS = ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")  # what its AVX512 path asks for
+CT2_LOGGED = ("Selected ISA", "Use Intel MKL", "SGEMM backend", "GEMM_S8 backend")  # its CT2_VERBOSE lines we keep
 
 
-def layout_name(inter: int, intra: int) -> str:
-    return f"{inter}x{intra}"
+def ct2_isas(device: str = "cpu") -> tuple[str, ...]:
+    """CTranslate2's code paths to measure: its own choice ("") and, on a CPU that can run it, AVX512."""
+    return ("", "AVX512") if device == "cpu" and set(CT2_AVX512_FLAGS) <= set(cpu_flags()) else ("",)
+
+
+def layouts(engine: str, threads: tuple[int, ...], device: str = "cpu") -> list[tuple[int, int, str]]:
+    """(inter, intra, isa) layouts to measure `engine` at: each thread count n as n intra-op threads on
+    one batch, and, for engines that can, as n batches at once on one thread each; CTranslate2's at each
+    of its code paths (`ct2_isas`), other engines' at "" (nothing forced)."""
+    kind = engine.split("_")[0]
+    counts = [(1, n) for n in threads] + [(n, 1) for n in threads if n > 1 and kind in INTER_ENGINES]
+    return [(inter, intra, isa) for isa in (ct2_isas(device) if kind == "ct2" else ("",)) for inter, intra in counts]
+
+
+def layout_name(inter: int, intra: int, isa: str = "") -> str:
+    return f"{inter}x{intra}" + (f"+{isa.lower()}" if isa else "")
 
 
 @dataclass
@@ -255,21 +272,31 @@ def measure(engine: str, inter: int, threads: int, spec: dict) -> dict:
             "modules_loaded": [m for m in ENGINE_MODULES if m in sys.modules]}
 
 
-def run_worker(engine: str, inter: int, threads: int, spec_path: Path) -> dict:
-    """`measure` in a process of its own (only `engine`'s library loaded), on the spec written at spec_path."""
-    return run_measure(["nmtserve.loadtests.bench_offline", "worker", engine], inter, threads, spec_path,
-                       f"bench worker {engine}")
+def run_worker(engine: str, inter: int, threads: int, spec_path: Path, isa: str = "") -> dict:
+    """`measure` in a process of its own (only `engine`'s library loaded), on the spec written at spec_path.
+    A CTranslate2 worker runs at `isa` (CT2_FORCE_CPU_ISA; "" leaves the choice to CTranslate2, whatever this
+    process's environment says), and its result has `ct2_logged`: what it logged of the code it chose."""
+    env = {"CT2_VERBOSE": "1", CT2_ISA: isa} if engine.startswith("ct2_") else {}
+    result, stderr = run_measure(["nmtserve.loadtests.bench_offline", "worker", engine], inter, threads, spec_path,
+                                 f"bench worker {engine}", env)
+    if env:
+        result["ct2_logged"] = {key: value.strip() for key, value in re.findall(r"\] +- ([^:\n]+): (.*)", stderr)
+                                if key in CT2_LOGGED}
+    return result
 
 
-def run_measure(module_and_args: list[str], inter: int, threads: int, spec_path: Path, what: str) -> dict:
+def run_measure(module_and_args: list[str], inter: int, threads: int, spec_path: Path, what: str,
+                env: dict[str, str] | None = None) -> tuple[dict, str]:
     """`python -m MODULE ARGS… INTER THREADS SPEC` in a process of its own (the math libraries on `threads`
-    threads), whose last line of output is its JSON result; NmtserveError with the end of its stderr if it fails."""
-    env = {**os.environ, **{v: str(threads) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}}
+    threads; `env` set over this process's environment, a name set to "" removed), whose last line of output
+    is its JSON result: that result and its stderr; NmtserveError with the end of its stderr if it fails."""
+    env = {**os.environ, **{v: str(threads) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")},
+           **(env or {})}
     done = subprocess.run([sys.executable, "-m", *module_and_args, str(inter), str(threads), str(spec_path)],
-                          capture_output=True, text=True, env=env, timeout=3600)
+                          capture_output=True, text=True, env={k: v for k, v in env.items() if v}, timeout=3600)
     if done.returncode != 0:
         raise NmtserveError(f"{what} ({layout_name(inter, threads)} threads) failed: {done.stderr.strip()[-800:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
 # -- the runner
@@ -315,16 +342,17 @@ def _spec(cfg: BenchConfig, workdir: Path) -> dict:
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
     check_engines(cfg.engines, cfg.device)
     threads = cfg.threads or default_threads(cfg.device)
-    configs = [(engine, inter, t) for engine in cfg.engines for inter, t in layouts(engine, threads)]
-    runs: dict[tuple[str, int, int], list[dict]] = {c: [] for c in configs}
+    configs = [(engine, *layout) for engine in cfg.engines for layout in layouts(engine, threads, cfg.device)]
+    runs: dict[tuple[str, int, int, str], list[dict]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory(prefix="nmtserve-bench-") as tmp:
         spec = _spec(cfg, Path(tmp))
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(spec), encoding="utf-8")
         for run in range(cfg.runs):
-            for engine, inter, t in configs[run % len(configs):] + configs[: run % len(configs)]:
-                progress(f"run {run + 1}/{cfg.runs}: {engine}, {inter} batch(es) at once × {t} thread(s)")
-                runs[(engine, inter, t)].append(run_worker(engine, inter, t, spec_path))
+            for engine, inter, t, isa in configs[run % len(configs):] + configs[: run % len(configs)]:
+                progress(f"run {run + 1}/{cfg.runs}: {engine}, {inter} batch(es) at once × {t} thread(s)"
+                         + (f", {CT2_ISA}={isa}" if isa else ""))
+                runs[(engine, inter, t, isa)].append(run_worker(engine, inter, t, spec_path, isa))
     return _report(cfg, threads, runs, spec)
 
 
@@ -337,16 +365,18 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, spec: dict) 
     n_sentences, checkpoint = len(spec["sources"]), spec["checkpoint"]
     batches = [str(b) for b in cfg.batch_sizes]
     results: dict = {}
-    for (engine, inter, t), measured in runs.items():
-        results.setdefault(engine, {})[layout_name(inter, t)] = {
+    for (engine, *layout), measured in runs.items():
+        results.setdefault(engine, {})[layout_name(*layout)] = {
             b: {**_stats([m["tokens"][b] / m["seconds"][b] for m in measured]),
                 "runs": [round(m["tokens"][b] / m["seconds"][b], 1) for m in measured]} for b in batches}
     best: dict = {}
     for engine, by_layout in results.items():
         for b in batches:
-            layout = max(by_layout, key=lambda name: by_layout[name][b]["median"])
-            inter, t = map(int, layout.split("x"))
+            inter, t, isa = max(layouts(engine, threads, cfg.device),
+                                key=lambda layout: by_layout[layout_name(*layout)][b]["median"])
+            layout = layout_name(inter, t, isa)
             best.setdefault(engine, {})[b] = {"layout": layout, "inter_threads": inter, "threads": t,
+                                              **({"ct2_isa": isa or "default"} if engine.startswith("ct2_") else {}),
                                               **{k: by_layout[layout][b][k] for k in ("median", "min", "max")}}
     pairs = [(ours, theirs) for ours, theirs in RATIOS if ours in best and theirs in best]
     ratios = {f"{ours}/{theirs}": {b: round(best[ours][b]["median"] / best[theirs][b]["median"], 3) for b in batches}
@@ -359,30 +389,36 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, spec: dict) 
     # this host's slow spells last minutes, so the spread of these shows how far the ratio itself moved
     paired_ratios = {f"{ours}/{theirs}": {b: _stats([o / t for o, t in zip(per_run(ours, b), per_run(theirs, b))], 3)
                                           for b in batches} for ours, theirs in pairs}
-    # the same ratio with both engines at one batch on one thread (1×1), where both measured it: set beside the
-    # best layouts, it shows how much of a ratio comes from what each engine gains from its other threads
-    single = layout_name(1, 1)
-    single_ratios = {f"{ours}/{theirs}": {b: round(results[ours][single][b]["median"] / results[theirs][single][b]["median"],
-                                                   3) for b in batches}
-                     for ours, theirs in pairs if single in results[ours] and single in results[theirs]}
+    # the same ratio with both engines at one batch on one thread (1×1; CTranslate2 at its faster code path there),
+    # where both measured it: set beside the best layouts, it shows how much of a ratio comes from what each engine
+    # gains from its other threads
+    def single(engine: str, b: str) -> float | None:
+        cells = [results[engine][name][b]["median"] for name in results[engine] if name.split("+")[0] == "1x1"]
+        return max(cells, default=None)
+
+    single_ratios = {f"{ours}/{theirs}": {b: round(single(ours, b) / single(theirs, b), 3) for b in batches}
+                     for ours, theirs in pairs if single(ours, batches[0]) and single(theirs, batches[0])}
     reference = next(e for e in ("pytorch", "transformers", "ort_fp32", *cfg.engines) if e in cfg.engines)
-    agreement, modules, batch_independent, peak_rss, output_tokens, probe_runs = {}, {}, {}, {}, {}, {}
+    agreement, modules, batch_independent, peak_rss, output_tokens, probe_runs, ct2_logged = {}, {}, {}, {}, {}, {}, {}
     at_limit = {}  # sentences decoded to --max-decoding-length: a batch holding one runs that many steps
-    for (engine, inter, t), measured in runs.items():
-        probe_runs.setdefault(engine, {})[layout_name(inter, t)] = [m["host_probe"] for m in measured]  # [before, after]
+    for (engine, inter, t, isa), measured in runs.items():
+        probe_runs.setdefault(engine, {})[layout_name(inter, t, isa)] = [m["host_probe"] for m in measured]  # [before, after]
+        if "ct2_logged" in measured[0]:
+            ct2_logged.setdefault(engine, {})[layout_name(inter, t, isa)] = measured[0]["ct2_logged"]
         modules.setdefault(engine, set()).update(*(m["modules_loaded"] for m in measured))
         peak_rss[engine] = max(peak_rss.get(engine, 0), *(m["peak_rss_mb"] for m in measured))
         output_tokens[engine] = round(measured[0]["tokens"][batches[-1]] / n_sentences, 2)
         at_limit[engine] = sum(len(o) >= cfg.max_decoding_length for o in measured[0]["outputs"])
         batch_independent[engine] = batch_independent.get(engine, True) and all(
             m["same_output_at_every_batch_size"] for m in measured)
-        if (reference, 1, threads[0]) in runs and engine != reference and (inter, t) == (1, threads[0]):
-            ref = runs[(reference, 1, threads[0])][0]["outputs"]
+        if (reference, 1, threads[0], "") in runs and engine != reference and (inter, t, isa) == (1, threads[0], ""):
+            ref = runs[(reference, 1, threads[0], "")][0]["outputs"]
             agreement[f"{engine}_vs_{reference}_identical"] = round(
                 sum(a == b for a, b in zip(measured[0]["outputs"], ref)) / n_sentences, 4)
     return {"machine": machine_info(cfg.device), "device": cfg.device, "checkpoint": checkpoint, "bundle": cfg.bundle,
             "sentences": n_sentences, "runs": cfg.runs, "repeats": cfg.repeats, "threads_swept": list(threads),
-            "layouts_swept": {e: [layout_name(*lt) for lt in layouts(e, threads)] for e in cfg.engines},
+            "layouts_swept": {e: [layout_name(*lt) for lt in layouts(e, threads, cfg.device)] for e in cfg.engines},
+            "ct2_logged": ct2_logged,
             "batch_sizes": list(cfg.batch_sizes),
             "unit": f"target tokens/s (eos excluded), {decoding_name(cfg.beam_size)}",
             "max_decoding_length": cfg.max_decoding_length, "beam_size": cfg.beam_size,
@@ -428,6 +464,10 @@ def format_table(report: dict) -> str:
             row = report["single_thread_ratios"][name]
             lines.append(f"{'  both at 1x1':<18}" + "".join(f"{row[b]:>8.2f}" for b in batches)
                          + "   (one batch on one thread each)")
+    for engine, by_layout in report.get("ct2_logged", {}).items():  # the same at every thread layout of a code path
+        by_isa = {name.partition("+")[2] or "its own choice": logged for name, logged in by_layout.items()}
+        lines.append(f"{engine}, as CTranslate2 logged its code: " + "; ".join(
+            f"{isa}: " + ", ".join(f"{key} {value}" for key, value in logged.items()) for isa, logged in by_isa.items()))
     for name, share in report["token_agreement"].items():
         lines.append(f"{name}: {share:.1%}")
     lines.append("peak RSS (MB): " + ", ".join(f"{e} {mb:,.0f}" for e, mb in report["peak_rss_mb"].items()))

@@ -281,7 +281,7 @@ def engines_alone(spec: dict, engines: int, threads: int) -> dict:
 
 def run_engines_alone(engines: int, threads: int, spec_path: Path) -> dict:
     """`engines_alone` in a process of its own (nothing else of the bench loaded), on the spec at spec_path."""
-    return run_measure(["nmtserve.loadtests.bench_served", "engines"], engines, threads, spec_path, "engines alone")
+    return run_measure(["nmtserve.loadtests.bench_served", "engines"], engines, threads, spec_path, "engines alone")[0]
 
 
 class Baseline:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 LIBRARIES = ("onnxruntime", "onnxruntime-gpu", "ctranslate2", "torch", "transformers", "numpy", "grpcio")
 # the flags that decide which GEMM and int8 kernels the engines can use
-CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
-             "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512cd", "avx512dq", "avx512bw", "avx512vl",
+             "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
 
 
 def _cpuinfo() -> tuple[str, str, list[str]]:
@@ -30,6 +30,11 @@ def _cpuinfo() -> tuple[str, str, list[str]]:
     flags = set(fields.get("flags", "").split())
     family = f"family {fields['cpu family']}, model {fields['model']}" if "cpu family" in fields else ""
     return fields.get("model name", platform.machine()), family, [f for f in CPU_FLAGS if f in flags]
+
+
+def cpu_flags() -> list[str]:
+    """The flags of CPU_FLAGS this CPU has."""
+    return _cpuinfo()[2]
 
 
 def usable_cores() -> int:

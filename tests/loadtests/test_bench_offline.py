@@ -13,10 +13,15 @@ from tests.helpers import run_cli
 
 def test_offline_bench_measures_each_engine_alone_and_reports_its_best(tiny_bundle, tmp_path):
     out = tmp_path / "bench" / "offline.json"
-    # three of the five engines (the int8 ones are the same code on other files): 16 processes, not 28
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = set(re.search(r"^flags\s*:(.*)$", cpuinfo, re.M)[1].split()) if "flags" in cpuinfo else set()
+    # CTranslate2 runs its AVX-512 code only when told to, on a CPU with these (its cpu_info.cc)
+    avx512 = {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"} <= flags
+    # three of the five engines (the int8 ones are the same code on other files): 16 processes, 22 with AVX-512;
+    # a CT2_FORCE_CPU_ISA of the caller's own does not reach the layouts that leave CTranslate2 its own choice
     result = run_cli("bench", "offline", str(tiny_bundle), "--sentences", "12", "--runs", "2", "--batch-sizes", "1,4",
                      "--threads", "1,2", "--repeats", "2", "--engines", "pytorch,ort_fp32,ct2_fp32", "--json", str(out),
-                     timeout=600)
+                     env={"CT2_FORCE_CPU_ISA": "GENERIC"}, timeout=600)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     engines = {"pytorch", "ort_fp32", "ct2_fp32"}
@@ -27,6 +32,8 @@ def test_offline_bench_measures_each_engine_alone_and_reports_its_best(tiny_bund
     assert report["worker_modules_loaded"] == own
     # 1 and 2 threads on one batch; ONNX Runtime and CTranslate2 also as 2 batches at once, one thread each
     layouts = {e: {"1x1", "1x2"} | ({"2x1"} if e != "pytorch" else set()) for e in engines}
+    if avx512:  # and CTranslate2 at each of its code paths
+        layouts["ct2_fp32"] |= {f"{name}+avx512" for name in layouts["ct2_fp32"]}
     assert {e: set(names) for e, names in report["layouts_swept"].items()} == layouts
     for engine, by_layout in report["results"].items():
         assert set(by_layout) == layouts[engine]
@@ -35,7 +42,9 @@ def test_offline_bench_measures_each_engine_alone_and_reports_its_best(tiny_bund
             assert all(len(c["runs"]) == 2 and c["min"] <= c["median"] <= c["max"] for c in cells)
             best = report["best"][engine][batch]
             chosen = by_layout[best["layout"]][batch]
-            assert best["layout"] == f"{best['inter_threads']}x{best['threads']}"
+            assert best["layout"].split("+")[0] == f"{best['inter_threads']}x{best['threads']}"
+            assert best.get("ct2_isa") == (None if engine != "ct2_fp32" else
+                                           "AVX512" if best["layout"].endswith("+avx512") else "default")
             assert best["median"] == max(c["median"] for c in cells)
             assert (best["median"], best["min"], best["max"]) == (chosen["median"], chosen["min"], chosen["max"])
     assert set(report["ratios"]["ort_fp32/ct2_fp32"]) == {"1", "4"}
@@ -46,11 +55,21 @@ def test_offline_bench_measures_each_engine_alone_and_reports_its_best(tiny_bund
         paired = report["paired_ratios"]["ort_fp32/ct2_fp32"][batch]
         assert (paired["min"], paired["max"]) == (within[0], within[-1])
         # and with both engines at one batch on one thread, whatever their best layouts
+        # (CTranslate2 at its faster code path there)
+        ct2_single = max(report["results"]["ct2_fp32"][name][batch]["median"] for name in ("1x1", "1x1+avx512")
+                         if name in layouts["ct2_fp32"])
         single = report["single_thread_ratios"]["ort_fp32/ct2_fp32"][batch]
-        assert single == round(report["results"]["ort_fp32"]["1x1"][batch]["median"]
-                               / report["results"]["ct2_fp32"]["1x1"][batch]["median"], 3)
+        assert single == round(report["results"]["ort_fp32"]["1x1"][batch]["median"] / ct2_single, 3)
     assert "both at 1x1" in result.stdout
     assert report["token_agreement"]["ort_fp32_vs_pytorch_identical"] == 1.0
+    # the code CTranslate2 said it chose, at each of its layouts: its own choice (AVX2 where the CPU has it,
+    # not the caller's GENERIC), and AVX512 where forced
+    logged = report["ct2_logged"]["ct2_fp32"]
+    assert set(logged) == layouts["ct2_fp32"]
+    for name, said in logged.items():
+        isa = "AVX512" if name.endswith("+avx512") else "AVX2" if "avx2" in flags else said["Selected ISA"]
+        assert said["Selected ISA"] == isa and said["SGEMM backend"], said
+    assert "ct2_fp32, as CTranslate2 logged its code: its own choice: Selected ISA" in result.stdout
     # every engine decodes under CTranslate2's length rule: the same tokens, so tokens/s measure the same work
     assert report["length_rule"] == "ctranslate2" and len(set(report["mean_output_tokens"].values())) == 1
     assert "NOTE: the engines decoded different numbers" not in result.stdout
@@ -70,7 +89,6 @@ def test_offline_bench_measures_each_engine_alone_and_reports_its_best(tiny_bund
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "ort_fp32/ct2_fp32" in result.stdout and "within each run" in result.stdout and machine["cpu"] in result.stdout
     # the family and model numbers, which tell apart CPUs that a hypervisor names alike ("AMD EPYC")
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     family = re.search(r"^cpu family\s*:\s*(\d+)$.*?^model\s*:\s*(\d+)$", cpuinfo, re.S | re.M)
     assert machine["cpu_family"] == (f"family {family[1]}, model {family[2]}" if family else "")
     assert machine["cpu_family"] in result.stdout
