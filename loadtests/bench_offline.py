@@ -369,10 +369,11 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, spec: dict) 
         results.setdefault(engine, {})[layout_name(*layout)] = {
             b: {**_stats([m["tokens"][b] / m["seconds"][b] for m in measured]),
                 "runs": [round(m["tokens"][b] / m["seconds"][b], 1) for m in measured]} for b in batches}
+    swept = {e: layouts(e, threads, cfg.device) for e in cfg.engines}  # (reads /proc/cpuinfo: once per engine)
     best: dict = {}
     for engine, by_layout in results.items():
         for b in batches:
-            inter, t, isa = max(layouts(engine, threads, cfg.device),
+            inter, t, isa = max(swept[engine],
                                 key=lambda layout: by_layout[layout_name(*layout)][b]["median"])
             layout = layout_name(inter, t, isa)
             best.setdefault(engine, {})[b] = {"layout": layout, "inter_threads": inter, "threads": t,
@@ -417,7 +418,7 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, spec: dict) 
                 sum(a == b for a, b in zip(measured[0]["outputs"], ref)) / n_sentences, 4)
     return {"machine": machine_info(cfg.device), "device": cfg.device, "checkpoint": checkpoint, "bundle": cfg.bundle,
             "sentences": n_sentences, "runs": cfg.runs, "repeats": cfg.repeats, "threads_swept": list(threads),
-            "layouts_swept": {e: [layout_name(*lt) for lt in layouts(e, threads, cfg.device)] for e in cfg.engines},
+            "layouts_swept": {e: [layout_name(*lt) for lt in swept[e]] for e in cfg.engines},
             "ct2_logged": ct2_logged,
             "batch_sizes": list(cfg.batch_sizes),
             "unit": f"target tokens/s (eos excluded), {decoding_name(cfg.beam_size)}",
