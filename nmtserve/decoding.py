@@ -52,3 +52,18 @@ def sorted_batches(lengths: list[int], max_batch_size: int, at_once: int = 1) ->
     bounds = [i * len(order) // count for i in range(count + 1)]
     for start, stop in zip(bounds, bounds[1:]):
         yield order[start:stop]
+
+
+def guided_groups(batches: list, most: int, at_once: int = 1) -> list[list]:
+    """Consecutive batches cut into groups of at most `most` (encoded in one call, then decoded one after
+    another), with `at_once` threads each taking the next group: a group is at most a (2 × at_once)th of the
+    batches left (OpenMP's guided schedule), so the groups shrink to single batches at the end and the threads
+    finish about together. Batches longest first (sorted_batches), the last ones are also the shortest. 26 batches
+    on 2 threads: 6, 5, 3, 3, 2, then single batches (fixed groups of 3 left one thread idle for up to a group's
+    time at the end: 3-9% of a beam-4 run at batch 8, docs/performance.md, "The threads' tail")."""
+    groups, start = [], 0
+    while start < len(batches):
+        size = most if at_once == 1 else max(1, min(most, (len(batches) - start) // (2 * at_once)))
+        groups.append(batches[start:start + size])
+        start += size
+    return groups

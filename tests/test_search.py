@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from nmtserve.decoding import sorted_batches
+from nmtserve.decoding import guided_groups, sorted_batches
 from nmtserve.errors import ConfigError
 from nmtserve.search import (
     BeamSearch,
@@ -248,3 +248,12 @@ def test_sorted_batches_are_as_few_as_the_limit_allows_and_even(n, most, at_once
     assert [len(b) for b in batches] == sizes
     order = [i for b in batches for i in b]
     assert sorted(order) == list(range(n)) and [lengths[i] for i in order] == sorted(lengths, reverse=True)
+
+
+@pytest.mark.parametrize("n, most, at_once, sizes", [
+    (26, 8, 1, [8, 8, 8, 2]), (26, 8, 2, [6, 5, 3, 3, 2] + [1] * 7), (26, 3, 2, [3] * 5 + [2, 2] + [1] * 7),
+    (200, 64, 2, [50, 37, 28, 21, 16, 12, 9, 6, 5, 4, 3, 2] + [1] * 7), (4, 1, 2, [1] * 4), (3, 8, 4, [1] * 3), (0, 8, 2, [])])
+def test_guided_groups_shrink_to_single_batches_at_the_end_on_threads(n, most, at_once, sizes):
+    groups = guided_groups(list(range(n)), most, at_once)
+    assert [len(g) for g in groups] == sizes
+    assert [b for g in groups for b in g] == list(range(n))  # every batch once, in order

@@ -52,7 +52,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from nmtserve.decoding import sorted_batches
+from nmtserve.decoding import guided_groups, sorted_batches
 from nmtserve.errors import BundleError, ConfigError
 from nmtserve.export.runtime import kernels, memory
 from nmtserve.export.runtime.batch import FRESH_SLOTS, BatchState, eos_of, own_slots
@@ -808,13 +808,11 @@ class OnnxTranslator:
         options.check(self.vocab_size)
         results: list = [None] * len(sources)
         batches = list(sorted_batches([len(s) for s in sources], max_batch_size, self.inter_threads))
-        ahead = max(1, ENCODE_AHEAD // max_batch_size)
-        if self.inter_threads > 1:  # groups small enough that the threads finish about together
-            ahead = min(ahead, max(1, len(batches) // (4 * self.inter_threads)))
         # a group encoded (in one call: _prefill_group), then decoded batch after batch: each graph's weights stay
         # in the CPU cache from one run to the next (both graphs' may not fit together: the default model's 25 MB
-        # against a 2-core AVX2 host's 16 MB L3; +4-5% at batch 1, +1-3% at 8, none from 32 on)
-        groups = [batches[start:start + ahead] for start in range(0, len(batches), ahead)]
+        # against a 2-core AVX2 host's 16 MB L3; +4-5% at batch 1, +1-3% at 8, none from 32 on); on threads, the
+        # groups shrink towards the end so that the threads finish about together
+        groups = guided_groups(batches, max(1, ENCODE_AHEAD // max_batch_size), self.inter_threads)
         if self.inter_threads == 1 or len(groups) == 1:
             for group in groups:
                 self._decode_group(group, sources, options, results, scores)
