@@ -21,6 +21,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 #include <optional>
 #include <vector>
 
@@ -751,6 +752,19 @@ struct Runner {
   std::vector<Ort::Value> initializers;  // over the caller's memory, which the caller keeps alive
 };
 
+// A session's IoBinding, and what each name is bound to (host memory, its element type and shape), so that the
+// library can move a batch's rows and bind the fewer rows again by itself (nmt_greedy_run).
+struct Binding {
+  struct Bound {
+    int type;
+    std::vector<int64_t> shape;
+    char* data;
+  };
+  explicit Binding(Ort::Session& session) : io(session) {}
+  Ort::IoBinding io;
+  std::unordered_map<std::string, Bound> inputs, outputs;
+};
+
 size_t element_size(ONNXTensorElementDataType type) {
   switch (type) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32: return 4;
@@ -770,6 +784,14 @@ Ort::Value host_tensor(int type, const int64_t* shape, int ndim, void* data) {
   return Ort::Value::CreateTensor(cpu, data, count * element_size(element), shape, ndim, element);
 }
 
+void bind(Binding& binding, const char* name, int type, const int64_t* shape, int ndim, void* data, bool output) {
+  Ort::Value value = host_tensor(type, shape, ndim, data);
+  if (output) binding.io.BindOutput(name, value);
+  else binding.io.BindInput(name, value);
+  (output ? binding.outputs : binding.inputs)[name] = {type, std::vector<int64_t>(shape, shape + ndim),
+                                                       static_cast<char*>(data)};
+}
+
 double monotonic_seconds() {  // Python's time.monotonic() (CLOCK_MONOTONIC)
   timespec now{};
   clock_gettime(CLOCK_MONOTONIC, &now);
@@ -781,6 +803,58 @@ constexpr int kMaxDims = 8;  // the dimensions nmt_bind reads for each tensor (n
 int failed(const std::exception& e, char* error, size_t error_size) {
   std::snprintf(error, error_size, "%s", e.what());
   return -1;
+}
+
+// nmt_greedy_run's compaction (below): the rows not finished among the first `kept` stay, the last live rows move
+// into the places of the finished ones.
+void compact_rows(Binding& binding, int64_t rows, const uint8_t* finished, int64_t* source, int64_t* budget,
+                  const int64_t* positions, int count, const char* const* row_names, const int* kinds, int64_t kept) {
+  std::vector<int64_t> holes, movers;
+  for (int64_t r = 0; r < kept; r++)
+    if (finished[r]) holes.push_back(r);
+  for (int64_t r = kept; r < rows; r++)
+    if (!finished[r]) movers.push_back(r);
+  int64_t length = 0;  // the slots the moving rows have filled
+  for (const int64_t r : movers) length = std::max(length, positions[r]);
+  std::vector<const char*> moved;  // each buffer once (a cache is bound as input and as output)
+  for (int i = 0; i < count; i++) {
+    for (auto* map : {&binding.inputs, &binding.outputs}) {
+      auto found = map->find(row_names[i]);
+      if (found == map->end() || std::find(moved.begin(), moved.end(), found->second.data) != moved.end()) continue;
+      const Binding::Bound& b = found->second;
+      moved.push_back(b.data);
+      const size_t element = element_size(static_cast<ONNXTensorElementDataType>(b.type));
+      size_t row_bytes = element;
+      for (size_t d = 1; d < b.shape.size(); d++) row_bytes *= static_cast<size_t>(b.shape[d]);
+      for (size_t m = 0; m < holes.size(); m++) {
+        char* to = b.data + holes[m] * row_bytes;
+        const char* from = b.data + movers[m] * row_bytes;
+        if (kinds[i] == 1) {  // (rows, heads, slots, dim): each head's filled slots
+          const size_t head_bytes = row_bytes / b.shape[1], filled = length * b.shape[3] * element;
+          for (int64_t h = 0; h < b.shape[1]; h++) std::memcpy(to + h * head_bytes, from + h * head_bytes, filled);
+        } else if (kinds[i] == 2) {  // cache_origin: the row's own slots
+          std::fill_n(reinterpret_cast<int32_t*>(to), row_bytes / sizeof(int32_t), static_cast<int32_t>(holes[m]));
+        } else {
+          std::memcpy(to, from, row_bytes);
+        }
+      }
+    }
+  }
+  for (size_t m = 0; m < holes.size(); m++) {
+    source[holes[m]] = source[movers[m]];
+    budget[holes[m]] = budget[movers[m]];
+  }
+  for (int i = 0; i < count; i++) {  // bound again with the rows kept
+    for (const bool output : {false, true}) {
+      auto& map = output ? binding.outputs : binding.inputs;
+      auto found = map.find(row_names[i]);
+      if (found == map.end()) continue;
+      std::vector<int64_t> shape = found->second.shape;
+      shape[0] = kept;
+      bind(binding, row_names[i], found->second.type, shape.data(), static_cast<int>(shape.size()),
+           found->second.data, output);
+    }
+  }
 }
 
 }  // namespace
@@ -820,26 +894,22 @@ void nmt_runner_free(void* runner) { delete static_cast<Runner*>(runner); }
 
 int nmt_binding_create(void* runner, void** binding_out, char* error, size_t error_size) {
   try {
-    *binding_out = new Ort::IoBinding(static_cast<Runner*>(runner)->session);
+    *binding_out = new Binding(static_cast<Runner*>(runner)->session);
     return 0;
   } catch (const std::exception& e) {
     return failed(e, error, error_size);
   }
 }
 
-void nmt_binding_free(void* binding) { delete static_cast<Ort::IoBinding*>(binding); }
+void nmt_binding_free(void* binding) { delete static_cast<Binding*>(binding); }
 
 // Binds each of `count` buffers of host memory (data[i]: shapes[kMaxDims i …] of ndims[i] dimensions, ONNX element
 // type types[i]) to the input names[i], or to that output when outputs[i] (written there in place).
 int nmt_bind(void* binding, int count, const char* const* names, const int* types, const int64_t* shapes,
              const int* ndims, void* const* data, const int* outputs, char* error, size_t error_size) {
   try {
-    auto& io = *static_cast<Ort::IoBinding*>(binding);
-    for (int i = 0; i < count; i++) {
-      Ort::Value value = host_tensor(types[i], shapes + kMaxDims * i, ndims[i], data[i]);
-      if (outputs[i]) io.BindOutput(names[i], value);
-      else io.BindInput(names[i], value);
-    }
+    auto& bound = *static_cast<Binding*>(binding);
+    for (int i = 0; i < count; i++) bind(bound, names[i], types[i], shapes + kMaxDims * i, ndims[i], data[i], outputs[i]);
     return 0;
   } catch (const std::exception& e) {
     return failed(e, error, error_size);
@@ -848,7 +918,7 @@ int nmt_bind(void* binding, int count, const char* const* names, const int* type
 
 int nmt_run(void* runner, void* binding, char* error, size_t error_size) {
   try {
-    static_cast<Runner*>(runner)->session.Run(Ort::RunOptions{nullptr}, *static_cast<Ort::IoBinding*>(binding));
+    static_cast<Runner*>(runner)->session.Run(Ort::RunOptions{nullptr}, static_cast<Binding*>(binding)->io);
     return 0;
   } catch (const std::exception& e) {
     return failed(e, error, error_size);
@@ -856,41 +926,95 @@ int nmt_run(void* runner, void* binding, char* error, size_t error_size) {
 }
 
 // Greedy steps of a binding whose step writes each row's best token into its `tokens` input
-// (OnnxTranslator._greedy_binding): after each step every row's position advances, and the tokens (and,
-// with `scores`, their scores) are copied out as that step's row of out_tokens (steps × rows) and
-// out_scores. Rows where `hole` or `done` is set (when given) neither advance nor end the loop; a row whose
-// token is eos is set in `done` (when given) from then on. Stops after the step in which the rows whose
-// token is eos reach `until` in all (1: the first step in which some row's token is eos), `*stop` is set (by
-// another thread) or CLOCK_MONOTONIC has reached `stop_at` (when above 0), or after max_steps. Returns the
-// steps run; a step that fails after others returns those before it (the next call meets the error), the
-// first one -1 with its message.
+// (OnnxTranslator._greedy_binding; the server's bursts): after each step every row's position advances, and the
+// tokens (and, with `scores`, their scores) are copied out as that step's row of out_tokens (steps × rows) and
+// out_scores. Rows where `hole` is set (when given) neither advance nor end the loop. Stops after the first step
+// in which some row's token is eos, `*stop` is set (by another thread) or CLOCK_MONOTONIC has reached `stop_at`
+// (when above 0), or after max_steps. Returns the steps run; a step that fails after others returns those before
+// it (the next call meets the error), the first one -1 with its message.
 int64_t nmt_greedy_steps(void* runner, void* binding, int64_t* tokens, int64_t* positions, const float* scores,
-                         const uint8_t* hole, uint8_t* done, int64_t rows, int64_t eos, int64_t until,
-                         int64_t max_steps, const volatile int32_t* stop, double stop_at, int64_t* out_tokens,
-                         float* out_scores, char* error, size_t error_size) {
+                         const uint8_t* hole, int64_t rows, int64_t eos, int64_t max_steps,
+                         const volatile int32_t* stop, double stop_at, int64_t* out_tokens, float* out_scores,
+                         char* error, size_t error_size) {
   auto& session = static_cast<Runner*>(runner)->session;
-  auto& io = *static_cast<Ort::IoBinding*>(binding);
+  auto& io = static_cast<Binding*>(binding)->io;
   const Ort::RunOptions run_options{nullptr};
-  int64_t step = 0, ended = 0;
+  int64_t step = 0;
   try {
     for (; step < max_steps; step++) {
       session.Run(run_options, io);
+      bool ended = false;
       for (int64_t r = 0; r < rows; r++) {
-        if ((hole != nullptr && hole[r]) || (done != nullptr && done[r])) continue;  // neither advances nor ends
+        if (hole != nullptr && hole[r]) continue;  // neither advances nor ends
         positions[r] += 1;
-        if (tokens[r] == eos) {
-          ended += 1;
-          if (done != nullptr) done[r] = 1;
-        }
+        ended |= tokens[r] == eos;
       }
       std::memcpy(out_tokens + step * rows, tokens, rows * sizeof(int64_t));
       if (out_scores != nullptr) std::memcpy(out_scores + step * rows, scores, rows * sizeof(float));
-      if (ended >= until || (stop != nullptr && *stop) || (stop_at > 0 && monotonic_seconds() >= stop_at))
+      if (ended || (stop != nullptr && *stop) || (stop_at > 0 && monotonic_seconds() >= stop_at))
         return step + 1;
     }
     return max_steps;
   } catch (const std::exception& e) {
     if (step > 0) return step;  // the steps before the failing one stand; the caller's next call meets the error
+    return failed(e, error, error_size);
+  }
+}
+
+// Offline greedy search of a batch (OnnxTranslator.greedy on the library), from its current step until every row
+// has finished or max_steps (the cache's room) have run, with no Python between steps. Each step as
+// nmt_greedy_steps: every live row advances and its token (and score) is written at its source's column of
+// out_tokens (steps × `sources`); a row finishes on eos (by_eos[its source] = 1) or at its budget (its position
+// reaching budget[row]), end[its source] = step0 + that step, and from then on neither advances nor is written.
+// Once the finished rows are a quarter of the rows they leave, as BatchState.compact does: the last live rows move
+// into the places of the finished ones before them in every buffer bound to one of the `count` row_names (kinds: 0
+// a row per leading index; 1 a cache (rows, heads, slots, dim), the slots its rows have filled; 2 cache_origin
+// (rows, slots), a moved row's slots its own), in `source` and `budget`, and those names are bound again with the
+// fewer rows; so do any finished rows at the last step. *rows_io: the rows at the start, and at return the live
+// rows left (0: all finished), in the first places of the same buffers. Returns the steps run, or -1 with the error's message (a step that fails after others
+// returns those before it, and the next call meets the error).
+int64_t nmt_greedy_run(void* runner, void* binding, int64_t* rows_io, int64_t* tokens, int64_t* positions,
+                       const float* scores, int64_t* source, int64_t* budget, int64_t eos, int64_t max_steps,
+                       int count, const char* const* row_names, const int* kinds, int64_t sources, int64_t step0,
+                       int64_t* out_tokens, float* out_scores, int64_t* end, uint8_t* by_eos, char* error,
+                       size_t error_size) {
+  auto& session = static_cast<Runner*>(runner)->session;
+  auto& bound = *static_cast<Binding*>(binding);
+  const Ort::RunOptions run_options{nullptr};
+  int64_t rows = *rows_io, step = 0, done = 0;
+  std::vector<uint8_t> finished(rows, 0);
+  try {
+    for (; step < max_steps; step++) {
+      session.Run(run_options, bound.io);
+      for (int64_t r = 0; r < rows; r++) {
+        if (finished[r]) continue;
+        positions[r] += 1;
+        const int64_t s = source[r];
+        out_tokens[step * sources + s] = tokens[r];
+        if (out_scores != nullptr) out_scores[step * sources + s] = scores[r];
+        if (tokens[r] == eos || positions[r] >= budget[r]) {
+          finished[r] = 1;
+          done += 1;
+          end[s] = step0 + step;
+          by_eos[s] = tokens[r] == eos;
+        }
+      }
+      if (done == rows) {
+        *rows_io = 0;
+        return step + 1;
+      }
+      if (4 * done >= rows || (done > 0 && step + 1 == max_steps)) {  // the rows left at return are all live
+        const int64_t kept = rows - done;
+        compact_rows(bound, rows, finished.data(), source, budget, positions, count, row_names, kinds, kept);
+        rows = kept;
+        *rows_io = rows;
+        done = 0;
+        finished.assign(rows, 0);
+      }
+    }
+    return max_steps;
+  } catch (const std::exception& e) {
+    if (step > 0) return step;
     return failed(e, error, error_size);
   }
 }
@@ -919,7 +1043,7 @@ int64_t nmt_beam_steps(void* runner, void* binding, const int64_t* ids, const fl
                        int64_t* out_rows, int64_t* out_ids, double* out_scores, int64_t* out_parents,
                        int64_t* out_tokens, int64_t* pending, char* error, size_t error_size) {
   auto& session = static_cast<Runner*>(runner)->session;
-  auto& io = *static_cast<Ort::IoBinding*>(binding);
+  auto& io = static_cast<Binding*>(binding)->io;
   const Ort::RunOptions run_options{nullptr};
   const int64_t rows = n * k, extensions = k * width;
   std::vector<double> total(extensions);

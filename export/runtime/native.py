@@ -54,12 +54,15 @@ def _library() -> ctypes.CDLL:
             library.nmt_binding_create.argtypes = [p, ctypes.POINTER(p), c, n]
             library.nmt_bind.argtypes = [p, ctypes.c_int, ctypes.POINTER(c), ints, i64, ints, ctypes.POINTER(p), ints, c, n]
             library.nmt_run.argtypes = [p, p, c, n]
-            library.nmt_greedy_steps.argtypes = [p, p, p, p, p, p, p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                                 ctypes.c_int64, p, ctypes.c_double, p, p, c, n]
+            library.nmt_greedy_steps.argtypes = [p, p, p, p, p, p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p,
+                                                 ctypes.c_double, p, p, c, n]
             library.nmt_greedy_steps.restype = ctypes.c_int64
             library.nmt_beam_steps.argtypes = [p, p, p, p, ctypes.c_int64, p, p, p, ctypes.c_int64, p, p, ctypes.c_int64,
                                                ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p, p, p, p, p, p, c, n]
             library.nmt_beam_steps.restype = ctypes.c_int64
+            library.nmt_greedy_run.argtypes = [p, p, p, p, p, p, p, p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                               ctypes.POINTER(c), ints, ctypes.c_int64, ctypes.c_int64, p, p, p, p, c, n]
+            library.nmt_greedy_run.restype = ctypes.c_int64
             library.nmt_runner_free.argtypes = library.nmt_binding_free.argtypes = [p]
             _loaded.append(library)
         return _loaded[0]
@@ -128,7 +131,8 @@ class NativeBinding:
         self._free = self._library.nmt_binding_free
         self._pending: list = []  # binds not yet sent (bind)
         self._tables: dict = {}  # (names, types, shapes, outputs) of a send -> their C arrays (_send)
-        self._arrays: tuple = (None,) * 6  # greedy_steps' per-row arrays at its last call, and their addresses
+        self._row_tables: dict = {}  # greedy_run's row_names -> their C arrays
+        self._arrays: tuple = (None,) * 5  # greedy_steps' per-row arrays at its last call, and their addresses
         self._addresses: list = []
 
     def bind(self, name: str, dtype, shape: tuple, address: int, output: bool = False) -> None:
@@ -162,32 +166,58 @@ class NativeBinding:
 
     def greedy_steps(self, tokens: np.ndarray, positions: np.ndarray, scores: np.ndarray | None, eos_id: int,
                      out_tokens: np.ndarray, out_scores: np.ndarray | None, hole: np.ndarray | None = None,
-                     stop: np.ndarray | None = None, stop_at: float = 0.0, done: np.ndarray | None = None,
-                     until: int = 1) -> int:
-        """Runs until the step in which `until` rows in all have said eos (1: some row), or len(out_tokens)
-        steps; returns the steps run. The binding writes each step's best tokens into `tokens` (its `tokens`
-        input) and their scores into `scores`; after each step every row's position (`positions`, bound as
-        input) advances by one, and tokens (and scores, when out_scores is given) are copied into that step's
-        row of out_tokens (steps, rows) int64 (and out_scores float32). Rows where `hole` or `done` (bool) is
-        set neither advance nor end the loop; a row that says eos is set in `done` (when given) from then on.
-        The loop also ends after a step once `stop` (one int32, set by another thread) is nonzero or
-        time.monotonic() has reached `stop_at` (when above 0). A step that fails after others ends the loop
-        there (the steps before it are returned); the next call meets the error."""
+                     stop: np.ndarray | None = None, stop_at: float = 0.0) -> int:
+        """Runs until the first step in which some row says eos, or len(out_tokens) steps (the server's bursts);
+        returns the steps run. The binding writes each step's best tokens into `tokens` (its `tokens` input) and
+        their scores into `scores`; after each step every row's position (`positions`, bound as input) advances by
+        one, and tokens (and scores, when out_scores is given) are copied into that step's row of out_tokens (steps,
+        rows) int64 (and out_scores float32). Rows where `hole` (bool) is set neither advance nor end the loop. The
+        loop also ends after a step once `stop` (one int32, set by another thread) is nonzero or time.monotonic()
+        has reached `stop_at` (when above 0). A step that fails after others ends the loop there (the steps before
+        it are returned); the next call meets the error."""
         if self._pending:
             self._send()
         rows = len(tokens)
         assert out_tokens.shape[1:] == (rows,) and out_tokens.flags.c_contiguous and tokens.dtype == np.int64
         assert positions.dtype == np.int64 and (out_scores is None or out_scores.shape == out_tokens.shape)
         assert (hole is None or hole.dtype == bool) and (stop is None or stop.dtype == np.int32)
-        assert done is None or (done.dtype == bool and done.shape == (rows,) and done.flags.c_contiguous)
-        arrays = (tokens, positions, None if out_scores is None else scores, hole, stop, done)
+        arrays = (tokens, positions, None if out_scores is None else scores, hole, stop)
         if any(a is not b for a, b in zip(arrays, self._arrays)):  # `.ctypes.data` costs 2 µs an array
             self._arrays, self._addresses = arrays, [None if a is None else a.ctypes.data for a in arrays]
-        tokens_at, positions_at, scores_at, hole_at, stop_at_address, done_at = self._addresses
+        tokens_at, positions_at, scores_at, hole_at, stop_at_address = self._addresses
         return _checked(self._library.nmt_greedy_steps(
-            self.session._handle, self._handle, tokens_at, positions_at, scores_at, hole_at, done_at, rows, eos_id,
-            until, len(out_tokens), stop_at_address, stop_at, out_tokens.ctypes.data,
+            self.session._handle, self._handle, tokens_at, positions_at, scores_at, hole_at, rows, eos_id,
+            len(out_tokens), stop_at_address, stop_at, out_tokens.ctypes.data,
             None if out_scores is None else out_scores.ctypes.data, self._error, _ERROR_SIZE), self._error)
+
+    def greedy_run(self, rows: int, tokens: np.ndarray, positions: np.ndarray, scores: np.ndarray, source: np.ndarray,
+                   budget: np.ndarray, eos_id: int, row_names: tuple[tuple[str, int], ...], step0: int,
+                   out: tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]) -> tuple[int, int]:
+        """Offline greedy steps of the first `rows` rows in the library (kernels.cc, nmt_greedy_run: when a row
+        finishes, and how the finished ones leave) until every row has finished or len(out_tokens) steps have run.
+        `tokens`, `positions` and `scores` are the bound step's (tokens fed, written by the step), `source` and
+        `budget` (int64, a row each) each row's source and the position at which it finishes if no eos came; the
+        library moves them with the rows. `row_names`: (name, kind) of every bound buffer with a row per leading
+        index (kinds: 0 rows, 1 a cache, 2 cache_origin). `out`: out_tokens (steps, sources) int64, out_scores
+        (the same, float32, or None), end (sources,) int64 and by_eos (sources,) uint8, written at each source's
+        column; end as step0 + the step -> (the steps run, the rows left in the first places of the buffers)."""
+        if self._pending:
+            self._send()
+        out_tokens, out_scores, end, by_eos = out
+        assert tokens.dtype == positions.dtype == source.dtype == budget.dtype == np.int64 and scores.dtype == np.float32
+        assert out_tokens.flags.c_contiguous and by_eos.dtype == np.uint8 and end.dtype == np.int64
+        assert out_scores is None or out_scores.shape == out_tokens.shape and out_scores.flags.c_contiguous
+        table = self._row_tables.get(row_names)
+        if table is None:
+            table = self._row_tables[row_names] = (len(row_names), (ctypes.c_char_p * len(row_names))(
+                *(name.encode() for name, _ in row_names)), (ctypes.c_int * len(row_names))(*(k for _, k in row_names)))
+        left = ctypes.c_int64(rows)
+        steps = _checked(self._library.nmt_greedy_run(
+            self.session._handle, self._handle, ctypes.byref(left), tokens.ctypes.data, positions.ctypes.data,
+            scores.ctypes.data, source.ctypes.data, budget.ctypes.data, eos_id, len(out_tokens), *table,
+            out_tokens.shape[1], step0, out_tokens.ctypes.data, None if out_scores is None else out_scores.ctypes.data,
+            end.ctypes.data, by_eos.ctypes.data, self._error, _ERROR_SIZE), self._error)
+        return steps, left.value
 
     def beam_steps(self, ids: np.ndarray, scores: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
                    origin: np.ndarray, beam: np.ndarray, searches: np.ndarray, k: int, eos_id: int, over_at: int,

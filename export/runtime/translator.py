@@ -378,6 +378,13 @@ class OnnxTranslator:
         m = self.bundle.model
         self.n_layers, self.n_heads, self.head_dim = m["n_decoder_layers"], m["n_heads"], m["d_model"] // m["n_heads"]
         self.d_model = m["d_model"]
+        # the decoder step's buffers with a row each, bound by _binding_for (kinds for NativeBinding.greedy_run: 0
+        # rows, 1 a self-attention cache, 2 its origins)
+        layers = range(self.n_layers)
+        self._row_names = tuple((f"{io}_{x}_{layer}", 1) for io in ("past", "present") for x in "kv" for layer in layers) \
+            + tuple((f"{io}{x}_{layer}", 0) for io in ("", "present_") for x in ("cross_k", "cross_v", "cross_eos")
+                    for layer in layers) \
+            + (("cache_origin", 2),) + tuple((name, 0) for name in ROW_INPUTS + ("candidate_ids", "candidate_scores"))
         self.eos_width = 2 * self.d_model  # a layer's cross_eos per row: the eos key, then its value
         self.vocab_size = m["vocab_size"]
         self.limits = self.bundle.limits
@@ -498,12 +505,11 @@ class OnnxTranslator:
         return self._native_greedy_steps(state, binding, steps, scores, stop, stop_at)
 
     def _native_greedy_steps(self, state: BatchState, binding: NativeBinding, steps: int, scores: bool,
-                             stop: np.ndarray | None = None, stop_at: float = 0.0, done: np.ndarray | None = None,
-                             until: int = 1) -> tuple[np.ndarray, np.ndarray | None]:
+                             stop: np.ndarray | None = None, stop_at: float = 0.0) -> tuple[np.ndarray, np.ndarray | None]:
         out = np.empty((steps, state.size), np.int64)
         out_scores = np.empty(out.shape, np.float32) if scores else None
         taken = binding.greedy_steps(state.tokens, state.positions, self._scores, self.eos_id, out, out_scores,
-                                     state.hole if state.holes else None, stop, stop_at, done, until)
+                                     state.hole if state.holes else None, stop, stop_at)
         return out[:taken], None if out_scores is None else out_scores[:taken]
 
     def _step(self, state: BatchState, k: int, whole: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -617,17 +623,17 @@ class OnnxTranslator:
         instead of at every step where a row finishes).
         Each step's best token is written straight into the step's `tokens` input (`_greedy_binding`), so
         between two steps our Python only records it, advances the positions and looks for eos. With
-        native_steps the library does that, running steps until the finished rows make compaction due, the
-        cache's end or the first live row's budget; a row that has said eos stays where it is (the library
-        marks it in `done`: it neither advances nor ends a later run), so a run ends on the eos of a live row
-        only, and Python looks at the steps of a run only when it ends. The Python loop (ONNX Runtime's own
-        attention: no kernels, or CUDA) keeps every row at one position, which that attention steps faster
-        than rows at mixed ones. Without scores the steps skip the log-softmax (`with_search_head`) and each
-        score is nan. A batch of one on the library: `_greedy_one`."""
+        native_steps the library does all of that, the compaction included, and Python comes back only to
+        double a full cache (`_native_greedy`); a batch of one there: `_greedy_one`. The Python loop (ONNX
+        Runtime's own attention: no kernels, or CUDA) keeps every row at one position, which that attention
+        steps faster than rows at mixed ones. Without scores the steps skip the log-softmax
+        (`with_search_head`) and each score is nan."""
         if len(sources) == 1 and self.native_steps:
             return [[self._greedy_one(state, sources[0], max_decoding_length, length_rule, scores)]]
         rows = np.arange(len(sources))  # the source of each row of `state`, and its budget
         budget = np.array([self.limits.output_budget(len(s), max_decoding_length, length_rule) for s in sources])
+        if self.native_steps:
+            return self._native_greedy(state, budget, scores)
         steps = [], [], []  # per step: each row's source, token and (when scored) log-prob
         finished, end = np.zeros(len(sources), bool), np.zeros(len(sources), np.int64)  # end: its last step
         done = np.zeros(len(rows), bool)  # the rows of `state` whose source has finished (they leave together)
@@ -637,28 +643,15 @@ class OnnxTranslator:
             if binding is None or rebind or len(steps[0]) == state.capacity:  # a new state, or its cache full
                 state.open_slot()
                 binding = self._greedy_binding(state)
-            stepped = len(steps[0])
-            if self.native_steps:  # steps in the library (above)
-                before = done.copy()
-                room = min(state.capacity - stepped, int((budget - state.positions)[~done].min()))
-                out, out_scores = self._native_greedy_steps(state, binding, max(1, room), scores, done=done,
-                                                            until=-(-len(rows) // 4) - int(before.sum()))
-                said_eos = done & ~before
-                at = stepped + (out[:, said_eos] == self.eos_id).argmax(0)  # the step of each one's eos
-                steps[0].extend([rows] * len(out))
-                steps[1].extend(out)
-                if scores:
-                    steps[2].extend(out_scores)
-            else:
-                run_bound(self.decoder, binding)
-                state.positions += 1  # every row: offline batches have no holes
-                tokens = state.tokens.copy()
-                steps[0].append(rows)
-                steps[1].append(tokens)
-                if scores:  # unscored steps' values are not kept: each score is nan
-                    steps[2].append(self._scores.copy())
-                said_eos, at = (tokens == self.eos_id) & ~done, stepped
-                done |= said_eos
+            run_bound(self.decoder, binding)
+            state.positions += 1  # every row: offline batches have no holes
+            tokens = state.tokens.copy()
+            steps[0].append(rows)
+            steps[1].append(tokens)
+            if scores:  # unscored steps' values are not kept: each score is nan
+                steps[2].append(self._scores.copy())
+            said_eos, at = (tokens == self.eos_id) & ~done, len(steps[0]) - 1
+            done |= said_eos
             over = (state.positions >= budget) & ~done  # live rows at their budget (after the run's last step)
             if not (said_eos.any() or over.any()):
                 continue  # most Python steps: a few ufuncs (Python here runs on caches the step has flushed)
@@ -670,6 +663,51 @@ class OnnxTranslator:
                 rows, budget, done = rows[order], budget[order], np.zeros(len(order), bool)
                 binding = None
         return self._collect(len(sources), steps[0], steps[1], [s.ravel() for s in steps[2]], end)
+
+    def _native_greedy(self, state: BatchState, budget: np.ndarray, scores: bool) -> list[list[Hypothesis]]:
+        """`greedy` on the library: its steps, and the finished rows leaving the batch, all there
+        (`NativeBinding.greedy_run`); Python comes back only when the cache is full, to double it. Each step's
+        tokens (and log-probs) land in their source's column, and a source's hypothesis is its tokens up to the
+        step at which it finished, eos excluded, its score their sum (as `_collect`'s)."""
+        assert not state.holes and state.origin is not None
+        n = state.size
+        source, budget = np.arange(n, dtype=np.int64), budget.astype(np.int64)  # moved with the rows by the library
+        end, by_eos = np.full(n, -1, np.int64), np.zeros(n, np.uint8)
+        tokens, values, stepped = [], [], 0
+        self._with_scores[...] = scores
+        while state is not None:
+            state.open_slot()
+            binding = self._greedy_binding(state)
+            room = state.capacity - stepped  # the live rows are all at `stepped`: open_slot made room for one
+            out = (np.zeros((room, n), np.int64), np.zeros((room, n), np.float32) if scores else None, end, by_eos)
+            before = source[:state.size].copy()
+            taken, rows = binding.greedy_run(state.size, state.tokens, state.positions, self._scores, source, budget,
+                                             self.eos_id, self._row_names, stepped, out)
+            tokens.append(out[0][:taken])
+            if scores:
+                values.append(out[1][:taken])
+            stepped += taken
+            state = None if rows == 0 else self._kept_rows(state, rows, before, source[:rows])
+        tokens = np.concatenate(tokens).T.tolist()  # per source
+        values = np.concatenate(values).T.tolist() if scores else None
+        return [[Hypothesis(t[:e] if eos else t[:e + 1], sum(values[s][:e + 1]) if scores else math.nan,
+                            "eos" if eos else "length")]
+                for s, (t, e, eos) in enumerate(zip(tokens, end.tolist(), by_eos.tolist()))]
+
+    def _kept_rows(self, state: BatchState, rows: int, before: np.ndarray, after: np.ndarray) -> BatchState:
+        """The state of the rows the library kept (`greedy_run`): each row's tensors are the first `rows` rows of
+        the same buffers, where the library moved them; src_mask (and cross_eos, which the shared-cross step does
+        not bind) are taken by each row's source: `before` the source of each row at the run's start, `after` of
+        each row left."""
+        if rows == state.size:
+            return state
+        index = np.empty(before.max() + 1, np.int64)
+        index[before] = np.arange(len(before))
+        order, ops = index[after], state.ops
+        eos = ops.take(state.cross_eos, order, 1) if self.shared_cross else ops.head(state.cross_eos, rows)
+        return BatchState(ops.head(state.k, rows), ops.head(state.v, rows), ops.head(state.cross_k, rows),
+                          ops.head(state.cross_v, rows), eos, state.src_mask[order], state.positions[:rows],
+                          state.tokens[:rows], state.hole[:rows], ops, origin=state.origin[:rows])
 
     def _greedy_one(self, state: BatchState, source: list[int], max_decoding_length: int, length_rule: str,
                     scores: bool) -> Hypothesis:

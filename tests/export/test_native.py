@@ -162,29 +162,32 @@ def test_the_servers_greedy_steps_in_the_library_keep_holes_still_and_stop_when_
     assert len(native.decode_greedy_steps(ours, 1000, scores=False)[0]) == ours.capacity - before == ours.length - before
 
 
-def test_offline_greedy_runs_end_on_the_eos_that_makes_compaction_due_and_finished_rows_stay_still(tiny_bundle,
-                                                                                                  tiny_corpus):
-    """`done` and `until` (offline greedy's runs): a run ends at the step in which `until` rows in all have said
-    eos; those rows are marked in `done` and stay at the position of their eos, also through a later run.
-    Tokens and scores are those of one step at a time (offline greedy against the Python loop: above)."""
-    native, _ = _pair(tiny_bundle, "fp32")
-    sources = [native.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs][:8]
-    ours, theirs = native.prefill(sources), native.prefill(sources)
-    ours.open_slot()
-    done = np.zeros(len(sources), bool)
-    tokens, scores = native._native_greedy_steps(ours, native._greedy_binding(ours), 30, True, done=done, until=3)
-    expected = [native.decode_one_token(theirs) for _ in range(len(tokens))]
-    first_eos = [next((i for i, (t, _) in enumerate(expected) if t[r] == native.eos_id), None) for r in range(8)]
-    ended = sorted(i for i in first_eos if i is not None)
-    assert len(ended) >= 3 and ended[2] == len(tokens) - 1  # the run ended at the third row's eos
-    assert done.tolist() == [i is not None for i in first_eos]
-    for r, i in enumerate(first_eos):
-        assert ours.positions[r] == (len(tokens) if i is None else i + 1)  # a finished row stays at its eos
-        upto = len(tokens) if i is None else i + 1
-        assert tokens[:upto, r].tolist() == [t[r] for t, _ in expected[:upto]]
-        assert np.array_equal(scores[:upto, r], [s[r] for _, s in expected[:upto]])
-    held = ours.positions[done].copy()
-    native.eos_id = -1  # no row ends the next run
-    assert len(native._native_greedy_steps(ours, native._greedy_binding(ours), 4, False, done=done)[0]) == 4
-    assert ours.positions[done].tolist() == held.tolist()
-    assert (ours.positions[~done] == len(tokens) + 4).all()
+@pytest.mark.parametrize("variant", ["fp32", "int8"])
+def test_offline_greedy_leaves_finished_rows_in_the_library_and_python_only_grows_the_cache(tiny_bundle, tiny_corpus,
+                                                                                           monkeypatch, variant):
+    """`greedy_run` (offline greedy on the library): a batch's steps, and its finished rows leaving it, run in the
+    library; Python takes a run back only when the cache is full. With eos never said, 8 rows whose budgets end
+    before the first 32 slots are full (4 short sources) and after, within 64 (4 long ones): the first run fills
+    the 32 slots and comes back with the 4 long rows only, moved into the first places by the library; the second,
+    on the doubled cache, ends with none. Tokens and scores are the Python loop's, row by row."""
+    native, theirs = _pair(tiny_bundle, variant)
+    native.eos_id = theirs.eos_id = -1
+    pairs = [native.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
+    long = [s for s in pairs if 40 < native.limits.output_budget(len(s), 256) <= 64][:4]
+    sources = [s[:3] for s in pairs[:4]] + long  # budgets 16, and 41 to 64: 2 × source + 10 tokens
+    assert len(long) == 4
+    runs = []
+    greedy_run = NativeBinding.greedy_run
+
+    def recording(self, rows, *args):
+        taken, left = greedy_run(self, rows, *args)
+        runs.append((rows, len(args[-1][0]), taken, left))  # rows at the start, room, steps, rows left
+        return taken, left
+    monkeypatch.setattr(NativeBinding, "greedy_run", recording)
+    for scores in (True, False):
+        runs.clear()
+        a, b = (tr.search_ids(sources, DecodingOptions(), max_batch_size=8, scores=scores) for tr in (native, theirs))
+        assert [h.tokens for h, in a] == [h.tokens for h, in b]
+        assert np.array_equal([h.score for h, in a], [h.score for h, in b], equal_nan=not scores)
+        assert [h.finish for h, in a] == ["length"] * 8
+        assert runs[0] == (8, 32, 32, 4) and runs[1][:2] == (4, 32) and runs[1][3] == 0 and len(runs) == 2
