@@ -909,7 +909,8 @@ int nmt_bind(void* binding, int count, const char* const* names, const int* type
              const int* ndims, void* const* data, const int* outputs, char* error, size_t error_size) {
   try {
     auto& bound = *static_cast<Binding*>(binding);
-    for (int i = 0; i < count; i++) bind(bound, names[i], types[i], shapes + kMaxDims * i, ndims[i], data[i], outputs[i]);
+    for (int i = 0; i < count; i++)
+      bind(bound, names[i], types[i], shapes + kMaxDims * i, ndims[i], data[i], outputs[i]);
     return 0;
   } catch (const std::exception& e) {
     return failed(e, error, error_size);
@@ -971,8 +972,9 @@ int64_t nmt_greedy_steps(void* runner, void* binding, int64_t* tokens, int64_t* 
 // a row per leading index; 1 a cache (rows, heads, slots, dim), the slots its rows have filled; 2 cache_origin
 // (rows, slots), a moved row's slots its own), in `source` and `budget`, and those names are bound again with the
 // fewer rows; so do any finished rows at the last step. *rows_io: the rows at the start, and at return the live
-// rows left (0: all finished), in the first places of the same buffers. Returns the steps run, or -1 with the error's message (a step that fails after others
-// returns those before it, and the next call meets the error).
+// rows left (0: all finished), in the first places of the same buffers. Returns the steps run, or -1 with the
+// error's message (a step that fails after others returns those before it, and the next call meets the error; a
+// compaction that fails is -1 at once).
 int64_t nmt_greedy_run(void* runner, void* binding, int64_t* rows_io, int64_t* tokens, int64_t* positions,
                        const float* scores, int64_t* source, int64_t* budget, int64_t eos, int64_t max_steps,
                        int count, const char* const* row_names, const int* kinds, int64_t sources, int64_t step0,
@@ -1005,7 +1007,11 @@ int64_t nmt_greedy_run(void* runner, void* binding, int64_t* rows_io, int64_t* t
       }
       if (4 * done >= rows || (done > 0 && step + 1 == max_steps)) {  // the rows left at return are all live
         const int64_t kept = rows - done;
-        compact_rows(bound, rows, finished.data(), source, budget, positions, count, row_names, kinds, kept);
+        try {
+          compact_rows(bound, rows, finished.data(), source, budget, positions, count, row_names, kinds, kept);
+        } catch (const std::exception& e) {  // rows half moved: the batch cannot go on
+          return failed(e, error, error_size);
+        }
         rows = kept;
         *rows_io = rows;
         done = 0;
