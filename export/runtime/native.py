@@ -3,8 +3,10 @@ loop there: no Python, and no wait for the GIL, between two steps.
 
 Offline greedy search at batch 1 spent 41 µs of a 0.35 ms step in Python between the runs, and two
 batches decoded at once (inter_threads 2) each waited for the other's Python (docs/performance.md,
-"Python between the runs"). With `NativeSession` the greedy loop asks the library for steps until a row
-meets eos or the loop must look (its cache full, a row's budget near): one call, the GIL released
+"Python between the runs"). With `NativeSession` offline greedy runs a batch's whole search in the
+library (`greedy_run`: its finished rows leave the batch there too; Python comes back only to double a full
+cache), the server's greedy bursts run until a row meets eos (`greedy_steps`), and offline beam search asks
+for steps until a quarter of its searches are over (`beam_steps`): one call each, the GIL released
 throughout (ctypes releases it for every foreign call). Every other search binds and runs one step at a
 time through the same session, as with ONNX Runtime's own Python session.
 
@@ -14,7 +16,8 @@ library is registered once before the first session is made here. The environmen
 one; the session options are translator.session_options's (the caller passes its config entries), with
 nmtserve's custom ops; the initializers the caller gives (the embedding both graphs share) are read in
 place, and the caller keeps them alive. A binding holds addresses of host memory, bound by `bind` (as
-`translator.bind_address` does for ONNX Runtime's own bindings) and sent with the next run. CPU only.
+`translator.bind_address` does for ONNX Runtime's own bindings) and sent with the next run; the library keeps
+what each name is bound to, so that `greedy_run` can bind the fewer rows again itself. CPU only.
 """
 
 from __future__ import annotations
