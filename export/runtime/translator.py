@@ -630,10 +630,10 @@ class OnnxTranslator:
         (`with_search_head`) and each score is nan."""
         if len(sources) == 1 and self.native_steps:
             return [[self._greedy_one(state, sources[0], max_decoding_length, length_rule, scores)]]
-        rows = np.arange(len(sources))  # the source of each row of `state`, and its budget
         budget = np.array([self.limits.output_budget(len(s), max_decoding_length, length_rule) for s in sources])
         if self.native_steps:
             return self._native_greedy(state, budget, scores)
+        rows = np.arange(len(sources))  # the source of each row of `state` (budget: each one's)
         steps = [], [], []  # per step: each row's source, token and (when scored) log-prob
         finished, end = np.zeros(len(sources), bool), np.zeros(len(sources), np.int64)  # end: its last step
         done = np.zeros(len(rows), bool)  # the rows of `state` whose source has finished (they leave together)
@@ -687,27 +687,17 @@ class OnnxTranslator:
             if scores:
                 values.append(out[1][:taken])
             stepped += taken
-            state = None if rows == 0 else self._kept_rows(state, rows, before, source[:rows])
+            if 0 < rows < state.size:  # the library moved the rows left into the first places (greedy_run)
+                index = np.empty(n, np.int64)
+                index[before] = np.arange(len(before))
+                state = state.moved_in_place(index[source[:rows]], cross_eos_moved=not self.shared_cross)
+            elif rows == 0:
+                state = None
         tokens = np.concatenate(tokens).T.tolist()  # per source
         values = np.concatenate(values).T.tolist() if scores else None
         return [[Hypothesis(t[:e] if eos else t[:e + 1], sum(values[s][:e + 1]) if scores else math.nan,
                             "eos" if eos else "length")]
                 for s, (t, e, eos) in enumerate(zip(tokens, end.tolist(), by_eos.tolist()))]
-
-    def _kept_rows(self, state: BatchState, rows: int, before: np.ndarray, after: np.ndarray) -> BatchState:
-        """The state of the rows the library kept (`greedy_run`): each row's tensors are the first `rows` rows of
-        the same buffers, where the library moved them; src_mask (and cross_eos, which the shared-cross step does
-        not bind) are taken by each row's source: `before` the source of each row at the run's start, `after` of
-        each row left."""
-        if rows == state.size:
-            return state
-        index = np.empty(before.max() + 1, np.int64)
-        index[before] = np.arange(len(before))
-        order, ops = index[after], state.ops
-        eos = ops.take(state.cross_eos, order, 1) if self.shared_cross else ops.head(state.cross_eos, rows)
-        return BatchState(ops.head(state.k, rows), ops.head(state.v, rows), ops.head(state.cross_k, rows),
-                          ops.head(state.cross_v, rows), eos, state.src_mask[order], state.positions[:rows],
-                          state.tokens[:rows], state.hole[:rows], ops, origin=state.origin[:rows])
 
     def _greedy_one(self, state: BatchState, source: list[int], max_decoding_length: int, length_rule: str,
                     scores: bool) -> Hypothesis:
