@@ -207,13 +207,13 @@ class BeamSearch:
         return self.budget - self.steps - 1
 
     def native_line(self) -> list[int]:
-        """This search's line for the library's beam steps (kernels.cc, nmt_beam_steps): mode (1: it finishes
-        hypotheses and stops by CTranslate2's rule there; 0: ordinary steps only), the steps before one that is
-        never ordinary, the hypotheses finished, whether the best candidate has finished, and CTranslate2's
-        rule (`_ctranslate2_rule`)."""
+        """This search's line for the library's beam search (kernels.cc, nmt_beam_run): mode (-1: over; 0: ordinary
+        steps only; 1: it finishes hypotheses and stops by CTranslate2's rule there; 2: the budget's last step
+        too, whose every candidate finishes), the steps before one that is never ordinary, the hypotheses finished,
+        whether the best candidate has finished, and CTranslate2's rule (`_ctranslate2_rule`)."""
         need, best_first = self._ctranslate2_rule()
-        return [int(self.options.beam_stopping != "transformers"), self._ordinary_steps_left(), len(self.finished),
-                int(self.top_finished), need, int(best_first)]
+        mode = -1 if self.done else 0 if self.options.beam_stopping == "transformers" else 1 if self.forced_eos else 2
+        return [mode, self._ordinary_steps_left(), len(self.finished), int(self.top_finished), need, int(best_first)]
 
     def ordinary(self, eos_among_best: bool) -> bool:
         """Whether a step is an ordinary one: no eos among its k best candidates, the budget not spent, no

@@ -271,17 +271,18 @@ class BatchState:
                           ops.head(eos, n), self.src_mask[sources], self.positions[order], self.tokens[order],
                           self.hole[order], ops, width, self._origin_of(order))
 
-    def moved_in_place(self, order: np.ndarray, cross_eos_moved: bool) -> BatchState:
-        """The state of the rows `order` (the old index of each new one) once something else has moved them into the
-        first places of the same buffers, as `relocate` would (nmtserve's library compacting offline greedy's
-        batch: kernels.cc, nmt_greedy_run): every bound per-row tensor is already there, so the state is views of
-        those buffers; src_mask, and cross_eos unless the library moved it too (a shared-cross step does not bind
-        it), are taken by `order`. Width 1, origins each row's own (greedy's)."""
-        n, ops = len(order), self.ops
-        eos = ops.head(self.cross_eos, n) if cross_eos_moved else ops.take(self.cross_eos, order, 1)
-        return BatchState(ops.head(self.k, n), ops.head(self.v, n), ops.head(self.cross_k, n), ops.head(self.cross_v, n),
-                          eos, self.src_mask[order], self.positions[:n], self.tokens[:n], self.hole[:n], ops,
-                          origin=None if self.origin is None else self.origin[:n])
+    def moved_in_place(self, sources: np.ndarray, cross_eos_moved: bool) -> BatchState:
+        """The state of the given sources (the old index of each new one; a source is `width` rows) once something
+        else has moved them into the first places of the same buffers, as `relocate` would (nmtserve's library
+        compacting an offline batch: kernels.cc, compact_groups): every bound tensor is already there, origins
+        renumbered, so the state is views of those buffers; src_mask, and cross_eos unless the library moved it too
+        (a shared-cross step does not bind it), are taken by `sources`."""
+        n, rows, ops = len(sources), len(sources) * self.width, self.ops
+        eos = ops.head(self.cross_eos, n) if cross_eos_moved else ops.take(self.cross_eos, sources, 1)
+        return BatchState(ops.head(self.k, rows), ops.head(self.v, rows), ops.head(self.cross_k, n),
+                          ops.head(self.cross_v, n), eos, self.src_mask[sources], self.positions[:rows],
+                          self.tokens[:rows], self.hole[:rows], ops, self.width,
+                          None if self.origin is None else self.origin[:rows])
 
     def _origin_of(self, rows: np.ndarray) -> np.ndarray | None:
         """The origin of a state of the given rows (the old index of each new row, whole sources: a source's

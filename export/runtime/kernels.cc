@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <initializer_list>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -805,17 +806,30 @@ int failed(const std::exception& e, char* error, size_t error_size) {
   return -1;
 }
 
-// nmt_greedy_run's compaction (below): the rows not finished among the first `kept` stay, the last live rows move
-// into the places of the finished ones.
-void compact_rows(Binding& binding, int64_t rows, const uint8_t* finished, int64_t* source, int64_t* budget,
-                  const int64_t* positions, int count, const char* const* row_names, const int* kinds, int64_t kept) {
+// An array that moves with a batch's rows but is not bound to the session (a row's source, budget or beam score):
+// one element of `bytes` per row, or per group of rows (per_group).
+struct Carried {
+  void* data;
+  size_t bytes;
+  bool per_group;
+};
+
+// The compaction of offline searches in the library (nmt_greedy_run, nmt_beam_run), as BatchState.compact does: a
+// batch of `groups` groups of `width` rows (a source's: 1 row for greedy, its beam for beam search), of which the
+// groups not finished among the first `kept` stay and the last live groups move into the places of the finished
+// ones, in every buffer bound to one of the `count` row_names and in the `carried` arrays; those names are then bound
+// again with the rows kept. Kinds of row_names: 0 a row per row; 1 a self-attention cache (rows, heads, slots, dim),
+// the `length` slots its rows have filled; 2 cache_origin (rows, slots), its filled slots renumbered as the group
+// moves (a group's rows point only at each other) and the rest the row's own; 3 a row per group (a source's cross K/V
+// and last slot, which its rows share).
+void compact_groups(Binding& binding, int64_t width, int64_t groups, const uint8_t* finished, int64_t kept,
+                    int64_t length, int count, const char* const* row_names, const int* kinds,
+                    std::initializer_list<Carried> carried) {
   std::vector<int64_t> holes, movers;
-  for (int64_t r = 0; r < kept; r++)
-    if (finished[r]) holes.push_back(r);
-  for (int64_t r = kept; r < rows; r++)
-    if (!finished[r]) movers.push_back(r);
-  int64_t length = 0;  // the slots the moving rows have filled
-  for (const int64_t r : movers) length = std::max(length, positions[r]);
+  for (int64_t g = 0; g < kept; g++)
+    if (finished[g]) holes.push_back(g);
+  for (int64_t g = kept; g < groups; g++)
+    if (!finished[g]) movers.push_back(g);
   std::vector<const char*> moved;  // each buffer once (a cache is bound as input and as output)
   for (int i = 0; i < count; i++) {
     for (auto* map : {&binding.inputs, &binding.outputs}) {
@@ -826,23 +840,32 @@ void compact_rows(Binding& binding, int64_t rows, const uint8_t* finished, int64
       const size_t element = element_size(static_cast<ONNXTensorElementDataType>(b.type));
       size_t row_bytes = element;
       for (size_t d = 1; d < b.shape.size(); d++) row_bytes *= static_cast<size_t>(b.shape[d]);
+      const int64_t rows = kinds[i] == 3 ? 1 : width;  // of a group
       for (size_t m = 0; m < holes.size(); m++) {
-        char* to = b.data + holes[m] * row_bytes;
-        const char* from = b.data + movers[m] * row_bytes;
-        if (kinds[i] == 1) {  // (rows, heads, slots, dim): each head's filled slots
-          const size_t head_bytes = row_bytes / b.shape[1], filled = length * b.shape[3] * element;
-          for (int64_t h = 0; h < b.shape[1]; h++) std::memcpy(to + h * head_bytes, from + h * head_bytes, filled);
-        } else if (kinds[i] == 2) {  // cache_origin: the row's own slots
-          std::fill_n(reinterpret_cast<int32_t*>(to), row_bytes / sizeof(int32_t), static_cast<int32_t>(holes[m]));
-        } else {
-          std::memcpy(to, from, row_bytes);
+        for (int64_t r = 0; r < rows; r++) {
+          const int64_t to_row = holes[m] * rows + r, from_row = movers[m] * rows + r;
+          char* to = b.data + to_row * row_bytes;
+          const char* from = b.data + from_row * row_bytes;
+          if (kinds[i] == 1) {
+            const size_t head_bytes = row_bytes / b.shape[1], filled = length * b.shape[3] * element;
+            for (int64_t h = 0; h < b.shape[1]; h++) std::memcpy(to + h * head_bytes, from + h * head_bytes, filled);
+          } else if (kinds[i] == 2) {
+            auto* slot = reinterpret_cast<int32_t*>(to);
+            const auto* was = reinterpret_cast<const int32_t*>(from);
+            const int64_t slots = static_cast<int64_t>(row_bytes / sizeof(int32_t)), shift = to_row - from_row;
+            for (int64_t t = 0; t < slots; t++) slot[t] = static_cast<int32_t>(t < length ? was[t] + shift : to_row);
+          } else {
+            std::memcpy(to, from, row_bytes);
+          }
         }
       }
     }
   }
-  for (size_t m = 0; m < holes.size(); m++) {
-    source[holes[m]] = source[movers[m]];
-    budget[holes[m]] = budget[movers[m]];
+  for (const Carried& c : carried) {
+    const size_t group_bytes = c.bytes * (c.per_group ? 1 : width);
+    for (size_t m = 0; m < holes.size(); m++)
+      std::memcpy(static_cast<char*>(c.data) + holes[m] * group_bytes,
+                  static_cast<char*>(c.data) + movers[m] * group_bytes, group_bytes);
   }
   for (int i = 0; i < count; i++) {  // bound again with the rows kept
     for (const bool output : {false, true}) {
@@ -850,7 +873,7 @@ void compact_rows(Binding& binding, int64_t rows, const uint8_t* finished, int64
       auto found = map.find(row_names[i]);
       if (found == map.end()) continue;
       std::vector<int64_t> shape = found->second.shape;
-      shape[0] = kept;
+      shape[0] = kinds[i] == 3 ? kept : kept * width;
       bind(binding, row_names[i], found->second.type, shape.data(), static_cast<int>(shape.size()),
            found->second.data, output);
     }
@@ -1008,7 +1031,11 @@ int64_t nmt_greedy_run(void* runner, void* binding, int64_t* rows_io, int64_t* t
       if (4 * done >= rows || (done > 0 && step + 1 == max_steps)) {  // the rows left at return are all live
         const int64_t kept = rows - done;
         try {
-          compact_rows(bound, rows, finished.data(), source, budget, positions, count, row_names, kinds, kept);
+          int64_t length = 0;  // the slots the rows left have filled
+          for (int64_t r = 0; r < rows; r++)
+            if (!finished[r]) length = std::max(length, positions[r]);
+          compact_groups(bound, 1, rows, finished.data(), kept, length, count, row_names, kinds,
+                         {{source, sizeof(int64_t), true}, {budget, sizeof(int64_t), true}});
         } catch (const std::exception& e) {  // rows half moved: the batch cannot go on
           return failed(e, error, error_size);
         }
@@ -1025,50 +1052,53 @@ int64_t nmt_greedy_run(void* runner, void* binding, int64_t* rows_io, int64_t* t
   }
 }
 
-// Beam-search steps of several searches of one beam size k, whose rows lie one after another, k each, on a
-// binding whose step writes each row's `width` (2k) best candidates into `ids` and `scores`, best first
-// (OnnxTranslator._binding_for), over a state with cache origins (BatchState.origin: `origin` rows × capacity).
-// The rules are nmtserve/search.py's BeamSearch with beam_stopping "ctranslate2"; each search's line of
-// `searches` (n × 6) is: mode (-1 over: its rows continue themselves, fed their best token; 0 ordinary steps
-// only; 1 finishing hypotheses too), the steps before its budget's last, hypotheses finished so far, whether
-// the best candidate has finished at some step, the finished hypotheses that stop it, and whether it stops
-// only once the best has finished (no length penalty); the library keeps the lines up to date as it goes
-// (the caller checks its own searches against them). `beam` holds each row's cumulative log-prob.
-// Each step: the session runs, every row's position advances, each search ranks its k × 2k extensions (the
-// 2k best, best first; ties: lower row, then the better candidate of the row) into that step's part of
-// out_rows (local rows), out_ids and out_scores (steps × n × 2k); candidate i < k finishes a hypothesis if
-// its token is eos, its place taken by the next candidate from k on that is not eos. Then each row feeds its
-// token, its origin row copied from its parent's (out_parents, out_tokens: steps × rows); a search that stops
-// is over from the next step on. Ends after the step at which `over_at` searches are over, after max_steps, or
-// before choosing at a step that BeamSearch must take in Python (a budget's last step, or an eos among the k
-// best of a mode-0 search): then *pending is 1, that step's candidates are in `ids` and `scores` and its
-// positions advanced. Returns the steps chosen, or -1 with the error's message.
-int64_t nmt_beam_steps(void* runner, void* binding, const int64_t* ids, const float* scores, int64_t width,
-                       int64_t* tokens, int64_t* positions, int32_t* origin, int64_t capacity, double* beam,
-                       int64_t* searches, int64_t n, int64_t k, int64_t eos, int64_t max_steps, int64_t over_at,
-                       int64_t* out_rows, int64_t* out_ids, double* out_scores, int64_t* out_parents,
-                       int64_t* out_tokens, int64_t* pending, char* error, size_t error_size) {
+// Offline beam search of a batch (OnnxTranslator.search on the library): steps of several searches of one beam size
+// k, whose rows lie one after another, k each (a group), on a binding whose step writes each row's `width` (2k) best
+// candidates into `ids` and `scores`, best first (OnnxTranslator._binding_for), over a state with cache origins
+// (BatchState.origin: `origin` rows × capacity). The rules are nmtserve/search.py's BeamSearch with beam_stopping
+// "ctranslate2"; each search's line of `lines` (sources × 6, by search: search_of[g] is group g's) is: mode (-1 over:
+// its rows continue themselves, fed their best token; 0 ordinary steps only; 1 finishing hypotheses too; 2 also the
+// budget's last step, at which every candidate i < k finishes), the steps before its budget's last, hypotheses
+// finished so far, whether the best candidate has finished at some step, the finished hypotheses that stop it, and
+// whether it stops only once the best has finished (no length penalty); the library keeps the lines up to date as it
+// goes (the caller checks its own searches against them). `beam` holds each row's cumulative log-prob.
+// Each step: the session runs, every row's position advances, each live search ranks its k × 2k extensions (the 2k
+// best, best first; ties: lower row, then the better candidate of the row) into that step's part of out_rows (local
+// rows), out_ids and out_scores (steps × sources × 2k, at its search's place); candidate i < k finishes a hypothesis
+// if its token is eos (or at a mode-2 search's last step), its place taken by the next candidate from k on that is
+// not eos. Then each row feeds its token, its origin row copied from its parent's (out_parents, local, and
+// out_tokens: steps × sources × k); a search that stops is over from the next step on. Once the groups over are a
+// quarter of the groups they leave the batch (compact_groups: kinds as there; `beam` and search_of move with them),
+// and so do any over at the last step. *groups_io: the groups at the start, and at return the live groups left (0: all
+// over), in the first places of the same buffers. Ends when every search is over, after max_steps (the cache's room),
+// or before choosing at a step that BeamSearch must take in Python (a mode-1 search's last step, or an eos among the
+// k best of a mode-0 search): then *pending is 1, that step's candidates are in `ids` and `scores` and its positions
+// advanced. Returns the steps chosen, or -1 with the error's message.
+int64_t nmt_beam_run(void* runner, void* binding, int64_t* groups_io, const int64_t* ids, const float* scores,
+                     int64_t width, int64_t* tokens, int64_t* positions, int32_t* origin, int64_t capacity,
+                     double* beam, int64_t* search_of, int64_t* lines, int64_t sources, int64_t k, int64_t eos,
+                     int64_t max_steps, int count, const char* const* row_names, const int* kinds, int64_t* out_rows,
+                     int64_t* out_ids, double* out_scores, int64_t* out_parents, int64_t* out_tokens,
+                     int64_t* pending, char* error, size_t error_size) {
   auto& session = static_cast<Runner*>(runner)->session;
-  auto& io = static_cast<Binding*>(binding)->io;
+  auto& bound = *static_cast<Binding*>(binding);
   const Ort::RunOptions run_options{nullptr};
-  const int64_t rows = n * k, extensions = k * width;
+  const int64_t extensions = k * width;
+  int64_t groups = *groups_io;
   std::vector<double> total(extensions);
   std::vector<char> taken(extensions);
   std::vector<int32_t> saved;
-  int64_t over = 0;
-  for (int64_t j = 0; j < n; j++) over += searches[6 * j] < 0;
+  std::vector<int64_t> parent(k);
+  std::vector<uint8_t> over(groups);
   *pending = 0;
   try {
     for (int64_t step = 0; step < max_steps; step++) {
-      session.Run(run_options, io);
-      for (int64_t r = 0; r < rows; r++) positions[r] += 1;
-      int64_t* cand_row = out_rows + step * n * width;
-      int64_t* cand_id = out_ids + step * n * width;
-      double* cand_score = out_scores + step * n * width;
-      for (int64_t j = 0; j < n; j++) {  // rank, and see whether Python must take this step
-        const int64_t* s = searches + 6 * j;
+      session.Run(run_options, bound.io);
+      for (int64_t r = 0; r < groups * k; r++) positions[r] += 1;
+      for (int64_t g = 0; g < groups; g++) {  // rank, and see whether Python must take this step
+        const int64_t* s = lines + 6 * search_of[g];
         if (s[0] < 0) continue;
-        const int64_t first = j * k;
+        const int64_t first = g * k, at = (step * sources + search_of[g]) * width;
         for (int64_t e = 0; e < extensions; e++)
           total[e] = beam[first + e / width] + scores[(first + e / width) * width + e % width];
         std::fill(taken.begin(), taken.end(), 0);
@@ -1077,56 +1107,71 @@ int64_t nmt_beam_steps(void* runner, void* binding, const int64_t* ids, const fl
           for (int64_t e = 0; e < extensions; e++)
             if (!taken[e] && (best < 0 || total[e] > total[best])) best = e;
           taken[best] = 1;
-          cand_row[j * width + c] = best / width;
-          cand_id[j * width + c] = ids[(first + best / width) * width + best % width];
-          cand_score[j * width + c] = total[best];
+          out_rows[at + c] = best / width;
+          out_ids[at + c] = ids[(first + best / width) * width + best % width];
+          out_scores[at + c] = total[best];
         }
         bool eos_among_best = false;
-        for (int64_t c = 0; c < k; c++) eos_among_best |= cand_id[j * width + c] == eos;
-        if (step >= s[1] || (eos_among_best && s[0] == 0)) {
+        for (int64_t c = 0; c < k; c++) eos_among_best |= out_ids[at + c] == eos;
+        if ((step >= s[1] && s[0] != 2) || (eos_among_best && s[0] == 0)) {
           *pending = 1;
+          *groups_io = groups;
           return step;
         }
       }
-      for (int64_t j = 0; j < n; j++) {  // choose: each row's parent and token
-        int64_t* s = searches + 6 * j;
-        const int64_t first = j * k;
+      for (int64_t g = 0; g < groups; g++) {  // choose: each row's parent and token
+        int64_t* s = lines + 6 * search_of[g];
+        const int64_t first = g * k;
         if (s[0] < 0) {
-          for (int64_t r = first; r < first + k; r++) {
-            tokens[r] = ids[r * width];
-            out_parents[step * rows + r] = r;
-          }
+          for (int64_t r = first; r < first + k; r++) tokens[r] = ids[r * width];
           continue;
         }
-        const int64_t* row = cand_row + j * width;
-        const int64_t* id = cand_id + j * width;
+        const int64_t at = (step * sources + search_of[g]) * width;
+        const int64_t* row = out_rows + at;
+        const int64_t* id = out_ids + at;
+        const bool last = s[0] == 2 && step >= s[1];
         int64_t spare = k;
         for (int64_t i = 0; i < k; i++) {
           int64_t c = i;
-          if (id[i] == eos) {
+          if (id[i] == eos || last) {
             s[2] += 1;
             s[3] |= i == 0;
             while (spare < width && id[spare] == eos) spare++;
             if (spare < width) c = spare++;
           }
-          out_parents[step * rows + first + i] = first + row[c];
+          parent[i] = row[c];
+          out_parents[(step * sources + search_of[g]) * k + i] = row[c];
+          out_tokens[(step * sources + search_of[g]) * k + i] = id[c];
           tokens[first + i] = id[c];
-          beam[first + i] = cand_score[j * width + c];
+          beam[first + i] = out_scores[at + c];
         }
-        if (s[2] >= s[4] && (!s[5] || s[3])) {  // stopped
-          s[0] = -1;
-          over++;
-        }
+        if (last || (s[2] >= s[4] && (!s[5] || s[3]))) s[0] = -1;  // stopped
         const int64_t length = positions[first];  // a search's rows are all at one position
         saved.assign(origin + first * capacity, origin + (first + k) * capacity);
-        for (int64_t i = 0; i < k; i++) {
-          const int64_t parent = out_parents[step * rows + first + i] - first;
-          if (parent != i) std::memcpy(origin + (first + i) * capacity, saved.data() + parent * capacity,
-                                       length * sizeof(int32_t));
-        }
+        for (int64_t i = 0; i < k; i++)
+          if (parent[i] != i) std::memcpy(origin + (first + i) * capacity, saved.data() + parent[i] * capacity,
+                                          length * sizeof(int32_t));
       }
-      std::memcpy(out_tokens + step * rows, tokens, rows * sizeof(int64_t));
-      if (over >= over_at) return step + 1;
+      int64_t over_now = 0;
+      for (int64_t g = 0; g < groups; g++) {
+        over[g] = lines[6 * search_of[g]] < 0;
+        over_now += over[g];
+      }
+      if (over_now == groups) {
+        *groups_io = 0;
+        return step + 1;
+      }
+      if (4 * over_now >= groups || (over_now > 0 && step + 1 == max_steps)) {  // the groups left at return all live
+        const int64_t kept = groups - over_now;
+        try {
+          compact_groups(bound, k, groups, over.data(), kept, positions[0], count, row_names, kinds,
+                         {{beam, sizeof(double), false}, {search_of, sizeof(int64_t), true}});
+        } catch (const std::exception& e) {  // rows half moved: the batch cannot go on
+          return failed(e, error, error_size);
+        }
+        groups = kept;
+        *groups_io = groups;
+      }
     }
     return max_steps;
   } catch (const std::exception& e) {

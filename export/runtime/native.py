@@ -5,9 +5,10 @@ Offline greedy search at batch 1 spent 41 µs of a 0.35 ms step in Python betwee
 batches decoded at once (inter_threads 2) each waited for the other's Python (docs/performance.md,
 "Python between the runs"). With `NativeSession` offline greedy runs a batch's whole search in the
 library (`greedy_run`: its finished rows leave the batch there too; Python comes back only to double a full
-cache), the server's greedy bursts run until a row meets eos (`greedy_steps`), and offline beam search asks
-for steps until a quarter of its searches are over (`beam_steps`): one call each, the GIL released
-throughout (ctypes releases it for every foreign call). Every other search binds and runs one step at a
+cache), and so does offline beam search (`beam_run`; Python also takes the steps whose rules the library
+leaves to it, and replays the library's choices into its searches at the end), and the server's greedy bursts
+run until a row meets eos (`greedy_steps`): one call each, the GIL released throughout (ctypes releases it for
+every foreign call). Every other search binds and runs one step at a
 time through the same session, as with ONNX Runtime's own Python session.
 
 The session is made by the ONNX Runtime that Python uses: the library learns its API when a session
@@ -17,7 +18,7 @@ one; the session options are translator.session_options's (the caller passes its
 nmtserve's custom ops; the initializers the caller gives (the embedding both graphs share) are read in
 place, and the caller keeps them alive. A binding holds addresses of host memory, bound by `bind` (as
 `translator.bind_address` does for ONNX Runtime's own bindings) and sent with the next run; the library keeps
-what each name is bound to, so that `greedy_run` can bind the fewer rows again itself. CPU only.
+what each name is bound to, so that `greedy_run` and `beam_run` can bind the fewer rows again themselves. CPU only.
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ def _library() -> ctypes.CDLL:
             library.nmt_greedy_steps.argtypes = [p, p, p, p, p, p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p,
                                                  ctypes.c_double, p, p, c, n]
             library.nmt_greedy_steps.restype = ctypes.c_int64
-            library.nmt_beam_steps.argtypes = [p, p, p, p, ctypes.c_int64, p, p, p, ctypes.c_int64, p, p, ctypes.c_int64,
-                                               ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p, p, p, p, p, p, c, n]
-            library.nmt_beam_steps.restype = ctypes.c_int64
+            library.nmt_beam_run.argtypes = [p, p, p, p, p, ctypes.c_int64, p, p, p, ctypes.c_int64, p, p, p,
+                                             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                             ctypes.POINTER(c), ints, p, p, p, p, p, p, c, n]
+            library.nmt_beam_run.restype = ctypes.c_int64
             library.nmt_greedy_run.argtypes = [p, p, p, p, p, p, p, p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                                                ctypes.POINTER(c), ints, ctypes.c_int64, ctypes.c_int64, p, p, p, p, c, n]
             library.nmt_greedy_run.restype = ctypes.c_int64
@@ -134,7 +136,7 @@ class NativeBinding:
         self._free = self._library.nmt_binding_free
         self._pending: list = []  # binds not yet sent (bind)
         self._tables: dict = {}  # (names, types, shapes, outputs) of a send -> their C arrays (_send)
-        self._row_tables: dict = {}  # greedy_run's row_names -> their C arrays
+        self._row_tables: dict = {}  # greedy_run's and beam_run's row_names -> their C arrays (_row_table)
         self._arrays: tuple = (None,) * 5  # greedy_steps' per-row arrays at its last call, and their addresses
         self._addresses: list = []
 
@@ -201,7 +203,7 @@ class NativeBinding:
         `tokens`, `positions` and `scores` are the bound step's (tokens fed, written by the step), `source` and
         `budget` (int64, a row each) each row's source and the position at which it finishes if no eos came; the
         library moves them with the rows. `row_names`: (name, kind) of every bound buffer with a row per leading
-        index (kinds: 0 rows, 1 a cache, 2 cache_origin). `out`: out_tokens (steps, sources) int64, out_scores
+        index (kinds: 0 rows, 1 a cache, 2 cache_origin, 3 a row per source: kernels.cc, compact_groups). `out`: out_tokens (steps, sources) int64, out_scores
         (the same, float32, or None), end (sources,) int64 and by_eos (sources,) uint8, written at each source's
         column; end as step0 + the step -> (the steps run, the rows left in the first places of the buffers)."""
         if self._pending:
@@ -210,43 +212,49 @@ class NativeBinding:
         assert tokens.dtype == positions.dtype == source.dtype == budget.dtype == np.int64 and scores.dtype == np.float32
         assert out_tokens.flags.c_contiguous and by_eos.dtype == np.uint8 and end.dtype == np.int64
         assert out_scores is None or out_scores.shape == out_tokens.shape and out_scores.flags.c_contiguous
-        table = self._row_tables.get(row_names)
-        if table is None:
-            table = self._row_tables[row_names] = (len(row_names), (ctypes.c_char_p * len(row_names))(
-                *(name.encode() for name, _ in row_names)), (ctypes.c_int * len(row_names))(*(k for _, k in row_names)))
         left = ctypes.c_int64(rows)
         steps = _checked(self._library.nmt_greedy_run(
             self.session._handle, self._handle, ctypes.byref(left), tokens.ctypes.data, positions.ctypes.data,
-            scores.ctypes.data, source.ctypes.data, budget.ctypes.data, eos_id, len(out_tokens), *table,
+            scores.ctypes.data, source.ctypes.data, budget.ctypes.data, eos_id, len(out_tokens), *self._row_table(row_names),
             out_tokens.shape[1], step0, out_tokens.ctypes.data, None if out_scores is None else out_scores.ctypes.data,
             end.ctypes.data, by_eos.ctypes.data, self._error, _ERROR_SIZE), self._error)
         return steps, left.value
 
-    def beam_steps(self, ids: np.ndarray, scores: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
-                   origin: np.ndarray, beam: np.ndarray, searches: np.ndarray, k: int, eos_id: int, over_at: int,
-                   out: tuple[np.ndarray, ...]) -> tuple[int, bool]:
-        """Beam-search steps in the library (kernels.cc, nmt_beam_steps: the rules, and when it ends) of the
-        searches whose lines are `searches` (n, 6) int64 over rows of k each; `ids` and `scores` (rows, 2k) are
-        the step's bound candidate outputs, `tokens` and `positions` its bound inputs, `origin` (rows, capacity)
-        int32 the state's cache origins, `beam` (rows,) float64 each row's cumulative log-prob; it returns once
-        `over_at` searches are over. Writes each step into `out`: its candidates, (steps, n, 2k) int64 rows,
-        int64 ids and float64 scores, and each row's parent and token (steps, rows) int64 -> the steps chosen,
-        and whether one more ran and awaits Python."""
+    def beam_run(self, groups: int, ids: np.ndarray, scores: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
+                 origin: np.ndarray, beam: np.ndarray, search_of: np.ndarray, lines: np.ndarray, k: int, eos_id: int,
+                 row_names: tuple[tuple[str, int], ...], out: tuple[np.ndarray, ...]) -> tuple[int, int, bool]:
+        """Offline beam search of the first `groups` searches' rows (k each) in the library (kernels.cc, nmt_beam_run:
+        the rules, how the searches that are over leave the batch, and when it ends). `ids` and `scores` (rows, 2k)
+        are the step's bound candidate outputs, `tokens` and `positions` its bound inputs, `origin` (rows, capacity)
+        int32 the state's cache origins, `beam` (rows,) float64 each row's cumulative log-prob, `search_of` (groups,)
+        int64 the search of each group of rows, `lines` (searches, 6) int64 each search's line; the library moves
+        beam and search_of with the rows and keeps the lines. `row_names` as greedy_run's. Writes each step into
+        `out` at its search's place: its candidates, (steps, searches, 2k) int64 rows, int64 ids and float64 scores,
+        and its rows' parents (local) and tokens (steps, searches, k) int64 -> the steps chosen, the groups left in
+        the first places, and whether one more step ran and awaits Python."""
         if self._pending:
             self._send()
-        rows, width = ids.shape
+        width = ids.shape[1]
         cand_rows, cand_ids, cand_scores, parents, chosen = out
-        assert searches.shape == (rows // k, 6) and searches.dtype == np.int64 and beam.dtype == np.float64
+        assert lines.shape[1] == 6 and lines.dtype == search_of.dtype == np.int64 and beam.dtype == np.float64
         assert ids.dtype == np.int64 and scores.dtype == np.float32 and origin.dtype == np.int32
-        assert cand_rows.shape == cand_ids.shape == cand_scores.shape == (len(parents), rows // k, width)
-        assert parents.shape == chosen.shape == (len(parents), rows) and origin.flags.c_contiguous
-        pending = ctypes.c_int64()
-        steps = _checked(self._library.nmt_beam_steps(
-            self.session._handle, self._handle, ids.ctypes.data, scores.ctypes.data, width, tokens.ctypes.data,
-            positions.ctypes.data, origin.ctypes.data, origin.shape[1], beam.ctypes.data, searches.ctypes.data,
-            rows // k, k, eos_id, len(parents), over_at, *(x.ctypes.data for x in out), ctypes.byref(pending),
-            self._error, _ERROR_SIZE), self._error)
-        return steps, bool(pending.value)
+        assert cand_rows.shape == cand_ids.shape == cand_scores.shape == (len(parents), len(lines), width)
+        assert parents.shape == chosen.shape == (len(parents), len(lines), k) and origin.flags.c_contiguous
+        left, pending = ctypes.c_int64(groups), ctypes.c_int64()
+        steps = _checked(self._library.nmt_beam_run(
+            self.session._handle, self._handle, ctypes.byref(left), ids.ctypes.data, scores.ctypes.data, width,
+            tokens.ctypes.data, positions.ctypes.data, origin.ctypes.data, origin.shape[1], beam.ctypes.data,
+            search_of.ctypes.data, lines.ctypes.data, len(lines), k, eos_id, len(parents), *self._row_table(row_names),
+            *(x.ctypes.data for x in out), ctypes.byref(pending), self._error, _ERROR_SIZE), self._error)
+        return steps, left.value, bool(pending.value)
+
+    def _row_table(self, row_names: tuple[tuple[str, int], ...]) -> tuple:
+        """The C arrays of greedy_run's and beam_run's row_names: their count, names and kinds (made once)."""
+        table = self._row_tables.get(row_names)
+        if table is None:
+            table = self._row_tables[row_names] = (len(row_names), (ctypes.c_char_p * len(row_names))(
+                *(name.encode() for name, _ in row_names)), (ctypes.c_int * len(row_names))(*(k for _, k in row_names)))
+        return table
 
     def __del__(self):
         if getattr(self, "_handle", None):

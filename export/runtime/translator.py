@@ -378,13 +378,14 @@ class OnnxTranslator:
         m = self.bundle.model
         self.n_layers, self.n_heads, self.head_dim = m["n_decoder_layers"], m["n_heads"], m["d_model"] // m["n_heads"]
         self.d_model = m["d_model"]
-        # the decoder step's buffers with a row each, bound by _binding_for (kinds for NativeBinding.greedy_run: 0
-        # rows, 1 a self-attention cache, 2 its origins)
+        # the decoder step's buffers with a row each, bound by _binding_for (kinds for the library's compaction,
+        # NativeBinding.greedy_run and beam_run: 0 rows, 1 a self-attention cache, 2 its origins, 3 a source's)
         layers = range(self.n_layers)
         self._row_names = tuple((f"{io}_{x}_{layer}", 1) for io in ("past", "present") for x in "kv" for layer in layers) \
-            + tuple((f"{io}{x}_{layer}", 0) for io in ("", "present_") for x in ("cross_k", "cross_v", "cross_eos")
+            + tuple((f"{io}{x}_{layer}", 3) for io in ("", "present_") for x in ("cross_k", "cross_v", "cross_eos")
                     for layer in layers) \
-            + (("cache_origin", 2),) + tuple((name, 0) for name in ROW_INPUTS + ("candidate_ids", "candidate_scores"))
+            + (("cache_origin", 2), ("cross_slot", 3)) \
+            + tuple((name, 0) for name in ("tokens", "positions", "candidate_ids", "candidate_scores"))
         self.eos_width = 2 * self.d_model  # a layer's cross_eos per row: the eos key, then its value
         self.vocab_size = m["vocab_size"]
         self.limits = self.bundle.limits
@@ -687,6 +688,8 @@ class OnnxTranslator:
             if scores:
                 values.append(out[1][:taken])
             stepped += taken
+            if rows < state.size:  # the library bound the fewer rows itself: what _bound holds is stale
+                self._bound.clear()
             if 0 < rows < state.size:  # the library moved the rows left into the first places (greedy_run)
                 index = np.empty(n, np.int64)
                 index[before] = np.arange(len(before))
@@ -742,7 +745,8 @@ class OnnxTranslator:
         """Beam search or sampling for one batch of token-id sources, encoded in `state` (`prefill`;
         nmtserve/search.py: one search per source, over its own rows). A finished source's rows decode
         on, ignored, until finished sources are a quarter of the batch; then their rows leave together
-        (as greedy's)."""
+        (as greedy's). With native_steps beam search runs in the library after its first step, the finished
+        sources leaving there too (`_native_beam_run`)."""
         searches = [make_search(options, self.limits.output_budget(len(s), options.max_decoding_length,
                                                                    options.length_rule), self.eos_id)
                     for s in sources]
@@ -750,15 +754,16 @@ class OnnxTranslator:
         beams = isinstance(searches[0], BeamSearch)
         # beam steps in the library, after the first (on the step that shares each source's cross K/V)
         native = beams and self.native_steps and self.cache_origin and self.shared_cross
-        slots = list(range(len(sources)))  # the source each `width` rows search for, in row order; None: done
-        results: list = [None] * len(sources)
+        slots = list(range(len(sources)))  # the source each `width` rows search for, in row order
         while state is not None:
-            live = [None if r is None else searches[r] for r in slots]  # each slot's search, None once done
             if native and state.size == width * len(slots):  # after the first step
-                pending = self._native_beam_steps(state, live, width)
-                ids, scores = self._ids, self._scores  # a pending step's candidates, read before the next step
+                state, slots, pending = self._native_beam_run(state, searches, slots, width)
+                if state is None:
+                    break
+                ids, scores = self._ids[:state.size], self._scores[:state.size]  # a pending step's candidates
             else:
                 (ids, scores), pending = self.decode_candidates(state, k), True
+            live = [None if searches[r].done else searches[r] for r in slots]  # each slot's search, None once done
             if pending:  # a step for Python to choose
                 if state.size < width * len(slots):  # the first step, one row per source (a beam's rows all
                     # start alike and its search reads row 0 only): then each row becomes its beam's rows
@@ -778,53 +783,60 @@ class OnnxTranslator:
                             chosen_parents, tokens[rows] = search.step(None if ids is None else ids[rows], scores[rows])
                             parents[rows] = chosen_parents + j * width
                 state.choose(tokens, parents)
-            for j, r in enumerate(slots):
-                if r is not None and searches[r].done:
-                    results[r], slots[j] = searches[r].results(), None
-            done = np.array([r is None for r in slots])
+            done = np.array([searches[r].done for r in slots])
             if done.sum() * 4 >= len(slots):  # compact, as greedy does
                 state, order = state.compact(np.repeat(~done, width))
                 slots = [slots[j] for j in order[::width] // width]
-        return results
+        return [search.results() for search in searches]
 
-    def _native_beam_steps(self, state: BatchState, searches: list[BeamSearch | None], k: int) -> bool:
-        """Beam-search steps in the library (NativeBinding.beam_steps) until a quarter of the searches are over
-        (`search` then compacts), the cache's end, or a step it leaves to Python, whose candidates it leaves in
-        the step's outputs. Each search then takes the steps the library chose for it, from the library's
-        candidates: an ordinary step (no eos among its k best) by `BeamSearch.advance`, any other by
+    def _native_beam_run(self, state: BatchState, searches: list[BeamSearch], slots: list[int], k: int) \
+            -> tuple[BatchState | None, list[int], bool]:
+        """Beam search in the library (NativeBinding.beam_run) until every search is over, the cache's end, or a
+        step it leaves to Python, whose candidates it leaves in the step's outputs; the searches that are over
+        leave the batch there. Each search then takes the steps the library chose for it, from the library's
+        candidates: an ordinary step (`BeamSearch.ordinary`) by `BeamSearch.advance`, any other by
         `BeamSearch.select`; its choices, finished hypotheses and stop must be the library's, or this is a
-        RuntimeError -> whether a step awaits Python (`beam_steps`, `state.choose`)."""
+        RuntimeError -> the state of the searches left (None: none), the source of each, in row order, and
+        whether a step awaits Python (`beam_steps`, `state.choose`)."""
         state.open_slot()
         self._with_scores[...] = True
         binding = self._binding_for(state, 2 * k)
-        steps, n, rows = state.capacity - state.length, len(searches), state.size
-        lines = np.array([[-1] * 6 if s is None else s.native_line() for s in searches], np.int64)
-        beam = np.concatenate([np.zeros(k) if s is None else s.scores for s in searches])
+        steps, n = state.capacity - state.length, len(searches)
+        lines = np.array([s.native_line() for s in searches], np.int64)
+        beam = np.concatenate([np.zeros(k) if searches[r].done else searches[r].scores for r in slots])
+        search_of = np.array(slots, np.int64)
         # zeros: the candidates of a search the library stopped are not written (the checks below catch a replay of them)
         out = (np.zeros((steps, n, 2 * k), np.int64), np.zeros((steps, n, 2 * k), np.int64),
-               np.zeros((steps, n, 2 * k)), np.empty((steps, rows), np.int64), np.empty((steps, rows), np.int64))
-        taken, pending = binding.beam_steps(self._ids, self._scores, state.tokens, state.positions, state.origin,
-                                            beam, lines, k, self.eos_id, -(-n // 4), out)
+               np.zeros((steps, n, 2 * k)), np.zeros((steps, n, k), np.int64), np.zeros((steps, n, k), np.int64))
+        taken, groups, pending = binding.beam_run(len(slots), self._ids, self._scores, state.tokens, state.positions,
+                                                  state.origin, beam, search_of, lines, k, self.eos_id, self._row_names,
+                                                  out)
         cand_rows, cand_ids, cand_scores, parents, tokens = (x[:taken] for x in out)
-        finishing = (cand_ids[:, :, :k] == self.eos_id).any(axis=2).tolist()  # (steps, n)
-        best_rows, best_ids = cand_rows[:, :, :k].tolist(), cand_ids[:, :, :k].tolist()
+        finishing = (cand_ids[:, :, :k] == self.eos_id).any(axis=2).T.tolist()  # (n, steps)
+        best_rows, best_ids = cand_rows[:, :, :k].transpose(1, 0, 2).tolist(), cand_ids[:, :, :k].transpose(1, 0, 2).tolist()
         for j, search in enumerate(searches):
-            own = slice(j * k, (j + 1) * k)
-            for step in range(taken) if search is not None else ():
-                if search.done:  # stopped at an earlier step: its rows decoded on, ignored
+            for step in range(taken):
+                if search.done:  # stopped at an earlier step (or before the run)
                     break
-                if not finishing[step][j]:
-                    search.advance(best_rows[step][j], best_ids[step][j], cand_scores[step, j, :k])
+                if search.ordinary(finishing[j][step]):
+                    search.advance(best_rows[j][step], best_ids[j][step], cand_scores[step, j, :k])
                     continue
                 chosen, fed = search.select(cand_rows[step, j], cand_ids[step, j], cand_scores[step, j])
-                if not (np.array_equal(chosen + j * k, parents[step, own]) and np.array_equal(fed, tokens[step, own])):
-                    raise RuntimeError(f"beam search in the library chose rows {parents[step, own]} and tokens "
-                                       f"{tokens[step, own]}, its rules in Python {chosen + j * k} and {fed}")
-            if search is not None and (search.done != (lines[j, 0] < 0) or len(search.finished) != lines[j, 2]):
+                if not (np.array_equal(chosen, parents[step, j]) and np.array_equal(fed, tokens[step, j])):
+                    raise RuntimeError(f"beam search in the library chose rows {parents[step, j]} and tokens "
+                                       f"{tokens[step, j]}, its rules in Python {chosen} and {fed}")
+            if search.done != (lines[j, 0] < 0) or len(search.finished) != lines[j, 2]:
                 raise RuntimeError(f"beam search in the library has {lines[j, 2]} hypotheses finished and "
                                    f"{'stopped' if lines[j, 0] < 0 else 'goes on'}; its rules in Python "
                                    f"{len(search.finished)}, and {'stopped' if search.done else 'go on'}")
-        return pending
+        left = search_of[:groups].tolist()
+        if groups == len(slots):
+            return state, left, pending
+        self._bound.clear()  # the library bound the fewer rows itself: what _bound holds is stale
+        if groups == 0:
+            return None, [], False
+        place = {source: j for j, source in enumerate(slots)}  # the library moved the searches left into the first places
+        return state.moved_in_place(np.array([place[r] for r in left]), cross_eos_moved=False), left, pending
 
     def search_ids(self, sources: list[list[int]], options: DecodingOptions = DecodingOptions(), *,
                    max_batch_size: int = 32, scores: bool = True) -> list[list[Hypothesis]]:

@@ -65,7 +65,8 @@ def test_every_search_runs_on_the_librarys_session(tiny_bundle, tiny_corpus):
                    [(t.text, t.score, [(x.text, x.score) for x in t.alternatives]) for t in b]
 
 
-BEAM_OPTIONS = [  # CTranslate2's stopping with and without a length penalty, then steps the library leaves to Python
+BEAM_OPTIONS = [  # CTranslate2's stopping with and without a length penalty, then steps the library leaves to Python:
+    # transformers' stopping, and the budget's last step with a forced eos (length_rule "transformers")
     DecodingOptions(beam_size=4, num_hypotheses=2),
     DecodingOptions(beam_size=3, num_hypotheses=3, length_penalty=1.0, patience=1.5),
     DecodingOptions(beam_size=5, max_decoding_length=4),  # budgets that end searches
@@ -77,19 +78,19 @@ BEAM_OPTIONS = [  # CTranslate2's stopping with and without a length penalty, th
 @pytest.mark.parametrize("variant", ["fp32", "int8"])
 def test_native_beam_steps_give_the_n_best_lists_of_the_search_in_python(tiny_bundle, tiny_corpus, variant,
                                                                          monkeypatch):
-    """Beam search in the library (nmt_beam_steps) at batch 1, 3 and 8, with each of BEAM_OPTIONS, and with eos
+    """Beam search in the library (nmt_beam_run) at batch 1, 3 and 8, with each of BEAM_OPTIONS, and with eos
     never found (every search to its budget, the cache growing past its first 32 slots while the library
     loops): the same hypotheses, scores and finish as the search in Python one step at a time, and the
     library chose most steps."""
     native, theirs = _pair(tiny_bundle, variant)
     sources = [native.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
-    chosen, run_steps = [0], NativeBinding.beam_steps
+    chosen, beam_run = [0], NativeBinding.beam_run
 
     def counted(*args):
-        taken, pending = run_steps(*args)
+        taken, groups, pending = beam_run(*args)
         chosen[0] += taken
-        return taken, pending
-    monkeypatch.setattr(NativeBinding, "beam_steps", counted)
+        return taken, groups, pending
+    monkeypatch.setattr(NativeBinding, "beam_run", counted)
     for never_eos in (False, True):
         if never_eos:
             native.eos_id = theirs.eos_id = -1
@@ -191,3 +192,32 @@ def test_offline_greedy_leaves_finished_rows_in_the_library_and_python_only_grow
         assert np.array_equal([h.score for h, in a], [h.score for h, in b], equal_nan=not scores)
         assert [h.finish for h, in a] == ["length"] * 8
         assert runs[0] == (8, 32, 32, 4) and runs[1][:2] == (4, 32) and runs[1][3] == 0 and len(runs) == 2
+
+
+@pytest.mark.parametrize("variant", ["fp32", "int8"])
+def test_offline_beam_search_leaves_finished_searches_in_the_library_and_python_only_grows_the_cache(
+        tiny_bundle, tiny_corpus, monkeypatch, variant):
+    """`beam_run` (offline beam search on the library, after Python's first step): the searches that are over leave
+    the batch in the library, their budgets' last steps taken there too. With eos never said, 8 searches of beam 4
+    whose budgets end before the first 32 slots are full (4 short sources) and after, within 64 (4 long ones): the
+    first run fills the 31 slots left and comes back with the 4 long searches only, moved into the first places by
+    the library; the second, on the doubled cache, ends with none. The n-best lists are the search's in Python."""
+    native, theirs = _pair(tiny_bundle, variant)
+    native.eos_id = theirs.eos_id = -1
+    pairs = [native.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
+    long = [s for s in pairs if 40 < native.limits.output_budget(len(s), 256) <= 64][:4]
+    sources = [s[:3] for s in pairs[:4]] + long[::-1]  # budgets 16, then 64 to 41: the longest search moves
+    assert len(long) == 4
+    runs = []
+    beam_run = NativeBinding.beam_run
+
+    def recording(self, groups, *args):
+        taken, left, pending = beam_run(self, groups, *args)
+        runs.append((groups, len(args[-1][0]), taken, left, pending))  # groups at the start, room, steps, left
+        return taken, left, pending
+    monkeypatch.setattr(NativeBinding, "beam_run", recording)
+    options = DecodingOptions(beam_size=4, num_hypotheses=2)
+    a, b = (tr.search_ids(sources, options, max_batch_size=8) for tr in (native, theirs))
+    assert a == b
+    assert [len(h[0].tokens) for h in a] == [native.limits.output_budget(len(s), 256) for s in sources]
+    assert runs[0] == (8, 31, 31, 4, False) and runs[1][:2] == (4, 32) and runs[1][3:] == (0, False) and len(runs) == 2
