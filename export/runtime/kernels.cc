@@ -990,11 +990,10 @@ int64_t nmt_greedy_steps(void* runner, void* binding, int64_t* tokens, int64_t* 
 // nmt_greedy_steps: every live row advances and its token (and score) is written at its source's column of
 // out_tokens (steps × `sources`); a row finishes on eos (by_eos[its source] = 1) or at its budget (its position
 // reaching budget[row]), end[its source] = step0 + that step, and from then on neither advances nor is written.
-// Once the finished rows are a quarter of the rows they leave, as BatchState.compact does: the last live rows move
-// into the places of the finished ones before them in every buffer bound to one of the `count` row_names (kinds: 0
-// a row per leading index; 1 a cache (rows, heads, slots, dim), the slots its rows have filled; 2 cache_origin
-// (rows, slots), a moved row's slots its own), in `source` and `budget`, and those names are bound again with the
-// fewer rows; so do any finished rows at the last step. *rows_io: the rows at the start, and at return the live
+// Once the finished rows are a quarter of the rows they leave (compact_groups, a group a row: the last live rows move
+// into the places of the finished ones before them in every buffer bound to one of the `count` row_names, and in
+// `source` and `budget`, and those names are bound again with the fewer rows); so do any finished rows at the last
+// step. *rows_io: the rows at the start, and at return the live
 // rows left (0: all finished), in the first places of the same buffers. Returns the steps run, or -1 with the
 // error's message (a step that fails after others returns those before it, and the next call meets the error; a
 // compaction that fails is -1 at once).

@@ -25,7 +25,7 @@ as CTranslate2's) skips the log-softmax and takes an ArgMax instead of the TopK.
 by address, one layer at a time, as both the step's input and its `present` output, so the attention
 kernel writes the new K/V into the cache in place (export/build/graphs.py; on a CPU nmtserve's own
 kernel when built: export/runtime/kernels.py, and then the step's session is the library's, whose greedy
-loop runs its steps with no Python between them: export/runtime/native.py). With io_binding (the default on CUDA) the
+and beam loops run their steps with no Python between them: export/runtime/native.py). With io_binding (the default on CUDA) the
 caches and cross K/V are OrtValues on the device, so a step sends the device only the small per-row
 arrays (tokens, positions, masks) and brings back only those candidates; without it they are numpy
 arrays.
