@@ -181,7 +181,7 @@ class BeamSearch:
         self.scores = cand_score[chosen]
         if self.options.beam_stopping == "transformers":
             stop = len(self.finished) >= k and self.scores.max() / self.steps ** self.options.length_penalty \
-                <= heapq.nlargest(k, (h.score for h in self._scored()))[-1]
+                <= self.best_finished()[-1]
         else:
             need, best_first = self._ctranslate2_rule()
             stop = len(self.finished) >= need and (self.top_finished or not best_first)
@@ -207,13 +207,20 @@ class BeamSearch:
         return self.budget - self.steps - 1
 
     def native_line(self) -> list[int]:
-        """This search's line for the library's beam search (kernels.cc, nmt_beam_run): mode (-1: over; 0: ordinary
-        steps only; 1: it finishes hypotheses and stops by CTranslate2's rule there; 2: the budget's last step
-        too, whose every candidate finishes), the steps before one that is never ordinary, the hypotheses finished,
-        whether the best candidate has finished, and CTranslate2's rule (`_ctranslate2_rule`)."""
+        """This search's line for the library's beam search (kernels.cc, nmt_beam_run): its stopping rule (-1: over;
+        0: transformers'; 1: CTranslate2's), the steps before its budget's last, the hypotheses finished, whether the
+        best candidate has finished, CTranslate2's rule (`_ctranslate2_rule`), and whether the library takes the
+        budget's last step (not when a forced eos follows it)."""
         need, best_first = self._ctranslate2_rule()
-        mode = -1 if self.done else 0 if self.options.beam_stopping == "transformers" else 1 if self.forced_eos else 2
-        return [mode, self._ordinary_steps_left(), len(self.finished), int(self.top_finished), need, int(best_first)]
+        rule = -1 if self.done else int(self.options.beam_stopping != "transformers")
+        return [rule, self.budget - self.steps - 1, len(self.finished), int(self.top_finished), need, int(best_first),
+                int(not self.forced_eos)]
+
+    def best_finished(self) -> list[float]:
+        """The k best scores of the finished hypotheses (as `results` scores them), best first, -inf for those not
+        finished yet: what transformers' stopping rule compares the best live hypothesis with."""
+        best = heapq.nlargest(self.k, (h.score for h in self._scored()))
+        return best + [-np.inf] * (self.k - len(best))
 
     def ordinary(self, eos_among_best: bool) -> bool:
         """Whether a step is an ordinary one: no eos among its k best candidates, the budget not spent, no

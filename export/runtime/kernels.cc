@@ -1054,29 +1054,32 @@ int64_t nmt_greedy_run(void* runner, void* binding, int64_t* rows_io, int64_t* t
 // Offline beam search of a batch (OnnxTranslator.search on the library): steps of several searches of one beam size
 // k, whose rows lie one after another, k each (a group), on a binding whose step writes each row's `width` (2k) best
 // candidates into `ids` and `scores`, best first (OnnxTranslator._binding_for), over a state with cache origins
-// (BatchState.origin: `origin` rows × capacity). The rules are nmtserve/search.py's BeamSearch with beam_stopping
-// "ctranslate2"; each search's line of `lines` (sources × 6, by search: search_of[g] is group g's) is: mode (-1 over:
-// its rows continue themselves, fed their best token; 0 ordinary steps only; 1 finishing hypotheses too; 2 also the
-// budget's last step, at which every candidate i < k finishes), the steps before its budget's last, hypotheses
-// finished so far, whether the best candidate has finished at some step, the finished hypotheses that stop it, and
-// whether it stops only once the best has finished (no length penalty); the library keeps the lines up to date as it
-// goes (the caller checks its own searches against them). `beam` holds each row's cumulative log-prob.
+// (BatchState.origin: `origin` rows × capacity). The rules are nmtserve/search.py's BeamSearch; each search's line of
+// `lines` (sources × 7, by search: search_of[g] is group g's) is: its stopping rule (-1 over: its rows continue
+// themselves, fed their best token; 0 transformers'; 1 CTranslate2's), the steps before its budget's last, hypotheses
+// finished so far, whether the best candidate has finished at some step, the finished hypotheses that stop it by
+// CTranslate2's rule and whether that rule waits for the best to finish (no length penalty), and whether the library
+// takes the budget's last step (at which every candidate i < k finishes; 0: a forced eos follows it, Python's); the
+// library keeps the lines up to date as it goes (the caller checks its own searches against them). For transformers'
+// rule, `finished_best` (sources × k) holds each search's k best finished scores (sum / length ** length_penalty),
+// best first, -inf where fewer have finished: the search stops once k have finished and its best live row, scored at
+// its current length, does not beat the k-th. `beam` holds each row's cumulative log-prob.
 // Each step: the session runs, every row's position advances, each live search ranks its k × 2k extensions (the 2k
 // best, best first; ties: lower row, then the better candidate of the row) into that step's part of out_rows (local
 // rows), out_ids and out_scores (steps × sources × 2k, at its search's place); candidate i < k finishes a hypothesis
-// if its token is eos (or at a mode-2 search's last step), its place taken by the next candidate from k on that is
-// not eos. Then each row feeds its token, its origin row copied from its parent's (out_parents, local, and
+// if its token is eos (or at the budget's last step, when the library takes it), its place taken by the next
+// candidate from k on that is not eos. Then each row feeds its token, its origin row copied from its parent's (out_parents, local, and
 // out_tokens: steps × sources × k); a search that stops is over from the next step on. Once the groups over are a
 // quarter of the groups they leave the batch (compact_groups: kinds as there; `beam` and search_of move with them),
 // and so do any over at the last step. *groups_io: the groups at the start, and at return the live groups left (0: all
 // over), in the first places of the same buffers. Ends when every search is over, after max_steps (the cache's room),
-// or before choosing at a step that BeamSearch must take in Python (a mode-1 search's last step, or an eos among the
-// k best of a mode-0 search): then *pending is 1, that step's candidates are in `ids` and `scores` and its positions
+// or before choosing at a step that BeamSearch must take in Python (the budget's last step of a search whose line
+// leaves it to Python): then *pending is 1, that step's candidates are in `ids` and `scores` and its positions
 // advanced. Returns the steps chosen, or -1 with the error's message.
 int64_t nmt_beam_run(void* runner, void* binding, int64_t* groups_io, const int64_t* ids, const float* scores,
                      int64_t width, int64_t* tokens, int64_t* positions, int32_t* origin, int64_t capacity,
-                     double* beam, int64_t* search_of, int64_t* lines, int64_t sources, int64_t k, int64_t eos,
-                     int64_t max_steps, int count, const char* const* row_names, const int* kinds, int64_t* out_rows,
+                     double* beam, int64_t* search_of, int64_t* lines, double* finished_best,
+                     double length_penalty, int64_t sources, int64_t k, int64_t eos, int64_t max_steps, int count, const char* const* row_names, const int* kinds, int64_t* out_rows,
                      int64_t* out_ids, double* out_scores, int64_t* out_parents, int64_t* out_tokens,
                      int64_t* pending, char* error, size_t error_size) {
   auto& session = static_cast<Runner*>(runner)->session;
@@ -1095,7 +1098,7 @@ int64_t nmt_beam_run(void* runner, void* binding, int64_t* groups_io, const int6
       session.Run(run_options, bound.io);
       for (int64_t r = 0; r < groups * k; r++) positions[r] += 1;
       for (int64_t g = 0; g < groups; g++) {  // rank, and see whether Python must take this step
-        const int64_t* s = lines + 6 * search_of[g];
+        const int64_t* s = lines + 7 * search_of[g];
         if (s[0] < 0) continue;
         const int64_t first = g * k, at = (step * sources + search_of[g]) * width;
         for (int64_t e = 0; e < extensions; e++)
@@ -1110,16 +1113,14 @@ int64_t nmt_beam_run(void* runner, void* binding, int64_t* groups_io, const int6
           out_ids[at + c] = ids[(first + best / width) * width + best % width];
           out_scores[at + c] = total[best];
         }
-        bool eos_among_best = false;
-        for (int64_t c = 0; c < k; c++) eos_among_best |= out_ids[at + c] == eos;
-        if ((step >= s[1] && s[0] != 2) || (eos_among_best && s[0] == 0)) {
+        if (step >= s[1] && !s[6]) {
           *pending = 1;
           *groups_io = groups;
           return step;
         }
       }
       for (int64_t g = 0; g < groups; g++) {  // choose: each row's parent and token
-        int64_t* s = lines + 6 * search_of[g];
+        int64_t* s = lines + 7 * search_of[g];
         const int64_t first = g * k;
         if (s[0] < 0) {
           for (int64_t r = first; r < first + k; r++) tokens[r] = ids[r * width];
@@ -1128,13 +1129,21 @@ int64_t nmt_beam_run(void* runner, void* binding, int64_t* groups_io, const int6
         const int64_t at = (step * sources + search_of[g]) * width;
         const int64_t* row = out_rows + at;
         const int64_t* id = out_ids + at;
-        const bool last = s[0] == 2 && step >= s[1];
+        const bool last = s[6] && step >= s[1];
+        const double length = static_cast<double>(positions[first]);  // of a hypothesis finished now, eos counted
+        double* best_finished = finished_best + search_of[g] * k;
         int64_t spare = k;
         for (int64_t i = 0; i < k; i++) {
           int64_t c = i;
           if (id[i] == eos || last) {
             s[2] += 1;
             s[3] |= i == 0;
+            if (s[0] == 0) {  // its score among the k best finished, kept best first
+              double score = out_scores[at + i];
+              if (length_penalty != 0) score /= std::pow(length, length_penalty);
+              for (int64_t b = 0; b < k; b++)
+                if (score > best_finished[b]) std::swap(score, best_finished[b]);
+            }
             while (spare < width && id[spare] == eos) spare++;
             if (spare < width) c = spare++;
           }
@@ -1144,16 +1153,20 @@ int64_t nmt_beam_run(void* runner, void* binding, int64_t* groups_io, const int6
           tokens[first + i] = id[c];
           beam[first + i] = out_scores[at + c];
         }
-        if (last || (s[2] >= s[4] && (!s[5] || s[3]))) s[0] = -1;  // stopped
-        const int64_t length = positions[first];  // a search's rows are all at one position
+        bool stop = s[2] >= s[4] && (!s[5] || s[3]);  // CTranslate2's rule
+        if (s[0] == 0) {  // transformers': the best live row at its current length against the k-th best finished
+          const double best_live = *std::max_element(beam + first, beam + first + k);
+          stop = s[2] >= k && best_live / std::pow(length, length_penalty) <= best_finished[k - 1];
+        }
+        if (last || stop) s[0] = -1;  // stopped
         saved.assign(origin + first * capacity, origin + (first + k) * capacity);
         for (int64_t i = 0; i < k; i++)
           if (parent[i] != i) std::memcpy(origin + (first + i) * capacity, saved.data() + parent[i] * capacity,
-                                          length * sizeof(int32_t));
+                                          positions[first] * sizeof(int32_t));
       }
       int64_t over_now = 0;
       for (int64_t g = 0; g < groups; g++) {
-        over[g] = lines[6 * search_of[g]] < 0;
+        over[g] = lines[7 * search_of[g]] < 0;
         over_now += over[g];
       }
       if (over_now == groups) {

@@ -61,8 +61,9 @@ def _library() -> ctypes.CDLL:
             library.nmt_greedy_steps.argtypes = [p, p, p, p, p, p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p,
                                                  ctypes.c_double, p, p, c, n]
             library.nmt_greedy_steps.restype = ctypes.c_int64
-            library.nmt_beam_run.argtypes = [p, p, p, p, p, ctypes.c_int64, p, p, p, ctypes.c_int64, p, p, p,
-                                             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+            library.nmt_beam_run.argtypes = [p, p, p, p, p, ctypes.c_int64, p, p, p, ctypes.c_int64, p, p, p, p,
+                                             ctypes.c_double, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                             ctypes.c_int64, ctypes.c_int,
                                              ctypes.POINTER(c), ints, p, p, p, p, p, p, c, n]
             library.nmt_beam_run.restype = ctypes.c_int64
             library.nmt_greedy_run.argtypes = [p, p, p, p, p, p, p, p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
@@ -221,14 +222,17 @@ class NativeBinding:
         return steps, left.value
 
     def beam_run(self, groups: int, ids: np.ndarray, scores: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
-                 origin: np.ndarray, beam: np.ndarray, search_of: np.ndarray, lines: np.ndarray, k: int, eos_id: int,
+                 origin: np.ndarray, beam: np.ndarray, search_of: np.ndarray, lines: np.ndarray,
+                 finished_best: np.ndarray, length_penalty: float, k: int, eos_id: int,
                  row_names: tuple[tuple[str, int], ...], out: tuple[np.ndarray, ...]) -> tuple[int, int, bool]:
         """Offline beam search of the first `groups` searches' rows (k each) in the library (kernels.cc, nmt_beam_run:
         the rules, how the searches that are over leave the batch, and when it ends). `ids` and `scores` (rows, 2k)
         are the step's bound candidate outputs, `tokens` and `positions` its bound inputs, `origin` (rows, capacity)
         int32 the state's cache origins, `beam` (rows,) float64 each row's cumulative log-prob, `search_of` (groups,)
-        int64 the search of each group of rows, `lines` (searches, 6) int64 each search's line; the library moves
-        beam and search_of with the rows and keeps the lines. `row_names` as greedy_run's. Writes each step into
+        int64 the search of each group of rows, `lines` (searches, 7) int64 each search's line and `finished_best`
+        (searches, k) float64 its k best finished scores (for transformers' stopping rule, under `length_penalty`);
+        the library moves beam and search_of with the rows and keeps the lines and finished_best. `row_names` as
+        greedy_run's. Writes each step into
         `out` at its search's place: its candidates, (steps, searches, 2k) int64 rows, int64 ids and float64 scores,
         and its rows' parents (local) and tokens (steps, searches, k) int64 -> the steps chosen, the groups left in
         the first places, and whether one more step ran and awaits Python."""
@@ -236,7 +240,8 @@ class NativeBinding:
             self._send()
         width = ids.shape[1]
         cand_rows, cand_ids, cand_scores, parents, chosen = out
-        assert lines.shape[1] == 6 and lines.dtype == search_of.dtype == np.int64 and beam.dtype == np.float64
+        assert lines.shape[1] == 7 and lines.dtype == search_of.dtype == np.int64 and beam.dtype == np.float64
+        assert finished_best.shape == (len(lines), k) and finished_best.dtype == np.float64
         assert ids.dtype == np.int64 and scores.dtype == np.float32 and origin.dtype == np.int32
         assert cand_rows.shape == cand_ids.shape == cand_scores.shape == (len(parents), len(lines), width)
         assert parents.shape == chosen.shape == (len(parents), len(lines), k) and origin.flags.c_contiguous
@@ -244,7 +249,8 @@ class NativeBinding:
         steps = _checked(self._library.nmt_beam_run(
             self.session._handle, self._handle, ctypes.byref(left), ids.ctypes.data, scores.ctypes.data, width,
             tokens.ctypes.data, positions.ctypes.data, origin.ctypes.data, origin.shape[1], beam.ctypes.data,
-            search_of.ctypes.data, lines.ctypes.data, len(lines), k, eos_id, len(parents), *self._row_table(row_names),
+            search_of.ctypes.data, lines.ctypes.data, finished_best.ctypes.data, length_penalty, len(lines), k, eos_id,
+            len(parents), *self._row_table(row_names),
             *(x.ctypes.data for x in out), ctypes.byref(pending), self._error, _ERROR_SIZE), self._error)
         return steps, left.value, bool(pending.value)
 

@@ -803,13 +803,15 @@ class OnnxTranslator:
         binding = self._binding_for(state, 2 * k)
         steps, n = state.capacity - state.length, len(searches)
         lines = np.array([s.native_line() for s in searches], np.int64)
+        finished_best = np.array([s.best_finished() for s in searches])
         beam = np.concatenate([np.zeros(k) if searches[r].done else searches[r].scores for r in slots])
         search_of = np.array(slots, np.int64)
         # zeros: the candidates of a search the library stopped are not written (the checks below catch a replay of them)
         out = (np.zeros((steps, n, 2 * k), np.int64), np.zeros((steps, n, 2 * k), np.int64),
                np.zeros((steps, n, 2 * k)), np.zeros((steps, n, k), np.int64), np.zeros((steps, n, k), np.int64))
         taken, groups, pending = binding.beam_run(len(slots), self._ids, self._scores, state.tokens, state.positions,
-                                                  state.origin, beam, search_of, lines, k, self.eos_id, self._row_names,
+                                                  state.origin, beam, search_of, lines, finished_best,
+                                                  searches[0].options.length_penalty, k, self.eos_id, self._row_names,
                                                   out)
         cand_rows, cand_ids, cand_scores, parents, tokens = (x[:taken] for x in out)
         finishing = (cand_ids[:, :, :k] == self.eos_id).any(axis=2).T.tolist()  # (n, steps)

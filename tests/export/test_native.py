@@ -65,8 +65,8 @@ def test_every_search_runs_on_the_librarys_session(tiny_bundle, tiny_corpus):
                    [(t.text, t.score, [(x.text, x.score) for x in t.alternatives]) for t in b]
 
 
-BEAM_OPTIONS = [  # CTranslate2's stopping with and without a length penalty, then steps the library leaves to Python:
-    # transformers' stopping, and the budget's last step with a forced eos (length_rule "transformers")
+BEAM_OPTIONS = [  # CTranslate2's stopping with and without a length penalty, transformers', and the budget's last step
+    # with a forced eos (length_rule "transformers"), which the library leaves to Python
     DecodingOptions(beam_size=4, num_hypotheses=2),
     DecodingOptions(beam_size=3, num_hypotheses=3, length_penalty=1.0, patience=1.5),
     DecodingOptions(beam_size=5, max_decoding_length=4),  # budgets that end searches
@@ -99,7 +99,7 @@ def test_native_beam_steps_give_the_n_best_lists_of_the_search_in_python(tiny_bu
                 steps_before = chosen[0]
                 a, b = (tr.search_ids(sources, options, max_batch_size=batch) for tr in (native, theirs))
                 assert a == b, (options, batch)
-                if options.beam_stopping == "ctranslate2" and options.length_rule == "nmtserve":
+                if options.length_rule == "nmtserve":  # else each budget's last step is Python's (a forced eos)
                     assert chosen[0] - steps_before > sum(len(h[0].tokens) for h in a) // (2 * batch)
         if never_eos:
             assert [len(h[0].tokens) for h in a] == [native.limits.output_budget(len(s), 256) for s in sources]
@@ -111,7 +111,7 @@ def test_native_beam_steps_are_checked_against_the_rules_in_python(tiny_bundle, 
     native, _ = _pair(tiny_bundle, "fp32")
     sources = [native.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
     line = BeamSearch.native_line
-    monkeypatch.setattr(BeamSearch, "native_line", lambda self: line(self)[:4] + [10 ** 6, 1])  # never stops
+    monkeypatch.setattr(BeamSearch, "native_line", lambda self: line(self)[:4] + [10 ** 6, 1] + line(self)[6:])  # never stops
     with pytest.raises(RuntimeError, match="beam search in the library"):
         native.search_ids(sources, DecodingOptions(beam_size=4), max_batch_size=4)
 
