@@ -985,16 +985,15 @@ int64_t nmt_greedy_steps(void* runner, void* binding, int64_t* tokens, int64_t* 
   }
 }
 
-// Offline greedy search of a batch (OnnxTranslator.greedy on the library), from its current step until every row
-// has finished or max_steps (the cache's room) have run, with no Python between steps. Each step as
-// nmt_greedy_steps: every live row advances and its token (and score) is written at its source's column of
-// out_tokens (steps × `sources`); a row finishes on eos (by_eos[its source] = 1) or at its budget (its position
-// reaching budget[row]), end[its source] = step0 + that step, and from then on neither advances nor is written.
-// Once the finished rows are a quarter of the rows they leave (compact_groups, a group a row: the last live rows move
-// into the places of the finished ones before them in every buffer bound to one of the `count` row_names, and in
-// `source` and `budget`, and those names are bound again with the fewer rows); so do any finished rows at the last
-// step. *rows_io: the rows at the start, and at return the live
-// rows left (0: all finished), in the first places of the same buffers. Returns the steps run, or -1 with the
+// Offline greedy search of a batch (OnnxTranslator.greedy on the library), from its current step until every row has
+// finished or max_steps (the cache's room) have run, with no Python between steps. Each step as nmt_greedy_steps: every
+// live row advances and its token (and score) is written at its source's column of out_tokens (steps × `sources`); a
+// row finishes on eos (by_eos[its source] = 1) or at its budget (its position reaching budget[row]), end[its source] =
+// step0 + that step, and from then on neither advances nor is written. Once the finished rows are a quarter of the rows
+// they leave (compact_groups, a group a row: the last live rows move into the places of the finished ones before them
+// in every buffer bound to one of the `count` row_names, and in `source` and `budget`, and those names are bound again
+// with the fewer rows); so do any finished rows at the last step. *rows_io: the rows at the start, and at return the
+// live rows left (0: all finished), in the first places of the same buffers. Returns the steps run, or -1 with the
 // error's message (a step that fails after others returns those before it, and the next call meets the error; a
 // compaction that fails is -1 at once).
 int64_t nmt_greedy_run(void* runner, void* binding, int64_t* rows_io, int64_t* tokens, int64_t* positions,
@@ -1051,8 +1050,8 @@ int64_t nmt_greedy_run(void* runner, void* binding, int64_t* rows_io, int64_t* t
   }
 }
 
-// Offline beam search of a batch (OnnxTranslator.search on the library): steps of several searches of one beam size
-// k, whose rows lie one after another, k each (a group), on a binding whose step writes each row's `width` (2k) best
+// Offline beam search of a batch (OnnxTranslator.search on the library): steps of several searches of one beam size k,
+// whose rows lie one after another, k each (a group), on a binding whose step writes each row's `width` (2k) best
 // candidates into `ids` and `scores`, best first (OnnxTranslator._binding_for), over a state with cache origins
 // (BatchState.origin: `origin` rows × capacity). The rules are nmtserve/search.py's BeamSearch; each search's line of
 // `lines` (sources × 7, by search: search_of[g] is group g's) is: its stopping rule (-1 over: its rows continue
@@ -1061,27 +1060,28 @@ int64_t nmt_greedy_run(void* runner, void* binding, int64_t* rows_io, int64_t* t
 // CTranslate2's rule and whether that rule waits for the best to finish (no length penalty), and whether the library
 // takes the budget's last step (at which every candidate i < k finishes; 0: a forced eos follows it, Python's); the
 // library keeps the lines up to date as it goes (the caller checks its own searches against them). For transformers'
-// rule, `finished_best` (sources × k) holds each search's k best finished scores (sum / length ** length_penalty),
-// best first, -inf where fewer have finished: the search stops once k have finished and its best live row, scored at
-// its current length, does not beat the k-th. `beam` holds each row's cumulative log-prob.
-// Each step: the session runs, every row's position advances, each live search ranks its k × 2k extensions (the 2k
-// best, best first; ties: lower row, then the better candidate of the row) into that step's part of out_rows (local
-// rows), out_ids and out_scores (steps × sources × 2k, at its search's place); candidate i < k finishes a hypothesis
-// if its token is eos (or at the budget's last step, when the library takes it), its place taken by the next
-// candidate from k on that is not eos. Then each row feeds its token, its origin row copied from its parent's (out_parents, local, and
-// out_tokens: steps × sources × k); a search that stops is over from the next step on. Once the groups over are a
-// quarter of the groups they leave the batch (compact_groups: kinds as there; `beam` and search_of move with them),
-// and so do any over at the last step. *groups_io: the groups at the start, and at return the live groups left (0: all
-// over), in the first places of the same buffers. Ends when every search is over, after max_steps (the cache's room),
-// or before choosing at a step that BeamSearch must take in Python (the budget's last step of a search whose line
-// leaves it to Python): then *pending is 1, that step's candidates are in `ids` and `scores` and its positions
-// advanced. Returns the steps chosen, or -1 with the error's message.
+// rule, `finished_best` (sources × k) holds each search's k best finished scores (sum / length ** length_penalty), best
+// first, -inf where fewer have finished: the search stops once k have finished and its best live row, scored at its
+// current length, does not beat the k-th. `beam` holds each row's cumulative log-prob. Each step: the session runs,
+// every row's position advances, each live search ranks its k × 2k extensions (the 2k best, best first; ties: lower
+// row, then the better candidate of the row) into that step's part of out_rows (local rows), out_ids and out_scores
+// (steps × sources × 2k, at its search's place); candidate i < k finishes a hypothesis if its token is eos (or at the
+// budget's last step, when the library takes it), its place taken by the next candidate from k on that is not eos. Then
+// each row feeds its token, its origin row copied from its parent's (out_parents, local, and out_tokens: steps ×
+// sources × k); a search that stops is over from the next step on. Once the groups over are a quarter of the groups
+// they leave the batch (compact_groups: kinds as there; `beam` and search_of move with them), and so do any over at the
+// last step. *groups_io: the groups at the start, and at return the live groups left (0: all over), in the first places
+// of the same buffers. Ends when every search is over, after max_steps (the cache's room), or before choosing at a step
+// that BeamSearch must take in Python (the budget's last step of a search whose line leaves it to Python): then
+// *pending is 1, that step's candidates are in `ids` and `scores` and its positions advanced. Returns the steps chosen,
+// or -1 with the error's message.
 int64_t nmt_beam_run(void* runner, void* binding, int64_t* groups_io, const int64_t* ids, const float* scores,
                      int64_t width, int64_t* tokens, int64_t* positions, int32_t* origin, int64_t capacity,
                      double* beam, int64_t* search_of, int64_t* lines, double* finished_best,
-                     double length_penalty, int64_t sources, int64_t k, int64_t eos, int64_t max_steps, int count, const char* const* row_names, const int* kinds, int64_t* out_rows,
-                     int64_t* out_ids, double* out_scores, int64_t* out_parents, int64_t* out_tokens,
-                     int64_t* pending, char* error, size_t error_size) {
+                     double length_penalty, int64_t sources, int64_t k, int64_t eos, int64_t max_steps, int count,
+                     const char* const* row_names, const int* kinds, int64_t* out_rows, int64_t* out_ids,
+                     double* out_scores, int64_t* out_parents, int64_t* out_tokens, int64_t* pending, char* error,
+                     size_t error_size) {
   auto& session = static_cast<Runner*>(runner)->session;
   auto& bound = *static_cast<Binding*>(binding);
   const Ort::RunOptions run_options{nullptr};
@@ -1153,11 +1153,10 @@ int64_t nmt_beam_run(void* runner, void* binding, int64_t* groups_io, const int6
           tokens[first + i] = id[c];
           beam[first + i] = out_scores[at + c];
         }
-        bool stop = s[2] >= s[4] && (!s[5] || s[3]);  // CTranslate2's rule
-        if (s[0] == 0) {  // transformers': the best live row at its current length against the k-th best finished
-          const double best_live = *std::max_element(beam + first, beam + first + k);
-          stop = s[2] >= k && best_live / std::pow(length, length_penalty) <= best_finished[k - 1];
-        }
+        // transformers' rule: the best live row at its current length against the k-th best finished; CTranslate2's
+        const bool stop = s[0] == 0 ? s[2] >= k && *std::max_element(beam + first, beam + first + k) /
+                                                       std::pow(length, length_penalty) <= best_finished[k - 1]
+                                    : s[2] >= s[4] && (!s[5] || s[3]);
         if (last || stop) s[0] = -1;  // stopped
         saved.assign(origin + first * capacity, origin + (first + k) * capacity);
         for (int64_t i = 0; i < k; i++)
