@@ -76,8 +76,8 @@ BEAM_OPTIONS = [  # CTranslate2's stopping with and without a length penalty, tr
 
 
 @pytest.mark.parametrize("variant", ["fp32", "int8"])
-def test_native_beam_steps_give_the_n_best_lists_of_the_search_in_python(tiny_bundle, tiny_corpus, variant,
-                                                                         monkeypatch):
+def test_native_beam_search_gives_the_n_best_lists_of_the_search_in_python(tiny_bundle, tiny_corpus, variant,
+                                                                           monkeypatch):
     """Beam search in the library (nmt_beam_run) at batch 1, 3 and 8, with each of BEAM_OPTIONS, and with eos
     never found (every search to its budget, the cache growing past its first 32 slots while the library
     loops): the same hypotheses, scores and finish as the search in Python one step at a time, and the
@@ -106,7 +106,7 @@ def test_native_beam_steps_give_the_n_best_lists_of_the_search_in_python(tiny_bu
             assert max(len(h[0].tokens) for h in a) > 32
 
 
-def test_native_beam_steps_are_checked_against_the_rules_in_python(tiny_bundle, tiny_corpus, monkeypatch):
+def test_native_beam_search_is_checked_against_the_rules_in_python(tiny_bundle, tiny_corpus, monkeypatch):
     """A library that would go on with a search that its rules in Python stop is an error, never a result."""
     native, _ = _pair(tiny_bundle, "fp32")
     sources = [native.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
