@@ -1,25 +1,24 @@
-"""The decoder step's session held by nmtserve's native library (kernels.cc), and greedy steps run in a
-loop there: no Python, and no wait for the GIL, between two steps.
+"""The decoder step's session held by nmtserve's native library (kernels.cc), and greedy steps run in a loop
+there: no Python, and no wait for the GIL, between two steps.
 
-Offline greedy search at batch 1 spent 41 µs of a 0.35 ms step in Python between the runs, and two
-batches decoded at once (inter_threads 2) each waited for the other's Python (docs/performance.md,
-"Python between the runs"). With `NativeSession` offline greedy runs a batch's whole search in the
-library (`greedy_run`: its finished rows leave the batch there too; Python comes back only to double a full
-cache), and so does offline beam search (`beam_run`; Python also takes the steps whose rules the library
-leaves to it, and replays the library's choices into its searches at the end), and the server's greedy bursts
-run until a row meets eos (`greedy_steps`): one call each, the GIL released throughout (ctypes releases it for
-every foreign call). Every other search binds and runs one step at a
-time through the same session, as with ONNX Runtime's own Python session.
+Offline greedy search at batch 1 spent 41 µs of a 0.35 ms step in Python between the runs, and two batches
+decoded at once (inter_threads 2) each waited for the other's Python (docs/performance.md, "Python between the
+runs"). With `NativeSession` offline greedy runs a batch's whole search in the library (`greedy_run`: its
+finished rows leave the batch there too; Python comes back only to double a full cache), and so does offline
+beam search (`beam_run`; Python also takes the steps whose rules the library leaves to it, and replays the
+library's choices into its searches at the end), and the server's greedy bursts run until a row meets eos
+(`greedy_steps`): one call each, the GIL released throughout (ctypes releases it for every foreign call).
+Every other search binds and runs one step at a time through the same session, as with ONNX Runtime's own
+Python session.
 
-The session is made by the ONNX Runtime that Python uses: the library learns its API when a session
-option registers it (`register_custom_ops_library` calls the library's RegisterCustomOps), so the
-library is registered once before the first session is made here. The environment is the process's
-one; the session options are translator.session_options's (the caller passes its config entries), with
-nmtserve's custom ops; the initializers the caller gives (the embedding both graphs share) are read in
-place, and the caller keeps them alive. A binding holds addresses of host memory, bound by `bind` (as
-`translator.bind_address` does for ONNX Runtime's own bindings) and sent with the next run; the library keeps
-what each name is bound to, so that `greedy_run` and `beam_run` can bind the fewer rows again themselves. CPU only.
-"""
+The session is made by the ONNX Runtime that Python uses: the library learns its API when a session option
+registers it (`register_custom_ops_library` calls the library's RegisterCustomOps), so the library is
+registered once before the first session is made here. The environment is the process's one; the session
+options are translator.session_options's (the caller passes its config entries), with nmtserve's custom ops;
+the initializers the caller gives (the embedding both graphs share) are read in place, and the caller keeps
+them alive. A binding holds addresses of host memory, bound by `bind` (as `translator.bind_address` does for
+ONNX Runtime's own bindings) and sent with the next run; the library keeps what each name is bound to, so that
+`greedy_run` and `beam_run` can bind the fewer rows again themselves. CPU only."""
 
 from __future__ import annotations
 
@@ -201,24 +200,27 @@ class NativeBinding:
                    out: tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]) -> tuple[int, int]:
         """Offline greedy steps of the first `rows` rows in the library (kernels.cc, nmt_greedy_run: when a row
         finishes, and how the finished ones leave) until every row has finished or len(out_tokens) steps have run.
-        `tokens`, `positions` and `scores` are the bound step's (tokens fed, written by the step), `source` and
-        `budget` (int64, a row each) each row's source and the position at which it finishes if no eos came; the
-        library moves them with the rows. `row_names`: (name, kind) of every bound buffer with a row per leading
-        index (kinds: 0 rows, 1 a cache, 2 cache_origin, 3 a row per source: kernels.cc, compact_groups). `out`: out_tokens (steps, sources) int64, out_scores
-        (the same, float32, or None), end (sources,) int64 and by_eos (sources,) uint8, written at each source's
-        column; end as step0 + the step -> (the steps run, the rows left in the first places of the buffers)."""
+        `tokens`, `positions` and `scores` are the bound step's (tokens fed, written by the step), `source` and `budget`
+        (int64, a row each) each row's source and the position at which it finishes if no eos came; the library moves
+        them with the rows. `row_names`: (name, kind) of every bound buffer with a row per leading index (kinds: 0 rows,
+        1 a cache, 2 cache_origin, 3 a row per source: kernels.cc, compact_groups). `out`: out_tokens (steps, sources)
+        int64, out_scores (the same, float32, or None), end (sources,) int64 and by_eos (sources,) uint8, written at
+        each source's column; end as step0 + the step -> (the steps run, the rows left in the first places of the
+        buffers)."""
         if self._pending:
             self._send()
         out_tokens, out_scores, end, by_eos = out
-        assert tokens.dtype == positions.dtype == source.dtype == budget.dtype == np.int64 and scores.dtype == np.float32
+        assert tokens.dtype == positions.dtype == source.dtype == budget.dtype == np.int64
+        assert scores.dtype == np.float32
         assert out_tokens.flags.c_contiguous and by_eos.dtype == np.uint8 and end.dtype == np.int64
         assert out_scores is None or out_scores.shape == out_tokens.shape and out_scores.flags.c_contiguous
         left = ctypes.c_int64(rows)
         steps = _checked(self._library.nmt_greedy_run(
             self.session._handle, self._handle, ctypes.byref(left), tokens.ctypes.data, positions.ctypes.data,
-            scores.ctypes.data, source.ctypes.data, budget.ctypes.data, eos_id, len(out_tokens), *self._row_table(row_names),
-            out_tokens.shape[1], step0, out_tokens.ctypes.data, None if out_scores is None else out_scores.ctypes.data,
-            end.ctypes.data, by_eos.ctypes.data, self._error, _ERROR_SIZE), self._error)
+            scores.ctypes.data, source.ctypes.data, budget.ctypes.data, eos_id, len(out_tokens),
+            *self._row_table(row_names), out_tokens.shape[1], step0, out_tokens.ctypes.data,
+            None if out_scores is None else out_scores.ctypes.data, end.ctypes.data, by_eos.ctypes.data, self._error,
+            _ERROR_SIZE), self._error)
         return steps, left.value
 
     def beam_run(self, groups: int, ids: np.ndarray, scores: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
@@ -226,16 +228,15 @@ class NativeBinding:
                  finished_best: np.ndarray, length_penalty: float, k: int, eos_id: int,
                  row_names: tuple[tuple[str, int], ...], out: tuple[np.ndarray, ...]) -> tuple[int, int, bool]:
         """Offline beam search of the first `groups` searches' rows (k each) in the library (kernels.cc, nmt_beam_run:
-        the rules, how the searches that are over leave the batch, and when it ends). `ids` and `scores` (rows, 2k)
-        are the step's bound candidate outputs, `tokens` and `positions` its bound inputs, `origin` (rows, capacity)
-        int32 the state's cache origins, `beam` (rows,) float64 each row's cumulative log-prob, `search_of` (groups,)
-        int64 the search of each group of rows, `lines` (searches, 7) int64 each search's line and `finished_best`
-        (searches, k) float64 its k best finished scores (for transformers' stopping rule, under `length_penalty`);
-        the library moves beam and search_of with the rows and keeps the lines and finished_best. `row_names` as
-        greedy_run's. Writes each step into
-        `out` at its search's place: its candidates, (steps, searches, 2k) int64 rows, int64 ids and float64 scores,
-        and its rows' parents (local) and tokens (steps, searches, k) int64 -> the steps chosen, the groups left in
-        the first places, and whether one more step ran and awaits Python."""
+        the rules, how the searches that are over leave the batch, and when it ends). `ids` and `scores` (rows, 2k) are
+        the step's bound candidate outputs, `tokens` and `positions` its bound inputs, `origin` (rows, capacity) int32
+        the state's cache origins, `beam` (rows,) float64 each row's cumulative log-prob, `search_of` (groups,) int64
+        the search of each group of rows, `lines` (searches, 7) int64 each search's line and `finished_best` (searches,
+        k) float64 its k best finished scores (for transformers' stopping rule, under `length_penalty`); the library
+        moves beam and search_of with the rows and keeps the lines and finished_best. `row_names` as greedy_run's.
+        Writes each step into `out` at its search's place: its candidates, (steps, searches, 2k) int64 rows, int64 ids
+        and float64 scores, and its rows' parents (local) and tokens (steps, searches, k) int64 -> the steps chosen, the
+        groups left in the first places, and whether one more step ran and awaits Python."""
         if self._pending:
             self._send()
         width = ids.shape[1]

@@ -815,7 +815,7 @@ class OnnxTranslator:
                                                   out)
         cand_rows, cand_ids, cand_scores, parents, tokens = (x[:taken] for x in out)
         finishing = (cand_ids[:, :, :k] == self.eos_id).any(axis=2).T.tolist()  # (n, steps)
-        best_rows, best_ids = cand_rows[:, :, :k].transpose(1, 0, 2).tolist(), cand_ids[:, :, :k].transpose(1, 0, 2).tolist()
+        best_rows, best_ids = (x[:, :, :k].transpose(1, 0, 2).tolist() for x in (cand_rows, cand_ids))  # (n, steps, k)
         for j, search in enumerate(searches):
             for step in range(taken):
                 if search.done:  # stopped at an earlier step (or before the run)
