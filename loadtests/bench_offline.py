@@ -21,6 +21,10 @@ Fair by construction:
 - the report records the CPU model and flags, cores and the libraries' versions, and how fast the host
   ran before and after each measurement (`host_probe`: one core's vector and L3 speed), so a ratio can
   be read against the spells of a shared machine.
+- on a CPU the report also gives the limit of the host (`limit`): ONNX Runtime's MatMul rate there, fp32 and
+  int8, on the most threads swept (`product_peak`, in a worker of its own), and what a target token costs in
+  products (`mflop_per_token`); each engine's best tokens/s is then a share of what those products alone
+  would allow at that rate, so a report says how far each engine is from this host's limit.
 Ratios are ours over CTranslate2's of the same precision, each at its best thread layout, and again with
 both at one batch on one thread (1×1) where the sweep has it. Each worker's peak resident memory
 (ru_maxrss: the model loaded and every batch size run) is reported too.
@@ -247,6 +251,67 @@ def _peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
+# product_peak's chain: ROWS rows through LINKS products alternating IN -> OUT and OUT -> IN (a feed-forward block's
+# shapes, large enough for ONNX Runtime's MatMul to run at its best on a CPU)
+PEAK_ROWS, PEAK_IN, PEAK_OUT, PEAK_LINKS = 512, 512, 2048, 8
+
+
+def product_peak(threads: int) -> dict:
+    """ONNX Runtime's MatMul rate on this host with `threads` intra-op threads: `fp32_gflops`, and `int8_gops`
+    through `quantize_dynamic` (int8 weights per channel, as nmtserve's int8 variant), each the median of 20
+    runs of a chain of products (PEAK_*) after a warm-up."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    rng = np.random.default_rng(0)
+    nodes, weights, x = [], [], "x"
+    for i in range(PEAK_LINKS):
+        shape = (PEAK_IN, PEAK_OUT) if i % 2 == 0 else (PEAK_OUT, PEAK_IN)
+        weights.append(numpy_helper.from_array((rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32),
+                                               f"w{i}"))
+        nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"y{i}"]))
+        x = f"y{i}"
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, PEAK_IN])],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, None)], weights)
+    ops = 2 * PEAK_ROWS * PEAK_IN * PEAK_OUT * PEAK_LINKS
+    feed = {"x": rng.standard_normal((PEAK_ROWS, PEAK_IN)).astype(np.float32)}
+    rates = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        fp32, int8 = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(fp32))
+        quantize_dynamic(str(fp32), str(int8), weight_type=QuantType.QInt8, per_channel=True)
+        for name, path in (("fp32_gflops", fp32), ("int8_gops", int8)):
+            options = ort.SessionOptions()
+            options.intra_op_num_threads, options.log_severity_level = threads, 3
+            session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            for _ in range(3):
+                session.run(None, feed)
+            timings = []
+            for _ in range(20):
+                t0 = time.perf_counter()
+                session.run(None, feed)
+                timings.append(time.perf_counter() - t0)
+            rates[name] = round(ops / statistics.median(timings) / 1e9, 1)
+    return {"threads": threads, **rates}
+
+
+def mflop_per_token(model: dict, beam_size: int, source_tokens: int, target_tokens: int) -> dict:
+    """What a target token costs in the model's products (multiply-adds × 2; attention's own small products and
+    everything else left out), MFLOP: `decoder_step_row`, a decoder step of one row (each layer's self-attention
+    projections, its cross-attention's query and output projections, its feed-forward block; the output
+    projection over the vocabulary), `encoder_source_token`, one source token through the encoder and the
+    decoder's cross K/V projections, and `per_target_token`: beam_size rows a step, and the encoder's share."""
+    d, ff, vocab = model["d_model"], model["d_ff"], model["vocab_size"]
+    step = model["n_decoder_layers"] * (6 * d * d + 2 * d * ff) + d * vocab
+    source = model["n_encoder_layers"] * (4 * d * d + 2 * d * ff) + model["n_decoder_layers"] * 2 * d * d
+    step_mflop, source_mflop = 2 * step / 1e6, 2 * source / 1e6
+    return {"decoder_step_row": round(step_mflop, 3), "encoder_source_token": round(source_mflop, 3),
+            "per_target_token": round(beam_size * step_mflop + source_mflop * source_tokens / target_tokens, 3)}
+
+
 def measure(engine: str, inter: int, threads: int, spec: dict) -> dict:
     """Warm up, then translate every source `repeats` times at each batch size (in this process), keeping
     the median pass: one pass of 200 short sentences lasts 0.1–0.5 s at the larger batches, where a
@@ -348,12 +413,15 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         spec = _spec(cfg, Path(tmp))
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(spec), encoding="utf-8")
+        # this host's MatMul rate, on the most threads swept, in a process with ONNX Runtime only, before the runs
+        peak = run_measure(["nmtserve.loadtests.bench_offline", "peak"], 1, max(threads), spec_path,
+                           "the MatMul peak")[0] if cfg.device == "cpu" else None
         for run in range(cfg.runs):
             for engine, inter, t, isa in configs[run % len(configs):] + configs[: run % len(configs)]:
                 progress(f"run {run + 1}/{cfg.runs}: {engine}, {inter} batch(es) at once × {t} thread(s)"
                          + (f", {CT2_ISA}={isa}" if isa else ""))
                 runs[(engine, inter, t, isa)].append(run_worker(engine, inter, t, spec_path, isa))
-    return _report(cfg, threads, runs, spec)
+    return _report(cfg, threads, runs, spec, peak)
 
 
 def _stats(values: list[float], digits: int = 1) -> dict:
@@ -361,7 +429,7 @@ def _stats(values: list[float], digits: int = 1) -> dict:
             "max": round(max(values), digits)}
 
 
-def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, spec: dict) -> dict:
+def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, spec: dict, peak: dict | None) -> dict:
     n_sentences, checkpoint = len(spec["sources"]), spec["checkpoint"]
     batches = [str(b) for b in cfg.batch_sizes]
     results: dict = {}
@@ -417,6 +485,7 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, spec: dict) 
             agreement[f"{engine}_vs_{reference}_identical"] = round(
                 sum(a == b for a, b in zip(measured[0]["outputs"], ref)) / n_sentences, 4)
     return {"machine": machine_info(cfg.device), "device": cfg.device, "checkpoint": checkpoint, "bundle": cfg.bundle,
+            "limit": _limit(peak, spec, best, output_tokens, n_sentences, cfg.beam_size) if peak else None,
             "sentences": n_sentences, "runs": cfg.runs, "repeats": cfg.repeats, "threads_swept": list(threads),
             "layouts_swept": {e: [layout_name(*lt) for lt in swept[e]] for e in cfg.engines},
             "ct2_logged": ct2_logged,
@@ -433,6 +502,22 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, spec: dict) 
                                for name in PROBES} for e, by_layout in probe_runs.items()},
             "host_probe_runs": probe_runs,
             "worker_modules_loaded": {e: sorted(m) for e, m in modules.items()}}
+
+
+def _limit(peak: dict, spec: dict, best: dict, output_tokens: dict, n_sentences: int, beam_size: int) -> dict:
+    """The host's MatMul peak, a target token's cost in products (by the first engine's output tokens: the engines
+    decode the same counts, or the table says so) and the tokens/s those products alone would allow at the peak of
+    each precision (`ceiling`); each CPU engine's best tokens/s as a share of its precision's ceiling."""
+    from nmtserve.export.runtime.bundle import load_bundle
+
+    cost = mflop_per_token(load_bundle(spec["bundle"]).model, beam_size, sum(len(s) for s in spec["sources"]),
+                           round(next(iter(output_tokens.values())) * n_sentences))
+    ceiling = {"fp32": round(peak["fp32_gflops"] * 1e3 / cost["per_target_token"]),
+               "int8": round(peak["int8_gops"] * 1e3 / cost["per_target_token"])}
+    precision = {engine: "int8" if engine.endswith("int8") else "fp32" for engine in best}
+    return {"peak": peak, "mflop": cost, "ceiling_tokens_per_s": ceiling,
+            "share_of_ceiling": {engine: {b: round(cell["median"] / ceiling[precision[engine]], 3)
+                                          for b, cell in cells.items()} for engine, cells in best.items()}}
 
 
 def decoding_name(beam_size: int) -> str:
@@ -481,6 +566,16 @@ def format_table(report: dict) -> str:
     if max(counts) > 1.01 * min(counts):  # tokens/s then compares unequal work: say so beside the table
         lines.append("NOTE: the engines decoded different numbers of tokens (more than 1% apart), so their tokens/s "
                      "do not measure the same work")
+    if report.get("limit"):  # reports before 2026-12-01 lack it
+        limit = report["limit"]
+        peak, cost = limit["peak"], limit["mflop"]
+        lines.append(f"limit: a target token costs {cost['per_target_token']:.1f} MFLOP of products (a decoder step "
+                     f"{cost['decoder_step_row']:.2f} a row, the encoder {cost['encoder_source_token']:.2f} a source "
+                     f"token); ONNX Runtime's MatMul on {peak['threads']} thread(s) here: fp32 {peak['fp32_gflops']:,.0f} "
+                     f"GFLOP/s, int8 {peak['int8_gops']:,.0f} GOP/s, so at most {limit['ceiling_tokens_per_s']['fp32']:,} "
+                     f"and {limit['ceiling_tokens_per_s']['int8']:,} tok/s; each engine's best as a share of its "
+                     f"precision's: " + "; ".join(f"{e} " + " / ".join(f"{share[b]:.0%}" for b in batches)
+                                                  for e, share in limit["share_of_ceiling"].items()))
     for name, what in PROBES.items():
         lines.append(f"host probe ({what}; one core, before and after each measurement), median [min–max]: " + ", ".join(
             f"{e} {p[name]['median']:,.1f} [{p[name]['min']:,.1f}–{p[name]['max']:,.1f}]"
@@ -521,6 +616,8 @@ def draw_chart(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+if __name__ == "__main__" and sys.argv[1:2] == ["peak"]:  # peak INTER THREADS SPEC (run_measure's arguments)
+    print(json.dumps(product_peak(int(sys.argv[3]))))
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     engine_name, inter_count, thread_count, spec_file = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5])
     print(json.dumps(measure(engine_name, inter_count, thread_count, json.loads(spec_file.read_text(encoding="utf-8")))))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from nmtserve.loadtests.bench_offline import mflop_per_token
 from tests.helpers import run_cli
 
 
@@ -86,6 +87,15 @@ def test_offline_bench_measures_each_engine_alone_and_reports_its_best(tiny_bund
         assert {layout: len(runs) for layout, runs in report["host_probe_runs"][engine].items()} == \
             dict.fromkeys(layouts[engine], 2)  # each run's [before, after]
     assert "host probe (exp in L2" in result.stdout and "host probe (sum over 8 MB" in result.stdout
+    # the host's limit: ONNX Runtime's MatMul rate on the most threads swept, what a token costs, each engine's share
+    limit = report["limit"]
+    assert limit["peak"]["threads"] == 2 and limit["peak"]["fp32_gflops"] > 0 and limit["peak"]["int8_gops"] > 0
+    assert limit["ceiling_tokens_per_s"]["fp32"] == round(limit["peak"]["fp32_gflops"] * 1e3
+                                                          / limit["mflop"]["per_target_token"])
+    for engine in engines:
+        assert limit["share_of_ceiling"][engine] == {
+            b: round(report["best"][engine][b]["median"] / limit["ceiling_tokens_per_s"]["fp32"], 3) for b in ("1", "4")}
+    assert "limit: a target token costs" in result.stdout and "GOP/s" in result.stdout
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "ort_fp32/ct2_fp32" in result.stdout and "within each run" in result.stdout and machine["cpu"] in result.stdout
     # the family and model numbers, which tell apart CPUs that a hypervisor names alike ("AMD EPYC")
@@ -152,3 +162,14 @@ def test_an_engine_of_the_other_device_is_refused_naming_it(tiny_bundle):
     assert "--engines: ort_fp16 do not run on --device cpu" in result.stderr
     result = run_cli("bench", "offline", str(tiny_bundle), "--device", "cuda", "--engines", "ct2_int8", timeout=120)
     assert result.returncode != 0 and "--engines: ct2_int8 do not run on --device cuda" in result.stderr
+
+
+def test_a_target_tokens_products_are_counted_from_the_models_shapes():
+    """The default model (d_model 256, d_ff 1024, 3 + 3 layers, 3,153 tokens), by hand: a decoder step's row
+    is 3 × (6 × 256² + 2 × 256 × 1024) + 256 × 3,153 = 3,559,680 multiply-adds, a source token 3 × (4 × 256² + 2 ×
+    256 × 1024) + 3 × 2 × 256² = 2,752,512; two FLOP each."""
+    model = {"d_model": 256, "d_ff": 1024, "n_encoder_layers": 3, "n_decoder_layers": 3, "vocab_size": 3153}
+    greedy = mflop_per_token(model, 1, source_tokens=2077, target_tokens=2420)
+    assert (greedy["decoder_step_row"], greedy["encoder_source_token"]) == (7.119, 5.505)
+    assert greedy["per_target_token"] == round(7.11936 + 5.505024 * 2077 / 2420, 3)
+    assert mflop_per_token(model, 4, 2077, 2178)["per_target_token"] == round(4 * 7.11936 + 5.505024 * 2077 / 2178, 3)
