@@ -507,7 +507,7 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, spec: dict, 
 def _limit(peak: dict, spec: dict, best: dict, output_tokens: dict, n_sentences: int, beam_size: int) -> dict:
     """The host's MatMul peak, a target token's cost in products (by the first engine's output tokens: the engines
     decode the same counts, or the table says so) and the tokens/s those products alone would allow at the peak of
-    each precision (`ceiling`); each CPU engine's best tokens/s as a share of its precision's ceiling."""
+    each precision (`ceiling`); each engine's best tokens/s as a share of its precision's ceiling."""
     from nmtserve.export.runtime.bundle import load_bundle
 
     cost = mflop_per_token(load_bundle(spec["bundle"]).model, beam_size, sum(len(s) for s in spec["sources"]),
