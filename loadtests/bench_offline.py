@@ -57,7 +57,15 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from nmtserve.errors import NmtserveError
-from nmtserve.loadtests.machine import PROBES, cpu_flags, describe, host_probe, machine_info, usable_cores
+from nmtserve.loadtests.machine import (
+    PROBES,
+    cpu_flags,
+    describe,
+    host_probe,
+    machine_info,
+    product_peak,
+    usable_cores,
+)
 from nmtserve.search import DecodingOptions
 
 BATCH_SIZES = (1, 8, 32, 64)
@@ -251,53 +259,6 @@ def _peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
-# product_peak's chain: ROWS rows through LINKS products alternating IN -> OUT and OUT -> IN (a feed-forward block's
-# shapes, large enough for ONNX Runtime's MatMul to run at its best on a CPU)
-PEAK_ROWS, PEAK_IN, PEAK_OUT, PEAK_LINKS = 512, 512, 2048, 8
-
-
-def product_peak(threads: int) -> dict:
-    """ONNX Runtime's MatMul rate on this host with `threads` intra-op threads: `fp32_gflops`, and `int8_gops`
-    through `quantize_dynamic` (int8 weights per channel, as nmtserve's int8 variant), each the median of 20
-    runs of a chain of products (PEAK_*) after a warm-up."""
-    import numpy as np
-    import onnx
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    rng = np.random.default_rng(0)
-    nodes, weights, x = [], [], "x"
-    for i in range(PEAK_LINKS):
-        shape = (PEAK_IN, PEAK_OUT) if i % 2 == 0 else (PEAK_OUT, PEAK_IN)
-        weights.append(numpy_helper.from_array((rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32),
-                                               f"w{i}"))
-        nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"y{i}"]))
-        x = f"y{i}"
-    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, PEAK_IN])],
-                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, None)], weights)
-    ops = 2 * PEAK_ROWS * PEAK_IN * PEAK_OUT * PEAK_LINKS
-    feed = {"x": rng.standard_normal((PEAK_ROWS, PEAK_IN)).astype(np.float32)}
-    rates = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        fp32, int8 = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
-        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(fp32))
-        quantize_dynamic(str(fp32), str(int8), weight_type=QuantType.QInt8, per_channel=True)
-        for name, path in (("fp32_gflops", fp32), ("int8_gops", int8)):
-            options = ort.SessionOptions()
-            options.intra_op_num_threads, options.log_severity_level = threads, 3
-            session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-            for _ in range(3):
-                session.run(None, feed)
-            timings = []
-            for _ in range(20):
-                t0 = time.perf_counter()
-                session.run(None, feed)
-                timings.append(time.perf_counter() - t0)
-            rates[name] = round(ops / statistics.median(timings) / 1e9, 1)
-    return {"threads": threads, **rates}
-
-
 def mflop_per_token(model: dict, beam_size: int, source_tokens: int, target_tokens: int) -> dict:
     """What a target token costs in the model's products (multiply-adds × 2; attention's own small products and
     everything else left out), MFLOP: `decoder_step_row`, a decoder step of one row (each layer's self-attention
@@ -387,7 +348,8 @@ def _spec(cfg: BenchConfig, workdir: Path) -> dict:
         beam_size=cfg.beam_size), max_decoding_length=cfg.max_decoding_length)
     if not marian:
         search = replace(search, length_rule="ctranslate2")
-    spec = {"bundle": cfg.bundle, "device": cfg.device, "checkpoint": checkpoint, "marian_directory": marian,
+    spec = {"bundle": cfg.bundle, "model": bundle.model, "device": cfg.device, "checkpoint": checkpoint,
+            "marian_directory": marian,
             "sources": sources, "batch_sizes": list(cfg.batch_sizes), "repeats": cfg.repeats, "search": asdict(search)}
     if any(e.startswith("ct2_") for e in cfg.engines):
         # converted here, once, in the runner (torch), never in a measuring process
@@ -508,12 +470,10 @@ def _limit(peak: dict, spec: dict, best: dict, output_tokens: dict, n_sentences:
     """The host's MatMul peak, a target token's cost in products (by the first engine's output tokens: the engines
     decode the same counts, or the table says so) and the tokens/s those products alone would allow at the peak of
     each precision (`ceiling`); each engine's best tokens/s as a share of its precision's ceiling."""
-    from nmtserve.export.runtime.bundle import load_bundle
-
-    cost = mflop_per_token(load_bundle(spec["bundle"]).model, beam_size, sum(len(s) for s in spec["sources"]),
+    cost = mflop_per_token(spec["model"], beam_size, sum(len(s) for s in spec["sources"]),
                            round(next(iter(output_tokens.values())) * n_sentences))
-    ceiling = {"fp32": round(peak["fp32_gflops"] * 1e3 / cost["per_target_token"]),
-               "int8": round(peak["int8_gops"] * 1e3 / cost["per_target_token"])}
+    ceiling = {precision: round(peak[rate] * 1e3 / cost["per_target_token"])
+               for precision, rate in (("fp32", "fp32_gflops"), ("int8", "int8_gops"))}
     precision = {engine: "int8" if engine.endswith("int8") else "fp32" for engine in best}
     return {"peak": peak, "mflop": cost, "ceiling_tokens_per_s": ceiling,
             "share_of_ceiling": {engine: {b: round(cell["median"] / ceiling[precision[engine]], 3)

@@ -1,6 +1,6 @@
 """What a benchmark report records about where it ran: CPU model and instruction-set flags, cores,
-and the versions of the libraries whose speed it measures (read without importing them); and how
-fast the host runs at a given moment (`host_probe`)."""
+and the versions of the libraries whose speed it measures (read without importing them); how
+fast the host runs at a given moment (`host_probe`); and ONNX Runtime's MatMul rate on it (`product_peak`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import platform
 import statistics
 import subprocess
 import time
+from functools import partial
 from importlib import metadata
 from pathlib import Path
 
@@ -79,6 +80,16 @@ def describe(info: dict) -> str:
 PROBES = {"exp_mps": "exp in L2, M values/s", "l3_gbps": "sum over 8 MB, GB/s"}  # host_probe's figures, described
 
 
+def rate(work, amount: float, repeats: int = 7) -> float:
+    """amount over the median time of `repeats` calls of work()."""
+    timings = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        work()
+        timings.append(time.perf_counter() - t0)
+    return round(amount / statistics.median(timings), 1)
+
+
 def host_probe() -> dict:
     """How fast one core of the host runs right now, with numpy (one thread whatever the engine's), the
     median of 7 timings each: `exp_mps`, exp over 65,536 float32 values in L2 (millions a second: the
@@ -86,18 +97,54 @@ def host_probe() -> dict:
     The benchmarks measure it beside each measurement, so a report shows which runs fell in a slow spell."""
     import numpy as np
 
-    def rate(work, amount: float) -> float:
-        timings = []
-        for _ in range(7):
-            t0 = time.perf_counter()
-            work()
-            timings.append(time.perf_counter() - t0)
-        return round(amount / statistics.median(timings), 1)
-
     x, y, big = np.linspace(-4, 4, 65_536, dtype=np.float32), np.empty(65_536, np.float32), np.ones(1 << 21, np.float32)
     big.sum()
     return {"exp_mps": rate(lambda: [np.exp(x, out=y) for _ in range(20)], 20 * 65_536 / 1e6),
             "l3_gbps": rate(lambda: [big.sum() for _ in range(4)], 4 * big.nbytes / 1e9)}
+
+
+# product_peak's chain: ROWS rows through LINKS products alternating IN -> OUT and OUT -> IN (a feed-forward block's
+# shapes, large enough for ONNX Runtime's MatMul to run at its best on a CPU)
+PEAK_ROWS, PEAK_IN, PEAK_OUT, PEAK_LINKS = 512, 512, 2048, 8
+
+
+def product_peak(threads: int) -> dict:
+    """ONNX Runtime's MatMul rate on this host with `threads` intra-op threads: `fp32_gflops`, and `int8_gops`
+    through `quantize_dynamic` (int8 weights per channel, as nmtserve's int8 variant), each the median of 20
+    runs of a chain of products (PEAK_*) after a warm-up."""
+    import tempfile
+
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    rng = np.random.default_rng(0)
+    nodes, weights, x = [], [], "x"
+    for i in range(PEAK_LINKS):
+        shape = (PEAK_IN, PEAK_OUT) if i % 2 == 0 else (PEAK_OUT, PEAK_IN)
+        weights.append(numpy_helper.from_array((rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32),
+                                               f"w{i}"))
+        nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"y{i}"]))
+        x = f"y{i}"
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, PEAK_IN])],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, None)], weights)
+    ops = 2 * PEAK_ROWS * PEAK_IN * PEAK_OUT * PEAK_LINKS
+    feed = {"x": rng.standard_normal((PEAK_ROWS, PEAK_IN)).astype(np.float32)}
+    rates = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        fp32, int8 = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(fp32))
+        quantize_dynamic(str(fp32), str(int8), weight_type=QuantType.QInt8, per_channel=True)
+        for name, path in (("fp32_gflops", fp32), ("int8_gops", int8)):
+            options = ort.SessionOptions()
+            options.intra_op_num_threads, options.log_severity_level = threads, 3
+            session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            for _ in range(3):
+                session.run(None, feed)
+            rates[name] = rate(partial(session.run, None, feed), ops / 1e9, repeats=20)
+    return {"threads": threads, **rates}
 
 
 # A served cell's CPU by whom (thread_times): the server's event loop (its main thread), its engines (threads named
