@@ -5,7 +5,7 @@
 // And the step's search head: each row's best candidates and their log-softmax in one pass. And the int8
 // graphs' activation quantisation with a scale per row, so that a row's result never depends on its batch. And
 // the encoder's self-attention over the batch's packed tokens, each sentence's queries over its own keys, and
-// its cross K/V from those packed rows into heads.
+// its cross K/V from those packed rows into heads. And the step's input rows: a token's embedding and its position's.
 // Built by export/runtime/kernels.py against ONNX Runtime's C API header; loaded with
 // SessionOptions.register_custom_ops_library; the step graph's nodes are swapped at load time.
 #define ORT_API_MANUAL_INIT
@@ -309,18 +309,23 @@ void cross_row_head(void* data, size_t item) {  // item: (source, query of it, h
 
 // MultiHeadAttention's case in nmtserve's offline step: each source's W queries q (Bs, W, H·Dh) over its
 // one copy of the cross K/V (Bs, H, S, Dh), the first lengths[s] keys of it; with negated_bias (H·Dh), q is the
-// projection before its bias (as DecodeSelfAttention's).
+// projection before its bias (as DecodeSelfAttention's). q may also be the step's rows (Bs·W, H·Dh), a source's W
+// rows one after another, and then out is (Bs·W, H·Dh) (kernels.with_custom_kernels drops the Reshapes around the
+// node).
 Ort::Status DecodeCrossAttention(OrtKernelContext* context, const Ort::Custom::Tensor<float>& q,
                                  const Ort::Custom::Tensor<float>& k, const Ort::Custom::Tensor<float>& v,
                                  const Ort::Custom::Tensor<int32_t>& lengths, OptionalFloats negated_bias,
                                  Ort::Custom::Tensor<float>& out) {
   const std::vector<int64_t> qs = q.Shape(), ks = k.Shape();
-  if (qs.size() != 3 || ks.size() != 4 || v.Shape() != ks || ks[0] != qs[0] || qs[2] != ks[1] * ks[3] ||
-      lengths.NumberOfElement() != qs[0] || (negated_bias && (*negated_bias)->NumberOfElement() != qs[2]))
-    return Ort::Status("DecodeCrossAttention: q must be (Bs, W, H·Dh), k and v (Bs, H, S, Dh), lengths (Bs,) "
-                       "and a bias (H·Dh)", ORT_INVALID_ARGUMENT);
-  const int64_t sources = qs[0], width = qs[1], heads = ks[1], keys = ks[2], dim = ks[3];
-  CrossWork w{q.Data(), k.Data(), v.Data(), out.Allocate({sources, width, heads * dim}), lengths.Data(),
+  const bool flat = qs.size() == 2;
+  if ((qs.size() != 3 && !flat) || ks.size() != 4 || v.Shape() != ks ||
+      (flat ? (ks[0] > 0 ? qs[0] % ks[0] != 0 : qs[0] != 0) : ks[0] != qs[0]) || qs.back() != ks[1] * ks[3] ||
+      lengths.NumberOfElement() != ks[0] || (negated_bias && (*negated_bias)->NumberOfElement() != qs.back()))
+    return Ort::Status("DecodeCrossAttention: q must be (Bs, W, H·Dh) or (Bs·W, H·Dh), k and v (Bs, H, S, Dh), "
+                       "lengths (Bs,) and a bias (H·Dh)", ORT_INVALID_ARGUMENT);
+  const int64_t sources = ks[0], heads = ks[1], keys = ks[2], dim = ks[3];
+  const int64_t width = !flat ? qs[1] : sources > 0 ? qs[0] / sources : 0;
+  CrossWork w{q.Data(), k.Data(), v.Data(), out.Allocate(qs), lengths.Data(),
               width, heads, keys, dim, negated_bias ? (*negated_bias)->Data() : nullptr,
               outgrows_cache(read_bytes(lengths.Data(), sources, keys, heads * dim)) ? sources * width * heads : 0};
   Ort::KernelContext(context).ParallelFor(cross_row_head, sources * width * heads, 0, &w);
@@ -702,6 +707,41 @@ Ort::Status BiasSwishQuantize(const Ort::Custom::Tensor<float>& product, const O
                                   scale);
 }
 
+// Embed: a decoder step's input rows, table[tokens] · scale + position_table[positions], tokens and positions (R,)
+// int64: the exported step's two Gathers, Mul and Add in one node (kernels.with_custom_kernels), in the same
+// arithmetic (a product, then a sum). Without scale (a model that does not scale its embedding) the sum alone. An id
+// outside its table is an error of the run, as Gather's.
+CLONED __attribute__((optimize("fp-contract=off")))  // a product, then a sum: no fused multiply-add
+void embed_row(const float* embedding, const float* scale, const float* position, int64_t n, float* out) {
+  if (scale) {
+    const float by = *scale;
+    for (int64_t i = 0; i < n; i++) out[i] = embedding[i] * by + position[i];
+  } else {
+    for (int64_t i = 0; i < n; i++) out[i] = embedding[i] + position[i];
+  }
+}
+
+Ort::Status Embed(const Ort::Custom::Tensor<float>& table, const Ort::Custom::Tensor<int64_t>& tokens,
+                  const Ort::Custom::Tensor<float>& position_table, const Ort::Custom::Tensor<int64_t>& positions,
+                  OptionalFloats scale, Ort::Custom::Tensor<float>& out) {
+  const std::vector<int64_t> ts = table.Shape(), ps = position_table.Shape(), ids = tokens.Shape();
+  if (ts.size() != 2 || ps.size() != 2 || ps[1] != ts[1] || ids.size() != 1 || positions.Shape() != ids ||
+      (scale && (*scale)->NumberOfElement() != 1))
+    return Ort::Status("Embed: table (V, D), tokens (R,), position_table (P, D), positions (R,) and one scale",
+                       ORT_INVALID_ARGUMENT);
+  const int64_t rows = ids[0], n = ts[1];
+  const int64_t *token = tokens.Data(), *position = positions.Data();
+  for (int64_t r = 0; r < rows; r++)
+    if (token[r] < 0 || token[r] >= ts[0] || position[r] < 0 || position[r] >= ps[0])
+      return Ort::Status(("Embed: row " + std::to_string(r) + "'s token " + std::to_string(token[r]) + " or position " +
+                          std::to_string(position[r]) + " is outside its table").c_str(), ORT_INVALID_ARGUMENT);
+  float* x = out.Allocate({rows, n});
+  for (int64_t r = 0; r < rows; r++)
+    embed_row(table.Data() + token[r] * n, scale ? (*scale)->Data() : nullptr, position_table.Data() + position[r] * n,
+              n, x + r * n);
+  return Ort::Status{nullptr};
+}
+
 const OrtApiBase* registered_api = nullptr;  // ONNX Runtime's, from the first RegisterCustomOps (below)
 
 }  // namespace
@@ -732,10 +772,12 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
       Ort::Custom::CreateLiteCustomOp("EncodeSelfAttention", "CPUExecutionProvider", EncodeSelfAttention)};
   static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> heads_op{
       Ort::Custom::CreateLiteCustomOp("PackedToHeads", "CPUExecutionProvider", PackedToHeads)};
+  static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> embed_op{
+      Ort::Custom::CreateLiteCustomOp("Embed", "CPUExecutionProvider", Embed)};
   static const bool added = (domain.Add(self_op.get()), domain.Add(cross_op.get()), domain.Add(beam_op.get()),
                               domain.Add(head_op.get()), domain.Add(quantize_op.get()), domain.Add(norm_op.get()),
                               domain.Add(relu_op.get()), domain.Add(swish_op.get()), domain.Add(encode_op.get()),
-                              domain.Add(heads_op.get()), true);
+                              domain.Add(heads_op.get()), domain.Add(embed_op.get()), true);
   (void)added;
   Ort::UnownedSessionOptions(options).Add(domain);
   return nullptr;

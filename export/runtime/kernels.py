@@ -16,6 +16,8 @@ the log-probabilities of the whole vocabulary but for the rows `whole_rows` name
 `nmtserve.RowQuantize` takes the place of each DynamicQuantizeLinear of the int8 graphs, encoder and
 decoder (`with_row_quantize`): each row's activations on a scale of their own, so that a sentence's int8
 result no longer depends on its batch-mates (ONNX Runtime's scale is one for the whole tensor).
+`nmtserve.Embed` makes the step's input rows (the token's embedding, scaled, plus its position's) in one node
+for the exported Gathers, Mul and Add.
 
 The library is built on the machine that runs it, by `python -m nmtserve.export.runtime.kernels` (`make
 kernels`; `make test` runs it), with a C++ compiler and ONNX Runtime's C API headers: the system's
@@ -141,6 +143,8 @@ def with_custom_kernels(model: onnx.ModelProto, beam_origin: bool = False) -> on
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     _flat_self_attention(model)
+    _flat_cross_attention(model)
+    _fused_embedding(model)
     if beam_origin:
         model.graph.input.append(helper.make_tensor_value_info("cache_origin", onnx.TensorProto.INT32, ["batch", "slots"]))
     model.opset_import.append(helper.make_opsetid("nmtserve", 1))
@@ -167,6 +171,54 @@ def _flat_self_attention(model: onnx.ModelProto) -> None:
         node.input[0], node.output[0] = unsqueeze.input[0], gather.output[0]
         dropped += [unsqueeze, gather]
     _rebuild(model, {}, dropped)
+
+
+def _flat_cross_attention(model: onnx.ModelProto) -> None:
+    """(with_custom_kernels' part.) Each DecodeCrossAttention between with_shared_cross's two Reshapes, the step's
+    rows (B, D) to (B / width, width, D) by the `query_shape` input and its output back to (B, D), reads the rows
+    and writes its output itself: two nodes fewer a layer, and their copies. `query_shape` stays an input, which
+    nothing reads then."""
+    made_by, readers = _graph_readers(model)
+    read_by = {name: node for node in model.graph.node for name in node.input}  # the one reader, where one
+    dropped = []
+    for node in model.graph.node:
+        if node.op_type != "DecodeCrossAttention":
+            continue
+        before = _made_once(made_by, readers, node.input[0], "Reshape")
+        after = read_by.get(node.output[0]) if readers.get(node.output[0]) == 1 else None
+        if before is None or before.input[1] != "query_shape" or after is None or after.op_type != "Reshape" \
+                or len(_constant(model, made_by, after.input[1]) or []) != 2:
+            continue
+        node.input[0], node.output[0] = before.input[0], after.output[0]
+        dropped += [before, after]
+    _rebuild(model, {}, dropped)
+
+
+def _fused_embedding(model: onnx.ModelProto) -> None:
+    """(with_custom_kernels' part.) The step's input rows, Add(Mul(Gather(table, tokens), scale), Gather(position
+    table, positions)) (or without the Mul) over the `tokens` and `positions` inputs, as one nmtserve.Embed: three
+    nodes fewer (two), and two passes over the rows."""
+    made_by, readers = _graph_readers(model)
+
+    def gathered(name: str, ids: str) -> onnx.NodeProto | None:  # Gather(table, ids) on axis 0, read once
+        node = _made_once(made_by, readers, name, "Gather")
+        axis = [helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"] if node else None
+        return node if node is not None and node.input[1] == ids and axis in ([], [0]) else None
+
+    for add in model.graph.node:
+        if add.op_type != "Add":
+            continue
+        for x, y in (add.input, add.input[::-1]):
+            mul = _made_once(made_by, readers, x, "Mul")
+            scale = mul and next((s for s in mul.input if isinstance(_constant(model, made_by, s), float)), None)
+            embedding = gathered(next(i for i in mul.input if i != scale), "tokens") if scale else gathered(x, "tokens")
+            position = gathered(y, "positions")
+            if embedding is None or position is None:
+                continue
+            fused = helper.make_node("Embed", [embedding.input[0], "tokens", position.input[0], "positions",
+                                               *([scale] if scale else [])], list(add.output), domain="nmtserve")
+            _rebuild(model, {id(add): fused}, [n for n in (mul if scale else None, embedding, position) if n])
+            return
 
 
 def _constant(model: onnx.ModelProto, made_by: dict[str, onnx.NodeProto], name: str) -> list | int | float | None:

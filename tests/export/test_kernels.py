@@ -215,6 +215,33 @@ def test_cross_attention_reads_each_sources_keys_up_to_its_length():
     assert np.array_equal(found, session.run(None, {"q": q - negated_bias, "k": k, "v": v, "lengths": lengths})[0])
     with pytest.raises(Exception, match="DecodeCrossAttention: q must be"):
         biased.run(None, {"q": q, "k": k, "v": v, "lengths": lengths, "negated_bias": negated_bias[:-1]})
+    # the step's rows (Bs·W, H·Dh), a source's W rows one after another (kernels._flat_cross_attention): the same
+    # results as rows (Bs·W, H·Dh); rows that are not a multiple of the sources are refused
+    rows = {"q": q.reshape(ROWS * width, HEADS * DIM), "k": k, "v": v, "lengths": lengths, "negated_bias": negated_bias}
+    flat = biased.run(None, rows)[0]
+    assert flat.shape == (ROWS * width, HEADS * DIM) and np.array_equal(flat, found.reshape(flat.shape))
+    with pytest.raises(Exception, match="DecodeCrossAttention: q must be"):
+        biased.run(None, {**rows, "q": rows["q"][1:]})
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_embed_gives_the_rows_of_the_gathers_mul_and_add_it_replaces_bit_for_bit(scaled):
+    rng = np.random.default_rng(4)
+    table, positions_table = (rng.standard_normal((n, HEADS * DIM), dtype=np.float32) for n in (11, 7))
+    tokens, positions = np.array([3, 0, 10, 3], np.int64), np.array([0, 6, 2, 2], np.int64)
+    scale = np.array(np.sqrt(HEADS * DIM), np.float32)
+    inputs = [("table", TensorProto.FLOAT), ("tokens", TensorProto.INT64), ("positions_table", TensorProto.FLOAT),
+              ("positions", TensorProto.INT64)] + ([("scale", TensorProto.FLOAT)] if scaled else [])
+    session = _session(helper.make_node("Embed", [n for n, _ in inputs], ["x"], domain="nmtserve"), inputs, ["x"])
+    feed = {"table": table, "tokens": tokens, "positions_table": positions_table, "positions": positions,
+            **({"scale": scale} if scaled else {})}
+    x = session.run(None, feed)[0]
+    assert np.array_equal(x, (table[tokens] * scale if scaled else table[tokens]) + positions_table[positions])
+    for name, value in (("tokens", 11), ("tokens", -1), ("positions", 7)):
+        wrong = feed[name].copy()
+        wrong[1] = value
+        with pytest.raises(Exception, match=f"Embed: row 1's token .* is outside its table"):
+            session.run(None, {**feed, name: wrong})
 
 
 def test_encoder_self_attention_attends_within_each_sentence_of_the_packed_tokens():
@@ -376,24 +403,27 @@ def test_the_step_graph_swaps_ort_attention_for_the_kernels_on_a_cpu(tiny_bundle
 
 def test_the_kernels_read_the_projections_around_them_directly(tiny_bundle, tiny_corpus, monkeypatch):
     """Each self-attention kernel reads its (B, 3·D) projection and writes (B, D) without the exported
-    Unsqueeze and Gather around it (_flat_self_attention); in the int8 graphs each attention kernel (the
-    server's cross-attention, whose queries are concatenated with the eos K/V, excepted) reads its projection
-    before the bias Sub and subtracts the negated bias itself (_bias_into_attention). The same arithmetic: the
-    tokens and scores of the graphs without either, exactly."""
+    Unsqueeze and Gather around it (_flat_self_attention), and the offline cross-attention its (B, D) rows
+    without with_shared_cross's Reshapes (_flat_cross_attention); the step's input rows are one Embed
+    (_fused_embedding); in the int8 graphs each attention kernel (the server's cross-attention, whose queries
+    are concatenated with the eos K/V, excepted) reads its projection before the bias Sub and subtracts the
+    negated bias itself (_bias_into_attention). The same arithmetic: the tokens and scores of the graphs
+    without any of them, exactly."""
     layers = OnnxTranslator(tiny_bundle).n_layers
     for variant in ("fp32", "int8"):
         for shared_cross in (True, False):
             ops = _ops(OnnxTranslator(tiny_bundle, variant=variant, shared_cross=shared_cross))
             assert "Unsqueeze" not in ops  # the server's cross-attention too: its Concat is (B, 3·D) already
-            assert ops.count("Gather") == 2  # the token and position embeddings
+            assert "Reshape" not in ops and "Gather" not in ops and ops.count("Embed") == 1
             assert ops.count("Sub") == (layers if variant == "int8" and not shared_cross else 0)
     texts = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
     found = {}
     for arm in ("rewritten", "plain"):
         if arm == "plain":
-            monkeypatch.setattr(kernels, "_flat_self_attention", lambda model: None)
-            monkeypatch.setattr(kernels, "_bias_into_attention", lambda model: None)
-            assert "Sub" in _ops(OnnxTranslator(tiny_bundle, variant="int8"))
+            for rewrite in ("_flat_self_attention", "_flat_cross_attention", "_fused_embedding", "_bias_into_attention"):
+                monkeypatch.setattr(kernels, rewrite, lambda model: None)
+            ops = _ops(OnnxTranslator(tiny_bundle, variant="int8"))
+            assert "Sub" in ops and "Reshape" in ops and "Embed" not in ops
         for shared_cross in (True, False):
             tr = OnnxTranslator(tiny_bundle, variant="int8", shared_cross=shared_cross, intra_op_threads=1)
             sources = [tr.tokenizer.encode(t) for t in texts]
