@@ -240,7 +240,7 @@ def test_embed_gives_the_rows_of_the_gathers_mul_and_add_it_replaces_bit_for_bit
     for name, value in (("tokens", 11), ("tokens", -1), ("positions", 7)):
         wrong = feed[name].copy()
         wrong[1] = value
-        with pytest.raises(Exception, match=f"Embed: row 1's token .* is outside its table"):
+        with pytest.raises(Exception, match="Embed: row 1's token .* is outside its table"):
             session.run(None, {**feed, name: wrong})
 
 
