@@ -197,7 +197,7 @@ def _flat_cross_attention(model: onnx.ModelProto) -> None:
 def _fused_embedding(model: onnx.ModelProto) -> None:
     """(with_custom_kernels' part.) The step's input rows, Add(Mul(Gather(table, tokens), scale), Gather(position
     table, positions)) (or without the Mul) over the `tokens` and `positions` inputs, as one nmtserve.Embed: three
-    nodes fewer (two), and two passes over the rows."""
+    nodes fewer (two without the Mul), and as many passes over the rows."""
     made_by, readers = _graph_readers(model)
 
     def gathered(name: str, ids: str) -> onnx.NodeProto | None:  # Gather(table, ids) on axis 0, read once
