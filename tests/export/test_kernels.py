@@ -215,8 +215,8 @@ def test_cross_attention_reads_each_sources_keys_up_to_its_length():
     assert np.array_equal(found, session.run(None, {"q": q - negated_bias, "k": k, "v": v, "lengths": lengths})[0])
     with pytest.raises(Exception, match="DecodeCrossAttention: q must be"):
         biased.run(None, {"q": q, "k": k, "v": v, "lengths": lengths, "negated_bias": negated_bias[:-1]})
-    # the step's rows (Bs·W, H·Dh), a source's W rows one after another (kernels._flat_cross_attention): the same
-    # results as rows (Bs·W, H·Dh); rows that are not a multiple of the sources are refused
+    # the step's rows (Bs·W, H·Dh), a source's W rows one after another (kernels._flat_cross_attention): the
+    # results of (Bs, W, H·Dh), as rows; a row count that is not a multiple of the sources is refused
     rows = {"q": q.reshape(ROWS * width, HEADS * DIM), "k": k, "v": v, "lengths": lengths, "negated_bias": negated_bias}
     flat = biased.run(None, rows)[0]
     assert flat.shape == (ROWS * width, HEADS * DIM) and np.array_equal(flat, found.reshape(flat.shape))
