@@ -349,8 +349,8 @@ def _spec(cfg: BenchConfig, workdir: Path) -> dict:
     if not marian:
         search = replace(search, length_rule="ctranslate2")
     spec = {"bundle": cfg.bundle, "model": bundle.model, "device": cfg.device, "checkpoint": checkpoint,
-            "marian_directory": marian,
-            "sources": sources, "batch_sizes": list(cfg.batch_sizes), "repeats": cfg.repeats, "search": asdict(search)}
+            "marian_directory": marian, "sources": sources, "batch_sizes": list(cfg.batch_sizes),
+            "repeats": cfg.repeats, "search": asdict(search)}
     if any(e.startswith("ct2_") for e in cfg.engines):
         # converted here, once, in the runner (torch), never in a measuring process
         if marian:  # by CTranslate2's own converter, from the directory the bundle was imported from

@@ -156,21 +156,15 @@ def _flat_self_attention(model: onnx.ModelProto) -> None:
     output one Gather of index 0 on axis 1 alone reads (the exported step's (B, 3·D) -> (B, 1, 3·D) and (B, 1, D)
     -> (B, D) around GroupQueryAttention) reads x and writes the Gather's output itself: given qkv (B, 3·H·Dh) the
     kernel writes (B, H·Dh). Two nodes fewer a layer, and the Gather's copy."""
-    made_by, readers = _graph_readers(model)
-    read_by = {name: node for node in model.graph.node for name in node.input}  # the one reader, where one
-    dropped = []
-    for node in model.graph.node:
-        if node.op_type not in ("DecodeSelfAttention", "DecodeBeamSelfAttention"):
-            continue
-        unsqueeze = _made_once(made_by, readers, node.input[0], "Unsqueeze")
-        gather = read_by.get(node.output[0]) if readers.get(node.output[0]) == 1 else None
-        if unsqueeze is None or len(unsqueeze.input) != 2 or gather is None or gather.op_type != "Gather" \
-                or _constant(model, made_by, unsqueeze.input[1]) != [1] or _constant(model, made_by, gather.input[1]) != 0 \
-                or [helper.get_attribute_value(a) for a in gather.attribute if a.name == "axis"] != [1]:
-            continue
-        node.input[0], node.output[0] = unsqueeze.input[0], gather.output[0]
-        dropped += [unsqueeze, gather]
-    _rebuild(model, {}, dropped)
+    def unsqueezed(node: onnx.NodeProto, made_by: dict) -> bool:
+        return len(node.input) == 2 and _constant(model, made_by, node.input[1]) == [1]
+
+    def gathered(node: onnx.NodeProto, made_by: dict) -> bool:
+        return _constant(model, made_by, node.input[1]) == 0 \
+            and [helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"] == [1]
+
+    _without_reshaping(model, ("DecodeSelfAttention", "DecodeBeamSelfAttention"), "Unsqueeze", unsqueezed, "Gather",
+                       gathered)
 
 
 def _flat_cross_attention(model: onnx.ModelProto) -> None:
@@ -178,16 +172,25 @@ def _flat_cross_attention(model: onnx.ModelProto) -> None:
     rows (B, D) to (B / width, width, D) by the `query_shape` input and its output back to (B, D), reads the rows
     and writes its output itself: two nodes fewer a layer, and their copies. `query_shape` stays an input, which
     nothing reads then."""
+    _without_reshaping(model, ("DecodeCrossAttention",), "Reshape", lambda node, _: node.input[1] == "query_shape",
+                       "Reshape", lambda node, made_by: len(_constant(model, made_by, node.input[1]) or []) == 2)
+
+
+def _without_reshaping(model: onnx.ModelProto, ops: tuple[str, ...], before_op: str, before_ok, after_op: str,
+                       after_ok) -> None:
+    """Each node of `ops` whose first input a `before_op` node alone makes and whose first output an `after_op` node
+    alone reads, both as before_ok and after_ok(node, made_by) say, reads that node's input and writes its output
+    itself; the two go."""
     made_by, readers = _graph_readers(model)
     read_by = {name: node for node in model.graph.node for name in node.input}  # the one reader, where one
     dropped = []
     for node in model.graph.node:
-        if node.op_type != "DecodeCrossAttention":
+        if node.op_type not in ops:
             continue
-        before = _made_once(made_by, readers, node.input[0], "Reshape")
+        before = _made_once(made_by, readers, node.input[0], before_op)
         after = read_by.get(node.output[0]) if readers.get(node.output[0]) == 1 else None
-        if before is None or before.input[1] != "query_shape" or after is None or after.op_type != "Reshape" \
-                or len(_constant(model, made_by, after.input[1]) or []) != 2:
+        if before is None or after is None or after.op_type != after_op or not before_ok(before, made_by) \
+                or not after_ok(after, made_by):
             continue
         node.input[0], node.output[0] = before.input[0], after.output[0]
         dropped += [before, after]
