@@ -24,6 +24,10 @@ servers' rows and at all of them), to which each mode's highest steady throughpu
 engines alone (`engines_alone`: a server's model and engines as `serve` loads them, in a process of their own at
 each layout, fed the same kind of calls by a closed loop without gRPC, continuous batching): where the served
 throughput falls short of the offline one, this says whether the engines or the RPC path around them lose it.
+Once a run the RPC path's own cost is measured too (`rpc_floor`, loadtests/grpc_floor.py: a bare grpc.aio
+server's no-op call from the same kind of client), and the two figures of issue 16's item 3 that it bounds:
+the least served p50 at one client it leaves above the baseline's, and the most a server whose calls cost
+only that could reach at saturation against the offline best, its CPU taken from the same cores.
 With `--sentences-per-call N` each call carries N sentences (Translate's `sentences`), so the cost of
 a call is paid once for N (no batch-1 baseline then: it compares one-sentence calls).
 
@@ -47,7 +51,9 @@ from pathlib import Path
 
 from nmtserve.errors import NmtserveError
 from nmtserve.loadtests.bench_offline import layout_name, run_measure, run_worker
-from nmtserve.loadtests.machine import PROBES, THREAD_KINDS, describe, host_probe, machine_info, thread_times
+from nmtserve.loadtests.grpc_floor import FLOOR_CLIENTS, grpc_floor
+from nmtserve.loadtests.machine import (PROBES, THREAD_KINDS, describe, host_probe, machine_info, thread_times,
+                                        usable_cores)
 from nmtserve.loadtests.workload import (
     ServerProcess,
     default_sentence_file,
@@ -358,6 +364,7 @@ def run_served_bench(cfg: ServedBenchConfig) -> dict:
     # one-sentence calls: the servers' engines without gRPC, in a process of their own at each layout, once a run
     alone: dict[tuple[int, int], list[dict]] = {layout: [] for layout in layouts(cfg)} \
         if cfg.sentences_per_call == 1 else {}
+    floors: list[dict] = []  # the RPC path's own cost (grpc_floor), once a run, every server idle
     with tempfile.TemporaryDirectory() as logs:
         spec_path, engines_path = Path(logs) / "offline-spec.json", Path(logs) / "engines-spec.json"
         if offline:
@@ -397,12 +404,13 @@ def run_served_bench(cfg: ServedBenchConfig) -> dict:
                     offline[engines, t].append(run_worker(f"ort_{cfg.variant}", engines, t, spec_path))
                 for engines, t in alone:
                     alone[engines, t].append(run_engines_alone(engines, t, engines_path))
+                floors.append(grpc_floor())
         finally:
             for server in servers.values():
                 server.stop()
     # the servers gone: at the most threads swept
     steps = translators[max(cfg.threads)].step_ms_by_rows(pool, cfg.max_running_rows) if translators else None
-    return _report(cfg, cells, baselines, steps, offline_best(offline), engines_best(alone))
+    return _report(cfg, cells, baselines, steps, offline_best(offline), engines_best(alone), floors)
 
 
 def offline_best(offline: dict[tuple[int, int], list[dict]]) -> dict | None:
@@ -451,12 +459,34 @@ def _ratios(results: dict, key: str) -> dict[str, float]:
     return {c: round(results["continuous"][c][key] / results["static"][c][key], 2) for c in results["continuous"]}
 
 
+def rpc_floor(floors: list[dict]) -> dict | None:
+    """The runs' grpc_floor measures: the median of each figure, the p50's spread."""
+    if not floors:
+        return None
+    floor = {key: None if any(f[key] is None for f in floors) else round(statistics.median(f[key] for f in floors), 3)
+             for key in floors[0]}
+    return {**floor, "p50_ms_min_max": [round(min(f["p50_ms"] for f in floors), 3), round(max(f["p50_ms"] for f in floors), 3)],
+            "clients": FLOOR_CLIENTS}
+
+
+def rpc_bound(offline: dict, floor: dict, tokens_per_call: float) -> float:
+    """The saturated throughput, against OnnxTranslator's offline best, of a server whose calls cost nothing but
+    the RPC floor's CPU (its server's and its client's, on the host's cores) beside engines as fast as offline:
+    offline spends E ms of its cores a call (its layout's cores over its calls/s), such a server E + R of the
+    host's; never above 1, its engines being as fast as offline at most."""
+    engines, threads = map(int, offline["layout"].split("x"))
+    cores = min(engines * threads, usable_cores())
+    offline_ms = cores * 1e3 * tokens_per_call / offline["tokens_per_s"]
+    return min(1.0, usable_cores() / cores * offline_ms / (offline_ms + floor["server_cpu_ms"] + floor["client_cpu_ms"]))
+
+
 def _report(cfg: ServedBenchConfig, cells: dict, baselines: dict[int, list[dict]],
-            step_ms_by_rows: dict | None = None, offline: dict | None = None, alone: dict | None = None) -> dict:
+            step_ms_by_rows: dict | None = None, offline: dict | None = None, alone: dict | None = None,
+            floors: list[dict] | None = None) -> dict:
     """`results`: each mode at its best layout for each concurrency (highest steady-state tokens/s; `layout`
     says which, engines x threads); with several layouts, `results_by_layout` has every one. `offline`:
     offline_best's, `alone`: engines_best's, to each of which each mode's highest steady tokens/s over the
-    concurrencies compares."""
+    concurrencies compares; `floors`: grpc_floor's, which bound item 3's two ratios from the RPC path alone."""
     by_layout = {layout_name(*layout): {m: {str(c): _summary(cells[m, layout][c]) for c in cfg.concurrency}
                                         for m in cfg.modes} for layout in layouts(cfg)}
     results = {}
@@ -488,6 +518,14 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: dict[int, list[dict]
         if offline:
             ratios["the engines alone / OnnxTranslator offline best"] = round(
                 alone["steady_tokens_per_s"] / offline["tokens_per_s"], 3)
+    floor = rpc_floor(floors or [])
+    if floor and baseline:  # item 3 allows a served p50 at one client of 1.10x the baseline's: the floor alone takes
+        ratios["RPC floor p50 / OnnxTranslator batch-1 p50"] = round(floor["p50_ms"] / baseline["p50_ms"], 3)
+    if floor and offline and floor["server_cpu_ms"] is not None and cfg.device == "cpu":  # engines on the cores
+        mode = max(saturation, key=saturation.get)
+        cell = max(results[mode].values(), key=lambda c: c["steady_tokens_per_s"])
+        ratios["at most, over the RPC floor / OnnxTranslator offline best"] = round(
+            rpc_bound(offline, floor, cell["tokens_per_s"] / cell["requests_per_s"]), 3)
     return {"bundle": cfg.bundle, "variant": cfg.variant, "device": cfg.device, "server_flags": cfg.server_flags,
             "decoding": cfg.decoding, "sentences_per_call": cfg.sentences_per_call,
             "threads": list(cfg.threads), "runs": cfg.runs,
@@ -495,7 +533,8 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: dict[int, list[dict]
             "machine": machine_info(cfg.device),
             "results": results, "results_by_layout": by_layout if len(by_layout) > 1 else None,
             "baseline_onnx_translator_batch1": {k: round(v, 2) for k, v in baseline.items()} if baseline else None,
-            "step_ms_by_rows": step_ms_by_rows, "offline_best": offline, "engines_alone": alone, "ratios": ratios}
+            "step_ms_by_rows": step_ms_by_rows, "offline_best": offline, "engines_alone": alone, "rpc_floor": floor,
+            "ratios": ratios}
 
 
 def _threads(report: dict) -> str:
@@ -563,6 +602,14 @@ def format_table(report: dict) -> str:
         low, high = alone["steady_tokens_per_s_min_max"]
         lines.append(f"the servers' engines alone (no gRPC, continuous, {report['concurrency'][-1]} clients' calls), best "
                      f"layout: {alone['steady_tokens_per_s']:,.0f} [{low:,.0f}–{high:,.0f}] steady tok/s, {alone['layout']}")
+    floor = report.get("rpc_floor")
+    if floor:
+        low, high = floor["p50_ms_min_max"]
+        cpu = f"; CPU a call: server {floor['server_cpu_ms']:.3f} ms, client {floor['client_cpu_ms']:.3f} ms" \
+            if floor["server_cpu_ms"] is not None else ""
+        lines.append(f"the RPC floor (a bare grpc.aio server's no-op call, Python's blocking stubs; loadtests/grpc_floor.py): "
+                     f"p50 {floor['p50_ms']:.3f} ms [{low:.3f}–{high:.3f}] at one client, {floor['calls_per_s']:,.0f} "
+                     f"calls/s at {floor['clients']} clients{cpu}")
     for name, value in report["ratios"].items():
         lines.append(f"{name}: {value}")
     return "\n".join(lines)
@@ -590,9 +637,16 @@ def draw_chart(report: dict, path: Path) -> None:
                                    ("engines_alone", "steady_tokens_per_s", "the engines alone (no gRPC)", "tab:green")):
         if report.get(name):
             throughput.axhline(report[name][key], color=color, linewidth=0.8, linestyle="-.", label=line)
+    bound = report["ratios"].get("at most, over the RPC floor / OnnxTranslator offline best")
+    if bound:
+        throughput.axhline(bound * report["offline_best"]["tokens_per_s"], color="tab:red", linewidth=0.8,
+                           linestyle=":", label="at most, over the RPC floor")
     baseline = report["baseline_onnx_translator_batch1"]
     if baseline:
         latency.axhline(baseline["p50_ms"], color="gray", linewidth=0.8, label="OnnxTranslator batch-1 p50")
+        if report.get("rpc_floor"):
+            latency.axhline(baseline["p50_ms"] + report["rpc_floor"]["p50_ms"], color="tab:red", linewidth=0.8,
+                            linestyle=":", label="… + the RPC floor's p50")
     for ax, ylabel in ((latency, "latency per call (ms)"), (throughput, "target tokens/s")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")

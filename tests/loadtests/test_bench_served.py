@@ -8,7 +8,8 @@ from collections import Counter
 
 import pytest
 
-from nmtserve.loadtests.bench_served import STAGES, Baseline, ServedBenchConfig, steady_window, work
+from nmtserve.loadtests import bench_served
+from nmtserve.loadtests.bench_served import STAGES, Baseline, ServedBenchConfig, rpc_bound, steady_window, work
 from nmtserve.loadtests.machine import THREAD_KINDS
 from nmtserve.loadtests.workload import DECODING_MIX, draw_decoding
 from tests.helpers import run_cli
@@ -26,6 +27,19 @@ def test_the_steady_window_leaves_out_the_first_round_and_the_tail():
     finished = [(1.0, 10), (1.1, 10), (2.0, 7), (3.0, 9), (4.0, 11), (4.5, 50), (4.6, 50)]
     assert steady_window(finished, 4.0, 2) == pytest.approx((7 + 9 + 11) / 2.9)
     assert steady_window(finished[:2], 1.05, 2) is None  # too few requests per client: no window
+
+
+def test_the_rpc_floor_bounds_the_saturated_server_by_the_cores_it_takes(monkeypatch):
+    """Offline, 2 engines x 1 thread make 10,000 tok/s of calls of 10 tokens: 2 ms of the cores a call. A server
+    whose calls cost 0.25 ms of its own CPU and 0.25 of its client's beside that gets 2 / 2.5 of it on 2 cores;
+    on 8 cores the RPC path has cores of its own and the engines bound it (1); offline on 1 x 1 (1 ms of one core a
+    call) against a server that may use both cores: 2 / 1.5 of it, so the engines bound it too."""
+    floor = {"server_cpu_ms": 0.25, "client_cpu_ms": 0.25}
+    monkeypatch.setattr(bench_served, "usable_cores", lambda: 2)
+    assert rpc_bound({"layout": "2x1", "tokens_per_s": 10_000}, floor, 10) == pytest.approx(0.8)
+    assert rpc_bound({"layout": "1x1", "tokens_per_s": 10_000}, floor, 10) == 1.0
+    monkeypatch.setattr(bench_served, "usable_cores", lambda: 8)
+    assert rpc_bound({"layout": "2x1", "tokens_per_s": 10_000}, floor, 10) == 1.0
 
 
 def test_greedy_calls_say_greedy_and_the_baseline_decodes_as_the_servers(marian_bundle):
@@ -94,6 +108,13 @@ def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_p
         assert set(report["ratios"][f"continuous/static steady_tokens_per_s, both at {name}"]) == {"1", "2"}
         assert f"at {name}, steady tok/s" in result.stdout
     assert report["baseline_onnx_translator_batch1"]["p50_ms"] > 0
+    # the RPC path's own cost (a bare grpc server's no-op call), once a run, against the baseline's p50
+    floor = report["rpc_floor"]
+    assert floor["clients"] == 64 and floor["calls_per_s"] > 0 and floor["server_cpu_ms"] > 0 and floor["client_cpu_ms"] > 0
+    low, high = floor["p50_ms_min_max"]
+    assert 0 < low <= floor["p50_ms"] <= high and "the RPC floor" in result.stdout
+    assert report["ratios"]["RPC floor p50 / OnnxTranslator batch-1 p50"] == pytest.approx(
+        floor["p50_ms"] / report["baseline_onnx_translator_batch1"]["p50_ms"], rel=0.01)
     assert report["baseline_onnx_translator_batch1"]["threads"] in (1, 2)
     # the decoder step's time at each batch size up to the servers' rows (64 by default)
     assert list(report["step_ms_by_rows"]) == ["1", "8", "16", "32", "48", "64"]
@@ -125,6 +146,9 @@ def test_served_bench_sends_several_sentences_a_call(tiny_bundle, tmp_path):
     assert report["ratios"]["continuous saturation / OnnxTranslator offline best"] == pytest.approx(
         cell["steady_tokens_per_s"] / offline["tokens_per_s"], abs=1e-3)
     assert "OnnxTranslator offline, greedy" in result.stdout
+    # greedy with an offline best: the most a server whose calls cost only the RPC floor could make of it
+    assert report["ratios"]["at most, over the RPC floor / OnnxTranslator offline best"] == pytest.approx(
+        rpc_bound(offline, report["rpc_floor"], cell["tokens_per_s"] / cell["requests_per_s"]), abs=1e-3)
     assert report["threads"] == [1] and report["results_by_layout"] is None and cell["layout"] == "2x1"
     bad = run_cli("bench", "served", str(tiny_bundle), "--sentences-per-call", "0", timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().endswith("--sentences-per-call 0: must be at least 1")

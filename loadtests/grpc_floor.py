@@ -1,0 +1,105 @@
+"""What a served call costs with nothing of nmtserve behind it: the RPC path's floor on this host.
+
+A bare grpc.aio server (this module run as a process: `python -m nmtserve.loadtests.grpc_floor`) answers
+ListModels at once with an empty message; the measuring process calls it with Python's blocking stubs on
+the channel the served benchmark's clients use, as they call (`bench_served._cell`):
+
+- one client: the p50 of a call, which every served call pays beside its translation;
+- FLOOR_CLIENTS clients for a few seconds: calls/s, and the CPU a call of the server process and of the
+  client, which share the host's cores with the engines when the benchmark's clients run on the server's host.
+
+`nmtserve bench served` measures it once a run, every server idle, and sets it against the offline baseline
+(bench_served._report): how close a server that cost nothing but this could come to OnnxTranslator at
+one client and at saturation (issue 16, item 3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+FLOOR_CLIENTS = 64  # as a saturated cell's
+ONE_CLIENT_CALLS = 1000
+SATURATED_SECONDS = 2.0
+
+
+def _serve() -> None:
+    """The bare server, on a free loopback port it prints; ends with its standard input (its parent gone)."""
+    import grpc
+
+    from nmtserve.v1 import translation_pb2 as pb
+    from nmtserve.v1 import translation_pb2_grpc as pb_grpc
+
+    class NoOp(pb_grpc.TranslationServiceServicer):
+        async def ListModels(self, request, context):
+            return pb.ListModelsResponse()
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        pb_grpc.add_TranslationServiceServicer_to_server(NoOp(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        print(port, flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        await server.stop(None)
+
+    asyncio.run(main())
+
+
+def grpc_floor(saturated_seconds: float = SATURATED_SECONDS, one_client_calls: int = ONE_CLIENT_CALLS) -> dict:
+    """-> p50_ms (one client), calls_per_s, server_cpu_ms and client_cpu_ms a call (FLOOR_CLIENTS clients)."""
+    from nmtserve.client import open_channel
+    from nmtserve.errors import NmtserveError
+    from nmtserve.loadtests.machine import thread_times
+    from nmtserve.v1 import translation_pb2 as pb
+    from nmtserve.v1 import translation_pb2_grpc as pb_grpc
+
+    server = subprocess.Popen([sys.executable, "-m", "nmtserve.loadtests.grpc_floor"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline()
+        if not line.strip().isdigit():
+            raise NmtserveError(f"the bare grpc server for the RPC floor did not start (it printed {line!r})")
+        with open_channel(f"127.0.0.1:{line.strip()}") as channel:
+            call = pb_grpc.TranslationServiceStub(channel).ListModels
+            for _ in range(100):  # the channel's and the server's first calls
+                call(pb.ListModelsRequest())
+            latencies = []
+            for _ in range(one_client_calls):
+                started = time.perf_counter()
+                call(pb.ListModelsRequest())
+                latencies.append(time.perf_counter() - started)
+            counts, stop = [0] * FLOOR_CLIENTS, time.perf_counter() + saturated_seconds
+
+            def client(i: int) -> None:
+                while time.perf_counter() < stop:
+                    call(pb.ListModelsRequest())
+                    counts[i] += 1
+
+            before, client_cpu, started = thread_times(server.pid), time.process_time(), time.perf_counter()
+            clients = [threading.Thread(target=client, args=(i,)) for i in range(FLOOR_CLIENTS)]
+            for t in clients:
+                t.start()
+            for t in clients:
+                t.join()
+            seconds, client_cpu, after = time.perf_counter() - started, time.process_time() - client_cpu, thread_times(server.pid)
+    finally:
+        server.stdin.close()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    calls = sum(counts)
+    server_cpu = sum(after[kind][0] - before[kind][0] for kind in after) if before and after else None
+    return {"p50_ms": statistics.median(latencies) * 1e3, "calls_per_s": calls / seconds,
+            "server_cpu_ms": server_cpu * 1e3 / calls if server_cpu is not None else None,
+            "client_cpu_ms": client_cpu * 1e3 / calls}
+
+
+if __name__ == "__main__":
+    _serve()
