@@ -52,8 +52,15 @@ from pathlib import Path
 from nmtserve.errors import NmtserveError
 from nmtserve.loadtests.bench_offline import layout_name, run_measure, run_worker
 from nmtserve.loadtests.grpc_floor import FLOOR_CLIENTS, grpc_floor
-from nmtserve.loadtests.machine import (PROBES, THREAD_KINDS, describe, host_probe, machine_info, thread_times,
-                                        usable_cores)
+from nmtserve.loadtests.machine import (
+    PROBES,
+    THREAD_KINDS,
+    describe,
+    host_probe,
+    machine_info,
+    thread_times,
+    usable_cores,
+)
 from nmtserve.loadtests.workload import (
     ServerProcess,
     default_sentence_file,
