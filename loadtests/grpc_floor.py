@@ -50,7 +50,7 @@ def _serve() -> None:
     asyncio.run(main())
 
 
-def grpc_floor(saturated_seconds: float = SATURATED_SECONDS, one_client_calls: int = ONE_CLIENT_CALLS) -> dict:
+def grpc_floor() -> dict:
     """-> p50_ms (one client), calls_per_s, server_cpu_ms and client_cpu_ms a call (FLOOR_CLIENTS clients)."""
     from nmtserve.client import open_channel
     from nmtserve.errors import NmtserveError
@@ -69,11 +69,11 @@ def grpc_floor(saturated_seconds: float = SATURATED_SECONDS, one_client_calls: i
             for _ in range(100):  # the channel's and the server's first calls
                 call(pb.ListModelsRequest())
             latencies = []
-            for _ in range(one_client_calls):
+            for _ in range(ONE_CLIENT_CALLS):
                 started = time.perf_counter()
                 call(pb.ListModelsRequest())
                 latencies.append(time.perf_counter() - started)
-            counts, stop = [0] * FLOOR_CLIENTS, time.perf_counter() + saturated_seconds
+            counts, stop = [0] * FLOOR_CLIENTS, time.perf_counter() + SATURATED_SECONDS
 
             def client(i: int) -> None:
                 while time.perf_counter() < stop:
