@@ -161,7 +161,7 @@ def _flat_self_attention(model: onnx.ModelProto) -> None:
 
     def gathered(node: onnx.NodeProto, made_by: dict) -> bool:
         return _constant(model, made_by, node.input[1]) == 0 \
-            and [helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"] == [1]
+            and _attribute(node, "axis") == 1
 
     _without_reshaping(model, ("DecodeSelfAttention", "DecodeBeamSelfAttention"), "Unsqueeze", unsqueezed, "Gather",
                        gathered)
@@ -205,8 +205,7 @@ def _fused_embedding(model: onnx.ModelProto) -> None:
 
     def gathered(name: str, ids: str) -> onnx.NodeProto | None:  # Gather(table, ids) on axis 0, read once
         node = _made_once(made_by, readers, name, "Gather")
-        axis = [helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"] if node else None
-        return node if node is not None and node.input[1] == ids and axis in ([], [0]) else None
+        return node if node is not None and node.input[1] == ids and _attribute(node, "axis", 0) == 0 else None
 
     for add in model.graph.node:
         if add.op_type != "Add":
@@ -222,6 +221,11 @@ def _fused_embedding(model: onnx.ModelProto) -> None:
                                                *([scale] if scale else [])], list(add.output), domain="nmtserve")
             _rebuild(model, {id(add): fused}, [n for n in (mul if scale else None, embedding, position) if n])
             return
+
+
+def _attribute(node: onnx.NodeProto, name: str, default=None):
+    """The value of a node's attribute `name`, or `default` where the node has none."""
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
 
 def _constant(model: onnx.ModelProto, made_by: dict[str, onnx.NodeProto], name: str) -> list | int | float | None:
@@ -286,14 +290,12 @@ def with_packed_attention(model: onnx.ModelProto) -> onnx.ModelProto:
     if len(heads_names) == 1 and len(masks) == 1:
         mask, casts = next(iter(masks)), set()
         for node in model.graph.node:
-            perm = [helper.get_attribute_value(a) for a in node.attribute if a.name == "perm"]
-            chain = [made_by.get(node.input[0])] if node.op_type == "Transpose" and perm == [[0, 2, 1, 3]] \
+            chain = [made_by.get(node.input[0])] if node.op_type == "Transpose" and _attribute(node, "perm") == [0, 2, 1, 3] \
                 and node.output[0] in outputs else []
             while chain and chain[-1] is not None and chain[-1].op_type == "Reshape" and len(chain) < 3:
                 chain.append(made_by.get(chain[-1].input[0]))
             gather = chain[-1] if len(chain) == 3 else None
-            axis = [a.i for a in gather.attribute if a.name == "axis"] if gather is not None else None
-            if gather is None or gather.op_type != "Gather" or axis != [1]:
+            if gather is None or gather.op_type != "Gather" or _attribute(gather, "axis") != 1:
                 continue
             if only_user(chain[0].output[0], "Transpose") is not node:
                 continue
@@ -583,7 +585,7 @@ def _search_head_logits(node: onnx.NodeProto) -> str | None:
     after the log-softmax: it keeps ONNX Runtime's nodes)."""
     if node.op_type != "If" or list(node.input) != ["with_scores"]:
         return None
-    scoring = next(helper.get_attribute_value(a) for a in node.attribute if a.name == "then_branch")
+    scoring = _attribute(node, "then_branch")
     return scoring.node[0].input[0] if [n.op_type for n in scoring.node] == ["LogSoftmax", "TopK", "Gather"] else None
 
 
