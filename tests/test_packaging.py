@@ -41,6 +41,27 @@ def test_the_wheel_adds_exactly_one_top_level_package(tmp_path):
         assert f"nmtserve/{module}" in names, module
 
 
+@pytest.mark.slow
+def test_lint_and_collection_pass_after_a_build_in_the_checkout(tmp_path):
+    """`pip install .` and `pip wheel .` leave build/ (copies of the sources, the generated stubs among them)
+    and *.egg-info in the checkout: `make test`'s lint and pytest's collection must not read them."""
+    source = _copy_source(tmp_path / "src")
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                            "-w", str(source / "dist"), str(source)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    assert (source / "build" / "lib" / "nmtserve" / "v1" / "translation_pb2.py").is_file()
+    ruff = Path(sys.executable).parent / "ruff"
+    lint = subprocess.run([ruff, "check", "--no-cache", "."], capture_output=True, text=True, cwd=source, timeout=120)
+    assert lint.returncode == 0, lint.stdout[-3000:]
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+                               capture_output=True, text=True, cwd=source, timeout=300)
+    assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
+    assert "build/" not in collected.stdout, collected.stdout[-3000:]
+    artefacts = ["build/lib/nmtserve/cli.py", "dist/nmtserve-0-py3-none-any.whl", "nmtserve.egg-info/PKG-INFO"]
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *artefacts], capture_output=True, text=True, cwd=ROOT)
+    assert ignored.stdout.split() == artefacts, ignored.stdout
+
+
 def test_unrelated_server_and_export_folders_in_the_working_directory_do_not_shadow_ours(tmp_path):
     for name in ("server", "export", "training", "loadtests"):
         (tmp_path / name).mkdir()
