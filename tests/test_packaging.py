@@ -53,6 +53,8 @@ def test_lint_and_collection_pass_after_a_build_in_the_checkout(tmp_path):
     ruff = Path(sys.executable).parent / "ruff"
     lint = subprocess.run([ruff, "check", "--no-cache", "."], capture_output=True, text=True, cwd=source, timeout=120)
     assert lint.returncode == 0, lint.stdout[-3000:]
+    linted = subprocess.run([ruff, "check", "--show-files", "."], capture_output=True, text=True, cwd=source).stdout
+    assert "export/build/exporter.py" in linted and "build/lib" not in linted, linted[-3000:]  # export/build is ours
     collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
                                capture_output=True, text=True, cwd=source, timeout=300)
     assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
