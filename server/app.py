@@ -108,12 +108,12 @@ def _switch(flag: str, value: str) -> bool | None:
 
 
 def load_model(spec: ModelSpec, config: ServerConfig, metrics: ServerMetrics, io_binding: bool | None = None,
-               attention_kernel: bool | None = None, row_scales: bool | None = None) -> ServedModel:
+               attention_kernel: bool | None = None) -> ServedModel:
     """The model's sessions and its own engines (their own threads: a flood on one model never waits for
     another's steps; the operating system shares the cores between the engines' threads)."""
     translator = OnnxTranslator(load_bundle(spec.bundle), device=spec.device, variant=spec.variant,
                                 intra_op_threads=spec.threads, io_binding=io_binding, shared_cross=False,
-                                attention_kernel=attention_kernel, row_scales=row_scales)
+                                attention_kernel=attention_kernel)
     engine_config = EngineConfig(max_running_rows=config.max_running_rows, max_batch_tokens=config.max_batch_tokens,
                                  max_waiting=config.max_waiting, batching=config.batching,
                                  admit_rows=config.admit_rows, admit_steps=config.admit_steps,
@@ -124,7 +124,7 @@ def load_model(spec: ModelSpec, config: ServerConfig, metrics: ServerMetrics, io
     metrics.model.labels(spec.id).info({"bundle": spec.bundle, "variant": spec.variant, "device": spec.device,
                                         "io_binding": str(translator.io_binding).lower(), "batching": config.batching,
                                         "attention_kernel": str(translator.attention_kernel).lower(),
-                                        "int8_row_scales": str(translator.row_scales).lower()})
+                                        "graphs": ",".join(translator.graphs)})
     return ServedModel(spec, engine, config)
 
 
@@ -133,7 +133,6 @@ async def start_server(config: ServerConfig) -> RunningServer:
     credentials = server_credentials(config)  # a bad certificate path fails before the model loads
     io_binding = _switch("io-binding", config.io_binding)  # the switches are checked before any model loads
     attention_kernel = _switch("attention-kernel", config.attention_kernel)
-    row_scales = _switch("int8-row-scales", config.int8_row_scales)
     for name in AT_LEAST_ONE:  # 0 rows or a queue of 0 would take no request, ever
         value = getattr(config, name)
         if value < 1:
@@ -143,7 +142,7 @@ async def start_server(config: ServerConfig) -> RunningServer:
     models: dict[str, ServedModel] = {}
     try:
         for spec in specs:
-            models[spec.id] = load_model(spec, config, metrics, io_binding, attention_kernel, row_scales)
+            models[spec.id] = load_model(spec, config, metrics, io_binding, attention_kernel)
     except BaseException:
         for model in models.values():
             model.engine.stop()

@@ -16,11 +16,9 @@ HELPS = {"models": "TOML file of the models to serve: bundle, id, variant, devic
                           "of its own with its own --max-running-rows and --max-waiting (2 × 1 thread beat 1 × 2 "
                           "under load on a CPU); 1 on cuda",
          "io_binding": "auto, on or off: keep K/V caches on the device between steps (auto: on for cuda)",
-         "attention_kernel": "auto, on or off: nmtserve's decoding kernels (attention, search head, int8 scales per row) in "
-                             "place of ONNX Runtime's nodes (auto: on a CPU when built: make kernels)",
-         "int8_row_scales": "auto, on or off: with --variant int8, each row's activations quantised on a scale of its own, "
-                            "so a request's result never depends on its batch-mates (off: ONNX Runtime's one scale per "
-                            "tensor, faster; auto: on with the kernels)",
+         "attention_kernel": "auto, on or off: the bundle's graphs on nmtserve's decoding kernels (attention, search head, "
+                             "int8 scales per row) in place of its portable ones (auto: on a CPU where the kernel "
+                             "library is built for this onnxruntime: make kernels; the log and GetModelInfo say which)",
          "max_running_rows": "rows in each model's running decoder batch (a beam search takes beam_size rows)",
          "admit_rows": "continuous batching: newcomers join a running batch once this many of their rows wait and are free (at most 1/8 of --max-running-rows) …",
          "admit_steps": "… or once this many decoder steps have passed since the latest admission",

@@ -20,7 +20,6 @@ class ServerConfig:
     device: str = "cpu"
     io_binding: str = "auto"  # on: K/V caches stay on the device as OrtValues (IOBinding); auto = on for cuda
     attention_kernel: str = "auto"  # nmtserve's decoding kernels (export/runtime/kernels.py); auto: on a CPU when built
-    int8_row_scales: str = "auto"  # int8: each row's activations on a scale of its own (batch-independent); auto: with the kernels
     threads: int = 2  # ONNX Runtime intra-op threads (sessions never spin): the deployment's CPU request
     inter_threads: int = 1  # running batches per model (engines), each on a thread of its own with `threads` intra-op threads
     max_running_rows: int = 64

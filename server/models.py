@@ -229,7 +229,8 @@ class ServedModel:
                 sampling_topk=1, sampling_topp=1.0, sampling_temperature=1.0,
                 beam_stopping=pb.BeamStopping.Value(f"BEAM_STOPPING_{self.defaults.beam_stopping.upper()}"),
                 length_rule=pb.LengthRule.Value(f"LENGTH_RULE_{self.defaults.length_rule.upper()}")),
-            target_languages=self.tokenizer.target_languages)
+            target_languages=self.tokenizer.target_languages, graphs=self.engine.tr.graphs,
+            kernels=self.engine.tr.kernel_note)
 
 
 def route(models: dict[str, ServedModel], model: str, source_language: str, target_language: str) -> ServedModel:

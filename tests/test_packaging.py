@@ -1,5 +1,5 @@
 """Packaging: one top-level import package, no shadowing by folders in the working directory, a
-serving path that never imports torch, and a base install (no extras) that serves and translates."""
+serving path that never imports torch or onnx, and a base install (no extras) that serves and translates."""
 
 import json
 import shutil
@@ -75,7 +75,7 @@ def test_unrelated_server_and_export_folders_in_the_working_directory_do_not_sha
     assert result.returncode == 0 and "--max-running-rows" in result.stdout, result.stderr
 
 
-def test_the_runtime_the_server_and_the_serving_commands_never_import_torch(tiny_bundle, tmp_path):
+def test_the_runtime_the_server_and_the_serving_commands_never_import_torch_or_onnx(tiny_bundle, tmp_path):
     server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1))
     slo = tmp_path / "slo.toml"
     slo.write_text("max_error_rate = 0.5\n")
@@ -100,8 +100,8 @@ for argv in {json.dumps(commands)}:
             codes.append(nmtserve.cli.main(argv))
         except SystemExit as e:
             codes.append(e.code)
-loaded = sorted(m for m in sys.modules if m.split(".")[0] == "torch" or m.startswith(("nmtserve.training",
-                                                                                        "nmtserve.export.build")))
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "onnx")
+                or m.startswith(("nmtserve.training", "nmtserve.export.build")))
 print(codes, loaded)
 """
     try:
@@ -122,7 +122,8 @@ def test_a_base_install_serves_and_translates_without_torch(tiny_bundle, tmp_pat
     install = subprocess.run([py, "-m", "pip", "install", "--quiet", str(source)], capture_output=True, text=True,
                              timeout=600)
     assert install.returncode == 0, install.stderr[-3000:]
-    assert subprocess.run([py, "-c", "import torch"], capture_output=True, cwd=tmp_path).returncode != 0
+    for absent in ("torch", "onnx"):  # the runtime loads the bundle's graphs as they are: no graph library
+        assert subprocess.run([py, "-c", f"import {absent}"], capture_output=True, cwd=tmp_path).returncode != 0, absent
     missing = subprocess.run([nmt, "train", "--max-steps", "1"], capture_output=True, text=True, cwd=tmp_path)
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1, missing.stderr
     assert "needs the 'train' extra" in missing.stderr and "nmtserve[train]" in missing.stderr

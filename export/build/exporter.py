@@ -12,7 +12,9 @@ from pathlib import Path
 import nmtserve
 from nmtserve.errors import ConfigError
 from nmtserve.export.build.graphs import OPSET, dynamic_axes, export_graphs
-from nmtserve.export.build.manifest import graph_signature, write_manifest
+from nmtserve.export.build.manifest import bundle_files, graph_signature, write_manifest
+from nmtserve.export.build.step_graphs import file_name, prepare_variant
+from nmtserve.export.build.tensor_ops import write_tensor_ops
 from nmtserve.export.build.variants import VARIANTS, fusion_report, write_variant
 from nmtserve.export.runtime.bundle import MANIFEST, load_bundle, sha256_of
 from nmtserve.training.checkpoint import load_model
@@ -65,19 +67,19 @@ def export_bundle(cfg: ExportConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     paths = export_graphs(loaded.model, out)
     tokenizer = loaded.tokenizer.save_files(out)
-    variants = {"fp32": {"encoder": "encoder.onnx", "decoder": "decoder.onnx", **VARIANTS["fp32"]}}
-    for name in cfg.variants:
-        if name == "fp32":
-            continue
-        files = {g: f"{g}.{name}.onnx" for g in ("encoder", "decoder")}
-        for graph, filename in files.items():
-            write_variant(name, paths[graph], out / filename)
-        variants[name] = {**files, **VARIANTS[name]}
-    for stale in out.glob("*.onnx"):  # a re-export with fewer variants leaves nothing behind
-        if stale.name not in {f for v in variants.values() for f in (v["encoder"], v["decoder"])}:
+    for name in cfg.variants:  # each precision from the fp32 graphs, before those become the served ones
+        if name != "fp32":
+            for graph in ("encoder", "decoder"):
+                write_variant(name, paths[graph], out / file_name(graph, name))
+    c = loaded.model.config
+    variants = {name: {**prepare_variant(out, name, c.n_heads, c.d_model, kernels="cpu" in VARIANTS[name]["devices"]),
+                       **VARIANTS[name]} for name in cfg.variants}
+    tensor_ops = {dtype: write_tensor_ops(out, dtype) for dtype in sorted({v["kv_dtype"] for v in variants.values()})}
+    kept = bundle_files({"variants": variants, "tensor_ops": tensor_ops})
+    for stale in [*out.glob("*.onnx"), *out.glob("*.npz"), *out.glob("ops/*.onnx")]:  # a re-export leaves nothing behind
+        if str(stale.relative_to(out)) not in kept:
             stale.unlink()
 
-    c = loaded.model.config
     payload = loaded.payload
     manifest = {
         "format": "nmtserve-bundle",
@@ -93,6 +95,7 @@ def export_bundle(cfg: ExportConfig) -> dict:
         "graphs": {g: {**graph_signature(paths[g]), "dynamic_axes": dynamic_axes(c.n_decoder_layers)[g]}
                    for g in paths},
         "variants": variants,
+        "tensor_ops": tensor_ops,
         "optimization": {g: fusion_report(paths[g]) for g in paths},
         # an imported model's generation defaults (DecodingOptions names): the server's defaults
         "decoding_defaults": payload.get("decoding_defaults") or {},

@@ -29,9 +29,17 @@ def graph_signature(onnx_path: Path) -> dict:
     return {"inputs": describe(model.graph.input), "outputs": describe(model.graph.output)}
 
 
+def bundle_files(manifest: dict) -> set[str]:
+    """Every graph and weights file the variants and the device-tensor ops list."""
+    files = {f for ops in manifest.get("tensor_ops", {}).values() for f in ops.values()}
+    for variant in manifest["variants"].values():
+        files |= set(variant["graphs"].values()) | ({variant["shared_weights"]} if "shared_weights" in variant else set())
+    return files
+
+
 def write_manifest(bundle_dir: Path, manifest: dict) -> Path:
     """Add the hash of every listed file and write manifest.json."""
-    files = sorted(set(manifest["tokenizer"]["files"]) | {f for v in manifest["variants"].values() for f in (v["encoder"], v["decoder"])})
+    files = sorted(set(manifest["tokenizer"]["files"]) | bundle_files(manifest))
     manifest = {"schema_version": SCHEMA_VERSION, **manifest,
                 "files": {name: file_entry(bundle_dir / name) for name in files}}
     path = bundle_dir / MANIFEST

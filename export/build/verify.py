@@ -8,6 +8,8 @@
    the PyTorch reference (or leaving it only where PyTorch's best two tokens tie), and BLEU/chrF of
    every variant that runs here;
 5. decoder-step latency at steps 1, 16, 64 and 128 (it should stay nearly flat);
+   2 to 5 for each variant's portable graphs and, where the bundle has them, its graphs on nmtserve's kernels
+   (a bundle whose kernel graphs cannot run here fails: they would serve unverified);
 6. for a checkpoint imported from Marian, against transformers (the marian extra) on the directory it
    came from: log-probabilities of MarianMTModel and of the imported model, and the fp32 bundle's greedy
    and beam-4 tokens against MarianMTModel.generate's, on random sources of the model's own pieces.
@@ -26,6 +28,7 @@ import torch
 
 from nmtserve.decoding import sorted_batches
 from nmtserve.export.build.variants import VARIANTS
+from nmtserve.export.runtime import kernels
 from nmtserve.export.runtime.batch import eos_of
 from nmtserve.export.runtime.bundle import load_bundle
 from nmtserve.export.runtime.translator import OnnxTranslator
@@ -51,13 +54,17 @@ LATENCY_STEPS = (1, 16, 64, 128)
 
 
 def check_graph_files(bundle_dir: Path, variants: dict) -> dict:
+    """onnx's checker on every graph of every variant; strict shape inference on those of standard ops (the
+    kernel graphs' nmtserve ops have no schema that onnx knows: they are checked by running them)."""
     results = {}
-    for name, v in variants.items():
-        for graph in ("encoder", "decoder"):
-            path = bundle_dir / v[graph]
-            onnx.checker.check_model(str(path), full_check=True)
-            onnx.shape_inference.infer_shapes(onnx.load(str(path)), check_type=True, strict_mode=True)
-            results[v[graph]] = "ok"
+    for v in variants.values():
+        for name, file in v["graphs"].items():
+            path = bundle_dir / file
+            standard = not name.endswith("_kernels")
+            onnx.checker.check_model(str(path), full_check=standard)
+            if standard:
+                onnx.shape_inference.infer_shapes(onnx.load(str(path)), check_type=True, strict_mode=True)
+            results[file] = "ok"
     return results
 
 
@@ -237,22 +244,32 @@ def verify_bundle(bundle_dir: Path, loaded: LoadedModel, split: str = "test", li
     translators = {}
     for variant in runnable:
         device = "cpu" if "cpu" in VARIANTS[variant]["devices"] else "cuda"
-        served = OnnxTranslator(bundle, device=device, variant=variant, shared_cross=False)  # the graph as exported
-        tr = translators[variant] = OnnxTranslator(bundle, device=device, variant=variant)  # offline: shared_cross
-        entry = {"device": device, "graph_parity": graph_parity(model, served),
-                 "cached_decode": cached_decode_parity(model, served, sources[:8] or [[5, 6, 7]]),
-                 "cached_decode_shared_cross": cached_decode_parity(model, tr, sources[:8] or [[5, 6, 7]]),
-                 "step_latency_ms": {"batch_1": step_latency(served, 1), "batch_32": step_latency(served, 32)}}
-        if pairs:
-            got = [tokens for tokens, _ in tr.translate_ids(sources, max_batch_size=batch_size)]
-            identical = sum(a == b for a, b in zip(got, ref_tokens))
-            off_a_tie = len(diverging_off_a_tie(model, sources, got, ref_tokens))
-            entry["identical_to_pytorch"] = round(identical / len(pairs), 4)
-            entry["identical_or_tie"] = round((len(pairs) - off_a_tie) / len(pairs), 4)
-            entry["scores"] = score([tok.decode(t) for t in got], references).to_dict()
-        report["variants"][variant] = entry
+        paths = [(variant, False)]  # the portable graphs, and the kernel graphs where the bundle has them
+        if bundle.has_graph(variant, "decoder_kernels"):
+            reason = kernels.unavailable()
+            if reason is None:
+                paths.append((f"{variant}_kernels", True))
+            else:
+                report["not_measured"][f"{variant}_kernels"] = reason
+        for name, on_kernels in paths:
+            served = OnnxTranslator(bundle, device=device, variant=variant, shared_cross=False,
+                                    attention_kernel=on_kernels)
+            tr = translators[name] = OnnxTranslator(bundle, device=device, variant=variant, attention_kernel=on_kernels)
+            entry = {"device": device, "graphs": [*served.graphs, tr.graphs[1]],
+                     "graph_parity": graph_parity(model, served),
+                     "cached_decode": cached_decode_parity(model, served, sources[:8] or [[5, 6, 7]]),
+                     "cached_decode_shared_cross": cached_decode_parity(model, tr, sources[:8] or [[5, 6, 7]]),
+                     "step_latency_ms": {"batch_1": step_latency(served, 1), "batch_32": step_latency(served, 32)}}
+            if pairs:
+                got = [tokens for tokens, _ in tr.translate_ids(sources, max_batch_size=batch_size)]
+                identical = sum(a == b for a, b in zip(got, ref_tokens))
+                off_a_tie = len(diverging_off_a_tie(model, sources, got, ref_tokens))
+                entry["identical_to_pytorch"] = round(identical / len(pairs), 4)
+                entry["identical_or_tie"] = round((len(pairs) - off_a_tie) / len(pairs), 4)
+                entry["scores"] = score([tok.decode(t) for t in got], references).to_dict()
+            report["variants"][name] = entry
     if "imported_from" in loaded.payload:
-        report["transformers"] = transformers_parity(loaded, translators["fp32"])
+        report["transformers"] = transformers_parity(loaded, translators.get("fp32_kernels", translators["fp32"]))
     report["checks"] = _judge(report)
     report["passed"] = all(report["checks"].values())
     return report
@@ -312,27 +329,34 @@ def transformers_parity(loaded: LoadedModel, tr: OnnxTranslator, sentences: int 
 
 
 def _judge(report: dict) -> dict:
+    """The verdicts: fp32's tolerances against PyTorch and transformers, each lower precision's BLEU against
+    fp32's, on the portable graphs and on the kernel graphs alike; kernel graphs that could not run fail."""
     checks = {}
-    fp32 = report["variants"].get("fp32")
-    if fp32:
-        graphs = fp32["graph_parity"]
-        checks["fp32_encoder_within_1e-4"] = graphs["encoder_relative"] < FP32_TOLERANCE
-        checks["fp32_decoder_within_1e-4"] = max(graphs["decoder_cache_relative"], graphs["decoder_log_probs"]) < FP32_TOLERANCE
-        for name, key in (("fp32_cached_decode_within_1e-4", "cached_decode"),
-                          ("fp32_shared_cross_cached_decode_within_1e-4", "cached_decode_shared_cross")):
-            checks[name] = (fp32[key]["log_prob_diff"] < FP32_TOLERANCE
-                            and fp32[key]["same_best_token"] >= IDENTICAL_SHARE_REQUIRED)
-        if "identical_or_tie" in fp32:
-            checks["fp32_identical_tokens_at_least_99%"] = fp32["identical_or_tie"] >= IDENTICAL_SHARE_REQUIRED
+    for suffix in ("", "_kernels"):
+        fp32 = report["variants"].get("fp32" + suffix)
+        if fp32:
+            graphs = fp32["graph_parity"]
+            checks[f"fp32{suffix}_encoder_within_1e-4"] = graphs["encoder_relative"] < FP32_TOLERANCE
+            checks[f"fp32{suffix}_decoder_within_1e-4"] = \
+                max(graphs["decoder_cache_relative"], graphs["decoder_log_probs"]) < FP32_TOLERANCE
+            for name, key in (("cached_decode_within_1e-4", "cached_decode"),
+                              ("shared_cross_cached_decode_within_1e-4", "cached_decode_shared_cross")):
+                checks[f"fp32{suffix}_{name}"] = (fp32[key]["log_prob_diff"] < FP32_TOLERANCE
+                                                  and fp32[key]["same_best_token"] >= IDENTICAL_SHARE_REQUIRED)
+            if "identical_or_tie" in fp32:
+                checks[f"fp32{suffix}_identical_tokens_at_least_99%"] = fp32["identical_or_tie"] >= IDENTICAL_SHARE_REQUIRED
+        for variant, allowed in (("int8", INT8_BLEU_DROP_ALLOWED), ("fp16", FP16_BLEU_DROP_ALLOWED)):
+            entry = report["variants"].get(variant + suffix)
+            if entry and fp32 and "scores" in entry:
+                drop = fp32["scores"]["bleu"] - entry["scores"]["bleu"]
+                entry["bleu_drop_vs_fp32"] = round(drop, 2)
+                checks[f"{variant}{suffix}_bleu_within_{allowed}_of_fp32"] = drop <= allowed
     hf = report.get("transformers")
     if hf:
         checks["log_probs_within_1e-4_of_transformers"] = hf["log_prob_diff"] < FP32_TOLERANCE
         checks["fp32_greedy_and_beam4_equal_generate_at_least_99%"] = \
             min(hf["greedy_identical"], hf["beam4_identical"]) >= IDENTICAL_SHARE_REQUIRED
-    for variant, allowed in (("int8", INT8_BLEU_DROP_ALLOWED), ("fp16", FP16_BLEU_DROP_ALLOWED)):
-        entry = report["variants"].get(variant)
-        if entry and fp32 and "scores" in entry:
-            drop = fp32["scores"]["bleu"] - entry["scores"]["bleu"]
-            entry["bleu_drop_vs_fp32"] = round(drop, 2)
-            checks[f"{variant}_bleu_within_{allowed}_of_fp32"] = drop <= allowed
+    for name in report.get("not_measured", {}):
+        if name.endswith("_kernels"):  # a bundle's kernel graphs that nothing ran are not verified
+            checks[f"{name}_ran"] = False
     return checks

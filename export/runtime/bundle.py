@@ -1,10 +1,12 @@
-"""The bundle: the contract between export and server. Torch-free.
+"""The bundle: the contract between export and server. Torch-free and onnx-free.
 
-A directory holding encoder/decoder graphs per precision variant, the SentencePiece model and
-manifest.json (schema version, model dimensions, special ids, limits, opset, every graph input
-and output with its shape, the variants, the sha256 and size of every file, the source
-checkpoint and its measured BLEU). export/build/manifest.py writes it; `load_bundle` refuses a
-bundle whose schema or any file does not match, naming the file and what is wrong.
+A directory holding, per precision variant, every graph the runtime runs, as export prepared and verified it
+(export/build/step_graphs.py: the encoder, the served and offline decoder steps, and their versions on
+nmtserve's kernels), the weights those graphs share (.npz), the device-tensor op graphs, the SentencePiece
+model and manifest.json (schema version, model dimensions, special ids, limits, opset, the exported graphs'
+inputs and outputs, the variants, the sha256 and size of every file, the source checkpoint and its measured
+BLEU). export/build/manifest.py writes it; `load_bundle` refuses a bundle whose schema or any file does not
+match, naming the file and what is wrong. Nothing here edits a graph.
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from nmtserve.decoding import Limits
 from nmtserve.errors import BundleError
 
-SCHEMA_VERSION = 4  # 2: the decoder step writes its caches in place (GroupQueryAttention); 3: the encoder gives
-# each row's eos key and value (cross_eos_l), which the step takes instead of gathering them; 4: the step takes
-# each row's last source slot and the two slot counts (cross_slot, cache_slots, source_slots) instead of src_mask
+SCHEMA_VERSION = 5  # 5: each variant lists every graph the runtime runs (search head, shared cross, kernels)
 MANIFEST = "manifest.json"
 
 
@@ -59,10 +61,38 @@ class Bundle:
     def variants(self) -> list[str]:
         return list(self.manifest["variants"])
 
-    def graph_path(self, variant: str, graph: str) -> Path:
+    def variant(self, variant: str) -> dict:
+        """The manifest's entry of a precision variant (graphs, devices, kv_dtype)."""
         if variant not in self.manifest["variants"]:
             raise BundleError(f"{self.path}: no variant {variant!r}; this bundle has {', '.join(self.variants)}")
-        return self.path / self.manifest["variants"][variant][graph]
+        return self.manifest["variants"][variant]
+
+    def has_graph(self, variant: str, graph: str) -> bool:
+        return graph in self.variant(variant)["graphs"]
+
+    def graph_path(self, variant: str, graph: str) -> Path:
+        """The file of one of a variant's graphs (export/build/step_graphs.py names them)."""
+        graphs = self.variant(variant)["graphs"]
+        if graph not in graphs:
+            raise BundleError(f"{self.path}: variant {variant!r} has no graph {graph!r}; it has {', '.join(graphs)}")
+        return self.path / graphs[graph]
+
+    def shared_weights(self, variant: str) -> dict[str, np.ndarray]:
+        """The initializers every graph of the variant holds (the tied embedding), to be held once in memory."""
+        name = self.variant(variant).get("shared_weights")
+        if name is None:
+            return {}
+        with np.load(self.path / name, allow_pickle=False) as arrays:
+            return {key: np.ascontiguousarray(arrays[key]) for key in arrays.files}
+
+    def tensor_ops(self, variant: str) -> dict[str, dict[str, Path]]:
+        """The device-tensor op graphs (export/build/tensor_ops.py) for the variant's caches:
+        {element type: {op: path}}."""
+        dtype = self.variant(variant)["kv_dtype"]
+        ops = self.manifest.get("tensor_ops", {}).get(dtype)
+        if ops is None:
+            raise BundleError(f"{self.path}: no device-tensor ops for {dtype} (variant {variant!r})")
+        return {dtype: {op: self.path / file for op, file in ops.items()}}
 
     def tokenizer(self):
         from nmtserve.tokenizer import from_bundle

@@ -925,6 +925,8 @@ void compact_groups(Binding& binding, int64_t width, int64_t groups, const uint8
 }  // namespace
 
 extern "C" {
+// the ONNX Runtime C API version the library was built for (kernels.py checks it against the running one)
+int nmt_ort_api_version() { return ORT_API_VERSION; }
 
 int nmt_runner_create(const void* model, size_t model_size, int threads, int entries, const char* const* keys,
                       const char* const* values, int count, const char* const* names, const int* types,

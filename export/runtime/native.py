@@ -26,7 +26,6 @@ import ctypes
 import threading
 
 import numpy as np
-from onnx import helper
 
 from nmtserve.export.runtime import kernels
 
@@ -79,14 +78,13 @@ def _checked(returned: int, error) -> int:
     return returned
 
 
-_ELEMENT_TYPES: dict = {}  # numpy dtype -> ONNX element type
+# numpy dtype -> ONNX element type (onnx.proto's TensorProto.DataType) of the tensors the library binds
+_ELEMENT_TYPES = {np.dtype(np.float32): 1, np.dtype(np.uint8): 2, np.dtype(np.int8): 3, np.dtype(np.int32): 6,
+                  np.dtype(np.int64): 7, np.dtype(np.bool_): 9, np.dtype(np.float16): 10}
 
 
 def _element_type(dtype) -> int:
-    found = _ELEMENT_TYPES.get(dtype)
-    if found is None:
-        found = _ELEMENT_TYPES[dtype] = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    return found
+    return _ELEMENT_TYPES[np.dtype(dtype)]
 
 
 class NativeSession:

@@ -2,11 +2,11 @@
 
 BatchState keeps its self-attention caches and cross-attention K/V through one of these two; the
 small per-row arrays (masks, positions, tokens) stay numpy on the host. HostTensors is numpy.
-DeviceTensors does the same operations with tiny one-node ONNX graphs that ONNX Runtime runs on
-the device (CUDA; the CPU provider in tests), so on a GPU the caches never come back to the host:
-a decoder step returns only the chosen token ids and their log-probabilities.
+DeviceTensors does the same operations with the bundle's tiny one-node ONNX graphs (export/build/tensor_ops.py
+writes them) that ONNX Runtime runs on the device (CUDA; the CPU provider in tests), so on a GPU the caches never
+come back to the host: a decoder step returns only the chosen token ids and their log-probabilities.
 
-    ops = DeviceTensors("cuda", ["CUDAExecutionProvider"], ort.SessionOptions())
+    ops = DeviceTensors("cuda", ["CUDAExecutionProvider"], ort.SessionOptions(), bundle.tensor_ops("fp16"))
     k = ops.zeros((L, B, H, 32, Dh), np.float16)
     k = ops.pad(k, 3, 64)                   # room for 64 slots (the decoder step writes into them)
 
@@ -17,12 +17,10 @@ on the device per call.
 
 from __future__ import annotations
 
-import numpy as np
-import onnx
-import onnxruntime as ort
-from onnx import TensorProto, helper
+from pathlib import Path
 
-OPSET = 17
+import numpy as np
+import onnxruntime as ort
 
 
 class HostTensors:
@@ -171,60 +169,24 @@ def _every_row(rows: np.ndarray, size: int) -> bool:
     return len(rows) == size and bool((np.asarray(rows) == np.arange(size)).all())
 
 
-RANK5 = [f"d{i}" for i in range(5)]  # every device tensor is (L, B, H, T|S, Dh)
-
-
-def _graph(name: str, nodes: list, inputs: list, output_type: int) -> bytes:
-    model = helper.make_model(
-        helper.make_graph(nodes, name, inputs, [helper.make_tensor_value_info("y", output_type, RANK5)]),
-        opset_imports=[helper.make_opsetid("", OPSET)], ir_version=8)  # IR 8 = opset 17: any onnxruntime >= 1.14 loads it
-    onnx.checker.check_model(model)
-    return model.SerializeToString()
-
-
-def _op_graph(op: str, elem: int) -> bytes:
-    """The one-purpose graph `op` over tensors of ONNX element type `elem`, output y."""
-    x, u, i64 = (helper.make_tensor_value_info(n, t, shape) for n, t, shape in
-                 (("x", elem, RANK5), ("u", elem, RANK5), ("i", TensorProto.INT64, ["n"])))
-    if op == "zeros":  # i: the shape
-        return _graph(op, [helper.make_node("ConstantOfShape", ["i"], ["y"], value=helper.make_tensor("v", elem, [1], [0]))],
-                      [i64], elem)
-    if op == "pad":  # i: the ONNX pads (begins, then ends)
-        return _graph(op, [helper.make_node("Pad", ["x", "i"], ["y"])], [x, i64], elem)
-    if op == "concat":
-        return _graph(op, [helper.make_node("Concat", ["x", "x2"], ["y"], axis=1)],
-                      [x, helper.make_tensor_value_info("x2", elem, RANK5)], elem)
-    if op == "take":  # i: row indices along axis 1
-        return _graph(op, [helper.make_node("Gather", ["x", "i"], ["y"], axis=1)], [x, i64], elem)
-    if op == "slice":  # start, stop, axis: one-element host tensors
-        return _graph(op, [helper.make_node("Slice", ["x", "start", "stop", "axis"], ["y"])],
-                      [x] + [helper.make_tensor_value_info(n, TensorProto.INT64, [1]) for n in ("start", "stop", "axis")],
-                      elem)
-    if op == "scatter_rows":  # r: (1, n, 1, 1, 1) row indices; u: (L, n, …) the rows' new values
-        return _graph(op, [helper.make_node("Shape", ["u"], ["shape"]),
-                           helper.make_node("Expand", ["r", "shape"], ["index"]),
-                           helper.make_node("ScatterElements", ["x", "index", "u"], ["y"], axis=1)],
-                      [x, helper.make_tensor_value_info("r", TensorProto.INT64, RANK5), u], elem)
-    raise ValueError(op)
-
-
 class DeviceTensors:
-    """OrtValues on `device` ("cuda", or "cpu" to run the same path without a GPU); the op graphs
-    run with the given providers and session options (the model's own)."""
+    """OrtValues on `device` ("cuda", or "cpu" to run the same path without a GPU); the op graphs (`graphs`:
+    {element type name: {op: file}}, the bundle's) run with the given providers and session options."""
 
     views = False  # an OrtValue is its own buffer: BatchState.append and the engine's compaction copy instead
 
-    def __init__(self, device: str, providers: list[str], options: ort.SessionOptions, device_id: int = 0):
+    def __init__(self, device: str, providers: list[str], options: ort.SessionOptions,
+                 graphs: dict[str, dict[str, Path]], device_id: int = 0):
         self.device, self.device_id = device, device_id
-        self.providers, self.options = providers, options
-        self.sessions: dict[tuple[str, int], ort.InferenceSession] = {}
+        self.providers, self.options, self.graphs = providers, options, graphs
+        self.sessions: dict[tuple[str, str], ort.InferenceSession] = {}
 
     def _run(self, op: str, dtype, **inputs) -> ort.OrtValue:
-        elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-        session = self.sessions.get((op, elem))
+        key = (op, np.dtype(dtype).name)
+        session = self.sessions.get(key)
         if session is None:
-            session = self.sessions[(op, elem)] = ort.InferenceSession(_op_graph(op, elem), self.options,
-                                                                       providers=self.providers)
+            session = self.sessions[key] = ort.InferenceSession(str(self.graphs[key[1]][op]), self.options,
+                                                                providers=self.providers)
         binding = session.io_binding()
         for name, value in inputs.items():
             if isinstance(value, ort.OrtValue):

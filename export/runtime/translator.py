@@ -16,30 +16,27 @@ Runtime runs one session's graphs concurrently): on a CPU this uses the cores be
 more intra-op threads, whose parallel regions are short at these sizes (docs/performance.md, "Batches at
 once").
 
-The decoder graph gets a TopK appended (`with_search_head`): a step returns each row's k best tokens
-and their log-probabilities (k = 1 greedy, 2 × beam for beam search), never the whole distribution
-unless sampling from it, and then only the sampling rows' log-probs, unranked (its `whole_rows`; they are
-ranked on the host, so a sampler without top-k does not make the step rank the vocabulary of every row in
-the server's batch); greedy search asked for no scores (translate_batch's return_scores=False,
-as CTranslate2's) skips the log-softmax and takes an ArgMax instead of the TopK. Every cache is bound
-by address, one layer at a time, as both the step's input and its `present` output, so the attention
-kernel writes the new K/V into the cache in place (export/build/graphs.py; on a CPU nmtserve's own
-kernel when built: export/runtime/kernels.py, and then the step's session is the library's, whose greedy
-and beam loops run their steps with no Python between them: export/runtime/native.py). With io_binding (the default on CUDA) the
-caches and cross K/V are OrtValues on the device, so a step sends the device only the small per-row
-arrays (tokens, positions, masks) and brings back only those candidates; without it they are numpy
-arrays.
+The graphs are the bundle's, loaded as export wrote them (export/build/step_graphs.py): this module never
+edits a graph. The decoder step's search head returns each row's k best tokens and their log-probabilities
+(k = 1 greedy, 2 × beam for beam search), never the whole distribution unless sampling from it, and then only
+the sampling rows' (`whole_rows`). Every cache is bound by address, one layer at a time, as both the step's
+input and its `present` output, so the attention writes the new K/V into the cache in place. On a CPU with
+nmtserve's kernel library (export/runtime/kernels.py) the variant's `*_kernels` graphs run, and the step's
+session is the library's, whose greedy and beam loops run their steps with no Python between them
+(export/runtime/native.py); elsewhere the portable graphs, and the log says which and why. With io_binding
+(the default on CUDA) the caches and cross K/V are OrtValues on the device, so a step sends the device only
+the small per-row arrays and brings back only the candidates; without it they are numpy arrays.
 
-Offline (shared_cross, the default) the step's cross-attention is rewritten to read each source's one
-copy of its cross K/V for all its rows (`with_shared_cross`): after a beam's first step the state is
-widened (BatchState.widen), and nothing copies the cross K/V per row. The server's engine, whose
-steps mix rows of different widths, runs the bundle's step as exported (shared_cross=False), each row
-with its own copy (BatchState.gather).
+Offline (shared_cross, the default) the `decoder_shared` step reads each source's one copy of its cross K/V
+for all its rows: after a beam's first step the state is widened (BatchState.widen), and nothing copies the
+cross K/V per row. The server's engine, whose steps mix rows of different widths, runs the `decoder` step
+(shared_cross=False), each row with its own copy (BatchState.gather).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import queue
 import weakref
@@ -48,9 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnxruntime as ort
-from onnx import helper
 
 from nmtserve.decoding import guided_groups, sorted_batches
 from nmtserve.errors import BundleError, ConfigError
@@ -74,8 +69,10 @@ PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", 
 # encoder without SkipLayerNormalization")
 CPU_DISABLED_OPTIMIZERS = ["SkipLayerNormFusion"]
 SPINNING = {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"}  # session_options says why
+FALLBACK = "ONNX Runtime's own nodes"  # how the log and GetModelInfo name the portable graphs' kernels
 ROW_INPUTS = ("tokens", "positions", "cross_slot")  # the decoder step's per-row inputs (export/build/graphs.py)
 ENCODE_AHEAD = 64  # search_ids encodes batches of up to this many sources in all before decoding them
+log = logging.getLogger("nmtserve.runtime")
 _DEVICES: dict = {}  # ONNX Runtime's C-level device of each device name, made once (bind_address)
 
 
@@ -139,11 +136,9 @@ def session_options(intra_op_threads: int = 0) -> ort.SessionOptions:
     return so
 
 
-def make_session(path: Path, device: str = "cpu", intra_op_threads: int = 0, model: bytes | None = None,
-                 custom_ops: Path | None = None, initializers: dict[str, ort.OrtValue] | None = None
-                 ) -> ort.InferenceSession:
-    """An ONNX Runtime session on `device` (from `model` bytes if given, else the file at `path`, with the
-    custom-op library `custom_ops` registered, and `initializers` read from the caller's OrtValues in place
+def make_session(path: Path, device: str = "cpu", intra_op_threads: int = 0, custom_ops: Path | None = None,
+                 initializers: dict[str, ort.OrtValue] | None = None) -> ort.InferenceSession:
+    """An ONNX Runtime session on `device` of the graph file at `path` as it is (with the custom-op library `custom_ops` registered, and `initializers` read from the caller's OrtValues in place
     of the graph's own, which the caller keeps alive); asking for CUDA and silently getting CPU is an error."""
     if device not in PROVIDERS:
         raise ConfigError(f"device {device!r}: choose cpu or cuda")
@@ -155,7 +150,7 @@ def make_session(path: Path, device: str = "cpu", intra_op_threads: int = 0, mod
     for name, value in (initializers or {}).items():
         options.add_initializer(name, value)
     try:
-        session = ort.InferenceSession(model if model is not None else str(path), options,
+        session = ort.InferenceSession(str(path), options,
                                        providers=PROVIDERS[device],
                                        disabled_optimizers=CPU_DISABLED_OPTIMIZERS if device == "cpu" else None)
     except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph types
@@ -169,131 +164,13 @@ def cannot_load(path: Path, error: Exception) -> BundleError:
     return BundleError(f"{path}: onnxruntime cannot load it ({(str(error).splitlines() or [''])[0][:200]})")
 
 
-def shared_weights(encoder: onnx.ModelProto, decoder: onnx.ModelProto, min_bytes: int = 1 << 16) -> dict[str, np.ndarray]:
-    """The initializers of at least `min_bytes` that the encoder graph and the `decoder` both hold, same name
-    and same bytes: the tied embedding table (58,101 × 512 fp32, 119 MB, on an OPUS-MT-size model; the int8
-    variants keep it in fp32 for the lookups). Given to both sessions (`make_session(initializers=…)`) it
-    is held once (docs/benchmarks.md, "One embedding table for both sessions")."""
-    large = {i.name: i for i in encoder.graph.initializer if len(i.raw_data) >= min_bytes}
-    shared = {}
-    for weight in decoder.graph.initializer:
-        twin = large.get(weight.name)
-        if twin is not None and (twin.data_type, twin.dims, twin.raw_data) == (weight.data_type, weight.dims,
-                                                                               weight.raw_data):
-            shared[weight.name] = onnx.numpy_helper.to_array(weight).copy()  # a writable array of its own
-    return shared
-
-
-def with_search_head(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The decoder-step graph (changed in place) with a search head in place of its log_probs output:
-    inputs `candidates` (1,) int64 = K and `with_scores` () bool, outputs candidate_ids (B, K) int64 and
-    candidate_scores (B, K): each row's K best tokens, best first (ties: lower id first, as ArgMax). Greedy
-    search asks for 1, beam search for 2 × beam, so only these cross to the host. With with_scores the
-    scores are the tokens' log-probabilities; without, an If skips the log-softmax over the vocabulary and
-    gives each row's one best token by the values before it (ArgMax: K must be 1; the same token up to
-    rounding ties; its score is then that value), as CTranslate2's greedy search does when return_scores
-    is off (the log-softmax was 1.7% of the default model's decoder kernel time at batch 64, 2.5% of an
-    OPUS-MT-size model's: README). log_probs leaves the outputs, since ONNX Runtime runs every node of
-    the graph whatever outputs a run asks for; `OnnxTranslator.step` rebuilds it from the K = V best.
-    Input `whole_rows` (R,) int64 and output whole_log_probs (R, V): those rows' log-probabilities over the
-    whole vocabulary (in the ArgMax branch the values before the log-softmax), for a sampler without top-k
-    among rows that need K of them: the step then ranks K per row, not the vocabulary of every row."""
-    graph = model.graph
-    producer = {out: node for node in graph.node for out in node.output}
-    chain = [producer["log_probs"]]  # LogSoftmax, then perhaps an Add of the suppressed ids' -inf
-    while chain[0].op_type != "LogSoftmax":
-        chain.insert(0, producer[next(name for name in chain[0].input if name in producer)])
-    for node in chain:
-        graph.node.remove(node)
-
-    def branch(name: str, softmax: bool) -> onnx.GraphProto:
-        rename = {out: f"{out}_{name}" for node in chain for out in node.output}
-        if not softmax:  # the log-softmax's readers read its input
-            rename[chain[0].output[0]] = chain[0].input[0]
-        nodes = []
-        for node in chain[0 if softmax else 1:]:
-            node = copy.deepcopy(node)
-            node.input[:] = [rename.get(i, i) for i in node.input]
-            node.output[:] = [rename[o] for o in node.output]
-            node.name = ""
-            nodes.append(node)
-        outputs = [f"candidate_scores_{name}", f"candidate_ids_{name}", f"whole_log_probs_{name}"]
-        if softmax:
-            nodes.append(helper.make_node("TopK", [rename["log_probs"], "candidates"], outputs[:2], axis=-1, largest=1,
-                                          sorted=1))
-        else:  # greedy's one best: ArgMax takes half TopK's time at K = 1 (README)
-            nodes += [helper.make_node("ArgMax", [rename["log_probs"]], [outputs[1]], axis=-1, keepdims=1),
-                      helper.make_node("GatherElements", [rename["log_probs"], outputs[1]], [outputs[0]], axis=-1)]
-        nodes.append(helper.make_node("Gather", [rename["log_probs"], "whole_rows"], [outputs[2]], axis=0))
-        return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(outputs[0], onnx.TensorProto.FLOAT, None),
-                                                   helper.make_tensor_value_info(outputs[1], onnx.TensorProto.INT64, None),
-                                                   helper.make_tensor_value_info(outputs[2], onnx.TensorProto.FLOAT, None)])
-
-    graph.input.extend([helper.make_tensor_value_info("candidates", onnx.TensorProto.INT64, [1]),
-                        helper.make_tensor_value_info("with_scores", onnx.TensorProto.BOOL, []),
-                        helper.make_tensor_value_info("whole_rows", onnx.TensorProto.INT64, ["whole"])])
-    graph.node.append(helper.make_node("If", ["with_scores"], ["candidate_scores", "candidate_ids", "whole_log_probs"],
-                                       then_branch=branch("scores", True), else_branch=branch("ranks", False)))
-    outputs = [o for o in graph.output if o.name != "log_probs"]
-    del graph.output[:]
-    graph.output.extend(outputs + [helper.make_tensor_value_info("candidate_ids", onnx.TensorProto.INT64, ["batch", "k"]),
-                                   helper.make_tensor_value_info("candidate_scores", onnx.TensorProto.FLOAT, ["batch", "k"]),
-                                   helper.make_tensor_value_info("whole_log_probs", onnx.TensorProto.FLOAT, ["whole", "vocab"])])
-    return model
-
-
-def with_shared_cross(model: onnx.ModelProto, heads: int, dim: int) -> onnx.ModelProto:
-    """The decoder-step graph (changed in place) for rows that share their source's cross K/V: each
-    source's `width` rows in turn (1 for greedy and sampling; a beam's size after its first step), and
-    cross_k_l, cross_v_l, cross_slot with one row per source. Each cross-attention becomes one
-    com.microsoft MultiHeadAttention of a source's `width` queries (B / width, width, D) over its K/V,
-    keys up to its cross_slot, in place of the GroupQueryAttention that takes K/V per row: a beam of 4
-    reads its source's K/V once, not 4 times, and nobody copies them per row. New input `query_shape`
-    (3,) int64 = (-1, width, D); cross_eos_l and the present_cross outputs go (the encoder's cross K/V
-    already hold each eos key and value)."""
-    graph = model.graph
-    producer = {out: node for node in graph.node for out in node.output}
-    consumers = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
-    attentions = {node.output[0] for node in graph.node
-                  if node.op_type == "GroupQueryAttention" and node.input[3].startswith("cross_k_")}
-    dropped = set()  # GroupQueryAttention(Unsqueeze(Concat(query, cross_eos_l))), then Gather(axis 1) to rows
-    for name in attentions:
-        unsqueeze, [squeeze] = producer[producer[name].input[0]], consumers[name]
-        dropped |= {name, unsqueeze.output[0], unsqueeze.input[0], squeeze.output[0]}
-    graph.initializer.append(onnx.numpy_helper.from_array(np.array(1, np.int32), "shared_cross_one"))
-    graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1, dim], np.int64), "shared_cross_rows"))
-    nodes = [helper.make_node("Add", ["cross_slot", "shared_cross_one"], ["source_lengths"])]
-    for node in graph.node:
-        if node.output[0] in attentions:  # its group where it was: after its query, before its users
-            query = producer[producer[node.input[0]].input[0]].input[0]  # Concat's first input
-            name, [squeeze] = node.output[0], consumers[node.output[0]]
-            nodes += [helper.make_node("Reshape", [query, "query_shape"], [name + "_queries"]),
-                      helper.make_node("MultiHeadAttention", [name + "_queries", node.input[3], node.input[4], "",
-                                                              "source_lengths"], [name + "_shared"],
-                                       domain="com.microsoft", num_heads=heads),
-                      helper.make_node("Reshape", [name + "_shared", "shared_cross_rows"], list(squeeze.output))]
-        elif node.output[0] not in dropped:
-            nodes.append(node)
-    del graph.node[:]
-    graph.node.extend(nodes)
-    kept_inputs = [i for i in graph.input if not i.name.startswith("cross_eos_")]
-    kept_outputs = [o for o in graph.output if not o.name.startswith("present_cross_")]
-    del graph.input[:], graph.output[:]
-    graph.input.extend(kept_inputs + [helper.make_tensor_value_info("query_shape", onnx.TensorProto.INT64, [3])])
-    graph.output.extend(kept_outputs)
-    return model
-
-
 class OnnxTranslator:
     """Encoder and decoder-step sessions of one bundle variant, and greedy search over them."""
 
     def __init__(self, bundle: str | Path | Bundle, device: str = "cpu", variant: str | None = None,
                  intra_op_threads: int = 0, io_binding: bool | None = None, shared_cross: bool = True,
-                 inter_threads: int = 1, attention_kernel: bool | None = None, row_scales: bool | None = None,
-                 native_steps: bool | None = None, keep_freed_memory: bool = True):
+                 inter_threads: int = 1, attention_kernel: bool | None = None, native_steps: bool | None = None,
+                 keep_freed_memory: bool = True):
         if inter_threads < 1:
             raise ConfigError(f"inter_threads {inter_threads}: must be at least 1")
         if inter_threads > 1 and device == "cuda":
@@ -301,79 +178,54 @@ class OnnxTranslator:
         self.inter_threads = inter_threads  # batches decoded at once (search_ids), each on a thread of its own
         if keep_freed_memory:  # glibc's malloc keeps freed caches for the next batch (process-wide: memory.py)
             memory.keep_freed_memory()
-        # nmtserve's attention kernel (export/runtime/kernels.py): on a CPU when it is built (None), or as asked
-        if attention_kernel and (device != "cpu" or not kernels.available()):
-            raise ConfigError(f"attention_kernel on {device}: " + ("the kernel runs on a CPU only" if device != "cpu"
-                              else f"{kernels.LIBRARY} is not built (make kernels)"))
-        self.attention_kernel = device == "cpu" and kernels.available() if attention_kernel is None else attention_kernel
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
         variant = variant or default_variant(device)  # fp32 on a CPU, fp16 on CUDA
         self.device, self.variant = device, variant
         self.io_binding = device == "cuda" if io_binding is None else io_binding
-        encoder_path = self.bundle.graph_path(variant, "encoder")
-        devices = self.bundle.manifest["variants"][variant].get("devices", [device])
+        devices = self.bundle.variant(variant).get("devices", [device])
         if device not in devices:
             raise ConfigError(f"variant {variant!r} runs on {' or '.join(devices)}, not {device}"
                               + (" (on cuda: the fp16 variant; ONNX Runtime's CUDA attention kernel has no fp32)"
                                  if device == "cuda" else ""))
-        decoder_path = self.bundle.graph_path(variant, "decoder")
-        decoder = onnx.load(str(decoder_path))
-        try:  # read once, for the weights both graphs hold and for the int8 kernels' swap
-            encoder = onnx.load(str(encoder_path)) if device == "cpu" else None
-        except Exception:  # onnx raises protobuf's DecodeError, OSError, …: the session says what is wrong
-            encoder = None
-        # the weights both graphs hold (the tied embedding), one host copy read by both sessions
-        self.shared_weights = shared_weights(encoder, decoder) if encoder is not None else {}
-        self._shared_values = {name: ort.OrtValue.ortvalue_from_numpy(w) for name, w in self.shared_weights.items()}
-        # int8 on nmtserve's kernels: each row's activations quantised on a scale of its own (RowQuantize), so
-        # that no row's result depends on its batch-mates; off (row_scales=False): ONNX Runtime's one scale
-        # for the whole tensor, up to 14% faster at batch 1 before the fused epilogues (docs/performance.md,
-        # "int8 scales per row")
-        if row_scales and not self.attention_kernel:
-            raise ConfigError("row_scales: int8 scales per row are one of nmtserve's kernels, which are off here")
-        quantised = any(n.op_type == "DynamicQuantizeLinear" for n in decoder.graph.node)
-        self.row_scales = quantised and (self.attention_kernel if row_scales is None else row_scales)
-        # on nmtserve's kernels the encoder's self-attention runs on the packed tokens (with_packed_attention), and
-        # an int8 encoder quantises each row on its own scale
-        if encoder is not None and self.attention_kernel:
-            encoder = kernels.with_packed_attention(encoder)
-            encoder = (kernels.with_row_quantize(encoder) if self.row_scales else encoder).SerializeToString()
-        else:
-            encoder = None
-        self.encoder = make_session(encoder_path, device, intra_op_threads, model=encoder,
-                                    custom_ops=kernels.LIBRARY if self.attention_kernel else None,
-                                    initializers=self._shared_values)
-        del encoder
-        # shared_cross: a beam's rows share their source's cross K/V (`with_shared_cross`), as offline search
-        # wants; the server's engine, whose steps mix rows of different widths, runs the bundle's step as
-        # exported (False), each row with its own copy
+        # the bundle's graphs on nmtserve's kernels (attention_kernel; None: wherever they can run) or portable
+        self.attention_kernel, self.kernel_note, warn = self._choose_kernels(attention_kernel)
+        # shared_cross: a beam's rows share their source's cross K/V (the `decoder_shared` graphs), as offline
+        # search wants; the server's engine, whose steps mix rows of different widths, gives each row its own copy
         self.shared_cross = shared_cross
+        suffix = "_kernels" if self.attention_kernel else ""
+        self.graphs = ("encoder" + suffix, ("decoder_shared" if shared_cross else "decoder") + suffix)
+        log.log(logging.WARNING if warn else logging.INFO, "%s %s on %s: graphs %s and %s (%s)", self.bundle.path,
+                variant, device, *self.graphs, self.kernel_note)
+        # the weights every graph holds (the tied embedding), one host copy read by both sessions
+        self.shared_weights = self.bundle.shared_weights(variant)
+        self._shared_values = {name: ort.OrtValue.ortvalue_from_numpy(w) for name, w in self.shared_weights.items()}
+        custom_ops = kernels.LIBRARY if self.attention_kernel else None
+        encoder_path, decoder_path = (self.bundle.graph_path(variant, name) for name in self.graphs)
+        self.encoder = make_session(encoder_path, device, intra_op_threads, custom_ops=custom_ops,
+                                    initializers=self._shared_values)
         # on nmtserve's kernels, a beam row that continues another's hypothesis points at that row's cache slots
-        # instead of copying them (BatchState.origin; kernels.with_custom_kernels), offline and in the server
-        # (host states only: with io_binding the caches are the ops' tensors, and copied)
-        self.cache_origin = self.attention_kernel and not self.io_binding
-        step = self._step_graph(decoder, shared_cross)
-        del decoder  # freed before the session makes its own copy (an OPUS-MT-size decoder is ~200 MB)
+        # instead of copying them (BatchState.origin; the kernel graphs' cache_origin input)
+        self.cache_origin = self.attention_kernel
         # native_steps: the step's session held by nmtserve's library, greedy steps looping there without
-        # Python between them (export/runtime/native.py); with the kernels, on host states (None), or as asked
-        possible = self.attention_kernel and not self.io_binding
-        if native_steps and not possible:
+        # Python between them (export/runtime/native.py); with the kernels (None), or as asked
+        if native_steps and not self.attention_kernel:
             raise ConfigError("native_steps: the step's session in nmtserve's library needs its kernels, on a CPU, "
                               "without io_binding")
-        self.native_steps = possible if native_steps is None else native_steps
+        self.native_steps = self.attention_kernel if native_steps is None else native_steps
         if self.native_steps:
             try:
-                self.decoder = NativeSession(step, intra_op_threads, self.shared_weights, {
+                self.decoder = NativeSession(decoder_path.read_bytes(), intra_op_threads, self.shared_weights, {
                     **SPINNING, "optimization.disable_specified_optimizers": ",".join(CPU_DISABLED_OPTIMIZERS)})
             except NativeError as e:
                 raise cannot_load(decoder_path, e) from None
         else:
-            self.decoder = make_session(decoder_path, device, intra_op_threads, model=step,
-                                        custom_ops=kernels.LIBRARY if self.attention_kernel else None,
+            self.decoder = make_session(decoder_path, device, intra_op_threads, custom_ops=custom_ops,
                                         initializers=self._shared_values)
         self._binding, self._bound = self.decoder.io_binding(), {}  # see _binding_for
         self._with_scores = np.array(True)  # the step's with_scores input, bound by address
-        self.ops = DeviceTensors(device, PROVIDERS[device], session_options(1)) if self.io_binding else HostTensors
+        self.kv_dtype = np.float16 if self.bundle.variant(variant).get("kv_dtype") == "float16" else np.float32
+        self.ops = DeviceTensors(device, PROVIDERS[device], session_options(1), self.bundle.tensor_ops(variant)) \
+            if self.io_binding else HostTensors
         self.tokenizer = self.bundle.tokenizer()
         m = self.bundle.model
         self.n_layers, self.n_heads, self.head_dim = m["n_decoder_layers"], m["n_heads"], m["d_model"] // m["n_heads"]
@@ -389,21 +241,28 @@ class OnnxTranslator:
         self.eos_width = 2 * self.d_model  # a layer's cross_eos per row: the eos key, then its value
         self.vocab_size = m["vocab_size"]
         self.limits = self.bundle.limits
-        self.kv_dtype = np.float16 if self.bundle.manifest["variants"][variant].get("kv_dtype") == "float16" else np.float32
         ids = self.bundle.special_ids
         self.pad_id, self.bos_id, self.eos_id = ids["pad"], ids["bos"], ids["eos"]
 
-    def _step_graph(self, decoder: onnx.ModelProto, shared_cross: bool) -> bytes:
-        """The bundle's decoder step (its ModelProto, changed in place) with the search head (and
-        with_shared_cross, and nmtserve's attention kernel), serialized."""
-        model = with_search_head(decoder)
-        if shared_cross:
-            model = with_shared_cross(model, self.bundle.model["n_heads"], self.bundle.model["d_model"])
-        if self.attention_kernel:
-            model = kernels.with_custom_kernels(model, beam_origin=self.cache_origin)
-        if self.row_scales:
-            model = kernels.with_row_quantize(model)
-        return model.SerializeToString()
+    def _choose_kernels(self, asked: bool | None) -> tuple[bool, str, bool]:
+        """Whether to run the variant's `*_kernels` graphs, why in words (for the log and GetModelInfo), and whether
+        that is a fallback to warn of (a CPU where the library or the bundle's kernel graphs are missing).
+        Asked for (True) where they cannot run: a ConfigError naming the reason."""
+        if asked is False:
+            return False, f"{FALLBACK}: nmtserve's kernels off as asked", False
+        if self.device != "cpu":
+            reason, warn = f"nmtserve's kernels run on a CPU, not {self.device}", False
+        elif self.io_binding:
+            reason, warn = "nmtserve's kernels run on host states, not with io_binding", False
+        elif not self.bundle.has_graph(self.variant, "decoder_kernels"):
+            reason, warn = f"the bundle's {self.variant} variant has no kernel graphs (export it again)", True
+        else:
+            reason, warn = kernels.unavailable(), True
+        if reason is None:
+            return True, "nmtserve's kernels", False
+        if asked:
+            raise ConfigError(f"attention_kernel: {reason}")
+        return False, f"{FALLBACK}: {reason}", warn
 
     # -- the two graphs; K/V are stacked (L, B, H, T|S, Dh) here and fed one layer per input
     def encode(self, src_ids: np.ndarray, src_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -21,11 +21,14 @@ def test_manifest_records_model_graphs_variants_and_hashes(tiny_bundle, tiny_che
     assert [i["name"] for i in decoder["inputs"]] == ["tokens", "positions", "cross_slot", "cache_slots", "source_slots",
                                                      "past_k_0", "past_v_0", "past_k_1", "past_v_1",
                                                      "cross_k_0", "cross_v_0", "cross_k_1", "cross_v_1",
-                                                     "cross_eos_0", "cross_eos_1"]
-    # each cache comes back as a `present` output, which the runtime binds to the same buffer
-    assert [o["name"] for o in decoder["outputs"]] == ["log_probs", "present_k_0", "present_v_0", "present_k_1",
+                                                     "cross_eos_0", "cross_eos_1", "candidates", "with_scores",
+                                                     "whole_rows"]
+    # each cache comes back as a `present` output, which the runtime binds to the same buffer; the search head's
+    # candidates in place of the log-probs over the vocabulary
+    assert [o["name"] for o in decoder["outputs"]] == ["present_k_0", "present_v_0", "present_k_1",
                                                       "present_v_1", "present_cross_k_0", "present_cross_v_0",
-                                                      "present_cross_k_1", "present_cross_v_1"]
+                                                      "present_cross_k_1", "present_cross_v_1", "candidate_ids",
+                                                      "candidate_scores", "whole_log_probs"]
     past_k = next(i for i in decoder["inputs"] if i["name"] == "past_k_1")
     assert past_k["shape"] == ["batch", 4, "capacity", 16]
     assert [(i["dtype"], i["shape"]) for i in decoder["inputs"][2:5]] == [("int32", ["batch"]), ("int32", [1]),
@@ -36,7 +39,11 @@ def test_manifest_records_model_graphs_variants_and_hashes(tiny_bundle, tiny_che
     assert eos["shape"] == ["batch", 2 * 64]  # key then value of the row's eos, heads × Dh each
     for name, entry in manifest["files"].items():
         assert sha256_of(tiny_bundle / name) == entry["sha256"]
-    assert set(manifest["files"]) == {"spm.model", "encoder.onnx", "decoder.onnx", "encoder.int8.onnx", "decoder.int8.onnx"}
+    graphs = ["encoder", "decoder", "decoder_shared", "encoder_kernels", "decoder_kernels", "decoder_shared_kernels"]
+    assert manifest["variants"]["int8"]["graphs"] == {g: f"{g}.int8.onnx" for g in graphs}
+    ops = {f"ops/{op}.float32.onnx" for op in ("zeros", "pad", "concat", "take", "slice", "scatter_rows")}
+    assert set(manifest["files"]) == {"spm.model", "shared.npz", "shared.int8.npz", *ops,
+                                      *(f"{g}.onnx" for g in graphs), *(f"{g}.int8.onnx" for g in graphs)}
     assert manifest["source"]["checkpoint"] == str(tiny_checkpoint)
     assert manifest["source"]["metrics"]["valid_bleu"] >= 0
     report = manifest["optimization"]["decoder"]

@@ -1,6 +1,7 @@
-"""nmtserve's decoding kernels (export/runtime/kernels.cc, kernels.py): each op against a numpy
-reference, the cache written in place, the step graph's nodes swapped, and whole searches equal to ONNX
-Runtime's own attention kernels. `make test` builds the library first (`make kernels`)."""
+"""nmtserve's decoding kernels (export/runtime/kernels.cc, kernels.py) and the kernel graphs export writes
+(export/build/kernel_graphs.py): each op against a numpy reference, the cache written in place, the step
+graph's nodes swapped, and whole searches equal to the portable graphs' (ONNX Runtime's own attention
+kernels). `make test` builds the library first (`make kernels`)."""
 
 import numpy as np
 import onnx
@@ -9,6 +10,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from nmtserve.errors import ConfigError
+from nmtserve.export.build import kernel_graphs
+from nmtserve.export.build.exporter import ExportConfig, export_bundle
 from nmtserve.export.runtime import kernels
 from nmtserve.export.runtime.translator import OnnxTranslator, session_options
 from nmtserve.search import DecodingOptions
@@ -111,7 +114,7 @@ def test_beam_self_attention_reads_each_slot_from_the_row_its_origin_names():
 
 @pytest.mark.parametrize("op", ["DecodeSelfAttention", "DecodeBeamSelfAttention"])
 def test_self_attention_reads_a_flat_qkv_through_its_bias_and_writes_flat_rows(op):
-    """qkv (B, 3·H·Dh) before its bias, and the negated bias as the last input (kernels._flat_self_attention,
+    """qkv (B, 3·H·Dh) before its bias, and the negated bias as the last input (kernel_graphs._flat_self_attention,
     _bias_into_attention): out is (B, H·Dh) and equals the node's on qkv - negated_bias, (B, 1, 3·H·Dh),
     bit for bit, caches included; a bias of another size is an error of the run."""
     rng = np.random.default_rng(5)
@@ -205,7 +208,7 @@ def test_cross_attention_reads_each_sources_keys_up_to_its_length():
     lengths[0] = 0  # no key: zeros, not NaN
     out = session.run(None, {"q": q, "k": k, "v": v, "lengths": lengths})[0].reshape(ROWS, width, HEADS, DIM)
     assert not out[0].any() and np.isfinite(out).all()
-    # q before its bias, and the negated bias (kernels._bias_into_attention): the same, bit for bit
+    # q before its bias, and the negated bias (kernel_graphs._bias_into_attention): the same, bit for bit
     negated_bias = rng.standard_normal(HEADS * DIM, dtype=np.float32)
     biased = _session(helper.make_node("DecodeCrossAttention", ["q", "k", "v", "lengths", "negated_bias"], ["out"],
                                        domain="nmtserve"),
@@ -215,7 +218,7 @@ def test_cross_attention_reads_each_sources_keys_up_to_its_length():
     assert np.array_equal(found, session.run(None, {"q": q - negated_bias, "k": k, "v": v, "lengths": lengths})[0])
     with pytest.raises(Exception, match="DecodeCrossAttention: q must be"):
         biased.run(None, {"q": q, "k": k, "v": v, "lengths": lengths, "negated_bias": negated_bias[:-1]})
-    # the step's rows (Bs·W, H·Dh), a source's W rows one after another (kernels._flat_cross_attention): the
+    # the step's rows (Bs·W, H·Dh), a source's W rows one after another (kernel_graphs._flat_cross_attention): the
     # results of (Bs, W, H·Dh), as rows; a row count that is not a multiple of the sources is refused
     rows = {"q": q.reshape(ROWS * width, HEADS * DIM), "k": k, "v": v, "lengths": lengths, "negated_bias": negated_bias}
     flat = biased.run(None, rows)[0]
@@ -289,7 +292,8 @@ def test_the_encoder_attends_on_packed_tokens_with_the_results_of_ort_nodes(tiny
     PackedToHeads; a batch of sources of different lengths encodes as before, padded slots too."""
     translator = OnnxTranslator(tiny_bundle)
     path = translator.bundle.graph_path("fp32", "encoder")
-    before, after = onnx.load(str(path)), kernels.with_packed_attention(onnx.load(str(path)))
+    before, after = onnx.load(str(path)), kernel_graphs.with_packed_attention(onnx.load(str(path)))
+    assert [n.op_type for n in _graph(translator, 0).node] == [n.op_type for n in after.graph.node]  # as exported
     ops = [n.op_type for n in after.graph.node]
     layers = translator.bundle.model["n_encoder_layers"]
     assert [n.op_type for n in before.graph.node].count("MultiHeadAttention") == layers
@@ -308,7 +312,7 @@ def test_the_encoder_attends_on_packed_tokens_with_the_results_of_ort_nodes(tiny
     made_by = {o: n for n in before.graph.node for o in n.output}
     gather = made_by[made_by[made_by[transposed.input[0]].input[0]].input[0]]
     before.graph.output.append(helper.make_tensor_value_info(gather.output[0], TensorProto.FLOAT, ["one", "rows", "dim"]))
-    kept = kernels.with_packed_attention(before)
+    kept = kernel_graphs.with_packed_attention(before)
     onnx.checker.check_model(kept)
     ops = [n.op_type for n in kept.graph.node]
     assert ops.count("EncodeSelfAttention") == layers and "PackedToHeads" not in ops
@@ -377,8 +381,21 @@ def test_search_head_applies_each_rows_scale_and_the_bias_when_given():
 
 
 def _ops(translator: OnnxTranslator) -> list[str]:
-    decoder = onnx.load(str(translator.bundle.graph_path(translator.variant, "decoder")))
-    return [n.op_type for n in onnx.load_from_string(translator._step_graph(decoder, translator.shared_cross)).graph.node]
+    """The op types of the decoder step the translator runs."""
+    return [n.op_type for n in _graph(translator).node]
+
+
+def _graph(translator: OnnxTranslator, which: int = 1) -> onnx.GraphProto:
+    """The graph the translator runs: its encoder (0) or its decoder step (1), as the bundle holds it."""
+    return onnx.load(str(translator.bundle.graph_path(translator.variant, translator.graphs[which]))).graph
+
+
+def _exported_without(rewrites: tuple[str, ...], checkpoint, out, monkeypatch):
+    """The checkpoint exported (fp32, int8) with these kernel_graphs rewrites turned off."""
+    for rewrite in rewrites:
+        monkeypatch.setattr(kernel_graphs, rewrite, lambda model: None)
+    export_bundle(ExportConfig(str(checkpoint), str(out), ["fp32", "int8"]))
+    return out
 
 
 def test_the_step_graph_swaps_ort_attention_for_the_kernels_on_a_cpu(tiny_bundle):
@@ -401,7 +418,8 @@ def test_the_step_graph_swaps_ort_attention_for_the_kernels_on_a_cpu(tiny_bundle
     assert "If" in ops and "SearchHead" not in ops and ops.count("Unsqueeze") == 2 * layers
 
 
-def test_the_kernels_read_the_projections_around_them_directly(tiny_bundle, tiny_corpus, monkeypatch):
+def test_the_kernels_read_the_projections_around_them_directly(tiny_bundle, tiny_checkpoint, tiny_corpus, monkeypatch,
+                                                              tmp_path):
     """Each self-attention kernel reads its (B, 3·D) projection and writes (B, D) without the exported
     Unsqueeze and Gather around it (_flat_self_attention), and the offline cross-attention its (B, D) rows
     without with_shared_cross's Reshapes (_flat_cross_attention); the step's input rows are one Embed
@@ -418,14 +436,15 @@ def test_the_kernels_read_the_projections_around_them_directly(tiny_bundle, tiny
             assert ops.count("Sub") == (layers if variant == "int8" and not shared_cross else 0)
     texts = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
     found = {}
+    bundle = tiny_bundle
     for arm in ("rewritten", "plain"):
         if arm == "plain":
-            for rewrite in ("_flat_self_attention", "_flat_cross_attention", "_fused_embedding", "_bias_into_attention"):
-                monkeypatch.setattr(kernels, rewrite, lambda model: None)
-            ops = _ops(OnnxTranslator(tiny_bundle, variant="int8"))
+            bundle = _exported_without(("_flat_self_attention", "_flat_cross_attention", "_fused_embedding",
+                                        "_bias_into_attention"), tiny_checkpoint, tmp_path / "plain", monkeypatch)
+            ops = _ops(OnnxTranslator(bundle, variant="int8"))
             assert "Sub" in ops and "Reshape" in ops and "Embed" not in ops
         for shared_cross in (True, False):
-            tr = OnnxTranslator(tiny_bundle, variant="int8", shared_cross=shared_cross, intra_op_threads=1)
+            tr = OnnxTranslator(bundle, variant="int8", shared_cross=shared_cross, intra_op_threads=1)
             sources = [tr.tokenizer.encode(t) for t in texts]
             for options in (DecodingOptions(), DecodingOptions(beam_size=4, num_hypotheses=2)):
                 found[arm, shared_cross, options.beam_size] = [[(h.tokens, h.score) for h in x] for x in
@@ -433,16 +452,39 @@ def test_the_kernels_read_the_projections_around_them_directly(tiny_bundle, tiny
     assert all(found[key] == found[("plain", *key[1:])] for key in found if key[0] == "rewritten")
 
 
-def test_asking_for_the_kernel_where_it_cannot_run_is_a_config_error(tiny_bundle, monkeypatch):
-    with pytest.raises(ConfigError, match="CPU only"):
-        OnnxTranslator(tiny_bundle, device="cuda", variant="fp32", attention_kernel=True)
+def test_the_kernel_graphs_refuse_where_they_cannot_run_when_asked_and_fall_back_saying_why(tiny_bundle, monkeypatch,
+                                                                                              caplog):
+    with pytest.raises(ConfigError, match="not with io_binding"):
+        OnnxTranslator(tiny_bundle, io_binding=True, attention_kernel=True)
     monkeypatch.setattr(kernels, "LIBRARY", kernels.LIBRARY.with_name("missing.so"))
     with pytest.raises(ConfigError, match="missing.so is not built"):
         OnnxTranslator(tiny_bundle, attention_kernel=True)
-    assert not OnnxTranslator(tiny_bundle).attention_kernel  # not built: ONNX Runtime's own nodes
-    with pytest.raises(ConfigError, match="int8 scales per row are one of nmtserve's kernels"):
-        OnnxTranslator(tiny_bundle, variant="int8", row_scales=True)
-    assert not OnnxTranslator(tiny_bundle, variant="int8").row_scales  # ONNX Runtime's scale per tensor
+    with caplog.at_level("INFO", logger="nmtserve.runtime"):
+        assert OnnxTranslator(tiny_bundle, io_binding=True).graphs == ("encoder", "decoder_shared")
+        fallback = OnnxTranslator(tiny_bundle, variant="int8", shared_cross=False)
+    assert not fallback.attention_kernel and fallback.graphs == ("encoder", "decoder")
+    assert fallback.kernel_note.startswith("ONNX Runtime's own nodes: ") and "missing.so is not built" in fallback.kernel_note
+    io_binding, record = [r for r in caplog.records if r.name == "nmtserve.runtime"]
+    assert io_binding.levelname == "INFO" and "not with io_binding" in io_binding.getMessage()  # as asked: no warning
+    assert record.levelname == "WARNING" and "graphs encoder and decoder" in record.getMessage()
+    assert "missing.so is not built (make kernels)" in record.getMessage()
+    assert "DynamicQuantizeLinear" in _ops(fallback)  # ONNX Runtime's scale per tensor
+
+
+def test_a_library_built_for_a_newer_onnxruntime_api_is_not_loaded(tiny_bundle, monkeypatch):
+    """The library says which C API version its headers had (nmt_ort_api_version); an onnxruntime that serves
+    an older one would fail inside it, so it is refused, naming both."""
+    monkeypatch.setattr(ort, "__version__", "1.20.0")
+    monkeypatch.setattr(kernels, "LIBRARY", kernels.LIBRARY)  # restored after the test, with the cache cleared
+    kernels._unavailable.cache_clear()
+    try:
+        reason = kernels.unavailable()
+        assert reason is not None and "built for ONNX Runtime's API 21" in reason and "1.20.0 serves up to 20" in reason
+        with pytest.raises(ConfigError, match="API 21"):
+            OnnxTranslator(tiny_bundle, attention_kernel=True)
+        assert not OnnxTranslator(tiny_bundle).attention_kernel
+    finally:
+        kernels._unavailable.cache_clear()
 
 
 @pytest.mark.parametrize("shared_cross", [True, False], ids=["offline", "server-step"])
@@ -559,7 +601,8 @@ def test_bias_swish_quantize_quantises_the_swish_of_each_scaled_row_around_128()
         session.run(None, {"product": product, "row_scale": row_scale[:2], "negated_bias": negated_bias})
 
 
-def test_fused_epilogues_give_the_int8_tokens_of_the_nodes_they_replace(tiny_bundle, tiny_corpus, monkeypatch):
+def test_fused_epilogues_give_the_int8_tokens_of_the_nodes_they_replace(tiny_bundle, tiny_checkpoint, tiny_corpus,
+                                                                        monkeypatch, tmp_path):
     """The int8 step and encoder with the fused epilogues against the same graphs without them (RowQuantize
     after ONNX Runtime's LayerNormalization and Relu): greedy and beam 4, the same tokens for all but at
     most one of the 40 sentences, and their scores equal within 1e-4 for most and within 0.05 for all. The
@@ -570,8 +613,8 @@ def test_fused_epilogues_give_the_int8_tokens_of_the_nodes_they_replace(tiny_bun
     with and without the fusion at batch 1, 8, 32 and 64)."""
     fused = OnnxTranslator(tiny_bundle, variant="int8", intra_op_threads=1)
     assert "AddNormQuantize" in _ops(fused)
-    monkeypatch.setattr(kernels, "_fuse_epilogues", lambda model: None)
-    plain = OnnxTranslator(tiny_bundle, variant="int8", intra_op_threads=1)
+    plain = OnnxTranslator(_exported_without(("_fuse_epilogues",), tiny_checkpoint, tmp_path, monkeypatch),
+                           variant="int8", intra_op_threads=1)
     assert "AddNormQuantize" not in _ops(plain)
     sources = [fused.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
     for options in (DecodingOptions(), DecodingOptions(beam_size=4)):
@@ -586,11 +629,10 @@ def test_int8_graphs_quantise_each_row_on_its_own_scale_with_the_kernels(tiny_bu
     """Every DynamicQuantizeLinear of the int8 encoder and step becomes RowQuantize, with zero point 0
     after a Relu and 128 elsewhere; without the kernels the graphs keep ONNX Runtime's per-tensor node."""
     rows, plain = (OnnxTranslator(tiny_bundle, variant="int8", attention_kernel=kernel) for kernel in (True, False))
-    assert rows.row_scales and not plain.row_scales and not OnnxTranslator(tiny_bundle).row_scales  # fp32: none
-    decoder = onnx.load(str(tiny_bundle / "decoder.int8.onnx"))
-    quantized = sum(n.op_type == "DynamicQuantizeLinear" for n in decoder.graph.node)
-    after_relu = sum(n.op_type == "Relu" for n in decoder.graph.node)
-    graph = onnx.load_from_string(rows._step_graph(decoder, True)).graph
+    decoder = _graph(plain)
+    quantized = sum(n.op_type == "DynamicQuantizeLinear" for n in decoder.node)
+    after_relu = sum(n.op_type == "Relu" for n in decoder.node)
+    graph = _graph(rows)
     ops = [n.op_type for n in graph.node]
     # each quantiser is a RowQuantize or the last part of a fused epilogue (_fuse_epilogues): a sublayer's
     # bias, residual Add, LayerNormalization and quantiser as AddNormQuantize, a bias, Relu and quantiser as
@@ -612,8 +654,7 @@ def test_int8_graphs_quantise_each_row_on_its_own_scale_with_the_kernels(tiny_bu
     assert head.input[4] in {n.output[-1] for n in graph.node if n.op_type in ("RowQuantize", "AddNormQuantize")}
     assert made_by[head.input[0]] == "MatMulIntegerToFloat"
     assert "DynamicQuantizeLinear" in _ops(plain)
-    encoder = onnx.load(str(tiny_bundle / "encoder.int8.onnx"))
-    assert "DynamicQuantizeLinear" not in [n.op_type for n in kernels.with_row_quantize(encoder).graph.node]
+    assert "DynamicQuantizeLinear" not in [n.op_type for n in _graph(rows, 0).node]
 
 
 @pytest.mark.parametrize("options", [DecodingOptions(), DecodingOptions(beam_size=4, num_hypotheses=2)], ids=["greedy", "beam4"])
@@ -646,7 +687,7 @@ def test_a_row_quantized_matmul_adds_its_bias_once(tmp_path):
                               [onnx.numpy_helper.from_array(w, "w"), onnx.numpy_helper.from_array(b, "b")])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "fp32.onnx")
     quantize_dynamic(tmp_path / "fp32.onnx", tmp_path / "int8.onnx", weight_type=QuantType.QInt8)
-    model = kernels.with_row_quantize(onnx.load(tmp_path / "int8.onnx"))
+    model = kernel_graphs.with_row_quantize(onnx.load(tmp_path / "int8.onnx"))
     assert [n.op_type for n in model.graph.node].count("Sub") == 1
     session = _kernel_session(model)
     x = (rng.standard_normal((5, 32)) * rng.uniform(0.1, 10, (5, 1))).astype(np.float32)
@@ -673,7 +714,7 @@ def test_no_row_scaled_product_has_its_bias_folded_in(tiny_bundle, marian_bundle
         quantized = onnx.load(str(path))
         linear = sum(n.op_type == "DynamicQuantizeLinear" for n in quantized.graph.node)
         swishes = sum(n.op_type == "Sigmoid" for n in quantized.graph.node)
-        _kernel_session(kernels.with_row_quantize(quantized), tmp_path / f"{graph}.optimized.onnx")
+        _kernel_session(kernel_graphs.with_row_quantize(quantized), tmp_path / f"{graph}.optimized.onnx")
         nodes = onnx.load(str(tmp_path / f"{graph}.optimized.onnx")).graph.node
         fused = [n for n in nodes if n.op_type == "MatMulIntegerToFloat"]
         quantizers = [n for n in nodes if n.op_type in ("RowQuantize", "AddNormQuantize", "BiasReluQuantize",
@@ -700,8 +741,8 @@ def test_the_swish_epilogue_gives_the_encoder_outputs_of_the_nodes_it_replaces(m
     outputs = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(kernels, "_fuse_epilogues", lambda model: None)
-        model = kernels.with_row_quantize(onnx.load(str(tmp_path / "encoder.int8.onnx")))
+            monkeypatch.setattr(kernel_graphs, "_fuse_epilogues", lambda model: None)
+        model = kernel_graphs.with_row_quantize(onnx.load(str(tmp_path / "encoder.int8.onnx")))
         outputs.append(_kernel_session(model).run(None, {"src_ids": src_ids, "src_mask": src_mask}))
     for x, y in zip(*outputs):
         assert x.shape == y.shape and np.abs(x - y).max() < 0.05 * np.abs(y).max()

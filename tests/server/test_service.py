@@ -44,31 +44,32 @@ def test_concurrent_clients_get_the_translator_output(served, tiny_bundle, sente
     assert served.running.engine.stats()["running"] == 0
 
 
-@pytest.mark.parametrize("variant, kernel, row_scales", [("fp32", "off", "auto"), ("fp32", "on", "auto"),
-                                                         ("int8", "on", "on"), ("int8", "on", "off")])
-def test_a_server_with_or_without_the_kernels_serves_the_translator_output(tiny_bundle, sentences, variant, kernel,
-                                                                           row_scales):
+@pytest.mark.parametrize("variant, kernel", [("fp32", "off"), ("fp32", "on"), ("int8", "on"), ("int8", "off")])
+def test_a_server_with_or_without_the_kernels_serves_the_translator_output(tiny_bundle, sentences, variant, kernel):
     server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
-                                       variant=variant, attention_kernel=kernel, int8_row_scales=row_scales,
-                                       max_output_tokens=64))
+                                       variant=variant, attention_kernel=kernel, max_output_tokens=64))
     try:
-        reference = OnnxTranslator(tiny_bundle, variant=variant, shared_cross=False, attention_kernel=kernel == "on",
-                                   row_scales=row_scales == "on" if variant == "int8" else None)
+        reference = OnnxTranslator(tiny_bundle, variant=variant, shared_cross=False, attention_kernel=kernel == "on")
         expected = [t.text for t in reference.translate_batch(sentences[:16], max_decoding_length=64)]
         with server.channel() as channel:
             stub = pb_grpc.TranslationServiceStub(channel)
             got = [t.text for t in stub.Translate(pb.TranslateRequest(sentences=sentences[:16]), timeout=60).translations]
-        if row_scales == "off":  # one scale per tensor: tokens depend on the batch, and the server's are not these
-            assert len(got) == len(expected) and all(got)
+            info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        if variant == "int8" and kernel == "off":
+            # ONNX Runtime's one scale per tensor: a sentence's tokens depend on its batch-mates, and the server's
+            # batches are not the translator's; most sentences still agree
+            assert len(got) == len(expected) and sum(a == b for a, b in zip(got, expected)) >= 12, (got, expected)
         else:
             assert got == expected
-        assert server.running.engine.tr.attention_kernel == (kernel == "on")
-        assert server.running.engine.tr.row_scales == (row_scales == "on")  # fp32 has no dynamic quantisation
+        suffix = "_kernels" if kernel == "on" else ""
+        assert list(info.graphs) == [f"encoder{suffix}", f"decoder{suffix}"]
+        assert info.kernels == ("nmtserve's kernels" if kernel == "on" else "ONNX Runtime's own nodes: nmtserve's kernels "
+                                "off as asked")
     finally:
         server.stop()
 
 
-@pytest.mark.parametrize("flag", ["--attention-kernel", "--int8-row-scales"])
+@pytest.mark.parametrize("flag", ["--attention-kernel", "--io-binding"])
 def test_a_bad_kernel_flag_is_one_line_naming_it(tiny_bundle, flag):
     out = run_cli("serve", str(tiny_bundle), "--port", "0", flag, "sometimes")
     assert out.returncode == 2 and f"{flag} 'sometimes': choose auto, on or off" in out.stderr

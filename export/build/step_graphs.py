@@ -1,0 +1,176 @@
+"""The graphs a bundle variant serves, prepared at export time: the runtime loads them as they are.
+
+From a variant's encoder and decoder-step graphs (export/build/graphs.py, then variants.py's precision) this
+writes, for each variant, the graphs `GRAPHS` names:
+- `encoder`: as exported;
+- `decoder`: the step with its search head (`with_search_head`), each row with its own cross K/V (the server's
+  running batch, whose rows have different widths);
+- `decoder_shared`: the same reading each source's one copy of its cross K/V for all its rows
+  (`with_shared_cross`: offline batches, where a beam's rows share a source);
+- on CPU variants, `encoder_kernels`, `decoder_kernels` and `decoder_shared_kernels`: the same on nmtserve's
+  custom ops (kernel_graphs.py), which need the kernel library where they run;
+and the initializers that every one of those graphs holds with the same bytes (the tied embedding table) in
+one .npz, which the runtime gives to both sessions so that the table is held once in memory.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from nmtserve.export.build import kernel_graphs
+
+GRAPHS = ("encoder", "decoder", "decoder_shared")
+KERNEL_GRAPHS = ("encoder_kernels", "decoder_kernels", "decoder_shared_kernels")
+SHARED_MIN_BYTES = 1 << 16  # smaller initializers are not worth an entry
+
+
+def file_name(graph: str, variant: str) -> str:
+    return f"{graph}.onnx" if variant == "fp32" else f"{graph}.{variant}.onnx"
+
+
+def prepare_variant(out: Path, variant: str, heads: int, dim: int, kernels: bool) -> dict:
+    """Write the variant's graphs into `out`, from its exported encoder and decoder there (the decoder's file is
+    replaced by the served step) -> the manifest's fields: `graphs` {name: file} and `shared_weights` (a file)."""
+    encoder = kernel_graphs.sort_nodes(onnx.load(str(out / file_name("encoder", variant))))
+    decoder = with_search_head(kernel_graphs.sort_nodes(onnx.load(str(out / file_name("decoder", variant)))))
+    models = {"encoder": encoder, "decoder": decoder,
+              "decoder_shared": with_shared_cross(copy.deepcopy(decoder), heads, dim)}
+    if kernels:
+        quantised = any(n.op_type == "DynamicQuantizeLinear" for n in decoder.graph.node)
+        row_scales = kernel_graphs.with_row_quantize if quantised else (lambda model: model)
+        models["encoder_kernels"] = row_scales(kernel_graphs.with_packed_attention(copy.deepcopy(encoder)))
+        for name in ("decoder", "decoder_shared"):
+            models[f"{name}_kernels"] = row_scales(
+                kernel_graphs.with_custom_kernels(copy.deepcopy(models[name]), beam_origin=True))
+    shared = shared_weights(list(models.values()))
+    graphs = {}
+    for name, model in models.items():
+        graphs[name] = file_name(name, variant)
+        onnx.save(model, str(out / graphs[name]))
+    fields = {"graphs": graphs}
+    if shared:
+        fields["shared_weights"] = file_name("shared", variant).replace(".onnx", ".npz")
+        np.savez(out / fields["shared_weights"], **shared)
+    return fields
+
+
+def shared_weights(models: list[onnx.ModelProto]) -> dict[str, np.ndarray]:
+    """The initializers of at least SHARED_MIN_BYTES that every one of `models` holds, same name and same bytes:
+    the tied embedding table (the int8 variants keep it in fp32 for the lookups)."""
+    def large(model):
+        return {i.name: (i.data_type, tuple(i.dims), i.raw_data) for i in model.graph.initializer
+                if len(i.raw_data) >= SHARED_MIN_BYTES}
+
+    common = large(models[0])
+    for model in models[1:]:
+        theirs = large(model)
+        common = {name: value for name, value in common.items() if theirs.get(name) == value}
+    return {i.name: onnx.numpy_helper.to_array(i) for i in models[0].graph.initializer if i.name in common}
+
+
+def with_search_head(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The decoder-step graph (changed in place) with a search head in place of its log_probs output:
+    inputs `candidates` (1,) int64 = K and `with_scores` () bool, outputs candidate_ids (B, K) int64 and
+    candidate_scores (B, K): each row's K best tokens, best first (ties: lower id first, as ArgMax). Greedy
+    search asks for 1, beam search for 2 × beam, so only these cross to the host. With with_scores the
+    scores are the tokens' log-probabilities; without, an If skips the log-softmax over the vocabulary and
+    gives each row's one best token by the values before it (ArgMax: K must be 1; the same token up to
+    rounding ties; its score is then that value), as CTranslate2's greedy search does when return_scores
+    is off (the log-softmax was 1.7% of the default model's decoder kernel time at batch 64, 2.5% of an
+    OPUS-MT-size model's: README). log_probs leaves the outputs, since ONNX Runtime runs every node of
+    the graph whatever outputs a run asks for; `OnnxTranslator.step` rebuilds it from the K = V best.
+    Input `whole_rows` (R,) int64 and output whole_log_probs (R, V): those rows' log-probabilities over the
+    whole vocabulary (in the ArgMax branch the values before the log-softmax), for a sampler without top-k
+    among rows that need K of them: the step then ranks K per row, not the vocabulary of every row."""
+    graph = model.graph
+    producer = {out: node for node in graph.node for out in node.output}
+    chain = [producer["log_probs"]]  # LogSoftmax, then perhaps an Add of the suppressed ids' -inf
+    while chain[0].op_type != "LogSoftmax":
+        chain.insert(0, producer[next(name for name in chain[0].input if name in producer)])
+    for node in chain:
+        graph.node.remove(node)
+
+    def branch(name: str, softmax: bool) -> onnx.GraphProto:
+        rename = {out: f"{out}_{name}" for node in chain for out in node.output}
+        if not softmax:  # the log-softmax's readers read its input
+            rename[chain[0].output[0]] = chain[0].input[0]
+        nodes = []
+        for node in chain[0 if softmax else 1:]:
+            node = copy.deepcopy(node)
+            node.input[:] = [rename.get(i, i) for i in node.input]
+            node.output[:] = [rename[o] for o in node.output]
+            node.name = ""
+            nodes.append(node)
+        outputs = [f"candidate_scores_{name}", f"candidate_ids_{name}", f"whole_log_probs_{name}"]
+        if softmax:
+            nodes.append(helper.make_node("TopK", [rename["log_probs"], "candidates"], outputs[:2], axis=-1, largest=1,
+                                          sorted=1))
+        else:  # greedy's one best: ArgMax takes half TopK's time at K = 1 (README)
+            nodes += [helper.make_node("ArgMax", [rename["log_probs"]], [outputs[1]], axis=-1, keepdims=1),
+                      helper.make_node("GatherElements", [rename["log_probs"], outputs[1]], [outputs[0]], axis=-1)]
+        nodes.append(helper.make_node("Gather", [rename["log_probs"], "whole_rows"], [outputs[2]], axis=0))
+        return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(outputs[0], onnx.TensorProto.FLOAT, None),
+                                                   helper.make_tensor_value_info(outputs[1], onnx.TensorProto.INT64, None),
+                                                   helper.make_tensor_value_info(outputs[2], onnx.TensorProto.FLOAT, None)])
+
+    graph.input.extend([helper.make_tensor_value_info("candidates", onnx.TensorProto.INT64, [1]),
+                        helper.make_tensor_value_info("with_scores", onnx.TensorProto.BOOL, []),
+                        helper.make_tensor_value_info("whole_rows", onnx.TensorProto.INT64, ["whole"])])
+    graph.node.append(helper.make_node("If", ["with_scores"], ["candidate_scores", "candidate_ids", "whole_log_probs"],
+                                       then_branch=branch("scores", True), else_branch=branch("ranks", False)))
+    outputs = [o for o in graph.output if o.name != "log_probs"]
+    del graph.output[:]
+    graph.output.extend(outputs + [helper.make_tensor_value_info("candidate_ids", onnx.TensorProto.INT64, ["batch", "k"]),
+                                   helper.make_tensor_value_info("candidate_scores", onnx.TensorProto.FLOAT, ["batch", "k"]),
+                                   helper.make_tensor_value_info("whole_log_probs", onnx.TensorProto.FLOAT, ["whole", "vocab"])])
+    return model
+
+
+def with_shared_cross(model: onnx.ModelProto, heads: int, dim: int) -> onnx.ModelProto:
+    """The decoder-step graph (changed in place) for rows that share their source's cross K/V: each
+    source's `width` rows in turn (1 for greedy and sampling; a beam's size after its first step), and
+    cross_k_l, cross_v_l, cross_slot with one row per source. Each cross-attention becomes one
+    com.microsoft MultiHeadAttention of a source's `width` queries (B / width, width, D) over its K/V,
+    keys up to its cross_slot, in place of the GroupQueryAttention that takes K/V per row: a beam of 4
+    reads its source's K/V once, not 4 times, and nobody copies them per row. New input `query_shape`
+    (3,) int64 = (-1, width, D); cross_eos_l and the present_cross outputs go (the encoder's cross K/V
+    already hold each eos key and value)."""
+    graph = model.graph
+    producer = {out: node for node in graph.node for out in node.output}
+    consumers = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    attentions = {node.output[0] for node in graph.node
+                  if node.op_type == "GroupQueryAttention" and node.input[3].startswith("cross_k_")}
+    dropped = set()  # GroupQueryAttention(Unsqueeze(Concat(query, cross_eos_l))), then Gather(axis 1) to rows
+    for name in attentions:
+        unsqueeze, [squeeze] = producer[producer[name].input[0]], consumers[name]
+        dropped |= {name, unsqueeze.output[0], unsqueeze.input[0], squeeze.output[0]}
+    graph.initializer.append(onnx.numpy_helper.from_array(np.array(1, np.int32), "shared_cross_one"))
+    graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1, dim], np.int64), "shared_cross_rows"))
+    nodes = [helper.make_node("Add", ["cross_slot", "shared_cross_one"], ["source_lengths"])]
+    for node in graph.node:
+        if node.output[0] in attentions:  # its group where it was: after its query, before its users
+            query = producer[producer[node.input[0]].input[0]].input[0]  # Concat's first input
+            name, [squeeze] = node.output[0], consumers[node.output[0]]
+            nodes += [helper.make_node("Reshape", [query, "query_shape"], [name + "_queries"]),
+                      helper.make_node("MultiHeadAttention", [name + "_queries", node.input[3], node.input[4], "",
+                                                              "source_lengths"], [name + "_shared"],
+                                       domain="com.microsoft", num_heads=heads),
+                      helper.make_node("Reshape", [name + "_shared", "shared_cross_rows"], list(squeeze.output))]
+        elif node.output[0] not in dropped:
+            nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    kept_inputs = [i for i in graph.input if not i.name.startswith("cross_eos_")]
+    kept_outputs = [o for o in graph.output if not o.name.startswith("present_cross_")]
+    del graph.input[:], graph.output[:]
+    graph.input.extend(kept_inputs + [helper.make_tensor_value_info("query_shape", onnx.TensorProto.INT64, [3])])
+    graph.output.extend(kept_outputs)
+    return model
