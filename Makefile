@@ -29,11 +29,11 @@ tools:
 	  $(SUDO) apt-get update -q && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus openssl g++; }
 
-# nmtserve's decoding kernels for ONNX Runtime's CPU provider (export/runtime/kernels.py): built
-# here with ONNX Runtime's C API headers (Debian's libonnxruntime-dev, downloaded once, not installed)
-KERNEL := export/runtime/native/libnmtserve_kernels.so
-kernels: $(KERNEL)
-$(KERNEL): export/runtime/kernels.cc export/runtime/kernels.py | install tools
+# nmtserve's decoding kernels for ONNX Runtime's CPU provider (export/runtime/kernels.py): built with
+# pinned ONNX Runtime C API headers (Debian's libonnxruntime-dev, downloaded once, checked, not installed)
+# into $NMTSERVE_KERNELS_DIR (default ~/.cache/nmtserve/kernels), under a name keyed by the source: a no-op
+# when that library is there
+kernels: install tools
 	$(PY) -m nmtserve.export.runtime.kernels
 
 # pip finds the pinned CPU torch wheel through the machine's pip configuration (find-links)

@@ -3,8 +3,9 @@
 The library holds the custom ops of the bundle's `*_kernels` graphs (export/build/kernel_graphs.py says what
 each does) and the native decoding loops (native.py). It is built on the machine that runs it, by `python -m
 nmtserve.export.runtime.kernels` (`make kernels`; `make test` runs it), with a C++ compiler and ONNX Runtime's
-C API headers: the system's (/usr/include/onnxruntime) or else those of Debian's libonnxruntime-dev, downloaded
-once from the Debian archive (the onnxruntime wheel ships no header).
+C API headers of a pinned version (Debian's libonnxruntime-dev, downloaded once and checked against the SHA-256
+here), into `kernels_dir()`: a folder of the user's, never the installed package, under a name keyed by the
+source, flags and headers, so that a stale library is never loaded.
 
 `unavailable()` says why the library cannot serve in this process (not built, cannot be opened, or built for a
 newer ONNX Runtime API than the one running), or None; the translator then loads the bundle's portable graphs
@@ -15,10 +16,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import lzma
+import io
+import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import urllib.request
 from pathlib import Path
@@ -27,13 +30,11 @@ from nmtserve.errors import ConfigError
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "kernels.cc"
-# built files go to a folder that is not a package: Python would take a .so beside the modules for one
-LIBRARY = HERE / "native" / "libnmtserve_kernels.so"
-HEADERS = HERE / "native" / "onnxruntime-headers"  # the downloaded package's headers, when the system has none
-SYSTEM_HEADERS = Path("/usr/include/onnxruntime")
+# ONNX Runtime's C/C++ API headers, pinned: Debian's libonnxruntime-dev (the onnxruntime wheel ships none), whose
+# ORT_API_VERSION is the oldest onnxruntime the library runs with (pyproject.toml's lower bound says the same)
 DEBIAN = "https://deb.debian.org/debian"
-DEBIAN_SUITE = "trixie"  # the first Debian release with onnxruntime (1.21); headers work with any newer runtime
-HEADER_PACKAGE = "libonnxruntime-dev"
+HEADER_PACKAGE = "pool/main/o/onnxruntime/libonnxruntime-dev_1.21.0+dfsg-1_amd64.deb"
+HEADER_SHA256 = "14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08"
 # warnings off: the lite custom-op header's own unused parameters; no -ffast-math: in a shared library
 # it would set flush-to-zero for the whole process; 512-bit vectors in the AVX-512 clones (kernels.cc, CLONED),
 # which GCC's generic tuning would keep at 256
@@ -41,43 +42,69 @@ FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapp
          "-fno-signed-zeros", "-mprefer-vector-width=512", "-w"]
 
 
+def kernels_dir() -> Path:
+    """Where the library and the headers it is built with live: $NMTSERVE_KERNELS_DIR, else the user's cache
+    ($XDG_CACHE_HOME or ~/.cache, then nmtserve/kernels); never inside the installed package."""
+    if os.environ.get("NMTSERVE_KERNELS_DIR"):
+        return Path(os.environ["NMTSERVE_KERNELS_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nmtserve" / "kernels"
+
+
+def library_path() -> Path:
+    """The library built from this kernels.cc, these flags and the pinned headers: a name of its own for each,
+    so that a library built from other sources is never loaded (it is "not built" until `make kernels`)."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + HEADER_SHA256.encode()).hexdigest()[:16]
+    return kernels_dir() / f"libnmtserve_kernels-{key}.so"
+
+
+LIBRARY = library_path()
+HEADERS = kernels_dir() / f"onnxruntime-headers-{HEADER_SHA256[:12]}"
+
+
 def header_dir() -> Path:
-    """ONNX Runtime's C/C++ API headers: the system's, else the Debian package's (downloaded once)."""
-    for directory in (SYSTEM_HEADERS, HEADERS):
-        if (directory / "onnxruntime_lite_custom_op.h").exists():
-            return directory
-    _download_headers(HEADERS)
+    """The pinned headers, downloaded and checked against HEADER_SHA256 once."""
+    if not (HEADERS / "onnxruntime_lite_custom_op.h").exists():
+        _download_headers(HEADERS)
     return HEADERS
 
 
 def _download_headers(dest: Path) -> None:
-    """The headers of Debian's libonnxruntime-dev, found in the archive's package index and checked against
-    its SHA-256 there, unpacked into dest (nothing is installed)."""
-    index_url = f"{DEBIAN}/dists/{DEBIAN_SUITE}/main/binary-amd64/Packages.xz"
-    with urllib.request.urlopen(index_url, timeout=120) as response:
-        index = lzma.decompress(response.read()).decode()
-    stanza = next((s for s in index.split("\n\n") if s.startswith(f"Package: {HEADER_PACKAGE}\n")), None)
-    if stanza is None:
-        raise ConfigError(f"{index_url}: no package {HEADER_PACKAGE}")
-    fields = dict(line.split(": ", 1) for line in stanza.splitlines() if ": " in line and not line.startswith(" "))
-    with urllib.request.urlopen(f"{DEBIAN}/{fields['Filename']}", timeout=300) as response:
+    """The pinned package, checked against its SHA-256, its usr/include/onnxruntime unpacked into dest (the .deb
+    is an ar archive holding data.tar.*; nothing is installed)."""
+    url = f"{DEBIAN}/{HEADER_PACKAGE}"
+    with urllib.request.urlopen(url, timeout=300) as response:
         package = response.read()
-    if hashlib.sha256(package).hexdigest() != fields["SHA256"]:
-        raise ConfigError(f"{DEBIAN}/{fields['Filename']}: SHA-256 differs from the archive's index")
+    if hashlib.sha256(package).hexdigest() != HEADER_SHA256:
+        raise ConfigError(f"{url}: SHA-256 {hashlib.sha256(package).hexdigest()[:12]}…, pinned {HEADER_SHA256[:12]}…")
+    data = _ar_member(package, "data.tar")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as unpacked:
-        deb = Path(unpacked) / "package.deb"
-        deb.write_bytes(package)
-        subprocess.run(["dpkg-deb", "-x", str(deb), unpacked], check=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as unpacked, tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(unpacked, members=[m for m in tar.getmembers() if m.name.startswith("./usr/include/onnxruntime/")],
+                       filter="data")
         shutil.move(Path(unpacked) / "usr/include/onnxruntime", dest)
 
 
+def _ar_member(archive: bytes, prefix: str) -> bytes:
+    """The first member of an ar archive (a .deb) whose name starts with `prefix`."""
+    if not archive.startswith(b"!<arch>\n"):
+        raise ConfigError(f"{HEADER_PACKAGE}: not a Debian package")
+    offset = 8
+    while offset + 60 <= len(archive):
+        name, size = archive[offset:offset + 16].decode().strip(), int(archive[offset + 48:offset + 58])
+        if name.startswith(prefix):
+            return archive[offset + 60:offset + 60 + size]
+        offset += 60 + size + size % 2
+    raise ConfigError(f"{HEADER_PACKAGE}: no {prefix}* member")
+
+
 def build(compiler: str = "g++") -> Path:
-    """Compile kernels.cc into LIBRARY (replaced atomically) and return its path."""
+    """Compile kernels.cc into LIBRARY (replaced atomically) and return its path; nothing to do when it is there."""
     _unavailable.cache_clear()
+    if LIBRARY.exists():
+        return LIBRARY
     headers = header_dir()
-    LIBRARY.parent.mkdir(exist_ok=True)
-    partial = LIBRARY.with_suffix(".so.partial")
+    LIBRARY.parent.mkdir(parents=True, exist_ok=True)
+    partial = LIBRARY.with_suffix(f".{os.getpid()}.partial")
     result = subprocess.run([compiler, *FLAGS, f"-I{headers}", str(SOURCE), "-o", str(partial)],
                             capture_output=True, text=True)
     if result.returncode != 0:
@@ -114,6 +141,6 @@ def _unavailable(library: Path) -> str | None:
 
 if __name__ == "__main__":
     try:
-        print(f"nmtserve: built {build()}")
+        print(f"nmtserve: kernel library {build()}")
     except (ConfigError, OSError) as e:
-        sys.exit(f"nmtserve: the attention kernel was not built: {e}")
+        sys.exit(f"nmtserve: the kernel library was not built: {e}")

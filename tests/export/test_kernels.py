@@ -50,6 +50,21 @@ def test_the_library_is_built():
     assert kernels.available(), f"{kernels.LIBRARY} missing: build it with `make kernels`"
 
 
+def test_the_library_lives_outside_the_package_under_a_name_keyed_by_its_source(tmp_path, monkeypatch):
+    """A library built from another kernels.cc (an older checkout's, say) is never loaded: its name differs, so
+    the translator says "not built (make kernels)" rather than calling into functions of another shape."""
+    assert kernels.HERE not in kernels.LIBRARY.parents
+    monkeypatch.setenv("NMTSERVE_KERNELS_DIR", str(tmp_path))
+    assert kernels.library_path().parent == tmp_path
+    edited = tmp_path / "kernels.cc"
+    edited.write_bytes(kernels.SOURCE.read_bytes() + b"// an edit\n")
+    names = {kernels.library_path().name}
+    monkeypatch.setattr(kernels, "SOURCE", edited)
+    names.add(kernels.library_path().name)
+    assert len(names) == 2
+    assert "is not built (make kernels)" in kernels.unavailable(kernels.library_path())
+
+
 def test_self_attention_writes_each_rows_new_key_and_value_in_place_and_attends_over_its_slots():
     rng = np.random.default_rng(0)
     qkv = rng.standard_normal((ROWS, 1, 3 * HEADS * DIM), dtype=np.float32)
