@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from nmtserve.cli import print_json
+from nmtserve.console import print_json
 
 
 def cmd_export(args) -> int:

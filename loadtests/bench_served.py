@@ -255,9 +255,9 @@ def engines_alone(spec: dict, engines: int, threads: int) -> dict:
     at steady state (`steady_window`), as a cell counts them."""
     from nmtserve.server.app import load_model, warm_up
     from nmtserve.server.config import ServerConfig
-    from nmtserve.server.engine import FinishReason, Request
     from nmtserve.server.metrics import ServerMetrics
     from nmtserve.server.models import ModelSpec
+    from nmtserve.server.request import FinishReason, Request
     from nmtserve.v1 import translation_pb2 as pb
 
     config = ServerConfig(bundle=spec["bundle"], max_running_rows=spec["max_running_rows"], max_waiting=spec["max_waiting"])

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
 
@@ -56,10 +55,6 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
-
-
-def print_json(obj) -> None:
-    print(json.dumps(obj, indent=2, ensure_ascii=False))
 
 
 def build_parser(command: str | None) -> ArgumentParser:

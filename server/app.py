@@ -22,9 +22,10 @@ from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.bundle import load_bundle
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.server.config import ServerConfig
-from nmtserve.server.engine import EngineConfig, EnginePool, Request
+from nmtserve.server.engine import EngineConfig, EnginePool
 from nmtserve.server.metrics import ServerMetrics
 from nmtserve.server.models import ModelSpec, ServedModel, model_specs
+from nmtserve.server.request import Request
 from nmtserve.server.service import TranslationServicer
 from nmtserve.v1 import translation_pb2, translation_pb2_grpc
 

@@ -15,20 +15,19 @@ sees K/V: the running batch and the translator keep them.
 from __future__ import annotations
 
 import collections
-import enum
 import itertools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from nmtserve.decoding import Limits
 from nmtserve.errors import NmtserveError
 from nmtserve.export.runtime.memory import LIBC, release_free_memory
 from nmtserve.export.runtime.translator import OnnxTranslator
-from nmtserve.search import BeamSearch, DecodingOptions, Hypothesis, Sampling, make_search
+from nmtserve.search import make_search
+from nmtserve.server.request import FinishReason, Request
 from nmtserve.server.running_batch import RunningBatch
 
 TRIM_SECONDS = 5.0  # how often a busy engine gives the C heap's free pages back (release_free_memory)
@@ -40,14 +39,6 @@ class EngineOverloaded(NmtserveError):
 
 class EngineStopped(NmtserveError):
     """The engine no longer takes requests (shutting down)."""
-
-
-class FinishReason(enum.Enum):
-    EOS = "eos"
-    LENGTH = "length"
-    CANCELLED = "cancelled"
-    DEADLINE = "deadline"
-    ERROR = "error"
 
 
 @dataclass
@@ -67,56 +58,6 @@ class EngineConfig:
     # gathering), with no Python between them (docs/performance.md, "Greedy steps in the library, in the
     # server"); a newcomer ends such a run after its current step; 1: one step an iteration
     max_burst_steps: int = 16
-
-
-@dataclass(eq=False)  # compared by identity: the waiting queue removes requests by it
-class Request:
-    """One sentence to translate; the engine fills tokens, score, hypotheses and finish, then sets `done`.
-    While a beam search runs, `tokens` holds the prefix every hypothesis shares (it never changes), and
-    on_token is called for each token added to it; when done, `tokens` and `score` are the best
-    hypothesis's and `hypotheses` the n-best list."""
-
-    src_ids: list[int]
-    max_decoding_length: int = 256
-    options: DecodingOptions = field(default_factory=DecodingOptions)  # its max_decoding_length is not read
-    deadline: float | None = None  # time.monotonic() after which the request is dropped
-    on_token: Callable[[Request, int], None] | None = None  # called from the engine thread
-    on_finish: Callable[[Request], None] | None = None  # called from the engine thread, once
-    scored: bool = True  # whether its score is read; greedy without: steps of such rows alone skip the log-softmax
-    id: str = ""
-    tokens: list[int] = field(default_factory=list)
-    score: float = 0.0
-    hypotheses: list[Hypothesis] = field(default_factory=list)
-    search: BeamSearch | Sampling | None = None  # set at admission unless greedy
-    finish: FinishReason | None = None
-    error: str | None = None
-    arrived: float = field(default_factory=time.monotonic)
-    arrived_step: int = 0  # the engine's step count when it was queued
-    admitted: float | None = None
-    encoded: float | None = None  # when the encoder call that took it in returned
-    first_token: float | None = None
-    finished: float | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-    cancelled: bool = False
-    _budget: int | None = field(default=None, repr=False)  # budget(), once known
-
-    def cancel(self) -> None:
-        """Ask the engine to drop this request at its next iteration."""
-        self.cancelled = True
-
-    def budget(self, limits: Limits) -> int:
-        """Most target tokens this request may produce (worked out once: the engine asks at every step)."""
-        if self._budget is None:
-            self._budget = limits.output_budget(len(self.src_ids), self.max_decoding_length, self.options.length_rule)
-        return self._budget
-
-    @property
-    def width(self) -> int:
-        """Rows of the running batch this request takes."""
-        return self.options.beam_size
-
-    def cost(self, limits: Limits) -> int:
-        return (len(self.src_ids) + self.budget(limits)) * self.width
 
 
 class Engine:

@@ -28,16 +28,13 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from nmtserve.export.runtime.batch import BatchState
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.search import BeamSearch, beam_steps
-
-if TYPE_CHECKING:
-    from nmtserve.server.engine import Request
+from nmtserve.server.request import Request
 
 
 class RunningBatch:

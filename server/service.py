@@ -21,9 +21,10 @@ from nmtserve.errors import NmtserveError
 from nmtserve.search import DecodingOptions
 from nmtserve.server.config import ServerConfig
 from nmtserve.server.documents import MIME_TYPES, rejoin
-from nmtserve.server.engine import EngineOverloaded, EngineStopped, FinishReason, Request
+from nmtserve.server.engine import EngineOverloaded, EngineStopped
 from nmtserve.server.metrics import ServerMetrics
 from nmtserve.server.models import InvalidRequest, ServedModel, route
+from nmtserve.server.request import FinishReason, Request
 from nmtserve.tokenizer import StreamDecoder
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc

@@ -14,7 +14,7 @@ import os
 from dataclasses import fields
 from pathlib import Path
 
-from nmtserve.cli import print_json
+from nmtserve.console import print_json
 from nmtserve.errors import NmtserveError
 
 
@@ -96,8 +96,8 @@ def _trained_on(model: str) -> str | None:
 
 
 def cmd_evaluate(args) -> int:
+    from nmtserve.local import given_options, translate_local
     from nmtserve.training.evaluate import score
-    from nmtserve.translate import given_options, translate_local
 
     pairs, source = _split_pairs(args)
     if args.limit:
@@ -183,7 +183,7 @@ def add_parser(sub, name: str, help_text: str) -> None:
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=cmd_import_marian)
     elif name == "evaluate":
-        from nmtserve.translate import add_bundle_flags, add_decoding_flags
+        from nmtserve.local import add_bundle_flags, add_decoding_flags
 
         p.add_argument("model", help="a checkpoint (the PyTorch reference) or a bundle directory (ONNX Runtime)")
         p.add_argument("--split", default="test", help="split of the data directory (default %(default)s)")

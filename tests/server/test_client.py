@@ -115,7 +115,7 @@ def test_translate_cli_decodes_a_bundles_batches_at_once_on_threads_of_their_own
     them and the value."""
     from nmtserve.cli import build_parser
     from nmtserve.export.runtime.translator import OnnxTranslator
-    from nmtserve.translate import translate_local
+    from nmtserve.local import translate_local
 
     sentences = ["the cat sleeps .", "a dog eats the bread .", "the bird sings .", "a cat eats ."]
     contexts, replica = [], OnnxTranslator.replica

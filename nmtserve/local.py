@@ -1,0 +1,122 @@
+"""Translation on this machine, with a bundle (ONNX Runtime; the base install) or a checkpoint (the PyTorch
+reference; the train extra), and the command-line flags that say how: shared by the `translate` and `evaluate`
+commands. Below the command line: parses no argv and prints nothing.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+
+from nmtserve.decoding import LENGTH_RULES
+from nmtserve.errors import NmtserveError
+from nmtserve.search import BEAM_STOPPING, DecodingOptions
+
+SEARCH_FLAGS = ("beam_size", "num_hypotheses", "length_penalty", "patience", "sampling_topk", "sampling_topp",
+                "sampling_temperature", "seed", "beam_stopping", "length_rule")
+
+
+def given_options(args) -> dict:
+    """The decoding flags given on the command line; the rest are the model's defaults."""
+    return {name: getattr(args, name) for name in SEARCH_FLAGS if getattr(args, name) is not None}
+
+
+def local_options(args, defaults: dict) -> DecodingOptions:
+    """The options of a local translation: the model's decoding defaults (an imported Marian model's
+    generation_config.json; else CTranslate2's), then the flags given."""
+    options = DecodingOptions(**defaults).override(**given_options(args))
+    return replace(options, max_decoding_length=args.max_length) if args.max_length else options
+
+
+def translate_local(model: str, texts: list[str], args) -> list[list[tuple[str, float]]]:
+    """The n-best (text, score) of each text, best first, with a bundle directory (ONNX Runtime) or a
+    checkpoint (the PyTorch reference); args carries the decoding and thread flags, batch_size, max_length,
+    device and target_language."""
+    if args.threads < 0:
+        raise NmtserveError(f"--threads {args.threads}: must be at least 0 (0: ONNX Runtime's default, a thread per core)")
+    if args.inter_threads < 1:
+        raise NmtserveError(f"--inter-threads {args.inter_threads}: must be at least 1")
+    if not Path(model).exists():
+        raise NmtserveError(f"{model}: no such bundle directory or checkpoint file")
+    return _translate_bundle(model, texts, args) if Path(model).is_dir() else _translate_checkpoint(model, texts, args)
+
+
+def _translate_bundle(path: str, texts: list[str], args) -> list[list[tuple[str, float]]]:
+    from nmtserve.export.runtime.translator import OnnxTranslator
+
+    tr = OnnxTranslator(path, device=args.device, variant=args.variant, intra_op_threads=args.threads,
+                        inter_threads=args.inter_threads)
+    options = local_options(args, tr.bundle.manifest.get("decoding_defaults") or {})
+    try:
+        ids = [tr.tokenizer.encode(t, tr.limits.max_source_tokens, args.target_language) or [tr.eos_id] for t in texts]
+    except ValueError as e:  # a language the multilingual model has no >>xx<< token for
+        raise NmtserveError(f"--target-language: {e}") from None
+    return [[(tr.tokenizer.decode(h.tokens), h.score) for h in hypotheses]
+            for hypotheses in tr.search_ids(ids, options, max_batch_size=args.batch_size)]
+
+
+def _translate_checkpoint(path: str, texts: list[str], args) -> list[list[tuple[str, float]]]:
+    """The PyTorch reference, one sentence at a time for beam search and sampling."""
+    from nmtserve.training.checkpoint import load_model
+    from nmtserve.training.data import pad
+    from nmtserve.training.decode import beam_search, sample, translate
+
+    if args.target_language:
+        raise NmtserveError("--target-language: give a bundle or --server (the PyTorch reference reads no language token)")
+    if args.threads or args.inter_threads != 1 or args.variant:
+        raise NmtserveError("--threads, --inter-threads and --variant: with a bundle (ONNX Runtime), not a checkpoint")
+    loaded = load_model(path, device=args.device)
+    options = local_options(args, loaded.payload.get("decoding_defaults") or {})
+    options.check(loaded.model.config.vocab_size)
+    if options.greedy:
+        return [[(text, 0.0)] for text in translate(loaded.model, loaded.tokenizer, texts, max_batch_size=args.batch_size,
+                                                     max_decoding_length=options.max_decoding_length,
+                                                     length_rule=options.length_rule, device=args.device)]
+    found = []
+    for text in texts:
+        src, mask = pad([loaded.tokenizer.encode(text, loaded.model.config.max_len) or [loaded.tokenizer.eos_id]],
+                        loaded.tokenizer.pad_id)
+        src, mask = src.to(args.device), mask.to(args.device)
+        if options.sampling:
+            hypotheses = sample(loaded.model, src, mask, sampling_topk=options.sampling_topk,
+                                sampling_topp=options.sampling_topp, sampling_temperature=options.sampling_temperature,
+                                seed=options.seed or random.randrange(1, 2 ** 63), max_decoding_length=options.max_decoding_length,
+                                length_rule=options.length_rule)
+        else:
+            hypotheses = beam_search(loaded.model, src, mask, beam_size=options.beam_size,
+                                     num_hypotheses=options.num_hypotheses, length_penalty=options.length_penalty,
+                                     patience=options.patience, beam_stopping=options.beam_stopping,
+                                     max_decoding_length=options.max_decoding_length,
+                                     length_rule=options.length_rule)[0]
+        found.append([(loaded.tokenizer.decode(tokens), score) for tokens, score in hypotheses])
+    return found
+
+
+def add_bundle_flags(p) -> None:
+    """How a bundle runs (also `nmtserve evaluate`'s): its variant and ONNX Runtime's threads."""
+    p.add_argument("--variant", help="a bundle: fp32 or int8 on cpu, fp16 on cuda (default: fp32 on cpu, fp16 on cuda)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="a bundle: ONNX Runtime intra-op threads of each batch (default 0: a thread per core)")
+    p.add_argument("--inter-threads", type=int, default=1,
+                   help="a bundle: batches decoded at once, each on a thread of its own (CTranslate2's name); "
+                        "on a CPU, --inter-threads 2 --threads 1 beat one batch on 2 threads "
+                        "(docs/performance.md, 'Batches at once')")
+
+
+def add_decoding_flags(p) -> None:
+    """The decoding options as flags (also `nmtserve evaluate`'s)."""
+    search = p.add_argument_group("decoding (CTranslate2's options; unset: the model's defaults, greedy for the "
+                                  "models nmtserve trains, generation_config.json's for an imported Marian model)")
+    search.add_argument("--beam-size", type=int)
+    search.add_argument("--num-hypotheses", type=int, help="n-best list length (--json prints it)")
+    search.add_argument("--length-penalty", type=float, help="beam: score / length ** this")
+    search.add_argument("--patience", type=float)
+    search.add_argument("--beam-stopping", choices=BEAM_STOPPING, help="whose rule stops beam search")
+    search.add_argument("--length-rule", choices=LENGTH_RULES, help="nmtserve: at most 2 × source + 10 tokens, "
+                        "the last a real one; transformers: no such cap, the --max-length-th token a forced eos; "
+                        "ctranslate2: no such cap, the last a real one")
+    search.add_argument("--sampling-topk", type=int, help="1: no sampling; 0: the whole vocabulary")
+    search.add_argument("--sampling-topp", type=float)
+    search.add_argument("--sampling-temperature", type=float)
+    search.add_argument("--seed", type=int, help="sampling: 0 picks one at random")
