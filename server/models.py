@@ -24,7 +24,7 @@ from pathlib import Path
 
 from nmtserve.errors import ConfigError, NmtserveError
 from nmtserve.export.runtime.bundle import MANIFEST, default_variant, load_bundle
-from nmtserve.export.runtime.translator import CUDA_INTER_THREADS
+from nmtserve.export.runtime.decoder import CUDA_INTER_THREADS
 from nmtserve.search import DecodingOptions
 from nmtserve.server.config import ServerConfig
 from nmtserve.server.documents import fit, sentence_spans
@@ -207,7 +207,7 @@ class ServedModel:
     # -- description
     def info(self) -> pb.ModelInfo:
         """What GetModelInfo and ListModels tell of this model; built once (reading and hashing the
-        manifest cost 0.26 ms a call), since the model served does not change while it runs."""
+        manifest is not free), since the model served does not change while it runs."""
         if self._info is None:
             self._info = self._build_info()
         return self._info

@@ -23,10 +23,9 @@ Bound to the same buffer as its past (IOBinding), a `present` output is that buf
 place: nothing copies the cache, and the step returns no K/V. Cross-attention runs through the same
 kernel over slots 0..S_b-1 of the row's source: the key and value it "writes" are the row's own at
 slot S_b-1 (its eos, cross_eos_l, which the encoder gathers once), so the cross K/V are rewritten
-unchanged (schema 2 gathered them in every step: 29 more nodes after ONNX Runtime's optimisations,
-8% of a step at batch 1); the runtime gives each row's last source slot and the two slot counts,
-which schema 3 computed from src_mask and the inputs' shapes in 11 more nodes (6% of a step at batch
-1 and 8, 4% at 32). Cross K/V are inputs of the step, computed once per source (re-emitting
+unchanged (gathering them in every step cost many nodes); the runtime gives each row's last source
+slot and the two slot counts, rather than the step computing them from src_mask and the inputs'
+shapes in nodes of its own. Cross K/V are inputs of the step, computed once per source (re-emitting
 them every step is what made Optimum's CUDA decoders slow, optimum #869). K/V travel as one tensor
 per layer: a stacked (L, …) input makes ONNX Runtime split — copy — the whole cache on every step.
 """

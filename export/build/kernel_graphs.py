@@ -454,9 +454,8 @@ def _fuse_epilogues(model: onnx.ModelProto) -> None:
     LayerNormalization → RowQuantize, as AddNormQuantize; a feed-forward block's middle, Sub → Relu →
     RowQuantize, as BiasReluQuantize, or Sub → Sigmoid and Mul (swish: x · sigmoid(x), Marian's) → RowQuantize,
     as BiasSwishQuantize. The product becomes a MatMulIntegerToFloat on the weights' scale
-    alone and the new node applies the row scale: a node costs ONNX Runtime 0.4 µs (built-in) to 2 µs (a
-    custom op) of a ~200 µs int8 step at batch 1, and each row scale was a pass of its own over the product
-    (docs/performance.md, "The epilogues fused")."""
+    alone and the new node applies the row scale: each node has a fixed cost in ONNX Runtime, and each row scale
+    was a pass of its own over the product (docs/performance.md, "The epilogues fused")."""
     made_by, readers = _graph_readers(model)
     quantizers: dict[str, list[onnx.NodeProto]] = {}  # each value's RowQuantize readers
     for node in model.graph.node:

@@ -81,9 +81,8 @@ def with_search_head(model: onnx.ModelProto) -> onnx.ModelProto:
     scores are the tokens' log-probabilities; without, an If skips the log-softmax over the vocabulary and
     gives each row's one best token by the values before it (ArgMax: K must be 1; the same token up to
     rounding ties; its score is then that value), as CTranslate2's greedy search does when return_scores
-    is off (the log-softmax was 1.7% of the default model's decoder kernel time at batch 64, 2.5% of an
-    OPUS-MT-size model's: README). log_probs leaves the outputs, since ONNX Runtime runs every node of
-    the graph whatever outputs a run asks for; `OnnxTranslator.step` rebuilds it from the K = V best.
+    is off (the log-softmax is a pass over the vocabulary of every row). log_probs leaves the outputs, since ONNX Runtime runs every node of
+    the graph whatever outputs a run asks for; `Decoder.step` rebuilds it from the K = V best.
     Input `whole_rows` (R,) int64 and output whole_log_probs (R, V): those rows' log-probabilities over the
     whole vocabulary (in the ArgMax branch the values before the log-softmax), for a sampler without top-k
     among rows that need K of them: the step then ranks K per row, not the vocabulary of every row."""
@@ -110,7 +109,7 @@ def with_search_head(model: onnx.ModelProto) -> onnx.ModelProto:
         if softmax:
             nodes.append(helper.make_node("TopK", [rename["log_probs"], "candidates"], outputs[:2], axis=-1, largest=1,
                                           sorted=1))
-        else:  # greedy's one best: ArgMax takes half TopK's time at K = 1 (README)
+        else:  # greedy's one best: ArgMax is cheaper than TopK at K = 1
             nodes += [helper.make_node("ArgMax", [rename["log_probs"]], [outputs[1]], axis=-1, keepdims=1),
                       helper.make_node("GatherElements", [rename["log_probs"], outputs[1]], [outputs[0]], axis=-1)]
         nodes.append(helper.make_node("Gather", [rename["log_probs"], "whole_rows"], [outputs[2]], axis=0))

@@ -114,7 +114,7 @@ def optimized_op_counts(path: Path, disabled_optimizers: list[str] | None = None
     without the optimisations that OnnxTranslator's CPU sessions leave out)."""
     import onnxruntime as ort
 
-    from nmtserve.export.runtime.translator import CPU_DISABLED_OPTIMIZERS
+    from nmtserve.export.runtime.sessions import CPU_DISABLED_OPTIMIZERS
 
     if disabled_optimizers is None:
         disabled_optimizers = CPU_DISABLED_OPTIMIZERS

@@ -9,7 +9,7 @@ source, flags and headers, so that a stale library is never loaded.
 
 `unavailable()` says why the library cannot serve in this process (not built, cannot be opened, or built for a
 newer ONNX Runtime API than the one running), or None; the translator then loads the bundle's portable graphs
-and says so (export/runtime/translator.py). Never edits a graph."""
+and says so (export/runtime/decoder.py). Never edits a graph."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ def keep_freed_memory() -> bool:
     """Let malloc reuse freed memory rather than hand it back at once (process-wide; OnnxTranslator sets it
     unless told not to) -> whether it was set. By default a block above a threshold (128 kB, raised as such
     blocks are freed) is mmap'd and munmap'd at free, and free trims the heap's top, so the next batch's
-    caches (a beam's widened rows: 25 MB at batch 32), cross K/V and ONNX Runtime's outputs are faulted in
+    caches (a beam's widened rows), cross K/V and ONNX Runtime's outputs are faulted in
     page by page again (docs/performance.md, "Freed memory kept for the next batch")."""
     mallopt = getattr(LIBC, "mallopt", None)
     if mallopt is None:

@@ -1,9 +1,8 @@
 """The decoder step's session held by nmtserve's native library (kernels.cc), and greedy steps run in a loop
 there: no Python, and no wait for the GIL, between two steps.
 
-Offline greedy search at batch 1 spent 41 µs of a 0.35 ms step in Python between the runs, and two batches
-decoded at once (inter_threads 2) each waited for the other's Python (docs/performance.md, "Python between the
-runs"). With `NativeSession` offline greedy runs a batch's whole search in the library (`greedy_run`: its
+Python between the runs is a tenth of a small step, and two batches decoded at once (inter_threads 2) each
+wait for the other's Python (docs/performance.md, "Python between the runs"). With `NativeSession` offline greedy runs a batch's whole search in the library (`greedy_run`: its
 finished rows leave the batch there too; Python comes back only to double a full cache), and so does offline
 beam search (`beam_run`; Python also takes the steps whose rules the library leaves to it, and replays the
 library's choices into its searches at the end), and the server's greedy bursts run until a row meets eos
@@ -14,9 +13,9 @@ Python session.
 The session is made by the ONNX Runtime that Python uses: the library learns its API when a session option
 registers it (`register_custom_ops_library` calls the library's RegisterCustomOps), so the library is
 registered once before the first session is made here. The environment is the process's one; the session
-options are translator.session_options's (the caller passes its config entries), with nmtserve's custom ops;
+options are sessions.session_options's (the caller passes its config entries), with nmtserve's custom ops;
 the initializers the caller gives (the embedding both graphs share) are read in place, and the caller keeps
-them alive. A binding holds addresses of host memory, bound by `bind` (as `translator.bind_address` does for
+them alive. A binding holds addresses of host memory, bound by `bind` (as `sessions.bind_address` does for
 ONNX Runtime's own bindings) and sent with the next run; the library keeps what each name is bound to, so that
 `greedy_run` and `beam_run` can bind the fewer rows again themselves. CPU only."""
 
@@ -185,7 +184,7 @@ class NativeBinding:
         assert positions.dtype == np.int64 and (out_scores is None or out_scores.shape == out_tokens.shape)
         assert (hole is None or hole.dtype == bool) and (stop is None or stop.dtype == np.int32)
         arrays = (tokens, positions, None if out_scores is None else scores, hole, stop)
-        if any(a is not b for a, b in zip(arrays, self._arrays)):  # `.ctypes.data` costs 2 µs an array
+        if any(a is not b for a, b in zip(arrays, self._arrays)):  # `.ctypes.data` is not free, and asked at every step
             self._arrays, self._addresses = arrays, [None if a is None else a.ctypes.data for a in arrays]
         tokens_at, positions_at, scores_at, hole_at, stop_at_address = self._addresses
         return _checked(self._library.nmt_greedy_steps(

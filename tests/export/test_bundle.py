@@ -121,19 +121,19 @@ def test_cpu_sessions_leave_the_int8_encoders_add_and_layer_norm_unfused(tiny_bu
     import numpy as np
 
     from nmtserve.export.build.variants import optimized_op_counts
-    from nmtserve.export.runtime import translator
+    from nmtserve.export.runtime import sessions
 
     path = tiny_bundle / "encoder.int8.onnx"
     assert optimized_op_counts(path, disabled_optimizers=[]).get("SkipLayerNormalization", 0) > 0
     assert "SkipLayerNormalization" not in optimized_op_counts(path)
-    plain = translator.session_options
+    plain = sessions.session_options
 
     def profiled(threads=0):
         options = plain(threads)
         options.enable_profiling, options.profile_file_prefix = True, str(tmp_path / "profile")
         return options
-    monkeypatch.setattr(translator, "session_options", profiled)
-    session = translator.make_session(path)
+    monkeypatch.setattr(sessions, "session_options", profiled)
+    session = sessions.make_session(path)
     src_ids = np.array([[5, 6, 7, 3]])
     session.run(None, {"src_ids": src_ids, "src_mask": src_ids != 0})
     kernels = {e["args"]["op_name"] for e in json.loads(open(session.end_profiling()).read())
@@ -155,7 +155,7 @@ def test_the_encoders_matmuls_run_on_the_real_tokens_only(tiny_bundle, tmp_path,
     import numpy as np
     import onnxruntime as ort
 
-    from nmtserve.export.runtime.translator import session_options
+    from nmtserve.export.runtime.sessions import session_options
 
     options = session_options(1)
     options.enable_profiling, options.profile_file_prefix = True, str(tmp_path / "profile")

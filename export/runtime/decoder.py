@@ -1,0 +1,378 @@
+"""The decoder of one bundle variant: its encoder and decoder-step sessions, and the steps over a batch's state
+(prefill, decode candidates, greedy steps in the native library), which the offline translator and the server's
+engine both drive. Never edits a graph and never chooses a search.
+
+The graphs are the bundle's, loaded as export wrote them (export/build/step_graphs.py). The decoder step's
+search head returns each row's k best tokens and their log-probabilities (k = 1 greedy, 2 × beam for beam
+search), never the whole distribution unless sampling from it, and then only the sampling rows'
+(`whole_rows`). Every cache is bound by address, one layer at a time, as both the step's input and its
+`present` output, so the attention writes the new K/V into the cache in place. On a CPU with nmtserve's
+kernel library (kernels.py) the variant's `*_kernels` graphs run, and the step's session is the library's,
+whose loops run greedy and beam steps with no Python between them (native.py); elsewhere the portable graphs,
+and the log says which and why. With io_binding (the default on CUDA) the caches and cross K/V are OrtValues
+on the device, so a step sends the device only the small per-row arrays and brings back only the candidates;
+without it they are numpy arrays.
+
+shared_cross (offline) loads the `decoder_shared` step, which reads each source's one copy of its cross K/V for
+all its rows (after a beam's first step the state is widened: BatchState.widen); the server's engine, whose
+steps mix rows of different widths, loads the `decoder` step (shared_cross=False), each row with its own copy
+(BatchState.gather).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from nmtserve.errors import ConfigError
+from nmtserve.export.runtime import kernels, memory
+from nmtserve.export.runtime.batch import FRESH_SLOTS, BatchState, eos_of, own_slots
+from nmtserve.export.runtime.bundle import Bundle, default_variant, load_bundle
+from nmtserve.export.runtime.native import NativeBinding, NativeError, NativeSession
+from nmtserve.export.runtime.sessions import (
+    CPU_DISABLED_OPTIMIZERS,
+    PROVIDERS,
+    SPINNING,
+    _refs,
+    _same,
+    bind_address,
+    cannot_load,
+    make_session,
+    run_bound,
+    session_options,
+)
+from nmtserve.export.runtime.tensors import DeviceTensors, HostTensors
+
+# two decoding contexts over one CUDA device gave wrong tokens there (GroupQueryAttention errors), and one running
+# batch fills a GPU anyway (docs/benchmarks.md, "GPU runs"): on CUDA a model has one
+CUDA_INTER_THREADS = ("inter_threads {n} on cuda: one decoding context per model on a GPU (two at once gave wrong "
+                      "tokens there; one running batch fills the GPU): use inter_threads 1")
+FALLBACK = "ONNX Runtime's own nodes"  # how the log and GetModelInfo name the portable graphs' kernels
+ROW_INPUTS = ("tokens", "positions", "cross_slot")  # the decoder step's per-row inputs (export/build/graphs.py)
+log = logging.getLogger("nmtserve.runtime")
+
+
+class Decoder:
+    """Encoder and decoder-step sessions of one bundle variant, and the steps over a batch's state."""
+
+    def __init__(self, bundle: str | Path | Bundle, device: str = "cpu", variant: str | None = None,
+                 intra_op_threads: int = 0, io_binding: bool | None = None, shared_cross: bool = True,
+                 attention_kernel: bool | None = None, native_steps: bool | None = None, keep_freed_memory: bool = True):
+        if keep_freed_memory:  # glibc's malloc keeps freed caches for the next batch (process-wide: memory.py)
+            memory.keep_freed_memory()
+        self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
+        variant = variant or default_variant(device)  # fp32 on a CPU, fp16 on CUDA
+        self.device, self.variant = device, variant
+        self.io_binding = device == "cuda" if io_binding is None else io_binding
+        devices = self.bundle.variant(variant).get("devices", [device])
+        if device not in devices:
+            raise ConfigError(f"variant {variant!r} runs on {' or '.join(devices)}, not {device}"
+                              + (" (on cuda: the fp16 variant; ONNX Runtime's CUDA attention kernel has no fp32)"
+                                 if device == "cuda" else ""))
+        # the bundle's graphs on nmtserve's kernels (attention_kernel; None: wherever they can run) or portable
+        self.attention_kernel, self.kernel_note, warn = self._choose_kernels(attention_kernel)
+        # shared_cross: a beam's rows share their source's cross K/V (the `decoder_shared` graphs), as offline
+        # search wants; the server's engine, whose steps mix rows of different widths, gives each row its own copy
+        self.shared_cross = shared_cross
+        suffix = "_kernels" if self.attention_kernel else ""
+        self.graphs = ("encoder" + suffix, ("decoder_shared" if shared_cross else "decoder") + suffix)
+        log.log(logging.WARNING if warn else logging.INFO, "%s %s on %s: graphs %s and %s (%s)", self.bundle.path,
+                variant, device, *self.graphs, self.kernel_note)
+        # the weights every graph holds (the tied embedding), one host copy read by both sessions
+        self.shared_weights = self.bundle.shared_weights(variant)
+        self._shared_values = {name: ort.OrtValue.ortvalue_from_numpy(w) for name, w in self.shared_weights.items()}
+        custom_ops = kernels.LIBRARY if self.attention_kernel else None
+        encoder_path, decoder_path = (self.bundle.graph_path(variant, name) for name in self.graphs)
+        self.encoder = make_session(encoder_path, device, intra_op_threads, custom_ops=custom_ops,
+                                    initializers=self._shared_values)
+        # on nmtserve's kernels, a beam row that continues another's hypothesis points at that row's cache slots
+        # instead of copying them (BatchState.origin; the kernel graphs' cache_origin input)
+        self.cache_origin = self.attention_kernel
+        # native_steps: the step's session held by nmtserve's library, greedy steps looping there without
+        # Python between them (export/runtime/native.py); with the kernels (None), or as asked
+        if native_steps and not self.attention_kernel:
+            raise ConfigError("native_steps: the step's session in nmtserve's library needs its kernels, on a CPU, "
+                              "without io_binding")
+        self.native_steps = self.attention_kernel if native_steps is None else native_steps
+        if self.native_steps:
+            try:
+                self.decoder = NativeSession(decoder_path.read_bytes(), intra_op_threads, self.shared_weights, {
+                    **SPINNING, "optimization.disable_specified_optimizers": ",".join(CPU_DISABLED_OPTIMIZERS)})
+            except NativeError as e:
+                raise cannot_load(decoder_path, e) from None
+        else:
+            self.decoder = make_session(decoder_path, device, intra_op_threads, custom_ops=custom_ops,
+                                        initializers=self._shared_values)
+        self._binding, self._bound = self.decoder.io_binding(), {}  # see _binding_for
+        self._with_scores = np.array(True)  # the step's with_scores input, bound by address
+        self.kv_dtype = np.float16 if self.bundle.variant(variant).get("kv_dtype") == "float16" else np.float32
+        self.ops = DeviceTensors(device, PROVIDERS[device], session_options(1), self.bundle.tensor_ops(variant)) \
+            if self.io_binding else HostTensors
+        self.tokenizer = self.bundle.tokenizer()
+        m = self.bundle.model
+        self.n_layers, self.n_heads, self.head_dim = m["n_decoder_layers"], m["n_heads"], m["d_model"] // m["n_heads"]
+        self.d_model = m["d_model"]
+        # the decoder step's buffers with a row each, bound by _binding_for (kinds for the library's compaction,
+        # NativeBinding.greedy_run and beam_run: 0 rows, 1 a self-attention cache, 2 its origins, 3 a source's)
+        layers = range(self.n_layers)
+        self._row_names = tuple((f"{io}_{x}_{layer}", 1) for io in ("past", "present") for x in "kv" for layer in layers) \
+            + tuple((f"{io}{x}_{layer}", 3) for io in ("", "present_") for x in ("cross_k", "cross_v", "cross_eos")
+                    for layer in layers) \
+            + (("cache_origin", 2), ("cross_slot", 3)) \
+            + tuple((name, 0) for name in ("tokens", "positions", "candidate_ids", "candidate_scores"))
+        self.eos_width = 2 * self.d_model  # a layer's cross_eos per row: the eos key, then its value
+        self.vocab_size = m["vocab_size"]
+        self.limits = self.bundle.limits
+        ids = self.bundle.special_ids
+        self.pad_id, self.bos_id, self.eos_id = ids["pad"], ids["bos"], ids["eos"]
+
+    def _choose_kernels(self, asked: bool | None) -> tuple[bool, str, bool]:
+        """Whether to run the variant's `*_kernels` graphs, why in words (for the log and GetModelInfo), and whether
+        that is a fallback to warn of (a CPU where the library or the bundle's kernel graphs are missing).
+        Asked for (True) where they cannot run: a ConfigError naming the reason."""
+        if asked is False:
+            return False, f"{FALLBACK}: nmtserve's kernels off as asked", False
+        if self.device != "cpu":
+            reason, warn = f"nmtserve's kernels run on a CPU, not {self.device}", False
+        elif self.io_binding:
+            reason, warn = "nmtserve's kernels run on host states, not with io_binding", False
+        elif not self.bundle.has_graph(self.variant, "decoder_kernels"):
+            reason, warn = f"the bundle's {self.variant} variant has no kernel graphs (export it again)", True
+        else:
+            reason, warn = kernels.unavailable(), True
+        if reason is None:
+            return True, "nmtserve's kernels", False
+        if asked:
+            raise ConfigError(f"attention_kernel: {reason}")
+        return False, f"{FALLBACK}: {reason}", warn
+
+    # -- the two graphs; K/V are stacked (L, B, H, T|S, Dh) here and fed one layer per input
+    def encode(self, src_ids: np.ndarray, src_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """src_ids (B, S) int64, src_mask (B, S) bool -> cross_k, cross_v (L, B, H, S, Dh) and cross_eos
+        (L, B, 2, H, Dh): each row's key and value at its last source slot."""
+        outputs = self.encoder.run(None, {"src_ids": src_ids, "src_mask": src_mask})
+        n, (batch, heads, _, head_dim) = self.n_layers, outputs[0].shape
+        eos = np.stack(outputs[2 * n:]).reshape(n, batch, 2, heads, head_dim)
+        return np.stack(outputs[0:2 * n:2]), np.stack(outputs[1:2 * n:2]), eos
+
+    def step(self, tokens, positions, past_k, past_v, past_valid, cross_k, cross_v, src_mask):
+        """One decoder step on plain arrays (the checks' form, as PyTorch's decode_step: past (L, B, H, T, Dh)
+        with past_valid (B, T), cross (L, B, H, S, Dh)) -> log_probs (B, V), new_k, new_v (L, B, H, 1, Dh).
+        Copies each row's valid slots to the front of a cache with room for the new one."""
+        n_layers, batch, heads, _, head_dim = past_k.shape
+        room = (n_layers, batch, heads, past_valid.shape[1] + 1, head_dim)
+        k, v = np.zeros(room, self.kv_dtype), np.zeros(room, self.kv_dtype)
+        filled = past_valid.sum(1)
+        for row in range(batch):
+            k[:, row, :, : filled[row]] = past_k[:, row][:, :, past_valid[row]]
+            v[:, row, :, : filled[row]] = past_v[:, row][:, :, past_valid[row]]
+        assert (np.asarray(positions) == filled).all(), "a row's position is the number of slots it has filled"
+        cross_k, cross_v = (np.ascontiguousarray(x, self.kv_dtype) for x in (cross_k, cross_v))
+        state = BatchState(k, v, cross_k, cross_v, eos_of(cross_k, cross_v, src_mask), np.ascontiguousarray(src_mask, bool),
+                           filled.astype(np.int64), np.array(tokens, np.int64), np.zeros(batch, bool),
+                           origin=own_slots(batch, room[3]) if self.cache_origin else None)
+        self._with_scores[...] = True
+        ids, scores = self._step(state, self.vocab_size)  # every token, best first
+        log_probs = np.empty((batch, self.vocab_size), np.float32)
+        np.put_along_axis(log_probs, ids, scores, axis=1)
+        new_k = np.stack([k[:, row, :, filled[row]] for row in range(batch)], axis=1)[:, :, :, None]
+        new_v = np.stack([v[:, row, :, filled[row]] for row in range(batch)], axis=1)[:, :, :, None]
+        return log_probs, new_k, new_v
+
+    # -- the same on the batch state, wherever its tensors live: callers never see K/V
+    def prefill(self, sources: list[list[int]], caches: bool = True) -> BatchState:
+        """Encode token-id sources once -> fresh rows for the decoder batch (on this translator's device).
+        caches=False: their self-attention caches have no slots (rows that another state's `insert` or
+        `append` takes, which read only their cross K/V)."""
+        src_ids, src_mask = self.pad(sources)
+        capacity = FRESH_SLOTS if caches else 0
+        if not self.io_binding:
+            cross_k, cross_v, eos = self.encode(src_ids, src_mask)
+            return BatchState.from_encoded(cross_k, cross_v, eos, src_mask, self.bos_id, capacity,
+                                           origin=self.cache_origin)
+        batch, src_len = src_ids.shape
+        shape = (self.n_layers, batch, self.n_heads, src_len, self.head_dim)
+        cross_k, cross_v = self.ops.empty(shape, self.kv_dtype), self.ops.empty(shape, self.kv_dtype)
+        eos = self.ops.empty((self.n_layers, batch, 2, self.n_heads, self.head_dim), self.kv_dtype)
+        binding = self.encoder.io_binding()
+        binding.bind_cpu_input("src_ids", src_ids)
+        binding.bind_cpu_input("src_mask", src_mask)
+        for prefix, stacked, layer_shape in (("cross_k", cross_k, shape[1:]), ("cross_v", cross_v, shape[1:]),
+                                             ("cross_eos", eos, (batch, self.eos_width))):
+            for layer, address in enumerate(self._layer_addresses(stacked)):
+                bind_address(binding, f"{prefix}_{layer}", self.device, self.kv_dtype, layer_shape, address, output=True)
+        run_bound(self.encoder, binding)
+        return BatchState.from_encoded(cross_k, cross_v, eos, src_mask, self.bos_id, capacity, ops=self.ops)
+
+    def decode_one_token(self, state: BatchState) -> tuple[np.ndarray, np.ndarray]:
+        """One greedy step of every row -> tokens (B,) int64 and their log-probs (B,); the step's K/V
+        are written into `state`, and every row but the holes advances (a hole's token is meaningless)."""
+        ids, scores = self.decode_candidates(state, 1)
+        state.choose(ids[:, 0])
+        return ids[:, 0], scores[:, 0]
+
+    def decode_candidates(self, state: BatchState, k: int, scores: bool = True, whole: np.ndarray | None = None) \
+            -> tuple[np.ndarray, ...]:
+        """One step of every row -> its k best next tokens (B, k) int64 and their log-probs (B, k), best
+        first (k = 0: None and every row's log-probs over the vocabulary (B, V), unranked); scores=False
+        (k = 1 only): the best by the values before the log-softmax, which the step skips, and the scores are
+        those values (`with_search_head`). With `whole` (R,) int64, rows that need the whole vocabulary among
+        rows that need k (a sampler without top-k in the server's batch): those rows' log-probs over the
+        vocabulary (R, V) as a third value, unranked. The step's K/V are written into `state`; the caller then
+        picks each row's next token, and for a beam its parent row, with `state.choose`."""
+        if not scores and (k != 1 or whole is not None):
+            raise ValueError(f"k {k}, whole rows {None if whole is None else whole.tolist()}: a step without scores "
+                             "gives each row's one best token only (k = 1, no whole rows)")
+        state.open_slot()
+        self._with_scores[...] = scores
+        if k == 0:  # a sampler draws from them unranked (Sampling.step), as in the server's batch
+            self._step(state, 1, np.arange(state.size))
+            state.advance()
+            return None, self._whole.copy()
+        ids, scores = self._step(state, k, whole)
+        state.advance()
+        return (ids, scores) if whole is None else (ids, scores, self._whole.copy())
+
+    def decode_greedy_steps(self, state: BatchState, steps: int, scores: bool = True, stop: np.ndarray | None = None,
+                            stop_at: float = 0.0) -> tuple[np.ndarray, np.ndarray | None]:
+        """(native_steps only) Greedy steps of every row in the library, each row fed its own best token, until
+        a step in which a row (not a hole) says eos, `steps` steps, the cache's end, or a stop asked for
+        (`NativeBinding.greedy_steps`: `stop` flag, `stop_at`) -> each step's tokens (n, B) int64 and, with
+        scores, their log-probs (n, B) float32 (without: None). The K/V and positions advance as with
+        `decode_one_token` n times; `state.tokens` ends as the last step's tokens."""
+        state.open_slot()
+        self._with_scores[...] = scores
+        binding = self._greedy_binding(state)
+        steps = steps if steps == 1 else min(steps, state.capacity - state.length)  # open_slot made room for one
+        return self._native_greedy_steps(state, binding, steps, scores, stop, stop_at)
+
+    def _native_greedy_steps(self, state: BatchState, binding: NativeBinding, steps: int, scores: bool,
+                             stop: np.ndarray | None = None, stop_at: float = 0.0) -> tuple[np.ndarray, np.ndarray | None]:
+        out = np.empty((steps, state.size), np.int64)
+        out_scores = np.empty(out.shape, np.float32) if scores else None
+        taken = binding.greedy_steps(state.tokens, state.positions, self._scores, self.eos_id, out, out_scores,
+                                     state.hole if state.holes else None, stop, stop_at)
+        return out[:taken], None if out_scores is None else out_scores[:taken]
+
+    def _step(self, state: BatchState, k: int, whole: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """candidate ids and their scores (B, k) on the host, scored as `_with_scores` says (and the `whole`
+        rows' log-probs over the vocabulary in `_whole`). Every cache is bound as both the input and the
+        `present` output of its layer, so the step writes the new K/V into `state`'s own buffers, wherever
+        they live (`_binding_for`)."""
+        binding = self._binding_for(state, k, whole=whole)
+        run_bound(self.decoder, binding)
+        return self._ids.copy(), self._scores.copy()
+
+    def _binding_for(self, state: BatchState, k: int, greedy: bool = False, whole: np.ndarray | None = None) \
+            -> ort.IOBinding | NativeBinding:
+        """The decoder's binding for a step of `state` asking for k candidates. A binding holds addresses,
+        so it is kept from step to step and a group is bound again only when its objects change (`_bound`
+        holds weak references to them): the caches (each layer as input and `present` output, with their
+        slot counts; with shared_cross the cross K/V as inputs only), the per-row arrays (tokens, positions,
+        cross_slot: BatchState changes them in place), and the outputs (candidates into buffers of (B, k),
+        with the `candidates` and `with_scores` inputs: the callers set the flag; greedy: k = 1 and each
+        row's best token straight into `state.tokens`, `_greedy_binding`; the `whole` rows, none by default,
+        and their log-probs over the vocabulary into `_whole`). Host inputs of
+        a session on a device are copied to it when bound, so there the per-row arrays (and host caches)
+        are bound every step (a translator serves one thread at a time)."""
+        binding, bound, shared = self._binding, self._bound, self.shared_cross
+        caches = (state.k, state.v, state.cross_k, state.cross_v, state.cross_eos) \
+            + (() if state.origin is None else (state.origin,))
+        where = state.ops.device  # host arrays are host memory to every session (io_binding off on CUDA too)
+        copied_when_bound = where != self.device
+        if copied_when_bound or not _same(bound.get("caches"), caches):
+            for name, x in zip(("k", "v", "cross_k", "cross_v"), caches):
+                shape = state.ops.shape(x)[1:]
+                for layer, address in enumerate(self._layer_addresses(x)):
+                    inputs = f"past_{name}_{layer}" if name in ("k", "v") else f"{name}_{layer}"
+                    bind_address(binding, inputs, where, self.kv_dtype, shape, address)
+                    if not (shared and name.startswith("cross")):
+                        bind_address(binding, f"present_{name}_{layer}", where, self.kv_dtype, shape, address, output=True)
+            if not shared:
+                for layer, address in enumerate(self._layer_addresses(state.cross_eos)):
+                    bind_address(binding, f"cross_eos_{layer}", where, self.kv_dtype, (state.size, self.eos_width),
+                                 address)
+            self._slot_counts = np.array([state.capacity, state.ops.shape(state.cross_k)[3]], np.int32)
+            for i, name in enumerate(("cache_slots", "source_slots")):  # the attention kernel's total_sequence_length
+                bind_address(binding, name, "cpu", np.int32, (1,), self._slot_counts.ctypes.data + 4 * i)  # host memory
+            if self.cache_origin:
+                bind_address(binding, "cache_origin", "cpu", np.int32, state.origin.shape, state.origin.ctypes.data)
+            if shared:  # each source's rows, for the cross-attention's queries
+                self._query_shape = np.array([-1, state.width, self.d_model], np.int64)
+                bind_address(binding, "query_shape", "cpu", np.int64, (3,), self._query_shape.ctypes.data)
+            bound["caches"] = _refs(caches)
+        rows, rebound = (state.tokens, state.positions, state.cross_slot), True
+        if self.io_binding or copied_when_bound:
+            for name, x in zip(ROW_INPUTS, rows):
+                binding.bind_cpu_input(name, np.ascontiguousarray(x))
+        elif not _same(bound.get("rows"), rows):
+            for name, x in zip(ROW_INPUTS, rows):
+                assert x.flags.c_contiguous, name
+                bind_address(binding, name, "cpu", x.dtype, x.shape, x.ctypes.data)
+            bound["rows"] = _refs(rows)
+        else:
+            rebound = False
+        wholes, new_outputs = 0 if whole is None else len(whole), False
+        if bound.get("outputs") != (state.size, k, greedy, wholes) or greedy and rebound:  # greedy: into state.tokens
+            self._ids, self._scores = np.empty((state.size, k), np.int64), np.empty((state.size, k), np.float32)
+            self._k = np.array([k], np.int64)
+            self._whole_rows, self._whole = np.zeros(wholes, np.int64), np.empty((wholes, self.vocab_size), np.float32)
+            bind_address(binding, "candidates", "cpu", np.int64, (1,), self._k.ctypes.data)
+            bind_address(binding, "with_scores", "cpu", np.bool_, (), self._with_scores.ctypes.data)  # host memory
+            for name, x in (("candidate_ids", state.tokens.reshape(-1, 1) if greedy else self._ids),
+                            ("candidate_scores", self._scores), ("whole_log_probs", self._whole)):
+                bind_address(binding, name, "cpu", x.dtype, x.shape, x.ctypes.data, output=True)
+            bound["outputs"], new_outputs = (state.size, k, greedy, wholes), True
+        if wholes:
+            self._whole_rows[:] = whole  # in place: on the host the binding reads it there
+        if new_outputs or wholes and self.device != "cpu":  # a device's session copies it when bound
+            bind_address(binding, "whole_rows", "cpu", np.int64, (wholes,), self._whole_rows.ctypes.data)
+        return binding
+
+    def _greedy_binding(self, state: BatchState) -> ort.IOBinding | NativeBinding:
+        """The step's binding for greedy search, with its candidate_ids output bound to the `tokens` input's
+        own buffer: the step's search head, its last node, writes each row's best token where the next step
+        reads it (the embedding's Gather, the first node and only reader of `tokens`, is done by then)."""
+        return self._binding_for(state, 1, greedy=True)
+
+    def _layer_addresses(self, stacked) -> list[int]:
+        """The address of each layer of a stacked (L, …) tensor (host numpy or device OrtValue): bound
+        by address, nothing is copied. A host tensor may be the first rows of a larger one (`BatchState.compact`):
+        each layer is still one contiguous block."""
+        if isinstance(stacked, np.ndarray):
+            assert stacked[0].flags.c_contiguous and stacked.dtype == self.kv_dtype
+            base, stride = stacked.ctypes.data, stacked.strides[0]
+        else:
+            base, stride = stacked.data_ptr(), stacked.tensor_size_in_bytes() // self.n_layers
+        return [base + layer * stride for layer in range(self.n_layers)]
+
+    def empty_cache(self, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A zero-length cache (k, v, valid), for callers that concatenate."""
+        shape = (self.n_layers, batch, self.n_heads, 0, self.head_dim)
+        return np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype), np.zeros((batch, 0), bool)
+
+    def pad(self, seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Token-id sources -> ids (B, S) int64 padded, and their mask. An id outside the vocabulary is a
+        ValueError naming it: ONNX Runtime's CPU Gather refuses it, but CUDA's would read out of bounds."""
+        ids = np.full((len(seqs), max(len(s) for s in seqs)), self.pad_id, dtype=np.int64)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = s
+        outside = ids[(ids < 0) | (ids >= self.vocab_size)]
+        if outside.size:
+            raise ValueError(f"source token id {int(outside[0])} is out of the vocabulary (0 to {self.vocab_size - 1})")
+        return ids, ids != self.pad_id
+
+    def replica(self) -> Decoder:
+        """This translator with a decoding context of its own (decoder binding and bound buffers) over the
+        same sessions, tokenizer and bundle: one per thread decoding at once (inter_threads here, the
+        server's --inter-threads). Not on CUDA (CUDA_INTER_THREADS)."""
+        if self.device == "cuda":
+            raise ConfigError(CUDA_INTER_THREADS.format(n=2))
+        replica = copy.copy(self)
+        replica._binding, replica._bound = self.decoder.io_binding(), {}
+        replica._with_scores = np.array(True)
+        return replica
