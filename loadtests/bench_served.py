@@ -25,7 +25,7 @@ engines alone (`engines_alone`: a server's model and engines as `serve` loads th
 each layout, fed the same kind of calls by a closed loop without gRPC, continuous batching): where the served
 throughput falls short of the offline one, this says whether the engines or the RPC path around them lose it.
 Once a run the RPC path's own cost is measured too (`rpc_floor`, loadtests/grpc_floor.py: a bare grpc.aio
-server's no-op call from the same kind of client), and the two figures of issue 16's item 3 that it bounds:
+server's no-op call from the same kind of client), and the two figures that it bounds:
 the least served p50 at one client it leaves above the baseline's, and the most a server whose calls cost
 only that could reach at saturation against the offline best, its CPU taken from the same cores.
 With `--sentences-per-call N` each call carries N sentences (Translate's `sentences`), so the cost of
@@ -221,7 +221,7 @@ def offline_spec(cfg: ServedBenchConfig, pool: list[str]) -> dict:
     """The offline baseline's work (a bench_offline worker's spec): OFFLINE_SENTENCES sentences drawn from the
     pool as the cells draw them, greedy as the servers decode the greedy calls, at half the servers' rows and
     at all of them: the most tokens/s OnnxTranslator makes of such sentences, to which the servers' best
-    throughput at saturation compares (issue 16, item 3)."""
+    throughput at saturation compares."""
     from nmtserve.export.runtime.bundle import load_bundle
 
     bundle = load_bundle(cfg.bundle)

@@ -10,7 +10,7 @@ the channel the served benchmark's clients use, as they call (`bench_served._cel
 
 `nmtserve bench served` measures it once a run, every server idle, and sets it against the offline baseline
 (bench_served._report): how close a server that cost nothing but this could come to OnnxTranslator at
-one client and at saturation (issue 16, item 3).
+one client and at saturation.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def tiny_bundle(tiny_checkpoint, tmp_path_factory) -> Path:
     return out
 
 
-# two tiny random Marian (OPUS-MT layout) directories, as issue 18 asks: swish with scaled embeddings,
+# two tiny random Marian (OPUS-MT layout) directories: swish with scaled embeddings,
 # relu with unscaled embeddings and different encoder and decoder depths
 MARIAN_CONFIGS = {
     "swish": dict(activation="swish", scale_embedding=True, encoder_layers=2, decoder_layers=2, seed=0),

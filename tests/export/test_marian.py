@@ -1,5 +1,5 @@
-"""An imported Marian model, exported to ONNX, gives transformers' MarianMTModel.generate tokens
-(issue 18 item 4): greedy, and beam 4 with its n-best list under beam_stopping="transformers".
+"""An imported Marian model, exported to ONNX, gives transformers' MarianMTModel.generate tokens:
+greedy, and beam 4 with its n-best list under beam_stopping="transformers".
 
 Under nmtserve's length rule both sides get the same budget per sentence (min(max_decoding_length,
 2 × source + 10, the position table)) and generate runs without forced_eos_token_id: at the budget

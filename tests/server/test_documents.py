@@ -1,4 +1,4 @@
-"""Whole texts (issue 19): split into sentences, each translated as its own request, rejoined byte
+"""Whole texts: split into sentences, each translated as its own request, rejoined byte
 for byte around the translations; alignment spans, over-long sentences, limits, streaming."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""An imported Marian bundle served over gRPC (issue 18 item 5): the model's generation defaults
+"""An imported Marian bundle served over gRPC: the model's generation defaults
 (beam 4, transformers' stopping) apply to requests that leave the options unset, GetModelInfo tells
 them and the languages, and the translations are transformers' generate's."""
 

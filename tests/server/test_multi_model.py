@@ -1,4 +1,4 @@
-"""Several models behind one server (issue 19): the tiny en→fr bundle trained here and a tiny random
+"""Several models behind one server: the tiny en→fr bundle trained here and a tiny random
 Marian model imported as fr→en (its SentencePiece models learnt French sources and English targets),
 each with its own engine. Routing by model or language pair, ListModels, per-model GetModelInfo and
 health, the --models file, and one model's flood never holding up the other's requests."""

@@ -1,4 +1,4 @@
-"""Marian import (issue 18): tokenization, weights and log-probabilities equal transformers'; variants
+"""Marian import: tokenization, weights and log-probabilities equal transformers'; variants
 nmtserve cannot represent are refused with one line naming the key."""
 
 from __future__ import annotations
