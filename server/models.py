@@ -22,21 +22,18 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from nmtserve.errors import ConfigError, NmtserveError
+from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.bundle import MANIFEST, default_variant, load_bundle
 from nmtserve.export.runtime.decoder import CUDA_INTER_THREADS
 from nmtserve.search import DecodingOptions
 from nmtserve.server.config import ServerConfig
+from nmtserve.server.convert import InvalidRequest, decoding_options
 from nmtserve.server.documents import fit, sentence_spans
 from nmtserve.server.engine import EnginePool
 from nmtserve.v1 import translation_pb2 as pb
 
 SPEC_KEYS = ("bundle", "id", "variant", "device", "threads", "inter_threads")
 INTEGER_KEYS = ("threads", "inter_threads")
-
-
-class InvalidRequest(NmtserveError):
-    """A request field is out of range; the message names the field, the value and the limit."""
 
 
 @dataclass
@@ -145,27 +142,9 @@ class ServedModel:
 
     # -- validation
     def options(self, options: pb.DecodingOptions) -> tuple[int, DecodingOptions]:
-        """(most output tokens, the search's options); InvalidRequest naming `options.FIELD`, its value and
-        the limit. proto3 zeros and absent fields mean "unset": the model's defaults (`self.defaults`),
-        num_hypotheses 1, and beam_size 1 for a sampled request."""
-        limit = self.max_output_tokens
-        if options.max_output_tokens > limit:
-            raise InvalidRequest(f"options.max_output_tokens {options.max_output_tokens} exceeds the limit {limit}")
-        given = {name: getattr(options, name) for name in ("length_penalty", "patience", "sampling_topk",
-                                                              "sampling_topp", "sampling_temperature")
-                 if options.HasField(name)}
-        given.update({name: getattr(options, name) for name in ("beam_size", "num_hypotheses", "seed")
-                      if getattr(options, name)})
-        if options.beam_stopping:
-            given["beam_stopping"] = pb.BeamStopping.Name(options.beam_stopping).removeprefix("BEAM_STOPPING_").lower()
-        if options.length_rule:
-            given["length_rule"] = pb.LengthRule.Name(options.length_rule).removeprefix("LENGTH_RULE_").lower()
-        search = self.defaults.override(**given)
-        try:
-            search.check(self.engine.tr.vocab_size, self.max_beam_size)
-        except ConfigError as e:
-            raise InvalidRequest(f"options.{e}") from None
-        return options.max_output_tokens or self.default_output_tokens, search
+        """(most output tokens, the search's options) of a call to this model (convert.decoding_options)."""
+        return decoding_options(options, self.defaults, self.default_output_tokens, self.max_output_tokens,
+                                self.engine.tr.vocab_size, self.max_beam_size)
 
     def language_token(self, requested: str) -> str:
         """The language whose >>xx<< token a multilingual model reads ("" for others); InvalidRequest for a

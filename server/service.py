@@ -7,11 +7,8 @@ raised while a call is validated and submitted, `_EARLY_FINISH` for requests the
 from __future__ import annotations
 
 import asyncio
-import collections
-import ctypes
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -19,20 +16,19 @@ import grpc
 
 from nmtserve.errors import NmtserveError
 from nmtserve.search import DecodingOptions
+from nmtserve.server.bridge import Inbox, Wakeups
 from nmtserve.server.config import ServerConfig
+from nmtserve.server.convert import InvalidRequest, translation
 from nmtserve.server.documents import MIME_TYPES, rejoin
 from nmtserve.server.engine import EngineOverloaded, EngineStopped
 from nmtserve.server.metrics import ServerMetrics
-from nmtserve.server.models import InvalidRequest, ServedModel, route
+from nmtserve.server.models import ServedModel, route
 from nmtserve.server.request import FinishReason, Request
 from nmtserve.tokenizer import StreamDecoder
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 
 log = logging.getLogger("nmtserve.server")
-
-_FINISH = {FinishReason.EOS: pb.FINISH_REASON_EOS, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
-
 
 class ResponseTooLarge(NmtserveError):
     """A response message over --max-message-bytes: grpc's write of it would fail."""
@@ -69,86 +65,6 @@ class _Call:
             r.cancel()
 
 
-# write(2) called with the GIL held (ctypes.PyDLL does not release it, as CDLL and Python's own writes do)
-_LIBC = ctypes.PyDLL(None)
-_LIBC.write.argtypes, _LIBC.write.restype = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t], ctypes.c_ssize_t
-
-
-def _write(fd: int, hold_gil: bool) -> None:
-    if hold_gil:
-        _LIBC.write(fd, b"\0", 1)  # a full pipe (EAGAIN) already holds a wake-up
-    else:
-        try:
-            os.write(fd, b"\0")
-        except BlockingIOError:
-            pass
-
-
-class _Wakeups:
-    """Calls from the engine threads into the event loop, run in order there with one wake-up of the loop
-    pending at a time (two engine threads racing may schedule a second one: harmless). A wake-up is a
-    byte written to a pipe the loop reads (`add_reader`); one per finished request is a large cost to the engine
-    thread at saturation (docs/benchmarks.md, "Waking the event loop"), where a step finishes several
-    requests at once. While the engine has more work (`busy`) the byte is written with the GIL held: a write
-    that released it (the loop's own `call_soon_threadsafe`) let the woken loop take the GIL and the engine
-    thread wait for it mid-step; held, the loop gets it when the engine thread next lets go of it, in its next
-    decoder step. An engine with nothing left to do lets it go at once."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.calls, self.pending = loop, collections.deque(), False
-        self.reader, self.writer = os.pipe()  # not inherited by child processes (os.pipe's default)
-        os.set_blocking(self.reader, False)
-        os.set_blocking(self.writer, False)
-        loop.add_reader(self.reader, self._run)
-
-    def call(self, function, *args, busy: bool = False) -> None:
-        """(Any thread.) Run function(*args) on the loop; wake it unless a wake-up is already on its way (busy:
-        the calling engine thread goes on to another step, holding the GIL until then)."""
-        self.calls.append((function, args))
-        if not self.pending:
-            self.pending = True
-            _write(self.writer, busy)
-
-    def _run(self) -> None:
-        os.read(self.reader, 4096)  # the wake-ups written so far; one written after this line stays for the next
-        self.pending = False  # before the calls are taken: a later call schedules its own wake-up
-        for _ in range(len(self.calls)):
-            function, args = self.calls.popleft()
-            self.loop.call_soon(function, *args)  # each a handle of its own: one that raises stops no other
-
-    def close(self) -> None:
-        """(The loop's thread, once no engine thread calls any more.)"""
-        self.loop.remove_reader(self.reader)
-        os.close(self.reader)
-        os.close(self.writer)
-
-
-class _Inbox:
-    """A stream's tokens, from the engine thread to its handler: appended there with at most one wake-up
-    of the handler pending (not a callback per token), taken by the handler all at once."""
-
-    def __init__(self, wakeups: _Wakeups):
-        self.wakeups, self.items, self.ready, self.pending = wakeups, collections.deque(), asyncio.Event(), False
-
-    def put(self, item) -> None:
-        """(Engine thread.) Queue an item; wake the handler unless a wake-up is already on its way."""
-        self.items.append(item)
-        if not self.pending:
-            self.pending = True
-            self.wakeups.call(self._wake)
-
-    def _wake(self) -> None:
-        self.pending = False  # before the handler takes the items: a later put schedules its own wake-up
-        self.ready.set()
-
-    async def take(self) -> list:
-        """Every item put since the last take (waits for one at least)."""
-        while not self.items:
-            await self.ready.wait()
-            self.ready.clear()
-        return [self.items.popleft() for _ in range(len(self.items))]
-
-
 def _log_line(call: _Call, code: str) -> None:
     """One structured line per RPC: id, sizes, timings, status."""
     requests = call.requests
@@ -168,7 +84,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         self.models, self.config, self.metrics = models, config, metrics
         self.accepting = True
         self.last_arrival = time.monotonic()  # when the latest call arrived (the drain waits for a quiet moment)
-        self.wakeups = _Wakeups(asyncio.get_running_loop())  # made on the loop that serves it (start_server)
+        self.wakeups = Wakeups(asyncio.get_running_loop())  # made on the loop that serves it (start_server)
 
     def _call(self, rpc: str) -> _Call:
         self.last_arrival = time.monotonic()
@@ -240,20 +156,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
 
     @staticmethod
     def _translation(call: _Call, model: ServedModel, request: Request, return_scores: bool) -> pb.Translation:
-        arrived = request.arrived
-        timings = pb.Timings(queue_ns=_ns((request.admitted or arrived) - arrived),
-                             time_to_first_token_ns=_ns((request.first_token or arrived) - arrived),
-                             total_ns=_ns((request.finished or arrived) - arrived),
-                             prepare_ns=_ns(arrived - call.started), encoded_ns=_ns((request.encoded or arrived) - arrived),
-                             resumed_ns=_ns((call.resumed or call.started) - call.started))
-        alternatives = [pb.Hypothesis(text=model.tokenizer.decode(h.tokens), output_tokens=len(h.tokens), score=h.score)
-                        for h in request.hypotheses[1:]]
-        translation = pb.Translation(text=model.tokenizer.decode(request.tokens), input_tokens=len(request.src_ids),
-                                     output_tokens=len(request.tokens), score=request.score if return_scores else 0.0,
-                                     finish_reason=_FINISH.get(request.finish, pb.FINISH_REASON_UNSPECIFIED),
-                                     timings=timings, alternatives=alternatives)
-        translation.timings.handler_ns = _ns(time.monotonic() - call.started)
-        return translation
+        return translation(request, model.tokenizer.decode, call.started, call.resumed, return_scores)
 
     async def _check_finished(self, call: _Call, requests: list[Request], context) -> None:
         for request in requests:
@@ -302,7 +205,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         return response
 
     async def TranslateStream(self, request: pb.TranslateStreamRequest, context):
-        tokens = _Inbox(self.wakeups)
+        tokens = Inbox(self.wakeups)
         call = self._call("TranslateStream")
         try:
             model = self._model(call, request)
@@ -441,6 +344,3 @@ def _resolve(future: asyncio.Future, request: Request) -> None:
     if not future.done():
         future.set_result(request)
 
-
-def _ns(seconds: float) -> int:
-    return max(0, int(seconds * 1e9))

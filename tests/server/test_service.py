@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.translator import OnnxTranslator
+from nmtserve.server import bridge
 from nmtserve.server.app import start_server
 from nmtserve.server.config import ServerConfig
 from nmtserve.training.data import read_tsv
@@ -255,20 +256,19 @@ def test_requests_at_every_limit_over_grpc_end_with_length_alone_and_in_a_busy_b
 
 
 def test_engine_threads_wake_the_event_loop_once_for_calls_made_together(monkeypatch):
-    """_Wakeups: calls from other threads all run on the loop, each thread's in its order, none lost, with
+    """Wakeups: calls from other threads all run on the loop, each thread's in its order, none lost, with
     fewer wake-ups of the loop than calls (one write to its self-pipe per call cost the engine thread
     ~0.24 ms each at saturation)."""
-    from nmtserve.server import service
 
     async def main():
         loop = asyncio.get_running_loop()
-        wakeups, ran, woken = service._Wakeups(loop), [], [0]
-        real = service._write
+        wakeups, ran, woken = bridge.Wakeups(loop), [], [0]
+        real = bridge._write
 
         def counted(fd, hold_gil):
             woken[0] += 1
             return real(fd, hold_gil)
-        monkeypatch.setattr(service, "_write", counted)
+        monkeypatch.setattr(bridge, "_write", counted)
 
         def producer(name):
             for i in range(2000):

@@ -1,0 +1,66 @@
+"""Protobuf to the engine's types and back, in one place: a call's DecodingOptions into the search's options,
+and a finished engine Request into a Translation. The servicer (service.py) calls these; the engine never sees
+protobuf.
+"""
+
+from __future__ import annotations
+
+import time
+
+from nmtserve.errors import ConfigError, NmtserveError
+from nmtserve.search import DecodingOptions
+from nmtserve.server.request import FinishReason, Request
+from nmtserve.v1 import translation_pb2 as pb
+
+FINISH_REASONS = {FinishReason.EOS: pb.FINISH_REASON_EOS, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
+
+
+class InvalidRequest(NmtserveError):
+    """A request field is out of range; the message names the field, the value and the limit."""
+
+
+def decoding_options(options: pb.DecodingOptions, defaults: DecodingOptions, default_output_tokens: int,
+                     max_output_tokens: int, vocab_size: int, max_beam_size: int) -> tuple[int, DecodingOptions]:
+    """(most output tokens, the search's options) of a call; InvalidRequest naming `options.FIELD`, its value and
+    the limit. proto3 zeros and absent fields mean "unset": the model's `defaults`, num_hypotheses 1, and
+    beam_size 1 for a sampled request."""
+    if options.max_output_tokens > max_output_tokens:
+        raise InvalidRequest(f"options.max_output_tokens {options.max_output_tokens} exceeds the limit {max_output_tokens}")
+    given = {name: getattr(options, name) for name in ("length_penalty", "patience", "sampling_topk",
+                                                          "sampling_topp", "sampling_temperature")
+             if options.HasField(name)}
+    given.update({name: getattr(options, name) for name in ("beam_size", "num_hypotheses", "seed")
+                  if getattr(options, name)})
+    if options.beam_stopping:
+        given["beam_stopping"] = pb.BeamStopping.Name(options.beam_stopping).removeprefix("BEAM_STOPPING_").lower()
+    if options.length_rule:
+        given["length_rule"] = pb.LengthRule.Name(options.length_rule).removeprefix("LENGTH_RULE_").lower()
+    search = defaults.override(**given)
+    try:
+        search.check(vocab_size, max_beam_size)
+    except ConfigError as e:
+        raise InvalidRequest(f"options.{e}") from None
+    return options.max_output_tokens or default_output_tokens, search
+
+
+def translation(request: Request, decode, started: float, resumed: float | None, return_scores: bool) -> pb.Translation:
+    """A finished request as the Translation message: texts by `decode` (the model's tokenizer), its n-best list,
+    finish reason and timings (`started`: when the call's handler began; `resumed`: when it resumed)."""
+    arrived = request.arrived
+    timings = pb.Timings(queue_ns=ns((request.admitted or arrived) - arrived),
+                         time_to_first_token_ns=ns((request.first_token or arrived) - arrived),
+                         total_ns=ns((request.finished or arrived) - arrived),
+                         prepare_ns=ns(arrived - started), encoded_ns=ns((request.encoded or arrived) - arrived),
+                         resumed_ns=ns((resumed or started) - started))
+    alternatives = [pb.Hypothesis(text=decode(h.tokens), output_tokens=len(h.tokens), score=h.score)
+                    for h in request.hypotheses[1:]]
+    message = pb.Translation(text=decode(request.tokens), input_tokens=len(request.src_ids),
+                             output_tokens=len(request.tokens), score=request.score if return_scores else 0.0,
+                             finish_reason=FINISH_REASONS.get(request.finish, pb.FINISH_REASON_UNSPECIFIED),
+                             timings=timings, alternatives=alternatives)
+    message.timings.handler_ns = ns(time.monotonic() - started)
+    return message
+
+
+def ns(seconds: float) -> int:
+    return max(0, int(seconds * 1e9))
