@@ -209,11 +209,11 @@ def cpu_per_call(before: dict | None, after: dict | None, client_seconds: float,
 def served_defaults(bundle):
     """How a server with serve's default limits decodes what a call leaves unset (models.bundle_defaults): the
     bundle's decoding defaults (an imported Marian model's beam, length penalty and stopping rule)."""
-    from nmtserve.server.config import ServerConfig
+    from nmtserve.server.config import LimitsConfig
     from nmtserve.server.models import bundle_defaults
 
     defaults, output_tokens = bundle_defaults(
-        bundle.manifest, min(ServerConfig.max_output_tokens, bundle.limits.max_target_tokens))
+        bundle.manifest, min(LimitsConfig().max_output_tokens, bundle.limits.max_target_tokens))
     return replace(defaults, max_decoding_length=output_tokens)
 
 
@@ -260,7 +260,7 @@ def engines_alone(spec: dict, engines: int, threads: int) -> dict:
     from nmtserve.server.request import FinishReason, Request
     from nmtserve.v1 import translation_pb2 as pb
 
-    config = ServerConfig(bundle=spec["bundle"], max_running_rows=spec["max_running_rows"], max_waiting=spec["max_waiting"])
+    config = ServerConfig.from_flags(bundle=spec["bundle"], max_running_rows=spec["max_running_rows"], max_waiting=spec["max_waiting"])
     model = load_model(ModelSpec("bench", spec["bundle"], spec["variant"], spec["device"], threads, engines), config,
                        ServerMetrics())
     warm_up(model.engine)

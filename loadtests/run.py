@@ -97,7 +97,7 @@ def _sentence_files(cfg: LoadTestConfig) -> dict[str, str]:
     text of a single bundle goes to any model, as to a --server started elsewhere)."""
     files = sentence_files(cfg.sentences)
     if "" not in files:
-        specs = model_specs(ServerConfig(bundle=cfg.bundle))
+        specs = model_specs(ServerConfig.from_flags(bundle=cfg.bundle))
         for spec in specs:
             if spec.id not in files:
                 files[spec.id if len(specs) > 1 else ""] = str(default_sentence_file(spec.bundle))

@@ -22,7 +22,7 @@ from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.bundle import load_bundle
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.server.config import ServerConfig
-from nmtserve.server.engine import EngineConfig, EnginePool
+from nmtserve.server.engine import EnginePool
 from nmtserve.server.metrics import ServerMetrics
 from nmtserve.server.models import ModelSpec, ServedModel, model_specs
 from nmtserve.server.request import Request
@@ -85,12 +85,12 @@ class RunningServer:
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     """TLS credentials from --tls-cert/--tls-key (and --tls-client-ca for mutual TLS); None for plaintext."""
-    if not (config.tls_cert or config.tls_key or config.tls_client_ca):
+    if not (config.tls.tls_cert or config.tls.tls_key or config.tls.tls_client_ca):
         return None
-    if not (config.tls_cert and config.tls_key):
+    if not (config.tls.tls_cert and config.tls.tls_key):
         raise ConfigError("--tls-cert and --tls-key go together (and --tls-client-ca needs both)")
-    pair = (read_pem("--tls-key", config.tls_key), read_pem("--tls-cert", config.tls_cert))
-    client_ca = read_pem("--tls-client-ca", config.tls_client_ca)
+    pair = (read_pem("--tls-key", config.tls.tls_key), read_pem("--tls-cert", config.tls.tls_cert))
+    client_ca = read_pem("--tls-client-ca", config.tls.tls_client_ca)
     return grpc.ssl_server_credentials([pair], root_certificates=client_ca, require_client_auth=client_ca is not None)
 
 
@@ -115,15 +115,11 @@ def load_model(spec: ModelSpec, config: ServerConfig, metrics: ServerMetrics, io
     translator = OnnxTranslator(load_bundle(spec.bundle), device=spec.device, variant=spec.variant,
                                 intra_op_threads=spec.threads, io_binding=io_binding, shared_cross=False,
                                 attention_kernel=attention_kernel)
-    engine_config = EngineConfig(max_running_rows=config.max_running_rows, max_batch_tokens=config.max_batch_tokens,
-                                 max_waiting=config.max_waiting, batching=config.batching,
-                                 admit_rows=config.admit_rows, admit_steps=config.admit_steps,
-                                 max_burst_steps=config.max_burst_steps)
-    engine = EnginePool(translator, spec.inter_threads, engine_config,
+    engine = EnginePool(translator, spec.inter_threads, config.engine,
                         on_step=functools.partial(metrics.step, spec.id)).start()
     metrics.watch_engine(spec.id, engine)
     metrics.model.labels(spec.id).info({"bundle": spec.bundle, "variant": spec.variant, "device": spec.device,
-                                        "io_binding": str(translator.io_binding).lower(), "batching": config.batching,
+                                        "io_binding": str(translator.io_binding).lower(), "batching": config.engine.batching,
                                         "attention_kernel": str(translator.attention_kernel).lower(),
                                         "graphs": ",".join(translator.graphs)})
     return ServedModel(spec, engine, config)
@@ -132,10 +128,10 @@ def load_model(spec: ModelSpec, config: ServerConfig, metrics: ServerMetrics, io
 async def start_server(config: ServerConfig) -> RunningServer:
     """Load, warm up, bind (port 0 picks a free port) and start; health says SERVING only after warm-up."""
     credentials = server_credentials(config)  # a bad certificate path fails before the model loads
-    io_binding = _switch("io-binding", config.io_binding)  # the switches are checked before any model loads
-    attention_kernel = _switch("attention-kernel", config.attention_kernel)
+    io_binding = _switch("io-binding", config.runtime.io_binding)  # the switches are checked before any model loads
+    attention_kernel = _switch("attention-kernel", config.runtime.attention_kernel)
     for name in AT_LEAST_ONE:  # 0 rows or a queue of 0 would take no request, ever
-        value = getattr(config, name)
+        value = config.flat()[name]
         if value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be at least 1")
     specs = model_specs(config)
@@ -148,10 +144,10 @@ async def start_server(config: ServerConfig) -> RunningServer:
         for model in models.values():
             model.engine.stop()
         raise
-    metrics_port = metrics.serve(config.metrics_port, addr="127.0.0.1" if config.host.startswith("127.") else "0.0.0.0") \
-        if config.metrics_port >= 0 else None
-    options = [("grpc.max_receive_message_length", config.max_message_bytes),
-               ("grpc.max_send_message_length", config.max_message_bytes)]
+    metrics_port = metrics.serve(config.network.metrics_port, addr="127.0.0.1" if config.network.host.startswith("127.") else "0.0.0.0") \
+        if config.network.metrics_port >= 0 else None
+    options = [("grpc.max_receive_message_length", config.network.max_message_bytes),
+               ("grpc.max_send_message_length", config.network.max_message_bytes)]
     server = grpc.aio.server(options=options)
     servicer = TranslationServicer(models, config, metrics)
     translation_pb2_grpc.add_TranslationServiceServicer_to_server(servicer, server)
@@ -160,7 +156,7 @@ async def start_server(config: ServerConfig) -> RunningServer:
     for name in health_names(models):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    address = f"{config.host}:{config.port}"
+    address = f"{config.network.host}:{config.network.port}"
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     await server.start()
     for model in models.values():
@@ -168,7 +164,7 @@ async def start_server(config: ServerConfig) -> RunningServer:
         await health_servicer.set(f"{SERVICE_NAME}/{model.id}", health_pb2.HealthCheckResponse.SERVING)
         tr = model.engine.tr
         log.info("model %s: %s (%s, %s%s, %s batching)", model.id, model.spec.bundle, tr.variant, tr.device,
-                 " + IOBinding" if tr.io_binding else "", config.batching)
+                 " + IOBinding" if tr.io_binding else "", config.engine.batching)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving %d model(s) on port %d, metrics on %s", len(models), port, metrics_port)
@@ -184,6 +180,6 @@ async def serve(config: ServerConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     print(f"nmtserve: serving on port {running.port}", flush=True)
     await stop.wait()
-    log.info("draining (up to %.0f s)", config.drain_timeout)
-    await running.drain_and_stop(config.drain_timeout)
+    log.info("draining (up to %.0f s)", config.network.drain_timeout)
+    await running.drain_and_stop(config.network.drain_timeout)
     return 0

@@ -7,8 +7,6 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 HELPS = {"models": "TOML file of the models to serve: bundle, id, variant, device, threads, inter_threads each (server/models.py)",
          "threads": "ONNX Runtime intra-op threads (of each engine)", "device": "cpu or cuda",
          "variant": "the bundle's graphs: fp32 or int8 on cpu, fp16 on cuda (empty: fp32 on cpu, fp16 on cuda)",
@@ -42,29 +40,30 @@ def cmd_serve(args) -> int:
 
     from nmtserve.errors import ConfigError
     from nmtserve.server.app import serve
-    from nmtserve.server.config import ServerConfig
+    from nmtserve.server.config import ServerConfig, flag_fields
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    values = {f.name: getattr(args, f.name) for f in fields(ServerConfig)}
+    values = {f.name: getattr(args, f.name) for _, f in flag_fields()}
     if isinstance(values["bundle"], list):  # BUNDLE [BUNDLE …] given
         if values["bundle"] and values["models"]:
             raise ConfigError("give bundle directories or --models FILE, not both")
         values["bundle"] = ",".join(values["bundle"])
-    config = ServerConfig(**values)
+    config = ServerConfig.from_flags(**values)
     return asyncio.run(serve(config))
 
 
 def add_parser(sub, name: str, help_text: str) -> None:
-    from nmtserve.server.config import ServerConfig, defaults_from_env, env_name
+    from nmtserve.server.config import SECTIONS, ServerConfig, defaults_from_env, env_name, flag_fields
 
-    d = ServerConfig(**defaults_from_env())  # a bad NMTSERVE_* value is a ConfigError naming it
+    d = ServerConfig.from_flags(**defaults_from_env()).flat()  # a bad NMTSERVE_* value is a ConfigError naming it
     p = sub.add_parser(name, help=help_text)
-    p.add_argument("bundle", nargs="*", default=d.bundle,
+    p.add_argument("bundle", nargs="*", default=d["bundle"],
                    help=f"bundle directories, one model each (env {env_name('bundle')}, comma-separated)")
-    for f in fields(ServerConfig):
+    groups = {name: p.add_argument_group(name, kind.__doc__) for name, kind in SECTIONS.items()}
+    for section, f in flag_fields():
         if f.name == "bundle":
             continue
-        value = getattr(d, f.name)
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(value), default=value,
-                       help=f"{HELPS.get(f.name, '')} (env {env_name(f.name)}; default %(default)s)".strip())
+        value = d[f.name]
+        groups[section].add_argument("--" + f.name.replace("_", "-"), type=type(value), default=value,
+                                     help=f"{HELPS.get(f.name, '')} (env {env_name(f.name)}; default %(default)s)".strip())
     p.set_defaults(func=cmd_serve)

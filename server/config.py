@@ -1,45 +1,107 @@
-"""ServerConfig: every `nmtserve serve` flag, also settable as an NMTSERVE_* environment variable."""
+"""The server's configuration, one dataclass per concern, each field in one place. Every field is a `nmtserve
+serve` flag of the same name (--max-running-rows for max_running_rows) and an NMTSERVE_* environment variable
+(NMTSERVE_MAX_RUNNING_ROWS); `ServerConfig.from_flags` takes them flat, as the command line gives them."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import Field, dataclass, field, fields
 
 from nmtserve.errors import ConfigError
 
 
 @dataclass
-class ServerConfig:
+class RuntimeConfig:
+    """Which models are served, and how their graphs run."""
     bundle: str = ""  # one or more bundle directories (NMTSERVE_BUNDLE: comma-separated)
     models: str = ""  # a TOML file naming the models to serve (server/models.py)
-    host: str = "[::]"
-    port: int = 50051
-    metrics_port: int = 9090  # Prometheus /metrics on its own HTTP port; -1 turns it off
-    batching: str = "continuous"  # or "static", for comparison
     variant: str = ""  # "": fp32 on cpu, fp16 on cuda (default_variant)
     device: str = "cpu"
     io_binding: str = "auto"  # on: K/V caches stay on the device as OrtValues (IOBinding); auto = on for cuda
-    attention_kernel: str = "auto"  # nmtserve's decoding kernels (export/runtime/kernels.py); auto: on a CPU when built
+    attention_kernel: str = "auto"  # the bundle's graphs on nmtserve's kernels; auto: where the library runs
     threads: int = 2  # ONNX Runtime intra-op threads (sessions never spin): the deployment's CPU request
     inter_threads: int = 1  # running batches per model (engines), each on a thread of its own with `threads` intra-op threads
-    max_running_rows: int = 64
-    admit_rows: int = 8  # continuous batching: newcomers join once this many of their rows wait and are free (≤ 1/8 of the rows) …
-    admit_steps: int = 4  # … or this many decoder steps after the latest admission
-    max_burst_steps: int = 16  # greedy steps run at once in nmtserve's library when no one joins (1: one at a time)
-    max_batch_tokens: int = 16384
+
+
+@dataclass
+class EngineConfig:
+    """Each engine's running batch: its budgets and how newcomers join it (server/engine.py)."""
+    max_running_rows: int = 64  # a beam search takes beam_size rows
+    max_batch_tokens: int = 16384  # Σ over running rows of source tokens + output budget
     max_waiting: int = 256
+    batching: str = "continuous"  # or "static": admit only into an empty batch, run it to completion
+    # continuous batching: newcomers join a running batch once `admit_rows` of their rows wait and are free
+    # (at most an eighth of max_running_rows), or once `admit_steps` decoder steps have passed since the
+    # latest admission (text-generation-inference's max_waiting_tokens): a group is encoded in one call;
+    # a batch of fewer than half `admit_rows` rows takes them at once
+    admit_rows: int = 8
+    admit_steps: int = 4
+    # a batch of greedy requests steps in nmtserve's library (Decoder.native_steps); when none streams and no
+    # one joins, up to this many steps at once (while newcomers gather, up to the steps left of their
+    # gathering), with no Python between them; a newcomer ends such a run after its current step; 1: one step
+    # an iteration
+    max_burst_steps: int = 16
+
+
+@dataclass
+class LimitsConfig:
+    """What one call may ask; beyond it, INVALID_ARGUMENT naming the field and the limit."""
     max_sentences: int = 64
     max_sentence_chars: int = 1000
     max_text_chars: int = 20000  # one text of TranslateText(Stream): split into sentences by the server
     max_call_chars: int = 100000  # all texts of one TranslateText call
     max_output_tokens: int = 256
-    stream_interval: int = 1  # TranslateStream: a delta once this many tokens have come since the last one
     max_beam_size: int = 8  # a beam takes beam_size rows of the running batch: lowered to max_running_rows
-    drain_timeout: float = 30.0
+    stream_interval: int = 1  # TranslateStream: a delta once this many tokens have come since the last one
+
+
+@dataclass
+class NetworkConfig:
+    """Where the server listens, and how it stops."""
+    host: str = "[::]"
+    port: int = 50051
+    metrics_port: int = 9090  # Prometheus /metrics on its own HTTP port; -1 turns it off
     max_message_bytes: int = 4 * 1024 * 1024
+    drain_timeout: float = 30.0
+
+
+@dataclass
+class TlsConfig:
+    """TLS and mutual TLS on the gRPC port (off when every field is empty)."""
     tls_cert: str = ""  # PEM certificate chain; with tls_key, the port speaks TLS
     tls_key: str = ""
     tls_client_ca: str = ""  # PEM roots; when set, clients must present a certificate they sign (mutual TLS)
+
+
+SECTIONS = {"runtime": RuntimeConfig, "engine": EngineConfig, "limits": LimitsConfig, "network": NetworkConfig,
+            "tls": TlsConfig}
+
+
+@dataclass
+class ServerConfig:
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
+
+    @classmethod
+    def from_flags(cls, **values) -> ServerConfig:
+        """A config from flat field names (the flags' and NMTSERVE_* variables'); an unknown name is a TypeError."""
+        unknown = set(values) - {f.name for _, f in flag_fields()}
+        if unknown:
+            raise TypeError(f"unknown server config fields: {', '.join(sorted(unknown))}")
+        return cls(**{name: kind(**{f.name: values[f.name] for f in fields(kind) if f.name in values})
+                      for name, kind in SECTIONS.items()})
+
+    def flat(self) -> dict:
+        """Every field by its flat name, as from_flags takes them."""
+        return {f.name: getattr(getattr(self, section), f.name) for section, f in flag_fields()}
+
+
+def flag_fields() -> list[tuple[str, Field]]:
+    """(section, field) of every flag, in the order --help lists them."""
+    return [(name, f) for name, kind in SECTIONS.items() for f in fields(kind)]
 
 
 def env_name(field_name: str) -> str:
@@ -49,11 +111,11 @@ def env_name(field_name: str) -> str:
 def defaults_from_env(environ=os.environ) -> dict:
     """Field values given as NMTSERVE_* variables, converted to the field's type."""
     values = {}
-    for f in fields(ServerConfig):
+    for section, f in flag_fields():
         raw = environ.get(env_name(f.name))
         if raw is None:
             continue
-        kind = type(getattr(ServerConfig(), f.name))
+        kind = type(getattr(SECTIONS[section](), f.name))
         try:
             values[f.name] = kind(raw)
         except ValueError:

@@ -19,7 +19,6 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -27,6 +26,7 @@ from nmtserve.errors import NmtserveError
 from nmtserve.export.runtime.memory import LIBC, release_free_memory
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.search import make_search
+from nmtserve.server.config import EngineConfig
 from nmtserve.server.request import FinishReason, Request
 from nmtserve.server.running_batch import RunningBatch
 
@@ -39,25 +39,6 @@ class EngineOverloaded(NmtserveError):
 
 class EngineStopped(NmtserveError):
     """The engine no longer takes requests (shutting down)."""
-
-
-@dataclass
-class EngineConfig:
-    max_running_rows: int = 64  # a beam search takes beam_size rows
-    max_batch_tokens: int = 16384  # Σ over running rows of source tokens + output budget
-    max_waiting: int = 256
-    batching: str = "continuous"  # or "static": admit only into an empty batch, run it to completion
-    # continuous batching: newcomers join a running batch once `admit_rows` of their rows wait and are free
-    # (at most an eighth of max_running_rows), or once `admit_steps` decoder steps have passed since the
-    # latest admission (text-generation-inference's max_waiting_tokens): a group is encoded in one call
-    # (README, "Admission to a running batch"); a batch of fewer than half `admit_rows` rows takes them at once
-    admit_rows: int = 8
-    admit_steps: int = 4
-    # a batch of greedy requests steps in nmtserve's library (translator.native_steps); when none streams and no
-    # one joins, up to this many steps at once (while newcomers gather, up to the steps left of their
-    # gathering), with no Python between them (docs/performance.md, "Greedy steps in the library, in the
-    # server"); a newcomer ends such a run after its current step; 1: one step an iteration
-    max_burst_steps: int = 16
 
 
 class Engine:

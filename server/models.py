@@ -61,16 +61,16 @@ def model_specs(config: ServerConfig) -> list[ModelSpec]:
     which the images set: a models file replaces it); ConfigError for none, a bad file, or two models
     under one id."""
     entries: list[dict] = []
-    if config.models:
+    if config.runtime.models:
         try:
-            parsed = tomllib.loads(Path(config.models).read_text(encoding="utf-8"))
+            parsed = tomllib.loads(Path(config.runtime.models).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"--models {config.models}: {e}") from None
+            raise ConfigError(f"--models {config.runtime.models}: {e}") from None
         extra = sorted(set(parsed) - {"models"})
         if extra or not isinstance(parsed.get("models"), list):
-            raise ConfigError(f"--models {config.models}: expected [[models]] tables only, found {extra or 'none'}")
+            raise ConfigError(f"--models {config.runtime.models}: expected [[models]] tables only, found {extra or 'none'}")
         for i, entry in enumerate(parsed["models"]):
-            where = f"--models {config.models}: models[{i}]"
+            where = f"--models {config.runtime.models}: models[{i}]"
             unknown = sorted(set(entry) - set(SPEC_KEYS))
             if unknown or "bundle" not in entry:
                 raise ConfigError(f"{where}: " + (f"unknown key {unknown[0]!r}; keys are {', '.join(SPEC_KEYS)}"
@@ -81,15 +81,15 @@ def model_specs(config: ServerConfig) -> list[ModelSpec]:
                                       + ("an integer" if key in INTEGER_KEYS else "a string"))
             entries.append(entry)
     else:
-        entries = [{"bundle": b.strip()} for b in config.bundle.split(",") if b.strip()]
+        entries = [{"bundle": b.strip()} for b in config.runtime.bundle.split(",") if b.strip()]
     if not entries:
         raise ConfigError("no model to serve: give one or more bundle directories, or --models FILE")
     specs = []
     for e in entries:
-        device = e.get("device", config.device)
+        device = e.get("device", config.runtime.device)
         specs.append(ModelSpec(e.get("id") or default_id(e["bundle"]), e["bundle"],
-                               e.get("variant", config.variant) or default_variant(device), device,
-                               e.get("threads", config.threads), e.get("inter_threads", config.inter_threads)))
+                               e.get("variant", config.runtime.variant) or default_variant(device), device,
+                               e.get("threads", config.runtime.threads), e.get("inter_threads", config.runtime.inter_threads)))
     seen: dict[str, str] = {}
     for spec in specs:
         if spec.inter_threads < 1:
@@ -123,8 +123,8 @@ class ServedModel:
         self.tokenizer = tr.tokenizer
         self.max_source_tokens = tr.limits.max_source_tokens
         # a budget past the decoder's position table could never be spent: the smaller limit is the one told
-        self.max_output_tokens = min(config.max_output_tokens, tr.limits.max_target_tokens)
-        self.max_beam_size = min(config.max_beam_size, config.max_running_rows)  # a beam takes beam_size rows
+        self.max_output_tokens = min(config.limits.max_output_tokens, tr.limits.max_target_tokens)
+        self.max_beam_size = min(config.limits.max_beam_size, config.engine.max_running_rows)  # a beam takes beam_size rows
         self.defaults, self.default_output_tokens = bundle_defaults(tr.bundle.manifest, self.max_output_tokens)
         self.manifest_path = Path(spec.bundle) / MANIFEST
         self._info: pb.ModelInfo | None = None  # info(), built on first use
@@ -158,8 +158,8 @@ class ServedModel:
     def source(self, field: str, text: str, target_language: str = "") -> list[int]:
         if not text.strip():
             raise InvalidRequest(f"{field}: empty sentence")
-        if len(text) > self.config.max_sentence_chars:
-            raise InvalidRequest(f"{field}: {len(text)} characters, the limit is {self.config.max_sentence_chars}")
+        if len(text) > self.config.limits.max_sentence_chars:
+            raise InvalidRequest(f"{field}: {len(text)} characters, the limit is {self.config.limits.max_sentence_chars}")
         ids = self.tokenizer.encode(text, target_language=target_language)
         if not ids:  # only characters the tokenizer's normalisation removes (zero-width, controls)
             raise InvalidRequest(f"{field}: nothing to translate in {text[:40]!r} (no token after normalisation)")
@@ -170,15 +170,15 @@ class ServedModel:
     def text_pieces(self, field: str, text: str, target_language: str) -> tuple[list[tuple[int, int]], list[list[int]]]:
         """A whole text's sentences (pieces of those over the character or token limit) as spans and
         token ids; a piece of nothing but what the tokenizer drops has no ids and is kept as it is."""
-        if len(text) > self.config.max_text_chars:
-            raise InvalidRequest(f"{field}: {len(text)} characters, the limit is {self.config.max_text_chars}")
+        if len(text) > self.config.limits.max_text_chars:
+            raise InvalidRequest(f"{field}: {len(text)} characters, the limit is {self.config.limits.max_text_chars}")
 
         @functools.cache  # fit() measures a piece, then its ids are kept: each piece is encoded once
         def encode(piece: str) -> list[int]:
             return self.tokenizer.encode(piece, target_language=target_language)
 
         def too_long(piece: str) -> bool:
-            return len(piece) > self.config.max_sentence_chars or len(encode(piece)) > self.max_source_tokens
+            return len(piece) > self.config.limits.max_sentence_chars or len(encode(piece)) > self.max_source_tokens
 
         spans = [piece for span in sentence_spans(text, self.source_language) for piece in fit(text, span, too_long)]
         return spans, [encode(text[start:end]) for start, end in spans]
@@ -198,10 +198,10 @@ class ServedModel:
             model=self.id, source_language=self.source_language, target_language=self.target_language,
             bundle_id=hashlib.sha256(manifest_bytes).hexdigest(), variant=self.engine.tr.variant,
             device=self.engine.tr.device, model_json=json.dumps(manifest["model"], sort_keys=True),
-            limits=pb.Limits(max_sentences=self.config.max_sentences, max_sentence_chars=self.config.max_sentence_chars,
+            limits=pb.Limits(max_sentences=self.config.limits.max_sentences, max_sentence_chars=self.config.limits.max_sentence_chars,
                              max_source_tokens=self.max_source_tokens, max_output_tokens=self.max_output_tokens,
-                             max_beam_size=self.max_beam_size, max_text_chars=self.config.max_text_chars,
-                             max_call_chars=self.config.max_call_chars),
+                             max_beam_size=self.max_beam_size, max_text_chars=self.config.limits.max_text_chars,
+                             max_call_chars=self.config.limits.max_call_chars),
             default_options=pb.DecodingOptions(
                 max_output_tokens=self.default_output_tokens, beam_size=self.defaults.beam_size,
                 num_hypotheses=1, length_penalty=self.defaults.length_penalty, patience=self.defaults.patience,

@@ -137,7 +137,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         """The message, if grpc can send it: a write over the message size limit fails inside grpc, after
         the call was counted OK; this fails the call first (freeing its rows if a stream's delta is too
         large while it still decodes), with the sizes, and counts what it got."""
-        size, limit = message.ByteSize(), self.config.max_message_bytes
+        size, limit = message.ByteSize(), self.config.network.max_message_bytes
         if size > limit:
             await self._fail(call, context, ResponseTooLarge(
                 f"response: {size} bytes, over the server's message limit of {limit} (--max-message-bytes)"),
@@ -181,8 +181,8 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         try:
             model = self._model(call, request)
             n = len(request.sentences)
-            if not 1 <= n <= self.config.max_sentences:
-                raise InvalidRequest(f"sentences: {n} given, between 1 and {self.config.max_sentences} accepted")
+            if not 1 <= n <= self.config.limits.max_sentences:
+                raise InvalidRequest(f"sentences: {n} given, between 1 and {self.config.limits.max_sentences} accepted")
             options = self._options(call, model, request)
             language = model.language_token(request.target_language)
             sources = [model.source(f"sentences[{i}]", s, language) for i, s in enumerate(request.sentences)]
@@ -225,7 +225,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                 items = await tokens.take()
                 finished = items[-1] is None
                 held += [t for t in items if t is not None]
-                if len(held) >= self.config.stream_interval:
+                if len(held) >= self.config.limits.stream_interval:
                     delta, held = text.add(held), []
                     if delta:
                         yield await self._fit(call, pb.TranslateStreamResponse(delta=delta), context)
@@ -273,10 +273,10 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         try:
             model = self._model(call, request)
             n, chars = len(request.texts), sum(len(t) for t in request.texts)
-            if not 1 <= n <= self.config.max_sentences:
-                raise InvalidRequest(f"texts: {n} given, between 1 and {self.config.max_sentences} accepted")
-            if chars > self.config.max_call_chars:
-                raise InvalidRequest(f"texts: {chars} characters in all, the limit is {self.config.max_call_chars}")
+            if not 1 <= n <= self.config.limits.max_sentences:
+                raise InvalidRequest(f"texts: {n} given, between 1 and {self.config.limits.max_sentences} accepted")
+            if chars > self.config.limits.max_call_chars:
+                raise InvalidRequest(f"texts: {chars} characters in all, the limit is {self.config.limits.max_call_chars}")
             documents = self._text_requests(call, model, [(f"texts[{i}]", t) for i, t in enumerate(request.texts)],
                                             request, context)
             await asyncio.gather(*(pair[1] for _, pairs in documents for pair in pairs if pair))

@@ -76,7 +76,7 @@ def test_unrelated_server_and_export_folders_in_the_working_directory_do_not_sha
 
 
 def test_the_runtime_the_server_and_the_serving_commands_never_import_torch_or_onnx(tiny_bundle, tmp_path):
-    server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1))
+    server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1))
     slo = tmp_path / "slo.toml"
     slo.write_text("max_error_rate = 0.5\n")
     stats = tmp_path / "stats_stats.csv"

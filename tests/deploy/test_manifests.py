@@ -3,14 +3,13 @@ agrees with the server's real flags, defaults and drain timing."""
 
 import shutil
 import subprocess
-from dataclasses import fields
 
 import kubernetes_validate
 import pytest
 import yaml
 
 from nmtserve.server.app import SERVICE_NAME
-from nmtserve.server.config import ServerConfig, env_name
+from nmtserve.server.config import ServerConfig, env_name, flag_fields
 from tests.helpers import ROOT
 
 KUBE = ROOT / "deploy" / "kubernetes"
@@ -46,11 +45,11 @@ def test_every_object_validates_against_the_kubernetes_schema(rendered):
 
 def test_ports_probes_and_env_agree_with_the_server(rendered):
     overlay, docs = rendered
-    defaults = ServerConfig()
+    defaults = ServerConfig().flat()
     config = docs["ConfigMap"]["data"]
-    known = {env_name(f.name) for f in fields(ServerConfig)}
+    known = {env_name(f.name) for _, f in flag_fields()}
     assert set(config) <= known, set(config) - known
-    grpc_port, metrics_port = int(config.get("NMTSERVE_PORT", defaults.port)), int(config.get("NMTSERVE_METRICS_PORT", defaults.metrics_port))
+    grpc_port, metrics_port = int(config.get("NMTSERVE_PORT", defaults["port"])), int(config.get("NMTSERVE_METRICS_PORT", defaults["metrics_port"]))
     container = docs["Deployment"]["spec"]["template"]["spec"]["containers"][0]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"grpc": grpc_port, "metrics": metrics_port}
@@ -62,7 +61,7 @@ def test_ports_probes_and_env_agree_with_the_server(rendered):
     assert docs["ServiceMonitor"]["spec"]["endpoints"][0]["port"] in service_ports
     # the drain fits in the grace period: preStop sleep + drain timeout < terminationGracePeriodSeconds
     pod = docs["Deployment"]["spec"]["template"]["spec"]
-    drain = float(config.get("NMTSERVE_DRAIN_TIMEOUT", defaults.drain_timeout))
+    drain = float(config.get("NMTSERVE_DRAIN_TIMEOUT", defaults["drain_timeout"]))
     assert container["lifecycle"]["preStop"]["sleep"]["seconds"] + drain < pod["terminationGracePeriodSeconds"]
     hpa_metric = docs["HorizontalPodAutoscaler"]["spec"]["metrics"][0]["pods"]["metric"]["name"]
     assert hpa_metric == "nmtserve_requests_waiting"

@@ -13,7 +13,7 @@ from tests.helpers import ServerThread, run_cli, run_cli_each
 
 
 def test_round_robin_sends_calls_to_every_server_behind_one_target(tiny_bundle):
-    servers = [ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
+    servers = [ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
                                          max_output_tokens=8)) for _ in range(2)]
     try:
         before = [s.running.engine.stats()["steps"] for s in servers]

@@ -23,7 +23,7 @@ GREEDY = pb.DecodingOptions(beam_size=1, max_output_tokens=20)
 
 @pytest.fixture(scope="module")
 def server(tiny_bundle):
-    running = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=0,
+    running = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=0,
                                         max_sentence_chars=120, max_text_chars=400, max_call_chars=600))
     yield running
     running.stop()

@@ -17,7 +17,8 @@ from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.batch import BatchState
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.search import DecodingOptions, make_search
-from nmtserve.server.engine import Engine, EngineConfig, EngineOverloaded, EnginePool
+from nmtserve.server.config import EngineConfig
+from nmtserve.server.engine import Engine, EngineOverloaded, EnginePool
 from nmtserve.server.request import FinishReason, Request
 from nmtserve.server.running_batch import RunningBatch
 from nmtserve.training.data import read_tsv

@@ -78,7 +78,7 @@ for message in stub.TranslateStream(pb.TranslateStreamRequest(sentence=sys.argv[
 def test_a_client_killed_mid_stream_frees_its_row_and_its_batch_mates_finish(tiny_bundle, long_sentences, caplog):
     """In-process server whose decoder steps are slowed by 5 ms (a test hook, in Python and in the library),
     so that the killed clients' rows are still decoding when their processes die."""
-    server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
+    server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
                                        max_output_tokens=256))
     engine = server.running.engine
     step, steps = engine.tr._step, engine.tr.decode_greedy_steps
@@ -147,7 +147,7 @@ def test_a_response_too_large_to_send_fails_alone_with_its_sizes(tiny_bundle, ca
 
     one = ["The cat sleeps."]
     for limit in (200, 30):
-        server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
+        server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
                                            max_message_bytes=limit))
         try:
             stub = pb_grpc.TranslationServiceStub(server.channel())

@@ -19,7 +19,7 @@ from tests.helpers import ServerThread
 
 @pytest.fixture(scope="module")
 def marian_served(marian_bundle):
-    server = ServerThread(ServerConfig(bundle=str(marian_bundle), host="127.0.0.1", port=0, metrics_port=0))
+    server = ServerThread(ServerConfig.from_flags(bundle=str(marian_bundle), host="127.0.0.1", port=0, metrics_port=0))
     yield server
     server.stop()
 
@@ -77,7 +77,7 @@ def test_a_multilingual_model_reads_the_requests_language_token(tmp_path):
     import_marian(directory, tmp_path / "multi.pt", "en", "de")
     export_bundle(ExportConfig(str(tmp_path / "multi.pt"), str(tmp_path / "bundle"), ["fp32"]))
     tr = OnnxTranslator(tmp_path / "bundle", shared_cross=False)  # the server's step
-    server = ServerThread(ServerConfig(bundle=str(tmp_path / "bundle"), host="127.0.0.1", port=0, metrics_port=0))
+    server = ServerThread(ServerConfig.from_flags(bundle=str(tmp_path / "bundle"), host="127.0.0.1", port=0, metrics_port=0))
     try:
         with server.channel() as channel:
             stub = pb_grpc.TranslationServiceStub(channel)

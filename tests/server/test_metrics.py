@@ -27,7 +27,7 @@ def test_scrape_agrees_with_traffic_and_static_batching_gives_the_same_text(tiny
     sentences = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs][:6]
     outputs = {}
     for batching in ("continuous", "static"):
-        server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=0,
+        server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=0,
                                            batching=batching, max_output_tokens=64))
         try:
             before = _scrape(server.running.metrics_port)  # after the server's own warm-up sentence

@@ -28,7 +28,7 @@ SERVICE = "nmtserve.v1.TranslationService"
 
 @pytest.fixture(scope="module")
 def two_models(tiny_bundle, fr_en_bundle):
-    server = ServerThread(ServerConfig(bundle=f"{tiny_bundle},{fr_en_bundle}", host="127.0.0.1", port=0,
+    server = ServerThread(ServerConfig.from_flags(bundle=f"{tiny_bundle},{fr_en_bundle}", host="127.0.0.1", port=0,
                                        metrics_port=0, max_output_tokens=64))
     yield server
     server.stop()
@@ -184,9 +184,9 @@ def test_the_models_file_names_ids_and_settings(tiny_bundle, fr_en_bundle, tmp_p
     models = tmp_path / "models.toml"
     models.write_text(f'[[models]]\nbundle = "{tiny_bundle}"\nid = "ours"\nvariant = "int8"\n\n'
                       f'[[models]]\nbundle = "{fr_en_bundle}"\nthreads = 1\ninter_threads = 2\n', encoding="utf-8")
-    specs = model_specs(ServerConfig(models=str(models)))
+    specs = model_specs(ServerConfig.from_flags(models=str(models)))
     assert [(s.id, s.variant, s.threads, s.inter_threads) for s in specs] == [("ours", "int8", 2, 1), ("fr-en", "fp32", 1, 2)]
-    server = ServerThread(ServerConfig(models=str(models), host="127.0.0.1", port=0, metrics_port=0))
+    server = ServerThread(ServerConfig.from_flags(models=str(models), host="127.0.0.1", port=0, metrics_port=0))
     try:
         with server.channel() as channel:
             listed = pb_grpc.TranslationServiceStub(channel).ListModels(pb.ListModelsRequest(), timeout=30).models
@@ -209,14 +209,14 @@ def test_the_models_file_names_ids_and_settings(tiny_bundle, fr_en_bundle, tmp_p
                            "(--inter-threads, or its models file)")):
         bad.write_text(text, encoding="utf-8")
         with pytest.raises(ConfigError) as refused:
-            model_specs(ServerConfig(models=str(bad)))
+            model_specs(ServerConfig.from_flags(models=str(bad)))
         assert str(refused.value) == message
     with pytest.raises(ConfigError, match="model id 'en-fr' names both"):
-        model_specs(ServerConfig(bundle=f"{tiny_bundle},{tiny_bundle}"))
+        model_specs(ServerConfig.from_flags(bundle=f"{tiny_bundle},{tiny_bundle}"))
     # no variant named: each model's device decides (fp16 is the only one cuda takes); a named one stays
     models.write_text(f'[[models]]\nbundle = "{tiny_bundle}"\ndevice = "cuda"\n\n[[models]]\nbundle = "{fr_en_bundle}"\n'
                       f'[[models]]\nbundle = "{fr_en_bundle}"\nid = "named"\nvariant = "int8"\n', encoding="utf-8")
-    assert [(s.device, s.variant) for s in model_specs(ServerConfig(models=str(models)))] == [
+    assert [(s.device, s.variant) for s in model_specs(ServerConfig.from_flags(models=str(models)))] == [
         ("cuda", "fp16"), ("cpu", "fp32"), ("cpu", "int8")]
     result = run_cli("serve", "--models", str(bad), "--port", "0", timeout=120)
     assert result.returncode == 2 and result.stderr.strip().endswith(message), result.stderr  # the last bad file

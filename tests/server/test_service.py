@@ -47,7 +47,7 @@ def test_concurrent_clients_get_the_translator_output(served, tiny_bundle, sente
 
 @pytest.mark.parametrize("variant, kernel", [("fp32", "off"), ("fp32", "on"), ("int8", "on"), ("int8", "off")])
 def test_a_server_with_or_without_the_kernels_serves_the_translator_output(tiny_bundle, sentences, variant, kernel):
-    server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
+    server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
                                        variant=variant, attention_kernel=kernel, max_output_tokens=64))
     try:
         reference = OnnxTranslator(tiny_bundle, variant=variant, shared_cross=False, attention_kernel=kernel == "on")
@@ -78,7 +78,7 @@ def test_a_bad_kernel_flag_is_one_line_naming_it(tiny_bundle, flag):
 
 
 def test_a_server_with_io_binding_serves_the_translator_output(tiny_bundle, sentences):
-    server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
+    server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
                                        io_binding="on", max_output_tokens=64))
     try:
         reference = OnnxTranslator(tiny_bundle, shared_cross=False)  # the server's step
@@ -108,7 +108,7 @@ def test_stream_deltas_join_to_the_final_text(served, sentences):
 
 
 def test_stream_interval_sends_a_delta_per_interval_of_tokens(tiny_bundle, sentences):
-    server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
+    server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
                                        stream_interval=4))
     try:
         with server.channel() as channel:
@@ -128,7 +128,7 @@ def test_stream_interval_sends_a_delta_per_interval_of_tokens(tiny_bundle, sente
                         ("--max-running-rows", "max_running_rows"), ("--max-waiting", "max_waiting"),
                         ("--max-output-tokens", "max_output_tokens")):
         with pytest.raises(ConfigError, match=f"{flag} 0: must be at least 1"):
-            asyncio.run(start_server(ServerConfig(bundle=str(tiny_bundle), port=0, metrics_port=-1, **{field: 0})))
+            asyncio.run(start_server(ServerConfig.from_flags(bundle=str(tiny_bundle), port=0, metrics_port=-1, **{field: 0})))
 
 
 @pytest.mark.parametrize("request_, field", [
@@ -185,7 +185,7 @@ def test_deadline_exceeded_frees_the_rows(served, sentences):
 
 
 def test_overload_is_refused_with_resource_exhausted(tiny_bundle, sentences):
-    server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=0,
+    server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=0,
                                        max_running_rows=1, max_waiting=1))
     clients = 16
     ready = threading.Barrier(clients)  # connect first, then call together: 16 calls overlap on any machine
@@ -212,7 +212,7 @@ def test_requests_at_every_limit_over_grpc_end_with_length_alone_and_in_a_busy_b
     """The longest source the server accepts and the largest max_output_tokens, with a model that never
     says eos (a test hook replaces its eos by another token): LENGTH at the full budget, never an
     error, alone and while unary calls and streams share the batch; one token more is refused."""
-    server = ServerThread(ServerConfig(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
+    server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
                                        max_sentence_chars=100_000, max_output_tokens=10_000))
     try:
         translator = server.running.engine.tr

@@ -39,7 +39,7 @@ def _translate(target: str, tls: TlsFiles | None) -> str:
 
 
 def _config(bundle, pki, **tls) -> ServerConfig:
-    return ServerConfig(bundle=str(bundle), host="127.0.0.1", port=0, metrics_port=-1,
+    return ServerConfig.from_flags(bundle=str(bundle), host="127.0.0.1", port=0, metrics_port=-1,
                         tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"), **tls)
 
 
