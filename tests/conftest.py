@@ -11,6 +11,15 @@ from nmtserve.training.train import train
 from tests.helpers import TEST_DEVICE, tiny_config
 
 
+def pytest_report_header(config) -> str:
+    """Which kernels the CPU translators of this run load: the library's graphs, or the portable ones and why."""
+    from nmtserve.export.runtime import kernels
+
+    reason = kernels.unavailable()
+    return (f"nmtserve kernels: {kernels.LIBRARY}" if reason is None
+            else f"nmtserve kernels: unavailable, the bundles' portable graphs run ({reason})")
+
+
 @pytest.fixture(scope="session")
 def tiny_corpus(tmp_path_factory) -> Path:
     """400 train pairs from the built-in generator, seed 7."""

@@ -13,7 +13,7 @@ import nmtserve
 from nmtserve.errors import ConfigError
 from nmtserve.export.build.graphs import OPSET, dynamic_axes, export_graphs
 from nmtserve.export.build.manifest import bundle_files, graph_signature, write_manifest
-from nmtserve.export.build.step_graphs import file_name, prepare_variant
+from nmtserve.export.build.step_graphs import WEIGHTS, WeightStore, file_name, prepare_variant
 from nmtserve.export.build.tensor_ops import write_tensor_ops
 from nmtserve.export.build.variants import VARIANTS, fusion_report, write_variant
 from nmtserve.export.runtime.bundle import MANIFEST, load_bundle, sha256_of
@@ -72,10 +72,14 @@ def export_bundle(cfg: ExportConfig) -> dict:
             for graph in ("encoder", "decoder"):
                 write_variant(name, paths[graph], out / file_name(graph, name))
     c = loaded.model.config
-    variants = {name: {**prepare_variant(out, name, c.n_heads, c.d_model, kernels="cpu" in VARIANTS[name]["devices"]),
-                       **VARIANTS[name]} for name in cfg.variants}
+    weights = WeightStore(out / WEIGHTS)
+    try:
+        variants = {name: {"graphs": prepare_variant(out, name, c.n_heads, c.d_model, "cpu" in VARIANTS[name]["devices"],
+                                                     weights), **VARIANTS[name]} for name in cfg.variants}
+    finally:
+        weights.close()
     tensor_ops = {dtype: write_tensor_ops(out, dtype) for dtype in sorted({v["kv_dtype"] for v in variants.values()})}
-    kept = bundle_files({"variants": variants, "tensor_ops": tensor_ops})
+    kept = bundle_files({"variants": variants, "tensor_ops": tensor_ops, "weights": WEIGHTS})
     for stale in [*out.glob("*.onnx"), *out.glob("*.npz"), *out.glob("ops/*.onnx")]:  # a re-export leaves nothing behind
         if str(stale.relative_to(out)) not in kept:
             stale.unlink()
@@ -96,6 +100,7 @@ def export_bundle(cfg: ExportConfig) -> dict:
                    for g in paths},
         "variants": variants,
         "tensor_ops": tensor_ops,
+        "weights": WEIGHTS,
         "optimization": {g: fusion_report(paths[g]) for g in paths},
         # an imported model's generation defaults (DecodingOptions names): the server's defaults
         "decoding_defaults": payload.get("decoding_defaults") or {},

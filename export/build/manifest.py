@@ -30,10 +30,10 @@ def graph_signature(onnx_path: Path) -> dict:
 
 
 def bundle_files(manifest: dict) -> set[str]:
-    """Every graph and weights file the variants and the device-tensor ops list."""
-    files = {f for ops in manifest.get("tensor_ops", {}).values() for f in ops.values()}
+    """Every graph the variants and the device-tensor ops list, and the weights file they point into."""
+    files = {f for ops in manifest.get("tensor_ops", {}).values() for f in ops.values()} | {manifest["weights"]}
     for variant in manifest["variants"].values():
-        files |= set(variant["graphs"].values()) | ({variant["shared_weights"]} if "shared_weights" in variant else set())
+        files |= set(variant["graphs"].values())
     return files
 
 

@@ -9,33 +9,40 @@ writes, for each variant, the graphs `GRAPHS` names:
   (`with_shared_cross`: offline batches, where a beam's rows share a source);
 - on CPU variants, `encoder_kernels`, `decoder_kernels` and `decoder_shared_kernels`: the same on nmtserve's
   custom ops (kernel_graphs.py), which need the kernel library where they run;
-and the initializers that every one of those graphs holds with the same bytes (the tied embedding table) in
-one .npz, which the runtime gives to both sessions so that the table is held once in memory.
+Their large initializers live once each in the bundle's one weights file (`WeightStore`, ONNX external data,
+page-aligned): the graphs of a variant, and the variants, share the same bytes on disk, and ONNX Runtime maps
+the file, so that sessions over graphs holding the same tensor (the encoder's and the decoder's tied embedding)
+read one copy of it.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import helper
+from onnx.external_data_helper import set_external_data
 
 from nmtserve.export.build import kernel_graphs
 
 GRAPHS = ("encoder", "decoder", "decoder_shared")
 KERNEL_GRAPHS = ("encoder_kernels", "decoder_kernels", "decoder_shared_kernels")
-SHARED_MIN_BYTES = 1 << 16  # smaller initializers are not worth an entry
+WEIGHTS = "weights.bin"
+EXTERNAL_MIN_BYTES = 1 << 10  # smaller initializers stay in their graph
+ALIGNMENT = 1 << 16  # each tensor starts at a multiple of the largest page size a loader maps in one piece
 
 
 def file_name(graph: str, variant: str) -> str:
     return f"{graph}.onnx" if variant == "fp32" else f"{graph}.{variant}.onnx"
 
 
-def prepare_variant(out: Path, variant: str, heads: int, dim: int, kernels: bool) -> dict:
+def prepare_variant(out: Path, variant: str, heads: int, dim: int, kernels: bool, weights: WeightStore) -> dict:
     """Write the variant's graphs into `out`, from its exported encoder and decoder there (the decoder's file is
-    replaced by the served step) -> the manifest's fields: `graphs` {name: file} and `shared_weights` (a file)."""
+    replaced by the served step), their large initializers into `weights` -> {name: file}, the manifest's
+    `graphs` of the variant."""
     encoder = kernel_graphs.sort_nodes(onnx.load(str(out / file_name("encoder", variant))))
     decoder = with_search_head(kernel_graphs.sort_nodes(onnx.load(str(out / file_name("decoder", variant)))))
     models = {"encoder": encoder, "decoder": decoder,
@@ -47,30 +54,39 @@ def prepare_variant(out: Path, variant: str, heads: int, dim: int, kernels: bool
         for name in ("decoder", "decoder_shared"):
             models[f"{name}_kernels"] = row_scales(
                 kernel_graphs.with_custom_kernels(copy.deepcopy(models[name]), beam_origin=True))
-    shared = shared_weights(list(models.values()))
     graphs = {}
     for name, model in models.items():
         graphs[name] = file_name(name, variant)
+        weights.externalize(model)
         onnx.save(model, str(out / graphs[name]))
-    fields = {"graphs": graphs}
-    if shared:
-        fields["shared_weights"] = file_name("shared", variant).replace(".onnx", ".npz")
-        np.savez(out / fields["shared_weights"], **shared)
-    return fields
+    return graphs
 
 
-def shared_weights(models: list[onnx.ModelProto]) -> dict[str, np.ndarray]:
-    """The initializers of at least SHARED_MIN_BYTES that every one of `models` holds, same name and same bytes:
-    the tied embedding table (the int8 variants keep it in fp32 for the lookups)."""
-    def large(model):
-        return {i.name: (i.data_type, tuple(i.dims), i.raw_data) for i in model.graph.initializer
-                if len(i.raw_data) >= SHARED_MIN_BYTES}
+class WeightStore:
+    """One file of a bundle's large initializers, each distinct tensor once, page-aligned; the graphs point into
+    it (ONNX external data, `location` relative to the graph's folder)."""
 
-    common = large(models[0])
-    for model in models[1:]:
-        theirs = large(model)
-        common = {name: value for name, value in common.items() if theirs.get(name) == value}
-    return {i.name: onnx.numpy_helper.to_array(i) for i in models[0].graph.initializer if i.name in common}
+    def __init__(self, path: Path):
+        self.path, self.offsets = path, {}
+        self.file = open(path, "wb")
+
+    def externalize(self, model: onnx.ModelProto) -> None:
+        """Move the model's initializers of at least EXTERNAL_MIN_BYTES into the file (in place), the tensors
+        already there pointing at their earlier copy."""
+        for tensor in model.graph.initializer:
+            if not tensor.HasField("raw_data") or len(tensor.raw_data) < EXTERNAL_MIN_BYTES:
+                continue
+            data = tensor.raw_data
+            key = hashlib.sha256(data).digest()
+            if key not in self.offsets:
+                self.file.write(b"\0" * (-self.file.tell() % ALIGNMENT))
+                self.offsets[key] = self.file.tell()
+                self.file.write(data)
+            set_external_data(tensor, self.path.name, self.offsets[key], len(data))
+            tensor.ClearField("raw_data")
+
+    def close(self) -> None:
+        self.file.close()
 
 
 def with_search_head(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -124,7 +124,7 @@ def optimized_op_counts(path: Path, disabled_optimizers: list[str] | None = None
         so.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
         so.log_severity_level = 3
         ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"], disabled_optimizers=disabled_optimizers)
-        return op_counts(onnx.load(so.optimized_model_filepath))
+        return op_counts(onnx.load(so.optimized_model_filepath, load_external_data=False))
 
 
 def fusion_report(path: Path) -> dict:

@@ -2,7 +2,7 @@
 
 A directory holding, per precision variant, every graph the runtime runs, as export prepared and verified it
 (export/build/step_graphs.py: the encoder, the served and offline decoder steps, and their versions on
-nmtserve's kernels), the weights those graphs share (.npz), the device-tensor op graphs, the SentencePiece
+nmtserve's kernels), one weights file they all point into (each tensor once), the device-tensor op graphs, the SentencePiece
 model and manifest.json (schema version, model dimensions, special ids, limits, opset, the exported graphs'
 inputs and outputs, the variants, the sha256 and size of every file, the source checkpoint and its measured
 BLEU). export/build/manifest.py writes it; `load_bundle` refuses a bundle whose schema or any file does not
@@ -16,12 +16,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from nmtserve.decoding import Limits
 from nmtserve.errors import BundleError
 
-SCHEMA_VERSION = 5  # 5: each variant lists every graph the runtime runs (search head, shared cross, kernels)
+SCHEMA_VERSION = 5  # 5: each variant lists every graph the runtime runs (search head, shared cross, kernels), their
+# large initializers in one weights file
 MANIFEST = "manifest.json"
 
 
@@ -77,14 +76,6 @@ class Bundle:
             raise BundleError(f"{self.path}: variant {variant!r} has no graph {graph!r}; it has {', '.join(graphs)}")
         return self.path / graphs[graph]
 
-    def shared_weights(self, variant: str) -> dict[str, np.ndarray]:
-        """The initializers every graph of the variant holds (the tied embedding), to be held once in memory."""
-        name = self.variant(variant).get("shared_weights")
-        if name is None:
-            return {}
-        with np.load(self.path / name, allow_pickle=False) as arrays:
-            return {key: np.ascontiguousarray(arrays[key]) for key in arrays.files}
-
     def tensor_ops(self, variant: str) -> dict[str, dict[str, Path]]:
         """The device-tensor op graphs (export/build/tensor_ops.py) for the variant's caches:
         {element type: {op: path}}."""
@@ -119,7 +110,7 @@ def load_bundle(path: str | Path, verify_hashes: bool = True) -> Bundle:
     if version != SCHEMA_VERSION:
         raise BundleError(f"{manifest_path}: schema_version {version!r}, this nmtserve reads {SCHEMA_VERSION} "
                           "(export the bundle again with `nmtserve export`)")
-    for key in ("model", "special_ids", "variants", "files", "graphs", "limits"):
+    for key in ("model", "special_ids", "variants", "files", "graphs", "limits", "weights"):
         if key not in manifest:
             raise BundleError(f"{manifest_path}: missing field {key!r}")
     for name, entry in manifest["files"].items():

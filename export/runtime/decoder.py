@@ -35,6 +35,7 @@ from nmtserve.export.runtime.bundle import Bundle, default_variant, load_bundle
 from nmtserve.export.runtime.native import NativeBinding, NativeError, NativeSession
 from nmtserve.export.runtime.sessions import (
     CPU_DISABLED_OPTIMIZERS,
+    EXTERNAL_DATA_FOLDER,
     PROVIDERS,
     SPINNING,
     _refs,
@@ -82,13 +83,9 @@ class Decoder:
         self.graphs = ("encoder" + suffix, ("decoder_shared" if shared_cross else "decoder") + suffix)
         log.log(logging.WARNING if warn else logging.INFO, "%s %s on %s: graphs %s and %s (%s)", self.bundle.path,
                 variant, device, *self.graphs, self.kernel_note)
-        # the weights every graph holds (the tied embedding), one host copy read by both sessions
-        self.shared_weights = self.bundle.shared_weights(variant)
-        self._shared_values = {name: ort.OrtValue.ortvalue_from_numpy(w) for name, w in self.shared_weights.items()}
         custom_ops = kernels.LIBRARY if self.attention_kernel else None
         encoder_path, decoder_path = (self.bundle.graph_path(variant, name) for name in self.graphs)
-        self.encoder = make_session(encoder_path, device, intra_op_threads, custom_ops=custom_ops,
-                                    initializers=self._shared_values)
+        self.encoder = make_session(encoder_path, device, intra_op_threads, custom_ops=custom_ops)
         # on nmtserve's kernels, a beam row that continues another's hypothesis points at that row's cache slots
         # instead of copying them (BatchState.origin; the kernel graphs' cache_origin input)
         self.cache_origin = self.attention_kernel
@@ -100,13 +97,13 @@ class Decoder:
         self.native_steps = self.attention_kernel if native_steps is None else native_steps
         if self.native_steps:
             try:
-                self.decoder = NativeSession(decoder_path.read_bytes(), intra_op_threads, self.shared_weights, {
-                    **SPINNING, "optimization.disable_specified_optimizers": ",".join(CPU_DISABLED_OPTIMIZERS)})
+                self.decoder = NativeSession(decoder_path.read_bytes(), intra_op_threads, {
+                    **SPINNING, "optimization.disable_specified_optimizers": ",".join(CPU_DISABLED_OPTIMIZERS),
+                    EXTERNAL_DATA_FOLDER: str(decoder_path.parent)})
             except NativeError as e:
                 raise cannot_load(decoder_path, e) from None
         else:
-            self.decoder = make_session(decoder_path, device, intra_op_threads, custom_ops=custom_ops,
-                                        initializers=self._shared_values)
+            self.decoder = make_session(decoder_path, device, intra_op_threads, custom_ops=custom_ops)
         self._binding, self._bound = self.decoder.io_binding(), {}  # see _binding_for
         self._with_scores = np.array(True)  # the step's with_scores input, bound by address
         self.kv_dtype = np.float16 if self.bundle.variant(variant).get("kv_dtype") == "float16" else np.float32

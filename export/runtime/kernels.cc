@@ -785,14 +785,13 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
 
 // The decoder step's session held here, and greedy steps run in a loop here: no Python between two steps
 // (export/runtime/native.py). Made through the ONNX Runtime that registered this library (native.py registers
-// it first): the process's one environment, translator.session_options's settings (the caller gives the
-// config entries), the custom ops above, and the caller's initializers read in place. Each function returns
+// it first): the process's one environment, sessions.session_options's settings (the caller gives the
+// config entries, among them the folder of the graph's weights file), the custom ops above. Each function returns
 // 0, or -1 with the error's message in `error`.
 namespace {
 
 struct Runner {
   Ort::Session session{nullptr};
-  std::vector<Ort::Value> initializers;  // over the caller's memory, which the caller keeps alive
 };
 
 // A session's IoBinding, and what each name is bound to (host memory, its element type and shape), so that the
@@ -929,9 +928,7 @@ extern "C" {
 int nmt_ort_api_version() { return ORT_API_VERSION; }
 
 int nmt_runner_create(const void* model, size_t model_size, int threads, int entries, const char* const* keys,
-                      const char* const* values, int count, const char* const* names, const int* types,
-                      const int64_t* shapes, const int* ndims, void* const* data, void** runner_out, char* error,
-                      size_t error_size) {
+                      const char* const* values, void** runner_out, char* error, size_t error_size) {
   try {
     if (registered_api == nullptr) throw std::runtime_error("no ONNX Runtime session has registered the library yet");
     static Ort::Env* env = new Ort::Env(ORT_LOGGING_LEVEL_ERROR, "nmtserve");  // the process's one, shared
@@ -944,11 +941,6 @@ int nmt_runner_create(const void* model, size_t model_size, int threads, int ent
     for (int i = 0; i < entries; i++) options.AddConfigEntry(keys[i], values[i]);
     Ort::ThrowOnError(RegisterCustomOps(options, registered_api));
     auto runner = std::make_unique<Runner>();
-    runner->initializers.reserve(count);
-    for (int i = 0; i < count; shapes += ndims[i], i++) {
-      runner->initializers.push_back(host_tensor(types[i], shapes, ndims[i], data[i]));
-      options.AddInitializer(names[i], runner->initializers.back());
-    }
     runner->session = Ort::Session(*env, model, model_size, options);
     *runner_out = runner.release();
     return 0;

@@ -50,7 +50,6 @@ def _library() -> ctypes.CDLL:
             c, p, n = ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t
             ints, i64 = ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int64)
             library.nmt_runner_create.argtypes = [p, n, ctypes.c_int, ctypes.c_int, ctypes.POINTER(c), ctypes.POINTER(c),
-                                                  ctypes.c_int, ctypes.POINTER(c), ints, i64, ints, ctypes.POINTER(p),
                                                   ctypes.POINTER(p), c, n]
             library.nmt_binding_create.argtypes = [p, ctypes.POINTER(p), c, n]
             library.nmt_bind.argtypes = [p, ctypes.c_int, ctypes.POINTER(c), ints, i64, ints, ctypes.POINTER(p), ints, c, n]
@@ -87,27 +86,16 @@ def _element_type(dtype) -> int:
 
 
 class NativeSession:
-    """The decoder step's session (`model`: the serialized graph) with `threads` intra-op threads, the
-    session `config` entries, and the caller's `initializers` (name -> host array, kept alive by the caller)
-    in place of the graph's own."""
+    """The decoder step's session (`model`: the serialized graph) with `threads` intra-op threads and the session
+    `config` entries (among them where the graph's weights file is: sessions.EXTERNAL_DATA_FOLDER)."""
 
-    def __init__(self, model: bytes, threads: int, initializers: dict[str, np.ndarray], config: dict[str, str]):
+    def __init__(self, model: bytes, threads: int, config: dict[str, str]):
         self._library = library = _library()
-        names = list(initializers)
-        arrays = [initializers[name] for name in names]
-        for name, array in zip(names, arrays):
-            assert array.flags.c_contiguous, name
-        shapes = [d for a in arrays for d in a.shape]
         error, handle = ctypes.create_string_buffer(_ERROR_SIZE), ctypes.c_void_p()
         keys, values = ([x.encode() for x in xs] for xs in (config.keys(), config.values()))
-        _checked(library.nmt_runner_create(
-            model, len(model), threads, len(keys), (ctypes.c_char_p * len(keys))(*keys),
-            (ctypes.c_char_p * len(keys))(*values), len(names),
-            (ctypes.c_char_p * len(names))(*(n.encode() for n in names)),
-            (ctypes.c_int * len(names))(*(_element_type(a.dtype) for a in arrays)),
-            (ctypes.c_int64 * max(1, len(shapes)))(*shapes), (ctypes.c_int * len(names))(*(a.ndim for a in arrays)),
-            (ctypes.c_void_p * len(names))(*(a.ctypes.data for a in arrays)), ctypes.byref(handle), error, _ERROR_SIZE),
-            error)
+        _checked(library.nmt_runner_create(model, len(model), threads, len(keys), (ctypes.c_char_p * len(keys))(*keys),
+                                           (ctypes.c_char_p * len(keys))(*values), ctypes.byref(handle), error,
+                                           _ERROR_SIZE), error)
         self._handle = handle
         self._free = library.nmt_runner_free  # still callable while the interpreter shuts down
 

@@ -16,6 +16,8 @@ PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", 
 # left out on a CPU: SkipLayerNormFusion's kernel is slower there than the residual Add and LayerNormalization it
 # replaces in the int8 encoder (docs/performance.md, "The int8 encoder without SkipLayerNormalization")
 CPU_DISABLED_OPTIMIZERS = ["SkipLayerNormFusion"]
+# where a session made from a graph's bytes (the native library's) finds the weights file its graph points into
+EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 SPINNING = {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"}  # session_options says why
 _DEVICES: dict = {}  # ONNX Runtime's C-level device of each device name, made once (bind_address)
 
@@ -63,10 +65,11 @@ def session_options(intra_op_threads: int = 0) -> ort.SessionOptions:
     return so
 
 
-def make_session(path: Path, device: str = "cpu", intra_op_threads: int = 0, custom_ops: Path | None = None,
-                 initializers: dict[str, ort.OrtValue] | None = None) -> ort.InferenceSession:
-    """An ONNX Runtime session on `device` of the graph file at `path` as it is (with the custom-op library `custom_ops` registered, and `initializers` read from the caller's OrtValues in place
-    of the graph's own, which the caller keeps alive); asking for CUDA and silently getting CPU is an error."""
+def make_session(path: Path, device: str = "cpu", intra_op_threads: int = 0, custom_ops: Path | None = None
+                 ) -> ort.InferenceSession:
+    """An ONNX Runtime session on `device` of the graph file at `path` as it is (its weights from the bundle's
+    weights file beside it, which ONNX Runtime maps), with the custom-op library `custom_ops` registered; asking for
+    CUDA and silently getting CPU is an error."""
     if device not in PROVIDERS:
         raise ConfigError(f"device {device!r}: choose cpu or cuda")
     if device == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
@@ -74,8 +77,6 @@ def make_session(path: Path, device: str = "cpu", intra_op_threads: int = 0, cus
     options = session_options(intra_op_threads)
     if custom_ops is not None:
         options.register_custom_ops_library(str(custom_ops))
-    for name, value in (initializers or {}).items():
-        options.add_initializer(name, value)
     try:
         session = ort.InferenceSession(str(path), options,
                                        providers=PROVIDERS[device],

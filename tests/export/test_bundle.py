@@ -42,7 +42,7 @@ def test_manifest_records_model_graphs_variants_and_hashes(tiny_bundle, tiny_che
     graphs = ["encoder", "decoder", "decoder_shared", "encoder_kernels", "decoder_kernels", "decoder_shared_kernels"]
     assert manifest["variants"]["int8"]["graphs"] == {g: f"{g}.int8.onnx" for g in graphs}
     ops = {f"ops/{op}.float32.onnx" for op in ("zeros", "pad", "concat", "take", "slice", "scatter_rows")}
-    assert set(manifest["files"]) == {"spm.model", "shared.npz", "shared.int8.npz", *ops,
+    assert set(manifest["files"]) == {"spm.model", "weights.bin", *ops,
                                       *(f"{g}.onnx" for g in graphs), *(f"{g}.int8.onnx" for g in graphs)}
     assert manifest["source"]["checkpoint"] == str(tiny_checkpoint)
     assert manifest["source"]["metrics"]["valid_bleu"] >= 0
@@ -222,3 +222,34 @@ def test_languages_come_from_the_corpus_summary_unless_flags_say_otherwise(tiny_
     assert languages(ExportConfig("ckpt", "out"), payload) == {"source": "en", "target": "fr"}
     assert languages(ExportConfig("ckpt", "out", target_lang="de"), payload) == {"source": "en", "target": "de"}
     assert languages(ExportConfig("ckpt", "out"), {"train_config": {"data": None}}) == {"source": "", "target": ""}
+
+
+def test_every_large_tensor_is_in_the_weights_file_once_and_every_graph_points_into_it(tiny_bundle):
+    """The graphs of both variants hold no large initializer of their own: each is ONNX external data in
+    weights.bin, where a tensor that several graphs hold (the tied embedding, every weight the kernel graphs share
+    with the portable ones) is stored once, page-aligned."""
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    from nmtserve.export.build.step_graphs import ALIGNMENT, EXTERNAL_MIN_BYTES
+
+    bundle = load_bundle(tiny_bundle)
+    places, held = {}, 0
+    for variant in bundle.variants:
+        for graph in bundle.variant(variant)["graphs"]:
+            model = onnx.load(str(bundle.graph_path(variant, graph)), load_external_data=False)
+            for tensor in model.graph.initializer:
+                if uses_external_data(tensor):
+                    info = ExternalDataInfo(tensor)
+                    assert info.location == "weights.bin" and info.offset % ALIGNMENT == 0, tensor.name
+                    places.setdefault((info.offset, info.length), set()).add(tensor.name)
+                    held += info.length
+                else:
+                    assert len(tensor.raw_data) < EXTERNAL_MIN_BYTES, (graph, tensor.name)
+    size = (tiny_bundle / "weights.bin").stat().st_size
+    stored = sum(length for _, length in places)
+    assert stored <= size < stored + ALIGNMENT * len(places)  # each distinct tensor once, plus its alignment
+    assert held > 2 * stored  # the 12 graphs point at each stored byte several times: inline, it would be repeated
+    embedding = [names for names in places.values() if "model.embed.weight" in names]
+    assert len(embedding) == 1  # one copy for the encoders, the decoders and both variants
+

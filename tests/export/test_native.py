@@ -117,7 +117,7 @@ def test_native_beam_search_is_checked_against_the_rules_in_python(tiny_bundle, 
 
 
 def test_a_native_error_carries_onnx_runtimes_message_and_the_session_goes_on(tiny_bundle):
-    native, _ = _pair(tiny_bundle, "fp32")
+    native, plain = _pair(tiny_bundle, "fp32")
     binding = native.decoder.io_binding()
     assert isinstance(binding, NativeBinding)
     buffer = np.zeros(4, np.int64)
@@ -126,9 +126,12 @@ def test_a_native_error_carries_onnx_runtimes_message_and_the_session_goes_on(ti
         binding.run()
     with pytest.raises(NativeError):  # nothing bound: ONNX Runtime refuses the run
         binding.run()
-    assert native.translate_batch(["a b c"])[0].text is not None
+    texts = ["a b c", "the cat sleeps", "we are happy ."]  # the session goes on: as ONNX Runtime's own session
+    found, expected = (tr.translate_batch(texts, return_scores=True) for tr in (native, plain))
+    assert [t.tokens for t in found] == [t.tokens for t in expected]
+    assert np.allclose([t.score for t in found], [t.score for t in expected], atol=1e-5)
     with pytest.raises(NativeError, match="(?i)protobuf|parse|model"):  # what ONNX Runtime says of the bytes
-        NativeSession(b"not an onnx model", 1, {}, {})
+        NativeSession(b"not an onnx model", 1, {})
 
 
 def test_asking_for_native_steps_where_they_cannot_run_is_a_config_error(tiny_bundle):

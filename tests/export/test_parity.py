@@ -191,31 +191,28 @@ def _teacher_forced_log_probs(tr: OnnxTranslator, sources, paths) -> np.ndarray:
 
 @pytest.mark.parametrize("variant", ["fp32", "int8"])
 def test_encoder_and_decoder_read_one_copy_of_the_tied_embedding(tiny_bundle, variant):
-    """The embedding table both graphs hold is one host array that both sessions read (shared_weights):
-    zeroing it in place changes the encoder's output and, over the same encoder output, the decoder's
-    step; put back, both compute what they computed before."""
+    """The embedding table both graphs hold is stored once in the bundle's weights file, and both sessions map
+    that one place of the file, never copying it: two mappings (the encoder's and the decoder's) of the table's
+    offset, file-backed pages with nothing private (smaps' Anonymous 0 kB), which the page cache holds once."""
+    from onnx.external_data_helper import ExternalDataInfo
+
     tr = OnnxTranslator(tiny_bundle, variant=variant, intra_op_threads=1)
-    assert list(tr.shared_weights) == ["model.embed.weight"]
-    table = tr.shared_weights["model.embed.weight"]
-    assert table.shape == (tr.vocab_size, tr.d_model)
+    [encoder_table], [decoder_table] = ([ExternalDataInfo(t) for t in onnx.load(
+        str(tr.bundle.graph_path(variant, graph)), load_external_data=False).graph.initializer
+        if t.name == "model.embed.weight"] for graph in tr.graphs)
+    assert (encoder_table.offset, encoder_table.length) == (decoder_table.offset, decoder_table.length)
+    weights = str(tiny_bundle / "weights.bin")
+    mappings = [block for block in open("/proc/self/smaps").read().split("\n") if block]
+    found, anonymous = 0, []
+    for i, line in enumerate(mappings):
+        fields = line.split()
+        if len(fields) == 6 and fields[5] == weights and int(fields[2], 16) == encoder_table.offset:
+            found += 1
+            anonymous.append(next(m for m in mappings[i + 1:] if m.startswith("Anonymous:")).split()[1])
+    assert found >= 2, found  # one for each session
+    assert anonymous == ["0"] * found, anonymous
     src_ids, src_mask = tr.pad([[10, 11, 12, tr.eos_id]])
-    empty = np.zeros((tr.n_layers, 1, tr.n_heads, 0, tr.head_dim), tr.kv_dtype)
-
-    def encode():
-        return tr.encode(src_ids, src_mask)[:2]
-
-    def step(cross_k, cross_v):
-        return tr.step([tr.bos_id], [0], empty, empty, np.zeros((1, 0), bool), cross_k, cross_v, src_mask)[0]
-
-    cross = encode()
-    before = step(*cross)
-    kept = table.copy()
-    table[:] = 0
-    assert not np.allclose(encode()[0], cross[0])  # the encoder looked the zeros up
-    assert not np.allclose(step(*cross), before)  # so did the decoder, over the same encoder output
-    table[:] = kept
-    np.testing.assert_array_equal(encode()[0], cross[0])
-    np.testing.assert_array_equal(step(*cross), before)
+    assert np.isfinite(tr.encode(src_ids, src_mask)[0]).all()  # the mapped table serves a real lookup
 
 
 def test_int8_picks_fp32s_token_wherever_fp32_is_decisive(tiny_bundle, tiny_corpus):
