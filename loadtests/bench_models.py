@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nmtserve.errors import NmtserveError
-from nmtserve.loadtests.bench_served import percentile
 from nmtserve.loadtests.machine import describe, machine_info
+from nmtserve.loadtests.measure import percentile
 from nmtserve.loadtests.workload import ServerProcess, default_sentence_file, mixed, read_sentences
 
 

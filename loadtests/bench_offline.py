@@ -45,11 +45,8 @@ the report records the GPU (nvidia-smi) beside the CPU.
 from __future__ import annotations
 
 import json
-import os
-import re
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,6 +63,7 @@ from nmtserve.loadtests.machine import (
     product_peak,
     usable_cores,
 )
+from nmtserve.loadtests.measure import CT2_ISA, layout_name, run_measure, run_worker
 from nmtserve.search import DecodingOptions
 
 BATCH_SIZES = (1, 8, 32, 64)
@@ -92,9 +90,7 @@ def default_threads(device: str = "cpu") -> tuple[int, ...]:
     return tuple(sorted({max(1, cores // 2), cores}))
 
 
-CT2_ISA = "CT2_FORCE_CPU_ISA"  # CTranslate2's code path for its own kernels; unset: AVX2 on any x86 CPU that has it
 CT2_AVX512_FLAGS = ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")  # what its AVX512 path asks for
-CT2_LOGGED = ("Selected ISA", "Use Intel MKL", "SGEMM backend", "GEMM_S8 backend")  # its CT2_VERBOSE lines we keep
 
 
 def ct2_isas(device: str = "cpu") -> tuple[str, ...]:
@@ -109,10 +105,6 @@ def layouts(engine: str, threads: tuple[int, ...], device: str = "cpu") -> list[
     kind = engine.split("_")[0]
     counts = [(1, n) for n in threads] + [(n, 1) for n in threads if n > 1 and kind in INTER_ENGINES]
     return [(inter, intra, isa) for isa in (ct2_isas(device) if kind == "ct2" else ("",)) for inter, intra in counts]
-
-
-def layout_name(inter: int, intra: int, isa: str = "") -> str:
-    return f"{inter}x{intra}" + (f"+{isa.lower()}" if isa else "")
 
 
 @dataclass
@@ -296,33 +288,6 @@ def measure(engine: str, inter: int, threads: int, spec: dict) -> dict:
             "same_output_at_every_batch_size": all(o == first for o in outputs.values()),
             "peak_rss_mb": _peak_rss_mb(), "host_probe": [probe_before, host_probe()],
             "modules_loaded": [m for m in ENGINE_MODULES if m in sys.modules]}
-
-
-def run_worker(engine: str, inter: int, threads: int, spec_path: Path, isa: str = "") -> dict:
-    """`measure` in a process of its own (only `engine`'s library loaded), on the spec written at spec_path.
-    A CTranslate2 worker runs at `isa` (CT2_FORCE_CPU_ISA; "" leaves the choice to CTranslate2, whatever this
-    process's environment says), and its result has `ct2_logged`: what it logged of the code it chose."""
-    env = {"CT2_VERBOSE": "1", CT2_ISA: isa} if engine.startswith("ct2_") else {}
-    result, stderr = run_measure(["nmtserve.loadtests.bench_offline", "worker", engine], inter, threads, spec_path,
-                                 f"bench worker {engine}", env)
-    if env:
-        result["ct2_logged"] = {key: value.strip() for key, value in re.findall(r"\] +- ([^:\n]+): (.*)", stderr)
-                                if key in CT2_LOGGED}
-    return result
-
-
-def run_measure(module_and_args: list[str], inter: int, threads: int, spec_path: Path, what: str,
-                env: dict[str, str] | None = None) -> tuple[dict, str]:
-    """`python -m MODULE ARGS… INTER THREADS SPEC` in a process of its own (the math libraries on `threads`
-    threads; `env` set over this process's environment, a name set to "" removed), whose last line of output
-    is its JSON result: that result and its stderr; NmtserveError with the end of its stderr if it fails."""
-    env = {**os.environ, **{v: str(threads) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")},
-           **(env or {})}
-    done = subprocess.run([sys.executable, "-m", *module_and_args, str(inter), str(threads), str(spec_path)],
-                          capture_output=True, text=True, env={k: v for k, v in env.items() if v}, timeout=3600)
-    if done.returncode != 0:
-        raise NmtserveError(f"{what} ({layout_name(inter, threads)} threads) failed: {done.stderr.strip()[-800:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
 # -- the runner

@@ -50,7 +50,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from nmtserve.errors import NmtserveError
-from nmtserve.loadtests.bench_offline import layout_name, run_measure, run_worker
 from nmtserve.loadtests.grpc_floor import FLOOR_CLIENTS, grpc_floor
 from nmtserve.loadtests.machine import (
     PROBES,
@@ -61,6 +60,7 @@ from nmtserve.loadtests.machine import (
     thread_times,
     usable_cores,
 )
+from nmtserve.loadtests.measure import layout_name, percentile, run_measure, run_worker
 from nmtserve.loadtests.workload import (
     ServerProcess,
     default_sentence_file,
@@ -94,11 +94,6 @@ class ServedBenchConfig:
     server_flags: list[str] = field(default_factory=list)
     decoding: str = "greedy"  # or "mixed": each request's mode drawn from workload.DECODING_MIX
     sentences_per_call: int = 1  # sentences in each Translate call
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
 def work(cfg: ServedBenchConfig, pool: list[str], n: int, seed: int) -> list[tuple[list[str], dict]]:

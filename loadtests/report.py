@@ -12,7 +12,7 @@ import csv
 from collections import defaultdict
 from pathlib import Path
 
-from nmtserve.loadtests.slo import CALLS, REJECTED_SUFFIX, _number, split_entry
+from nmtserve.loadtests.slo import CALLS, REJECTED_SUFFIX, number, split_entry
 
 
 def read_history(path: str | Path) -> list[dict]:
@@ -28,20 +28,20 @@ def series(rows: list[dict]) -> dict[str, list[float]]:
     for row in rows:
         t, (kind, tag) = int(row["Timestamp"]), split_entry(row["Name"])
         point = by_time[t]
-        point["users"] = _number(row["User Count"])
+        point["users"] = number(row["User Count"])
         if kind in CALLS:
-            point["calls_per_s"] += _number(row["Requests/s"])
-            point["failures_per_s"] += _number(row["Failures/s"])
+            point["calls_per_s"] += number(row["Requests/s"])
+            point["failures_per_s"] += number(row["Failures/s"])
             if tag:
                 tags.add(tag)
-                point[f"calls_per_s [{tag}]"] += _number(row["Requests/s"])
+                point[f"calls_per_s [{tag}]"] += number(row["Requests/s"])
         if kind.endswith(REJECTED_SUFFIX):
-            point["rejected_per_s"] += _number(row["Requests/s"])
+            point["rejected_per_s"] += number(row["Requests/s"])
         if kind == "Translate":
-            point["p50_ms"] = max(point["p50_ms"], _number(row["50%"]))
-            point["p95_ms"] = max(point["p95_ms"], _number(row["95%"]))
+            point["p50_ms"] = max(point["p50_ms"], number(row["50%"]))
+            point["p95_ms"] = max(point["p95_ms"], number(row["95%"]))
         if kind == "TranslateStream TTFT":
-            point["ttft_p95_ms"] = max(point["ttft_p95_ms"], _number(row["95%"]))
+            point["ttft_p95_ms"] = max(point["ttft_p95_ms"], number(row["95%"]))
     times = sorted(by_time)
     start = times[0] if times else 0
     keys = ("users", "calls_per_s", "rejected_per_s", "failures_per_s", "p50_ms", "p95_ms", "ttft_p95_ms",

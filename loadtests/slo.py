@@ -85,11 +85,11 @@ def read_stats(path: str | Path) -> dict[str, dict[str, float]]:
     out = {}
     for row in rows:
         if row.get("Type") == "grpc":
-            out[row["Name"]] = {k: _number(v) for k, v in row.items() if k not in ("Type", "Name")}
+            out[row["Name"]] = {k: number(v) for k, v in row.items() if k not in ("Type", "Name")}
     return out
 
 
-def _number(text: str) -> float:
+def number(text: str) -> float:
     try:
         return float(text)
     except (TypeError, ValueError):

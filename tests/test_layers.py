@@ -21,6 +21,13 @@ NEVER.update({f"nmtserve/{name}": ("nmtserve.cli", "nmtserve.translate", "nmtser
               for name in CORE})
 
 
+def _private_imports(path: Path) -> set[str]:
+    """Names starting with an underscore that the module imports from another nmtserve module."""
+    return {f"{node.module}.{alias.name}" for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("nmtserve")
+            for alias in node.names if alias.name.startswith("_")}
+
+
 def _imports(path: Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -37,4 +44,11 @@ def test_no_module_imports_a_layer_above_it(where):
     assert files
     wrong = {f"{path.relative_to(ROOT)} imports {name}" for path in files for name in _imports(path)
              for banned in NEVER[where] if name == banned or name.startswith(banned + ".")}
+    assert not wrong, sorted(wrong)
+
+
+def test_no_module_imports_another_modules_private_names():
+    files = [path for folder in ("nmtserve", "training", "export", "server", "loadtests")
+             for path in sorted((ROOT / folder).rglob("*.py")) if "v1" not in path.parts]
+    wrong = {f"{path.relative_to(ROOT)} imports {name}" for path in files for name in _private_imports(path)}
     assert not wrong, sorted(wrong)

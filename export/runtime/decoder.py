@@ -38,13 +38,13 @@ from nmtserve.export.runtime.sessions import (
     EXTERNAL_DATA_FOLDER,
     PROVIDERS,
     SPINNING,
-    _refs,
-    _same,
     bind_address,
     cannot_load,
     make_session,
     run_bound,
+    same_objects,
     session_options,
+    weak_refs,
 )
 from nmtserve.export.runtime.tensors import DeviceTensors, HostTensors
 
@@ -281,7 +281,7 @@ class Decoder:
             + (() if state.origin is None else (state.origin,))
         where = state.ops.device  # host arrays are host memory to every session (io_binding off on CUDA too)
         copied_when_bound = where != self.device
-        if copied_when_bound or not _same(bound.get("caches"), caches):
+        if copied_when_bound or not same_objects(bound.get("caches"), caches):
             for name, x in zip(("k", "v", "cross_k", "cross_v"), caches):
                 shape = state.ops.shape(x)[1:]
                 for layer, address in enumerate(self._layer_addresses(x)):
@@ -301,16 +301,16 @@ class Decoder:
             if shared:  # each source's rows, for the cross-attention's queries
                 self._query_shape = np.array([-1, state.width, self.d_model], np.int64)
                 bind_address(binding, "query_shape", "cpu", np.int64, (3,), self._query_shape.ctypes.data)
-            bound["caches"] = _refs(caches)
+            bound["caches"] = weak_refs(caches)
         rows, rebound = (state.tokens, state.positions, state.cross_slot), True
         if self.io_binding or copied_when_bound:
             for name, x in zip(ROW_INPUTS, rows):
                 binding.bind_cpu_input(name, np.ascontiguousarray(x))
-        elif not _same(bound.get("rows"), rows):
+        elif not same_objects(bound.get("rows"), rows):
             for name, x in zip(ROW_INPUTS, rows):
                 assert x.flags.c_contiguous, name
                 bind_address(binding, name, "cpu", x.dtype, x.shape, x.ctypes.data)
-            bound["rows"] = _refs(rows)
+            bound["rows"] = weak_refs(rows)
         else:
             rebound = False
         wholes, new_outputs = 0 if whole is None else len(whole), False

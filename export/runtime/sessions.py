@@ -92,7 +92,7 @@ def cannot_load(path: Path, error: Exception) -> BundleError:
     return BundleError(f"{path}: onnxruntime cannot load it ({(str(error).splitlines() or [''])[0][:200]})")
 
 
-def _same(bound: tuple | None, objects: tuple) -> bool:
+def same_objects(bound: tuple | None, objects: tuple) -> bool:
     """Whether `bound` (weak references) refers to exactly these objects, all alive: the same objects are
     the same buffers, and a dead one's address may have been reused."""
     if bound is None:
@@ -103,6 +103,6 @@ def _same(bound: tuple | None, objects: tuple) -> bool:
     return True
 
 
-def _refs(objects: tuple) -> tuple:
+def weak_refs(objects: tuple) -> tuple:
     """Weak references to a bound group: the binding does not keep a finished batch's tensors alive."""
     return tuple(weakref.ref(x) for x in objects)
