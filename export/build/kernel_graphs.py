@@ -57,8 +57,7 @@ def with_custom_kernels(model: onnx.ModelProto, beam_origin: bool = False) -> on
             node = helper.make_node("DecodeCrossAttention", [*node.input[:3], node.input[4]], list(node.output),
                                     domain="nmtserve")
         nodes.append(node)
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    set_nodes(model, nodes)
     _flat_self_attention(model)
     _flat_cross_attention(model)
     _fused_embedding(model)
@@ -233,8 +232,7 @@ def with_packed_attention(model: onnx.ModelProto) -> onnx.ModelProto:
     if any(name not in made for name in read):  # a removed node's output is still read or an output:
         replaced = {k: v for k, v in replaced.items() if not isinstance(v, list)}  # the cross K/V stay as exported
         nodes = _rebuilt(model, replaced, dropped)
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    set_nodes(model, nodes)
     if not any(opset.domain == "nmtserve" for opset in model.opset_import):
         model.opset_import.append(helper.make_opsetid("nmtserve", 1))
     return model
@@ -288,9 +286,14 @@ def sort_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
         if i not in state:
             visit(i)
     nodes = [model.graph.node[i] for i in order]
+    set_nodes(model, nodes)
+    return model
+
+
+def set_nodes(model: onnx.ModelProto, nodes: list[onnx.NodeProto]) -> None:
+    """The graph's nodes replaced, in place, by `nodes` in their order."""
     del model.graph.node[:]
     model.graph.node.extend(nodes)
-    return model
 
 
 def _reads(node: onnx.NodeProto) -> list[str]:
@@ -342,8 +345,7 @@ def with_row_quantize(model: onnx.ModelProto) -> onnx.ModelProto:
             model.graph.initializer.append(negated)
             node = helper.make_node("Sub", [product, negated.name], list(node.output), name=node.name)
         nodes.append(node)
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    set_nodes(model, nodes)
     _scale_logits_in_search_head(model)
     _fuse_epilogues(model)
     _bias_into_attention(model)
@@ -417,8 +419,7 @@ def _weight_scaled(model: onnx.ModelProto, made_by: dict[str, onnx.NodeProto], r
 def _rebuild(model: onnx.ModelProto, inserted: dict[int, list[onnx.NodeProto]], dropped: list[onnx.NodeProto]) -> None:
     """The graph's nodes, in place, as `_rebuilt` gives them."""
     nodes = _rebuilt(model, inserted, {id(n) for n in dropped})
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    set_nodes(model, nodes)
 
 
 def _scale_logits_in_search_head(model: onnx.ModelProto) -> None:

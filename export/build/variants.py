@@ -15,6 +15,8 @@ from pathlib import Path
 
 import onnx
 
+from nmtserve.export.build.kernel_graphs import set_nodes
+
 VARIANTS = {
     "fp32": {"devices": ["cpu"], "kv_dtype": "float32"},
     "int8": {"devices": ["cpu"], "kv_dtype": "float32"},
@@ -55,8 +57,7 @@ def gemm_as_matmul(model: onnx.ModelProto) -> onnx.ModelProto:
         nodes.append(helper.make_node("MatMul", [node.input[0], weight], [product], name=node.name + "_matmul"))
         if len(node.input) > 2:
             nodes.append(helper.make_node("Add", [product, node.input[2]], list(node.output), name=node.name + "_bias"))
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    set_nodes(model, nodes)
     used = {name for node in nodes for name in node.input}
     kept = [t for t in model.graph.initializer if t.name in used]
     del model.graph.initializer[:]
