@@ -491,7 +491,7 @@ def format_table(report: dict) -> str:
     if max(counts) > 1.01 * min(counts):  # tokens/s then compares unequal work: say so beside the table
         lines.append("NOTE: the engines decoded different numbers of tokens (more than 1% apart), so their tokens/s "
                      "do not measure the same work")
-    if report.get("limit"):  # reports before 2026-12-01 lack it
+    if report.get("limit"):  # older reports lack it
         limit = report["limit"]
         peak, cost = limit["peak"], limit["mflop"]
         lines.append(f"limit: a target token costs {cost['per_target_token']:.1f} MFLOP of products (a decoder step "

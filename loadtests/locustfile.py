@@ -55,8 +55,8 @@ from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 grpc_gevent.init_gevent()  # after locust's gevent monkey-patching, before any channel exists
 # grpc under gevent waits for every completion-queue event (a unary reply, each streamed message)
 # in a thread of gevent's hub threadpool, 10 threads by default: with more users than that, calls
-# queue for a thread and a stream, which needs one per message, stalls between deltas (at 32
-# users: 190 ms between deltas on a server that sent one every 20 ms). One thread per user.
+# queue for a thread and a stream, which needs one per message, stalls between deltas, many times the
+# server's interval between them. One thread per user.
 THREADPOOL_SIZE = 1024
 gevent.get_hub().threadpool.maxsize = THREADPOOL_SIZE
 

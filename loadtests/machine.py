@@ -72,7 +72,7 @@ def describe(info: dict) -> str:
     """One line for the top of a printed report."""
     versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items())
     gpu = f"GPU {info['gpu']}; " if "gpu" in info else ""
-    family = f"{info['cpu_family']}; " if info.get("cpu_family") else ""  # reports before 2026-11-29 lack it
+    family = f"{info['cpu_family']}; " if info.get("cpu_family") else ""  # older reports lack it
     return (f"{gpu}{info['cpu']} ({family}{info['usable_cores']} usable cores; {' '.join(info['cpu_flags'])}); "
             f"Python {info['python']}; {versions}")
 
