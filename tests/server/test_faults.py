@@ -201,7 +201,9 @@ def test_sigkill_and_restart_serve_again_with_the_bundle_intact(tiny_bundle, lon
         port = first.port
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(_translate, first.target, long_sentences) for _ in range(8)]
+            deadline = time.monotonic() + 60
             while first.metric("nmtserve_requests_running") == 0:
+                assert time.monotonic() < deadline, "no request was running 60 s after the 8 calls began"
                 time.sleep(0.01)
             first.proc.kill()
             outcomes = []

@@ -61,7 +61,10 @@ def test_defaults_languages_and_translations_follow_the_marian_model(marian_dir,
 def test_target_language_must_be_the_models(marian_served):
     with marian_served.channel() as channel:
         stub = pb_grpc.TranslationServiceStub(channel)
-        assert stub.Translate(pb.TranslateRequest(sentences=["The cat."], target_language="fr"), timeout=30)
+        named = stub.Translate(pb.TranslateRequest(sentences=["The cat."], target_language="fr"), timeout=30)
+        unnamed = stub.Translate(pb.TranslateRequest(sentences=["The cat."]), timeout=30)
+        assert [t.text for t in named.translations] == [t.text for t in unnamed.translations]  # the model's own
+        assert named.translations[0].output_tokens > 0
         with pytest.raises(grpc.RpcError) as refused:
             stub.Translate(pb.TranslateRequest(sentences=["The cat."], target_language="de"), timeout=30)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT

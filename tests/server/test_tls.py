@@ -31,11 +31,26 @@ def pki(tmp_path_factory):
     return d
 
 
+SENTENCE = "The cat sleeps."
+
+
 def _translate(target: str, tls: TlsFiles | None) -> str:
     with open_channel(target, tls) as channel:
         response = pb_grpc.TranslationServiceStub(channel).Translate(
-            pb.TranslateRequest(sentences=["The cat sleeps."], options=pb.DecodingOptions(max_output_tokens=4)), timeout=10)
+            pb.TranslateRequest(sentences=[SENTENCE], options=pb.DecodingOptions(max_output_tokens=4)), timeout=10)
     return response.translations[0].text
+
+
+@pytest.fixture(scope="module")
+def plaintext(tiny_bundle) -> str:
+    """What a server without TLS answers for SENTENCE: the reference for the TLS servers' answers."""
+    server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1))
+    try:
+        text = _translate(server.target, None)
+    finally:
+        server.stop()
+    assert text  # an empty answer would match anything that failed to decode
+    return text
 
 
 def _config(bundle, pki, **tls) -> ServerConfig:
@@ -43,10 +58,10 @@ def _config(bundle, pki, **tls) -> ServerConfig:
                         tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"), **tls)
 
 
-def test_tls_serves_clients_that_trust_the_ca_and_refuses_plaintext(tiny_bundle, pki):
+def test_tls_serves_clients_that_trust_the_ca_and_refuses_plaintext(tiny_bundle, pki, plaintext):
     server = ServerThread(_config(tiny_bundle, pki))
     try:
-        assert isinstance(_translate(server.target, TlsFiles(ca=str(pki / "ca.pem"))), str)
+        assert _translate(server.target, TlsFiles(ca=str(pki / "ca.pem"))) == plaintext
         with pytest.raises(grpc.RpcError) as err:
             _translate(server.target, None)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -54,18 +69,18 @@ def test_tls_serves_clients_that_trust_the_ca_and_refuses_plaintext(tiny_bundle,
         server.stop()
 
 
-def test_mutual_tls_requires_a_client_certificate_signed_by_the_client_ca(tiny_bundle, pki):
+def test_mutual_tls_requires_a_client_certificate_signed_by_the_client_ca(tiny_bundle, pki, plaintext):
     server = ServerThread(_config(tiny_bundle, pki, tls_client_ca=str(pki / "ca.pem")))
     try:
         with_cert = TlsFiles(ca=str(pki / "ca.pem"), cert=str(pki / "client.pem"), key=str(pki / "client.key"))
-        assert isinstance(_translate(server.target, with_cert), str)
+        assert _translate(server.target, with_cert) == plaintext
         with pytest.raises(grpc.RpcError) as err:
             _translate(server.target, TlsFiles(ca=str(pki / "ca.pem")))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         # and the CLI client speaks mutual TLS too
         out = run_cli("translate", "--server", server.target, "--tls-ca", str(pki / "ca.pem"), "--tls-cert",
-                      str(pki / "client.pem"), "--tls-key", str(pki / "client.key"), "The cat sleeps.")
-        assert out.returncode == 0 and out.stdout.strip(), out.stderr
+                      str(pki / "client.pem"), "--tls-key", str(pki / "client.key"), "--max-length", "4", SENTENCE)
+        assert out.returncode == 0 and out.stdout.strip() == plaintext, out.stderr
     finally:
         server.stop()
 

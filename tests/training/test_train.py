@@ -109,14 +109,28 @@ def test_checkpoint_averaging_is_the_mean_of_weights(tiny_corpus, tmp_path):
     assert load_model(out).model.num_parameters() > 0
 
 
-def test_cli_evaluate_json_and_translate(tiny_checkpoint):
-    result = run_cli("evaluate", str(tiny_checkpoint), "--split", "test", "--json")
+def test_cli_evaluate_json_and_translate(tiny_checkpoint, tiny_corpus, tmp_path):
+    """evaluate's scores against sacrebleu's own on the hypotheses it wrote and the split's references; translate's
+    lines against the PyTorch greedy decode of the same checkpoint, called in this process."""
+    import sacrebleu
+
+    from nmtserve.training.decode import translate
+
+    hypotheses = tmp_path / "hypotheses.txt"
+    result = run_cli("evaluate", str(tiny_checkpoint), "--split", "test", "--json", "--output", str(hypotheses))
     assert result.returncode == 0, result.stderr
     scores = json.loads(result.stdout)
-    assert scores["split"] == "test" and scores["sentences"] == 40 and 0 <= scores["bleu"] <= 100 and scores["chrf"] > 0
-    result = run_cli("translate", str(tiny_checkpoint), "The cat sleeps.", "Did the dogs eat?")
+    assert scores["split"] == "test" and scores["sentences"] == 40
+    references = [target for _, target in read_tsv(tiny_corpus / "test.tsv").pairs]
+    found = hypotheses.read_text(encoding="utf-8").splitlines()
+    assert len(found) == len(references) == 40
+    assert scores["bleu"] == pytest.approx(sacrebleu.corpus_bleu(found, [references]).score, abs=0.01)
+    assert scores["chrf"] == pytest.approx(sacrebleu.corpus_chrf(found, [references]).score, abs=0.01)
+    texts = ["The cat sleeps.", "Did the dogs eat?"]
+    result = run_cli("translate", str(tiny_checkpoint), *texts)
     assert result.returncode == 0, result.stderr
-    assert len(result.stdout.splitlines()) == 2
+    loaded = load_model(tiny_checkpoint)
+    assert result.stdout.splitlines() == translate(loaded.model, loaded.tokenizer, texts)
 
 
 def test_cli_evaluate_a_bundle_with_beam_search_agrees_with_the_checkpoint(tiny_checkpoint, tiny_bundle, tmp_path):
