@@ -63,6 +63,50 @@ def test_sampling_with_a_seed_draws_the_pytorch_references_tokens(tiny_bundle, l
     assert sum(g[0].tokens != r[0].tokens for g, r in zip(got, greedy)) >= len(sources) // 4
 
 
+def _first_token_distribution(loaded, source: list[int], topk: int, temperature: float, topp: float) -> np.ndarray:
+    """The first target token's sampling distribution (V,) from PyTorch's log-probabilities, worked out here with
+    numpy (not nmtserve.search): the topk best, divided by the temperature, softmax, then top-p (a token is kept
+    while the mass of the better ones is below topp), renormalised."""
+    import torch
+
+    model = loaded.model.eval()
+    src_ids, src_mask = torch.tensor([source]), torch.ones(1, len(source), dtype=torch.bool)
+    prefix = torch.tensor([[model.config.bos_id]])
+    with torch.no_grad():
+        log_probs = model.decode(prefix, model.encode(src_ids, src_mask), src_mask,
+                                 torch.ones_like(prefix).bool())[0, -1].double().numpy()
+    best = np.argsort(-log_probs, kind="stable")[:topk]
+    weights = np.exp((log_probs[best] - log_probs[best].max()) / temperature)
+    weights /= weights.sum()
+    kept = np.concatenate([[0.0], np.cumsum(weights)[:-1]]) < topp
+    distribution = np.zeros(len(log_probs))
+    distribution[best[kept]] = weights[kept] / weights[kept].sum()
+    return distribution
+
+
+def test_sampled_first_tokens_follow_the_distribution_worked_out_independently(tiny_bundle, loaded, sources):
+    """3,000 draws of one source's first token (each sentence its own random seed) against the distribution computed
+    from PyTorch's log-probabilities with numpy: every token's share within 4.5 standard errors of its probability.
+    The same draws are refused by the distributions of a sampler that ignored the temperature or top-p: the check
+    can fail."""
+    options = dict(sampling_topk=10, sampling_temperature=2.0, sampling_topp=0.9)
+    source, n = sources[0], 3000
+    found = OnnxTranslator(tiny_bundle).search_ids([source] * n, DecodingOptions(**options, seed=0, max_decoding_length=1),
+                                                   max_batch_size=500)
+    first = np.array([h[0].tokens[0] if h[0].tokens else loaded.tokenizer.eos_id for h in found])
+    shares = np.bincount(first, minlength=loaded.model.config.vocab_size) / n
+
+    def fits(distribution: np.ndarray) -> bool:
+        error = np.sqrt(distribution * (1 - distribution) / n) + 1e-3
+        return bool((np.abs(shares - distribution) <= 4.5 * error).all())
+
+    expected = _first_token_distribution(loaded, source, 10, 2.0, 0.9)
+    assert (expected > 0.05).sum() >= 3, expected[expected > 0]  # a real draw, not one near-certain token
+    assert fits(expected)
+    assert not fits(_first_token_distribution(loaded, source, 10, 1.0, 0.9))  # temperature ignored
+    assert not fits(_first_token_distribution(loaded, source, 10, 2.0, 1.0))  # top-p ignored
+
+
 def test_beam_n_best_lists_equal_ctranslate2s_on_the_same_weights(tiny_bundle, loaded, sources, tmp_path):
     """CTranslate2 is told min_decoding_length=0 (its translate_batch forbids eos at the first step by
     default; nmtserve allows an empty translation) and each sentence's budget as max_decoding_length."""
