@@ -19,7 +19,7 @@ from nmtserve.server.config import ServerConfig
 from nmtserve.training.data import read_tsv
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
-from tests.helpers import ServerThread, run_cli, wait_engine_idle
+from tests.helpers import ServerThread, run_cli, scrape, wait_engine_idle
 
 
 @pytest.fixture(scope="module")
@@ -176,12 +176,25 @@ def test_health_and_reflection(served):
 
 
 def test_deadline_exceeded_frees_the_rows(served, sentences):
-    with served.channel() as channel, pytest.raises(grpc.RpcError) as err:
-        pb_grpc.TranslationServiceStub(channel).Translate(pb.TranslateRequest(sentences=sentences[:8]), timeout=0.001)
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    engine = served.running.engine
-    wait_engine_idle(engine, 30)  # freed at the engine's next step; generous for a loaded machine
-    assert engine.stats() == {**engine.stats(), "running": 0, "waiting": 0}
+    """A call whose deadline passes while its sentences are in the engine ends DEADLINE_EXCEEDED, and the engine
+    drops them (counted as finished by deadline or cancellation in /metrics: they did reach it) and frees their
+    rows. Deadlines from 1 ms up, until one lands while the sentences are in the engine."""
+    def dropped() -> float:
+        return sum(s.value for s in scrape(served.running.metrics_port) if s.name == "nmtserve_cancelled_sentences_total")
+
+    engine, reached = served.running.engine, 0.0
+    for timeout in (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.012):
+        before = dropped()
+        with served.channel() as channel, pytest.raises(grpc.RpcError) as err:
+            pb_grpc.TranslationServiceStub(channel).Translate(pb.TranslateRequest(
+                sentences=sentences[:8], options=pb.DecodingOptions(beam_size=4, max_output_tokens=64)), timeout=timeout)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert wait_engine_idle(engine, 30), "the engine still held rows 30 s after the call's deadline"
+        assert engine.stats() == {**engine.stats(), "running": 0, "waiting": 0}
+        reached = dropped() - before
+        if reached:
+            break
+    assert reached > 0, f"no deadline up to {timeout} s landed while the call's sentences were in the engine"
 
 
 def test_overload_is_refused_with_resource_exhausted(tiny_bundle, sentences):
