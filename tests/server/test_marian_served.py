@@ -58,13 +58,18 @@ def test_defaults_languages_and_translations_follow_the_marian_model(marian_dir,
 
 
 @pytest.mark.parametrize("marian_dir", ["swish"], indirect=True)
-def test_target_language_must_be_the_models(marian_served):
+def test_target_language_must_be_the_models(marian_served, marian_bundle):
+    """Naming the model's own target language translates as OnnxTranslator does with the model's defaults (the
+    server's step, beam 4 and transformers' stopping from generation_config.json); another one is refused."""
+    from nmtserve.export.runtime.translator import OnnxTranslator
+
+    reference = OnnxTranslator(marian_bundle, shared_cross=False)
+    defaults = reference.bundle.manifest["decoding_defaults"]
+    expected = reference.translate_batch(["The cat."], **defaults)[0].text
     with marian_served.channel() as channel:
         stub = pb_grpc.TranslationServiceStub(channel)
         named = stub.Translate(pb.TranslateRequest(sentences=["The cat."], target_language="fr"), timeout=30)
-        unnamed = stub.Translate(pb.TranslateRequest(sentences=["The cat."]), timeout=30)
-        assert [t.text for t in named.translations] == [t.text for t in unnamed.translations]  # the model's own
-        assert named.translations[0].output_tokens > 0
+        assert [t.text for t in named.translations] == [expected]
         with pytest.raises(grpc.RpcError) as refused:
             stub.Translate(pb.TranslateRequest(sentences=["The cat."], target_language="de"), timeout=30)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
