@@ -130,8 +130,9 @@ async def start_server(config: ServerConfig) -> RunningServer:
     credentials = server_credentials(config)  # a bad certificate path fails before the model loads
     io_binding = _switch("io-binding", config.runtime.io_binding)  # the switches are checked before any model loads
     attention_kernel = _switch("attention-kernel", config.runtime.attention_kernel)
+    flags = config.flat()
     for name in AT_LEAST_ONE:  # 0 rows or a queue of 0 would take no request, ever
-        value = config.flat()[name]
+        value = flags[name]
         if value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be at least 1")
     specs = model_specs(config)

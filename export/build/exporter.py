@@ -72,15 +72,12 @@ def export_bundle(cfg: ExportConfig) -> dict:
             for graph in ("encoder", "decoder"):
                 write_variant(name, paths[graph], out / file_name(graph, name))
     c = loaded.model.config
-    weights = WeightStore(out / WEIGHTS)
-    try:
+    with WeightStore(out / WEIGHTS) as weights:
         variants = {name: {"graphs": prepare_variant(out, name, c.n_heads, c.d_model, "cpu" in VARIANTS[name]["devices"],
                                                      weights), **VARIANTS[name]} for name in cfg.variants}
-    finally:
-        weights.close()
     tensor_ops = {dtype: write_tensor_ops(out, dtype) for dtype in sorted({v["kv_dtype"] for v in variants.values()})}
     kept = bundle_files({"variants": variants, "tensor_ops": tensor_ops, "weights": WEIGHTS})
-    for stale in [*out.glob("*.onnx"), *out.glob("*.npz"), *out.glob("ops/*.onnx")]:  # a re-export leaves nothing behind
+    for stale in [*out.glob("*.onnx"), *out.glob("ops/*.onnx")]:  # a re-export leaves nothing behind
         if str(stale.relative_to(out)) not in kept:
             stale.unlink()
 

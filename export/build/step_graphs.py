@@ -1,7 +1,7 @@
 """The graphs a bundle variant serves, prepared at export time: the runtime loads them as they are.
 
 From a variant's encoder and decoder-step graphs (export/build/graphs.py, then variants.py's precision) this
-writes, for each variant, the graphs `GRAPHS` names:
+writes, for each variant:
 - `encoder`: as exported;
 - `decoder`: the step with its search head (`with_search_head`), each row with its own cross K/V (the server's
   running batch, whose rows have different widths);
@@ -28,8 +28,6 @@ from onnx.external_data_helper import set_external_data
 
 from nmtserve.export.build import kernel_graphs
 
-GRAPHS = ("encoder", "decoder", "decoder_shared")
-KERNEL_GRAPHS = ("encoder_kernels", "decoder_kernels", "decoder_shared_kernels")
 WEIGHTS = "weights.bin"
 EXTERNAL_MIN_BYTES = 1 << 10  # smaller initializers stay in their graph
 ALIGNMENT = 1 << 16  # each tensor starts at a multiple of the largest page size a loader maps in one piece
@@ -85,7 +83,10 @@ class WeightStore:
             set_external_data(tensor, self.path.name, self.offsets[key], len(data))
             tensor.ClearField("raw_data")
 
-    def close(self) -> None:
+    def __enter__(self) -> WeightStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
         self.file.close()
 
 
@@ -181,8 +182,7 @@ def with_shared_cross(model: onnx.ModelProto, heads: int, dim: int) -> onnx.Mode
                       helper.make_node("Reshape", [name + "_shared", "shared_cross_rows"], list(squeeze.output))]
         elif node.output[0] not in dropped:
             nodes.append(node)
-    del graph.node[:]
-    graph.node.extend(nodes)
+    kernel_graphs.set_nodes(model, nodes)
     kept_inputs = [i for i in graph.input if not i.name.startswith("cross_eos_")]
     kept_outputs = [o for o in graph.output if not o.name.startswith("present_cross_")]
     del graph.input[:], graph.output[:]

@@ -312,7 +312,7 @@ class BatchState:
 
     def widen(self, width: int) -> BatchState:
         """Each row becomes `width` rows (a beam's, from its one encoded row) that share the row's source:
-        its cross K/V stay one copy (the decoder step that reads them so: OnnxTranslator, with_shared_cross)."""
+        its cross K/V stay one copy (the bundle's `decoder_shared` step reads them so)."""
         assert self.width == 1
         ops, rows, length = self.ops, np.repeat(np.arange(self.size), width), self.length
         return BatchState(ops.take_slots(self.k, rows, length), ops.take_slots(self.v, rows, length), self.cross_k,

@@ -159,7 +159,7 @@ struct SelfWork {
 };
 
 // x less the negated bias (null: x itself), n floats: the bias add of the graph's Sub that the kernel reads
-// through (kernels.with_row_quantize), in the same arithmetic. Into `own` when there is a bias.
+// through (kernel_graphs.with_row_quantize), in the same arithmetic. Into `own` when there is a bias.
 inline const float* biased(const float* x, const float* negated_bias, int64_t n, float* own) {
   if (!negated_bias) return x;
   for (int64_t i = 0; i < n; i++) own[i] = x[i] - negated_bias[i];
@@ -207,9 +207,9 @@ void self_row_head(void* data, size_t item) {
 // GroupQueryAttention's decoding case as nmtserve's graphs use it: qkv (B, 1, 3·H·Dh) packed, the
 // caches (B, H, C, Dh), filled (B,) int32 (GroupQueryAttention's seqlens_k). present_k/v are the caches
 // written in place when bound to the same buffers (the runtime binds them so), else a copy. qkv may also be
-// (B, 3·H·Dh), and then out is (B, H·Dh) (kernels.with_custom_kernels drops the Unsqueeze before the node and
+// (B, 3·H·Dh), and then out is (B, H·Dh) (kernel_graphs.with_custom_kernels drops the Unsqueeze before the node and
 // the Gather after it); with negated_bias (3·H·Dh) qkv is the projection before its bias, which the kernel
-// subtracts as it reads (the Sub that kernels.with_row_quantize makes of an int8 graph's bias Add).
+// subtracts as it reads (the Sub that kernel_graphs.with_row_quantize makes of an int8 graph's bias Add).
 using OptionalFloats = std::optional<const Ort::Custom::Tensor<float>*>;
 
 Ort::Status self_attention(OrtKernelContext* context, const char* op, const Ort::Custom::Tensor<float>& qkv,
@@ -310,7 +310,7 @@ void cross_row_head(void* data, size_t item) {  // item: (source, query of it, h
 // MultiHeadAttention's case in nmtserve's offline step: each source's W queries q (Bs, W, H·Dh) over its
 // one copy of the cross K/V (Bs, H, S, Dh), the first lengths[s] keys of it; with negated_bias (H·Dh), q is the
 // projection before its bias (as DecodeSelfAttention's). q may also be the step's rows (Bs·W, H·Dh), a source's W
-// rows one after another, and then out is (Bs·W, H·Dh) (kernels.with_custom_kernels drops the Reshapes around the
+// rows one after another, and then out is (Bs·W, H·Dh) (kernel_graphs.with_custom_kernels drops the Reshapes around the
 // node).
 Ort::Status DecodeCrossAttention(OrtKernelContext* context, const Ort::Custom::Tensor<float>& q,
                                  const Ort::Custom::Tensor<float>& k, const Ort::Custom::Tensor<float>& v,
@@ -359,7 +359,7 @@ void sentence_head(void* data, size_t item) {
 // after another, sentence by sentence (the order of NonZero over src_mask), and each sentence's queries attend
 // to its own keys; src_mask (B, L) says how many tokens each sentence has, heads (1,) is H. It stands for the
 // exported graph's Gathers into a padded (B, L, H·Dh), ONNX Runtime's MultiHeadAttention with src_mask as the
-// key padding mask, and the Gather that packs its output again (kernels.with_packed_attention).
+// key padding mask, and the Gather that packs its output again (kernel_graphs.with_packed_attention).
 Ort::Status EncodeSelfAttention(OrtKernelContext* context, const Ort::Custom::Tensor<float>& q,
                                 const Ort::Custom::Tensor<float>& k, const Ort::Custom::Tensor<float>& v,
                                 const Ort::Custom::Tensor<bool>& mask, const Ort::Custom::Tensor<int64_t>& heads,
@@ -398,7 +398,7 @@ void sentence_to_heads(void* data, size_t b) {  // sentence b's L slots of every
 
 // The encoder's cross K or V for the decoder, (B, H, L, Dh), from the packed rows x (1, T, H·Dh): slot l of
 // sentence b is row index[b·L + l] (the exported graph's Gather indices, which give padded slots a real row
-// too). It stands for that Gather, two Reshapes and the Transpose into heads (kernels.with_packed_attention);
+// too). It stands for that Gather, two Reshapes and the Transpose into heads (kernel_graphs.with_packed_attention);
 // src_mask (B, L) gives the shape, heads (1,) is H. An index outside the rows is an error, never a read.
 Ort::Status PackedToHeads(OrtKernelContext* context, const Ort::Custom::Tensor<float>& x,
                           const Ort::Custom::Tensor<int64_t>& index, const Ort::Custom::Tensor<bool>& mask,
@@ -522,13 +522,13 @@ void head_row(void* data, size_t row) {
   }
 }
 
-// The step's search head (OnnxTranslator's with_search_head: LogSoftmax then TopK, or without scores the
+// The step's search head (step_graphs.with_search_head: LogSoftmax then TopK, or without scores the
 // best by the values before it) in one pass over each row's logits (B, V): candidate_scores and
 // candidate_ids (B, K), K = min(candidates, V), best first, ties by lower id; with_scores:
 // log-softmax values (logit - max - log(sum(exp(logit - max)))), else the logits themselves; and
 // whole_log_probs (R, V), the same values over the whole vocabulary of the rows whole_rows (R,) names (a
 // sampler without top-k among rows that need K). With row_scale (B, 1) and bias (V,) (int8 scales per
-// row: kernels.with_row_quantize), the logits are logits * row_scale + bias: the output projection's last
+// row: kernel_graphs.with_row_quantize), the logits are logits * row_scale + bias: the output projection's last
 // scaling and its bias, applied here instead of in two passes over the whole (B, V) output.
 Ort::Status SearchHead(OrtKernelContext* context, const Ort::Custom::Tensor<float>& logits,
                        const Ort::Custom::Tensor<int64_t>& candidates, const Ort::Custom::Tensor<bool>& with_scores,
@@ -586,7 +586,7 @@ void quantize_row(const float* x, uint8_t* q, float* scale, int64_t k, bool nonn
 
 // DynamicQuantizeLinear with a scale per row instead of one for the whole tensor: x (..., K) float ->
 // q (..., K) uint8 and scale (..., 1), each row over its last axis. zero_point (a uint8 scalar, 128 or 0)
-// is the one the MatMulInteger after it reads (kernels.with_row_quantize). ONNX Runtime's
+// is the one the MatMulInteger after it reads (kernel_graphs.with_row_quantize). ONNX Runtime's
 // MatMulIntegerToFloat, fused from MatMulInteger and the Mul of the two scales, multiplies each output
 // row by its own scale, and its integer product of a row involves that row alone: int8 results are
 // the same in any batch.
@@ -606,7 +606,7 @@ Ort::Status RowQuantize(const Ort::Custom::Tensor<float>& x, const Ort::Custom::
   return Ort::Status{nullptr};
 }
 
-// After a row-scaled int8 product (kernels.with_row_quantize's epilogues): y = product * row_scale -
+// After a row-scaled int8 product (kernel_graphs.with_row_quantize's epilogues): y = product * row_scale -
 // negated_bias, the product's last scaling and its bias (the graph's Sub of the negated bias).
 // AddNormQuantize: x = y + residual, normed = LayerNormalization(x) over the last axis (gamma, beta,
 // epsilon; mean and variance in two passes), then normed quantised as RowQuantize does around 128: the
@@ -708,7 +708,7 @@ Ort::Status BiasSwishQuantize(const Ort::Custom::Tensor<float>& product, const O
 }
 
 // Embed: a decoder step's input rows, table[tokens] · scale + position_table[positions], tokens and positions (R,)
-// int64: the exported step's two Gathers, Mul and Add in one node (kernels.with_custom_kernels), in the same
+// int64: the exported step's two Gathers, Mul and Add in one node (kernel_graphs.with_custom_kernels), in the same
 // arithmetic (a product, then a sum). Without scale (a model that does not scale its embedding) the sum alone. An id
 // outside its table is an error of the run, as Gather's.
 CLONED __attribute__((optimize("fp-contract=off")))  // a product, then a sum: no fused multiply-add
