@@ -30,7 +30,7 @@ class DocumentsBenchConfig:
     bundle: str
     sentences_file: str | None = None  # default: the bundle's training data test split
     sentences: int = 50
-    max_output_tokens: int = 32
+    max_decoding_length: int = 32
     runs: int = 3
     threads: int = 1
 
@@ -43,7 +43,7 @@ def run_documents_bench(cfg: DocumentsBenchConfig, progress=print) -> dict:
 
     pool = read_sentences(cfg.sentences_file or default_sentence_file(cfg.bundle))[: cfg.sentences]
     document = "\n\n".join(" ".join(pool[i:i + 5]) for i in range(0, len(pool), 5))
-    options = pb.DecodingOptions(max_output_tokens=cfg.max_output_tokens)
+    options = pb.DecodingOptions(max_decoding_length=cfg.max_decoding_length)
     timings: dict[str, list[tuple[float, int]]] = {way: [] for way in WAYS}
     with tempfile.TemporaryDirectory() as logs, \
             ServerProcess(cfg.bundle, "--threads", str(cfg.threads), "--metrics-port", "-1",
@@ -81,7 +81,7 @@ def run_documents_bench(cfg: DocumentsBenchConfig, progress=print) -> dict:
         results[way] = {"latency_s": _stats(seconds), "tokens_per_s": _stats(rates), "output_tokens": measured[0][1]}
     one = results[WAYS[0]]["latency_s"]["median"]
     return {"bundle": cfg.bundle, "model": info.model, "sentences": len(sentences), "characters": len(document),
-            "max_output_tokens": cfg.max_output_tokens, "threads": cfg.threads, "runs": cfg.runs,
+            "max_decoding_length": cfg.max_decoding_length, "threads": cfg.threads, "runs": cfg.runs,
             "machine": machine_info(), "results": results,
             "speedup": {way: round(results[way]["latency_s"]["median"] / one, 2) for way in WAYS[1:]}}
 
@@ -93,7 +93,7 @@ def _stats(values: list[float]) -> dict:
 def format_table(report: dict) -> str:
     lines = [describe(report["machine"]),
              f"{report['model']}: a document of {report['sentences']} sentences ({report['characters']:,} characters), "
-             f"at most {report['max_output_tokens']} tokens each; median [min–max] of {report['runs']} runs",
+             f"at most {report['max_decoding_length']} tokens each; median [min–max] of {report['runs']} runs",
              f"{'':<36}{'latency s':>24}{'tokens/s':>24}"]
     for way, r in report["results"].items():
         lat, rate = r["latency_s"], r["tokens_per_s"]

@@ -1,6 +1,6 @@
 """Two models behind one server: does a flood of requests on one hold up the other?
 
-    nmtserve bench models bundles/opus-shaped bundles/fr-en --json docs/bench/models-cpu-2core.json
+    nmtserve bench models bundles/opus-shaped bundles/fr-en --report docs/bench/models-cpu-2core.json
 
 One `nmtserve serve FLOODED,PROBED` process, each model with its own engine and --threads ONNX
 Runtime threads. Each run, in this order:
@@ -40,7 +40,7 @@ class ModelsBenchConfig:
     seconds: float = 15.0
     runs: int = 3
     threads: int = 1  # ONNX Runtime intra-op threads of each model
-    max_output_tokens: int = 32  # of every call, flood and probes
+    max_decoding_length: int = 32  # of every call, flood and probes
 
 
 class Flood:
@@ -111,7 +111,7 @@ def run_models_bench(cfg: ModelsBenchConfig, progress=print) -> dict:
                           log=Path(logs) / "server.log") as server, open_channel(server.target) as channel:
         stub = pb_grpc.TranslationServiceStub(channel)
         flooded, probed = [m.model for m in stub.ListModels(pb.ListModelsRequest(), timeout=30).models]
-        options = pb.DecodingOptions(max_output_tokens=cfg.max_output_tokens)
+        options = pb.DecodingOptions(max_decoding_length=cfg.max_decoding_length)
         _probe(stub, probed, probe_pool[:4], options)  # warm-up: a channel's and a process's first calls
         _probe(stub, flooded, flood_pool[:4], options)
         for run in range(cfg.runs):

@@ -1,7 +1,7 @@
 """Served benchmark: throughput and latency of `nmtserve serve` under closed-loop load, continuous
 versus static batching on the same bundle, side by side in one run, against OnnxTranslator batch 1.
 
-    nmtserve bench served bundles/default --concurrency 1,8,32,128 --json docs/bench/served-cpu-2core.json
+    nmtserve bench served bundles/default --concurrency 1,8,32,128 --report docs/bench/served-cpu-2core.json
 
 Both servers run at once (their engines sleep while idle) and take turns cell by cell within each
 run, so drift of the machine hits them alike. Several thread counts (`--threads 1,2`) are swept in
@@ -208,7 +208,7 @@ def served_defaults(bundle):
     from nmtserve.server.models import bundle_defaults
 
     defaults, output_tokens = bundle_defaults(
-        bundle.manifest, min(LimitsConfig().max_output_tokens, bundle.limits.max_target_tokens))
+        bundle.manifest, min(LimitsConfig().max_decoding_length, bundle.limits.max_target_tokens))
     return replace(defaults, max_decoding_length=output_tokens)
 
 

@@ -5,9 +5,9 @@
     nmtserve bench models bundles/en-fr bundles/fr-en   # one server, two models: a flood on one, the other's latency
     nmtserve bench documents bundles/default        # a document in one TranslateText call vs separate calls
     nmtserve bench cross-kv bundles/default         # a beam's copies of its cross-attention K/V vs one shared copy
-    nmtserve loadtest --scenario steady --peak-users 32 --seconds 60 --slo loadtests/slo.toml
+    nmtserve loadtest bundles/default --scenario steady --peak-users 32 --seconds 60 --slo loadtests/slo.toml
     nmtserve check-slo runs/loadtest/steady --slo loadtests/slo.toml
-    nmtserve soak --bundle bundles/default --seconds 600 --clients 24 --out runs/soak
+    nmtserve soak bundles/default --seconds 600 --clients 24 --out runs/soak
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from nmtserve.cli import ArgumentParser
+from nmtserve.console import print_json
 from nmtserve.errors import NmtserveError
 
 
@@ -48,9 +49,7 @@ def cmd_bench_offline(args) -> int:
                                    args.batch_sizes, engines, args.sentences_file, args.max_decoding_length,
                                    args.beam_size, args.repeats, args.device),
                        progress=lambda line: print(line, file=sys.stderr, flush=True))
-    print(format_table(report))
-    if args.json:
-        _write_report(report, Path(args.json), draw_chart)
+    _show(report, args, format_table, draw_chart)
     leaks = check_isolation(report)
     if leaks:
         raise NmtserveError(f"a measuring process had another engine loaded ({'; '.join(leaks)}): figures not fair")
@@ -64,12 +63,21 @@ def _at_least(low: int, **flags: int) -> None:
             raise NmtserveError(f"--{name.replace('_', '-')} {value}: must be at least {low}")
 
 
-def _write_report(report: dict, path: Path, draw) -> None:
-    """The report as JSON at `path`, and its chart beside it (same name, .png)."""
+def _show(report: dict, args, format_table, draw=None) -> None:
+    """A bench's report: its table on stdout (--json: the report as JSON instead), and with --report PATH the
+    report as JSON there, with its chart beside it (same name, .png) where the bench draws one."""
+    if args.json:
+        print_json(report)
+    else:
+        print(format_table(report))
+    if not args.report:
+        return
+    path = Path(args.report)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    draw(report, path.with_suffix(".png"))
-    print(f"report: {path}, chart: {path.with_suffix('.png')}")
+    if draw is not None:
+        draw(report, path.with_suffix(".png"))
+    print(f"report: {path}" + (f", chart: {path.with_suffix('.png')}" if draw else ""), file=sys.stderr)
 
 
 def cmd_bench_served(args) -> int:
@@ -87,14 +95,12 @@ def cmd_bench_served(args) -> int:
     for flag in args.server_flag or []:  # the bench names each server's layout: it sets these two itself
         if flag.split("=")[0] in ("--threads", "--inter-threads"):
             raise NmtserveError(f"--server-flag {flag}: use bench served's own {flag.split('=')[0]}")
-    report = run_served_bench(ServedBenchConfig(args.bundle, args.sentences, args.concurrency, args.requests, args.runs,
+    report = run_served_bench(ServedBenchConfig(args.bundle, args.sentences_file, args.concurrency, args.requests, args.runs,
                                                 args.threads, args.inter_threads, args.variant or default_variant(args.device),
                                                 args.max_running_rows, args.device, modes,
                                                 server_flags=args.server_flag or [], decoding=args.decoding,
                                                 sentences_per_call=args.sentences_per_call))
-    print(format_table(report))
-    if args.json:
-        _write_report(report, Path(args.json), draw_chart)
+    _show(report, args, format_table, draw_chart)
     return 0
 
 
@@ -102,7 +108,7 @@ def cmd_loadtest(args) -> int:
     from nmtserve.loadtests.run import LoadTestConfig, run_loadtest
 
     return run_loadtest(LoadTestConfig(args.scenario, args.bundle, args.server or "", args.peak_users, args.seconds,
-                                       args.out or "", args.sentences or "", args.slo or "", args.think_time,
+                                       args.out or "", args.sentences_file or "", args.slo or "", args.think_time,
                                        args.server_flag or [], args.decoding))
 
 
@@ -124,11 +130,20 @@ def cmd_soak(args) -> int:
         raise NmtserveError(f"--seconds {args.seconds}, --clients {args.clients} and --sample-seconds "
                             f"{args.sample_seconds}: each must be positive")
     report = run_soak(SoakConfig(args.bundle, args.server or "", args.metrics_url or "", args.seconds, args.clients,
-                                 args.out, args.sentences or "", args.seed, sample_seconds=args.sample_seconds,
+                                 args.out, args.sentences_file or "", args.seed, sample_seconds=args.sample_seconds,
                                  max_memory_growth=args.max_memory_growth, server_flags=args.server_flag or []))
-    print(format_report(report))
-    print(f"report: {Path(args.out) / 'report.json'}")
+    if args.json:
+        print_json(report)
+    else:
+        print(format_report(report))
+    print(f"report: {Path(args.out) / 'report.json'}", file=sys.stderr)
     return 0 if report["passed"] else 1
+
+
+def _add_report_flags(p, chart: bool = False) -> None:
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
+    p.add_argument("--report", metavar="PATH", help="also write the report here (JSON)"
+                   + (", and its chart beside it (.png)" if chart else ""))
 
 
 def _add_bench(p) -> None:
@@ -155,11 +170,12 @@ def _add_bench(p) -> None:
     p.add_argument("--beam-size", type=int, default=1, help="1: greedy (default)")
     p.add_argument("--max-decoding-length", type=int, default=256,
                    help="output tokens per sentence at most (default %(default)s)")
-    p.add_argument("--json", metavar="FILE", help="also write the report here, and its chart beside it (.png)")
+    _add_report_flags(p, chart=True)
     p.set_defaults(func=cmd_bench_offline)
     p = bench.add_parser("served", help="served throughput and latency: continuous vs static batching, vs batch-1 ORT")
     p.add_argument("bundle")
-    p.add_argument("--sentences", help="sentence file (.tsv: first column; else one per line); default: the test split")
+    p.add_argument("--sentences-file", help="sentence file (.tsv: first column; else one per line); "
+                   "default: the test split")
     p.add_argument("--concurrency", type=_int_list, default=(1, 8, 32, 128), help="closed-loop clients per cell")
     p.add_argument("--requests", type=int, default=0, help="requests per cell (0: max(64, 16 × concurrency))")
     p.add_argument("--runs", type=int, default=3, help="runs per cell; the median is reported")
@@ -178,21 +194,21 @@ def _add_bench(p) -> None:
                    help="sentences in each Translate call (default 1; above 1, no OnnxTranslator baseline)")
     p.add_argument("--server-flag", action="append",
                    help="extra flag for both servers, e.g. --server-flag=--io-binding=off")
-    p.add_argument("--json", metavar="FILE", help="also write the report here")
+    _add_report_flags(p, chart=True)
     p.set_defaults(func=cmd_bench_served)
     p = bench.add_parser("models", help="two models behind one server: a flood on one, the other's latency")
     p.add_argument("flooded", help="bundle whose model is flooded")
     p.add_argument("probed", help="bundle whose model is probed, one sentence at a time")
-    p.add_argument("--flooded-sentences", help="sentence file for the flood (default: the bundle's test split)")
-    p.add_argument("--probed-sentences", help="sentence file for the probes (default: the bundle's test split)")
+    p.add_argument("--flooded-sentences-file", help="sentence file for the flood (default: the bundle's test split)")
+    p.add_argument("--probed-sentences-file", help="sentence file for the probes (default: the bundle's test split)")
     p.add_argument("--flood-clients", type=int, default=16)
     p.add_argument("--flood-sentences", type=int, default=8, help="sentences per flood call")
     p.add_argument("--probes", type=int, default=30, help="probe calls per run and phase")
     p.add_argument("--seconds", type=float, default=15.0, help="seconds the flood alone is measured")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads of each model")
-    p.add_argument("--max-output-tokens", type=int, default=32, help="of every call (default %(default)s)")
-    p.add_argument("--json", metavar="FILE", help="also write the report here")
+    p.add_argument("--max-decoding-length", type=int, default=32, help="of every call (default %(default)s)")
+    _add_report_flags(p)
     p.set_defaults(func=cmd_bench_models)
     p = bench.add_parser("cross-kv", help="a beam's copies of its cross-attention K/V against one shared copy")
     p.add_argument("bundle")
@@ -201,37 +217,29 @@ def _add_bench(p) -> None:
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
     p.add_argument("--sentences-file", help="sentence file (default: the bundle's test split)")
-    p.add_argument("--json", metavar="FILE", help="also write the report here")
+    _add_report_flags(p)
     p.set_defaults(func=cmd_bench_cross_kv)
     p = bench.add_parser("documents", help="a document in one TranslateText call vs its sentences in separate calls")
     p.add_argument("bundle")
     p.add_argument("--sentences-file", help="sentence file (default: the bundle's test split)")
     p.add_argument("--sentences", type=int, default=50, help="sentences in the document (default %(default)s)")
-    p.add_argument("--max-output-tokens", type=int, default=32)
+    p.add_argument("--max-decoding-length", type=int, default=32)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads of the server")
-    p.add_argument("--json", metavar="FILE", help="also write the report here")
+    _add_report_flags(p)
     p.set_defaults(func=cmd_bench_documents)
 
 
 def cmd_bench_models(args) -> int:
     from nmtserve.loadtests.bench_models import ModelsBenchConfig, format_table, run_models_bench
 
-    report = run_models_bench(ModelsBenchConfig(args.flooded, args.probed, args.flooded_sentences,
-                                                args.probed_sentences, args.flood_clients, args.flood_sentences,
+    report = run_models_bench(ModelsBenchConfig(args.flooded, args.probed, args.flooded_sentences_file,
+                                                args.probed_sentences_file, args.flood_clients, args.flood_sentences,
                                                 args.probes, args.seconds, args.runs, args.threads,
-                                                args.max_output_tokens),
+                                                args.max_decoding_length),
                               progress=lambda line: print(line, file=sys.stderr, flush=True))
-    print(format_table(report))
-    if args.json:
-        _write_json(report, Path(args.json))
+    _show(report, args, format_table)
     return 0
-
-
-def _write_json(report: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    print(f"report: {path}")
 
 
 def cmd_bench_cross_kv(args) -> int:
@@ -239,9 +247,7 @@ def cmd_bench_cross_kv(args) -> int:
 
     report = run_cross_kv_bench(CrossKvBenchConfig(args.bundle, args.requests, args.beam_size, args.runs, args.threads,
                                                    args.sentences_file))
-    print(format_table(report))
-    if args.json:
-        _write_json(report, Path(args.json))
+    _show(report, args, format_table)
     return 0
 
 
@@ -249,23 +255,22 @@ def cmd_bench_documents(args) -> int:
     from nmtserve.loadtests.bench_documents import DocumentsBenchConfig, format_table, run_documents_bench
 
     report = run_documents_bench(DocumentsBenchConfig(args.bundle, args.sentences_file, args.sentences,
-                                                      args.max_output_tokens, args.runs, args.threads),
+                                                      args.max_decoding_length, args.runs, args.threads),
                                  progress=lambda line: print(line, file=sys.stderr, flush=True))
-    print(format_table(report))
-    if args.json:
-        _write_json(report, Path(args.json))
+    _show(report, args, format_table)
     return 0
 
 
 def _add_loadtest(p) -> None:
     p.add_argument("--scenario", default="steady", help="steady, step, spike or overload (default %(default)s)")
-    p.add_argument("--bundle", default="bundles/default", help="bundle to serve, and whose test split is sent; "
-                   "comma-separated: one server of several models, each sent its own bundle's test split")
+    p.add_argument("bundle", nargs="?", default="bundles/default", help="bundle to serve, and whose test split is "
+                   "sent (default %(default)s); comma-separated: one server of several models, each sent its own "
+                   "bundle's test split")
     p.add_argument("--server", help="HOST:PORT of a running server instead of starting one")
     p.add_argument("--peak-users", type=int, default=32, help="users (requests in flight) at the peak")
     p.add_argument("--seconds", type=float, default=60.0, help="length of the scenario; the run stops by itself")
     p.add_argument("--out", help="results directory (default runs/loadtest/SCENARIO)")
-    p.add_argument("--sentences", help="sentence file (.tsv: first column; else one per line) for every model, or "
+    p.add_argument("--sentences-file", help="sentence file (.tsv: first column; else one per line) for every model, or "
                    "MODEL=FILE pairs, comma-separated")
     p.add_argument("--slo", help="SLO file (TOML) to check the results against (exit 1 if violated)")
     p.add_argument("--think-time", type=float, default=0.0, help="mean seconds a user waits between calls")
@@ -282,13 +287,15 @@ def add_parser(sub, name: str, help_text: str) -> None:
     elif name == "loadtest":
         _add_loadtest(p)
     elif name == "soak":
-        p.add_argument("--bundle", default="bundles/default", help="bundle to serve, and whose test split is sent")
+        p.add_argument("bundle", nargs="?", default="bundles/default",
+                       help="bundle to serve, and whose test split is sent (default %(default)s)")
         p.add_argument("--server", help="HOST:PORT of a running server instead of starting one")
         p.add_argument("--metrics-url", help="with --server: its /metrics URL, for memory and the gauges")
         p.add_argument("--seconds", type=float, default=600.0, help="length of the run (default %(default)s)")
         p.add_argument("--clients", type=int, default=24, help="client threads (default %(default)s)")
         p.add_argument("--out", default="runs/soak", help="report.json, memory.png, server.log (default %(default)s)")
-        p.add_argument("--sentences", help="sentence file (.tsv: first column; else one per line)")
+        p.add_argument("--sentences-file", help="sentence file (.tsv: first column; else one per line)")
+        p.add_argument("--json", action="store_true", help="print the report as JSON instead of the summary")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--sample-seconds", type=float, default=2.0,
                        help="seconds between scrapes of the server's memory and gauges (default %(default)s)")

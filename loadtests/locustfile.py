@@ -19,7 +19,7 @@ Every other gRPC status is a failure. Users are closed-loop clients (`--think-ti
 the number of users is the number of requests in flight.
 
 Several models: each user asks the server's ListModels and sends each call to a model picked at
-random, naming it; entries then carry the model ("Translate [en-fr]"). `--sentences` gives one
+random, naming it; entries then carry the model ("Translate [en-fr]"). `--sentences-file` gives one
 file for every model, or MODEL=FILE pairs, comma-separated (models of different source languages).
 
 `--decoding mixed` decodes 50% of calls greedily, 40% with beam 4 and 10% by sampling (half from the top 10,
@@ -68,7 +68,7 @@ def _options(parser) -> None:
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="steady", help="load shape")
     parser.add_argument("--peak-users", type=int, default=32, help="users at the scenario's peak (1.0)")
     parser.add_argument("--scenario-seconds", type=float, default=60.0, help="length of the whole scenario")
-    parser.add_argument("--sentences", default="", help="sentence file (.tsv: first column), or MODEL=FILE "
+    parser.add_argument("--sentences-file", default="", help="sentence file (.tsv: first column), or MODEL=FILE "
                         "pairs, comma-separated; default: the bundle's test split")
     parser.add_argument("--bundle", default=str(DEFAULT_BUNDLE), help="bundle whose test split is the default text")
     parser.add_argument("--max-sentences-per-request", type=int, default=4, help="Translate sends 1..N sentences")
@@ -86,7 +86,7 @@ def _options(parser) -> None:
 def _load_sentences(environment, **_kwargs) -> None:
     options = environment.parsed_options
     if options is not None and not SENTENCES:
-        files = sentence_files(options.sentences) or {"": str(default_sentence_file(options.bundle))}
+        files = sentence_files(options.sentences_file) or {"": str(default_sentence_file(options.bundle))}
         SENTENCES.update({model: read_sentences(path) for model, path in files.items()})
 
 
@@ -164,7 +164,7 @@ class GrpcUser(User):
         self.models = [m.model for m in served]
         missing = [m for m in self.models if m not in SENTENCES and "" not in SENTENCES]
         if missing:
-            raise ConfigError(f"--sentences names no file for model {missing[0]}: give {missing[0]}=FILE")
+            raise ConfigError(f"--sentences-file names no file for model {missing[0]}: give {missing[0]}=FILE")
 
     def pick(self) -> tuple[str, list[str]]:
         """A served model, at random, and its sentences. A one-model server's is not named: its

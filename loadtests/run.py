@@ -61,7 +61,7 @@ def run_loadtest(cfg: LoadTestConfig) -> int:
     try:
         cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", target,
                "--scenario", cfg.scenario, "--peak-users", str(cfg.peak_users), "--scenario-seconds", str(cfg.seconds),
-               "--sentences", sentences, "--think-time", str(cfg.think_time),
+               "--sentences-file", sentences, "--think-time", str(cfg.think_time),
                "--decoding", cfg.decoding,
                "--csv", str(out / "stats"), "--csv-full-history", "--html", str(out / "report.html"),
                "--stop-timeout", "10", "--only-summary",  # the shape ends the run; the timeout below bounds it

@@ -1,6 +1,6 @@
 """`nmtserve soak`: sustained mixed traffic against one server, then a verdict.
 
-    nmtserve soak --bundle bundles/default --seconds 600 --clients 24 --out runs/soak
+    nmtserve soak bundles/default --seconds 600 --clients 24 --out runs/soak
 
 Client threads send, for `seconds`, a mixture of unary calls of 1-4 sentences, streams read to the
 end, streams read slowly, streams cancelled after their first delta, calls with a 1 ms deadline,
@@ -109,7 +109,7 @@ def _longest_accepted(stub, words: list[str], limits: pb.Limits) -> str:
         text = " ".join(words[:n])
         if len(text) > limits.max_sentence_chars:
             return False
-        request = pb.TranslateRequest(sentences=[text], options=pb.DecodingOptions(max_output_tokens=1))
+        request = pb.TranslateRequest(sentences=[text], options=pb.DecodingOptions(max_decoding_length=1))
         return _code(lambda: stub.Translate(request, timeout=CALL_TIMEOUT)) == "OK"
 
     lo, hi = 1, len(words)  # accepted(lo) holds; find the largest such n by bisection
@@ -128,7 +128,7 @@ def make_plan(stub, sentences: list[str]) -> Plan:
     odd = {name: pb.TranslateRequest(sentences=[text]) for name, text in ODD_TEXTS.items()}
     odd["at the length limit"] = pb.TranslateRequest(sentences=[_longest_accepted(stub, words, limits)])
     odd["largest options"] = pb.TranslateRequest(
-        sentences=[one], options=pb.DecodingOptions(max_output_tokens=limits.max_output_tokens, return_scores=True))
+        sentences=[one], options=pb.DecodingOptions(max_decoding_length=limits.max_decoding_length, return_scores=True))
     odd["most sentences per call"] = pb.TranslateRequest(
         sentences=[sentences[i % len(sentences)] for i in range(limits.max_sentences)])
     too_long = ("word " * limits.max_sentence_chars)[: limits.max_sentence_chars + 1]
@@ -137,8 +137,8 @@ def make_plan(stub, sentences: list[str]) -> Plan:
                "no sentence": pb.TranslateRequest(),
                "too many sentences": pb.TranslateRequest(sentences=[one] * (limits.max_sentences + 1)),
                "over the character limit": pb.TranslateRequest(sentences=[too_long]),
-               "max_output_tokens over the limit": pb.TranslateRequest(
-                   sentences=[one], options=pb.DecodingOptions(max_output_tokens=limits.max_output_tokens + 1))}
+               "max_decoding_length over the limit": pb.TranslateRequest(
+                   sentences=[one], options=pb.DecodingOptions(max_decoding_length=limits.max_decoding_length + 1))}
     return Plan(sentences, odd, invalid)
 
 

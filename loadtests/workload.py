@@ -50,7 +50,7 @@ def read_sentences(path: str | Path) -> list[str]:
 
 
 def sentence_files(value: str) -> dict[str, str]:
-    """--sentences of the load tests: FILE (for every model, key "") or MODEL=FILE pairs, comma-separated."""
+    """--sentences-file of the load tests: FILE (for every model, key "") or MODEL=FILE pairs, comma-separated."""
     files = {}
     for item in filter(None, (part.strip() for part in value.split(","))):
         model, _, path = item.rpartition("=")

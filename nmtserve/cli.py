@@ -8,25 +8,35 @@
     nmtserve export runs/small/average.pt --out bundles/small --verify  # nmtserve.export (train extra)
     nmtserve serve bundles/small --port 50051                           # nmtserve.server (base install)
     nmtserve translate --server localhost:50051 "The cat sleeps."       # base install; CHECKPOINT TEXT… needs train
+    nmtserve models --server localhost:50051                            # what a server serves (ListModels)
     nmtserve bench offline|served bundles/small                         # nmtserve.loadtests
-    nmtserve loadtest --scenario steady                                 # loadtest extra
+    nmtserve loadtest bundles/small --scenario steady                                # loadtest extra
     nmtserve check-slo runs/loadtest/steady --slo loadtests/slo.toml    # base install
 
 Only the chosen command's module is imported, so a serving install without torch runs serve,
-translate --server and check-slo. Every error, NMTSERVE_* variables included, is one line on
+translate --server, models and check-slo. Every error, NMTSERVE_* variables included, is one line on
 stderr and exit status 2; a missing optional dependency names the extra to install.
+
+One spelling per concept across the commands (tests/test_cli.py walks every parser to keep it so): a
+bundle is positional, the length limit is --max-decoding-length, languages are --source-lang and
+--target-lang, a file of sentences is --sentences-file and a count --sentences, --json prints the result as
+JSON on stdout, --report PATH writes a benchmark's report; every command takes --log-level.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 
+import nmtserve
 from nmtserve.errors import NmtserveError
 
 EXIT_USAGE = 2
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 # command: (module that adds its parser and runs it, one-line help for `nmtserve --help`)
 COMMANDS = {
@@ -35,7 +45,8 @@ COMMANDS = {
     "average": ("nmtserve.training.cli", "average checkpoints of one run"),
     "import-marian": ("nmtserve.training.cli", "import a local Hugging Face Marian (OPUS-MT) model as a checkpoint"),
     "evaluate": ("nmtserve.training.cli", "BLEU and chrF of a checkpoint or bundle, any decoding mode"),
-    "translate": ("nmtserve.translate", "translate sentences through a server, or with a checkpoint"),
+    "translate": ("nmtserve.translate", "translate sentences through a server, or with a bundle or checkpoint"),
+    "models": ("nmtserve.translate", "list what a server serves: models, languages, limits, decoding defaults"),
     "export": ("nmtserve.export.cli", "export a checkpoint to an ONNX bundle"),
     "serve": ("nmtserve.server.cli", "serve a bundle over gRPC (flags also read NMTSERVE_* variables)"),
     "bench": ("nmtserve.loadtests.cli", "benchmarks: offline (engines side by side), served, models, documents, cross-kv"),
@@ -61,13 +72,34 @@ def build_parser(command: str | None) -> ArgumentParser:
     """Every command is listed; only `command`'s module is imported to add its arguments."""
     parser = ArgumentParser(prog="nmtserve", description="Train, export to ONNX and serve an encoder-decoder "
                             "Transformer for translation. `nmtserve COMMAND --help` for each command.")
+    parser.add_argument("--version", action="version", version=f"nmtserve {nmtserve.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     for name, (module, help_text) in COMMANDS.items():
         if name == command:
             importlib.import_module(module).add_parser(sub, name, help_text)
+            for leaf in command_parsers(sub.choices[name]):
+                leaf.add_argument("--log-level", choices=LOG_LEVELS, default=_default_log_level(name),
+                                  help="the least severe log records shown on stderr (env NMTSERVE_LOG_LEVEL; "
+                                       "default %(default)s)")
         else:
             sub.add_parser(name, help=help_text, add_help=False)
     return parser
+
+
+def command_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The parsers that run something under `parser`: itself, or each of its subcommands' (bench offline, …)."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        return [parser]
+    return [leaf for child in subs[0].choices.values() for leaf in command_parsers(child)]
+
+
+def _default_log_level(command: str) -> str:
+    """NMTSERVE_LOG_LEVEL, else info for the server (its load and lifecycle) and warning for the others."""
+    level = os.environ.get("NMTSERVE_LOG_LEVEL", "").lower()
+    if level and level not in LOG_LEVELS:
+        raise NmtserveError(f"NMTSERVE_LOG_LEVEL {level!r}: choose from {', '.join(LOG_LEVELS)}")
+    return level or ("info" if command == "serve" else "warning")
 
 
 def _listed_positional(parser: ArgumentParser, command: str | None) -> str | None:
@@ -105,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     prefix = f"nmtserve {command or ''}".strip()
     try:
         args = _parse(build_parser(command), command, argv)
+        logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
         return args.func(args)
     except (NmtserveError, OSError, ValueError) as e:
         print(f"{prefix}: error: {e}", file=sys.stderr)

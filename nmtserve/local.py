@@ -6,14 +6,13 @@ commands. Below the command line: parses no argv and prints nothing.
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 from pathlib import Path
 
 from nmtserve.decoding import LENGTH_RULES
 from nmtserve.errors import NmtserveError
 from nmtserve.search import BEAM_STOPPING, DecodingOptions
 
-SEARCH_FLAGS = ("beam_size", "num_hypotheses", "length_penalty", "patience", "sampling_topk", "sampling_topp",
+SEARCH_FLAGS = ("max_decoding_length", "beam_size", "num_hypotheses", "length_penalty", "patience", "sampling_topk", "sampling_topp",
                 "sampling_temperature", "seed", "beam_stopping", "length_rule")
 
 
@@ -25,14 +24,13 @@ def given_options(args) -> dict:
 def local_options(args, defaults: dict) -> DecodingOptions:
     """The options of a local translation: the model's decoding defaults (an imported Marian model's
     generation_config.json; else CTranslate2's), then the flags given."""
-    options = DecodingOptions(**defaults).override(**given_options(args))
-    return replace(options, max_decoding_length=args.max_length) if args.max_length else options
+    return DecodingOptions(**defaults).override(**given_options(args))
 
 
 def translate_local(model: str, texts: list[str], args) -> list[list[tuple[str, float]]]:
     """The n-best (text, score) of each text, best first, with a bundle directory (ONNX Runtime) or a
-    checkpoint (the PyTorch reference); args carries the decoding and thread flags, batch_size, max_length,
-    device and target_language."""
+    checkpoint (the PyTorch reference); args carries the decoding and thread flags, batch_size, device and
+    target_lang."""
     if args.threads < 0:
         raise NmtserveError(f"--threads {args.threads}: must be at least 0 (0: ONNX Runtime's default, a thread per core)")
     if args.inter_threads < 1:
@@ -49,9 +47,9 @@ def _translate_bundle(path: str, texts: list[str], args) -> list[list[tuple[str,
                         inter_threads=args.inter_threads)
     options = local_options(args, tr.bundle.manifest.get("decoding_defaults") or {})
     try:
-        ids = [tr.tokenizer.encode(t, tr.limits.max_source_tokens, args.target_language) or [tr.eos_id] for t in texts]
+        ids = [tr.tokenizer.encode(t, tr.limits.max_source_tokens, args.target_lang) or [tr.eos_id] for t in texts]
     except ValueError as e:  # a language the multilingual model has no >>xx<< token for
-        raise NmtserveError(f"--target-language: {e}") from None
+        raise NmtserveError(f"--target-lang: {e}") from None
     return [[(tr.tokenizer.decode(h.tokens), h.score) for h in hypotheses]
             for hypotheses in tr.search_ids(ids, options, max_batch_size=args.batch_size)]
 
@@ -62,8 +60,8 @@ def _translate_checkpoint(path: str, texts: list[str], args) -> list[list[tuple[
     from nmtserve.training.data import pad
     from nmtserve.training.decode import beam_search, sample, translate
 
-    if args.target_language:
-        raise NmtserveError("--target-language: give a bundle or --server (the PyTorch reference reads no language token)")
+    if args.target_lang:
+        raise NmtserveError("--target-lang: give a bundle or --server (the PyTorch reference reads no language token)")
     if args.threads or args.inter_threads != 1 or args.variant:
         raise NmtserveError("--threads, --inter-threads and --variant: with a bundle (ONNX Runtime), not a checkpoint")
     loaded = load_model(path, device=args.device)
@@ -108,13 +106,18 @@ def add_decoding_flags(p) -> None:
     """The decoding options as flags (also `nmtserve evaluate`'s)."""
     search = p.add_argument_group("decoding (CTranslate2's options; unset: the model's defaults, greedy for the "
                                   "models nmtserve trains, generation_config.json's for an imported Marian model)")
+    search.add_argument("--max-decoding-length", type=int,
+                        help="most target tokens per sentence (default: the model's, 256 for the models nmtserve trains; "
+                             "with --server, the server's)")
+    search.add_argument("--target-lang", default="", help="the language to translate into: the >>xx<< token of a "
+                        "multilingual model, and with --server the model that translates into it")
     search.add_argument("--beam-size", type=int)
     search.add_argument("--num-hypotheses", type=int, help="n-best list length (--json prints it)")
     search.add_argument("--length-penalty", type=float, help="beam: score / length ** this")
     search.add_argument("--patience", type=float)
     search.add_argument("--beam-stopping", choices=BEAM_STOPPING, help="whose rule stops beam search")
     search.add_argument("--length-rule", choices=LENGTH_RULES, help="nmtserve: at most 2 × source + 10 tokens, "
-                        "the last a real one; transformers: no such cap, the --max-length-th token a forced eos; "
+                        "the last a real one; transformers: no such cap, the --max-decoding-length-th token a forced eos; "
                         "ctranslate2: no such cap, the last a real one")
     search.add_argument("--sampling-topk", type=int, help="1: no sampling; 0: the whole vocabulary")
     search.add_argument("--sampling-topp", type=float)

@@ -1,14 +1,16 @@
-"""The `translate` command: through a running server (gRPC; the base install), with a bundle (ONNX
+"""The client commands. `translate`: through a running server (gRPC; the base install), with a bundle (ONNX
 Runtime; the base install), or with a checkpoint (the PyTorch reference; the train extra). Greedy by
-default; --beam-size, --num-hypotheses and the --sampling-* options as CTranslate2's.
+default; --beam-size, --num-hypotheses and the --sampling-* options as CTranslate2's. `models`: what a
+running server serves (ListModels).
 
     nmtserve translate --server localhost:50051 --wait 60 "The cat sleeps."
     nmtserve translate --server dns:///nmtserve.default.svc:50051 --stream < sentences.txt
     nmtserve translate --server localhost:50051 --model fr-en "Le chat dort."     # a server of several models
-    nmtserve translate --server localhost:50051 --target-language fr "The cat sleeps."
+    nmtserve translate --server localhost:50051 --target-lang fr "The cat sleeps."
     nmtserve translate --server localhost:50051 --file report.txt > report.fr.txt   # a whole text (TranslateText)
     nmtserve translate --beam-size 4 --num-hypotheses 2 --json bundles/default "The cat sleeps."
     nmtserve translate --sampling-topk 10 --seed 1 runs/default/best.pt "The cat sleeps." "Did the dogs eat?"
+    nmtserve models --server localhost:50051 --json
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import re
 import sys
 from pathlib import Path
 
+from nmtserve.console import print_json
 from nmtserve.errors import NmtserveError
 from nmtserve.local import add_bundle_flags, add_decoding_flags, given_options, translate_local
 
@@ -32,8 +35,8 @@ def cmd_translate(args) -> int:
                             "own (nmtserve serve --threads, --inter-threads, --variant)")
     if args.server:
         return _translate_remote(args)
-    if args.model or args.source_language or args.file:
-        raise NmtserveError("--model, --source-language and --file need --server")
+    if args.model or args.source_lang or args.file:
+        raise NmtserveError("--model, --source-lang and --file need --server")
     if not args.inputs:
         raise NmtserveError("give a bundle or checkpoint (or --server HOST:PORT) and the sentences")
     model, texts = args.inputs[0], args.inputs[1:] or [line.rstrip("\n") for line in sys.stdin]
@@ -70,8 +73,8 @@ def _translate_remote(args) -> int:
         given["beam_stopping"] = pb.BeamStopping.Value(f"BEAM_STOPPING_{given['beam_stopping'].upper()}")
     if "length_rule" in given:
         given["length_rule"] = pb.LengthRule.Value(f"LENGTH_RULE_{given['length_rule'].upper()}")
-    options = pb.DecodingOptions(max_output_tokens=args.max_length or 0, **given)
-    route = {"model": args.model, "source_language": args.source_language, "target_language": args.target_language}
+    options = pb.DecodingOptions(**given)
+    route = {"model": args.model, "source_language": args.source_lang, "target_language": args.target_lang}
     with open_channel(args.server, TlsFiles(args.tls_ca, args.tls_cert, args.tls_key)) as channel:
         if args.wait:
             wait_serving(channel, args.server, args.wait)
@@ -129,30 +132,62 @@ def _translate_file(stub, path: str, options, route: dict, timeout: float) -> st
         pb.TranslateTextRequest(texts=texts, options=options, **route), timeout=timeout).translations)
 
 
+def cmd_models(args) -> int:
+    """Each served model: its id, languages, variant, device, kernels and limits (--json: ListModels as JSON)."""
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from nmtserve.client import TlsFiles, open_channel, wait_serving
+    from nmtserve.v1 import translation_pb2 as pb
+    from nmtserve.v1 import translation_pb2_grpc as pb_grpc
+
+    with open_channel(args.server, TlsFiles(args.tls_ca, args.tls_cert, args.tls_key)) as channel:
+        if args.wait:
+            wait_serving(channel, args.server, args.wait)
+        try:
+            models = pb_grpc.TranslationServiceStub(channel).ListModels(pb.ListModelsRequest(), timeout=args.timeout).models
+        except grpc.RpcError as e:
+            raise NmtserveError(f"{args.server}: {e.code().name}: {e.details()}") from None
+    if args.json:
+        print_json([MessageToDict(m, preserving_proto_field_name=True) for m in models])
+        return 0
+    for m in models:
+        languages = f"{m.source_language or '?'}→{'/'.join(m.target_languages) or m.target_language or '?'}"
+        print(f"{m.model}\t{languages}\t{m.variant} on {m.device}\t{m.kernels}\t"
+              f"max_decoding_length {m.limits.max_decoding_length}, max_beam_size {m.limits.max_beam_size}, "
+              f"max_sentences {m.limits.max_sentences}")
+    return 0
+
+
+def _add_server_flags(p, required: bool = False) -> None:
+    """How to reach a server: its address, the call's timeout, waiting for SERVING and TLS."""
+    p.add_argument("--server", required=required, help="HOST:PORT (or dns:///HOST:PORT) of `nmtserve serve`")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds a call may take (default %(default)s)")
+    p.add_argument("--wait", type=float, default=0.0, help="first wait up to this many seconds for SERVING")
+    p.add_argument("--tls-ca", default="", help="PEM roots that sign the server's certificate (turns TLS on)")
+    p.add_argument("--tls-cert", default="", help="client certificate (PEM) for mutual TLS")
+    p.add_argument("--tls-key", default="", help="the client certificate's private key (PEM)")
+
+
 def add_parser(sub, name: str, help_text: str) -> None:
     p = sub.add_parser(name, help=help_text)
+    if name == "models":
+        _add_server_flags(p, required=True)
+        p.add_argument("--json", action="store_true", help="print ListModels' answer as JSON")
+        p.set_defaults(func=cmd_models)
+        return
     p.add_argument("inputs", nargs="*", metavar="MODEL_OR_TEXT",
                    help="TEXT… with --server, or BUNDLE_DIR TEXT… (ONNX Runtime), or CHECKPOINT TEXT… (PyTorch "
                         "reference); stdin lines if no TEXT")
-    p.add_argument("--server", help="HOST:PORT (or dns:///HOST:PORT) of `nmtserve serve`")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds, with --server")
+    _add_server_flags(p)
     p.add_argument("--model", default="", help="with --server: the served model (ListModels; e.g. en-fr)")
     p.add_argument("--file", help="with --server: translate this whole text file (TranslateText), keeping its layout")
-    p.add_argument("--source-language", default="", help="with --server: choose the model by its languages")
-    p.add_argument("--target-language", default="",
-                   help="the language to translate into: chooses the model on a server of several, and the "
-                        ">>xx<< token of a multilingual Marian model")
-    p.add_argument("--wait", type=float, default=0.0, help="with --server: first wait up to this many seconds for SERVING")
+    p.add_argument("--source-lang", default="", help="with --server: choose the model by its languages")
     p.add_argument("--stream", action="store_true",
                    help="with --server: print each translation as it is decoded (TranslateStream)")
-    p.add_argument("--tls-ca", default="", help="with --server: PEM roots that sign the server's certificate (turns TLS on)")
-    p.add_argument("--tls-cert", default="", help="with --server: client certificate (PEM) for mutual TLS")
-    p.add_argument("--tls-key", default="", help="with --server: the client certificate's private key (PEM)")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--max-length", type=int, default=None,
-                   help="most target tokens per sentence (default: 256 locally; the server's own limit with --server)")
     p.add_argument("--device", default="cpu")
     add_bundle_flags(p)
     add_decoding_flags(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON line per sentence (with --num-hypotheses, the n-best list)")
     p.set_defaults(func=cmd_translate)

@@ -35,7 +35,7 @@ SERVICE_NAME = translation_pb2.DESCRIPTOR.services_by_name["TranslationService"]
 # the ServerConfig fields that must be at least 1 (start_server refuses less)
 AT_LEAST_ONE = ("max_beam_size", "stream_interval", "max_burst_steps", "max_running_rows", "max_batch_tokens",
                 "max_waiting", "max_sentences", "max_sentence_chars", "max_text_chars", "max_call_chars",
-                "max_output_tokens", "max_message_bytes")
+                "max_decoding_length", "max_message_bytes")
 
 
 def health_names(models) -> list[str]:

@@ -36,13 +36,11 @@ HELPS = {"models": "TOML file of the models to serve: bundle, id, variant, devic
 
 def cmd_serve(args) -> int:
     import asyncio
-    import logging
 
     from nmtserve.errors import ConfigError
     from nmtserve.server.app import serve
     from nmtserve.server.config import ServerConfig, flag_fields
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     values = {f.name: getattr(args, f.name) for _, f in flag_fields()}
     if isinstance(values["bundle"], list):  # BUNDLE [BUNDLE …] given
         if values["bundle"] and values["models"]:

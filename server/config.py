@@ -50,7 +50,7 @@ class LimitsConfig:
     max_sentence_chars: int = 1000
     max_text_chars: int = 20000  # one text of TranslateText(Stream): split into sentences by the server
     max_call_chars: int = 100000  # all texts of one TranslateText call
-    max_output_tokens: int = 256
+    max_decoding_length: int = 256
     max_beam_size: int = 8  # a beam takes beam_size rows of the running batch: lowered to max_running_rows
     stream_interval: int = 1  # TranslateStream: a delta once this many tokens have come since the last one
 

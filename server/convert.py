@@ -20,12 +20,12 @@ class InvalidRequest(NmtserveError):
 
 
 def decoding_options(options: pb.DecodingOptions, defaults: DecodingOptions, default_output_tokens: int,
-                     max_output_tokens: int, vocab_size: int, max_beam_size: int) -> tuple[int, DecodingOptions]:
+                     max_decoding_length: int, vocab_size: int, max_beam_size: int) -> tuple[int, DecodingOptions]:
     """(most output tokens, the search's options) of a call; InvalidRequest naming `options.FIELD`, its value and
     the limit. proto3 zeros and absent fields mean "unset": the model's `defaults`, num_hypotheses 1, and
     beam_size 1 for a sampled request."""
-    if options.max_output_tokens > max_output_tokens:
-        raise InvalidRequest(f"options.max_output_tokens {options.max_output_tokens} exceeds the limit {max_output_tokens}")
+    if options.max_decoding_length > max_decoding_length:
+        raise InvalidRequest(f"options.max_decoding_length {options.max_decoding_length} exceeds the limit {max_decoding_length}")
     given = {name: getattr(options, name) for name in ("length_penalty", "patience", "sampling_topk",
                                                           "sampling_topp", "sampling_temperature")
              if options.HasField(name)}
@@ -40,7 +40,7 @@ def decoding_options(options: pb.DecodingOptions, defaults: DecodingOptions, def
         search.check(vocab_size, max_beam_size)
     except ConfigError as e:
         raise InvalidRequest(f"options.{e}") from None
-    return options.max_output_tokens or default_output_tokens, search
+    return options.max_decoding_length or default_output_tokens, search
 
 
 def translation(request: Request, decode, started: float, resumed: float | None, return_scores: bool) -> pb.Translation:

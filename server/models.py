@@ -105,12 +105,12 @@ def model_specs(config: ServerConfig) -> list[ModelSpec]:
     return specs
 
 
-def bundle_defaults(manifest: dict, max_output_tokens: int) -> tuple[DecodingOptions, int]:
+def bundle_defaults(manifest: dict, max_decoding_length: int) -> tuple[DecodingOptions, int]:
     """How a call that leaves its options unset is decoded: the bundle's decoding defaults (an imported Marian
     model's generation_config.json; else CTranslate2's), and the most output tokens, the bundle's
     max_decoding_length within the server's limit."""
     defaults = dict(manifest.get("decoding_defaults") or {})
-    output_tokens = min(max_output_tokens, defaults.pop("max_decoding_length", max_output_tokens))
+    output_tokens = min(max_decoding_length, defaults.pop("max_decoding_length", max_decoding_length))
     return DecodingOptions(**defaults), output_tokens
 
 
@@ -123,9 +123,9 @@ class ServedModel:
         self.tokenizer = tr.tokenizer
         self.max_source_tokens = tr.limits.max_source_tokens
         # a budget past the decoder's position table could never be spent: the smaller limit is the one told
-        self.max_output_tokens = min(config.limits.max_output_tokens, tr.limits.max_target_tokens)
+        self.max_decoding_length = min(config.limits.max_decoding_length, tr.limits.max_target_tokens)
         self.max_beam_size = min(config.limits.max_beam_size, config.engine.max_running_rows)  # a beam takes beam_size rows
-        self.defaults, self.default_output_tokens = bundle_defaults(tr.bundle.manifest, self.max_output_tokens)
+        self.defaults, self.default_output_tokens = bundle_defaults(tr.bundle.manifest, self.max_decoding_length)
         self.manifest_path = Path(spec.bundle) / MANIFEST
         self._info: pb.ModelInfo | None = None  # info(), built on first use
         languages = tr.bundle.manifest.get("languages") or {}
@@ -143,7 +143,7 @@ class ServedModel:
     # -- validation
     def options(self, options: pb.DecodingOptions) -> tuple[int, DecodingOptions]:
         """(most output tokens, the search's options) of a call to this model (convert.decoding_options)."""
-        return decoding_options(options, self.defaults, self.default_output_tokens, self.max_output_tokens,
+        return decoding_options(options, self.defaults, self.default_output_tokens, self.max_decoding_length,
                                 self.engine.tr.vocab_size, self.max_beam_size)
 
     def language_token(self, requested: str) -> str:
@@ -199,11 +199,11 @@ class ServedModel:
             bundle_id=hashlib.sha256(manifest_bytes).hexdigest(), variant=self.engine.tr.variant,
             device=self.engine.tr.device, model_json=json.dumps(manifest["model"], sort_keys=True),
             limits=pb.Limits(max_sentences=self.config.limits.max_sentences, max_sentence_chars=self.config.limits.max_sentence_chars,
-                             max_source_tokens=self.max_source_tokens, max_output_tokens=self.max_output_tokens,
+                             max_source_tokens=self.max_source_tokens, max_decoding_length=self.max_decoding_length,
                              max_beam_size=self.max_beam_size, max_text_chars=self.config.limits.max_text_chars,
                              max_call_chars=self.config.limits.max_call_chars),
             default_options=pb.DecodingOptions(
-                max_output_tokens=self.default_output_tokens, beam_size=self.defaults.beam_size,
+                max_decoding_length=self.default_output_tokens, beam_size=self.defaults.beam_size,
                 num_hypotheses=1, length_penalty=self.defaults.length_penalty, patience=self.defaults.patience,
                 sampling_topk=1, sampling_topp=1.0, sampling_temperature=1.0,
                 beam_stopping=pb.BeamStopping.Value(f"BEAM_STOPPING_{self.defaults.beam_stopping.upper()}"),

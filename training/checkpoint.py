@@ -24,8 +24,9 @@ class LoadedModel:
 
 
 def save(path: Path, payload: dict) -> None:
-    """Write atomically: a crash mid-write never leaves a truncated `last.pt`."""
+    """Write atomically: a crash mid-write never leaves a truncated `last.pt`. Makes the directory if need be."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     torch.save({"format_version": FORMAT_VERSION, **payload}, tmp)
     os.replace(tmp, path)

@@ -133,7 +133,8 @@ def _add_train_args(p) -> None:
     p.add_argument("--pre-norm", action="store_true", help="pre-LN residual blocks instead of the paper's post-LN")
     p.add_argument("--dropout", type=float, default=d.dropout)
     p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="SentencePiece vocabulary size (upper bound)")
-    p.add_argument("--max-len", type=int, default=d.max_len, help="skip pairs longer than this many tokens")
+    p.add_argument("--max-pair-tokens", dest="max_len", type=int, default=d.max_len,
+                   help="skip training pairs with more tokens than this on either side (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="padded tokens per batch")
     p.add_argument("--lr-factor", type=float, default=d.lr_factor, help="scales the paper's learning-rate schedule")
     p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up steps of the schedule")
@@ -191,8 +192,6 @@ def add_parser(sub, name: str, help_text: str) -> None:
         p.add_argument("--file", nargs="+", metavar="FILE", help="evaluate on a TSV file or a Moses pair instead")
         p.add_argument("--limit", type=int, default=0, help="only the first N pairs")
         p.add_argument("--batch-size", type=int, default=128)
-        p.add_argument("--max-length", type=int, default=None, help="most target tokens per sentence (default 256)")
-        p.add_argument("--target-language", default="", help="a multilingual Marian bundle's >>xx<< token")
         p.add_argument("--output", help="write the translations here")
         p.add_argument("--device", default="cpu")
         add_bundle_flags(p)

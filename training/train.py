@@ -209,7 +209,7 @@ class Trainer:
         self.valid_pairs = valid.pairs
         self.valid_examples, _ = encode_pairs(self.tokenizer, valid.pairs, cfg.max_len)
         if not self.examples:
-            raise ConfigError(f"every training pair is longer than --max-len {cfg.max_len} tokens")
+            raise ConfigError(f"every training pair is longer than --max-pair-tokens {cfg.max_len} tokens")
 
         torch.manual_seed(cfg.seed)
         self.model_config = ModelConfig.preset(cfg.preset, vocab_size=self.tokenizer.vocab_size, dropout=cfg.dropout,

@@ -37,8 +37,8 @@ FINISH_REASON_EOS: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
 class DecodingOptions(_message.Message):
-    __slots__ = ("max_output_tokens", "return_scores", "beam_size", "num_hypotheses", "length_penalty", "patience", "sampling_topk", "sampling_topp", "sampling_temperature", "seed", "beam_stopping", "length_rule")
-    MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("max_decoding_length", "return_scores", "beam_size", "num_hypotheses", "length_penalty", "patience", "sampling_topk", "sampling_topp", "sampling_temperature", "seed", "beam_stopping", "length_rule")
+    MAX_DECODING_LENGTH_FIELD_NUMBER: _ClassVar[int]
     RETURN_SCORES_FIELD_NUMBER: _ClassVar[int]
     BEAM_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_HYPOTHESES_FIELD_NUMBER: _ClassVar[int]
@@ -50,7 +50,7 @@ class DecodingOptions(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     BEAM_STOPPING_FIELD_NUMBER: _ClassVar[int]
     LENGTH_RULE_FIELD_NUMBER: _ClassVar[int]
-    max_output_tokens: int
+    max_decoding_length: int
     return_scores: bool
     beam_size: int
     num_hypotheses: int
@@ -62,7 +62,7 @@ class DecodingOptions(_message.Message):
     seed: int
     beam_stopping: BeamStopping
     length_rule: LengthRule
-    def __init__(self, max_output_tokens: _Optional[int] = ..., return_scores: _Optional[bool] = ..., beam_size: _Optional[int] = ..., num_hypotheses: _Optional[int] = ..., length_penalty: _Optional[float] = ..., patience: _Optional[float] = ..., sampling_topk: _Optional[int] = ..., sampling_topp: _Optional[float] = ..., sampling_temperature: _Optional[float] = ..., seed: _Optional[int] = ..., beam_stopping: _Optional[_Union[BeamStopping, str]] = ..., length_rule: _Optional[_Union[LengthRule, str]] = ...) -> None: ...
+    def __init__(self, max_decoding_length: _Optional[int] = ..., return_scores: _Optional[bool] = ..., beam_size: _Optional[int] = ..., num_hypotheses: _Optional[int] = ..., length_penalty: _Optional[float] = ..., patience: _Optional[float] = ..., sampling_topk: _Optional[int] = ..., sampling_topp: _Optional[float] = ..., sampling_temperature: _Optional[float] = ..., seed: _Optional[int] = ..., beam_stopping: _Optional[_Union[BeamStopping, str]] = ..., length_rule: _Optional[_Union[LengthRule, str]] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_ns", "time_to_first_token_ns", "total_ns", "prepare_ns", "handler_ns", "encoded_ns", "resumed_ns")
@@ -243,22 +243,22 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_sentences", "max_sentence_chars", "max_source_tokens", "max_output_tokens", "max_beam_size", "max_text_chars", "max_call_chars")
+    __slots__ = ("max_sentences", "max_sentence_chars", "max_source_tokens", "max_decoding_length", "max_beam_size", "max_text_chars", "max_call_chars")
     MAX_SENTENCES_FIELD_NUMBER: _ClassVar[int]
     MAX_SENTENCE_CHARS_FIELD_NUMBER: _ClassVar[int]
     MAX_SOURCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DECODING_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_BEAM_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
     MAX_CALL_CHARS_FIELD_NUMBER: _ClassVar[int]
     max_sentences: int
     max_sentence_chars: int
     max_source_tokens: int
-    max_output_tokens: int
+    max_decoding_length: int
     max_beam_size: int
     max_text_chars: int
     max_call_chars: int
-    def __init__(self, max_sentences: _Optional[int] = ..., max_sentence_chars: _Optional[int] = ..., max_source_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., max_beam_size: _Optional[int] = ..., max_text_chars: _Optional[int] = ..., max_call_chars: _Optional[int] = ...) -> None: ...
+    def __init__(self, max_sentences: _Optional[int] = ..., max_sentence_chars: _Optional[int] = ..., max_source_tokens: _Optional[int] = ..., max_decoding_length: _Optional[int] = ..., max_beam_size: _Optional[int] = ..., max_text_chars: _Optional[int] = ..., max_call_chars: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("source_language", "target_language", "bundle_id", "variant", "device", "model_json", "limits", "default_options", "target_languages", "model", "graphs", "kernels")

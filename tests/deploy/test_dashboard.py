@@ -111,7 +111,7 @@ class Prometheus:
 def test_every_dashboard_query_returns_data_from_a_real_prometheus(tiny_bundle, tiny_corpus, tmp_path):
     sentences = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs][:8]
     server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=0,
-                                       max_output_tokens=64))
+                                       max_decoding_length=64))
 
     def traffic(round_: int) -> None:
         with server.channel() as channel:

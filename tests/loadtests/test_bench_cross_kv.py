@@ -9,7 +9,7 @@ from tests.helpers import run_cli
 def test_cross_kv_bench_reports_both_layouts(tiny_bundle, tmp_path):
     out = tmp_path / "cross.json"
     result = run_cli("bench", "cross-kv", str(tiny_bundle), "--requests", "3", "--beam-size", "4", "--runs", "2",
-                     "--json", str(out), timeout=120)
+                     "--report", str(out), timeout=120)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     sizes = report["cross_kv_bytes"]

@@ -8,7 +8,7 @@ from tests.helpers import run_cli
 
 def test_documents_bench_sends_the_document_three_ways(tiny_bundle, tmp_path):
     out = tmp_path / "documents.json"
-    result = run_cli("bench", "documents", str(tiny_bundle), "--sentences", "10", "--runs", "2", "--json", str(out),
+    result = run_cli("bench", "documents", str(tiny_bundle), "--sentences", "10", "--runs", "2", "--report", str(out),
                      timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())

@@ -21,7 +21,7 @@ def test_offline_bench_measures_each_engine_alone_and_reports_its_best(tiny_bund
     # three of the five engines (the int8 ones are the same code on other files): 16 processes, 22 with AVX-512;
     # a CT2_FORCE_CPU_ISA of the caller's own does not reach the layouts that leave CTranslate2 its own choice
     result = run_cli("bench", "offline", str(tiny_bundle), "--sentences", "12", "--runs", "2", "--batch-sizes", "1,4",
-                     "--threads", "1,2", "--repeats", "2", "--engines", "pytorch,ort_fp32,ct2_fp32", "--json", str(out),
+                     "--threads", "1,2", "--repeats", "2", "--engines", "pytorch,ort_fp32,ct2_fp32", "--report", str(out),
                      env={"CT2_FORCE_CPU_ISA": "GENERIC"}, timeout=600)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
@@ -115,7 +115,7 @@ def test_offline_bench_of_an_imported_marian_bundle_measures_transformers_and_ct
     out = tmp_path / "marian.json"
     result = run_cli("bench", "offline", str(marian_bundle), "--sentences-file", str(tmp_path / "en.txt"),
                      "--runs", "1", "--repeats", "1", "--threads", "1", "--batch-sizes", "1,3", "--beam-size", "2",
-                     "--max-decoding-length", "12", "--engines", "transformers,ort_fp32,ct2_fp32", "--json", str(out),
+                     "--max-decoding-length", "12", "--engines", "transformers,ort_fp32,ct2_fp32", "--report", str(out),
                      timeout=600)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
@@ -133,7 +133,7 @@ def test_the_report_counts_the_sentences_decoded_to_the_length_limit(tiny_bundle
     out = tmp_path / "offline.json"
     result = run_cli("bench", "offline", str(tiny_bundle), "--sentences", "6", "--runs", "1", "--repeats", "1",
                      "--threads", "1", "--batch-sizes", "2", "--max-decoding-length", "3", "--engines", "ort_fp32,ct2_fp32",
-                     "--json", str(out), timeout=300)
+                     "--report", str(out), timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["mean_output_tokens"] == {"ort_fp32": 3.0, "ct2_fp32": 3.0}

@@ -60,7 +60,7 @@ def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_p
     each mode reported at its best layout per concurrency, every layout beside it."""
     out = tmp_path / "served.json"
     result = run_cli("bench", "served", str(tiny_bundle), "--concurrency", "1,2", "--requests", "6", "--runs", "1",
-                     "--threads", "1,2", "--server-flag=--io-binding=on", "--decoding", "mixed", "--json", str(out),
+                     "--threads", "1,2", "--server-flag=--io-binding=on", "--decoding", "mixed", "--report", str(out),
                      timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
@@ -130,7 +130,7 @@ def test_served_bench_sends_several_sentences_a_call(tiny_bundle, tmp_path):
     out = tmp_path / "served.json"
     result = run_cli("bench", "served", str(tiny_bundle), "--concurrency", "2", "--requests", "4", "--runs", "1",
                      "--modes", "continuous", "--sentences-per-call", "3", "--threads", "1", "--inter-threads", "2",
-                     "--json", str(out), timeout=300)
+                     "--report", str(out), timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     cell = report["results"]["continuous"]["2"]

@@ -9,7 +9,7 @@ from tests.helpers import run_cli
 @pytest.fixture(scope="module")
 def steady_run(tiny_bundle, tmp_path_factory):
     out = tmp_path_factory.mktemp("loadtest")
-    result = run_cli("loadtest", "--bundle", str(tiny_bundle), "--scenario", "steady", "--seconds", "12",
+    result = run_cli("loadtest", str(tiny_bundle), "--scenario", "steady", "--seconds", "12",
                      "--peak-users", "4", "--out", str(out), timeout=240)
     return result, out
 
@@ -34,7 +34,7 @@ def test_two_models_each_get_their_own_text_and_their_own_rows(tiny_bundle, fr_e
 
     (tmp_path / "fr.txt").write_text("\n".join(sentences(FRENCH, 100, 5)) + "\n", encoding="utf-8")
     out = tmp_path / "run"
-    result = run_cli("loadtest", "--bundle", f"{tiny_bundle},{fr_en_bundle}", "--sentences", f"fr-en={tmp_path / 'fr.txt'}",
+    result = run_cli("loadtest", f"{tiny_bundle},{fr_en_bundle}", "--sentences-file", f"fr-en={tmp_path / 'fr.txt'}",
                      "--scenario", "steady", "--seconds", "10", "--peak-users", "6", "--out", str(out), timeout=240)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     stats = read_stats(out / "stats_stats.csv")
@@ -47,7 +47,7 @@ def test_two_models_each_get_their_own_text_and_their_own_rows(tiny_bundle, fr_e
 
 
 def test_overload_answers_resource_exhausted_counted_apart_from_failures(tiny_bundle, tmp_path):
-    result = run_cli("loadtest", "--bundle", str(tiny_bundle), "--scenario", "overload", "--seconds", "8",
+    result = run_cli("loadtest", str(tiny_bundle), "--scenario", "overload", "--seconds", "8",
                      "--peak-users", "8", "--out", str(tmp_path), "--server-flag=--max-running-rows=2",
                      "--server-flag=--max-waiting=2", timeout=240)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -94,7 +94,7 @@ def test_steady_run_with_mixed_decoding_against_an_imported_marian_bundle(marian
 
     (tmp_path / "en.txt").write_text("\n".join(sentences(ENGLISH, 100, 5)) + "\n", encoding="utf-8")
     out = tmp_path / "run"
-    result = run_cli("loadtest", "--bundle", str(marian_bundle), "--sentences", str(tmp_path / "en.txt"),
+    result = run_cli("loadtest", str(marian_bundle), "--sentences-file", str(tmp_path / "en.txt"),
                      "--scenario", "steady", "--seconds", "8", "--peak-users", "4", "--decoding", "mixed",
                      "--out", str(out), timeout=240)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]

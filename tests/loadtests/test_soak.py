@@ -16,7 +16,7 @@ def soak_run(tiny_bundle, tiny_corpus, tmp_path_factory):
     # 15 s leave a warm-up of 5 s and windows of ~3 s (a scrape a second): too short for the 10% memory
     # bound of a real soak (README: 10 minutes), so the bound is loose here; the verdict's arithmetic is
     # tested below
-    result = run_cli("soak", "--bundle", str(tiny_bundle), "--sentences", str(tiny_corpus / "test.tsv"),
+    result = run_cli("soak", str(tiny_bundle), "--sentences-file", str(tiny_corpus / "test.tsv"),
                      "--seconds", "15", "--sample-seconds", "1", "--clients", "8", "--out", str(out),
                      "--max-memory-growth", "0.5", timeout=400)
     return result, out

@@ -14,7 +14,7 @@ from tests.helpers import ServerThread, run_cli, run_cli_each
 
 def test_round_robin_sends_calls_to_every_server_behind_one_target(tiny_bundle):
     servers = [ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
-                                         max_output_tokens=8)) for _ in range(2)]
+                                         max_decoding_length=8)) for _ in range(2)]
     try:
         before = [s.running.engine.stats()["steps"] for s in servers]
         # two addresses behind one name, as DNS returns the pods of a headless Service
@@ -65,7 +65,7 @@ def test_translate_cli_decodes_with_a_beam_or_samples_locally_and_through_the_se
     reference = OnnxTranslator(tiny_bundle, shared_cross=False)  # the server's step
     expected = reference.translate_batch(sentences, beam_size=4, num_hypotheses=2, max_decoding_length=64,
                                          return_scores=True)
-    beam = ["--beam-size", "4", "--num-hypotheses", "2", "--max-length", "64", "--json"]
+    beam = ["--beam-size", "4", "--num-hypotheses", "2", "--max-decoding-length", "64", "--json"]
     for model in (["--server", served.target], [str(tiny_bundle)], [str(tiny_checkpoint)]):
         out = run_cli("translate", *beam, *model, *sentences, timeout=120)
         assert out.returncode == 0, out.stderr
@@ -124,7 +124,7 @@ def test_translate_cli_decodes_a_bundles_batches_at_once_on_threads_of_their_own
                                                  "--batch-size", "1", str(tiny_bundle), *sentences])
     assert len(translate_local(str(tiny_bundle), sentences, args)) == len(sentences)
     assert len(contexts) == 2 and contexts[0].inter_threads == 2  # one per thread
-    flags = ["--beam-size", "3", "--num-hypotheses", "2", "--max-length", "32", "--json", "--batch-size", "1"]
+    flags = ["--beam-size", "3", "--num-hypotheses", "2", "--max-decoding-length", "32", "--json", "--batch-size", "1"]
     one = run_cli("translate", *flags, str(tiny_bundle), *sentences, timeout=120)
     two = run_cli("translate", *flags, "--inter-threads", "2", "--threads", "1", str(tiny_bundle), *sentences,
                   timeout=120)
@@ -142,3 +142,22 @@ def test_translate_cli_decodes_a_bundles_batches_at_once_on_threads_of_their_own
     for out, message in zip(run_cli_each(*(("translate", *args, "hi") for args in refused), timeout=120),
                             refused.values()):
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, (out.args, out.stderr)
+
+
+def test_models_cli_lists_what_list_models_answers(served):
+    """`nmtserve models --server`: the same models, languages and limits as ListModels, in a line each and as JSON."""
+    from google.protobuf.json_format import MessageToDict
+
+    with served.channel() as channel:
+        listed = pb_grpc.TranslationServiceStub(channel).ListModels(pb.ListModelsRequest(), timeout=30).models
+    out = run_cli("models", "--server", served.target, "--json", timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [MessageToDict(m, preserving_proto_field_name=True) for m in listed]
+    out = run_cli("models", "--server", served.target, timeout=120)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and len(lines) == len(listed) == 1, out.stdout + out.stderr
+    model = listed[0]
+    assert lines[0].startswith(f"{model.model}\t{model.source_language}→{model.target_language}\t{model.variant} on cpu")
+    assert f"max_decoding_length {model.limits.max_decoding_length}," in lines[0]
+    closed = run_cli("models", "--server", "127.0.0.1:1", "--timeout", "2", timeout=60)
+    assert closed.returncode == 2 and closed.stderr.strip().startswith("nmtserve models: error: 127.0.0.1:1: UNAVAILABLE")

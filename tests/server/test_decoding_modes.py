@@ -41,7 +41,7 @@ def alone(tiny_bundle, sentences) -> list[list]:
 def two_engines(tiny_bundle):
     """The model served by two engines (serve --inter-threads 2), one intra-op thread each."""
     server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=0,
-                                       max_sentences=8, max_sentence_chars=300, max_output_tokens=64,
+                                       max_sentences=8, max_sentence_chars=300, max_decoding_length=64,
                                        inter_threads=2, threads=1))
     yield server
     server.stop()

@@ -18,7 +18,7 @@ from tests.helpers import NMTSERVE, ServerThread
 DOCUMENT = ("  The cat sees the dog.  Dr. Smith reads a book at 3 p.m. today!\r\n\r\n"
             "\tThe girl walks slowly.   Did the boys eat?\n"
             "The lawyer writes.\n\n   ")
-GREEDY = pb.DecodingOptions(beam_size=1, max_output_tokens=20)
+GREEDY = pb.DecodingOptions(beam_size=1, max_decoding_length=20)
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +116,6 @@ def test_translate_cli_translates_a_whole_file_over_the_per_text_limit(server, t
         whole = pb_grpc.TranslationServiceStub(channel).TranslateText(
             pb.TranslateTextRequest(texts=[DOCUMENT], options=GREEDY), timeout=60).translations[0]
     out = subprocess.run([NMTSERVE, "translate", "--server", server.target, "--file", str(path), "--beam-size", "1",
-                          "--max-length", "20"], capture_output=True, timeout=120)  # bytes: CRLF must stay CRLF
+                          "--max-decoding-length", "20"], capture_output=True, timeout=120)  # bytes: CRLF must stay CRLF
     assert out.returncode == 0, out.stderr
     assert out.stdout == (whole.text * 3).encode()

@@ -30,7 +30,7 @@ class Server(ServerProcess):
     def __init__(self, bundle, log, port: int = 0):
         self.metrics_port = free_port()
         super().__init__(bundle, "--metrics-port", str(self.metrics_port), "--max-running-rows", "8",
-                         "--max-output-tokens", "256", *(["--port", str(port)] if port else []), log=log,
+                         "--max-decoding-length", "256", *(["--port", str(port)] if port else []), log=log,
                          cwd=Path(log).parent)
 
     def metric(self, name: str, **labels: str) -> float:
@@ -79,7 +79,7 @@ def test_a_client_killed_mid_stream_frees_its_row_and_its_batch_mates_finish(tin
     """In-process server whose decoder steps are slowed by 5 ms (a test hook, in Python and in the library),
     so that the killed clients' rows are still decoding when their processes die."""
     server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
-                                       max_output_tokens=256))
+                                       max_decoding_length=256))
     engine = server.running.engine
     step, steps = engine.tr._step, engine.tr.decode_greedy_steps
 

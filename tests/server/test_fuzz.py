@@ -1,7 +1,7 @@
 """Property-based fuzzing of request messages against a real server: every answer is OK with one
 translation per sentence, or INVALID_ARGUMENT whose message starts with the field it is about;
 never INTERNAL, UNKNOWN or a crash. The server's limits (tests/server/conftest.py): 8 sentences of
-at most 300 characters, max_output_tokens at most 64."""
+at most 300 characters, max_decoding_length at most 64."""
 
 import grpc
 from hypothesis import HealthCheck, given, settings
@@ -21,7 +21,7 @@ ODD = st.sampled_from(["\x00", "\x07", "\x1b[0m", "\t", "\r\n", "\u200b", "\u200
 SENTENCE = st.one_of(st.text(max_size=40), st.lists(ODD | st.text(max_size=5), max_size=20).map("".join),
                      st.text(min_size=290, max_size=310), st.just("The cat sleeps."))
 FLOAT = st.floats(width=32)  # NaN and infinities included
-OPTIONS = st.builds(pb.DecodingOptions, max_output_tokens=st.one_of(st.integers(0, 70), st.integers(0, 2**32 - 1)),
+OPTIONS = st.builds(pb.DecodingOptions, max_decoding_length=st.one_of(st.integers(0, 70), st.integers(0, 2**32 - 1)),
                     return_scores=st.booleans(), beam_size=st.one_of(st.integers(0, 3), st.integers(0, 2**32 - 1)),
                     num_hypotheses=st.integers(0, 4), length_penalty=FLOAT, seed=st.integers(0, 2**64 - 1),
                     patience=st.none() | FLOAT, sampling_topk=st.none() | st.integers(0, 2**32 - 1),

@@ -30,7 +30,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_bundle, tiny_corpus
                              "--port", "0", "--metrics-port", str(metrics_port), "--max-running-rows", "4",
                              "--drain-timeout", "30"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            env={**os.environ, "NMTSERVE_MAX_OUTPUT_TOKENS": "256"})
+                            env={**os.environ, "NMTSERVE_MAX_DECODING_LENGTH": "256"})
     try:
         line = proc.stdout.readline()
         assert "serving on port" in line, proc.stderr.read()

@@ -37,7 +37,7 @@ def test_defaults_languages_and_translations_follow_the_marian_model(marian_dir,
         info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
         assert (info.source_language, info.target_language) == ("en", "fr")
         d = info.default_options
-        assert (d.beam_size, d.length_penalty, d.beam_stopping, d.max_output_tokens, d.length_rule) == \
+        assert (d.beam_size, d.length_penalty, d.beam_stopping, d.max_decoding_length, d.length_rule) == \
             (4, 1.0, pb.BEAM_STOPPING_TRANSFORMERS, 39, pb.LENGTH_RULE_NMTSERVE)
 
         def translate(**options):

@@ -28,7 +28,7 @@ def test_scrape_agrees_with_traffic_and_static_batching_gives_the_same_text(tiny
     outputs = {}
     for batching in ("continuous", "static"):
         server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=0,
-                                           batching=batching, max_output_tokens=64))
+                                           batching=batching, max_decoding_length=64))
         try:
             before = _scrape(server.running.metrics_port)  # after the server's own warm-up sentence
             with server.channel() as channel:

@@ -29,7 +29,7 @@ SERVICE = "nmtserve.v1.TranslationService"
 @pytest.fixture(scope="module")
 def two_models(tiny_bundle, fr_en_bundle):
     server = ServerThread(ServerConfig.from_flags(bundle=f"{tiny_bundle},{fr_en_bundle}", host="127.0.0.1", port=0,
-                                       metrics_port=0, max_output_tokens=64))
+                                       metrics_port=0, max_decoding_length=64))
     yield server
     server.stop()
 
@@ -46,7 +46,7 @@ def test_list_models_and_model_info_describe_each_model(two_models, tiny_bundle,
         assert [(m.model, m.source_language, m.target_language) for m in listed] == [("en-fr", "en", "fr"),
                                                                                       ("fr-en", "fr", "en")]
         assert [m.default_options.beam_size for m in listed] == [1, 4]  # ours greedy; Marian's num_beams
-        assert all(m.variant == "fp32" and m.device == "cpu" and m.limits.max_output_tokens == 64 for m in listed)
+        assert all(m.variant == "fp32" and m.device == "cpu" and m.limits.max_decoding_length == 64 for m in listed)
         assert stub.GetModelInfo(pb.GetModelInfoRequest(model="fr-en"), timeout=30) == listed[1]
         for model, message in (("", "model '': required; this server serves en-fr, fr-en"),
                                ("de-en", "model 'de-en': not served here; this server serves en-fr, fr-en")):
@@ -58,7 +58,7 @@ def test_list_models_and_model_info_describe_each_model(two_models, tiny_bundle,
 
 def test_requests_reach_the_model_they_name_or_whose_languages_match(two_models, tiny_bundle, fr_en_bundle):
     english, french = sentences(ENGLISH, 1, 11)[0], sentences(FRENCH, 1, 12)[0]
-    greedy = pb.DecodingOptions(beam_size=1, max_output_tokens=20)
+    greedy = pb.DecodingOptions(beam_size=1, max_decoding_length=20)
     expected_fr = _alone(tiny_bundle, "the cat sees the dog", DecodingOptions(max_decoding_length=20))
     expected_en = _alone(fr_en_bundle, french, DecodingOptions(max_decoding_length=20))
     with two_models.channel() as channel:
@@ -104,7 +104,7 @@ def test_metrics_count_each_model_apart(two_models):
     """Every request series carries the model it counts; a call that names no served model counts under
     model="" (the label's values stay bounded by the models served)."""
     port = two_models.running.metrics_port
-    greedy = pb.DecodingOptions(beam_size=1, max_output_tokens=20)
+    greedy = pb.DecodingOptions(beam_size=1, max_decoding_length=20)
     before = scrape(port)
     with two_models.channel() as channel:
         stub = pb_grpc.TranslationServiceStub(channel)
@@ -148,7 +148,7 @@ def test_a_flood_on_one_model_does_not_hold_up_the_other(two_models, fr_en_bundl
     french = sentences(FRENCH, 6, 13)
     expected = [_alone(fr_en_bundle, s, DecodingOptions(max_decoding_length=20)) for s in french]
     flood_request = pb.TranslateRequest(sentences=["the cat sees the dog"] * 8, model="en-fr",
-                                        options=pb.DecodingOptions(beam_size=1, max_output_tokens=64))
+                                        options=pb.DecodingOptions(beam_size=1, max_decoding_length=64))
     done = threading.Event()
 
     def flood_client(stub) -> int:
@@ -169,7 +169,7 @@ def test_a_flood_on_one_model_does_not_hold_up_the_other(two_models, fr_en_bundl
             for text, want in zip(french, expected):
                 steps = flood_engine.stats()["steps"]
                 got = stub.Translate(pb.TranslateRequest(sentences=[text], model="fr-en", options=pb.DecodingOptions(
-                    beam_size=1, max_output_tokens=20)), timeout=60).translations[0]
+                    beam_size=1, max_decoding_length=20)), timeout=60).translations[0]
                 assert got.text == want
                 stats = flood_engine.stats()
                 flood_busy.append(stats["steps"] > steps or stats["running"] + stats["waiting"] > 0)
@@ -227,8 +227,8 @@ def test_the_models_file_names_ids_and_settings(tiny_bundle, fr_en_bundle, tmp_p
 def test_translate_cli_names_the_model_or_the_target_language(two_models, fr_en_bundle):
     french = sentences(FRENCH, 1, 14)[0]
     expected = _alone(fr_en_bundle, french, DecodingOptions(max_decoding_length=20))
-    for route in (["--model", "fr-en"], ["--target-language", "en"], ["--source-language", "fr"]):
-        out = run_cli("translate", "--server", two_models.target, *route, "--beam-size", "1", "--max-length", "20",
+    for route in (["--model", "fr-en"], ["--target-lang", "en"], ["--source-lang", "fr"]):
+        out = run_cli("translate", "--server", two_models.target, *route, "--beam-size", "1", "--max-decoding-length", "20",
                       french, timeout=120)
         assert out.returncode == 0 and out.stdout == expected + "\n", (route, out.stderr)
     out = run_cli("translate", "--server", two_models.target, "--model", "de-en", french, timeout=120)

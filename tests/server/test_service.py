@@ -48,7 +48,7 @@ def test_concurrent_clients_get_the_translator_output(served, tiny_bundle, sente
 @pytest.mark.parametrize("variant, kernel", [("fp32", "off"), ("fp32", "on"), ("int8", "on"), ("int8", "off")])
 def test_a_server_with_or_without_the_kernels_serves_the_translator_output(tiny_bundle, sentences, variant, kernel):
     server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
-                                       variant=variant, attention_kernel=kernel, max_output_tokens=64))
+                                       variant=variant, attention_kernel=kernel, max_decoding_length=64))
     try:
         reference = OnnxTranslator(tiny_bundle, variant=variant, shared_cross=False, attention_kernel=kernel == "on")
         expected = [t.text for t in reference.translate_batch(sentences[:16], max_decoding_length=64)]
@@ -79,7 +79,7 @@ def test_a_bad_kernel_flag_is_one_line_naming_it(tiny_bundle, flag):
 
 def test_a_server_with_io_binding_serves_the_translator_output(tiny_bundle, sentences):
     server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
-                                       io_binding="on", max_output_tokens=64))
+                                       io_binding="on", max_decoding_length=64))
     try:
         reference = OnnxTranslator(tiny_bundle, shared_cross=False)  # the server's step
         expected = [t.text for t in reference.translate_batch(sentences[:16], max_decoding_length=64)]
@@ -126,7 +126,7 @@ def test_stream_interval_sends_a_delta_per_interval_of_tokens(tiny_bundle, sente
     # (0 running rows used to serve, and every request then waited for its deadline)
     for flag, field in (("--stream-interval", "stream_interval"), ("--max-burst-steps", "max_burst_steps"),
                         ("--max-running-rows", "max_running_rows"), ("--max-waiting", "max_waiting"),
-                        ("--max-output-tokens", "max_output_tokens")):
+                        ("--max-decoding-length", "max_decoding_length")):
         with pytest.raises(ConfigError, match=f"{flag} 0: must be at least 1"):
             asyncio.run(start_server(ServerConfig.from_flags(bundle=str(tiny_bundle), port=0, metrics_port=-1, **{field: 0})))
 
@@ -137,8 +137,8 @@ def test_stream_interval_sends_a_delta_per_interval_of_tokens(tiny_bundle, sente
     (pb.TranslateRequest(sentences=["The cat sleeps.", "  "]), "sentences[1]: empty sentence"),
     (pb.TranslateRequest(sentences=["x" * 301]), "sentences[0]: 301 characters, the limit is 300"),
     (pb.TranslateRequest(sentences=["ok", "\u200b\x07"]), r"sentences[1]: nothing to translate in '\u200b\x07'"),
-    (pb.TranslateRequest(sentences=["ok"], options=pb.DecodingOptions(max_output_tokens=65)),
-     "options.max_output_tokens 65 exceeds the limit 64"),
+    (pb.TranslateRequest(sentences=["ok"], options=pb.DecodingOptions(max_decoding_length=65)),
+     "options.max_decoding_length 65 exceeds the limit 64"),
 ])
 def test_invalid_requests_name_the_field(served, request_, field):
     with served.channel() as channel, pytest.raises(grpc.RpcError) as err:
@@ -149,7 +149,7 @@ def test_invalid_requests_name_the_field(served, request_, field):
 def test_scores_timings_and_finish_reasons(served, sentences):
     with served.channel() as channel:
         stub = pb_grpc.TranslationServiceStub(channel)
-        options = pb.DecodingOptions(max_output_tokens=2, return_scores=True)
+        options = pb.DecodingOptions(max_decoding_length=2, return_scores=True)
         t = stub.Translate(pb.TranslateRequest(sentences=sentences[:1], options=options), timeout=10).translations[0]
         assert t.finish_reason == pb.FINISH_REASON_LENGTH and t.output_tokens == 2 and t.score < 0
         assert 0 < t.timings.time_to_first_token_ns <= t.timings.total_ns
@@ -187,7 +187,7 @@ def test_deadline_exceeded_frees_the_rows(served, sentences):
         before = dropped()
         with served.channel() as channel, pytest.raises(grpc.RpcError) as err:
             pb_grpc.TranslationServiceStub(channel).Translate(pb.TranslateRequest(
-                sentences=sentences[:8], options=pb.DecodingOptions(beam_size=4, max_output_tokens=64)), timeout=timeout)
+                sentences=sentences[:8], options=pb.DecodingOptions(beam_size=4, max_decoding_length=64)), timeout=timeout)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert wait_engine_idle(engine, 30), "the engine still held rows 30 s after the call's deadline"
         assert engine.stats() == {**engine.stats(), "running": 0, "waiting": 0}
@@ -222,11 +222,11 @@ def test_overload_is_refused_with_resource_exhausted(tiny_bundle, sentences):
 
 
 def test_requests_at_every_limit_over_grpc_end_with_length_alone_and_in_a_busy_batch(tiny_bundle, sentences):
-    """The longest source the server accepts and the largest max_output_tokens, with a model that never
+    """The longest source the server accepts and the largest max_decoding_length, with a model that never
     says eos (a test hook replaces its eos by another token): LENGTH at the full budget, never an
     error, alone and while unary calls and streams share the batch; one token more is refused."""
     server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
-                                       max_sentence_chars=100_000, max_output_tokens=10_000))
+                                       max_sentence_chars=100_000, max_decoding_length=10_000))
     try:
         translator = server.running.engine.tr
         limits = translator.limits
@@ -239,7 +239,7 @@ def test_requests_at_every_limit_over_grpc_end_with_length_alone_and_in_a_busy_b
                 break
             longest = text
         assert len(translator.tokenizer.encode(longest)) >= limits.max_source_tokens - 8  # one word short at most
-        largest = pb.DecodingOptions(max_output_tokens=limits.max_target_tokens)  # the limit the server tells
+        largest = pb.DecodingOptions(max_decoding_length=limits.max_target_tokens)  # the limit the server tells
         budget = limits.output_budget(len(translator.tokenizer.encode(longest)), limits.max_target_tokens)
         with server.channel() as channel:
             stub = pb_grpc.TranslationServiceStub(channel)
@@ -256,11 +256,11 @@ def test_requests_at_every_limit_over_grpc_end_with_length_alone_and_in_a_busy_b
                 finals = [t for r in others for t in (r.translations if hasattr(r, "translations") else [r[-1].final])]
                 assert len(finals) == 3 * mates // 2
                 assert all(t.finish_reason == pb.FINISH_REASON_LENGTH for t in finals)
-            assert stub.GetModelInfo(pb.GetModelInfoRequest()).limits.max_output_tokens == limits.max_target_tokens
+            assert stub.GetModelInfo(pb.GetModelInfoRequest()).limits.max_decoding_length == limits.max_target_tokens
             for request, message in [
                     (pb.TranslateRequest(sentences=[too_long]), f"tokens, the limit is {limits.max_source_tokens}"),
                     (pb.TranslateRequest(sentences=["ok"], options=pb.DecodingOptions(
-                        max_output_tokens=limits.max_target_tokens + 1)), f"the limit {limits.max_target_tokens}")]:
+                        max_decoding_length=limits.max_target_tokens + 1)), f"the limit {limits.max_target_tokens}")]:
                 with pytest.raises(grpc.RpcError) as err:
                     stub.Translate(request, timeout=60)
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().endswith(message)

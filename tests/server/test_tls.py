@@ -37,7 +37,7 @@ SENTENCE = "The cat sleeps."
 def _translate(target: str, tls: TlsFiles | None) -> str:
     with open_channel(target, tls) as channel:
         response = pb_grpc.TranslationServiceStub(channel).Translate(
-            pb.TranslateRequest(sentences=[SENTENCE], options=pb.DecodingOptions(max_output_tokens=4)), timeout=10)
+            pb.TranslateRequest(sentences=[SENTENCE], options=pb.DecodingOptions(max_decoding_length=4)), timeout=10)
     return response.translations[0].text
 
 
@@ -79,7 +79,7 @@ def test_mutual_tls_requires_a_client_certificate_signed_by_the_client_ca(tiny_b
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         # and the CLI client speaks mutual TLS too
         out = run_cli("translate", "--server", server.target, "--tls-ca", str(pki / "ca.pem"), "--tls-cert",
-                      str(pki / "client.pem"), "--tls-key", str(pki / "client.key"), "--max-length", "4", SENTENCE)
+                      str(pki / "client.pem"), "--tls-key", str(pki / "client.key"), "--max-decoding-length", "4", SENTENCE)
         assert out.returncode == 0 and out.stdout.strip() == plaintext, out.stderr
     finally:
         server.stop()
