@@ -111,9 +111,10 @@ test-gpu: install
 	NMTSERVE_TEST_DEVICE=cuda $(PY) -m pytest tests/export/test_parity.py tests/export/test_search.py \
 	  tests/server/test_engine.py -k "io_binding or io-binding"
 
-# regenerate nmtserve/v1 from protos/ (tests/server/test_protos.py checks they match)
+# regenerate nmtserve/v1 and docs/api.md from protos/ (tests/server/test_protos.py checks they match)
 protos: install
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/nmtserve/v1/translation.proto
+	$(PY) protos/apidoc.py > docs/api.md
 
 # ruff: pyflakes, import order and pyupgrade rules (pyproject.toml)
 lint: install

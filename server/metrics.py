@@ -56,7 +56,7 @@ class ServerMetrics:
                                  ["model", "mode", "reason"], registry=r)
         self.rejected = Counter("nmtserve_rejected_requests", "RPCs refused before any work, by status code",
                                 ["model", "mode", "code"], registry=r)
-        self.running = Gauge("nmtserve_requests_running", "Rows in the running batch", ["model"], registry=r)
+        self.running = Gauge("nmtserve_requests_running", "Requests (sentences) in the running batch", ["model"], registry=r)
         self.waiting = Gauge("nmtserve_requests_waiting", "Requests waiting for admission", ["model"], registry=r)
         self.model = Info("nmtserve_model", "The bundles being served, one series per model", ["model"], registry=r)
         self._engines: dict[str, object] = {}  # each model's engine, read at each scrape (watch_engine)
