@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from nmtserve.console import print_json
+from nmtserve.console import Progress, print_json
 
 
 def cmd_export(args) -> int:
@@ -15,7 +15,8 @@ def cmd_export(args) -> int:
 
     cfg = ExportConfig(args.checkpoint, args.out, parse_variants(args.variants), args.verify, args.verify_split,
                        args.verify_limit, args.source_lang, args.target_lang)
-    manifest = export_bundle(cfg)
+    with Progress(f"export {args.out}", total=1 + len(cfg.variants) + cfg.verify, unit="stage") as progress:
+        manifest = export_bundle(cfg, progress)
     report = manifest.get("verification")
     if args.json:
         print_json(manifest)

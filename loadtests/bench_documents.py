@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from nmtserve.console import Progress
 from nmtserve.loadtests.machine import describe, machine_info
 from nmtserve.loadtests.workload import ServerProcess, default_sentence_file, read_sentences
 
@@ -35,7 +36,7 @@ class DocumentsBenchConfig:
     threads: int = 1
 
 
-def run_documents_bench(cfg: DocumentsBenchConfig, progress=print) -> dict:
+def run_documents_bench(cfg: DocumentsBenchConfig, progress: Progress) -> dict:
     from nmtserve.client import open_channel
     from nmtserve.server.documents import sentence_spans
     from nmtserve.v1 import translation_pb2 as pb
@@ -69,9 +70,10 @@ def run_documents_bench(cfg: DocumentsBenchConfig, progress=print) -> dict:
 
         ways = dict(zip(WAYS, (one_call, one_after_another, all_at_once)))
         separate(sentences[0])  # warm-up: a channel's and a process's first calls
+        progress.expect(cfg.runs * len(ways))
         for run in range(cfg.runs):
             for way, send in ways.items():
-                progress(f"run {run + 1}/{cfg.runs}: {way}")
+                progress.stage(f"run {run + 1}/{cfg.runs}: {way}")
                 t0 = time.perf_counter()
                 tokens = send()
                 timings[way].append((time.perf_counter() - t0, tokens))

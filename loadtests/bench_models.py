@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from nmtserve.console import Progress
 from nmtserve.errors import NmtserveError
 from nmtserve.loadtests.machine import describe, machine_info
 from nmtserve.loadtests.measure import percentile
@@ -98,7 +99,7 @@ def _rate(flood: Flood, seconds: float) -> float:
     return (flood.done - start) / (time.perf_counter() - t0)
 
 
-def run_models_bench(cfg: ModelsBenchConfig, progress=print) -> dict:
+def run_models_bench(cfg: ModelsBenchConfig, progress: Progress) -> dict:
     from nmtserve.client import open_channel
     from nmtserve.v1 import translation_pb2 as pb
     from nmtserve.v1 import translation_pb2_grpc as pb_grpc
@@ -114,9 +115,10 @@ def run_models_bench(cfg: ModelsBenchConfig, progress=print) -> dict:
         options = pb.DecodingOptions(max_decoding_length=cfg.max_decoding_length)
         _probe(stub, probed, probe_pool[:4], options)  # warm-up: a channel's and a process's first calls
         _probe(stub, flooded, flood_pool[:4], options)
+        progress.expect(cfg.runs)
         for run in range(cfg.runs):
             probes = mixed(probe_pool, cfg.probes, seed=run)
-            progress(f"run {run + 1}/{cfg.runs}: {probed} alone, {flooded} alone, both")
+            progress.stage(f"run {run + 1}/{cfg.runs}: {probed} alone, {flooded} alone, both")
             alone = _probe(stub, probed, probes, options)
             flood = (stub, flooded, flood_pool, cfg.flood_clients, cfg.flood_sentences, run, options)
             with Flood(*flood) as flooding:

@@ -53,6 +53,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from nmtserve.console import Progress
 from nmtserve.errors import NmtserveError
 from nmtserve.loadtests.machine import (
     PROBES,
@@ -331,7 +332,7 @@ def _spec(cfg: BenchConfig, workdir: Path) -> dict:
     return spec
 
 
-def run_bench(cfg: BenchConfig, progress=print) -> dict:
+def run_bench(cfg: BenchConfig, progress: Progress) -> dict:
     check_engines(cfg.engines, cfg.device)
     threads = cfg.threads or default_threads(cfg.device)
     configs = [(engine, *layout) for engine in cfg.engines for layout in layouts(engine, threads, cfg.device)]
@@ -341,11 +342,14 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(spec), encoding="utf-8")
         # this host's MatMul rate, on the most threads swept, in a process with ONNX Runtime only, before the runs
+        progress.expect(cfg.runs * len(configs) + (cfg.device == "cpu"))
+        if cfg.device == "cpu":
+            progress.stage("the host's MatMul rate")
         peak = run_measure(["nmtserve.loadtests.bench_offline", "peak"], 1, max(threads), spec_path,
                            "the MatMul peak")[0] if cfg.device == "cpu" else None
         for run in range(cfg.runs):
             for engine, inter, t, isa in configs[run % len(configs):] + configs[: run % len(configs)]:
-                progress(f"run {run + 1}/{cfg.runs}: {engine}, {inter} batch(es) at once × {t} thread(s)"
+                progress.stage(f"run {run + 1}/{cfg.runs}: {engine}, {inter} batch(es) at once × {t} thread(s)"
                          + (f", {CT2_ISA}={isa}" if isa else ""))
                 runs[(engine, inter, t, isa)].append(run_worker(engine, inter, t, spec_path, isa))
     return _report(cfg, threads, runs, spec, peak)

@@ -49,6 +49,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from nmtserve.console import Progress
 from nmtserve.errors import NmtserveError
 from nmtserve.loadtests.grpc_floor import FLOOR_CLIENTS, grpc_floor
 from nmtserve.loadtests.machine import (
@@ -350,7 +351,7 @@ def layouts(cfg: ServedBenchConfig) -> list[tuple[int, int]]:
     return [(1, n) for n in cfg.threads] + [(n, 1) for n in cfg.threads if n > 1 and cfg.device == "cpu"]
 
 
-def run_served_bench(cfg: ServedBenchConfig) -> dict:
+def run_served_bench(cfg: ServedBenchConfig, progress: Progress) -> dict:
     pool = read_sentences(cfg.sentences_file or default_sentence_file(cfg.bundle))
     flags = ["--variant", cfg.variant, "--device", cfg.device, "--max-running-rows", str(cfg.max_running_rows),
              "--max-waiting", str(max_waiting(cfg)),
@@ -383,9 +384,11 @@ def run_served_bench(cfg: ServedBenchConfig) -> dict:
                                             log=Path(logs) / f"{m}-{layout_name(engines, t)}.log")
             for server in servers.values():  # warm-up: the first calls of a channel and a process
                 _cell(server.target, work(cfg, pool, 16, seed=-1), 8)
+            progress.expect(cfg.runs * (len(cfg.concurrency) + 1))
             for run in range(cfg.runs):
                 order = servers_at[run % len(servers_at):] + servers_at[:run % len(servers_at)]  # none always first
                 for c in cfg.concurrency:
+                    progress.stage(f"run {run + 1}/{cfg.runs}: {c} client(s), {len(order)} server(s)")
                     requests = work(cfg, pool, cfg.requests or max(64, 16 * c), seed=cfg.seed + 1000 * run + c)
                     for at in order:
                         probe = host_probe()  # every server idle: how fast the host runs as the cell starts
@@ -402,6 +405,7 @@ def run_served_bench(cfg: ServedBenchConfig) -> dict:
                     if c == 1:  # the same requests, right after, while every server is idle
                         for t, baseline in translators.items():
                             baselines[t].append(baseline(requests))
+                progress.stage(f"run {run + 1}/{cfg.runs}: offline, engines alone, the gRPC floor")
                 for engines, t in offline:  # every server idle
                     offline[engines, t].append(run_worker(f"ort_{cfg.variant}", engines, t, spec_path))
                 for engines, t in alone:

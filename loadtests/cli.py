@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from nmtserve.cli import ArgumentParser
-from nmtserve.console import print_json
+from nmtserve.console import Progress, print_json
 from nmtserve.errors import NmtserveError
 
 
@@ -45,10 +45,10 @@ def cmd_bench_offline(args) -> int:
     _at_least(1, runs=args.runs, repeats=args.repeats)
     engines = (tuple(e.strip() for e in args.engines.split(",")) if args.engines
                else default_engines(args.bundle, args.device))
-    report = run_bench(BenchConfig(args.bundle, args.checkpoint, args.sentences, args.runs, args.threads or (),
-                                   args.batch_sizes, engines, args.sentences_file, args.max_decoding_length,
-                                   args.beam_size, args.repeats, args.device),
-                       progress=lambda line: print(line, file=sys.stderr, flush=True))
+    cfg = BenchConfig(args.bundle, args.checkpoint, args.sentences, args.runs, args.threads or (), args.batch_sizes,
+                      engines, args.sentences_file, args.max_decoding_length, args.beam_size, args.repeats, args.device)
+    with Progress(f"bench offline {args.bundle}", unit="measurement") as progress:
+        report = run_bench(cfg, progress)
     _show(report, args, format_table, draw_chart)
     leaks = check_isolation(report)
     if leaks:
@@ -95,11 +95,12 @@ def cmd_bench_served(args) -> int:
     for flag in args.server_flag or []:  # the bench names each server's layout: it sets these two itself
         if flag.split("=")[0] in ("--threads", "--inter-threads"):
             raise NmtserveError(f"--server-flag {flag}: use bench served's own {flag.split('=')[0]}")
-    report = run_served_bench(ServedBenchConfig(args.bundle, args.sentences_file, args.concurrency, args.requests, args.runs,
-                                                args.threads, args.inter_threads, args.variant or default_variant(args.device),
-                                                args.max_running_rows, args.device, modes,
-                                                server_flags=args.server_flag or [], decoding=args.decoding,
-                                                sentences_per_call=args.sentences_per_call))
+    cfg = ServedBenchConfig(args.bundle, args.sentences_file, args.concurrency, args.requests, args.runs, args.threads,
+                            args.inter_threads, args.variant or default_variant(args.device), args.max_running_rows,
+                            args.device, modes, server_flags=args.server_flag or [], decoding=args.decoding,
+                            sentences_per_call=args.sentences_per_call)
+    with Progress(f"bench served {args.bundle}", unit="measurement") as progress:
+        report = run_served_bench(cfg, progress)
     _show(report, args, format_table, draw_chart)
     return 0
 
@@ -233,11 +234,11 @@ def _add_bench(p) -> None:
 def cmd_bench_models(args) -> int:
     from nmtserve.loadtests.bench_models import ModelsBenchConfig, format_table, run_models_bench
 
-    report = run_models_bench(ModelsBenchConfig(args.flooded, args.probed, args.flooded_sentences_file,
-                                                args.probed_sentences_file, args.flood_clients, args.flood_sentences,
-                                                args.probes, args.seconds, args.runs, args.threads,
-                                                args.max_decoding_length),
-                              progress=lambda line: print(line, file=sys.stderr, flush=True))
+    cfg = ModelsBenchConfig(args.flooded, args.probed, args.flooded_sentences_file, args.probed_sentences_file,
+                            args.flood_clients, args.flood_sentences, args.probes, args.seconds, args.runs, args.threads,
+                            args.max_decoding_length)
+    with Progress(f"bench models {args.flooded} {args.probed}", unit="measurement") as progress:
+        report = run_models_bench(cfg, progress)
     _show(report, args, format_table)
     return 0
 
@@ -254,9 +255,10 @@ def cmd_bench_cross_kv(args) -> int:
 def cmd_bench_documents(args) -> int:
     from nmtserve.loadtests.bench_documents import DocumentsBenchConfig, format_table, run_documents_bench
 
-    report = run_documents_bench(DocumentsBenchConfig(args.bundle, args.sentences_file, args.sentences,
-                                                      args.max_decoding_length, args.runs, args.threads),
-                                 progress=lambda line: print(line, file=sys.stderr, flush=True))
+    cfg = DocumentsBenchConfig(args.bundle, args.sentences_file, args.sentences, args.max_decoding_length, args.runs,
+                               args.threads)
+    with Progress(f"bench documents {args.bundle}", unit="measurement") as progress:
+        report = run_documents_bench(cfg, progress)
     _show(report, args, format_table)
     return 0
 

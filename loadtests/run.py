@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nmtserve.errors import ConfigError
+from nmtserve.console import Progress
+from nmtserve.errors import ConfigError, NmtserveError
 from nmtserve.loadtests import slo as slo_check
 from nmtserve.loadtests.report import plot
 from nmtserve.loadtests.workload import DEFAULT_BUNDLE, SCENARIOS, ServerProcess, default_sentence_file, sentence_files
@@ -68,7 +70,15 @@ def run_loadtest(cfg: LoadTestConfig) -> int:
                "--loglevel", "WARNING"]
         print(f"nmtserve loadtest: {cfg.scenario} against {target}, peak {cfg.peak_users} users, {cfg.seconds:g} s",
               flush=True)
-        locust = subprocess.run(cmd, timeout=cfg.seconds + 120)
+        with subprocess.Popen(cmd) as locust, \
+                Progress(f"loadtest {cfg.scenario}", total=round(cfg.seconds), unit="second") as progress:
+            started = time.monotonic()
+            while locust.poll() is None:
+                if time.monotonic() - started > cfg.seconds + 120:
+                    locust.kill()
+                    raise NmtserveError(f"locust did not end {cfg.seconds + 120:g} s after it started; see its output above")
+                time.sleep(1.0)
+                progress.update(min(round(cfg.seconds), round(time.monotonic() - started)) - progress.done)
     finally:
         if server is not None:
             server.stop()

@@ -31,6 +31,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nmtserve.client import open_channel, wait_serving
+from nmtserve.console import Progress
 from nmtserve.errors import ConfigError
 from nmtserve.loadtests.workload import ServerProcess, default_sentence_file, free_port, read_sentences, scrape
 from nmtserve.v1 import translation_pb2 as pb
@@ -268,8 +269,13 @@ def soak(cfg: SoakConfig, server: str, metrics_url: str, sentences: list[str]) -
     threads = [threading.Thread(target=client, args=(cfg.seed * 1000 + i,), daemon=True) for i in range(cfg.clients)]
     for t in threads:
         t.start()
+    give_up = stop_at + CALL_TIMEOUT + 10
+    with Progress(f"soak {server}", total=round(cfg.seconds), unit="second") as progress:
+        while any(t.is_alive() for t in threads) and time.monotonic() < give_up:
+            time.sleep(1.0)
+            progress.update(min(round(cfg.seconds), round(cfg.seconds - (stop_at - time.monotonic()))) - progress.done)
     for t in threads:
-        t.join(cfg.seconds + CALL_TIMEOUT + 10)
+        t.join(max(0.0, give_up - time.monotonic()))
     report: dict = {"server": server, "seconds": cfg.seconds, "clients": cfg.clients,
                     "calls": {k: dict(sorted(v.items())) for k, v in sorted(calls.items())}}
     report["gauges_after"] = _gauges_back_to_zero(metrics_url) if metrics_url else None
@@ -299,7 +305,7 @@ def run_soak(cfg: SoakConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if cfg.server:
         if not cfg.sentences:
-            raise ConfigError("--sentences: needed with --server (a bundle's test split is the default otherwise)")
+            raise ConfigError("--sentences-file: needed with --server (a bundle's test split is the default otherwise)")
         report = soak(cfg, cfg.server, cfg.metrics_url, read_sentences(cfg.sentences))
     else:
         sentences = read_sentences(cfg.sentences or default_sentence_file(cfg.bundle))

@@ -6,6 +6,7 @@ commands. Below the command line: parses no argv and prints nothing.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 from nmtserve.decoding import LENGTH_RULES
@@ -27,38 +28,42 @@ def local_options(args, defaults: dict) -> DecodingOptions:
     return DecodingOptions(**defaults).override(**given_options(args))
 
 
-def translate_local(model: str, texts: list[str], args) -> list[list[tuple[str, float]]]:
-    """The n-best (text, score) of each text, best first, with a bundle directory (ONNX Runtime) or a
-    checkpoint (the PyTorch reference); args carries the decoding and thread flags, batch_size, device and
-    target_lang."""
+def local_translator(model: str, args) -> Callable[[list[str]], list[list[tuple[str, float]]]]:
+    """A bundle directory (ONNX Runtime) or a checkpoint (the PyTorch reference), loaded once, as a function from
+    texts to the n-best (text, score) of each, best first; args carries the decoding and thread flags, batch_size,
+    device and target_lang."""
     if args.threads < 0:
         raise NmtserveError(f"--threads {args.threads}: must be at least 0 (0: ONNX Runtime's default, a thread per core)")
     if args.inter_threads < 1:
         raise NmtserveError(f"--inter-threads {args.inter_threads}: must be at least 1")
     if not Path(model).exists():
         raise NmtserveError(f"{model}: no such bundle directory or checkpoint file")
-    return _translate_bundle(model, texts, args) if Path(model).is_dir() else _translate_checkpoint(model, texts, args)
+    return _bundle_translator(model, args) if Path(model).is_dir() else _checkpoint_translator(model, args)
 
 
-def _translate_bundle(path: str, texts: list[str], args) -> list[list[tuple[str, float]]]:
+def _bundle_translator(path: str, args) -> Callable[[list[str]], list[list[tuple[str, float]]]]:
     from nmtserve.export.runtime.translator import OnnxTranslator
 
     tr = OnnxTranslator(path, device=args.device, variant=args.variant, intra_op_threads=args.threads,
                         inter_threads=args.inter_threads)
     options = local_options(args, tr.bundle.manifest.get("decoding_defaults") or {})
-    try:
-        ids = [tr.tokenizer.encode(t, tr.limits.max_source_tokens, args.target_lang) or [tr.eos_id] for t in texts]
-    except ValueError as e:  # a language the multilingual model has no >>xx<< token for
-        raise NmtserveError(f"--target-lang: {e}") from None
-    return [[(tr.tokenizer.decode(h.tokens), h.score) for h in hypotheses]
-            for hypotheses in tr.search_ids(ids, options, max_batch_size=args.batch_size)]
+
+    def translate(texts: list[str]) -> list[list[tuple[str, float]]]:
+        try:
+            ids = [tr.tokenizer.encode(t, tr.limits.max_source_tokens, args.target_lang) or [tr.eos_id] for t in texts]
+        except ValueError as e:  # a language the multilingual model has no >>xx<< token for
+            raise NmtserveError(f"--target-lang: {e}") from None
+        return [[(tr.tokenizer.decode(h.tokens), h.score) for h in hypotheses]
+                for hypotheses in tr.search_ids(ids, options, max_batch_size=args.batch_size)]
+    return translate
 
 
-def _translate_checkpoint(path: str, texts: list[str], args) -> list[list[tuple[str, float]]]:
+def _checkpoint_translator(path: str, args) -> Callable[[list[str]], list[list[tuple[str, float]]]]:
     """The PyTorch reference, one sentence at a time for beam search and sampling."""
     from nmtserve.training.checkpoint import load_model
     from nmtserve.training.data import pad
-    from nmtserve.training.decode import beam_search, sample, translate
+    from nmtserve.training.decode import beam_search, sample
+    from nmtserve.training.decode import translate as greedy
 
     if args.target_lang:
         raise NmtserveError("--target-lang: give a bundle or --server (the PyTorch reference reads no language token)")
@@ -67,28 +72,31 @@ def _translate_checkpoint(path: str, texts: list[str], args) -> list[list[tuple[
     loaded = load_model(path, device=args.device)
     options = local_options(args, loaded.payload.get("decoding_defaults") or {})
     options.check(loaded.model.config.vocab_size)
-    if options.greedy:
-        return [[(text, 0.0)] for text in translate(loaded.model, loaded.tokenizer, texts, max_batch_size=args.batch_size,
+
+    def translate(texts: list[str]) -> list[list[tuple[str, float]]]:
+        if options.greedy:
+            return [[(text, 0.0)] for text in greedy(loaded.model, loaded.tokenizer, texts, max_batch_size=args.batch_size,
                                                      max_decoding_length=options.max_decoding_length,
                                                      length_rule=options.length_rule, device=args.device)]
-    found = []
-    for text in texts:
-        src, mask = pad([loaded.tokenizer.encode(text, loaded.model.config.max_len) or [loaded.tokenizer.eos_id]],
-                        loaded.tokenizer.pad_id)
-        src, mask = src.to(args.device), mask.to(args.device)
-        if options.sampling:
-            hypotheses = sample(loaded.model, src, mask, sampling_topk=options.sampling_topk,
-                                sampling_topp=options.sampling_topp, sampling_temperature=options.sampling_temperature,
-                                seed=options.seed or random.randrange(1, 2 ** 63), max_decoding_length=options.max_decoding_length,
-                                length_rule=options.length_rule)
-        else:
-            hypotheses = beam_search(loaded.model, src, mask, beam_size=options.beam_size,
-                                     num_hypotheses=options.num_hypotheses, length_penalty=options.length_penalty,
-                                     patience=options.patience, beam_stopping=options.beam_stopping,
-                                     max_decoding_length=options.max_decoding_length,
-                                     length_rule=options.length_rule)[0]
-        found.append([(loaded.tokenizer.decode(tokens), score) for tokens, score in hypotheses])
-    return found
+        found = []
+        for text in texts:
+            src, mask = pad([loaded.tokenizer.encode(text, loaded.model.config.max_len) or [loaded.tokenizer.eos_id]],
+                            loaded.tokenizer.pad_id)
+            src, mask = src.to(args.device), mask.to(args.device)
+            if options.sampling:
+                hypotheses = sample(loaded.model, src, mask, sampling_topk=options.sampling_topk,
+                                    sampling_topp=options.sampling_topp, sampling_temperature=options.sampling_temperature,
+                                    seed=options.seed or random.randrange(1, 2 ** 63),
+                                    max_decoding_length=options.max_decoding_length, length_rule=options.length_rule)
+            else:
+                hypotheses = beam_search(loaded.model, src, mask, beam_size=options.beam_size,
+                                         num_hypotheses=options.num_hypotheses, length_penalty=options.length_penalty,
+                                         patience=options.patience, beam_stopping=options.beam_stopping,
+                                         max_decoding_length=options.max_decoding_length,
+                                         length_rule=options.length_rule)[0]
+            found.append([(loaded.tokenizer.decode(tokens), score) for tokens, score in hypotheses])
+        return found
+    return translate
 
 
 def add_bundle_flags(p) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from nmtserve.console import print_json
 from nmtserve.errors import NmtserveError
-from nmtserve.local import add_bundle_flags, add_decoding_flags, given_options, translate_local
+from nmtserve.local import add_bundle_flags, add_decoding_flags, given_options, local_translator
 
 
 def cmd_translate(args) -> int:
@@ -40,7 +40,7 @@ def cmd_translate(args) -> int:
     if not args.inputs:
         raise NmtserveError("give a bundle or checkpoint (or --server HOST:PORT) and the sentences")
     model, texts = args.inputs[0], args.inputs[1:] or [line.rstrip("\n") for line in sys.stdin]
-    _print_translations(texts, translate_local(model, texts, args), args.json)
+    _print_translations(texts, local_translator(model, args)(texts), args.json)
     return 0
 
 

@@ -14,7 +14,7 @@ import os
 from dataclasses import fields
 from pathlib import Path
 
-from nmtserve.console import print_json
+from nmtserve.console import Progress, print_json
 from nmtserve.errors import NmtserveError
 
 
@@ -25,8 +25,10 @@ def cmd_data(args) -> int:
     for name in ("pairs", "valid", "test", "novel"):
         if getattr(args, name) < (1 if name == "pairs" else 0):
             raise NmtserveError(f"--{name} {getattr(args, name)}: must be positive")
-    stats = generate_corpus(Path(args.out), args.pairs, seed=args.seed, valid=args.valid, test=args.test,
-                            novel=args.novel, workers=args.workers)
+    total = args.pairs + args.valid + args.test + args.novel
+    with Progress(f"data {args.out}", total=total, unit="pair") as progress:
+        stats = generate_corpus(Path(args.out), args.pairs, seed=args.seed, valid=args.valid, test=args.test,
+                                novel=args.novel, workers=args.workers, progress=progress)
     summary = {"out": args.out, **stats.__dict__}
     if args.json:
         print_json(summary)
@@ -95,8 +97,11 @@ def _trained_on(model: str) -> str | None:
     return (read(model).get("train_config") or {}).get("data")  # the payload only: no model is built
 
 
+EVALUATE_CHUNK = 512  # sentences translated between two updates of evaluate's progress
+
+
 def cmd_evaluate(args) -> int:
-    from nmtserve.local import given_options, translate_local
+    from nmtserve.local import given_options, local_translator
     from nmtserve.training.evaluate import score
 
     pairs, source = _split_pairs(args)
@@ -104,7 +109,12 @@ def cmd_evaluate(args) -> int:
         pairs = pairs[: args.limit]
     if not pairs:
         raise NmtserveError(f"{source}: no sentence pairs to evaluate")
-    hyps = [best for (best, _), *_ in translate_local(args.model, [s for s, _ in pairs], args)]
+    translate, hyps = local_translator(args.model, args), []
+    with Progress(f"evaluate {args.model}", total=len(pairs), unit="sentence") as progress:
+        for start in range(0, len(pairs), EVALUATE_CHUNK):  # results do not depend on the batches: chunks only count
+            chunk = [s for s, _ in pairs[start:start + EVALUATE_CHUNK]]
+            hyps += [best for (best, _), *_ in translate(chunk)]
+            progress.update(len(chunk))
     scores = score(hyps, [t for _, t in pairs])
     result = {"model": str(args.model), "engine": "onnxruntime" if Path(args.model).is_dir() else "pytorch",
               "decoding": given_options(args), "data": source, "split": None if args.file else args.split,

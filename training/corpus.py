@@ -243,8 +243,9 @@ LANGUAGES = {"source": "en", "target": "fr"}  # BCP 47 codes; the bundle's manif
 
 
 def generate_corpus(out: Path, pairs: int, seed: int = 1, valid: int = 1000, test: int = 2000,
-                    novel: int = 1000, workers: int | None = None) -> CorpusStats:
-    """Write train/valid/test/novel TSV files (en<TAB>fr) and corpus.json into `out`."""
+                    novel: int = 1000, workers: int | None = None, progress=None) -> CorpusStats:
+    """Write train/valid/test/novel TSV files (en<TAB>fr) and corpus.json into `out`; `progress` (console.Progress)
+    counts the pairs written."""
     out.mkdir(parents=True, exist_ok=True)
     wanted = {"train": pairs, "valid": valid, "test": test, "novel": novel}
     files = {s: open(out / f"{s}.tsv", "w", encoding="utf-8", newline="\n") for s in SPLITS}
@@ -278,6 +279,8 @@ def generate_corpus(out: Path, pairs: int, seed: int = 1, valid: int = 1000, tes
                         seen.add(en)
                         files[split].write(f"{en}\t{fr}\n")
                         stats.written[split] += 1
+                    if progress is not None:
+                        progress.update(sum(stats.written.values()) - progress.done)
     finally:
         for f in files.values():
             f.close()

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from nmtserve.console import on_terminal
 from nmtserve.errors import ConfigError
 from nmtserve.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from nmtserve.training import checkpoint
@@ -350,8 +351,9 @@ class Trainer:
             raise ConfigError("no stopping rule: give --max-steps, --max-minutes or --epochs")
         self._clock_start, self._elapsed_base = time.monotonic(), self.state.elapsed_s
         self._log = TrainLog(self.out / "train_log.jsonl", self.writer, self.dist, cfg.log_every, append=cfg.resume)
-        bar = tqdm(total=cfg.max_steps or None, initial=self.state.step, disable=not self.dist.main,
-                   mininterval=1.0 if sys.stderr.isatty() else 30.0, dynamic_ncols=True, unit="step")
+        # a bar on a terminal; in pipes and CI only the validation lines (and the summary) are printed
+        bar = tqdm(total=cfg.max_steps or None, initial=self.state.step, disable=not (self.dist.main and on_terminal()),
+                   mininterval=1.0, dynamic_ncols=True, unit="step")
         last_result = None
         try:
             while not self._should_stop():

@@ -58,13 +58,19 @@ def parse_variants(text: str) -> list[str]:
     return list(dict.fromkeys(["fp32", *names]))  # fp32 is always there: the others derive from it
 
 
-def export_bundle(cfg: ExportConfig) -> dict:
-    """Write the bundle; returns its manifest (with verification results when asked)."""
+def export_bundle(cfg: ExportConfig, progress=None) -> dict:
+    """Write the bundle; returns its manifest (with verification results when asked). `progress` (console.Progress)
+    is told each stage: the graphs, each variant, the verification."""
+    def stage(name: str) -> None:
+        if progress is not None:
+            progress.stage(name)
+
     loaded = load_model(cfg.checkpoint)
     out = Path(cfg.out)
     if out.exists() and any(out.iterdir()) and not (out / MANIFEST).is_file():
         raise ConfigError(f"--out {out}: exists, is not empty and is not a bundle; choose another directory")
     out.mkdir(parents=True, exist_ok=True)
+    stage("the fp32 graphs from PyTorch")
     paths = export_graphs(loaded.model, out)
     tokenizer = loaded.tokenizer.save_files(out)
     for name in cfg.variants:  # each precision from the fp32 graphs, before those become the served ones
@@ -73,8 +79,11 @@ def export_bundle(cfg: ExportConfig) -> dict:
                 write_variant(name, paths[graph], out / file_name(graph, name))
     c = loaded.model.config
     with WeightStore(out / WEIGHTS) as weights:
-        variants = {name: {"graphs": prepare_variant(out, name, c.n_heads, c.d_model, "cpu" in VARIANTS[name]["devices"],
-                                                     weights), **VARIANTS[name]} for name in cfg.variants}
+        variants = {}
+        for name in cfg.variants:
+            stage(f"the {name} variant's graphs")
+            variants[name] = {"graphs": prepare_variant(out, name, c.n_heads, c.d_model, "cpu" in VARIANTS[name]["devices"],
+                                                        weights), **VARIANTS[name]}
     tensor_ops = {dtype: write_tensor_ops(out, dtype) for dtype in sorted({v["kv_dtype"] for v in variants.values()})}
     kept = bundle_files({"variants": variants, "tensor_ops": tensor_ops, "weights": WEIGHTS})
     for stale in [*out.glob("*.onnx"), *out.glob("ops/*.onnx")]:  # a re-export leaves nothing behind
@@ -111,6 +120,7 @@ def export_bundle(cfg: ExportConfig) -> dict:
         from nmtserve.export.build.verify import verify_bundle
 
         write_manifest(out, manifest)  # verification reads the bundle as the server will
+        stage("verify against PyTorch")
         manifest["verification"] = verify_bundle(out, loaded, split=cfg.verify_split, limit=cfg.verify_limit)
     write_manifest(out, manifest)
     return load_bundle(out).manifest

@@ -115,14 +115,14 @@ def test_translate_cli_decodes_a_bundles_batches_at_once_on_threads_of_their_own
     them and the value."""
     from nmtserve.cli import build_parser
     from nmtserve.export.runtime.translator import OnnxTranslator
-    from nmtserve.local import translate_local
+    from nmtserve.local import local_translator
 
     sentences = ["the cat sleeps .", "a dog eats the bread .", "the bird sings .", "a cat eats ."]
     contexts, replica = [], OnnxTranslator.replica
     monkeypatch.setattr(OnnxTranslator, "replica", lambda self: contexts.append(self) or replica(self))
     args = build_parser("translate").parse_args(["translate", "--inter-threads", "2", "--threads", "1",
                                                  "--batch-size", "1", str(tiny_bundle), *sentences])
-    assert len(translate_local(str(tiny_bundle), sentences, args)) == len(sentences)
+    assert len(local_translator(str(tiny_bundle), args)(sentences)) == len(sentences)
     assert len(contexts) == 2 and contexts[0].inter_threads == 2  # one per thread
     flags = ["--beam-size", "3", "--num-hypotheses", "2", "--max-decoding-length", "32", "--json", "--batch-size", "1"]
     one = run_cli("translate", *flags, str(tiny_bundle), *sentences, timeout=120)

@@ -121,6 +121,9 @@ def test_cli_evaluate_json_and_translate(tiny_checkpoint, tiny_corpus, tmp_path)
     assert result.returncode == 0, result.stderr
     scores = json.loads(result.stdout)
     assert scores["split"] == "test" and scores["sentences"] == 40
+    # in a pipe, its progress is a line when it starts and one when it ends, on stderr
+    progress = [line for line in result.stderr.splitlines() if line.startswith(f"evaluate {tiny_checkpoint}")]
+    assert progress[0].endswith(": started (40 sentences)") and "done, 40 sentences in " in progress[-1], result.stderr
     references = [target for _, target in read_tsv(tiny_corpus / "test.tsv").pairs]
     found = hypotheses.read_text(encoding="utf-8").splitlines()
     assert len(found) == len(references) == 40
