@@ -76,13 +76,14 @@ soak: $(BUNDLE)/manifest.json
 	$(NMT) soak $(BUNDLE) --seconds $(SOAK_SECONDS) --clients 24 --out runs/soak
 
 # PyTorch, ONNX Runtime and CTranslate2 on the same weights, each engine in its own process at its best
-# thread count (a few minutes); JSON and chart in docs/bench/
+# thread count (a few minutes); JSON and chart in runs/bench/ (docs/bench keeps the current report of each
+# benchmark kind and host family, KIND-HOST.json: copy a run there when it becomes the current one)
 bench-offline: $(BUNDLE)/manifest.json
-	$(NMT) bench offline $(BUNDLE) --report docs/bench/offline-cpu-2core.json
+	$(NMT) bench offline $(BUNDLE) --report runs/bench/offline-greedy-cpu.json
 
 # served throughput/latency, continuous vs static batching, each at its best layout of 1 and 2 threads (10 minutes)
 bench-served: $(BUNDLE)/manifest.json
-	$(NMT) bench served $(BUNDLE) --threads 1,2 --report docs/bench/served-cpu-2core.json
+	$(NMT) bench served $(BUNDLE) --threads 1,2 --report runs/bench/served-greedy-cpu.json
 
 # an OPUS-MT-size model (random weights, OPUS-MT's shapes; nothing downloaded): built, imported and exported,
 # then offline greedy and beam 4 against CTranslate2 and served greedy int8, as the README's tables (about 80 minutes)
@@ -95,16 +96,16 @@ bundles/opus-shaped/manifest.json: | install
 bench-opus: bundles/opus-shaped/manifest.json
 	for beam in 1 4; do $(NMT) bench offline bundles/opus-shaped --sentences-file $(OPUS)/sentences.txt --sentences 64 \
 	  --threads 2 --max-decoding-length 32 --beam-size $$beam --engines ort_fp32,ort_int8,ct2_fp32,ct2_int8 \
-	  --report docs/bench/marian-offline-beam$$beam.json || exit 1; done
+	  --report runs/bench/marian-offline-beam$$beam.json || exit 1; done
 	$(NMT) bench served bundles/opus-shaped --sentences-file $(OPUS)/sentences.txt --variant int8 --threads 1,2 \
-	  --concurrency 1,8,64,128 --report docs/bench/served-marian-int8.json
+	  --concurrency 1,8,64,128 --report runs/bench/served-marian-int8.json
 
 # on a machine with a GPU, onnxruntime-gpu in place of onnxruntime (deploy/Dockerfile.gpu): the fp16 variant
-# against PyTorch and transformers, and served on CUDA (docs/bench/*-gpu-h100.json were made so)
+# against PyTorch and transformers, and served on CUDA (docs/bench/*-gpu-h100.json and *-gpu-h200.json were made so)
 bench-gpu: $(BUNDLE)/manifest.json
-	$(NMT) bench offline $(BUNDLE) --device cuda --report docs/bench/offline-gpu.json
+	$(NMT) bench offline $(BUNDLE) --device cuda --report runs/bench/offline-greedy-gpu.json
 	$(NMT) bench served $(BUNDLE) --device cuda --variant fp16 --threads 1 --concurrency 1,8,32,64,128 \
-	  --report docs/bench/served-gpu.json
+	  --report runs/bench/served-greedy-gpu.json
 
 # the same: the CUDA path's tests (IOBinding against the host path, the engine) on the GPU, fp16
 test-gpu: install

@@ -1,6 +1,6 @@
 """Two models behind one server: does a flood of requests on one hold up the other?
 
-    nmtserve bench models bundles/opus-shaped bundles/fr-en --report docs/bench/models-cpu-2core.json
+    nmtserve bench models bundles/opus-shaped bundles/fr-en --report runs/bench/models-cpu.json
 
 One `nmtserve serve FLOODED,PROBED` process, each model with its own engine and --threads ONNX
 Runtime threads. Each run, in this order:

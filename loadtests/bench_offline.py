@@ -1,7 +1,7 @@
 """Offline translation benchmark: the same weights and sentences through PyTorch (greedy with its
 KV cache), ONNX Runtime fp32/int8 (OnnxTranslator) and CTranslate2 fp32/int8, fairly.
 
-    nmtserve bench offline bundles/default --report docs/bench/offline-cpu-2core.json   # + offline-cpu-2core.png
+    nmtserve bench offline bundles/default --report runs/bench/offline.json   # + offline.png
 
 Fair by construction:
 - every measurement runs in a process of its own (`python -m nmtserve.loadtests.bench_offline

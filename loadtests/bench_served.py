@@ -1,7 +1,7 @@
 """Served benchmark: throughput and latency of `nmtserve serve` under closed-loop load, continuous
 versus static batching on the same bundle, side by side in one run, against OnnxTranslator batch 1.
 
-    nmtserve bench served bundles/default --concurrency 1,8,32,128 --report docs/bench/served-cpu-2core.json
+    nmtserve bench served bundles/default --concurrency 1,8,32,128 --report runs/bench/served.json
 
 Both servers run at once (their engines sleep while idle) and take turns cell by cell within each
 run, so drift of the machine hits them alike. Several thread counts (`--threads 1,2`) are swept in
