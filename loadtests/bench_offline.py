@@ -487,7 +487,7 @@ def format_table(report: dict) -> str:
         lines.append(f"{name}: {share:.1%}")
     lines.append("peak RSS (MB): " + ", ".join(f"{e} {mb:,.0f}" for e, mb in report["peak_rss_mb"].items()))
     lines.append("output tokens per sentence: " + ", ".join(f"{e} {n:.1f}" for e, n in report["mean_output_tokens"].items()))
-    if any(report.get("at_max_decoding_length", {}).values()):  # where a GPU's flat-cost steps go (docs/benchmarks.md)
+    if any(report.get("at_max_decoding_length", {}).values()):  # where a GPU's flat-cost steps go (docs/performance-journal.md)
         lines.append(f"sentences decoded to the length limit ({report['max_decoding_length']} tokens, no eos), of "
                      f"{report['sentences']}: " + ", ".join(f"{e} {n}" for e, n in report["at_max_decoding_length"].items())
                      + "; each keeps its batch stepping to the limit")

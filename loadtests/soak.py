@@ -194,7 +194,7 @@ def memory_verdict(samples: list[tuple[float, dict]], warmup: float, bound: floa
     """Growth of resident memory after the warm-up: the median of the last third of the remaining
     samples over the median of the first third. Memory rises and falls by a hundred MB or more with
     the batch's shapes, so single peaks say little; a leak, or an allocator that keeps what the
-    largest shapes needed, lifts the whole level (ONNX Runtime's CPU arena did: docs/performance.md,
+    largest shapes needed, lifts the whole level (ONNX Runtime's CPU arena did: docs/performance-journal.md,
     "Memory under sustained traffic")."""
     rss = [(t, v["rss_bytes"] / 2**20) for t, v in samples if "rss_bytes" in v]
     after = [mb for t, mb in rss if t >= warmup]

@@ -72,7 +72,7 @@ def default_sentence_file(bundle: str | Path) -> Path:
 
 # the decoding mix of `--decoding mixed` (load tests and the served benchmark): DecodingOptions
 # fields of each mode and its share of the calls; the sampled tenth half from the top 10, half by top-p
-# over the whole vocabulary (whose rows the step returns whole: docs/performance.md, "A sampler of the
+# over the whole vocabulary (whose rows the step returns whole: docs/performance-journal.md, "A sampler of the
 # whole vocabulary in a shared step")
 DECODING_MIX = (("greedy", {"beam_size": 1}, 0.5), ("beam", {"beam_size": 4}, 0.4),
                 ("sampling", {"sampling_topk": 10}, 0.05), ("top-p", {"sampling_topk": 0, "sampling_topp": 0.9}, 0.05))

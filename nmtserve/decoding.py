@@ -60,7 +60,7 @@ def guided_groups(batches: list, most: int, at_once: int = 1) -> list[list]:
     batches left (OpenMP's guided schedule), so the groups shrink to single batches at the end and the threads
     finish about together. Batches longest first (sorted_batches), the last ones are also the shortest. 26 batches
     on 2 threads: 6, 5, 3, 3, 2, then single batches (fixed groups left one thread idle at the end:
-    docs/performance.md, "The threads' tail, and what two threads cost each other")."""
+    docs/performance-journal.md, "The threads' tail, and what two threads cost each other")."""
     groups, start = [], 0
     while start < len(batches):
         size = most if at_once == 1 else max(1, min(most, (len(batches) - start) // (2 * at_once)))

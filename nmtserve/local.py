@@ -107,7 +107,7 @@ def add_bundle_flags(p) -> None:
     p.add_argument("--inter-threads", type=int, default=1,
                    help="a bundle: batches decoded at once, each on a thread of its own (CTranslate2's name); "
                         "on a CPU, --inter-threads 2 --threads 1 beat one batch on 2 threads "
-                        "(docs/performance.md, 'Batches at once')")
+                        "(docs/performance-journal.md, 'Batches at once')")
 
 
 def add_decoding_flags(p) -> None:

@@ -29,7 +29,7 @@ class Wakeups:
     """Calls from the engine threads into the event loop, run in order there with one wake-up of the loop
     pending at a time (two engine threads racing may schedule a second one: harmless). A wake-up is a
     byte written to a pipe the loop reads (`add_reader`); one per finished request is a large cost to the engine
-    thread at saturation (docs/benchmarks.md, "Waking the event loop"), where a step finishes several
+    thread at saturation (docs/performance-journal.md, "Waking the event loop"), where a step finishes several
     requests at once. While the engine has more work (`busy`) the byte is written with the GIL held: a write
     that released it (the loop's own `call_soon_threadsafe`) let the woken loop take the GIL and the engine
     thread wait for it mid-step; held, the loop gets it when the engine thread next lets go of it, in its next

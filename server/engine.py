@@ -310,7 +310,7 @@ class EnginePool:
     """A model's engines (`serve --inter-threads N`): each its own thread, waiting queue and running batch, over
     the same sessions through a decoding context of its own (OnnxTranslator.replica). On a CPU, N running
     batches of one intra-op thread each keep the cores busier than one batch on N threads, whose kernels
-    are short at these sizes (docs/performance.md, "Batches at once"); one client's request still runs on one thread.
+    are short at these sizes (docs/performance-journal.md, "Batches at once"); one client's request still runs on one thread.
     A request goes to the engine with the fewest requests waiting and running; its result does not depend
     on which (it depends on its own rows only). The pool has an Engine's interface."""
 

@@ -124,7 +124,7 @@ class ScaledEmbedding(nn.Module):
     def logits(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         """(…, D) -> (…, V): x times the embedding, plus the output bias and `add` (V,), all in one linear:
         a decoder step exports one Gemm (transB) over the embedding its lookup reads too, with the bias as
-        its C, not a transposed copy of the embedding and Adds over (B, V) (docs/benchmarks.md, "The output bias inside
+        its C, not a transposed copy of the embedding and Adds over (B, V) (docs/performance-journal.md, "The output bias inside
         the Gemm": a smaller graph at the same speed)."""
         bias = self.bias if add is None else add if self.bias is None else self.bias + add
         return F.linear(x, self.weight, bias)

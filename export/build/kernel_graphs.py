@@ -427,7 +427,7 @@ def _scale_logits_in_search_head(model: onnx.ModelProto) -> None:
     becomes one com.microsoft MatMulIntegerToFloat with the weights' scale alone, and the search head takes
     the row scales and the bias as inputs and applies them to each row as it reads it: on a vocabulary of
     58,101 the two passes over the (B, V) output (the row scales, the bias) cost as much as a fifth of an
-    int8 step at batch 32 (docs/performance.md, "int8 scales per row")."""
+    int8 step at batch 32 (docs/performance-journal.md, "int8 scales per row")."""
     made_by, readers = _graph_readers(model)
     inserted, dropped = {}, []
     for head in [n for n in model.graph.node if n.op_type == "SearchHead" and len(n.input) == 4]:
@@ -456,7 +456,7 @@ def _fuse_epilogues(model: onnx.ModelProto) -> None:
     RowQuantize, as BiasReluQuantize, or Sub → Sigmoid and Mul (swish: x · sigmoid(x), Marian's) → RowQuantize,
     as BiasSwishQuantize. The product becomes a MatMulIntegerToFloat on the weights' scale
     alone and the new node applies the row scale: each node has a fixed cost in ONNX Runtime, and each row scale
-    was a pass of its own over the product (docs/performance.md, "The epilogues fused")."""
+    was a pass of its own over the product (docs/performance-journal.md, "The epilogues fused")."""
     made_by, readers = _graph_readers(model)
     quantizers: dict[str, list[onnx.NodeProto]] = {}  # each value's RowQuantize readers
     for node in model.graph.node:

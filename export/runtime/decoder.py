@@ -49,7 +49,7 @@ from nmtserve.export.runtime.sessions import (
 from nmtserve.export.runtime.tensors import DeviceTensors, HostTensors
 
 # two decoding contexts over one CUDA device gave wrong tokens there (GroupQueryAttention errors), and one running
-# batch fills a GPU anyway (docs/benchmarks.md, "GPU runs"): on CUDA a model has one
+# batch fills a GPU anyway (docs/performance-journal.md, "GPU runs"): on CUDA a model has one
 CUDA_INTER_THREADS = ("inter_threads {n} on cuda: one decoding context per model on a GPU (two at once gave wrong "
                       "tokens there; one running batch fills the GPU): use inter_threads 1")
 FALLBACK = "ONNX Runtime's own nodes"  # how the log and GetModelInfo name the portable graphs' kernels

@@ -1,7 +1,7 @@
 // nmtserve's decoding kernels for ONNX Runtime's CPU provider. Attention with one query per row and head,
 // as a decoder step has: ONNX Runtime's GroupQueryAttention and MultiHeadAttention make two MLAS calls per
 // row and head for a few thousand multiply-adds; here each row and head is one plain loop over its
-// keys, vectorised by the compiler over the head dimension (docs/performance.md, "A kernel of our own").
+// keys, vectorised by the compiler over the head dimension (docs/performance-journal.md, "A kernel of our own").
 // And the step's search head: each row's best candidates and their log-softmax in one pass. And the int8
 // graphs' activation quantisation with a scale per row, so that a row's result never depends on its batch. And
 // the encoder's self-attention over the batch's packed tokens, each sentence's queries over its own keys, and
@@ -59,7 +59,7 @@ inline float exp_nonpositive(float x) {
 // and values of the item PREFETCH_AHEAD after it (prefetch_keys), when the layer's keys and values read by the step
 // outgrow a quarter of the core's L2 cache (outgrows_cache: they come back to this layer a step later, after the
 // other layers' caches and weights have passed through it; below that they are still there, and the asking cost
-// 1.7% of a whole translation at batch 1). docs/performance.md, "Prefetching the caches".
+// 1.7% of a whole translation at batch 1). docs/performance-journal.md, "Prefetching the caches".
 constexpr int64_t PREFETCH_AHEAD = 2;
 
 bool outgrows_cache(int64_t bytes) {

@@ -23,7 +23,7 @@ def keep_freed_memory() -> bool:
     unless told not to) -> whether it was set. By default a block above a threshold (128 kB, raised as such
     blocks are freed) is mmap'd and munmap'd at free, and free trims the heap's top, so the next batch's
     caches (a beam's widened rows), cross K/V and ONNX Runtime's outputs are faulted in
-    page by page again (docs/performance.md, "Freed memory kept for the next batch")."""
+    page by page again (docs/performance-journal.md, "Freed memory kept for the next batch")."""
     mallopt = getattr(LIBC, "mallopt", None)
     if mallopt is None:
         return False

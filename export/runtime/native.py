@@ -2,7 +2,7 @@
 there: no Python, and no wait for the GIL, between two steps.
 
 Python between the runs is a tenth of a small step, and two batches decoded at once (inter_threads 2) each
-wait for the other's Python (docs/performance.md, "Python between the runs"). With `NativeSession` offline greedy runs a batch's whole search in the library (`greedy_run`: its
+wait for the other's Python (docs/performance-journal.md, "Python between the runs"). With `NativeSession` offline greedy runs a batch's whole search in the library (`greedy_run`: its
 finished rows leave the batch there too; Python comes back only to double a full cache), and so does offline
 beam search (`beam_run`; Python also takes the steps whose rules the library leaves to it, and replays the
 library's choices into its searches at the end), and the server's greedy bursts run until a row meets eos

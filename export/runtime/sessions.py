@@ -14,7 +14,7 @@ from nmtserve.export.runtime.native import NativeBinding, NativeSession
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 # left out on a CPU: SkipLayerNormFusion's kernel is slower there than the residual Add and LayerNormalization it
-# replaces in the int8 encoder (docs/performance.md, "The int8 encoder without SkipLayerNormalization")
+# replaces in the int8 encoder (docs/performance-journal.md, "The int8 encoder without SkipLayerNormalization")
 CPU_DISABLED_OPTIMIZERS = ["SkipLayerNormFusion"]
 # where a session made from a graph's bytes (the native library's) finds the weights file its graph points into
 EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
@@ -27,7 +27,7 @@ def bind_address(binding: ort.IOBinding | NativeBinding, name: str, where: str, 
     """`binding.bind_input` (or `bind_output`) of a buffer at `address` on device `where`, through the
     binding's C object with a device made once per name: the Python wrappers make a new device on every
     call and keep bookkeeping for WebGPU graph capture only, which was half of the time of binding a new
-    batch (docs/performance.md, "Binding a new batch"). A NativeBinding binds host memory."""
+    batch (docs/performance-journal.md, "Binding a new batch"). A NativeBinding binds host memory."""
     if isinstance(binding, NativeBinding):
         assert where == "cpu", where
         binding.bind(name, dtype, shape, address, output)
@@ -55,11 +55,11 @@ def session_options(intra_op_threads: int = 0) -> ort.SessionOptions:
     so.log_severity_level = 3
     # no CPU arena: the arena keeps the largest buffers any shape ever needed, and the running batch's
     # shapes change every step; without it resident memory stays far lower at the same throughput
-    # (docs/performance.md, "Memory under sustained traffic")
+    # (docs/performance-journal.md, "Memory under sustained traffic")
     so.enable_cpu_mem_arena = False
     # workers spin between the kernels of one run (a futex wake-up per parallel kernel is a large share of a
     # small decoder step) and stop when the run returns: a worker still spinning after it holds a core that our
-    # Python between steps, and the other session's run, need (docs/performance.md, "Spinning")
+    # Python between steps, and the other session's run, need (docs/performance-journal.md, "Spinning")
     for key, value in SPINNING.items():
         so.add_session_config_entry(key, value)
     return so

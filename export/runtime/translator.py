@@ -13,7 +13,7 @@ up to ENCODE_AHEAD sources in one encoder call on the host, then decoded one aft
 weights stay in the CPU cache between its runs, and a call's fixed cost is paid once (a batch's result is
 the same either way). With inter_threads > 1 (CTranslate2's name) that many batches, or groups of them,
 decode at once on threads of their own, each with its own binding over the same two sessions: on a CPU this
-uses the cores better than one batch on more intra-op threads (docs/performance.md, "Batches at once").
+uses the cores better than one batch on more intra-op threads (docs/performance-journal.md, "Batches at once").
 The sessions and steps are the Decoder's (decoder.py); the searches' rules are nmtserve/search.py's.
 """
 

@@ -677,7 +677,7 @@ def test_int8_graphs_quantise_each_row_on_its_own_scale_with_the_kernels(tiny_bu
 def test_int8_results_are_the_same_in_any_batch_with_row_scales(tiny_bundle, tiny_corpus, options):
     """With a scale per row (RowQuantize) a sentence's int8 tokens and scores are the same alone and in
     batches of 4 and 40, in any order of its batch-mates; with ONNX Runtime's per-tensor scale 14 of these
-    40 sentences changed between alone and a batch of 40 (greedy; docs/performance.md, "int8 scales per row")."""
+    40 sentences changed between alone and a batch of 40 (greedy; docs/performance-journal.md, "int8 scales per row")."""
     tr = OnnxTranslator(tiny_bundle, variant="int8", intra_op_threads=1)
     sources = [tr.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
     alone = [tr.search_ids([s], options, max_batch_size=1, scores=True)[0] for s in sources]
