@@ -2,6 +2,8 @@
 #   make demo   data → train → evaluate → export (verified) → serve → a translation over gRPC
 #               (about 30 minutes on 2 cores)
 #   make test   lint (ruff) and the test suite
+# Both install Debian packages (prometheus, openssl, g++) with apt-get where missing, and say so first;
+# SYSTEM_PACKAGES=no installs none (make test then skips the tests that need a missing one, saying which)
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -20,21 +22,27 @@ install: $(VENV)/.installed
 
 # system tools the tests use, from Debian's prometheus package: promtool lints the /metrics page and
 # the prometheus server runs the Grafana dashboard's queries; openssl makes the TLS tests' certificates;
-# g++ builds the decoding kernels
+# g++ builds the decoding kernels. Installed with apt-get when missing, said before it starts;
+# SYSTEM_PACKAGES=no installs nothing (the tests that need a missing tool are then skipped, each saying which)
+SYSTEM_PACKAGES ?= yes
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 tools:
+ifeq ($(SYSTEM_PACKAGES),no)
+	@echo "SYSTEM_PACKAGES=no: no Debian package is installed; tests that need a missing promtool, prometheus, openssl or g++ are skipped"
+else
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v openssl >/dev/null \
 	  && command -v g++ >/dev/null || { \
-	  echo "installing Debian packages prometheus (server + promtool), openssl and g++"; \
+	  echo "installing Debian packages with apt-get: prometheus (server + promtool), openssl and g++ (SYSTEM_PACKAGES=no skips this)"; \
 	  $(SUDO) apt-get update -q && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus openssl g++; }
+endif
 
 # nmtserve's decoding kernels for ONNX Runtime's CPU provider (export/runtime/kernels.py): built with
 # pinned ONNX Runtime C API headers (Debian's libonnxruntime-dev, downloaded once, checked, not installed)
 # into $NMTSERVE_KERNELS_DIR (default ~/.cache/nmtserve/kernels), under a name keyed by the source: a no-op
 # when that library is there
 kernels: install tools
-	$(PY) -m nmtserve.export.runtime.kernels
+	$(PY) -m nmtserve.export.runtime.kernels || [ "$(SYSTEM_PACKAGES)" = no ]
 
 # pip finds the pinned CPU torch wheel through the machine's pip configuration (find-links)
 $(VENV)/.installed: pyproject.toml
@@ -124,7 +132,7 @@ lint: install
 # pytest exits 5 when it collects no test: a failure of the whole suite, but not of a filter asked for
 # (make test PYTEST_ARGS="-k name" that matches nothing says so and passes)
 test: install tools kernels lint
-	$(PY) -m pytest $(PYTEST_ARGS) || { rc=$$?; if [ $$rc -eq 5 ] && [ -n "$(strip $(PYTEST_ARGS))" ]; then \
+	NMTSERVE_SYSTEM_PACKAGES=$(SYSTEM_PACKAGES) $(PY) -m pytest $(PYTEST_ARGS) || { rc=$$?; if [ $$rc -eq 5 ] && [ -n "$(strip $(PYTEST_ARGS))" ]; then \
 	  echo "pytest collected no test for PYTEST_ARGS=$(PYTEST_ARGS)"; exit 0; fi; exit $$rc; }
 
 clean:

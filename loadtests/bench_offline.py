@@ -55,6 +55,7 @@ from pathlib import Path
 
 from nmtserve.console import Progress
 from nmtserve.errors import NmtserveError
+from nmtserve.loadtests.charts import host, legend_outside, pyplot, save
 from nmtserve.loadtests.machine import (
     PROBES,
     cpu_flags,
@@ -512,16 +513,11 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def draw_chart(report: dict, path: Path) -> None:
-    """Tokens/s against batch size, one line per engine and precision at its best thread layout,
-    with the min–max of the runs as error bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def figure(report: dict):
+    """Tokens/s against batch size, one line per engine and precision at its best thread layout, with the min–max of
+    the runs as error bars; the legend outside the axes."""
     batches = report["batch_sizes"]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = pyplot().subplots(figsize=(8, 4.5))
     colors = {"pytorch": "tab:gray", "transformers": "tab:green", "ort": "tab:blue", "ct2": "tab:orange"}
     for engine, cells in report["best"].items():
         kind = engine.split("_")[0]
@@ -534,15 +530,18 @@ def draw_chart(report: dict, path: Path) -> None:
     ax.set_xticks(batches, [str(b) for b in batches])
     ax.set_xlabel("batch size (sentences)")
     ax.set_ylabel("target tokens/s")
-    machine = report["machine"]
-    ax.set_title(f"{decoding_name(report['beam_size'])}, each engine at its best thread layout, median and min–max "
-                 f"of {report['runs']} runs\n"
-                 f"{machine['cpu']}, {machine['usable_cores']} cores", fontsize=9)
+    ax.set_ylim(bottom=0)
+    bundle = Path(report.get("bundle") or "?").name
+    ax.set_title(f"nmtserve bench offline {bundle}: {decoding_name(report['beam_size'])}, each engine at its best thread "
+                 f"layout, median and min–max of {report['runs']} runs\n{host(report['machine'])}", fontsize=9)
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    legend_outside(ax)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def draw_chart(report: dict, path: Path) -> None:
+    save(figure(report), path, dpi=110)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["peak"]:  # peak INTER THREADS SPEC (run_measure's arguments)

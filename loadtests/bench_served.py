@@ -51,6 +51,7 @@ from pathlib import Path
 
 from nmtserve.console import Progress
 from nmtserve.errors import NmtserveError
+from nmtserve.loadtests.charts import host, legend_outside, pyplot, save
 from nmtserve.loadtests.grpc_floor import FLOOR_CLIENTS, grpc_floor
 from nmtserve.loadtests.machine import (
     PROBES,
@@ -621,14 +622,10 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def draw_chart(report: dict, path: Path) -> None:
-    """Latency percentiles (p50, p90, p99) and throughput against the number of clients, per mode."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (latency, throughput) = plt.subplots(1, 2, figsize=(11, 4.2))
+def figure(report: dict):
+    """Latency percentiles (p50, p90, p99) and throughput against the number of clients, per mode, one panel above
+    the other; the legends outside the axes."""
+    fig, (latency, throughput) = pyplot().subplots(2, 1, figsize=(10, 8))
     for mode, color in zip(report["results"], ("tab:blue", "tab:orange")):
         cells = report["results"][mode]
         clients = [int(c) for c in cells]
@@ -658,15 +655,19 @@ def draw_chart(report: dict, path: Path) -> None:
         ax.set_xlabel("concurrent clients")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        legend_outside(ax)
     latency.set_yscale("log")
+    throughput.set_ylim(bottom=0)
     flags = "".join(f" {flag}" for flag in report["server_flags"])
-    fig.suptitle(f"nmtserve serve{flags}, {report['variant']} on {report['device']}, {_threads(report)}, "
-                 f"{report['decoding']} decoding, {report['sentences_per_call']} sentence(s) a call, "
-                 f"median of {report['runs']} runs\n{report['machine']['cpu']}", fontsize=9)
+    fig.suptitle(f"nmtserve bench served {Path(report['bundle']).name}: serve{flags}, {report['variant']} on "
+                 f"{report['device']}, {_threads(report)}, {report['decoding']} decoding, {report['sentences_per_call']} "
+                 f"sentence(s) a call, median of {report['runs']} runs\n{host(report['machine'])}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def draw_chart(report: dict, path: Path) -> None:
+    save(figure(report), path, dpi=110)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["engines"]:  # run_engines_alone's process: engines, threads, spec path

@@ -110,7 +110,7 @@ def cmd_loadtest(args) -> int:
 
     return run_loadtest(LoadTestConfig(args.scenario, args.bundle, args.server or "", args.peak_users, args.seconds,
                                        args.out or "", args.sentences_file or "", args.slo or "", args.think_time,
-                                       args.server_flag or [], args.decoding))
+                                       args.server_flag or [], args.decoding, args.metrics_url or ""))
 
 
 def cmd_check_slo(args) -> int:
@@ -269,6 +269,8 @@ def _add_loadtest(p) -> None:
                    "sent (default %(default)s); comma-separated: one server of several models, each sent its own "
                    "bundle's test split")
     p.add_argument("--server", help="HOST:PORT of a running server instead of starting one")
+    p.add_argument("--metrics-url", help="with --server: its /metrics URL, to say where a call's time went "
+                   "(queue, decoding, outside the server)")
     p.add_argument("--peak-users", type=int, default=32, help="users (requests in flight) at the peak")
     p.add_argument("--seconds", type=float, default=60.0, help="length of the scenario; the run stops by itself")
     p.add_argument("--out", help="results directory (default runs/loadtest/SCENARIO)")

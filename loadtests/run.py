@@ -15,14 +15,27 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from nmtserve.console import Progress
 from nmtserve.errors import ConfigError, NmtserveError
 from nmtserve.loadtests import slo as slo_check
+from nmtserve.loadtests.charts import host
+from nmtserve.loadtests.machine import machine_info
 from nmtserve.loadtests.report import plot
-from nmtserve.loadtests.workload import DEFAULT_BUNDLE, SCENARIOS, ServerProcess, default_sentence_file, sentence_files
+from nmtserve.loadtests.workload import (
+    DEFAULT_BUNDLE,
+    SCENARIOS,
+    ServerProcess,
+    default_sentence_file,
+    free_port,
+    scrape,
+    sentence_files,
+)
 from nmtserve.server.config import ServerConfig
 from nmtserve.server.models import model_specs
 
@@ -44,6 +57,7 @@ class LoadTestConfig:
     think_time: float = 0.0
     server_flags: list[str] = field(default_factory=list)
     decoding: str = "default"  # or "mixed": 50% greedy, 40% beam 4, 10% sampled calls
+    metrics_url: str = ""  # with server: its /metrics, for where a call's time went (a started server's is known)
 
 
 def run_loadtest(cfg: LoadTestConfig) -> int:
@@ -55,11 +69,16 @@ def run_loadtest(cfg: LoadTestConfig) -> int:
     out = Path(cfg.out or Path("runs") / "loadtest" / cfg.scenario)
     out.mkdir(parents=True, exist_ok=True)
     sentences = ",".join(f"{model}={path}" if model else path for model, path in _sentence_files(cfg).items())
-    server = None
+    server, metrics_url = None, cfg.metrics_url
     if not cfg.server:
-        flags = ["--metrics-port", "-1"] + (OVERLOAD_SERVER_FLAGS if cfg.scenario == "overload" else []) + cfg.server_flags
+        metrics_port = free_port()
+        flags = ["--metrics-port", str(metrics_port)] + (OVERLOAD_SERVER_FLAGS if cfg.scenario == "overload" else []) \
+            + cfg.server_flags
         server = ServerProcess(cfg.bundle, *flags, log=out / "server.log")
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     target = cfg.server or server.target
+    before = scrape(metrics_url, TIMES) if metrics_url else None
+    after, models = None, ""
     try:
         cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", target,
                "--scenario", cfg.scenario, "--peak-users", str(cfg.peak_users), "--scenario-seconds", str(cfg.seconds),
@@ -79,16 +98,22 @@ def run_loadtest(cfg: LoadTestConfig) -> int:
                     raise NmtserveError(f"locust did not end {cfg.seconds + 120:g} s after it started; see its output above")
                 time.sleep(1.0)
                 progress.update(min(round(cfg.seconds), round(time.monotonic() - started)) - progress.done)
+        if metrics_url:
+            after, models = scrape(metrics_url, TIMES), served_models(metrics_url)
     finally:
         if server is not None:
             server.stop()
     if not (out / "stats_stats.csv").is_file():
         raise ConfigError(f"locust wrote no statistics (exit {locust.returncode}); see its output above")
-    plot(out / "stats_stats_history.csv", out / "chart.png", title=f"{cfg.scenario}: throughput over time")
+    title = (f"nmtserve loadtest {cfg.scenario}: peak {cfg.peak_users} users, {cfg.seconds:g} s, {cfg.decoding} decoding, "
+             f"against {models or target}\n{host(machine_info())}")
+    plot(out / "stats_stats_history.csv", out / "chart.png", title)
     stats = slo_check.read_stats(out / "stats_stats.csv")
     print(summary(stats))
     lines, met = slo_check.verdict(objectives, stats)
     print("\n".join(lines))
+    if before is not None and after is not None:
+        print(bottleneck(before, after, stats, met))
     failures = sum(row["Failure Count"] for row in stats.values())
     status = 0
     if not any(row["Request Count"] for name, row in stats.items() if slo_check.split_entry(name)[0] in slo_check.CALLS):
@@ -112,6 +137,40 @@ def _sentence_files(cfg: LoadTestConfig) -> dict[str, str]:
             if spec.id not in files:
                 files[spec.id if len(specs) > 1 else ""] = str(default_sentence_file(spec.bundle))
     return files
+
+
+# the server's series that say where a sentence's time went, summed over models and modes (workload.scrape)
+TIMES = {"nmtserve_request_queue_seconds_sum": "queue_s", "nmtserve_request_queue_seconds_count": "queued",
+         "nmtserve_request_duration_seconds_sum": "total_s", "nmtserve_request_duration_seconds_count": "sentences"}
+
+
+def served_models(metrics_url: str) -> str:
+    """"en-fr (int8 on cpu), fr-en (fp32 on cpu)": the models a server serves, from its nmtserve_model_info."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        families = text_string_to_metric_families(response.read().decode("utf-8"))
+        return ", ".join(f"{s.labels['model']} ({s.labels.get('variant', '?')} on {s.labels.get('device', '?')})"
+                         for family in families if family.name == "nmtserve_model" for s in family.samples)
+
+
+def bottleneck(before: dict, after: dict, stats: dict, met: bool) -> str:
+    """Where a call's time went in the run, from the server's metrics before and after it and locust's mean call
+    latency: waiting for room in the running batch, decoding, or outside the server (the client's own process and
+    the network, as a saturated load generator shows). The largest share is the bottleneck."""
+    sentences = after["sentences"] - before["sentences"]
+    calls = [row for name, row in stats.items() if slo_check.split_entry(name)[0] == "Translate"]
+    count = sum(row["Request Count"] for row in calls)
+    if sentences <= 0 or not count:
+        return "where the time went: the server finished no sentence, or locust completed no Translate call"
+    queue = 1000 * (after["queue_s"] - before["queue_s"]) / max(1.0, after["queued"] - before["queued"])
+    total = 1000 * (after["total_s"] - before["total_s"]) / sentences
+    call = sum(row["Average Response Time"] * row["Request Count"] for row in calls) / count
+    shares = {"waiting for room in the running batch (more replicas or --max-running-rows)": queue,
+              "decoding (a faster variant such as int8, more threads or engines)": max(0.0, total - queue),
+              "outside the server: the load generator or the network (more locust workers)": max(0.0, call - total)}
+    worst = max(shares, key=shares.get)
+    verdict = "the SLO failed; the bottleneck: " if not met else "the largest share: "
+    return (f"where the time went, per Translate call of {call:.1f} ms on average: queue {queue:.1f} ms, decoding "
+            f"{max(0.0, total - queue):.1f} ms, outside the server {max(0.0, call - total):.1f} ms; {verdict}{worst}")
 
 
 def summary(stats: dict) -> str:

@@ -33,6 +33,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nmtserve.client import open_channel, wait_serving
 from nmtserve.console import Progress
 from nmtserve.errors import ConfigError
+from nmtserve.loadtests.charts import gap, host, legend_outside, pyplot, save
+from nmtserve.loadtests.machine import machine_info
 from nmtserve.loadtests.workload import ServerProcess, default_sentence_file, free_port, read_sentences, scrape
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
@@ -315,6 +317,7 @@ def run_soak(cfg: SoakConfig) -> dict:
             report = soak(cfg, server.target, f"http://127.0.0.1:{metrics_port}/metrics", sentences)
         report["server_flags"] = cfg.server_flags
         report["server_log_tracebacks"] = (out / "server.log").read_text(encoding="utf-8").count("Traceback")
+    report["machine"] = machine_info()
     report["failures"] = judge(report)
     report["passed"] = not report["failures"]
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -323,34 +326,37 @@ def run_soak(cfg: SoakConfig) -> dict:
     return report
 
 
-def plot(report: dict, png: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def figure(report: dict):
+    """Resident memory over the run (with the warm-up's end, the first third's median and the bound for the last
+    third's), and the running and waiting requests below it; legends outside the axes."""
     seconds, rss, running, waiting = zip(*report["samples"])
-    fig, ax = plt.subplots(figsize=(9, 4))
-    ax.plot(seconds, rss, label="resident memory (MB)")
+    plt = pyplot()
+    fig, (ax, rows) = plt.subplots(2, 1, figsize=(10, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    ax.plot(seconds, rss, marker=".", label="resident memory (MB)")
     memory = report["memory"]
     if memory.get("measured"):
         ax.axvline(memory["warmup_seconds"], color="grey", linestyle=":", label="end of warm-up")
         ax.axhline(memory["first_third_median_mb"], color="grey", linestyle="--", label="median, first third")
         ax.axhline(memory["first_third_median_mb"] * (1 + memory["bound"]), color="tab:red", linestyle="--",
                    label=f"bound for the last third's median (+{memory['bound']:.0%})")
-    ax.set_xlabel("seconds")
     ax.set_ylabel("MB")
-    ax.legend(loc="upper left", fontsize=8)
-    twin = ax.twinx()
-    twin.plot(seconds, running, color="tab:green", alpha=0.5, label="running rows")
-    twin.plot(seconds, waiting, color="tab:orange", alpha=0.5, label="waiting requests")
-    twin.set_ylabel("requests")
-    twin.legend(loc="upper right", fontsize=8)
-    ax.set_title(f"soak: {report['clients']} clients, {report['seconds']:.0f} s")
+    ax.set_ylim(bottom=0)
+    legend_outside(ax)
+    rows.plot(seconds, [gap(r) for r in running], color="tab:green", label="running requests")
+    rows.plot(seconds, [gap(w) for w in waiting], color="tab:orange", linestyle="--", label="waiting requests")
+    rows.set_ylabel("requests")
+    rows.set_xlabel("seconds")
+    rows.set_ylim(bottom=0)
+    legend_outside(rows)
+    flags = "".join(f" {flag}" for flag in report.get("server_flags", []))
+    fig.suptitle(f"nmtserve soak: {report['clients']} clients, {report['seconds']:.0f} s, against {report['server']}"
+                 f"{flags}\n{host(report.get('machine'))}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(png, dpi=90)
-    plt.close(fig)
-    return png
+    return fig
+
+
+def plot(report: dict, png: Path) -> Path:
+    return save(figure(report), png)
 
 
 def format_report(report: dict) -> str:

@@ -1,7 +1,8 @@
 """What commands print for people and machines: JSON results, and the progress of long jobs.
 
 Progress goes to stderr: on a terminal a tqdm bar (elapsed time, rate and, where the total is known, the time
-left); in CI and pipes one line when a job starts and one when it ends, so logs stay short.
+left); in CI and pipes one line when a job starts (with its first work) and one when it ends, so logs stay short.
+A job that fails prints nothing more: its error is the one line that follows.
 
     with Progress("evaluate", total=len(pairs), unit="sentence") as bar:
         for chunk in chunks:
@@ -41,9 +42,8 @@ class Progress:
         self.desc, self.total, self.unit, self.done = desc, total, unit, 0
         self.staged = False  # stage() was called: close() counts the last stage done
         self.started = time.monotonic()
-        self.bar = None
+        self.bar, self.announced = None, False  # lines: the start line is printed with the first work
         if not (on_terminal() if lines is None else not lines):
-            print(f"{desc}: started" + (f" ({total:,} {unit}s)" if total else ""), file=sys.stderr, flush=True)
             return
         try:
             from tqdm import tqdm
@@ -58,7 +58,14 @@ class Progress:
             self.bar.total = total
             self.bar.refresh()
 
+    def _announce(self) -> None:
+        if self.bar is None and not self.announced:
+            self.announced = True
+            print(f"{self.desc}: started" + (f" ({self.total:,} {self.unit}s)" if self.total else ""), file=sys.stderr,
+                  flush=True)
+
     def update(self, n: int = 1) -> None:
+        self._announce()
         self.done += n
         if self.bar is not None:
             self.bar.update(n)
@@ -71,6 +78,7 @@ class Progress:
         return f"{duration(elapsed)}, about {duration(elapsed * (self.total - self.done) / self.done)} left"
 
     def note(self, text: str) -> None:
+        self._announce()
         if self.bar is not None:
             self.bar.set_postfix_str(text)
         else:
@@ -83,20 +91,22 @@ class Progress:
         self.staged = True
         self.note(text)
 
-    def close(self) -> None:
-        if self.staged:
+    def close(self, failed: bool = False) -> None:
+        """The end: the last stage counted and, in lines, the end line; after a failure nothing (its error follows)."""
+        if self.staged and not failed:
             self.update()
         if self.bar is not None:
             self.bar.close()
-        else:
+        elif not failed:
+            self._announce()
             print(f"{self.desc}: done, {self.done:,} {self.unit}s in {duration(time.monotonic() - self.started)}",
                   file=sys.stderr, flush=True)
 
     def __enter__(self) -> Progress:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *_) -> None:
+        self.close(failed=kind is not None)
 
 
 

@@ -28,6 +28,8 @@ HELPS = {"models": "TOML file of the models to serve: bundle, id, variant, devic
          "max_batch_tokens": "Σ source + output-budget tokens of running rows",
          "max_waiting": "waiting requests per model before RESOURCE_EXHAUSTED",
          "drain_timeout": "seconds to finish in-flight work on SIGTERM",
+         "metrics_port": "Prometheus /metrics on this HTTP port (Triton's metrics port; not 9090, where Prometheus "
+                         "itself listens); -1 turns it off",
          "stream_interval": "TranslateStream: send a delta once this many tokens have come since the last one "
                             "(vLLM's --stream-interval): fewer messages and less event-loop work per stream; 1 sends each",
          "tls_cert": "server certificate chain (PEM); turns TLS on", "tls_key": "its private key (PEM)",

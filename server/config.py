@@ -60,7 +60,7 @@ class NetworkConfig:
     """Where the server listens, and how it stops."""
     host: str = "[::]"
     port: int = 50051
-    metrics_port: int = 9090  # Prometheus /metrics on its own HTTP port; -1 turns it off
+    metrics_port: int = 8002  # Prometheus /metrics on its own HTTP port (Triton's; not 9090, Prometheus' own); -1: off
     max_message_bytes: int = 4 * 1024 * 1024
     drain_timeout: float = 30.0
 

@@ -8,7 +8,7 @@ import pytest
 
 from nmtserve.training.corpus import generate_corpus
 from nmtserve.training.train import train
-from tests.helpers import TEST_DEVICE, tiny_config
+from tests.helpers import TEST_DEVICE, system_tool, tiny_config
 
 
 def pytest_report_header(config) -> str:
@@ -93,3 +93,14 @@ def fr_en_bundle(tmp_path_factory) -> Path:
     import_marian(directory, tmp / "model.pt", "fr", "en")
     export_bundle(ExportConfig(str(tmp / "model.pt"), str(tmp / "bundle"), ["fp32"]))
     return tmp / "bundle"
+
+
+@pytest.fixture
+def kernel_library():
+    """nmtserve's kernel library, which the tests that use this need: built (make kernels), or, where make was told not
+    to install g++ (SYSTEM_PACKAGES=no) and it is missing, a skip naming g++."""
+    from nmtserve.export.runtime import kernels
+
+    if not kernels.available():
+        system_tool("g++")
+    return kernels.LIBRARY

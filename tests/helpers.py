@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from nmtserve.server.app import start_server
@@ -154,3 +155,18 @@ def top_candidates(log_probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarra
     what the decoder graph's TopK head returns. log_probs (B, V) -> ids, scores (B, k)."""
     ids = np.argsort(-log_probs, axis=1, kind="stable")[:, :k or None]
     return ids, np.take_along_axis(log_probs, ids, axis=1)
+
+
+# the system tools some tests run, and the Debian package each comes from (`make tools` installs them)
+SYSTEM_TOOLS = {"promtool": "prometheus", "prometheus": "prometheus", "openssl": "openssl", "g++": "g++"}
+
+
+def system_tool(name: str) -> str:
+    """The path of a system tool a test runs. Missing: a skip, in one line naming it, where make was told not to
+    install Debian packages (SYSTEM_PACKAGES=no); else a failure naming the package that `make tools` installs."""
+    path = shutil.which(name)
+    if path:
+        return path
+    if os.environ.get("NMTSERVE_SYSTEM_PACKAGES") == "no":
+        pytest.skip(f"{name} is not installed and make was told SYSTEM_PACKAGES=no (Debian's {SYSTEM_TOOLS[name]})")
+    pytest.fail(f"{name} is missing: `make tools` installs Debian's {SYSTEM_TOOLS[name]} package")

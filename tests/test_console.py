@@ -29,3 +29,21 @@ def test_a_terminal_gets_a_bar_and_a_total_learnt_later(capsys):
 
 def test_durations_read_as_people_write_them():
     assert [duration(s) for s in (4.24, 185, 3720)] == ["4.2 s", "3 min 05 s", "1 h 02 min"]
+
+
+def test_a_failed_job_prints_nothing_more_than_what_it_did(capsys):
+    """Its error is the one line that follows; a job that failed before any work printed nothing at all."""
+    try:
+        with Progress("export b", total=3, unit="stage", lines=True):
+            raise ValueError("no such checkpoint")
+    except ValueError:
+        pass
+    assert capsys.readouterr().err == ""
+    try:
+        with Progress("export b", total=3, unit="stage", lines=True) as progress:
+            progress.stage("graphs")
+            raise ValueError("bad graph")
+    except ValueError:
+        pass
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "export b: started (3 stages)" and lines[1].endswith(": graphs") and len(lines) == 2

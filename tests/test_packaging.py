@@ -140,3 +140,21 @@ def test_a_base_install_serves_and_translates_without_torch(tiny_bundle, tmp_pat
     finally:
         server.terminate()
         server.wait(60)
+
+
+def test_a_missing_system_tool_is_a_skip_naming_it_only_where_make_was_told_not_to_install_it(monkeypatch):
+    """make test SYSTEM_PACKAGES=no: a test that needs a missing Debian tool is skipped in one line naming it;
+    without that, the missing tool is a failure (never a silent pass)."""
+    import shutil
+
+    import pytest
+
+    from tests.helpers import system_tool
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setenv("NMTSERVE_SYSTEM_PACKAGES", "no")
+    with pytest.raises(pytest.skip.Exception, match=r"^promtool is not installed and make was told SYSTEM_PACKAGES=no"):
+        system_tool("promtool")
+    monkeypatch.setenv("NMTSERVE_SYSTEM_PACKAGES", "yes")
+    with pytest.raises(pytest.fail.Exception, match=r"`make tools` installs Debian's prometheus package"):
+        system_tool("promtool")

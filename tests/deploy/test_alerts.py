@@ -1,14 +1,13 @@
 """The PrometheusRule's alerts: valid for promtool, built only on exported metrics, and unit-tested
 with `promtool test rules`: each fires on synthetic series that break it, none on healthy ones."""
 
-import shutil
 import subprocess
 
 import pytest
 import yaml
 
 from tests.deploy.test_manifests import render
-from tests.helpers import exported_series, metric_names
+from tests.helpers import exported_series, metric_names, system_tool
 
 ALERTS = {"NmtserveDown", "NmtserveInternalErrors", "NmtserveRejectingForCapacity", "NmtserveQueueBacklog",
           "NmtserveSlowRequests", "NmtserveSlowFirstToken"}
@@ -48,8 +47,7 @@ def _traffic(ok_per_minute: int, internal: int, exhausted: int, waiting: int, sl
 def rules(tmp_path_factory):
     """The rule groups as the operator hands them to Prometheus, and a copy without annotations
     (promtool's unit tests compare annotations verbatim; their templates are checked by `check rules`)."""
-    promtool = shutil.which("promtool")
-    assert promtool, "promtool is needed (`make tools` installs Debian's prometheus package)"
+    promtool = system_tool("promtool")
     out = tmp_path_factory.mktemp("rules")
     spec = render("cpu")["PrometheusRule"]["spec"]
     (out / "nmtserve.rules.yml").write_text(yaml.safe_dump(spec))

@@ -3,7 +3,6 @@ that scrapes a real server after real traffic."""
 
 import json
 import re
-import shutil
 import subprocess
 import time
 import urllib.parse
@@ -18,7 +17,7 @@ from nmtserve.server.config import ServerConfig
 from nmtserve.training.data import read_tsv
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
-from tests.helpers import ROOT, TARGET_LABELS, ServerThread, exported_series, metric_names
+from tests.helpers import ROOT, TARGET_LABELS, ServerThread, exported_series, metric_names, system_tool
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "nmtserve-dashboard.json"
 # Grafana's variables, as a local Prometheus without Kubernetes labels must read them
@@ -68,8 +67,7 @@ class Prometheus:
     """A real Prometheus server scraping one target every second, with its HTTP query API."""
 
     def __init__(self, workdir, target: str):
-        binary = shutil.which("prometheus")
-        assert binary, "the prometheus server is needed (`make tools` installs Debian's prometheus package)"
+        binary = system_tool("prometheus")
         config = workdir / "prometheus.yml"
         config.write_text("global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
                           "scrape_configs:\n"

@@ -21,6 +21,8 @@ from tests.helpers import TEST_SCORE_TOLERANCE, TEST_VARIANT
 
 ROWS, HEADS, SLOTS, DIM = 3, 2, 8, 16
 
+pytestmark = pytest.mark.usefixtures("kernel_library")  # every test here runs the library
+
 
 def _session(node: onnx.NodeProto, inputs: list, outputs: list) -> ort.InferenceSession:
     """One op; outputs: names of float outputs, or (name, type)."""

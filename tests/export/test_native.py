@@ -11,6 +11,8 @@ from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.search import BeamSearch, DecodingOptions
 from nmtserve.training.data import read_tsv
 
+pytestmark = pytest.mark.usefixtures("kernel_library")  # every test here runs the library
+
 
 def _pair(bundle, variant: str, **kwargs) -> tuple[OnnxTranslator, OnnxTranslator]:
     native = OnnxTranslator(bundle, variant=variant, intra_op_threads=1, **kwargs)

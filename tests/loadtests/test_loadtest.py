@@ -1,7 +1,10 @@
 """`nmtserve loadtest` headless against a real server with the tiny bundle, and the SLO checker."""
 
+import re
+
 import pytest
 
+from nmtserve.loadtests.run import bottleneck
 from nmtserve.loadtests.slo import read_stats
 from tests.helpers import run_cli
 
@@ -25,6 +28,25 @@ def test_short_steady_run_has_no_failure_and_writes_every_result(steady_run):
     assert stats["TranslateStream TTFT"]["Request Count"] > 0 and "TranslateStream inter-token" in stats
     assert stats["TranslateText"]["Request Count"] > 0  # documents, split and rejoined by the server
     assert sum(row["Failure Count"] for row in stats.values()) == 0
+    # where a call's time went, from the started server's metrics (scraped before and after) and locust's calls
+    line = next(line for line in result.stdout.splitlines() if line.startswith("where the time went"))
+    call, queue, decoding, outside = map(float, re.findall(r"([\d.]+) ms", line))
+    assert call > 0 and decoding > 0 and queue >= 0 and outside >= 0 and "the largest share: " in line, line
+
+
+def test_the_bottleneck_named_is_the_largest_share_of_a_calls_time():
+    """From the server's series before and after a run and locust's mean call: 10 sentences that waited 40 ms each
+    and took 50 ms in all, in calls of 80 ms on average, spent 40 ms queued, 10 decoding and 30 outside the server."""
+    before = {"queue_s": 1.0, "queued": 5, "total_s": 2.0, "sentences": 5}
+    after = {"queue_s": 1.4, "queued": 15, "total_s": 2.5, "sentences": 15}
+    stats = {"Translate": {"Request Count": 10, "Average Response Time": 80.0}}
+    line = bottleneck(before, after, stats, met=False)
+    assert "queue 40.0 ms, decoding 10.0 ms, outside the server 30.0 ms" in line
+    assert line.endswith("the SLO failed; the bottleneck: waiting for room in the running batch (more replicas or "
+                         "--max-running-rows)")
+    stats["Translate"]["Average Response Time"] = 200.0
+    assert bottleneck(before, after, stats, met=True).endswith("the largest share: outside the server: the load "
+                                                               "generator or the network (more locust workers)")
 
 
 def test_two_models_each_get_their_own_text_and_their_own_rows(tiny_bundle, fr_en_bundle, tmp_path):

@@ -1,6 +1,5 @@
 """The /metrics page, scraped over HTTP, agrees with the traffic sent; static batching serves the same output."""
 
-import shutil
 import subprocess
 import urllib.request
 
@@ -10,7 +9,7 @@ from nmtserve.server.config import ServerConfig
 from nmtserve.training.data import read_tsv
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
-from tests.helpers import ServerThread
+from tests.helpers import ServerThread, system_tool
 
 
 def _page(port: int) -> str:
@@ -79,7 +78,6 @@ def test_metrics_page_passes_promtool_lint(served):
     process = {line.split()[0]: float(line.split()[1]) for line in page.splitlines() if line.startswith("process_")}
     assert process["process_resident_memory_bytes"] > 0 and process["process_open_fds"] > 0
     assert process["process_cpu_seconds_total"] > 0
-    promtool = shutil.which("promtool")
-    assert promtool, "promtool is missing: `make test` installs Debian's prometheus package"
+    promtool = system_tool("promtool")
     check = subprocess.run([promtool, "check", "metrics"], input=page, capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr

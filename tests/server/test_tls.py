@@ -9,11 +9,11 @@ from nmtserve.client import TlsFiles, open_channel
 from nmtserve.server.config import ServerConfig
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
-from tests.helpers import ServerThread, run_cli
+from tests.helpers import ServerThread, run_cli, system_tool
 
 
 def _openssl(*args: str, cwd) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+    subprocess.run([system_tool("openssl"), *args], cwd=cwd, check=True, capture_output=True)
 
 
 @pytest.fixture(scope="module")
