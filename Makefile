@@ -16,7 +16,7 @@ PAIRS  ?= 200000
 TRAIN_MINUTES ?= 20
 PYTEST_ARGS ?=
 
-.PHONY: install tools kernels lint demo test clean protos loadtest bench-offline bench-served soak bench-gpu bench-opus test-gpu
+.PHONY: install tools kernels lint demo test mutations clean protos loadtest bench-offline bench-served soak bench-gpu bench-opus test-gpu
 
 install: $(VENV)/.installed
 
@@ -134,6 +134,11 @@ lint: install
 test: install tools kernels lint
 	NMTSERVE_SYSTEM_PACKAGES=$(SYSTEM_PACKAGES) $(PY) -m pytest $(PYTEST_ARGS) || { rc=$$?; if [ $$rc -eq 5 ] && [ -n "$(strip $(PYTEST_ARGS))" ]; then \
 	  echo "pytest collected no test for PYTEST_ARGS=$(PYTEST_ARGS)"; exit 0; fi; exit $$rc; }
+
+# each deliberately broken variant in tests/mutants/mutants.py must fail the tests that guard against it, which
+# pass on the code as it is (a few minutes; docs/testing.md)
+mutations: install tools kernels
+	$(PY) tests/mutants/run.py
 
 clean:
 	rm -rf $(VENV) data runs bundles .pytest_cache

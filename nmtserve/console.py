@@ -43,7 +43,7 @@ class Progress:
         self.staged = False  # stage() was called: close() counts the last stage done
         self.started = time.monotonic()
         self.bar, self.announced = None, False  # lines: the start line is printed with the first work
-        if not (on_terminal() if lines is None else not lines):
+        if (not on_terminal()) if lines is None else lines:
             return
         try:
             from tqdm import tqdm

@@ -89,12 +89,15 @@ def _translate_remote(args) -> int:
                                                                                   **route), timeout=args.timeout):
                         print(message.delta if message.HasField("delta") else "\n", end="", flush=True)
                 return 0
-            response = stub.Translate(pb.TranslateRequest(sentences=texts, options=options, **route),
-                                      timeout=args.timeout)
+            # as many calls as the server's limit on sentences a call asks (a file piped in may hold thousands)
+            limit = stub.ListModels(pb.ListModelsRequest(), timeout=args.timeout).models[0].limits.max_sentences or 1
+            translations = [t for start in range(0, len(texts), limit) for t in stub.Translate(
+                pb.TranslateRequest(sentences=texts[start:start + limit], options=options, **route),
+                timeout=args.timeout).translations]
         except grpc.RpcError as e:
             raise NmtserveError(f"{args.server}: {e.code().name}: {e.details()}") from None
     _print_translations(texts, [[(t.text, t.score)] + [(a.text, a.score) for a in t.alternatives]
-                                for t in response.translations], args.json)
+                                for t in translations], args.json)
     return 0
 
 

@@ -161,3 +161,16 @@ def test_models_cli_lists_what_list_models_answers(served):
     assert f"max_decoding_length {model.limits.max_decoding_length}," in lines[0]
     closed = run_cli("models", "--server", "127.0.0.1:1", "--timeout", "2", timeout=60)
     assert closed.returncode == 2 and closed.stderr.strip().startswith("nmtserve models: error: 127.0.0.1:1: UNAVAILABLE")
+
+
+def test_translate_cli_sends_a_long_stdin_in_calls_the_server_accepts(served):
+    """More lines than the server's max_sentences a call: as many calls as needed, every line answered in order."""
+    with served.channel() as channel:
+        stub = pb_grpc.TranslationServiceStub(channel)
+        limit = stub.ListModels(pb.ListModelsRequest(), timeout=30).models[0].limits.max_sentences
+        sentences = [f"the cat sleeps {'.' if i % 2 else '!'}" if i % 3 else "a dog eats the bread ." for i in range(limit + 6)]
+        expected = [t.text for start in (0, limit) for t in stub.Translate(
+            pb.TranslateRequest(sentences=sentences[start:start + limit]), timeout=60).translations]
+    out = run_cli("translate", "--server", served.target, stdin="\n".join(sentences) + "\n", timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == expected and len(expected) == limit + 6
