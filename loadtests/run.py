@@ -15,11 +15,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from nmtserve.console import Progress
 from nmtserve.errors import ConfigError, NmtserveError
@@ -33,6 +30,7 @@ from nmtserve.loadtests.workload import (
     ServerProcess,
     default_sentence_file,
     free_port,
+    metric_families,
     scrape,
     sentence_files,
 )
@@ -97,7 +95,7 @@ def run_loadtest(cfg: LoadTestConfig) -> int:
                     locust.kill()
                     raise NmtserveError(f"locust did not end {cfg.seconds + 120:g} s after it started; see its output above")
                 time.sleep(1.0)
-                progress.update(min(round(cfg.seconds), round(time.monotonic() - started)) - progress.done)
+                progress.reach(min(round(cfg.seconds), round(time.monotonic() - started)))
         if metrics_url:
             after, models = scrape(metrics_url, TIMES), served_models(metrics_url)
     finally:
@@ -146,10 +144,8 @@ TIMES = {"nmtserve_request_queue_seconds_sum": "queue_s", "nmtserve_request_queu
 
 def served_models(metrics_url: str) -> str:
     """"en-fr (int8 on cpu), fr-en (fp32 on cpu)": the models a server serves, from its nmtserve_model_info."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        families = text_string_to_metric_families(response.read().decode("utf-8"))
-        return ", ".join(f"{s.labels['model']} ({s.labels.get('variant', '?')} on {s.labels.get('device', '?')})"
-                         for family in families if family.name == "nmtserve_model" for s in family.samples)
+    return ", ".join(f"{s.labels['model']} ({s.labels.get('variant', '?')} on {s.labels.get('device', '?')})"
+                     for family in metric_families(metrics_url) if family.name == "nmtserve_model" for s in family.samples)
 
 
 def bottleneck(before: dict, after: dict, stats: dict, met: bool) -> str:

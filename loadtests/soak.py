@@ -275,7 +275,7 @@ def soak(cfg: SoakConfig, server: str, metrics_url: str, sentences: list[str]) -
     with Progress(f"soak {server}", total=round(cfg.seconds), unit="second") as progress:
         while any(t.is_alive() for t in threads) and time.monotonic() < give_up:
             time.sleep(1.0)
-            progress.update(min(round(cfg.seconds), round(cfg.seconds - (stop_at - time.monotonic()))) - progress.done)
+            progress.reach(min(round(cfg.seconds), round(cfg.seconds - (stop_at - time.monotonic()))))
     for t in threads:
         t.join(max(0.0, give_up - time.monotonic()))
     report: dict = {"server": server, "seconds": cfg.seconds, "clients": cfg.clients,

@@ -90,13 +90,17 @@ def mixed(sentences: list[str], n: int, seed: int = 0) -> list[str]:
     return [rng.choice(sentences) for _ in range(n)]
 
 
+def metric_families(url: str) -> list:
+    """The metric families of one /metrics page."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return list(text_string_to_metric_families(response.read().decode("utf-8")))
+
+
 def scrape(url: str, wanted: dict[str, str]) -> dict[str, float]:
     """From one /metrics page, each wanted series' samples summed over their labels (models, codes, …):
     {wanted[series name]: sum}, 0 for a series the page lacks."""
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode("utf-8")
     values = dict.fromkeys(wanted.values(), 0.0)
-    for family in text_string_to_metric_families(text):
+    for family in metric_families(url):
         for s in family.samples:
             if s.name in wanted:
                 values[wanted[s.name]] += s.value

@@ -70,6 +70,10 @@ class Progress:
         if self.bar is not None:
             self.bar.update(n)
 
+    def reach(self, done: int) -> None:
+        """For a job that knows how far it is rather than how much it just did: `done` in all."""
+        self.update(done - self.done)
+
     def left(self) -> str:
         """The elapsed time, and the time left at the rate so far where the total is known."""
         elapsed = time.monotonic() - self.started

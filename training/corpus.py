@@ -280,7 +280,7 @@ def generate_corpus(out: Path, pairs: int, seed: int = 1, valid: int = 1000, tes
                         files[split].write(f"{en}\t{fr}\n")
                         stats.written[split] += 1
                     if progress is not None:
-                        progress.update(sum(stats.written.values()) - progress.done)
+                        progress.reach(sum(stats.written.values()))
     finally:
         for f in files.values():
             f.close()
