@@ -199,22 +199,12 @@ class BeamSearch:
             return self.options.num_hypotheses, True
         return round(self.k * self.options.patience), False
 
-    def _ordinary_steps_left(self) -> int:
-        """The steps before one that is never ordinary: the budget's last, or any once transformers' stopping
-        rule has beam_size finished hypotheses to check."""
+    def ordinary_steps(self) -> int:
+        """The steps this search may take before one that is never ordinary: the budget's last, or any once
+        transformers' stopping rule has beam_size finished hypotheses to check."""
         if self.options.beam_stopping == "transformers" and len(self.finished) >= self.k:
             return 0
         return self.budget - self.steps - 1
-
-    def native_line(self) -> list[int]:
-        """This search's line for the library's beam search (kernels.cc, nmt_beam_run): its stopping rule (-1: over;
-        0: transformers'; 1: CTranslate2's), the steps before its budget's last, the hypotheses finished, whether the
-        best candidate has finished, CTranslate2's rule (`_ctranslate2_rule`), and whether the library takes the
-        budget's last step (not when a forced eos follows it)."""
-        need, best_first = self._ctranslate2_rule()
-        rule = -1 if self.done else int(self.options.beam_stopping != "transformers")
-        return [rule, self.budget - self.steps - 1, len(self.finished), int(self.top_finished), need, int(best_first),
-                int(not self.forced_eos)]
 
     def best_finished(self) -> list[float]:
         """The k best scores of the finished hypotheses (as `results` scores them), best first, -inf for those not
@@ -225,12 +215,14 @@ class BeamSearch:
     def ordinary(self, eos_among_best: bool) -> bool:
         """Whether a step is an ordinary one: no eos among its k best candidates, the budget not spent, no
         stopping rule to check. Then `step` would keep the k best candidates and not stop: `advance`."""
-        return not eos_among_best and self._ordinary_steps_left() > 0
+        return not eos_among_best and self.ordinary_steps() > 0
 
-    def advance(self, parents: list[int], tokens: list[int], scores: np.ndarray) -> None:
-        """An ordinary step (`ordinary`), ranked by the caller: the k best candidates' rows, ids and scores."""
-        self.steps += 1
-        self.live = [self.live[p] + [t] for p, t in zip(parents, tokens)]
+    def advance(self, parents, tokens, scores: np.ndarray) -> None:
+        """Ordinary steps (`ordinary`), ranked by the caller (numpy's beam_steps, or the library's ordinary steps):
+        each step's k best candidates' rows and ids (steps × k), and the rows' cumulative scores after the last."""
+        for step_parents, step_tokens in zip(parents, tokens):
+            self.live = [self.live[p] + [t] for p, t in zip(step_parents, step_tokens)]
+        self.steps += len(parents)
         self.scores = scores
 
     def _scored(self) -> list[Hypothesis]:
@@ -307,20 +299,20 @@ def beam_steps(searches: list[BeamSearch | None], ids: np.ndarray, scores: np.nd
     total = (beams[:, :, None] + scores[:, :width].reshape(n, k, width)).ravel()  # search by search, row by row
     best = np.argsort(-total.reshape(n, k * width), axis=1, kind="stable")[:, :width]  # as BeamSearch.step
     flat = (best + np.arange(0, n * k * width, k * width)[:, None]).ravel()
-    cand_row, cand_score = best[:, :k] // width, total[flat].reshape(n, width)[:, :k]
-    cand_id = np.ascontiguousarray(ids[:, :width]).ravel()[flat].reshape(n, width)[:, :k]
-    parents = (cand_row + np.arange(0, n * k, k)[:, None]).ravel()
-    tokens = cand_id.ravel().astype(np.int64)
-    eos = (cand_id == next(s.eos_id for s in searches if s is not None)).any(axis=1).tolist()
-    rows, ids_k = cand_row.tolist(), cand_id.tolist()
+    cand_row, cand_score = best // width, total[flat].reshape(n, width)  # each search's 2k best, best first
+    cand_id = np.ascontiguousarray(ids[:, :width]).ravel()[flat].reshape(n, width)
+    parents = (cand_row[:, :k] + np.arange(0, n * k, k)[:, None]).ravel()
+    tokens = cand_id[:, :k].ravel().astype(np.int64)
+    eos = (cand_id[:, :k] == next(s.eos_id for s in searches if s is not None)).any(axis=1).tolist()
+    rows, ids_k = cand_row[:, :k].tolist(), cand_id[:, :k].tolist()
     for j, search in enumerate(searches):
         own = slice(j * k, (j + 1) * k)
         if search is None:  # its rows decode on, ignored: each continues itself
             parents[own], tokens[own] = np.arange(j * k, (j + 1) * k), ids[own, 0]
         elif search.ordinary(eos[j]):
-            search.advance(rows[j], ids_k[j], cand_score[j])
+            search.advance([rows[j]], [ids_k[j]], cand_score[j, :k])
         else:
-            chosen, tokens[own] = search.step(ids[own], scores[own])
+            chosen, tokens[own] = search.select(cand_row[j], cand_id[j], cand_score[j])
             parents[own] = chosen + j * k
     return parents, tokens
 

@@ -114,7 +114,7 @@ class Decoder:
         self.n_layers, self.n_heads, self.head_dim = m["n_decoder_layers"], m["n_heads"], m["d_model"] // m["n_heads"]
         self.d_model = m["d_model"]
         # the decoder step's buffers with a row each, bound by _binding_for (kinds for the library's compaction,
-        # NativeBinding.greedy_run and beam_run: 0 rows, 1 a self-attention cache, 2 its origins, 3 a source's)
+        # NativeBinding.greedy_run and beam_steps: 0 rows, 1 a self-attention cache, 2 its origins, 3 a source's)
         layers = range(self.n_layers)
         self._row_names = tuple((f"{io}_{x}_{layer}", 1) for io in ("past", "present") for x in "kv" for layer in layers) \
             + tuple((f"{io}{x}_{layer}", 3) for io in ("", "present_") for x in ("cross_k", "cross_v", "cross_eos")

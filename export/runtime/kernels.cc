@@ -855,7 +855,7 @@ struct Carried {
   bool per_group;
 };
 
-// The compaction of offline searches in the library (nmt_greedy_run, nmt_beam_run), as BatchState.compact does: a
+// The compaction of offline searches in the library (nmt_greedy_run, nmt_beam_steps), as BatchState.compact does: a
 // batch of `groups` groups of `width` rows (a source's: 1 row for greedy, its beam for beam search), of which the
 // groups not finished among the first `kept` stay and the last live groups move into the places of the finished
 // ones, in every buffer bound to one of the `count` row_names and in the `carried` arrays; those names are then bound
@@ -1086,123 +1086,102 @@ int64_t nmt_greedy_run(void* runner, void* binding, int64_t* rows_io, int64_t* t
   }
 }
 
-// Offline beam search of a batch (OnnxTranslator.search on the library): steps of several searches of one beam size k,
-// whose rows lie one after another, k each (a group), on a binding whose step writes each row's `width` (2k) best
-// candidates into `ids` and `scores`, best first (OnnxTranslator._binding_for), over a state with cache origins
-// (BatchState.origin: `origin` rows × capacity). The rules are nmtserve/search.py's BeamSearch; each search's line of
-// `lines` (sources × 7, by search: search_of[g] is group g's) is: its stopping rule (-1 over: its rows continue
-// themselves, fed their best token; 0 transformers'; 1 CTranslate2's), the steps before its budget's last, hypotheses
-// finished so far, whether the best candidate has finished at some step, the finished hypotheses that stop it by
-// CTranslate2's rule and whether that rule waits for the best to finish (no length penalty), and whether the library
-// takes the budget's last step (at which every candidate i < k finishes; 0: a forced eos follows it, Python's); the
-// library keeps the lines up to date as it goes (the caller checks its own searches against them). For transformers'
-// rule, `finished_best` (sources × k) holds each search's k best finished scores (sum / length ** length_penalty), best
-// first, -inf where fewer have finished: the search stops once k have finished and its best live row, scored at its
-// current length, does not beat the k-th. `beam` holds each row's cumulative log-prob. Each step: the session runs,
-// every row's position advances, each live search ranks its k × 2k extensions (the 2k best, best first; ties: lower
-// row, then the better candidate of the row) into that step's part of out_rows (local rows), out_ids and out_scores
-// (steps × sources × 2k, at its search's place); candidate i < k finishes a hypothesis if its token is eos (or at the
-// budget's last step, when the library takes it), its place taken by the next candidate from k on that is not eos. Then
-// each row feeds its token, its origin row copied from its parent's (out_parents, local, and out_tokens: steps ×
-// sources × k); a search that stops is over from the next step on. Once the groups over are a quarter of the groups
-// they leave the batch (compact_groups: kinds as there; `beam` and search_of move with them), and so do any over at the
-// last step. *groups_io: the groups at the start, and at return the live groups left (0: all over), in the first places
-// of the same buffers. Ends when every search is over, after max_steps (the cache's room), or before choosing at a step
-// that BeamSearch must take in Python (the budget's last step of a search whose line leaves it to Python): then
-// *pending is 1, that step's candidates are in `ids` and `scores` and its positions advanced. Returns the steps chosen,
-// or -1 with the error's message.
-int64_t nmt_beam_run(void* runner, void* binding, int64_t* groups_io, const int64_t* ids, const float* scores,
-                     int64_t width, int64_t* tokens, int64_t* positions, int32_t* origin, int64_t capacity,
-                     double* beam, int64_t* search_of, int64_t* lines, double* finished_best,
-                     double length_penalty, int64_t sources, int64_t k, int64_t eos, int64_t max_steps, int count,
-                     const char* const* row_names, const int* kinds, int64_t* out_rows, int64_t* out_ids,
-                     double* out_scores, int64_t* out_parents, int64_t* out_tokens, int64_t* pending, char* error,
-                     size_t error_size) {
+// Offline beam search's steps (OnnxTranslator._native_beam_steps): the steps of several searches of one beam size k,
+// whose rows lie one after another, k each (a group; search_of[g] is group g's search), on a binding whose step writes
+// each row's `width` (2k) best candidates into `ids` and `scores`, best first, over a state with cache origins
+// (`origin`: rows × capacity). The search's rules are nmtserve/search.py's BeamSearch alone: the library takes the
+// ordinary steps, where a search's k best extensions simply continue (BeamSearch.ordinary), and calls `rules` back for
+// every other. Search s may take ordinary[s] more ordinary steps (-1: it is over, its rows decode on, each fed its own
+// best token); `beam` holds each row's cumulative log-prob. Each step: the session runs, every row's position advances,
+// and each search not over ranks its k × width extensions (beam + candidate score, best first; ties: lower row, then
+// the better candidate of the row). On an ordinary step (no eos among the k best, an ordinary step left) each row
+// continues its parent with its token (the search's next place in out_parents, local, and out_tokens: steps ×
+// searches × k; advanced[s] counts them) and its beam score. On any other, its 2k best extensions go into cand_rows
+// (local), cand_ids and cand_scores (searches × 2k) and rules(s) takes the step: it writes each row's parent and token
+// into chosen_parents and chosen_tokens (searches × k), its scores into the group's `beam` and ordinary[s] anew (a
+// nonzero return is an error, which ends the run). Each row's origin row is then copied from its parent's. Once the
+// groups over are a quarter of the groups they leave the batch (compact_groups: kinds as there; `beam` and search_of
+// move with them), and so do any over at the last step. *groups_io: the groups at the start, and at return the live
+// groups left (0: all over), in the first places of the same buffers. Ends when every search is over or after
+// max_steps (the cache's room). Returns the steps run, or -1 with the error's message.
+int64_t nmt_beam_steps(void* runner, void* binding, int64_t* groups_io, const int64_t* ids, const float* scores,
+                       int64_t width, int64_t* tokens, int64_t* positions, int32_t* origin, int64_t capacity,
+                       double* beam, int64_t* search_of, int64_t* ordinary, int64_t searches, int64_t k, int64_t eos,
+                       int64_t max_steps, int count, const char* const* row_names, const int* kinds,
+                       int64_t* out_parents, int64_t* out_tokens, int64_t* advanced, int64_t* cand_rows,
+                       int64_t* cand_ids, double* cand_scores, int64_t* chosen_parents, int64_t* chosen_tokens,
+                       int (*rules)(int64_t), char* error, size_t error_size) {
   auto& session = static_cast<Runner*>(runner)->session;
   auto& bound = *static_cast<Binding*>(binding);
   const Ort::RunOptions run_options{nullptr};
   const int64_t extensions = k * width;
   int64_t groups = *groups_io;
-  std::vector<double> total(extensions);
+  std::vector<double> total(extensions), chosen(k);
   std::vector<char> taken(extensions);
+  std::vector<int64_t> best(width), since(searches, 0);  // a search's best extensions; its ordinary steps in a row
   std::vector<int32_t> saved;
-  std::vector<int64_t> parent(k);
   std::vector<uint8_t> over(groups);
-  *pending = 0;
+  std::fill(advanced, advanced + searches, 0);
   try {
     for (int64_t step = 0; step < max_steps; step++) {
       session.Run(run_options, bound.io);
       for (int64_t r = 0; r < groups * k; r++) positions[r] += 1;
-      for (int64_t g = 0; g < groups; g++) {  // rank, and see whether Python must take this step
-        const int64_t* s = lines + 7 * search_of[g];
-        if (s[0] < 0) continue;
-        const int64_t first = g * k, at = (step * sources + search_of[g]) * width;
+      int64_t over_now = 0;
+      for (int64_t g = 0; g < groups; g++) {
+        const int64_t first = g * k, s = search_of[g];
+        if (ordinary[s] < 0) {  // over: its rows decode on, ignored
+          for (int64_t r = first; r < first + k; r++) tokens[r] = ids[r * width];
+          over[g] = 1;
+          over_now += 1;
+          continue;
+        }
+        const auto id_of = [&](int64_t e) { return ids[(first + e / width) * width + e % width]; };
         for (int64_t e = 0; e < extensions; e++)
           total[e] = beam[first + e / width] + scores[(first + e / width) * width + e % width];
         std::fill(taken.begin(), taken.end(), 0);
-        for (int64_t c = 0; c < width; c++) {  // selection: the best not taken, the first of equals
-          int64_t best = -1;
+        bool ruled = since[s] >= ordinary[s];
+        for (int64_t c = 0; c < (ruled ? width : k); c++) {  // selection: the best not taken, the first of equals
+          int64_t b = -1;
           for (int64_t e = 0; e < extensions; e++)
-            if (!taken[e] && (best < 0 || total[e] > total[best])) best = e;
-          taken[best] = 1;
-          out_rows[at + c] = best / width;
-          out_ids[at + c] = ids[(first + best / width) * width + best % width];
-          out_scores[at + c] = total[best];
+            if (!taken[e] && (b < 0 || total[e] > total[b])) b = e;
+          taken[b] = 1;
+          best[c] = b;
+          if (c + 1 == k)  // the k best ranked: an eos among them makes the step BeamSearch's
+            for (int64_t i = 0; i < k; i++) ruled |= id_of(best[i]) == eos;
         }
-        if (step >= s[1] && !s[6]) {
-          *pending = 1;
-          *groups_io = groups;
-          return step;
-        }
-      }
-      for (int64_t g = 0; g < groups; g++) {  // choose: each row's parent and token
-        int64_t* s = lines + 7 * search_of[g];
-        const int64_t first = g * k;
-        if (s[0] < 0) {
-          for (int64_t r = first; r < first + k; r++) tokens[r] = ids[r * width];
-          continue;
-        }
-        const int64_t at = (step * sources + search_of[g]) * width;
-        const int64_t* row = out_rows + at;
-        const int64_t* id = out_ids + at;
-        const bool last = s[6] && step >= s[1];
-        const double length = static_cast<double>(positions[first]);  // of a hypothesis finished now, eos counted
-        double* best_finished = finished_best + search_of[g] * k;
-        int64_t spare = k;
-        for (int64_t i = 0; i < k; i++) {
-          int64_t c = i;
-          if (id[i] == eos || last) {
-            s[2] += 1;
-            s[3] |= i == 0;
-            if (s[0] == 0) {  // its score among the k best finished, kept best first
-              double score = out_scores[at + i];
-              if (length_penalty != 0) score /= std::pow(length, length_penalty);
-              for (int64_t b = 0; b < k; b++)
-                if (score > best_finished[b]) std::swap(score, best_finished[b]);
-            }
-            while (spare < width && id[spare] == eos) spare++;
-            if (spare < width) c = spare++;
+        int64_t* parent = chosen_parents + s * k;
+        int64_t* token = chosen_tokens + s * k;
+        if (ruled) {
+          for (int64_t c = 0; c < width; c++) {
+            cand_rows[s * width + c] = best[c] / width;
+            cand_ids[s * width + c] = id_of(best[c]);
+            cand_scores[s * width + c] = total[best[c]];
           }
-          parent[i] = row[c];
-          out_parents[(step * sources + search_of[g]) * k + i] = row[c];
-          out_tokens[(step * sources + search_of[g]) * k + i] = id[c];
-          tokens[first + i] = id[c];
-          beam[first + i] = out_scores[at + c];
+          if (rules(s) != 0) {
+            std::snprintf(error, error_size, "beam search's rules raised");
+            return -1;
+          }
+          since[s] = 0;
+          over[g] = ordinary[s] < 0;
+          over_now += over[g];
+        } else {
+          const int64_t at = (advanced[s]++ * searches + s) * k;
+          for (int64_t i = 0; i < k; i++) {
+            parent[i] = out_parents[at + i] = best[i] / width;
+            token[i] = out_tokens[at + i] = id_of(best[i]);
+            chosen[i] = total[best[i]];
+          }
+          std::copy(chosen.begin(), chosen.end(), beam + first);
+          since[s] += 1;
+          over[g] = 0;
         }
-        // transformers' rule: the best live row at its current length against the k-th best finished; CTranslate2's
-        const bool stop = s[0] == 0 ? s[2] >= k && *std::max_element(beam + first, beam + first + k) /
-                                                       std::pow(length, length_penalty) <= best_finished[k - 1]
-                                    : s[2] >= s[4] && (!s[5] || s[3]);
-        if (last || stop) s[0] = -1;  // stopped
         saved.assign(origin + first * capacity, origin + (first + k) * capacity);
-        for (int64_t i = 0; i < k; i++)
-          if (parent[i] != i) std::memcpy(origin + (first + i) * capacity, saved.data() + parent[i] * capacity,
-                                          positions[first] * sizeof(int32_t));
-      }
-      int64_t over_now = 0;
-      for (int64_t g = 0; g < groups; g++) {
-        over[g] = lines[7 * search_of[g]] < 0;
-        over_now += over[g];
+        for (int64_t i = 0; i < k; i++) {
+          tokens[first + i] = token[i];
+          if (parent[i] != i)
+            std::memcpy(origin + (first + i) * capacity, saved.data() + parent[i] * capacity,
+                        positions[first] * sizeof(int32_t));
+        }
       }
       if (over_now == groups) {
         *groups_io = 0;
@@ -1218,6 +1197,7 @@ int64_t nmt_beam_run(void* runner, void* binding, int64_t* groups_io, const int6
         }
         groups = kept;
         *groups_io = groups;
+        over.assign(groups, 0);
       }
     }
     return max_steps;

@@ -1,23 +1,20 @@
-"""The decoder step's session held by nmtserve's native library (kernels.cc), and greedy steps run in a loop
+"""The decoder step's session held by nmtserve's native library (kernels.cc), and decoder steps run in a loop
 there: no Python, and no wait for the GIL, between two steps.
 
-Python between the runs is a tenth of a small step, and two batches decoded at once (inter_threads 2) each
-wait for the other's Python (docs/performance-journal.md, "Python between the runs"). With `NativeSession` offline greedy runs a batch's whole search in the library (`greedy_run`: its
-finished rows leave the batch there too; Python comes back only to double a full cache), and so does offline
-beam search (`beam_run`; Python also takes the steps whose rules the library leaves to it, and replays the
-library's choices into its searches at the end), and the server's greedy bursts run until a row meets eos
-(`greedy_steps`): one call each, the GIL released throughout (ctypes releases it for every foreign call).
-Every other search binds and runs one step at a time through the same session, as with ONNX Runtime's own
-Python session.
+Offline greedy runs a batch's whole search in the library (`greedy_run`: its finished rows leave the batch there
+too; Python comes back only to double a full cache); offline beam search runs its steps there
+(`beam_steps`: where a search's k best extensions simply continue; the library calls BeamSearch back for every
+step where one of its rules applies, and the searches that are over leave the batch there); the server's greedy bursts run until a row meets eos (`greedy_steps`). Each is one call,
+the GIL released throughout (ctypes releases it for every foreign call). Every other search binds and runs one
+step at a time through the same session, as with ONNX Runtime's own Python session.
 
 The session is made by the ONNX Runtime that Python uses: the library learns its API when a session option
 registers it (`register_custom_ops_library` calls the library's RegisterCustomOps), so the library is
 registered once before the first session is made here. The environment is the process's one; the session
-options are sessions.session_options's (the caller passes its config entries), with nmtserve's custom ops;
-the initializers the caller gives (the embedding both graphs share) are read in place, and the caller keeps
-them alive. A binding holds addresses of host memory, bound by `bind` (as `sessions.bind_address` does for
-ONNX Runtime's own bindings) and sent with the next run; the library keeps what each name is bound to, so that
-`greedy_run` and `beam_run` can bind the fewer rows again themselves. CPU only."""
+options are sessions.session_options's (the caller passes its config entries), with nmtserve's custom ops. A
+binding holds addresses of host memory, bound by `bind` (as `sessions.bind_address` does for ONNX Runtime's own
+bindings) and sent with the next run; the library keeps what each name is bound to, so that `greedy_run` and
+`beam_steps` can bind the fewer rows again themselves. CPU only."""
 
 from __future__ import annotations
 
@@ -33,6 +30,10 @@ _MAX_DIMS = 8  # of a bound tensor (nmt_bind)
 _TABLES = 64  # the kinds of send a binding keeps the C arrays of (_send)
 _loaded: list = []  # the library, once opened and registered
 _lock = threading.Lock()
+
+
+# beam search's rules, called back by the library for a search's step that is not ordinary (NativeBinding.beam_steps)
+BEAM_RULES = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64)
 
 
 class NativeError(RuntimeError):
@@ -57,11 +58,11 @@ def _library() -> ctypes.CDLL:
             library.nmt_greedy_steps.argtypes = [p, p, p, p, p, p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p,
                                                  ctypes.c_double, p, p, c, n]
             library.nmt_greedy_steps.restype = ctypes.c_int64
-            library.nmt_beam_run.argtypes = [p, p, p, p, p, ctypes.c_int64, p, p, p, ctypes.c_int64, p, p, p, p,
-                                             ctypes.c_double, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                             ctypes.c_int64, ctypes.c_int,
-                                             ctypes.POINTER(c), ints, p, p, p, p, p, p, c, n]
-            library.nmt_beam_run.restype = ctypes.c_int64
+            library.nmt_beam_steps.argtypes = [p, p, p, p, p, ctypes.c_int64, p, p, p, ctypes.c_int64, p, p, p,
+                                               ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                               ctypes.c_int, ctypes.POINTER(c), ints, p, p, p, p, p, p, p, p,
+                                               BEAM_RULES, c, n]
+            library.nmt_beam_steps.restype = ctypes.c_int64
             library.nmt_greedy_run.argtypes = [p, p, p, p, p, p, p, p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                                                ctypes.POINTER(c), ints, ctypes.c_int64, ctypes.c_int64, p, p, p, p, c, n]
             library.nmt_greedy_run.restype = ctypes.c_int64
@@ -121,7 +122,7 @@ class NativeBinding:
         self._free = self._library.nmt_binding_free
         self._pending: list = []  # binds not yet sent (bind)
         self._tables: dict = {}  # (names, types, shapes, outputs) of a send -> their C arrays (_send)
-        self._row_tables: dict = {}  # greedy_run's and beam_run's row_names -> their C arrays (_row_table)
+        self._row_tables: dict = {}  # greedy_run's and beam_steps' row_names -> their C arrays (_row_table)
         self._arrays: tuple = (None,) * 5  # greedy_steps' per-row arrays at its last call, and their addresses
         self._addresses: list = []
 
@@ -208,40 +209,54 @@ class NativeBinding:
             _ERROR_SIZE), self._error)
         return steps, left.value
 
-    def beam_run(self, groups: int, ids: np.ndarray, scores: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
-                 origin: np.ndarray, beam: np.ndarray, search_of: np.ndarray, lines: np.ndarray,
-                 finished_best: np.ndarray, length_penalty: float, k: int, eos_id: int,
-                 row_names: tuple[tuple[str, int], ...], out: tuple[np.ndarray, ...]) -> tuple[int, int, bool]:
-        """Offline beam search of the first `groups` searches' rows (k each) in the library (kernels.cc, nmt_beam_run:
-        the rules, how the searches that are over leave the batch, and when it ends). `ids` and `scores` (rows, 2k) are
-        the step's bound candidate outputs, `tokens` and `positions` its bound inputs, `origin` (rows, capacity) int32
-        the state's cache origins, `beam` (rows,) float64 each row's cumulative log-prob, `search_of` (groups,) int64
-        the search of each group of rows, `lines` (searches, 7) int64 each search's line and `finished_best` (searches,
-        k) float64 its k best finished scores (for transformers' stopping rule, under `length_penalty`); the library
-        moves beam and search_of with the rows and keeps the lines and finished_best. `row_names` as greedy_run's.
-        Writes each step into `out` at its search's place: its candidates, (steps, searches, 2k) int64 rows, int64 ids
-        and float64 scores, and its rows' parents (local) and tokens (steps, searches, k) int64 -> the steps chosen, the
-        groups left in the first places, and whether one more step ran and awaits Python."""
+    def beam_steps(self, groups: int, ids: np.ndarray, scores: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
+                   origin: np.ndarray, beam: np.ndarray, search_of: np.ndarray, ordinary: np.ndarray, eos_id: int,
+                   row_names: tuple[tuple[str, int], ...], out: tuple[np.ndarray, ...], rules) -> tuple[int, int]:
+        """Offline beam search of the first `groups` searches' rows (k each) in the library (kernels.cc,
+        nmt_beam_steps): each step, every search whose k best extensions simply continue (BeamSearch.ordinary) takes
+        it there; for any other, rules(search), a Python function, takes it (writing its choice into `out`, its scores
+        into `beam` and its ordinary steps into `ordinary`); the searches that are over leave the batch there. Runs
+        until every search is over or len(out_parents) steps. `ids` and `scores` (rows, 2k) are the step's bound
+        candidate outputs, `tokens` and `positions` its bound inputs, `origin` (rows, capacity) int32 the state's cache
+        origins, `beam` (rows,) float64 each row's cumulative log-prob and `search_of` (groups,) int64 each group's
+        search (both move with the rows), `ordinary` (searches,) int64 the ordinary steps each may take (-1: it is
+        over). `row_names` as greedy_run's. `out`, each by search: out_parents and out_tokens (steps, searches, k)
+        int64, its ordinary steps' parents (local) and tokens; advanced (searches,) int64, how many it took; cand_rows
+        (local), cand_ids (searches, 2k) int64 and cand_scores float64, the 2k best extensions of a step that rules
+        takes; chosen_parents and chosen_tokens (searches, k) int64, where rules writes its choice -> (the steps run,
+        the groups left in the first places of the buffers). An exception that rules raises ends the run and is
+        raised here."""
         if self._pending:
             self._send()
-        width = ids.shape[1]
-        cand_rows, cand_ids, cand_scores, parents, chosen = out
-        assert lines.shape[1] == 7 and lines.dtype == search_of.dtype == np.int64 and beam.dtype == np.float64
-        assert finished_best.shape == (len(lines), k) and finished_best.dtype == np.float64
+        out_parents, out_tokens, advanced, cand_rows, cand_ids, cand_scores, chosen_parents, chosen_tokens = out
+        searches, k = ordinary.shape[0], out_parents.shape[2]
         assert ids.dtype == np.int64 and scores.dtype == np.float32 and origin.dtype == np.int32
-        assert cand_rows.shape == cand_ids.shape == cand_scores.shape == (len(parents), len(lines), width)
-        assert parents.shape == chosen.shape == (len(parents), len(lines), k) and origin.flags.c_contiguous
-        left, pending = ctypes.c_int64(groups), ctypes.c_int64()
-        steps = _checked(self._library.nmt_beam_run(
-            self.session._handle, self._handle, ctypes.byref(left), ids.ctypes.data, scores.ctypes.data, width,
+        assert beam.dtype == np.float64 and search_of.dtype == ordinary.dtype == np.int64 and origin.flags.c_contiguous
+        assert out_parents.shape == out_tokens.shape and out_parents.shape[1] == searches
+        assert cand_rows.shape == cand_ids.shape == cand_scores.shape == (searches, ids.shape[1])
+        assert chosen_parents.shape == chosen_tokens.shape == (searches, k)
+        assert all(x.dtype == np.int64 for x in out if x is not cand_scores) and cand_scores.dtype == np.float64
+        raised = []
+
+        def called(search: int) -> int:
+            try:
+                rules(search)
+                return 0
+            except BaseException as e:  # it cannot cross the library: raised below
+                raised.append(e)
+                return 1
+        left = ctypes.c_int64(groups)
+        steps = self._library.nmt_beam_steps(
+            self.session._handle, self._handle, ctypes.byref(left), ids.ctypes.data, scores.ctypes.data, ids.shape[1],
             tokens.ctypes.data, positions.ctypes.data, origin.ctypes.data, origin.shape[1], beam.ctypes.data,
-            search_of.ctypes.data, lines.ctypes.data, finished_best.ctypes.data, length_penalty, len(lines), k, eos_id,
-            len(parents), *self._row_table(row_names),
-            *(x.ctypes.data for x in out), ctypes.byref(pending), self._error, _ERROR_SIZE), self._error)
-        return steps, left.value, bool(pending.value)
+            search_of.ctypes.data, ordinary.ctypes.data, searches, k, eos_id, len(out_parents),
+            *self._row_table(row_names), *(x.ctypes.data for x in out), BEAM_RULES(called), self._error, _ERROR_SIZE)
+        if raised:
+            raise raised[0]
+        return _checked(steps, self._error), left.value
 
     def _row_table(self, row_names: tuple[tuple[str, int], ...]) -> tuple:
-        """The C arrays of greedy_run's and beam_run's row_names: their count, names and kinds (made once)."""
+        """The C arrays of greedy_run's and beam_steps' row_names: their count, names and kinds (made once)."""
         table = self._row_tables.get(row_names)
         if table is None:
             table = self._row_tables[row_names] = (len(row_names), (ctypes.c_char_p * len(row_names))(

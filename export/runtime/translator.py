@@ -190,28 +190,25 @@ class OnnxTranslator(Decoder):
         """Beam search or sampling for one batch of token-id sources, encoded in `state` (`prefill`;
         nmtserve/search.py: one search per source, over its own rows). A finished source's rows decode
         on, ignored, until finished sources are a quarter of the batch; then their rows leave together
-        (as greedy's). With native_steps beam search runs in the library after its first step, the finished
-        sources leaving there too (`_native_beam_run`)."""
+        (as greedy's). With native_steps the library takes beam search's ordinary steps after the first
+        (`_native_beam_steps`), and every other step comes back here."""
         searches = [make_search(options, self.limits.output_budget(len(s), options.max_decoding_length,
                                                                    options.length_rule), self.eos_id)
                     for s in sources]
         width, k = searches[0].rows, searches[0].candidates
         beams = isinstance(searches[0], BeamSearch)
-        # beam steps in the library, after the first (on the step that shares each source's cross K/V)
+        # ordinary beam steps in the library, after the first (on the step that shares each source's cross K/V)
         native = beams and self.native_steps and self.cache_origin and self.shared_cross
         slots = list(range(len(sources)))  # the source each `width` rows search for, in row order
         while state is not None:
-            if native and state.size == width * len(slots):  # after the first step
-                state, slots, pending = self._native_beam_run(state, searches, slots, width)
-                if state is None:
-                    break
-                ids, scores = self._ids[:state.size], self._scores[:state.size]  # a pending step's candidates
-            else:
-                (ids, scores), pending = self.decode_candidates(state, k), True
             live = [None if searches[r].done else searches[r] for r in slots]  # each slot's search, None once done
-            if pending:  # a step for Python to choose
-                if state.size < width * len(slots):  # the first step, one row per source (a beam's rows all
-                    # start alike and its search reads row 0 only): then each row becomes its beam's rows
+            if native and state.size == width * len(slots):  # after the first step
+                state, slots = self._native_beam_steps(state, searches, slots, width)
+                continue
+            else:
+                ids, scores = self.decode_candidates(state, k)
+                if state.size < width * len(slots):  # the first step, one row per source (a beam's rows all start
+                    # alike and its search reads row 0 only): then each row becomes its beam's rows
                     ids, scores = np.repeat(ids, width, axis=0), np.repeat(scores, width, axis=0)
                     # with shared_cross the rows share their source's cross K/V; else each gets a copy
                     state = state.widen(width) if self.shared_cross \
@@ -225,7 +222,8 @@ class OnnxTranslator(Decoder):
                     for j, search in enumerate(live):
                         if search is not None:
                             rows = slice(j * width, (j + 1) * width)
-                            chosen_parents, tokens[rows] = search.step(None if ids is None else ids[rows], scores[rows])
+                            chosen_parents, tokens[rows] = search.step(None if ids is None else ids[rows],
+                                                                       scores[rows])
                             parents[rows] = chosen_parents + j * width
                 state.choose(tokens, parents)
             done = np.array([searches[r].done for r in slots])
@@ -234,56 +232,53 @@ class OnnxTranslator(Decoder):
                 slots = [slots[j] for j in order[::width] // width]
         return [search.results() for search in searches]
 
-    def _native_beam_run(self, state: BatchState, searches: list[BeamSearch], slots: list[int], k: int) \
-            -> tuple[BatchState | None, list[int], bool]:
-        """Beam search in the library (NativeBinding.beam_run) until every search is over, the cache's end, or a
-        step it leaves to Python, whose candidates it leaves in the step's outputs; the searches that are over
-        leave the batch there. Each search then takes the steps the library chose for it, from the library's
-        candidates: an ordinary step (`BeamSearch.ordinary`) by `BeamSearch.advance`, any other by
-        `BeamSearch.select`; its choices, finished hypotheses and stop must be the library's, or this is a
-        RuntimeError -> the state of the searches left (None: none), the source of each, in row order, and
-        whether a step awaits Python (`beam_steps`, `state.choose`)."""
+    def _native_beam_steps(self, state: BatchState, searches: list[BeamSearch], slots: list[int], k: int) \
+            -> tuple[BatchState | None, list[int]]:
+        """Beam search's steps in the library (NativeBinding.beam_steps) until every search is over or the cache is
+        full: it takes each search's ordinary steps (`BeamSearch.ordinary`: its k best extensions simply continue) and
+        calls `rules` for any other, which brings the search up to date (`BeamSearch.advance`) and lets it take that
+        step (`BeamSearch.select`, on the library's ranking); the searches that are over leave the batch there. At the
+        end each search takes the ordinary steps it ran since -> the state of the searches left (None: none) and the
+        search of each, in row order."""
         state.open_slot()
         self._with_scores[...] = True
         binding = self._binding_for(state, 2 * k)
-        steps, n = state.capacity - state.length, len(searches)
-        lines = np.array([s.native_line() for s in searches], np.int64)
-        finished_best = np.array([s.best_finished() for s in searches])
-        beam = np.concatenate([np.zeros(k) if searches[r].done else searches[r].scores for r in slots])
+        n, steps = len(searches), state.capacity - state.length
+        ordinary = np.array([-1 if s.done else s.ordinary_steps() for s in searches], np.int64)
+        beam = np.concatenate([searches[r].scores for r in slots])
         search_of = np.array(slots, np.int64)
-        # zeros: the candidates of a search the library stopped are not written (the checks below catch a replay of them)
-        out = (np.zeros((steps, n, 2 * k), np.int64), np.zeros((steps, n, 2 * k), np.int64),
-               np.zeros((steps, n, 2 * k)), np.zeros((steps, n, k), np.int64), np.zeros((steps, n, k), np.int64))
-        taken, groups, pending = binding.beam_run(len(slots), self._ids, self._scores, state.tokens, state.positions,
-                                                  state.origin, beam, search_of, lines, finished_best,
-                                                  searches[0].options.length_penalty, k, self.eos_id, self._row_names,
-                                                  out)
-        cand_rows, cand_ids, cand_scores, parents, tokens = (x[:taken] for x in out)
-        finishing = (cand_ids[:, :, :k] == self.eos_id).any(axis=2).T.tolist()  # (n, steps)
-        best_rows, best_ids = (x[:, :, :k].transpose(1, 0, 2).tolist() for x in (cand_rows, cand_ids))  # (n, steps, k)
-        for j, search in enumerate(searches):
-            for step in range(taken):
-                if search.done:  # stopped at an earlier step (or before the run)
-                    break
-                if search.ordinary(finishing[j][step]):
-                    search.advance(best_rows[j][step], best_ids[j][step], cand_scores[step, j, :k])
-                    continue
-                chosen, fed = search.select(cand_rows[step, j], cand_ids[step, j], cand_scores[step, j])
-                if not (np.array_equal(chosen, parents[step, j]) and np.array_equal(fed, tokens[step, j])):
-                    raise RuntimeError(f"beam search in the library chose rows {parents[step, j]} and tokens "
-                                       f"{tokens[step, j]}, its rules in Python {chosen} and {fed}")
-            if search.done != (lines[j, 0] < 0) or len(search.finished) != lines[j, 2]:
-                raise RuntimeError(f"beam search in the library has {lines[j, 2]} hypotheses finished and "
-                                   f"{'stopped' if lines[j, 0] < 0 else 'goes on'}; its rules in Python "
-                                   f"{len(search.finished)}, and {'stopped' if search.done else 'go on'}")
+        out = (np.empty((steps, n, k), np.int64), np.empty((steps, n, k), np.int64), np.empty(n, np.int64),
+               np.empty((n, 2 * k), np.int64), np.empty((n, 2 * k), np.int64), np.empty((n, 2 * k)),
+               np.empty((n, k), np.int64), np.empty((n, k), np.int64))
+        out_parents, out_tokens, advanced, cand_rows, cand_ids, cand_scores, chosen_parents, chosen_tokens = out
+        synced = np.zeros(n, np.int64)  # the ordinary steps each search has taken (advance)
+
+        def catch_up(r: int, rows: slice) -> None:  # search r, in the group of `rows`
+            if advanced[r] > synced[r]:
+                taken = slice(synced[r], advanced[r])
+                searches[r].advance(out_parents[taken, r].tolist(), out_tokens[taken, r].tolist(), beam[rows].copy())
+                synced[r] = advanced[r]
+
+        def rules(r: int) -> None:
+            g = search_of.tolist().index(r)
+            rows = slice(g * k, (g + 1) * k)
+            catch_up(r, rows)
+            search = searches[r]
+            chosen_parents[r], chosen_tokens[r] = search.select(cand_rows[r], cand_ids[r], cand_scores[r])
+            beam[rows] = search.scores
+            ordinary[r] = -1 if search.done else search.ordinary_steps()
+        _, groups = binding.beam_steps(len(slots), self._ids, self._scores, state.tokens, state.positions, state.origin,
+                                       beam, search_of, ordinary, self.eos_id, self._row_names, out, rules)
+        for g, r in enumerate(search_of[:groups].tolist()):  # the live ones
+            catch_up(r, slice(g * k, (g + 1) * k))
         left = search_of[:groups].tolist()
         if groups == len(slots):
-            return state, left, pending
+            return state, left
         self._bound.clear()  # the library bound the fewer rows itself: what _bound holds is stale
         if groups == 0:
-            return None, [], False
-        place = {source: j for j, source in enumerate(slots)}  # the library moved the searches left into the first places
-        return state.moved_in_place(np.array([place[r] for r in left]), cross_eos_moved=False), left, pending
+            return None, []
+        place = {r: j for j, r in enumerate(slots)}  # the library moved the searches left into the first places
+        return state.moved_in_place(np.array([place[r] for r in left]), cross_eos_moved=False), left
 
     def search_ids(self, sources: list[list[int]], options: DecodingOptions = DecodingOptions(), *,
                    max_batch_size: int = 32, scores: bool = True) -> list[list[Hypothesis]]:

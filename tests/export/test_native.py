@@ -80,42 +80,69 @@ BEAM_OPTIONS = [  # CTranslate2's stopping with and without a length penalty, tr
 @pytest.mark.parametrize("variant", ["fp32", "int8"])
 def test_native_beam_search_gives_the_n_best_lists_of_the_search_in_python(tiny_bundle, tiny_corpus, variant,
                                                                            monkeypatch):
-    """Beam search in the library (nmt_beam_run) at batch 1, 3 and 8, with each of BEAM_OPTIONS, and with eos
-    never found (every search to its budget, the cache growing past its first 32 slots while the library
-    loops): the same hypotheses, scores and finish as the search in Python one step at a time, and the
-    library chose most steps."""
+    """Beam search's steps in the library (nmt_beam_steps, BeamSearch called back where a rule applies) at batch 1, 3
+    and 8, with each of BEAM_OPTIONS, and with eos never found (every search to its budget, the cache growing past
+    its first 32 slots while the library loops): the same hypotheses, scores and finish as the search in Python one
+    step at a time; the library ran every step after the first."""
     native, theirs = _pair(tiny_bundle, variant)
     sources = [native.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
-    chosen, beam_run = [0], NativeBinding.beam_run
+    ran, beam_steps = [0], NativeBinding.beam_steps
 
     def counted(*args):
-        taken, groups, pending = beam_run(*args)
-        chosen[0] += taken
-        return taken, groups, pending
-    monkeypatch.setattr(NativeBinding, "beam_run", counted)
+        steps, left = beam_steps(*args)
+        ran[0] += steps
+        return steps, left
+    monkeypatch.setattr(NativeBinding, "beam_steps", counted)
     for never_eos in (False, True):
         if never_eos:
             native.eos_id = theirs.eos_id = -1
         for options in BEAM_OPTIONS[:1] if never_eos else BEAM_OPTIONS:
             for batch in (1, 3, 8):
-                steps_before = chosen[0]
+                steps_before = ran[0]
                 a, b = (tr.search_ids(sources, options, max_batch_size=batch) for tr in (native, theirs))
                 assert a == b, (options, batch)
-                if options.length_rule == "nmtserve":  # else each budget's last step is Python's (a forced eos)
-                    assert chosen[0] - steps_before > sum(len(h[0].tokens) for h in a) // (2 * batch)
+                assert ran[0] > steps_before
+                if never_eos and batch == 1:
+                    assert ran[0] - steps_before == sum(len(h[0].tokens) - 1 for h in a)
         if never_eos:
             assert [len(h[0].tokens) for h in a] == [native.limits.output_budget(len(s), 256) for s in sources]
             assert max(len(h[0].tokens) for h in a) > 32
 
 
-def test_native_beam_search_is_checked_against_the_rules_in_python(tiny_bundle, tiny_corpus, monkeypatch):
-    """A library that would go on with a search that its rules in Python stop is an error, never a result."""
-    native, _ = _pair(tiny_bundle, "fp32")
+def test_the_library_takes_no_beam_step_past_the_ordinary_ones_it_is_given(tiny_bundle, tiny_corpus, monkeypatch):
+    """Each search says how many ordinary steps the library may take before it calls the search back
+    (BeamSearch.ordinary_steps): given 2, the library never takes more in a row, and the n-best lists stay the
+    search's."""
+    native, theirs = _pair(tiny_bundle, "fp32")
     sources = [native.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
-    line = BeamSearch.native_line
-    monkeypatch.setattr(BeamSearch, "native_line", lambda self: line(self)[:4] + [10 ** 6, 1] + line(self)[6:])  # never stops
-    with pytest.raises(RuntimeError, match="beam search in the library"):
-        native.search_ids(sources, DecodingOptions(beam_size=4), max_batch_size=4)
+    in_a_row, advance = [], BeamSearch.advance
+
+    def recorded(self, parents, tokens, scores):
+        in_a_row.append(len(parents))
+        return advance(self, parents, tokens, scores)
+    monkeypatch.setattr(BeamSearch, "advance", recorded)
+    monkeypatch.setattr(BeamSearch, "ordinary_steps", lambda self: min(2, self.budget - self.steps - 1))
+    options = DecodingOptions(beam_size=4, num_hypotheses=2)
+    assert native.search_ids(sources, options, max_batch_size=4) == theirs.search_ids(sources, options, max_batch_size=4)
+    assert max(in_a_row) == 2
+
+
+def test_an_error_in_beam_searchs_rules_called_back_by_the_library_is_raised_and_the_session_goes_on(
+        tiny_bundle, tiny_corpus, monkeypatch):
+    native, theirs = _pair(tiny_bundle, "fp32")
+    sources = [native.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
+    select, calls = BeamSearch.select, [0]
+
+    def failing(self, *args):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise ValueError("a rule failed")
+        return select(self, *args)
+    monkeypatch.setattr(BeamSearch, "select", failing)
+    options = DecodingOptions(beam_size=4)
+    with pytest.raises(ValueError, match="a rule failed"):
+        native.search_ids(sources, options, max_batch_size=8)
+    assert native.search_ids(sources, options, max_batch_size=8) == theirs.search_ids(sources, options, max_batch_size=8)
 
 
 def test_a_native_error_carries_onnx_runtimes_message_and_the_session_goes_on(tiny_bundle):
@@ -202,11 +229,11 @@ def test_offline_greedy_leaves_finished_rows_in_the_library_and_python_only_grow
 @pytest.mark.parametrize("variant", ["fp32", "int8"])
 def test_offline_beam_search_leaves_finished_searches_in_the_library_and_python_only_grows_the_cache(
         tiny_bundle, tiny_corpus, monkeypatch, variant):
-    """`beam_run` (offline beam search on the library, after Python's first step): the searches that are over leave
-    the batch in the library, their budgets' last steps taken there too. With eos never said, 8 searches of beam 4
-    whose budgets end before the first 32 slots are full (4 short sources) and after, within 64 (4 long ones): the
-    first run fills the 31 slots left and comes back with the 4 long searches only, moved into the first places by
-    the library; the second, on the doubled cache, ends with none. The n-best lists are the search's in Python."""
+    """`beam_steps` (offline beam search on the library, after Python's first step): the searches that are over leave
+    the batch in the library. With eos never said, 8 searches of beam 4 whose budgets end before the first 32 slots
+    are full (4 short sources) and after, within 64 (4 long ones): the first run fills the 31 slots left and comes back
+    with the 4 long searches only, moved into the first places by the library; the second, on the doubled cache, ends
+    with none. The n-best lists are the search's in Python."""
     native, theirs = _pair(tiny_bundle, variant)
     native.eos_id = theirs.eos_id = -1
     pairs = [native.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
@@ -214,15 +241,15 @@ def test_offline_beam_search_leaves_finished_searches_in_the_library_and_python_
     sources = [s[:3] for s in pairs[:4]] + long[::-1]  # budgets 16, then 64 to 41: the longest search moves
     assert len(long) == 4
     runs = []
-    beam_run = NativeBinding.beam_run
+    beam_steps = NativeBinding.beam_steps
 
     def recording(self, groups, *args):
-        taken, left, pending = beam_run(self, groups, *args)
-        runs.append((groups, len(args[-1][0]), taken, left, pending))  # groups at the start, room, steps, left
-        return taken, left, pending
-    monkeypatch.setattr(NativeBinding, "beam_run", recording)
+        steps, left = beam_steps(self, groups, *args)
+        runs.append((groups, len(args[-2][0]), steps, left))  # groups at the start, room, steps, groups left
+        return steps, left
+    monkeypatch.setattr(NativeBinding, "beam_steps", recording)
     options = DecodingOptions(beam_size=4, num_hypotheses=2)
     a, b = (tr.search_ids(sources, options, max_batch_size=8) for tr in (native, theirs))
     assert a == b
     assert [len(h[0].tokens) for h in a] == [native.limits.output_budget(len(s), 256) for s in sources]
-    assert runs[0] == (8, 31, 31, 4, False) and runs[1][:2] == (4, 32) and runs[1][3:] == (0, False) and len(runs) == 2
+    assert runs[0] == (8, 31, 31, 4) and runs[1][:2] == (4, 32) and runs[1][3] == 0 and len(runs) == 2
