@@ -28,6 +28,10 @@
 
 #include <unistd.h>
 
+extern "C" {
+#include "kernels.h"
+}
+
 namespace {
 
 // The loops below that the compiler vectorises are compiled three times, and the loader picks the clone the CPU
@@ -858,39 +862,36 @@ struct Carried {
 // The compaction of offline searches in the library (nmt_greedy_run, nmt_beam_steps), as BatchState.compact does: a
 // batch of `groups` groups of `width` rows (a source's: 1 row for greedy, its beam for beam search), of which the
 // groups not finished among the first `kept` stay and the last live groups move into the places of the finished
-// ones, in every buffer bound to one of the `count` row_names and in the `carried` arrays; those names are then bound
-// again with the rows kept. Kinds of row_names: 0 a row per row; 1 a self-attention cache (rows, heads, slots, dim),
-// the `length` slots its rows have filled; 2 cache_origin (rows, slots), its filled slots renumbered as the group
-// moves (a group's rows point only at each other) and the rest the row's own; 3 a row per group (a source's cross K/V
-// and last slot, which its rows share).
+// ones, in every buffer of row_names (kernels.h: a cache's first `length` slots; cache_origin's filled slots
+// renumbered as the group moves, a group's rows pointing only at each other, and the rest the row's own) and in the
+// `carried` arrays; those names are then bound again with the rows kept.
 void compact_groups(Binding& binding, int64_t width, int64_t groups, const uint8_t* finished, int64_t kept,
-                    int64_t length, int count, const char* const* row_names, const int* kinds,
-                    std::initializer_list<Carried> carried) {
+                    int64_t length, const nmt_row_names& row_names, std::initializer_list<Carried> carried) {
   std::vector<int64_t> holes, movers;
   for (int64_t g = 0; g < kept; g++)
     if (finished[g]) holes.push_back(g);
   for (int64_t g = kept; g < groups; g++)
     if (!finished[g]) movers.push_back(g);
   std::vector<const char*> moved;  // each buffer once (a cache is bound as input and as output)
-  for (int i = 0; i < count; i++) {
+  for (int i = 0; i < row_names.count; i++) {
     for (auto* map : {&binding.inputs, &binding.outputs}) {
-      auto found = map->find(row_names[i]);
+      auto found = map->find(row_names.names[i]);
       if (found == map->end() || std::find(moved.begin(), moved.end(), found->second.data) != moved.end()) continue;
       const Binding::Bound& b = found->second;
       moved.push_back(b.data);
       const size_t element = element_size(static_cast<ONNXTensorElementDataType>(b.type));
       size_t row_bytes = element;
       for (size_t d = 1; d < b.shape.size(); d++) row_bytes *= static_cast<size_t>(b.shape[d]);
-      const int64_t rows = kinds[i] == 3 ? 1 : width;  // of a group
+      const int64_t rows = row_names.kinds[i] == 3 ? 1 : width;  // of a group
       for (size_t m = 0; m < holes.size(); m++) {
         for (int64_t r = 0; r < rows; r++) {
           const int64_t to_row = holes[m] * rows + r, from_row = movers[m] * rows + r;
           char* to = b.data + to_row * row_bytes;
           const char* from = b.data + from_row * row_bytes;
-          if (kinds[i] == 1) {
+          if (row_names.kinds[i] == 1) {
             const size_t head_bytes = row_bytes / b.shape[1], filled = length * b.shape[3] * element;
             for (int64_t h = 0; h < b.shape[1]; h++) std::memcpy(to + h * head_bytes, from + h * head_bytes, filled);
-          } else if (kinds[i] == 2) {
+          } else if (row_names.kinds[i] == 2) {
             auto* slot = reinterpret_cast<int32_t*>(to);
             const auto* was = reinterpret_cast<const int32_t*>(from);
             const int64_t slots = static_cast<int64_t>(row_bytes / sizeof(int32_t)), shift = to_row - from_row;
@@ -908,14 +909,14 @@ void compact_groups(Binding& binding, int64_t width, int64_t groups, const uint8
       std::memcpy(static_cast<char*>(c.data) + holes[m] * group_bytes,
                   static_cast<char*>(c.data) + movers[m] * group_bytes, group_bytes);
   }
-  for (int i = 0; i < count; i++) {  // bound again with the rows kept
+  for (int i = 0; i < row_names.count; i++) {  // bound again with the rows kept
     for (const bool output : {false, true}) {
       auto& map = output ? binding.outputs : binding.inputs;
-      auto found = map.find(row_names[i]);
+      auto found = map.find(row_names.names[i]);
       if (found == map.end()) continue;
       std::vector<int64_t> shape = found->second.shape;
-      shape[0] = kinds[i] == 3 ? kept : kept * width;
-      bind(binding, row_names[i], found->second.type, shape.data(), static_cast<int>(shape.size()),
+      shape[0] = row_names.kinds[i] == 3 ? kept : kept * width;
+      bind(binding, row_names.names[i], found->second.type, shape.data(), static_cast<int>(shape.size()),
            found->second.data, output);
     }
   }
@@ -923,8 +924,7 @@ void compact_groups(Binding& binding, int64_t width, int64_t groups, const uint8
 
 }  // namespace
 
-extern "C" {
-// the ONNX Runtime C API version the library was built for (kernels.py checks it against the running one)
+extern "C" {  // the functions kernels.h declares, and says what each does
 int nmt_ort_api_version() { return ORT_API_VERSION; }
 
 int nmt_runner_create(const void* model, size_t model_size, int threads, int entries, const char* const* keys,
@@ -962,8 +962,6 @@ int nmt_binding_create(void* runner, void** binding_out, char* error, size_t err
 
 void nmt_binding_free(void* binding) { delete static_cast<Binding*>(binding); }
 
-// Binds each of `count` buffers of host memory (data[i]: shapes[kMaxDims i …] of ndims[i] dimensions, ONNX element
-// type types[i]) to the input names[i], or to that output when outputs[i] (written there in place).
 int nmt_bind(void* binding, int count, const char* const* names, const int* types, const int64_t* shapes,
              const int* ndims, void* const* data, const int* outputs, char* error, size_t error_size) {
   try {
@@ -985,13 +983,6 @@ int nmt_run(void* runner, void* binding, char* error, size_t error_size) {
   }
 }
 
-// Greedy steps of a binding whose step writes each row's best token into its `tokens` input
-// (OnnxTranslator._greedy_binding; the server's bursts): after each step every row's position advances, and the
-// tokens (and, with `scores`, their scores) are copied out as that step's row of out_tokens (steps × rows) and
-// out_scores. Rows where `hole` is set (when given) neither advance nor end the loop. Stops after the first step
-// in which some row's token is eos, `*stop` is set (by another thread) or CLOCK_MONOTONIC has reached `stop_at`
-// (when above 0), or after max_steps. Returns the steps run; a step that fails after others returns those before
-// it (the next call meets the error), the first one -1 with its message.
 int64_t nmt_greedy_steps(void* runner, void* binding, int64_t* tokens, int64_t* positions, const float* scores,
                          const uint8_t* hole, int64_t rows, int64_t eos, int64_t max_steps,
                          const volatile int32_t* stop, double stop_at, int64_t* out_tokens, float* out_scores,
@@ -1021,186 +1012,149 @@ int64_t nmt_greedy_steps(void* runner, void* binding, int64_t* tokens, int64_t* 
   }
 }
 
-// Offline greedy search of a batch (OnnxTranslator.greedy on the library), from its current step until every row has
-// finished or max_steps (the cache's room) have run, with no Python between steps. Each step as nmt_greedy_steps: every
-// live row advances and its token (and score) is written at its source's column of out_tokens (steps × `sources`); a
-// row finishes on eos (by_eos[its source] = 1) or at its budget (its position reaching budget[row]), end[its source] =
-// step0 + that step, and from then on neither advances nor is written. Once the finished rows are a quarter of the rows
-// they leave (compact_groups, a group a row: the last live rows move into the places of the finished ones before them
-// in every buffer bound to one of the `count` row_names, and in `source` and `budget`, and those names are bound again
-// with the fewer rows); so do any finished rows at the last step. *rows_io: the rows at the start, and at return the
-// live rows left (0: all finished), in the first places of the same buffers. Returns the steps run, or -1 with the
-// error's message (a step that fails after others returns those before it, and the next call meets the error; a
-// compaction that fails is -1 at once).
-int64_t nmt_greedy_run(void* runner, void* binding, int64_t* rows_io, int64_t* tokens, int64_t* positions,
-                       const float* scores, int64_t* source, int64_t* budget, int64_t eos, int64_t max_steps,
-                       int count, const char* const* row_names, const int* kinds, int64_t sources, int64_t step0,
-                       int64_t* out_tokens, float* out_scores, int64_t* end, uint8_t* by_eos, char* error,
-                       size_t error_size) {
+int64_t nmt_greedy_run(void* runner, void* binding, nmt_greedy_run_args* run, char* error, size_t error_size) {
   auto& session = static_cast<Runner*>(runner)->session;
   auto& bound = *static_cast<Binding*>(binding);
   const Ort::RunOptions run_options{nullptr};
-  int64_t rows = *rows_io, step = 0, done = 0;
+  nmt_greedy_run_args& a = *run;
+  int64_t rows = a.rows, step = 0, done = 0;
   std::vector<uint8_t> finished(rows, 0);
   try {
-    for (; step < max_steps; step++) {
+    for (; step < a.max_steps; step++) {
       session.Run(run_options, bound.io);
       for (int64_t r = 0; r < rows; r++) {
         if (finished[r]) continue;
-        positions[r] += 1;
-        const int64_t s = source[r];
-        out_tokens[step * sources + s] = tokens[r];
-        if (out_scores != nullptr) out_scores[step * sources + s] = scores[r];
-        if (tokens[r] == eos || positions[r] >= budget[r]) {
+        a.positions[r] += 1;
+        const int64_t s = a.source[r];
+        a.out_tokens[step * a.sources + s] = a.tokens[r];
+        if (a.out_scores != nullptr) a.out_scores[step * a.sources + s] = a.scores[r];
+        if (a.tokens[r] == a.eos || a.positions[r] >= a.budget[r]) {
           finished[r] = 1;
           done += 1;
-          end[s] = step0 + step;
-          by_eos[s] = tokens[r] == eos;
+          a.end[s] = a.step0 + step;
+          a.by_eos[s] = a.tokens[r] == a.eos;
         }
       }
       if (done == rows) {
-        *rows_io = 0;
+        a.rows = 0;
         return step + 1;
       }
-      if (4 * done >= rows || (done > 0 && step + 1 == max_steps)) {  // the rows left at return are all live
+      if (4 * done >= rows || (done > 0 && step + 1 == a.max_steps)) {  // the rows left at return are all live
         const int64_t kept = rows - done;
         try {
           int64_t length = 0;  // the slots the rows left have filled
           for (int64_t r = 0; r < rows; r++)
-            if (!finished[r]) length = std::max(length, positions[r]);
-          compact_groups(bound, 1, rows, finished.data(), kept, length, count, row_names, kinds,
-                         {{source, sizeof(int64_t), true}, {budget, sizeof(int64_t), true}});
+            if (!finished[r]) length = std::max(length, a.positions[r]);
+          compact_groups(bound, 1, rows, finished.data(), kept, length, a.row_names,
+                         {{a.source, sizeof(int64_t), true}, {a.budget, sizeof(int64_t), true}});
         } catch (const std::exception& e) {  // rows half moved: the batch cannot go on
           return failed(e, error, error_size);
         }
         rows = kept;
-        *rows_io = rows;
+        a.rows = rows;
         done = 0;
         finished.assign(rows, 0);
       }
     }
-    return max_steps;
+    return a.max_steps;
   } catch (const std::exception& e) {
     if (step > 0) return step;
     return failed(e, error, error_size);
   }
 }
 
-// Offline beam search's steps (OnnxTranslator._native_beam_steps): the steps of several searches of one beam size k,
-// whose rows lie one after another, k each (a group; search_of[g] is group g's search), on a binding whose step writes
-// each row's `width` (2k) best candidates into `ids` and `scores`, best first, over a state with cache origins
-// (`origin`: rows × capacity). The search's rules are nmtserve/search.py's BeamSearch alone: the library takes the
-// ordinary steps, where a search's k best extensions simply continue (BeamSearch.ordinary), and calls `rules` back for
-// every other. Search s may take ordinary[s] more ordinary steps (-1: it is over, its rows decode on, each fed its own
-// best token); `beam` holds each row's cumulative log-prob. Each step: the session runs, every row's position advances,
-// and each search not over ranks its k × width extensions (beam + candidate score, best first; ties: lower row, then
-// the better candidate of the row). On an ordinary step (no eos among the k best, an ordinary step left) each row
-// continues its parent with its token (the search's next place in out_parents, local, and out_tokens: steps ×
-// searches × k; advanced[s] counts them) and its beam score. On any other, its 2k best extensions go into cand_rows
-// (local), cand_ids and cand_scores (searches × 2k) and rules(s) takes the step: it writes each row's parent and token
-// into chosen_parents and chosen_tokens (searches × k), its scores into the group's `beam` and ordinary[s] anew (a
-// nonzero return is an error, which ends the run). Each row's origin row is then copied from its parent's. Once the
-// groups over are a quarter of the groups they leave the batch (compact_groups: kinds as there; `beam` and search_of
-// move with them), and so do any over at the last step. *groups_io: the groups at the start, and at return the live
-// groups left (0: all over), in the first places of the same buffers. Ends when every search is over or after
-// max_steps (the cache's room). Returns the steps run, or -1 with the error's message.
-int64_t nmt_beam_steps(void* runner, void* binding, int64_t* groups_io, const int64_t* ids, const float* scores,
-                       int64_t width, int64_t* tokens, int64_t* positions, int32_t* origin, int64_t capacity,
-                       double* beam, int64_t* search_of, int64_t* ordinary, int64_t searches, int64_t k, int64_t eos,
-                       int64_t max_steps, int count, const char* const* row_names, const int* kinds,
-                       int64_t* out_parents, int64_t* out_tokens, int64_t* advanced, int64_t* cand_rows,
-                       int64_t* cand_ids, double* cand_scores, int64_t* chosen_parents, int64_t* chosen_tokens,
-                       int (*rules)(int64_t), char* error, size_t error_size) {
+int64_t nmt_beam_steps(void* runner, void* binding, nmt_beam_run_args* run, char* error, size_t error_size) {
   auto& session = static_cast<Runner*>(runner)->session;
   auto& bound = *static_cast<Binding*>(binding);
   const Ort::RunOptions run_options{nullptr};
-  const int64_t extensions = k * width;
-  int64_t groups = *groups_io;
-  std::vector<double> total(extensions), chosen(k);
+  nmt_beam_run_args& a = *run;
+  const int64_t extensions = a.k * a.width;
+  int64_t groups = a.groups;
+  std::vector<double> total(extensions), chosen(a.k);
   std::vector<char> taken(extensions);
-  std::vector<int64_t> best(width), since(searches, 0);  // a search's best extensions; its ordinary steps in a row
+  std::vector<int64_t> best(a.width), since(a.searches, 0);  // a search's best extensions; its ordinary steps in a row
   std::vector<int32_t> saved;
   std::vector<uint8_t> over(groups);
-  std::fill(advanced, advanced + searches, 0);
+  std::fill(a.advanced, a.advanced + a.searches, 0);
   try {
-    for (int64_t step = 0; step < max_steps; step++) {
+    for (int64_t step = 0; step < a.max_steps; step++) {
       session.Run(run_options, bound.io);
-      for (int64_t r = 0; r < groups * k; r++) positions[r] += 1;
+      for (int64_t r = 0; r < groups * a.k; r++) a.positions[r] += 1;
       int64_t over_now = 0;
       for (int64_t g = 0; g < groups; g++) {
-        const int64_t first = g * k, s = search_of[g];
-        if (ordinary[s] < 0) {  // over: its rows decode on, ignored
-          for (int64_t r = first; r < first + k; r++) tokens[r] = ids[r * width];
+        const int64_t first = g * a.k, s = a.search_of[g];
+        if (a.ordinary[s] < 0) {  // over: its rows decode on, ignored
+          for (int64_t r = first; r < first + a.k; r++) a.tokens[r] = a.ids[r * a.width];
           over[g] = 1;
           over_now += 1;
           continue;
         }
-        const auto id_of = [&](int64_t e) { return ids[(first + e / width) * width + e % width]; };
+        const auto id_of = [&](int64_t e) { return a.ids[(first + e / a.width) * a.width + e % a.width]; };
         for (int64_t e = 0; e < extensions; e++)
-          total[e] = beam[first + e / width] + scores[(first + e / width) * width + e % width];
+          total[e] = a.beam[first + e / a.width] + a.scores[(first + e / a.width) * a.width + e % a.width];
         std::fill(taken.begin(), taken.end(), 0);
-        bool ruled = since[s] >= ordinary[s];
-        for (int64_t c = 0; c < (ruled ? width : k); c++) {  // selection: the best not taken, the first of equals
+        bool ruled = since[s] >= a.ordinary[s];
+        for (int64_t c = 0; c < (ruled ? a.width : a.k); c++) {  // selection: the best not taken, the first of equals
           int64_t b = -1;
           for (int64_t e = 0; e < extensions; e++)
             if (!taken[e] && (b < 0 || total[e] > total[b])) b = e;
           taken[b] = 1;
           best[c] = b;
-          if (c + 1 == k)  // the k best ranked: an eos among them makes the step BeamSearch's
-            for (int64_t i = 0; i < k; i++) ruled |= id_of(best[i]) == eos;
+          if (c + 1 == a.k)  // the k best ranked: an eos among them makes the step BeamSearch's
+            for (int64_t i = 0; i < a.k; i++) ruled |= id_of(best[i]) == a.eos;
         }
-        int64_t* parent = chosen_parents + s * k;
-        int64_t* token = chosen_tokens + s * k;
+        int64_t* parent = a.chosen_parents + s * a.k;
+        int64_t* token = a.chosen_tokens + s * a.k;
         if (ruled) {
-          for (int64_t c = 0; c < width; c++) {
-            cand_rows[s * width + c] = best[c] / width;
-            cand_ids[s * width + c] = id_of(best[c]);
-            cand_scores[s * width + c] = total[best[c]];
+          for (int64_t c = 0; c < a.width; c++) {
+            a.cand_rows[s * a.width + c] = best[c] / a.width;
+            a.cand_ids[s * a.width + c] = id_of(best[c]);
+            a.cand_scores[s * a.width + c] = total[best[c]];
           }
-          if (rules(s) != 0) {
+          if (a.rules(s) != 0) {
             std::snprintf(error, error_size, "beam search's rules raised");
             return -1;
           }
           since[s] = 0;
-          over[g] = ordinary[s] < 0;
+          over[g] = a.ordinary[s] < 0;
           over_now += over[g];
         } else {
-          const int64_t at = (advanced[s]++ * searches + s) * k;
-          for (int64_t i = 0; i < k; i++) {
-            parent[i] = out_parents[at + i] = best[i] / width;
-            token[i] = out_tokens[at + i] = id_of(best[i]);
+          const int64_t at = (a.advanced[s]++ * a.searches + s) * a.k;
+          for (int64_t i = 0; i < a.k; i++) {
+            parent[i] = a.out_parents[at + i] = best[i] / a.width;
+            token[i] = a.out_tokens[at + i] = id_of(best[i]);
             chosen[i] = total[best[i]];
           }
-          std::copy(chosen.begin(), chosen.end(), beam + first);
+          std::copy(chosen.begin(), chosen.end(), a.beam + first);
           since[s] += 1;
           over[g] = 0;
         }
-        saved.assign(origin + first * capacity, origin + (first + k) * capacity);
-        for (int64_t i = 0; i < k; i++) {
-          tokens[first + i] = token[i];
+        saved.assign(a.origin + first * a.capacity, a.origin + (first + a.k) * a.capacity);
+        for (int64_t i = 0; i < a.k; i++) {
+          a.tokens[first + i] = token[i];
           if (parent[i] != i)
-            std::memcpy(origin + (first + i) * capacity, saved.data() + parent[i] * capacity,
-                        positions[first] * sizeof(int32_t));
+            std::memcpy(a.origin + (first + i) * a.capacity, saved.data() + parent[i] * a.capacity,
+                        a.positions[first] * sizeof(int32_t));
         }
       }
       if (over_now == groups) {
-        *groups_io = 0;
+        a.groups = 0;
         return step + 1;
       }
-      if (4 * over_now >= groups || (over_now > 0 && step + 1 == max_steps)) {  // the groups left at return all live
+      if (4 * over_now >= groups || (over_now > 0 && step + 1 == a.max_steps)) {  // the groups left at return all live
         const int64_t kept = groups - over_now;
         try {
-          compact_groups(bound, k, groups, over.data(), kept, positions[0], count, row_names, kinds,
-                         {{beam, sizeof(double), false}, {search_of, sizeof(int64_t), true}});
+          compact_groups(bound, a.k, groups, over.data(), kept, a.positions[0], a.row_names,
+                         {{a.beam, sizeof(double), false}, {a.search_of, sizeof(int64_t), true}});
         } catch (const std::exception& e) {  // rows half moved: the batch cannot go on
           return failed(e, error, error_size);
         }
         groups = kept;
-        *groups_io = groups;
+        a.groups = groups;
         over.assign(groups, 0);
       }
     }
-    return max_steps;
+    return a.max_steps;
   } catch (const std::exception& e) {
     return failed(e, error, error_size);
   }

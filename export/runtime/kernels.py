@@ -30,6 +30,7 @@ from nmtserve.errors import ConfigError
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "kernels.cc"
+INTERFACE = HERE / "kernels.h"  # the functions Python calls (native.py declares them to cffi from it)
 # ONNX Runtime's C/C++ API headers, pinned: Debian's libonnxruntime-dev (the onnxruntime wheel ships none), whose
 # ORT_API_VERSION is the oldest onnxruntime the library runs with (pyproject.toml's lower bound says the same)
 DEBIAN = "https://deb.debian.org/debian"
@@ -51,9 +52,10 @@ def kernels_dir() -> Path:
 
 
 def library_path() -> Path:
-    """The library built from this kernels.cc, these flags and the pinned headers: a name of its own for each,
-    so that a library built from other sources is never loaded (it is "not built" until `make kernels`)."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + HEADER_SHA256.encode()).hexdigest()[:16]
+    """The library built from this kernels.cc and kernels.h, these flags and the pinned headers: a name of its own
+    for each, so that a library built from other sources is never loaded (it is "not built" until `make kernels`)."""
+    sources = SOURCE.read_bytes() + INTERFACE.read_bytes()
+    key = hashlib.sha256(sources + " ".join(FLAGS).encode() + HEADER_SHA256.encode()).hexdigest()[:16]
     return kernels_dir() / f"libnmtserve_kernels-{key}.so"
 
 
@@ -105,7 +107,7 @@ def build(compiler: str = "g++") -> Path:
     headers = header_dir()
     LIBRARY.parent.mkdir(parents=True, exist_ok=True)
     partial = LIBRARY.with_suffix(f".{os.getpid()}.partial")
-    result = subprocess.run([compiler, *FLAGS, f"-I{headers}", str(SOURCE), "-o", str(partial)],
+    result = subprocess.run([compiler, *FLAGS, f"-I{headers}", f"-I{HERE}", str(SOURCE), "-o", str(partial)],
                             capture_output=True, text=True)
     if result.returncode != 0:
         raise ConfigError(f"{SOURCE}: {compiler} failed ({result.returncode}): {result.stderr.strip()[:2000]}")

@@ -4,9 +4,11 @@ there: no Python, and no wait for the GIL, between two steps.
 Offline greedy runs a batch's whole search in the library (`greedy_run`: its finished rows leave the batch there
 too; Python comes back only to double a full cache); offline beam search runs its steps there
 (`beam_steps`: where a search's k best extensions simply continue; the library calls BeamSearch back for every
-step where one of its rules applies, and the searches that are over leave the batch there); the server's greedy bursts run until a row meets eos (`greedy_steps`). Each is one call,
-the GIL released throughout (ctypes releases it for every foreign call). Every other search binds and runs one
-step at a time through the same session, as with ONNX Runtime's own Python session.
+step where one of its rules applies, and the searches that are over leave the batch there); the server's greedy
+bursts run until a row meets eos (`greedy_steps`). Each is one call, the GIL released throughout (cffi releases it
+for every call into the library). Every other search binds and runs one step at a time through the same session,
+as with ONNX Runtime's own Python session. The library's functions and the structs of its loops' arguments are
+declared once, in kernels.h, which cffi reads here (typed: a wrong argument is a TypeError, not a crash).
 
 The session is made by the ONNX Runtime that Python uses: the library learns its API when a session option
 registers it (`register_custom_ops_library` calls the library's RegisterCustomOps), so the library is
@@ -18,9 +20,9 @@ bindings) and sent with the next run; the library keeps what each name is bound 
 
 from __future__ import annotations
 
-import ctypes
 import threading
 
+import cffi
 import numpy as np
 
 from nmtserve.export.runtime import kernels
@@ -28,53 +30,47 @@ from nmtserve.export.runtime import kernels
 _ERROR_SIZE = 2000
 _MAX_DIMS = 8  # of a bound tensor (nmt_bind)
 _TABLES = 64  # the kinds of send a binding keeps the C arrays of (_send)
+_ffi = cffi.FFI()
+# kernels.h, the library's interface, declared to cffi as the compiler reads it (its one preprocessor line dropped)
+_ffi.cdef("\n".join(line for line in kernels.INTERFACE.read_text().splitlines() if not line.startswith("#")))
 _loaded: list = []  # the library, once opened and registered
 _lock = threading.Lock()
-
-
-# beam search's rules, called back by the library for a search's step that is not ordinary (NativeBinding.beam_steps)
-BEAM_RULES = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64)
 
 
 class NativeError(RuntimeError):
     """ONNX Runtime's error in the library's session: its message."""
 
 
-def _library() -> ctypes.CDLL:
+def _library():
     """The kernel library, opened here and registered with ONNX Runtime once (it keeps ONNX Runtime's API)."""
     with _lock:
         if not _loaded:
             import onnxruntime as ort
 
-            library = ctypes.CDLL(str(kernels.LIBRARY))  # held open: ONNX Runtime unloads its own handle
+            library = _ffi.dlopen(str(kernels.LIBRARY))  # held open: ONNX Runtime unloads its own handle
             ort.SessionOptions().register_custom_ops_library(str(kernels.LIBRARY))
-            c, p, n = ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t
-            ints, i64 = ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int64)
-            library.nmt_runner_create.argtypes = [p, n, ctypes.c_int, ctypes.c_int, ctypes.POINTER(c), ctypes.POINTER(c),
-                                                  ctypes.POINTER(p), c, n]
-            library.nmt_binding_create.argtypes = [p, ctypes.POINTER(p), c, n]
-            library.nmt_bind.argtypes = [p, ctypes.c_int, ctypes.POINTER(c), ints, i64, ints, ctypes.POINTER(p), ints, c, n]
-            library.nmt_run.argtypes = [p, p, c, n]
-            library.nmt_greedy_steps.argtypes = [p, p, p, p, p, p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p,
-                                                 ctypes.c_double, p, p, c, n]
-            library.nmt_greedy_steps.restype = ctypes.c_int64
-            library.nmt_beam_steps.argtypes = [p, p, p, p, p, ctypes.c_int64, p, p, p, ctypes.c_int64, p, p, p,
-                                               ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                               ctypes.c_int, ctypes.POINTER(c), ints, p, p, p, p, p, p, p, p,
-                                               BEAM_RULES, c, n]
-            library.nmt_beam_steps.restype = ctypes.c_int64
-            library.nmt_greedy_run.argtypes = [p, p, p, p, p, p, p, p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                                               ctypes.POINTER(c), ints, ctypes.c_int64, ctypes.c_int64, p, p, p, p, c, n]
-            library.nmt_greedy_run.restype = ctypes.c_int64
-            library.nmt_runner_free.argtypes = library.nmt_binding_free.argtypes = [p]
             _loaded.append(library)
         return _loaded[0]
 
 
 def _checked(returned: int, error) -> int:
     if returned < 0:
-        raise NativeError(error.value.decode(errors="replace"))
+        raise NativeError(_ffi.string(error).decode(errors="replace"))
     return returned
+
+
+def _pointer(kind: str, array: np.ndarray | None):
+    """`array`'s memory as a C pointer of `kind` (NULL for None): the array must stay alive while it is used."""
+    if array is None:
+        return _ffi.NULL
+    assert array.flags.c_contiguous
+    return _ffi.cast(kind, array.ctypes.data)
+
+
+def _strings(values: list[bytes]) -> tuple:
+    """A C array of strings, and the buffers it points into (kept alive with it)."""
+    buffers = [_ffi.new("char[]", v) for v in values]
+    return _ffi.new("char *[]", buffers), buffers
 
 
 # numpy dtype -> ONNX element type (onnx.proto's TensorProto.DataType) of the tensors the library binds
@@ -92,12 +88,12 @@ class NativeSession:
 
     def __init__(self, model: bytes, threads: int, config: dict[str, str]):
         self._library = library = _library()
-        error, handle = ctypes.create_string_buffer(_ERROR_SIZE), ctypes.c_void_p()
-        keys, values = ([x.encode() for x in xs] for xs in (config.keys(), config.values()))
-        _checked(library.nmt_runner_create(model, len(model), threads, len(keys), (ctypes.c_char_p * len(keys))(*keys),
-                                           (ctypes.c_char_p * len(keys))(*values), ctypes.byref(handle), error,
+        error, handle = _ffi.new("char[]", _ERROR_SIZE), _ffi.new("void **")
+        keys, key_buffers = _strings([x.encode() for x in config.keys()])
+        values, value_buffers = _strings([x.encode() for x in config.values()])
+        _checked(library.nmt_runner_create(model, len(model), threads, len(config), keys, values, handle, error,
                                            _ERROR_SIZE), error)
-        self._handle = handle
+        self._handle = handle[0]
         self._free = library.nmt_runner_free  # still callable while the interpreter shuts down
 
     def io_binding(self) -> NativeBinding:
@@ -114,17 +110,16 @@ class NativeBinding:
 
     def __init__(self, session: NativeSession):
         self.session, self._library = session, session._library  # the session outlives its bindings
-        self._error = ctypes.create_string_buffer(_ERROR_SIZE)
-        handle = ctypes.c_void_p()
-        _checked(self._library.nmt_binding_create(session._handle, ctypes.byref(handle), self._error, _ERROR_SIZE),
-                 self._error)
-        self._handle = handle
+        self._error = _ffi.new("char[]", _ERROR_SIZE)
+        handle = _ffi.new("void **")
+        _checked(self._library.nmt_binding_create(session._handle, handle, self._error, _ERROR_SIZE), self._error)
+        self._handle = handle[0]
         self._free = self._library.nmt_binding_free
         self._pending: list = []  # binds not yet sent (bind)
         self._tables: dict = {}  # (names, types, shapes, outputs) of a send -> their C arrays (_send)
-        self._row_tables: dict = {}  # greedy_run's and beam_steps' row_names -> their C arrays (_row_table)
-        self._arrays: tuple = (None,) * 5  # greedy_steps' per-row arrays at its last call, and their addresses
-        self._addresses: list = []
+        self._row_tables: dict = {}  # greedy_run's and beam_steps' row_names -> their C struct (_row_names)
+        self._arrays: tuple = (None,) * 5  # greedy_steps' per-row arrays at its last call, and their pointers
+        self._pointers: list = []
 
     def bind(self, name: str, dtype, shape: tuple, address: int, output: bool = False) -> None:
         """Host memory at `address` of `shape` and `dtype` as the input (or the output, written there) `name`:
@@ -139,15 +134,15 @@ class NativeBinding:
         if table is None:
             if len(self._tables) >= _TABLES:
                 self._tables.clear()
-            flat = (ctypes.c_int64 * (_MAX_DIMS * count))()
+            flat = [0] * (_MAX_DIMS * count)
             for i, shape in enumerate(shapes):
                 flat[_MAX_DIMS * i:_MAX_DIMS * i + len(shape)] = shape
-            table = self._tables[key] = ((ctypes.c_char_p * count)(*names), (ctypes.c_int * count)(*types), flat,
-                                         (ctypes.c_int * count)(*map(len, shapes)), (ctypes.c_int * count)(*outputs))
-        c_names, c_types, c_shapes, c_ndims, c_outputs = table
-        _checked(self._library.nmt_bind(self._handle, count, c_names, c_types, c_shapes, c_ndims,
-                                         (ctypes.c_void_p * count)(*addresses), c_outputs, self._error, _ERROR_SIZE),
-                 self._error)
+            table = self._tables[key] = (_strings(list(names)), _ffi.new("int[]", types), _ffi.new("int64_t[]", flat),
+                                         _ffi.new("int[]", [len(x) for x in shapes]), _ffi.new("int[]", outputs))
+        (c_names, _), c_types, c_shapes, c_ndims, c_outputs = table
+        data = _ffi.new("void *[]", [_ffi.cast("void *", x) for x in addresses])
+        _checked(self._library.nmt_bind(self._handle, count, c_names, c_types, c_shapes, c_ndims, data, c_outputs,
+                                        self._error, _ERROR_SIZE), self._error)
 
     def run(self) -> None:
         """One run of the session over the bound memory."""
@@ -169,50 +164,51 @@ class NativeBinding:
         if self._pending:
             self._send()
         rows = len(tokens)
-        assert out_tokens.shape[1:] == (rows,) and out_tokens.flags.c_contiguous and tokens.dtype == np.int64
+        assert out_tokens.shape[1:] == (rows,) and tokens.dtype == np.int64
         assert positions.dtype == np.int64 and (out_scores is None or out_scores.shape == out_tokens.shape)
         assert (hole is None or hole.dtype == bool) and (stop is None or stop.dtype == np.int32)
         arrays = (tokens, positions, None if out_scores is None else scores, hole, stop)
-        if any(a is not b for a, b in zip(arrays, self._arrays)):  # `.ctypes.data` is not free, and asked at every step
-            self._arrays, self._addresses = arrays, [None if a is None else a.ctypes.data for a in arrays]
-        tokens_at, positions_at, scores_at, hole_at, stop_at_address = self._addresses
+        if any(a is not b for a, b in zip(arrays, self._arrays)):  # the pointers once per set of arrays: asked every step
+            self._arrays = arrays
+            self._pointers = [_pointer(kind, a) for kind, a in zip(
+                ("int64_t *", "int64_t *", "float *", "uint8_t *", "int32_t *"), arrays)]
         return _checked(self._library.nmt_greedy_steps(
-            self.session._handle, self._handle, tokens_at, positions_at, scores_at, hole_at, rows, eos_id,
-            len(out_tokens), stop_at_address, stop_at, out_tokens.ctypes.data,
-            None if out_scores is None else out_scores.ctypes.data, self._error, _ERROR_SIZE), self._error)
+            self.session._handle, self._handle, *self._pointers[:4], rows, eos_id, len(out_tokens), self._pointers[4],
+            stop_at, _pointer("int64_t *", out_tokens), _pointer("float *", out_scores), self._error, _ERROR_SIZE),
+            self._error)
 
     def greedy_run(self, rows: int, tokens: np.ndarray, positions: np.ndarray, scores: np.ndarray, source: np.ndarray,
                    budget: np.ndarray, eos_id: int, row_names: tuple[tuple[str, int], ...], step0: int,
                    out: tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]) -> tuple[int, int]:
-        """Offline greedy steps of the first `rows` rows in the library (kernels.cc, nmt_greedy_run: when a row
+        """Offline greedy steps of the first `rows` rows in the library (kernels.h, nmt_greedy_run: when a row
         finishes, and how the finished ones leave) until every row has finished or len(out_tokens) steps have run.
         `tokens`, `positions` and `scores` are the bound step's (tokens fed, written by the step), `source` and `budget`
         (int64, a row each) each row's source and the position at which it finishes if no eos came; the library moves
-        them with the rows. `row_names`: (name, kind) of every bound buffer with a row per leading index (kinds: 0 rows,
-        1 a cache, 2 cache_origin, 3 a row per source: kernels.cc, compact_groups). `out`: out_tokens (steps, sources)
-        int64, out_scores (the same, float32, or None), end (sources,) int64 and by_eos (sources,) uint8, written at
-        each source's column; end as step0 + the step -> (the steps run, the rows left in the first places of the
-        buffers)."""
+        them with the rows. `row_names`: (name, kind) of every bound buffer with a row per leading index (kinds:
+        kernels.h, nmt_row_names). `out`: out_tokens (steps, sources) int64, out_scores (the same, float32, or None),
+        end (sources,) int64 and by_eos (sources,) uint8, written at each source's column; end as step0 + the step ->
+        (the steps run, the rows left in the first places of the buffers)."""
         if self._pending:
             self._send()
         out_tokens, out_scores, end, by_eos = out
         assert tokens.dtype == positions.dtype == source.dtype == budget.dtype == np.int64
-        assert scores.dtype == np.float32
-        assert out_tokens.flags.c_contiguous and by_eos.dtype == np.uint8 and end.dtype == np.int64
-        assert out_scores is None or out_scores.shape == out_tokens.shape and out_scores.flags.c_contiguous
-        left = ctypes.c_int64(rows)
-        steps = _checked(self._library.nmt_greedy_run(
-            self.session._handle, self._handle, ctypes.byref(left), tokens.ctypes.data, positions.ctypes.data,
-            scores.ctypes.data, source.ctypes.data, budget.ctypes.data, eos_id, len(out_tokens),
-            *self._row_table(row_names), out_tokens.shape[1], step0, out_tokens.ctypes.data,
-            None if out_scores is None else out_scores.ctypes.data, end.ctypes.data, by_eos.ctypes.data, self._error,
-            _ERROR_SIZE), self._error)
-        return steps, left.value
+        assert scores.dtype == np.float32 and by_eos.dtype == np.uint8 and end.dtype == np.int64
+        assert out_scores is None or out_scores.shape == out_tokens.shape
+        run = _ffi.new("nmt_greedy_run_args *", {
+            "rows": rows, "tokens": _pointer("int64_t *", tokens), "positions": _pointer("int64_t *", positions),
+            "scores": _pointer("float *", scores), "source": _pointer("int64_t *", source),
+            "budget": _pointer("int64_t *", budget), "eos": eos_id, "max_steps": len(out_tokens),
+            "row_names": self._row_names(row_names)[0], "sources": out_tokens.shape[1], "step0": step0,
+            "out_tokens": _pointer("int64_t *", out_tokens), "out_scores": _pointer("float *", out_scores),
+            "end": _pointer("int64_t *", end), "by_eos": _pointer("uint8_t *", by_eos)})
+        steps = _checked(self._library.nmt_greedy_run(self.session._handle, self._handle, run, self._error, _ERROR_SIZE),
+                         self._error)
+        return steps, run.rows
 
     def beam_steps(self, groups: int, ids: np.ndarray, scores: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
                    origin: np.ndarray, beam: np.ndarray, search_of: np.ndarray, ordinary: np.ndarray, eos_id: int,
                    row_names: tuple[tuple[str, int], ...], out: tuple[np.ndarray, ...], rules) -> tuple[int, int]:
-        """Offline beam search of the first `groups` searches' rows (k each) in the library (kernels.cc,
+        """Offline beam search of the first `groups` searches' rows (k each) in the library (kernels.h,
         nmt_beam_steps): each step, every search whose k best extensions simply continue (BeamSearch.ordinary) takes
         it there; for any other, rules(search), a Python function, takes it (writing its choice into `out`, its scores
         into `beam` and its ordinary steps into `ordinary`); the searches that are over leave the batch there. Runs
@@ -231,13 +227,14 @@ class NativeBinding:
         out_parents, out_tokens, advanced, cand_rows, cand_ids, cand_scores, chosen_parents, chosen_tokens = out
         searches, k = ordinary.shape[0], out_parents.shape[2]
         assert ids.dtype == np.int64 and scores.dtype == np.float32 and origin.dtype == np.int32
-        assert beam.dtype == np.float64 and search_of.dtype == ordinary.dtype == np.int64 and origin.flags.c_contiguous
+        assert beam.dtype == np.float64 and search_of.dtype == ordinary.dtype == np.int64
         assert out_parents.shape == out_tokens.shape and out_parents.shape[1] == searches
         assert cand_rows.shape == cand_ids.shape == cand_scores.shape == (searches, ids.shape[1])
         assert chosen_parents.shape == chosen_tokens.shape == (searches, k)
         assert all(x.dtype == np.int64 for x in out if x is not cand_scores) and cand_scores.dtype == np.float64
         raised = []
 
+        @_ffi.callback("int(int64_t)")
         def called(search: int) -> int:
             try:
                 rules(search)
@@ -245,22 +242,32 @@ class NativeBinding:
             except BaseException as e:  # it cannot cross the library: raised below
                 raised.append(e)
                 return 1
-        left = ctypes.c_int64(groups)
-        steps = self._library.nmt_beam_steps(
-            self.session._handle, self._handle, ctypes.byref(left), ids.ctypes.data, scores.ctypes.data, ids.shape[1],
-            tokens.ctypes.data, positions.ctypes.data, origin.ctypes.data, origin.shape[1], beam.ctypes.data,
-            search_of.ctypes.data, ordinary.ctypes.data, searches, k, eos_id, len(out_parents),
-            *self._row_table(row_names), *(x.ctypes.data for x in out), BEAM_RULES(called), self._error, _ERROR_SIZE)
+        i64 = "int64_t *"
+        run = _ffi.new("nmt_beam_run_args *", {
+            "groups": groups, "ids": _pointer(i64, ids), "scores": _pointer("float *", scores), "width": ids.shape[1],
+            "tokens": _pointer(i64, tokens), "positions": _pointer(i64, positions),
+            "origin": _pointer("int32_t *", origin), "capacity": origin.shape[1], "beam": _pointer("double *", beam),
+            "search_of": _pointer(i64, search_of), "ordinary": _pointer(i64, ordinary), "searches": searches, "k": k,
+            "eos": eos_id, "max_steps": len(out_parents), "row_names": self._row_names(row_names)[0],
+            "out_parents": _pointer(i64, out_parents), "out_tokens": _pointer(i64, out_tokens),
+            "advanced": _pointer(i64, advanced), "cand_rows": _pointer(i64, cand_rows),
+            "cand_ids": _pointer(i64, cand_ids), "cand_scores": _pointer("double *", cand_scores),
+            "chosen_parents": _pointer(i64, chosen_parents), "chosen_tokens": _pointer(i64, chosen_tokens),
+            "rules": called})
+        steps = self._library.nmt_beam_steps(self.session._handle, self._handle, run, self._error, _ERROR_SIZE)
         if raised:
             raise raised[0]
-        return _checked(steps, self._error), left.value
+        return _checked(steps, self._error), run.groups
 
-    def _row_table(self, row_names: tuple[tuple[str, int], ...]) -> tuple:
-        """The C arrays of greedy_run's and beam_steps' row_names: their count, names and kinds (made once)."""
+    def _row_names(self, row_names: tuple[tuple[str, int], ...]) -> tuple:
+        """greedy_run's and beam_steps' row_names as kernels.h's nmt_row_names, and the arrays it points into (made
+        once, kept with it)."""
         table = self._row_tables.get(row_names)
         if table is None:
-            table = self._row_tables[row_names] = (len(row_names), (ctypes.c_char_p * len(row_names))(
-                *(name.encode() for name, _ in row_names)), (ctypes.c_int * len(row_names))(*(k for _, k in row_names)))
+            (names, buffers), kinds = _strings([name.encode() for name, _ in row_names]), \
+                _ffi.new("int[]", [kind for _, kind in row_names])
+            struct = _ffi.new("nmt_row_names *", {"count": len(row_names), "names": names, "kinds": kinds})
+            table = self._row_tables[row_names] = (struct[0], struct, names, buffers, kinds)
         return table
 
     def __del__(self):

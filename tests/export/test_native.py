@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from nmtserve.errors import ConfigError
+from nmtserve.export.runtime import kernels
 from nmtserve.export.runtime import native as native_module
 from nmtserve.export.runtime.native import NativeBinding, NativeError, NativeSession
 from nmtserve.export.runtime.translator import OnnxTranslator
@@ -161,6 +162,26 @@ def test_a_native_error_carries_onnx_runtimes_message_and_the_session_goes_on(ti
     assert np.allclose([t.score for t in found], [t.score for t in expected], atol=1e-5)
     with pytest.raises(NativeError, match="(?i)protobuf|parse|model"):  # what ONNX Runtime says of the bytes
         NativeSession(b"not an onnx model", 1, {})
+
+
+def test_python_calls_the_library_through_the_declarations_of_kernels_h(tiny_bundle):
+    """Every function kernels.h declares is in the built library (the compiler reads the same declarations, so the
+    definitions match them), and a wrong argument is cffi's TypeError before any call, never a crash."""
+    import re
+
+    declared = re.findall(r"\b(nmt_\w+)\(", kernels.INTERFACE.read_text())
+    native, _ = _pair(tiny_bundle, "fp32")
+    library = native.decoder._library
+    assert {"nmt_greedy_run", "nmt_beam_steps", "nmt_bind", "nmt_runner_create"} <= set(declared)
+    for name in declared:
+        assert callable(getattr(library, name)), name
+    binding = native.decoder.io_binding()
+    with pytest.raises(TypeError):
+        library.nmt_run(binding._handle, "not a binding", binding._error, 10)
+    with pytest.raises(TypeError):
+        binding.greedy_run(1, np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.float32),
+                           np.zeros(1, np.int64), np.zeros(1, np.int64), "eos", (), 0,
+                           (np.zeros((1, 1), np.int64), None, np.zeros(1, np.int64), np.zeros(1, np.uint8)))
 
 
 def test_asking_for_native_steps_where_they_cannot_run_is_a_config_error(tiny_bundle):

@@ -1,0 +1,118 @@
+#pragma once
+/* The kernel library's interface to Python: the decoder step's session held by the library, its bindings, and the
+   decoding loops run there (export/runtime/native.py). native.py declares these to cffi from this very file, so it
+   holds plain C declarations only (this file's one preprocessor line is dropped there). Functions that can fail
+   return -1 (or a negative count) with the error's message in `error` (error_size bytes). */
+
+/* the ONNX Runtime C API version the library was built for (kernels.py checks it against the running one) */
+int nmt_ort_api_version(void);
+
+/* A session of the serialized graph `model` with `threads` intra-op threads and the session config entries
+   keys[i] = values[i], made through the ONNX Runtime that registered the library (RegisterCustomOps). */
+int nmt_runner_create(const void* model, size_t model_size, int threads, int entries, const char* const* keys,
+                      const char* const* values, void** runner_out, char* error, size_t error_size);
+void nmt_runner_free(void* runner);
+
+/* A binding of the session's inputs and outputs to host memory; the library keeps what each name is bound to. */
+int nmt_binding_create(void* runner, void** binding_out, char* error, size_t error_size);
+void nmt_binding_free(void* binding);
+
+/* Binds each of `count` buffers of host memory (data[i]: shapes[8 i …] of ndims[i] dimensions, ONNX element type
+   types[i]) to the input names[i], or to that output when outputs[i] (written there in place). */
+int nmt_bind(void* binding, int count, const char* const* names, const int* types, const int64_t* shapes,
+             const int* ndims, void* const* data, const int* outputs, char* error, size_t error_size);
+
+/* One run of the session over the bound memory. */
+int nmt_run(void* runner, void* binding, char* error, size_t error_size);
+
+/* Greedy steps of a binding whose step writes each row's best token into its `tokens` input (the server's bursts):
+   after each step every row's position advances, and the tokens (and, with `scores`, their scores) are copied out as
+   that step's row of out_tokens (steps × rows) and out_scores. Rows where `hole` is set (when given) neither advance
+   nor end the loop. Stops after the first step in which some row's token is eos, `*stop` is set (by another thread)
+   or CLOCK_MONOTONIC has reached `stop_at` (when above 0), or after max_steps. Returns the steps run; a step that
+   fails after others returns those before it (the next call meets the error), the first one -1 with its message. */
+int64_t nmt_greedy_steps(void* runner, void* binding, int64_t* tokens, int64_t* positions, const float* scores,
+                         const uint8_t* hole, int64_t rows, int64_t eos, int64_t max_steps, const volatile int32_t* stop,
+                         double stop_at, int64_t* out_tokens, float* out_scores, char* error, size_t error_size);
+
+/* The buffers bound with a row per leading index, which a batch's compaction moves (nmt_greedy_run, nmt_beam_steps):
+   names[i] of kind kinds[i]: 0 a row per row; 1 a self-attention cache (rows, heads, slots, dim); 2 cache_origin
+   (rows, slots); 3 a row per source (a source's cross K/V and last slot, which its rows share). */
+typedef struct {
+  int count;
+  const char* const* names;
+  const int* kinds;
+} nmt_row_names;
+
+/* Offline greedy search of a batch (nmt_greedy_run): each row's source and budget move with it. */
+typedef struct {
+  int64_t rows;          /* in: the rows at the start; out: the live rows left (0: all finished), in the first places */
+  int64_t* tokens;       /* the step's bound input, written by its search head */
+  int64_t* positions;    /* the step's bound input */
+  const float* scores;   /* the step's bound output: each row's best token's score */
+  int64_t* source;       /* (rows,) each row's source */
+  int64_t* budget;       /* (rows,) the position at which a row finishes if no eos came */
+  int64_t eos;
+  int64_t max_steps;     /* the cache's room */
+  nmt_row_names row_names;
+  int64_t sources;       /* the columns of out_tokens */
+  int64_t step0;         /* the step the run starts at (`end` counts from it) */
+  int64_t* out_tokens;   /* (max_steps, sources) each step's token, at its source's column */
+  float* out_scores;     /* the same for scores, or NULL */
+  int64_t* end;          /* (sources,) the step at which each source finished */
+  uint8_t* by_eos;       /* (sources,) whether it finished on eos */
+} nmt_greedy_run_args;
+
+/* Offline greedy search of a batch from its current step until every row has finished or max_steps have run, with no
+   Python between steps. Each step as nmt_greedy_steps: every live row advances and its token (and score) is written at
+   its source's column of out_tokens; a row finishes on eos (by_eos[its source] = 1) or at its budget (its position
+   reaching budget[row]), end[its source] = step0 + that step, and from then on neither advances nor is written. Once
+   the finished rows are a quarter of the rows they leave (the last live rows move into their places in every buffer of
+   row_names, and in `source` and `budget`, and those names are bound again with the fewer rows); so do any finished
+   rows at the last step. Returns the steps run, or -1 with the error's message (a step that fails after others returns
+   those before it, and the next call meets the error; a compaction that fails is -1 at once). */
+int64_t nmt_greedy_run(void* runner, void* binding, nmt_greedy_run_args* run, char* error, size_t error_size);
+
+/* Offline beam search of a batch (nmt_beam_steps): searches of one beam size k, whose rows lie one after another, k
+   each (a group); arrays "by search" are indexed by search, the others by row or group. */
+typedef struct {
+  int64_t groups;           /* in: the groups at the start; out: the live groups left (0: all over), first places */
+  const int64_t* ids;       /* (rows, width) the step's bound output: each row's width (2k) best candidates */
+  const float* scores;      /* (rows, width) their log-probs, best first */
+  int64_t width;
+  int64_t* tokens;          /* the step's bound inputs */
+  int64_t* positions;
+  int32_t* origin;          /* (rows, capacity) the state's cache origins */
+  int64_t capacity;
+  double* beam;             /* (rows,) each row's cumulative log-prob; moves with the rows */
+  int64_t* search_of;       /* (groups,) each group's search; moves with the rows */
+  int64_t* ordinary;        /* (searches,) the ordinary steps each search may take; -1: it is over */
+  int64_t searches;
+  int64_t k;
+  int64_t eos;
+  int64_t max_steps;        /* the cache's room */
+  nmt_row_names row_names;
+  int64_t* out_parents;     /* (max_steps, searches, k) by search: its ordinary steps' parents (local) */
+  int64_t* out_tokens;      /* (max_steps, searches, k) and tokens */
+  int64_t* advanced;        /* (searches,) how many ordinary steps each took */
+  int64_t* cand_rows;       /* (searches, width) by search: the best extensions of a step `rules` takes: rows (local) */
+  int64_t* cand_ids;        /* (searches, width) their tokens */
+  double* cand_scores;      /* (searches, width) their cumulative log-probs */
+  int64_t* chosen_parents;  /* (searches, k) where `rules` writes each row's parent (local) */
+  int64_t* chosen_tokens;   /* (searches, k) and token */
+  int (*rules)(int64_t search);  /* takes a search's step that is not ordinary; nonzero: an error, the run ends */
+} nmt_beam_run_args;
+
+/* Offline beam search's steps. The search's rules are nmtserve/search.py's BeamSearch alone: the library takes the
+   ordinary steps, where a search's k best extensions simply continue (BeamSearch.ordinary), and calls `rules` back for
+   every other. Each step: the session runs, every row's position advances, and each search not over ranks its k ×
+   width extensions (beam + candidate score, best first; ties: lower row, then the better candidate of the row). On an
+   ordinary step (no eos among the k best, an ordinary step left) each row continues its parent with its token (the
+   search's next place in out_parents and out_tokens; advanced[search] counts them) and its beam score. On any other,
+   its best extensions go into cand_rows, cand_ids and cand_scores, and rules(search) writes each row's parent and token
+   into chosen_parents and chosen_tokens, its scores into the group's `beam` and ordinary[search] anew. Each row's
+   origin row is then copied from its parent's. A search that is over decodes on, each row fed its own best token,
+   until the groups over are a quarter of the groups: then they leave the batch (as nmt_greedy_run's rows; `beam` and
+   search_of move with them), and so do any over at the last step. Ends when every search is over or after max_steps.
+   Returns the steps run, or -1 with the error's message. */
+int64_t nmt_beam_steps(void* runner, void* binding, nmt_beam_run_args* run, char* error, size_t error_size);
