@@ -17,17 +17,20 @@ from google.protobuf import descriptor_pb2
 PROTO = "nmtserve/v1/translation.proto"
 ROOT = Path(__file__).resolve().parent
 
-# the gRPC status codes the server answers with, and when (server/service.py's _status_of and _EARLY_FINISH)
+# the gRPC status codes the server answers with, and when (server/service.py's status_of and _EARLY_FINISH), and the
+# HTTP front's code for each (server/http_status.py)
 STATUS_CODES = (
     ("OK", "the call succeeded; each sentence's finish_reason says how it ended"),
-    ("INVALID_ARGUMENT", "a field is out of its range, or names a model or language the server does not serve; "
-                         "the message starts with the field's name and its value"),
+    ("INVALID_ARGUMENT", "a field is out of its range, or names a language its model does not serve; the message "
+                         "starts with the field's name and its value (HTTP 400)"),
+    ("NOT_FOUND", "no served model is the one named, or serves the language pair asked for; the message lists "
+                  "what is served (HTTP 404)"),
     ("RESOURCE_EXHAUSTED", "the model's waiting queue is full (--max-waiting), or a response would exceed "
-                           "--max-message-bytes; retry later or send less"),
-    ("UNAVAILABLE", "the server is draining on SIGTERM (its health check says NOT_SERVING); retry on another replica"),
-    ("DEADLINE_EXCEEDED", "the client's deadline passed; the sentence's rows were freed"),
-    ("CANCELLED", "the client cancelled the call; the sentence's rows were freed"),
-    ("INTERNAL", "a failure in the engine, confined to the sentences whose rows failed; others in the batch go on"),
+                           "--max-message-bytes; retry later or send less (HTTP 429, with Retry-After)"),
+    ("UNAVAILABLE", "the server is draining on SIGTERM (its health check says NOT_SERVING); retry on another replica (HTTP 503)"),
+    ("DEADLINE_EXCEEDED", "the client's deadline passed; the sentence's rows were freed (HTTP 504)"),
+    ("CANCELLED", "the client cancelled the call; the sentence's rows were freed (HTTP 499)"),
+    ("INTERNAL", "a failure in the engine, confined to the sentences whose rows failed; others in the batch go on (HTTP 500)"),
 )
 
 

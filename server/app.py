@@ -12,6 +12,7 @@ import logging
 import signal
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -28,6 +29,9 @@ from nmtserve.server.models import ModelSpec, ServedModel, model_specs
 from nmtserve.server.request import Request
 from nmtserve.server.service import TranslationServicer
 from nmtserve.v1 import translation_pb2, translation_pb2_grpc
+
+if TYPE_CHECKING:
+    from nmtserve.server.http import HttpServer
 
 log = logging.getLogger("nmtserve.server")
 QUIET_SECONDS = 0.5  # the drain stops the gRPC server once no call has arrived for this long
@@ -51,6 +55,11 @@ class RunningServer:
     servicer: TranslationServicer
     health: health.aio.HealthServicer
     metrics_port: int | None = None
+    http: HttpServer | None = None  # the HTTP/JSON front, when --http-port is given
+
+    @property
+    def http_port(self) -> int | None:
+        return None if self.http is None else self.http.port
 
     @property
     def engine(self) -> EnginePool:
@@ -78,6 +87,8 @@ class RunningServer:
                                            or time.monotonic() - self.servicer.last_arrival < QUIET_SECONDS):
             await asyncio.sleep(0.05)
         await self.server.stop(grace=max(0.0, deadline - loop.time()))
+        if self.http is not None:
+            await self.http.stop()
         for model in self.models.values():
             await loop.run_in_executor(None, model.engine.stop)
         self.servicer.wakeups.close()
@@ -166,10 +177,17 @@ async def start_server(config: ServerConfig) -> RunningServer:
         tr = model.engine.tr
         log.info("model %s: %s (%s, %s%s, %s batching)", model.id, model.spec.bundle, tr.variant, tr.device,
                  " + IOBinding" if tr.io_binding else "", config.engine.batching)
+    http = None
+    if config.network.http_port >= 0:  # once the models are warm, as health's SERVING
+        from nmtserve.server.http import HttpServer
+
+        http = HttpServer(servicer, config.network.host, config.network.http_port)
+        await http.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %d model(s) on port %d, metrics on %s", len(models), port, metrics_port)
-    return RunningServer(server, port, models, servicer, health_servicer, metrics_port)
+    log.info("serving %d model(s) on port %d, HTTP on %s, metrics on %s", len(models), port,
+             None if http is None else http.port, metrics_port)
+    return RunningServer(server, port, models, servicer, health_servicer, metrics_port, http)
 
 
 async def serve(config: ServerConfig) -> int:
@@ -179,7 +197,8 @@ async def serve(config: ServerConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"nmtserve: serving on port {running.port}", flush=True)
+    http = "" if running.http is None else f", HTTP on port {running.http.port}"
+    print(f"nmtserve: serving on port {running.port}{http}", flush=True)
     await stop.wait()
     log.info("draining (up to %.0f s)", config.network.drain_timeout)
     await running.drain_and_stop(config.network.drain_timeout)

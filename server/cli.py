@@ -30,6 +30,8 @@ HELPS = {"models": "TOML file of the models to serve: bundle, id, variant, devic
          "drain_timeout": "seconds to finish in-flight work on SIGTERM",
          "metrics_port": "Prometheus /metrics on this HTTP port (Triton's metrics port; not 9090, where Prometheus "
                          "itself listens); -1 turns it off",
+         "http_port": "the HTTP/JSON front on this port: the RPCs as JSON (/v1/…, streams as server-sent events), "
+                      "LibreTranslate's /translate and /languages, /openapi.json; -1 turns it off, 0 picks a free port",
          "stream_interval": "TranslateStream: send a delta once this many tokens have come since the last one "
                             "(vLLM's --stream-interval): fewer messages and less event-loop work per stream; 1 sends each",
          "tls_cert": "server certificate chain (PEM); turns TLS on", "tls_key": "its private key (PEM)",

@@ -61,6 +61,7 @@ class NetworkConfig:
     host: str = "[::]"
     port: int = 50051
     metrics_port: int = 8002  # Prometheus /metrics on its own HTTP port (Triton's; not 9090, Prometheus' own); -1: off
+    http_port: int = -1  # the HTTP/JSON front (server/http.py) on this port; -1: off; 0: a free one
     max_message_bytes: int = 4 * 1024 * 1024
     drain_timeout: float = 30.0
 

@@ -19,6 +19,10 @@ class InvalidRequest(NmtserveError):
     """A request field is out of range; the message names the field, the value and the limit."""
 
 
+class ModelNotFound(NmtserveError):
+    """No served model is the one a request names, or serves the language pair it asks for (NOT_FOUND)."""
+
+
 def decoding_options(options: pb.DecodingOptions, defaults: DecodingOptions, default_output_tokens: int,
                      max_decoding_length: int, vocab_size: int, max_beam_size: int) -> tuple[int, DecodingOptions]:
     """(most output tokens, the search's options) of a call; InvalidRequest naming `options.FIELD`, its value and

@@ -27,7 +27,7 @@ from nmtserve.export.runtime.bundle import MANIFEST, default_variant, load_bundl
 from nmtserve.export.runtime.decoder import CUDA_INTER_THREADS
 from nmtserve.search import DecodingOptions
 from nmtserve.server.config import ServerConfig
-from nmtserve.server.convert import InvalidRequest, decoding_options
+from nmtserve.server.convert import InvalidRequest, ModelNotFound, decoding_options
 from nmtserve.server.documents import fit, sentence_spans
 from nmtserve.server.engine import EnginePool
 from nmtserve.v1 import translation_pb2 as pb
@@ -213,11 +213,12 @@ class ServedModel:
 
 
 def route(models: dict[str, ServedModel], model: str, source_language: str, target_language: str) -> ServedModel:
-    """The model a request names, or the one whose languages match; InvalidRequest listing what is served."""
+    """The model a request names, or the one whose languages match; ModelNotFound (an unknown model, or a pair no
+    model serves) or InvalidRequest (a model not named where one must be), each listing what is served."""
     served = "; ".join(m.describe() for m in models.values())
     if model:
         if model not in models:
-            raise InvalidRequest(f"model {model!r}: not served here; this server serves {served}")
+            raise ModelNotFound(f"model {model!r}: not served here; this server serves {served}")
         chosen = models[model]
         if source_language and chosen.source_language and source_language != chosen.source_language:
             raise InvalidRequest(f"source_language {source_language!r}: model {model} translates from "
@@ -237,7 +238,7 @@ def route(models: dict[str, ServedModel], model: str, source_language: str, targ
                 and (not target_language or target_language in m.target_languages)]
     pair = f"source_language {source_language!r}, target_language {target_language!r}"
     if not matching:
-        raise InvalidRequest(f"{pair}: no model serves this pair; this server serves {served}")
+        raise ModelNotFound(f"{pair}: no model serves this pair; this server serves {served}")
     if len(matching) > 1:
         raise InvalidRequest(f"{pair}: served by several models ({', '.join(m.id for m in matching)}); name one "
                              "with model")

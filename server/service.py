@@ -1,6 +1,6 @@
 """The gRPC servicer: protobuf -> engine requests -> protobuf. It never touches tensors.
 
-Errors map to status codes in this module only, side by side: `_status_of` for project exceptions
+Errors map to status codes in this module only, side by side: `status_of` for project exceptions
 raised while a call is validated and submitted, `_EARLY_FINISH` for requests the engine ended early.
 """
 
@@ -18,7 +18,7 @@ from nmtserve.errors import NmtserveError
 from nmtserve.search import DecodingOptions
 from nmtserve.server.bridge import Inbox, Wakeups
 from nmtserve.server.config import ServerConfig
-from nmtserve.server.convert import InvalidRequest, translation
+from nmtserve.server.convert import InvalidRequest, ModelNotFound, translation
 from nmtserve.server.documents import MIME_TYPES, rejoin
 from nmtserve.server.engine import EngineOverloaded, EngineStopped
 from nmtserve.server.metrics import ServerMetrics
@@ -39,9 +39,11 @@ _EARLY_FINISH = {FinishReason.ERROR: (grpc.StatusCode.INTERNAL, "failed in the e
                  FinishReason.CANCELLED: (grpc.StatusCode.CANCELLED, "was cancelled")}
 
 
-def _status_of(exc: Exception) -> grpc.StatusCode:
+def status_of(exc: Exception) -> grpc.StatusCode:
     if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, ModelNotFound):
+        return grpc.StatusCode.NOT_FOUND
     if isinstance(exc, EngineOverloaded | ResponseTooLarge):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, EngineStopped):
@@ -123,7 +125,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         """End the call with exc's status; `rejected`: refused while it was checked and submitted,
         before any work (its submitted requests are cancelled)."""
         call.cancel()
-        code = _status_of(exc)
+        code = status_of(exc)
         self.metrics.rpc(call.model, call.mode, call.rpc, code.name, rejected=rejected)
         _log_line(call, code.name)
         await context.abort(code, str(exc))
@@ -168,7 +170,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             message = f"request {request.id} {what}"
             self.metrics.rpc(call.model, call.mode, call.rpc, code.name)
             _log_line(call, code.name)
-            if request.finish is not FinishReason.ERROR:
+            if request.finish is not FinishReason.ERROR and getattr(context, "ends_late_calls", True):
                 # the client's own deadline or cancellation already gave it this status, and gRPC may
                 # have ended the call: a status written now fails inside grpc (ExecuteBatchError, logged
                 # with a traceback; 1 in 17,596 calls of a 10-minute soak). End the handler quietly.
@@ -331,7 +333,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         if request.model not in self.models and not (len(self.models) == 1 and not request.model):
             served = ", ".join(self.models)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+            await context.abort(grpc.StatusCode.NOT_FOUND if request.model else grpc.StatusCode.INVALID_ARGUMENT,
                                 f"model {request.model!r}: " + ("not served here" if request.model else "required")
                                 + f"; this server serves {served}")
         return (self.models.get(request.model) or next(iter(self.models.values()))).info()

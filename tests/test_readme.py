@@ -95,19 +95,27 @@ def test_call_it(tiny_bundle):
     from nmtserve.server.config import ServerConfig
 
     blocks = quickstarts()["call it"]
-    assert [language for language, _ in blocks] == ["python", "bash"]
-    server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1))
+    assert [language for language, _ in blocks] == ["python", "bash", "bash"]
+    server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
+                                                  http_port=0))
     try:
         python = blocks[0][1].replace("localhost:50051", server.target)
         done = subprocess.run([sys.executable, "-c", python], capture_output=True, text=True, timeout=120)
+        curl = run_bash(blocks[2][1], ROOT, {"localhost:8080": f"127.0.0.1:{server.running.http_port}"}, timeout=120)
         with server.channel() as channel:
             from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 
-            expected = pb_grpc.TranslationServiceStub(channel).Translate(pb.TranslateRequest(
-                sentences=["The cat sleeps."], options=pb.DecodingOptions(beam_size=4)), timeout=30).translations[0].text
+            stub = pb_grpc.TranslationServiceStub(channel)
+            expected = stub.Translate(pb.TranslateRequest(sentences=["The cat sleeps."], options=pb.DecodingOptions(
+                beam_size=4)), timeout=30).translations[0].text
+            greedy = stub.Translate(pb.TranslateRequest(sentences=["The cat sleeps."]), timeout=30).translations[0].text
     finally:
         server.stop()
     assert done.returncode == 0 and done.stdout == expected + "\n", done.stdout + done.stderr
+    # curl: the HTTP front's two answers, one JSON object each
+    assert curl.returncode == 0, curl.stderr
+    answers = [json.loads(line) for line in curl.stdout.replace("}{", "}\n{").splitlines()]
+    assert answers == [{"translations": [{**answers[0]["translations"][0], "text": greedy}]}, {"translatedText": greedy}]
     # grpcurl: the body is the request message of the method it names, in protobuf's JSON mapping
     words = shlex.split(blocks[1][1].strip())
     assert words[0] == "grpcurl" and words[-1] == "nmtserve.v1.TranslationService/Translate"

@@ -48,11 +48,12 @@ def test_list_models_and_model_info_describe_each_model(two_models, tiny_bundle,
         assert [m.default_options.beam_size for m in listed] == [1, 4]  # ours greedy; Marian's num_beams
         assert all(m.variant == "fp32" and m.device == "cpu" and m.limits.max_decoding_length == 64 for m in listed)
         assert stub.GetModelInfo(pb.GetModelInfoRequest(model="fr-en"), timeout=30) == listed[1]
-        for model, message in (("", "model '': required; this server serves en-fr, fr-en"),
-                               ("de-en", "model 'de-en': not served here; this server serves en-fr, fr-en")):
+        for model, code, message in (
+                ("", grpc.StatusCode.INVALID_ARGUMENT, "model '': required; this server serves en-fr, fr-en"),
+                ("de-en", grpc.StatusCode.NOT_FOUND, "model 'de-en': not served here; this server serves en-fr, fr-en")):
             with pytest.raises(grpc.RpcError) as refused:
                 stub.GetModelInfo(pb.GetModelInfoRequest(model=model), timeout=30)
-            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert refused.value.code() == code
             assert refused.value.details() == message
 
 
@@ -75,17 +76,19 @@ def test_requests_reach_the_model_they_name_or_whose_languages_match(two_models,
                                              timeout=30))
         assert streamed[-1].final.text == expected_en == "".join(m.delta for m in streamed[:-1])
         served = "en-fr (en→fr); fr-en (fr→en)"
-        for route, message in (
-                (dict(), f"model: not given, and this server serves several: {served}; name one, or give "
-                         "source_language and target_language"),
-                (dict(model="de-en"), f"model 'de-en': not served here; this server serves {served}"),
-                (dict(source_language="de", target_language="fr"),
+        invalid, not_found = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
+        for route, code, message in (
+                (dict(), invalid, f"model: not given, and this server serves several: {served}; name one, or give "
+                                  "source_language and target_language"),
+                (dict(model="de-en"), not_found, f"model 'de-en': not served here; this server serves {served}"),
+                (dict(source_language="de", target_language="fr"), not_found,
                  f"source_language 'de', target_language 'fr': no model serves this pair; this server serves {served}"),
-                (dict(model="fr-en", source_language="en"), "source_language 'en': model fr-en translates from fr"),
-                (dict(model="fr-en", target_language="fr"), "target_language 'fr': model fr-en translates into en")):
+                (dict(model="fr-en", source_language="en"), invalid, "source_language 'en': model fr-en translates from fr"),
+                (dict(model="fr-en", target_language="fr"), invalid,
+                 "target_language 'fr': model fr-en translates into en")):
             with pytest.raises(grpc.RpcError) as refused:
                 stub.Translate(pb.TranslateRequest(sentences=[english], **route), timeout=30)
-            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, route
+            assert refused.value.code() == code, route
             assert refused.value.details() == message
 
 
@@ -132,8 +135,8 @@ def test_metrics_count_each_model_apart(two_models):
     assert delta("nmtserve_output_tokens_total", model="fr-en") == fr_en[0].output_tokens + text.output_tokens
     assert delta("nmtserve_input_tokens_total", model="fr-en") == fr_en[0].input_tokens + text.input_tokens
     assert delta("nmtserve_step_rows_count", model="en-fr") > 0 and delta("nmtserve_step_rows_count", model="fr-en") > 0
-    assert delta("nmtserve_rejected_requests_total", model="", code="INVALID_ARGUMENT") == 1
-    assert delta("nmtserve_requests_total", model="", rpc="Translate", code="INVALID_ARGUMENT") == 1
+    assert delta("nmtserve_rejected_requests_total", model="", code="NOT_FOUND") == 1
+    assert delta("nmtserve_requests_total", model="", rpc="Translate", code="NOT_FOUND") == 1
     assert {s.labels["model"] for s in after if "model" in s.labels} == {"", "en-fr", "fr-en"}
     assert {s.labels["model"] for s in after if s.name == "nmtserve_requests_running"} == {"en-fr", "fr-en"}
 

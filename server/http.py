@@ -1,0 +1,243 @@
+"""The HTTP/JSON front, beside gRPC: the service's RPCs as JSON, streams as server-sent events, LibreTranslate's
+/translate and /languages, and the OpenAPI document (server/openapi.py). It runs in the gRPC server's process and
+event loop and calls the same servicer, so both fronts share the engines, the limits and the error messages; it
+never touches an engine itself.
+
+Starlette on uvicorn: an ASGI app runs in the asyncio loop grpc.aio already runs, and a JSON body becomes the
+request message through protobuf's own JSON mapping (json_format: field names, enums and errors as every protobuf
+user knows them), with no second schema of the same messages (FastAPI would declare each as a pydantic model).
+
+    POST /v1/translate             TranslateRequest           -> TranslateResponse
+    POST /v1/translate:stream      TranslateStreamRequest     -> server-sent events, one TranslateStreamResponse each
+    POST /v1/translateText         TranslateTextRequest       -> TranslateTextResponse
+    POST /v1/translateText:stream  TranslateTextStreamRequest -> server-sent events
+    GET  /v1/models                                           -> ListModelsResponse
+    GET  /v1/models/{model}                                   -> ModelInfo
+    POST /translate, GET /languages  LibreTranslate's API (libretranslate.py)
+    GET  /openapi.json
+    GET  /                         a page to try the models (static/index.html: no build step, the routes above only)
+
+Errors carry gRPC's status mapped to HTTP's (HTTP_STATUS) and a JSON body naming the field: {"error": {"code": 400,
+"status": "INVALID_ARGUMENT", "message": "sentences[0]: empty sentence"}}; RESOURCE_EXHAUSTED adds Retry-After.
+A call's deadline is the X-Server-Timeout header (seconds), as Google's HTTP APIs take it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+from pathlib import Path
+
+import grpc
+import uvicorn
+from google.protobuf import json_format
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from nmtserve.server import libretranslate
+from nmtserve.server.http_status import HTTP_STATUS, Aborted, HttpContext, error_body, invalid
+from nmtserve.server.openapi import openapi_document
+from nmtserve.server.service import TranslationServicer
+from nmtserve.v1 import translation_pb2 as pb
+
+log = logging.getLogger("nmtserve.server")
+RETRY_AFTER_SECONDS = 1  # with RESOURCE_EXHAUSTED: the engine's queue was full a moment ago
+TIMEOUT_HEADER = "x-server-timeout"
+
+
+def error_response(code: grpc.StatusCode, message: str, body: dict | None = None) -> JSONResponse:
+    """The status's HTTP response: its JSON error body (error_body, unless `body` is given) and, with
+    RESOURCE_EXHAUSTED, Retry-After."""
+    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+    return JSONResponse(error_body(code, message) if body is None else body, HTTP_STATUS.get(code, 500),
+                        headers=headers)
+
+
+async def read_json(request: Request, max_bytes: int):
+    """The request's body as JSON: Aborted with INVALID_ARGUMENT naming the problem (too large, not UTF-8, not JSON)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise invalid(f"body: {declared} bytes, the limit is {max_bytes}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise invalid(f"body: over {max_bytes} bytes, the limit")
+    try:
+        return json.loads(body.decode("utf-8")) if body.strip() else {}
+    except UnicodeDecodeError as e:
+        raise invalid(f"body: not UTF-8 ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise invalid(f"body: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+
+
+def timeout_of(request: Request) -> float | None:
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return None
+    try:
+        timeout = float(raw)
+    except ValueError:
+        timeout = -1.0
+    if not 0 < timeout < float("inf"):
+        raise invalid(f"{TIMEOUT_HEADER} header {raw!r}: must be a number of seconds above 0")
+    return timeout
+
+
+def sse(data: dict, event: str | None = None) -> str:
+    """One server-sent event."""
+    return (f"event: {event}\n" if event else "") + f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class HttpFront:
+    """The routes, each on the servicer."""
+
+    def __init__(self, servicer: TranslationServicer):
+        self.servicer = servicer
+        self.max_bytes = servicer.config.network.max_message_bytes
+        unary = [("/v1/translate", "Translate", pb.TranslateRequest),
+                 ("/v1/translateText", "TranslateText", pb.TranslateTextRequest)]
+        streams = [("/v1/translate:stream", "TranslateStream", pb.TranslateStreamRequest),
+                   ("/v1/translateText:stream", "TranslateTextStream", pb.TranslateTextStreamRequest)]
+        self.app = Starlette(routes=[
+            *(Route(path, self._unary(rpc, kind), methods=["POST"]) for path, rpc, kind in unary),
+            *(Route(path, self._stream(rpc, kind), methods=["POST"]) for path, rpc, kind in streams),
+            Route("/v1/models", self._models, methods=["GET"]),
+            Route("/v1/models/{model}", self._model_info, methods=["GET"]),
+            Route("/translate", self._libretranslate, methods=["POST"]),
+            Route("/languages", self._languages, methods=["GET"]),
+            Route("/openapi.json", self._openapi, methods=["GET"]),
+            Route("/", self._page, methods=["GET"]),
+        ], exception_handlers={Exception: self._internal})
+        self._document = openapi_document()
+        self._page_html = (Path(__file__).parent / "static" / "index.html").read_text(encoding="utf-8")
+
+    @staticmethod
+    async def _internal(request: Request, exc: Exception) -> Response:
+        """A failure of our own: logged with its traceback, and a JSON INTERNAL to the client (never a traceback)."""
+        log.error("HTTP %s %s failed", request.method, request.url.path, exc_info=exc)
+        return error_response(grpc.StatusCode.INTERNAL, f"{type(exc).__name__} in the server (logged)")
+
+    async def _message(self, request: Request, kind):
+        data = await read_json(request, self.max_bytes)
+        try:
+            return json_format.ParseDict(data, kind())
+        except json_format.ParseError as e:
+            raise invalid(f"body: {e}") from None
+
+    def _unary(self, rpc: str, kind):
+        method = getattr(self.servicer, rpc)
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                message = await self._message(request, kind)
+                response = await method(message, HttpContext(timeout_of(request)))
+            except Aborted as e:
+                return error_response(e.code, e.details)
+            return JSONResponse(json_format.MessageToDict(response))
+        return endpoint
+
+    def _stream(self, rpc: str, kind):
+        method = getattr(self.servicer, rpc)
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                message = await self._message(request, kind)
+                stream = method(message, HttpContext(timeout_of(request)))
+                first = await anext(stream, None)  # before the response starts: an early error keeps its status
+            except Aborted as e:
+                return error_response(e.code, e.details)
+
+            async def events():
+                try:
+                    if first is not None:
+                        yield sse(json_format.MessageToDict(first))
+                    async for item in stream:
+                        yield sse(json_format.MessageToDict(item))
+                except Aborted as e:  # the status line is sent: the error is the stream's last event
+                    yield sse(error_body(e.code, e.details), event="error")
+                finally:
+                    await stream.aclose()  # a client that leaves cancels its sentences' rows
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return endpoint
+
+    async def _models(self, request: Request) -> Response:
+        response = await self.servicer.ListModels(pb.ListModelsRequest(), HttpContext(None))
+        return JSONResponse(json_format.MessageToDict(response))
+
+    async def _model_info(self, request: Request) -> Response:
+        try:
+            info = await self.servicer.GetModelInfo(pb.GetModelInfoRequest(model=request.path_params["model"]),
+                                                    HttpContext(None))
+        except Aborted as e:
+            return error_response(e.code, e.details)
+        return JSONResponse(json_format.MessageToDict(info))
+
+    async def _libretranslate(self, request: Request) -> Response:
+        try:
+            form = await request.form(max_part_size=self.max_bytes) if request.headers.get("content-type", "").startswith(
+                ("application/x-www-form-urlencoded", "multipart/form-data")) else None
+            data = dict(form) if form is not None else await read_json(request, self.max_bytes)
+            return JSONResponse(await libretranslate.translate(self.servicer, data, HttpContext(timeout_of(request))))
+        except Aborted as e:  # LibreTranslate's clients read {"error": "…"}
+            return error_response(e.code, e.details, {"error": e.details})
+
+    async def _languages(self, request: Request) -> Response:
+        return JSONResponse(libretranslate.languages(self.servicer.models))
+
+    async def _openapi(self, request: Request) -> Response:
+        return JSONResponse(self._document)
+
+    async def _page(self, request: Request) -> Response:
+        return HTMLResponse(self._page_html)
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn in the gRPC server's event loop: the process's signals stay the drain's (app.serve)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class HttpServer:
+    """The HTTP front on its port, started and stopped with the gRPC server (app.py)."""
+
+    def __init__(self, servicer: TranslationServicer, host: str, port: int):
+        self._server = _EmbeddedServer(uvicorn.Config(HttpFront(servicer).app, log_level="warning", access_log=False,
+                                                      lifespan="off"))
+        self._socket = bound_socket(host.strip("[]"), port)  # here, so that a port in use is an OSError of ours
+        self.port = self._socket.getsockname()[1]
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+                raise OSError(f"the HTTP front on port {self.port} did not start")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        if self._task is not None:
+            await self._task
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (port 0: a free one); "::" takes IPv4 too, as gRPC's "[::]" does."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock

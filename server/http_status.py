@@ -1,0 +1,48 @@
+"""gRPC's statuses on the HTTP front (server/http.py, server/libretranslate.py): their HTTP codes, the JSON error body,
+and the context a call over HTTP gives the servicer in place of gRPC's."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+# the statuses the servicer answers with (docs/api.md), as HTTP's codes (google.rpc.Code's mapping); any other: 500
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.INTERNAL: 500,
+}
+
+
+class Aborted(Exception):
+    """A call the servicer ended with a status (HttpContext.abort)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class HttpContext:
+    """What the servicer asks of a gRPC context, for a call that came over HTTP: the time left before its deadline
+    (None: no deadline) and abort, which ends the call with a status. Unlike gRPC, HTTP does not end a call whose
+    deadline has passed by itself: the servicer answers it (DEADLINE_EXCEEDED)."""
+
+    ends_late_calls = False
+
+    def __init__(self, timeout: float | None):
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    async def abort(self, code: grpc.StatusCode, details: str):
+        raise Aborted(code, details)
+
+
+def error_body(code: grpc.StatusCode, message: str) -> dict:
+    return {"error": {"code": HTTP_STATUS.get(code, 500), "status": code.name, "message": message}}
+
+
+def invalid(message: str) -> Aborted:
+    return Aborted(grpc.StatusCode.INVALID_ARGUMENT, message)

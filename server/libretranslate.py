@@ -1,0 +1,77 @@
+"""LibreTranslate's API on the servicer, for the tools self-hosters already point at LibreTranslate: POST /translate
+(q as a string or a list of them, source, target, format, alternatives, api_key) and GET /languages. Texts go
+through TranslateText (split into sentences, whitespace kept); with alternatives, each q is one sentence of
+Translate with that many more hypotheses of a beam at least that wide. There is no language identification here:
+source "auto" (the default) routes by the target alone. format "html" is refused until markup is kept (a 400).
+Errors are the servicer's, in LibreTranslate's body ({"error": "…"}, server/http.py)."""
+
+from __future__ import annotations
+
+from nmtserve.errors import NmtserveError
+from nmtserve.server.http_status import Aborted, invalid
+from nmtserve.server.models import ServedModel, route
+from nmtserve.server.service import TranslationServicer, status_of
+from nmtserve.v1 import translation_pb2 as pb
+
+FORMATS = ("text", "html")
+
+
+def _field(data: dict, name: str, kind: type, default=None):
+    """data[name] as `kind` (a form gives every value as a string), or `default` when absent."""
+    value = data.get(name, default)
+    if value is None:
+        raise invalid(f"{name}: required")
+    if kind is int and isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise invalid(f"{name} {value!r}: must be {'a string' if kind is str else 'an integer'}")
+    return value
+
+
+async def translate(servicer: TranslationServicer, data: dict, context) -> dict:
+    """LibreTranslate's /translate response for a request body (JSON or form fields)."""
+    if not isinstance(data, dict):
+        raise invalid("body: a JSON object with q and target")
+    q = data.get("q")
+    if isinstance(q, str):
+        texts = [q]
+    elif isinstance(q, list) and q and all(isinstance(t, str) for t in q):
+        texts = q
+    else:
+        raise invalid(f"q {q!r}: must be a string or a non-empty list of strings")
+    source, target = _field(data, "source", str, "auto"), _field(data, "target", str)
+    form, alternatives = _field(data, "format", str, "text"), _field(data, "alternatives", int, 0)
+    if form not in FORMATS:
+        raise invalid(f"format {form!r}: must be text or html")
+    if form == "html":
+        raise invalid("format 'html': not served yet; this server translates plain text (format text)")
+    if alternatives < 0:
+        raise invalid(f"alternatives {alternatives}: must be 0 or more")
+    source = "" if source == "auto" else source
+    if not alternatives:
+        response = await servicer.TranslateText(pb.TranslateTextRequest(texts=texts, source_language=source,
+                                                                        target_language=target), context)
+        translated = [t.text for t in response.translations]
+        return {"translatedText": translated if isinstance(q, list) else translated[0]}
+    try:
+        model = route(servicer.models, "", source, target)
+    except NmtserveError as e:
+        raise Aborted(status_of(e), str(e)) from None
+    hypotheses = alternatives + 1
+    options = pb.DecodingOptions(num_hypotheses=hypotheses, beam_size=max(hypotheses, model.defaults.beam_size))
+    response = await servicer.Translate(pb.TranslateRequest(sentences=texts, options=options, model=model.id,
+                                                            target_language=target), context)
+    translated = [t.text for t in response.translations]
+    others = [[a.text for a in t.alternatives] for t in response.translations]
+    if isinstance(q, list):
+        return {"translatedText": translated, "alternatives": others}
+    return {"translatedText": translated[0], "alternatives": others[0]}
+
+
+def languages(models: dict[str, ServedModel]) -> list[dict]:
+    """LibreTranslate's /languages: each source language served, with the languages it is translated into (the
+    code stands for the name: the bundles name their languages by code only)."""
+    targets: dict[str, set[str]] = {}
+    for model in models.values():
+        targets.setdefault(model.source_language, set()).update(model.target_languages)
+    return [{"code": code, "name": code, "targets": sorted(found)} for code, found in sorted(targets.items()) if code]
