@@ -47,6 +47,7 @@ from nmtserve.v1 import translation_pb2 as pb
 log = logging.getLogger("nmtserve.server")
 RETRY_AFTER_SECONDS = 1  # with RESOURCE_EXHAUSTED: the engine's queue was full a moment ago
 TIMEOUT_HEADER = "x-server-timeout"
+BODY_SECONDS = 10.0  # a request body not received in full within this is a 400: a slow client holds no handler longer
 
 
 def error_response(code: grpc.StatusCode, message: str, body: dict | None = None) -> JSONResponse:
@@ -58,15 +59,20 @@ def error_response(code: grpc.StatusCode, message: str, body: dict | None = None
 
 
 async def read_json(request: Request, max_bytes: int):
-    """The request's body as JSON: Aborted with INVALID_ARGUMENT naming the problem (too large, not UTF-8, not JSON)."""
+    """The request's body as JSON: Aborted with INVALID_ARGUMENT naming the problem (too large, too slow, not UTF-8,
+    not JSON)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise invalid(f"body: {declared} bytes, the limit is {max_bytes}")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise invalid(f"body: over {max_bytes} bytes, the limit")
+    try:
+        async with asyncio.timeout(BODY_SECONDS):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > max_bytes:
+                    raise invalid(f"body: over {max_bytes} bytes, the limit")
+    except TimeoutError:
+        raise invalid(f"body: not received in full within {BODY_SECONDS:g} s") from None
     try:
         return json.loads(body.decode("utf-8")) if body.strip() else {}
     except UnicodeDecodeError as e:
@@ -124,9 +130,11 @@ class HttpFront:
 
     async def _message(self, request: Request, kind):
         data = await read_json(request, self.max_bytes)
+        if not isinstance(data, dict):
+            raise invalid(f"body: a JSON object (a {kind.DESCRIPTOR.name}), not {type(data).__name__}")
         try:
             return json_format.ParseDict(data, kind())
-        except json_format.ParseError as e:
+        except (json_format.ParseError, TypeError, ValueError, AttributeError) as e:  # the parser's, on odd values
             raise invalid(f"body: {e}") from None
 
     def _unary(self, rpc: str, kind):

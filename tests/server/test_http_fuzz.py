@@ -1,0 +1,65 @@
+"""Property-based fuzzing of the HTTP front's JSON bodies against a real server (as tests/server/test_fuzz.py does for
+gRPC's messages): any JSON value as a body, or in any field, is a translation or a 4xx whose JSON error names the
+problem; never a 500, a hang or a crash; and a body that never finishes arriving is a 400 once its time is up."""
+
+import json
+import socket
+
+import pytest
+import requests
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nmtserve.server import http
+from nmtserve.server.config import ServerConfig
+from tests.helpers import ServerThread
+
+SETTINGS = settings(max_examples=80, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=30),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+                    max_leaves=12)
+FIELDS = st.sampled_from(["sentences", "options", "model", "targetLanguage", "source_language", "q", "source", "target",
+                          "format", "alternatives", "api_key", "beamSize"])
+BODY = st.one_of(JSON, st.dictionaries(FIELDS, JSON, max_size=5),
+                 st.fixed_dictionaries({"sentences": st.lists(st.text(max_size=40), max_size=3)},
+                                       optional={"options": st.dictionaries(st.sampled_from(
+                                           ["beamSize", "numHypotheses", "samplingTopk", "lengthPenalty", "maxDecodingLength"]),
+                                           JSON, max_size=3)}),
+                 st.fixed_dictionaries({"q": JSON, "target": st.sampled_from(["fr", "de", "", "auto"])},
+                                       optional={"alternatives": JSON, "format": JSON}))
+
+
+@pytest.fixture(scope="module")
+def url(tiny_bundle):
+    server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
+                                                  http_port=0, max_sentences=8, max_sentence_chars=300,
+                                                  max_decoding_length=16))
+    yield f"http://127.0.0.1:{server.running.http_port}"
+    server.stop()
+
+
+@SETTINGS
+@given(body=BODY, path=st.sampled_from(["/v1/translate", "/v1/translateText", "/v1/translate:stream", "/translate"]))
+def test_any_json_body_is_an_answer_or_a_4xx_naming_the_problem(url, body, path):
+    got = requests.post(url + path, data=json.dumps(body), headers={"content-type": "application/json"}, timeout=60)
+    assert got.status_code in (200, 400, 404), (got.status_code, got.text[:300])
+    if got.status_code != 200:
+        error = got.json()["error"]
+        message = error if path == "/translate" else error["message"]
+        assert message and (path == "/translate" or error["status"] in ("INVALID_ARGUMENT", "NOT_FOUND"))
+    elif path == "/v1/translate:stream":
+        assert got.text.startswith("data: ")
+    else:
+        got.json()
+
+
+def test_a_body_that_never_finishes_arriving_is_a_400_once_its_time_is_up(url, monkeypatch):
+    monkeypatch.setattr(http, "BODY_SECONDS", 0.5)
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as client:
+        client.sendall(b"POST /v1/translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: 100\r\n\r\n{\"sentences\": [")  # and then nothing
+        answer = client.recv(65536).decode()
+    assert answer.startswith("HTTP/1.1 400") and "body: not received in full within 0.5 s" in answer
+    assert requests.post(url + "/v1/translate", json={"sentences": ["a"]}, timeout=30).status_code == 200
