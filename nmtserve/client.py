@@ -54,13 +54,35 @@ def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
                                         certificate_chain=read_pem("--tls-cert", tls.cert))
 
 
-def open_channel(target: str, tls: TlsFiles | None = None, aio: bool = False, options: list | None = None):
-    """A plaintext or TLS channel (grpc.aio when aio=True) with round_robin balancing."""
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Sends `authorization: Bearer KEY` with every call (a server with --api-keys asks for it)."""
+
+    def __init__(self, key: str):
+        self.entry = ("authorization", f"Bearer {key}")
+
+    def _details(self, details):
+        return details._replace(metadata=[*(details.metadata or ()), self.entry])
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+
+def open_channel(target: str, tls: TlsFiles | None = None, aio: bool = False, options: list | None = None,
+                 api_key: str = ""):
+    """A plaintext or TLS channel (grpc.aio when aio=True) with round_robin balancing; with api_key (blocking
+    channels), every call sends it as `authorization: Bearer KEY`."""
     options = CHANNEL_OPTIONS + list(options or [])
     api = grpc.aio if aio else grpc
     if tls is not None and tls.enabled:
-        return api.secure_channel(target, channel_credentials(tls), options=options)
-    return api.insecure_channel(target, options=options)
+        channel = api.secure_channel(target, channel_credentials(tls), options=options)
+    else:
+        channel = api.insecure_channel(target, options=options)
+    if api_key and aio:
+        raise ConfigError("api_key: for blocking channels only")
+    return grpc.intercept_channel(channel, _Bearer(api_key)) if api_key else channel
 
 
 def wait_serving(channel: grpc.Channel, target: str, seconds: float) -> None:

@@ -16,6 +16,7 @@ running server serves (ListModels).
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -75,7 +76,7 @@ def _translate_remote(args) -> int:
         given["length_rule"] = pb.LengthRule.Value(f"LENGTH_RULE_{given['length_rule'].upper()}")
     options = pb.DecodingOptions(**given)
     route = {"model": args.model, "source_language": args.source_lang, "target_language": args.target_lang}
-    with open_channel(args.server, TlsFiles(args.tls_ca, args.tls_cert, args.tls_key)) as channel:
+    with open_channel(args.server, TlsFiles(args.tls_ca, args.tls_cert, args.tls_key), api_key=args.api_key) as channel:
         if args.wait:
             wait_serving(channel, args.server, args.wait)
         stub = pb_grpc.TranslationServiceStub(channel)
@@ -144,7 +145,7 @@ def cmd_models(args) -> int:
     from nmtserve.v1 import translation_pb2 as pb
     from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 
-    with open_channel(args.server, TlsFiles(args.tls_ca, args.tls_cert, args.tls_key)) as channel:
+    with open_channel(args.server, TlsFiles(args.tls_ca, args.tls_cert, args.tls_key), api_key=args.api_key) as channel:
         if args.wait:
             wait_serving(channel, args.server, args.wait)
         try:
@@ -170,6 +171,8 @@ def _add_server_flags(p, required: bool = False) -> None:
     p.add_argument("--tls-ca", default="", help="PEM roots that sign the server's certificate (turns TLS on)")
     p.add_argument("--tls-cert", default="", help="client certificate (PEM) for mutual TLS")
     p.add_argument("--tls-key", default="", help="the client certificate's private key (PEM)")
+    p.add_argument("--api-key", default=os.environ.get("NMTSERVE_API_KEY", ""),
+                   help="the server's API key for this client (sent as `authorization: Bearer KEY`; env NMTSERVE_API_KEY)")
 
 
 def add_parser(sub, name: str, help_text: str) -> None:

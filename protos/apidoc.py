@@ -23,6 +23,9 @@ STATUS_CODES = (
     ("OK", "the call succeeded; each sentence's finish_reason says how it ended"),
     ("INVALID_ARGUMENT", "a field is out of its range, or names a language its model does not serve; the message "
                          "starts with the field's name and its value (HTTP 400)"),
+    ("UNAUTHENTICATED", "the server has API keys (--api-keys) and the call sends none (`authorization: Bearer KEY`) "
+                        "or one it does not know (HTTP 401)"),
+    ("PERMISSION_DENIED", "the call's API key is a client's that may not use the model it asks for (HTTP 403)"),
     ("NOT_FOUND", "no served model is the one named, or serves the language pair asked for; the message lists "
                   "what is served (HTTP 404)"),
     ("RESOURCE_EXHAUSTED", "the model's waiting queue is full (--max-waiting), or a response would exceed "

@@ -22,6 +22,7 @@ from nmtserve.client import read_pem
 from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.bundle import load_bundle
 from nmtserve.export.runtime.translator import OnnxTranslator
+from nmtserve.server.auth import ApiKeys
 from nmtserve.server.config import ServerConfig
 from nmtserve.server.engine import EnginePool
 from nmtserve.server.metrics import ServerMetrics
@@ -139,6 +140,7 @@ def load_model(spec: ModelSpec, config: ServerConfig, metrics: ServerMetrics, io
 async def start_server(config: ServerConfig) -> RunningServer:
     """Load, warm up, bind (port 0 picks a free port) and start; health says SERVING only after warm-up."""
     credentials = server_credentials(config)  # a bad certificate path fails before the model loads
+    keys = ApiKeys(config.access.api_keys) if config.access.api_keys else None  # so does a bad key file
     io_binding = _switch("io-binding", config.runtime.io_binding)  # the switches are checked before any model loads
     attention_kernel = _switch("attention-kernel", config.runtime.attention_kernel)
     flags = config.flat()
@@ -161,7 +163,7 @@ async def start_server(config: ServerConfig) -> RunningServer:
     options = [("grpc.max_receive_message_length", config.network.max_message_bytes),
                ("grpc.max_send_message_length", config.network.max_message_bytes)]
     server = grpc.aio.server(options=options)
-    servicer = TranslationServicer(models, config, metrics)
+    servicer = TranslationServicer(models, config, metrics, keys)
     translation_pb2_grpc.add_TranslationServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -187,6 +189,10 @@ async def start_server(config: ServerConfig) -> RunningServer:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving %d model(s) on port %d, HTTP on %s, metrics on %s", len(models), port,
              None if http is None else http.port, metrics_port)
+    if keys is None:
+        log.warning("no --api-keys: every client may call every model")
+    else:
+        log.info("--api-keys %s: %d client(s)", keys.path, len(keys.clients))
     return RunningServer(server, port, models, servicer, health_servicer, metrics_port, http)
 
 
@@ -197,6 +203,8 @@ async def serve(config: ServerConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if running.servicer.keys is not None:
+        loop.add_signal_handler(signal.SIGHUP, running.servicer.keys.reload)
     http = "" if running.http is None else f", HTTP on port {running.http.port}"
     print(f"nmtserve: serving on port {running.port}{http}", flush=True)
     await stop.wait()

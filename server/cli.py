@@ -34,6 +34,9 @@ HELPS = {"models": "TOML file of the models to serve: bundle, id, variant, devic
                       "LibreTranslate's /translate and /languages, /openapi.json; -1 turns it off, 0 picks a free port",
          "stream_interval": "TranslateStream: send a delta once this many tokens have come since the last one "
                             "(vLLM's --stream-interval): fewer messages and less event-loop work per stream; 1 sends each",
+         "api_keys": "TOML file of API keys, one [[client]] each (name, sha256 of the key, models): calls must send "
+                     "`authorization: Bearer KEY`; read again when it changes or on SIGHUP (server/auth.py); "
+                     "empty: every client may use every model",
          "tls_cert": "server certificate chain (PEM); turns TLS on", "tls_key": "its private key (PEM)",
          "tls_client_ca": "PEM roots for client certificates; turns mutual TLS on (clients must present one)"}
 

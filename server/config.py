@@ -74,8 +74,14 @@ class TlsConfig:
     tls_client_ca: str = ""  # PEM roots; when set, clients must present a certificate they sign (mutual TLS)
 
 
+@dataclass
+class AccessConfig:
+    """Who may call the TranslationService (server/auth.py); health, reflection and /metrics stay open."""
+    api_keys: str = ""  # a TOML file of clients, each a name, its key's SHA-256 and the models it may use; "": open
+
+
 SECTIONS = {"runtime": RuntimeConfig, "engine": EngineConfig, "limits": LimitsConfig, "network": NetworkConfig,
-            "tls": TlsConfig}
+            "tls": TlsConfig, "access": AccessConfig}
 
 
 @dataclass
@@ -85,6 +91,7 @@ class ServerConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
+    access: AccessConfig = field(default_factory=AccessConfig)
 
     @classmethod
     def from_flags(cls, **values) -> ServerConfig:

@@ -94,6 +94,12 @@ def timeout_of(request: Request) -> float | None:
     return timeout
 
 
+def context_of(request: Request, api_key: str | None = None) -> HttpContext:
+    """The servicer's context for a request: its deadline, and its key (the authorization header, else `api_key`)."""
+    authorization = request.headers.get("authorization") or (f"Bearer {api_key}" if api_key else None)
+    return HttpContext(timeout_of(request), authorization)
+
+
 def sse(data: dict, event: str | None = None) -> str:
     """One server-sent event."""
     return (f"event: {event}\n" if event else "") + f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
@@ -143,7 +149,7 @@ class HttpFront:
         async def endpoint(request: Request) -> Response:
             try:
                 message = await self._message(request, kind)
-                response = await method(message, HttpContext(timeout_of(request)))
+                response = await method(message, context_of(request))
             except Aborted as e:
                 return error_response(e.code, e.details)
             return JSONResponse(json_format.MessageToDict(response))
@@ -155,7 +161,7 @@ class HttpFront:
         async def endpoint(request: Request) -> Response:
             try:
                 message = await self._message(request, kind)
-                stream = method(message, HttpContext(timeout_of(request)))
+                stream = method(message, context_of(request))
                 first = await anext(stream, None)  # before the response starts: an early error keeps its status
             except Aborted as e:
                 return error_response(e.code, e.details)
@@ -174,13 +180,16 @@ class HttpFront:
         return endpoint
 
     async def _models(self, request: Request) -> Response:
-        response = await self.servicer.ListModels(pb.ListModelsRequest(), HttpContext(None))
+        try:
+            response = await self.servicer.ListModels(pb.ListModelsRequest(), context_of(request))
+        except Aborted as e:
+            return error_response(e.code, e.details)
         return JSONResponse(json_format.MessageToDict(response))
 
     async def _model_info(self, request: Request) -> Response:
         try:
             info = await self.servicer.GetModelInfo(pb.GetModelInfoRequest(model=request.path_params["model"]),
-                                                    HttpContext(None))
+                                                    context_of(request))
         except Aborted as e:
             return error_response(e.code, e.details)
         return JSONResponse(json_format.MessageToDict(info))
@@ -190,7 +199,9 @@ class HttpFront:
             form = await request.form(max_part_size=self.max_bytes) if request.headers.get("content-type", "").startswith(
                 ("application/x-www-form-urlencoded", "multipart/form-data")) else None
             data = dict(form) if form is not None else await read_json(request, self.max_bytes)
-            return JSONResponse(await libretranslate.translate(self.servicer, data, HttpContext(timeout_of(request))))
+            api_key = data.get("api_key") if isinstance(data, dict) else None
+            context = context_of(request, api_key if isinstance(api_key, str) else None)
+            return JSONResponse(await libretranslate.translate(self.servicer, data, context))
         except Aborted as e:  # LibreTranslate's clients read {"error": "…"}
             return error_response(e.code, e.details, {"error": e.details})
 

@@ -9,7 +9,8 @@ import grpc
 
 # the statuses the servicer answers with (docs/api.md), as HTTP's codes (google.rpc.Code's mapping); any other: 500
 HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
     grpc.StatusCode.INTERNAL: 500,
 }
@@ -25,13 +26,18 @@ class Aborted(Exception):
 
 class HttpContext:
     """What the servicer asks of a gRPC context, for a call that came over HTTP: the time left before its deadline
-    (None: no deadline) and abort, which ends the call with a status. Unlike gRPC, HTTP does not end a call whose
-    deadline has passed by itself: the servicer answers it (DEADLINE_EXCEEDED)."""
+    (None: no deadline), its metadata (the authorization header) and abort, which ends the call with a status.
+    Unlike gRPC, HTTP does not end a call whose deadline has passed by itself: the servicer answers it
+    (DEADLINE_EXCEEDED)."""
 
     ends_late_calls = False
 
-    def __init__(self, timeout: float | None):
+    def __init__(self, timeout: float | None, authorization: str | None = None):
         self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._metadata = () if authorization is None else (("authorization", authorization),)
+
+    def invocation_metadata(self) -> tuple:
+        return self._metadata
 
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())

@@ -1,16 +1,15 @@
 """LibreTranslate's API on the servicer, for the tools self-hosters already point at LibreTranslate: POST /translate
 (q as a string or a list of them, source, target, format, alternatives, api_key) and GET /languages. Texts go
 through TranslateText (split into sentences, whitespace kept); with alternatives, each q is one sentence of
-Translate with that many more hypotheses of a beam at least that wide. There is no language identification here:
+Translate with that many more hypotheses, of a beam that wide. There is no language identification here:
 source "auto" (the default) routes by the target alone. format "html" is refused until markup is kept (a 400).
 Errors are the servicer's, in LibreTranslate's body ({"error": "…"}, server/http.py)."""
 
 from __future__ import annotations
 
-from nmtserve.errors import NmtserveError
-from nmtserve.server.http_status import Aborted, invalid
-from nmtserve.server.models import ServedModel, route
-from nmtserve.server.service import TranslationServicer, status_of
+from nmtserve.server.http_status import invalid
+from nmtserve.server.models import ServedModel
+from nmtserve.server.service import TranslationServicer
 from nmtserve.v1 import translation_pb2 as pb
 
 FORMATS = ("text", "html")
@@ -53,13 +52,8 @@ async def translate(servicer: TranslationServicer, data: dict, context) -> dict:
                                                                         target_language=target), context)
         translated = [t.text for t in response.translations]
         return {"translatedText": translated if isinstance(q, list) else translated[0]}
-    try:
-        model = route(servicer.models, "", source, target)
-    except NmtserveError as e:
-        raise Aborted(status_of(e), str(e)) from None
-    hypotheses = alternatives + 1
-    options = pb.DecodingOptions(num_hypotheses=hypotheses, beam_size=max(hypotheses, model.defaults.beam_size))
-    response = await servicer.Translate(pb.TranslateRequest(sentences=texts, options=options, model=model.id,
+    options = pb.DecodingOptions(num_hypotheses=alternatives + 1, beam_size=alternatives + 1)
+    response = await servicer.Translate(pb.TranslateRequest(sentences=texts, options=options, source_language=source,
                                                             target_language=target), context)
     translated = [t.text for t in response.translations]
     others = [[a.text for a in t.alternatives] for t in response.translations]

@@ -1,6 +1,6 @@
 """The gRPC servicer: protobuf -> engine requests -> protobuf. It never touches tensors.
 
-Errors map to status codes in this module only, side by side: `status_of` for project exceptions
+Errors map to status codes in this module only, side by side: `_status_of` for project exceptions
 raised while a call is validated and submitted, `_EARLY_FINISH` for requests the engine ended early.
 """
 
@@ -16,6 +16,7 @@ import grpc
 
 from nmtserve.errors import NmtserveError
 from nmtserve.search import DecodingOptions
+from nmtserve.server.auth import ApiKeys, PermissionDenied, Unauthenticated, bearer
 from nmtserve.server.bridge import Inbox, Wakeups
 from nmtserve.server.config import ServerConfig
 from nmtserve.server.convert import InvalidRequest, ModelNotFound, translation
@@ -39,11 +40,15 @@ _EARLY_FINISH = {FinishReason.ERROR: (grpc.StatusCode.INTERNAL, "failed in the e
                  FinishReason.CANCELLED: (grpc.StatusCode.CANCELLED, "was cancelled")}
 
 
-def status_of(exc: Exception) -> grpc.StatusCode:
+def _status_of(exc: Exception) -> grpc.StatusCode:
     if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, ModelNotFound):
         return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, Unauthenticated):
+        return grpc.StatusCode.UNAUTHENTICATED
+    if isinstance(exc, PermissionDenied):
+        return grpc.StatusCode.PERMISSION_DENIED
     if isinstance(exc, EngineOverloaded | ResponseTooLarge):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, EngineStopped):
@@ -59,6 +64,7 @@ class _Call:
     mode: str = ""  # its decoding mode, once its options are read
     requests: list[Request] = field(default_factory=list)  # its engine requests, as submitted
     started: float = field(default_factory=time.monotonic)
+    client: str = ""  # the API key's client, where the server has keys
     resumed: float | None = None  # when a unary call's handler resumed, its sentences decoded (Timings.resumed_ns)
 
     def cancel(self) -> None:
@@ -71,7 +77,7 @@ def _log_line(call: _Call, code: str) -> None:
     """One structured line per RPC: id, sizes, timings, status."""
     requests = call.requests
     log.info(json.dumps({
-        "rpc": call.rpc, "model": call.model, "mode": call.mode, "code": code, "ids": [r.id for r in requests], "sentences": len(requests),
+        "rpc": call.rpc, "model": call.model, "client": call.client, "mode": call.mode, "code": code, "ids": [r.id for r in requests], "sentences": len(requests),
         "input_tokens": sum(len(r.src_ids) for r in requests), "output_tokens": sum(len(r.tokens) for r in requests),
         "queue_ms": round(max(((r.admitted or r.arrived) - r.arrived) * 1e3 for r in requests), 2) if requests else None,
         "ttft_ms": round(max(((r.first_token or r.arrived) - r.arrived) * 1e3 for r in requests), 2) if requests else None,
@@ -82,8 +88,9 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
     """Thin: routes to a model, validates, submits one engine Request per sentence to that model's
     engine, awaits them, converts back."""
 
-    def __init__(self, models: dict[str, ServedModel], config: ServerConfig, metrics: ServerMetrics):
-        self.models, self.config, self.metrics = models, config, metrics
+    def __init__(self, models: dict[str, ServedModel], config: ServerConfig, metrics: ServerMetrics,
+                 keys: ApiKeys | None = None):
+        self.models, self.config, self.metrics, self.keys = models, config, metrics, keys
         self.accepting = True
         self.last_arrival = time.monotonic()  # when the latest call arrived (the drain waits for a quiet moment)
         self.wakeups = Wakeups(asyncio.get_running_loop())  # made on the loop that serves it (start_server)
@@ -92,10 +99,21 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         self.last_arrival = time.monotonic()
         return _Call(rpc)
 
-    def _model(self, call: _Call, request) -> ServedModel:
+    def _model(self, call: _Call, request, context) -> ServedModel:
+        """The model a call asks for, once its client may use it (an API key, where the server has them)."""
         model = route(self.models, request.model, request.source_language, request.target_language)
         call.model = model.id
+        self._allow(call, context, model.id)
         return model
+
+    def _allow(self, call: _Call, context, model: str | None) -> None:
+        """Unauthenticated or PermissionDenied unless the call's key is a client's that may use the model (any
+        model: None); nothing on a server without keys."""
+        if self.keys is not None:
+            client = self.keys.client(bearer(context.invocation_metadata()))
+            call.client = client.name
+            if model is not None:
+                self.keys.allow(client, model)
 
     @staticmethod
     def _options(call: _Call, model: ServedModel, request) -> tuple[int, DecodingOptions, bool]:
@@ -125,7 +143,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         """End the call with exc's status; `rejected`: refused while it was checked and submitted,
         before any work (its submitted requests are cancelled)."""
         call.cancel()
-        code = status_of(exc)
+        code = _status_of(exc)
         self.metrics.rpc(call.model, call.mode, call.rpc, code.name, rejected=rejected)
         _log_line(call, code.name)
         await context.abort(code, str(exc))
@@ -181,7 +199,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
     async def Translate(self, request: pb.TranslateRequest, context) -> pb.TranslateResponse:
         call = self._call("Translate")
         try:
-            model = self._model(call, request)
+            model = self._model(call, request, context)
             n = len(request.sentences)
             if not 1 <= n <= self.config.limits.max_sentences:
                 raise InvalidRequest(f"sentences: {n} given, between 1 and {self.config.limits.max_sentences} accepted")
@@ -210,7 +228,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         tokens = Inbox(self.wakeups)
         call = self._call("TranslateStream")
         try:
-            model = self._model(call, request)
+            model = self._model(call, request, context)
             options = self._options(call, model, request)
             ids = model.source("sentence", request.sentence, model.language_token(request.target_language))
             engine_request, future = self._request(call, ids, options, context, on_token=lambda r, t: tokens.put(t),
@@ -273,7 +291,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
     async def TranslateText(self, request: pb.TranslateTextRequest, context) -> pb.TranslateTextResponse:
         call = self._call("TranslateText")
         try:
-            model = self._model(call, request)
+            model = self._model(call, request, context)
             n, chars = len(request.texts), sum(len(t) for t in request.texts)
             if not 1 <= n <= self.config.limits.max_sentences:
                 raise InvalidRequest(f"texts: {n} given, between 1 and {self.config.limits.max_sentences} accepted")
@@ -305,7 +323,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
     async def TranslateTextStream(self, request: pb.TranslateTextStreamRequest, context):
         call = self._call("TranslateTextStream")
         try:
-            model = self._model(call, request)
+            model = self._model(call, request, context)
             [(spans, pairs)] = self._text_requests(call, model, [("text", request.text)], request, context)
         except NmtserveError as e:
             await self._fail(call, context, e)
@@ -331,6 +349,11 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         yield pb.TranslateTextStreamResponse(delta=request.text[position:])
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
+        call = self._call("GetModelInfo")
+        try:
+            self._allow(call, context, request.model or None)
+        except NmtserveError as e:
+            await self._fail(call, context, e)
         if request.model not in self.models and not (len(self.models) == 1 and not request.model):
             served = ", ".join(self.models)
             await context.abort(grpc.StatusCode.NOT_FOUND if request.model else grpc.StatusCode.INVALID_ARGUMENT,
@@ -339,6 +362,11 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         return (self.models.get(request.model) or next(iter(self.models.values()))).info()
 
     async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
+        call = self._call("ListModels")
+        try:
+            self._allow(call, context, None)
+        except NmtserveError as e:
+            await self._fail(call, context, e)
         return pb.ListModelsResponse(models=[m.info() for m in self.models.values()])
 
 

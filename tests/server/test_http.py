@@ -130,8 +130,8 @@ def test_deadlines_and_draining_keep_grpcs_codes(server):
 
 def test_status_codes_follow_grpcs_http_mapping():
     assert {code.name: status for code, status in HTTP_STATUS.items()} == {
-        "INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429, "CANCELLED": 499, "UNAVAILABLE": 503,
-        "DEADLINE_EXCEEDED": 504, "INTERNAL": 500}
+        "INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "NOT_FOUND": 404,
+        "RESOURCE_EXHAUSTED": 429, "CANCELLED": 499, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504, "INTERNAL": 500}
     assert error_response(grpc.StatusCode.UNKNOWN, "x").status_code == 500
 
 
