@@ -1,6 +1,7 @@
 """Property-based fuzzing of the HTTP front's JSON bodies against a real server (as tests/server/test_fuzz.py does for
 gRPC's messages): any JSON value as a body, or in any field, is a translation or a 4xx whose JSON error names the
-problem; never a 500, a hang or a crash; and a body that never finishes arriving is a 400 once its time is up."""
+problem; never a 500, a hang or a crash, nor a failure of a good call made meanwhile; and a body that never finishes
+arriving is a 400 once its time is up."""
 
 import json
 import socket
@@ -31,6 +32,25 @@ BODY = st.one_of(JSON, st.dictionaries(FIELDS, JSON, max_size=5),
 
 
 @pytest.fixture(scope="module")
+def bystander(url):
+    """A client translating one good sentence over and over while the fuzzing runs: every one of its calls must
+    succeed, whatever shares the batch with it."""
+    import threading
+
+    stop, answers = threading.Event(), []
+
+    def translate():
+        while not stop.is_set():
+            got = requests.post(url + "/v1/translate", json={"sentences": ["the cat sees the dog"]}, timeout=60)
+            answers.append(got.status_code)
+    thread = threading.Thread(target=translate, daemon=True)
+    thread.start()
+    yield answers
+    stop.set()
+    thread.join(60)
+
+
+@pytest.fixture(scope="module")
 def url(tiny_bundle):
     server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
                                                   http_port=0, max_sentences=8, max_sentence_chars=300,
@@ -41,7 +61,7 @@ def url(tiny_bundle):
 
 @SETTINGS
 @given(body=BODY, path=st.sampled_from(["/v1/translate", "/v1/translateText", "/v1/translate:stream", "/translate"]))
-def test_any_json_body_is_an_answer_or_a_4xx_naming_the_problem(url, body, path):
+def test_any_json_body_is_an_answer_or_a_4xx_naming_the_problem(url, bystander, body, path):
     got = requests.post(url + path, data=json.dumps(body), headers={"content-type": "application/json"}, timeout=60)
     assert got.status_code in (200, 400, 404), (got.status_code, got.text[:300])
     if got.status_code != 200:
@@ -63,3 +83,13 @@ def test_a_body_that_never_finishes_arriving_is_a_400_once_its_time_is_up(url, m
         answer = client.recv(65536).decode()
     assert answer.startswith("HTTP/1.1 400") and "body: not received in full within 0.5 s" in answer
     assert requests.post(url + "/v1/translate", json={"sentences": ["a"]}, timeout=30).status_code == 200
+
+
+def test_the_bystander_was_served_throughout(bystander):
+    """Last in this module: the good calls made while the tests above ran (at least ten) all succeeded."""
+    import time
+
+    deadline = time.monotonic() + 30
+    while len(bystander) < 10 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(bystander) >= 10 and set(bystander) == {200}
