@@ -81,6 +81,18 @@ async def read_json(request: Request, max_bytes: int):
         raise invalid(f"body: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
 
 
+async def read_form(request: Request, max_bytes: int):
+    """The request's form fields, with read_json's limits on size and time."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise invalid(f"body: {declared} bytes, the limit is {max_bytes}")
+    try:
+        async with asyncio.timeout(BODY_SECONDS):
+            return await request.form(max_part_size=max_bytes)
+    except TimeoutError:
+        raise invalid(f"body: not received in full within {BODY_SECONDS:g} s") from None
+
+
 def timeout_of(request: Request) -> float | None:
     raw = request.headers.get(TIMEOUT_HEADER)
     if raw is None:
@@ -196,9 +208,11 @@ class HttpFront:
 
     async def _libretranslate(self, request: Request) -> Response:
         try:
-            form = await request.form(max_part_size=self.max_bytes) if request.headers.get("content-type", "").startswith(
-                ("application/x-www-form-urlencoded", "multipart/form-data")) else None
-            data = dict(form) if form is not None else await read_json(request, self.max_bytes)
+            if request.headers.get("content-type", "").startswith(("application/x-www-form-urlencoded",
+                                                                   "multipart/form-data")):
+                data = dict(await read_form(request, self.max_bytes))
+            else:
+                data = await read_json(request, self.max_bytes)
             api_key = data.get("api_key") if isinstance(data, dict) else None
             context = context_of(request, api_key if isinstance(api_key, str) else None)
             return JSONResponse(await libretranslate.translate(self.servicer, data, context))

@@ -74,12 +74,14 @@ def test_any_json_body_is_an_answer_or_a_4xx_naming_the_problem(url, bystander, 
         got.json()
 
 
-def test_a_body_that_never_finishes_arriving_is_a_400_once_its_time_is_up(url, monkeypatch):
+@pytest.mark.parametrize("path, kind, start", [("/v1/translate", "application/json", b'{"sentences": ['),
+                                               ("/translate", "application/x-www-form-urlencoded", b"q=the+cat&tar")])
+def test_a_body_that_never_finishes_arriving_is_a_400_once_its_time_is_up(url, monkeypatch, path, kind, start):
     monkeypatch.setattr(http, "BODY_SECONDS", 0.5)
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as client:
-        client.sendall(b"POST /v1/translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: 100\r\n\r\n{\"sentences\": [")  # and then nothing
+        client.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {kind}\r\nContent-Length: 100\r\n\r\n"
+                       .encode() + start)  # and then nothing
         answer = client.recv(65536).decode()
     assert answer.startswith("HTTP/1.1 400") and "body: not received in full within 0.5 s" in answer
     assert requests.post(url + "/v1/translate", json={"sentences": ["a"]}, timeout=30).status_code == 200
