@@ -58,21 +58,30 @@ def error_response(code: grpc.StatusCode, message: str, body: dict | None = None
                         headers=headers)
 
 
-async def read_json(request: Request, max_bytes: int):
-    """The request's body as JSON: Aborted with INVALID_ARGUMENT naming the problem (too large, too slow, not UTF-8,
-    not JSON)."""
+async def _within_limits(request: Request, max_bytes: int, read):
+    """await read(), the body's reading: Aborted with INVALID_ARGUMENT when the body declares more than max_bytes or is
+    not received in full within BODY_SECONDS."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise invalid(f"body: {declared} bytes, the limit is {max_bytes}")
-    body = bytearray()
     try:
         async with asyncio.timeout(BODY_SECONDS):
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > max_bytes:
-                    raise invalid(f"body: over {max_bytes} bytes, the limit")
+            return await read()
     except TimeoutError:
         raise invalid(f"body: not received in full within {BODY_SECONDS:g} s") from None
+
+
+async def read_json(request: Request, max_bytes: int):
+    """The request's body as JSON: Aborted with INVALID_ARGUMENT naming the problem (too large, too slow, not UTF-8,
+    not JSON)."""
+    async def read() -> bytearray:
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_bytes:
+                raise invalid(f"body: over {max_bytes} bytes, the limit")
+        return body
+    body = await _within_limits(request, max_bytes, read)
     try:
         return json.loads(body.decode("utf-8")) if body.strip() else {}
     except UnicodeDecodeError as e:
@@ -83,14 +92,7 @@ async def read_json(request: Request, max_bytes: int):
 
 async def read_form(request: Request, max_bytes: int):
     """The request's form fields, with read_json's limits on size and time."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise invalid(f"body: {declared} bytes, the limit is {max_bytes}")
-    try:
-        async with asyncio.timeout(BODY_SECONDS):
-            return await request.form(max_part_size=max_bytes)
-    except TimeoutError:
-        raise invalid(f"body: not received in full within {BODY_SECONDS:g} s") from None
+    return await _within_limits(request, max_bytes, lambda: request.form(max_part_size=max_bytes))
 
 
 def timeout_of(request: Request) -> float | None:

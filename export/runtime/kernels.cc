@@ -1111,7 +1111,7 @@ int64_t nmt_beam_steps(void* runner, void* binding, nmt_beam_run_args* run, char
             a.cand_ids[s * a.width + c] = id_of(best[c]);
             a.cand_scores[s * a.width + c] = total[best[c]];
           }
-          if (a.rules(s) != 0) {
+          if (a.rules(s, g) != 0) {
             std::snprintf(error, error_size, "beam search's rules raised");
             return -1;
           }

@@ -100,7 +100,8 @@ typedef struct {
   double* cand_scores;      /* (searches, width) their cumulative log-probs */
   int64_t* chosen_parents;  /* (searches, k) where `rules` writes each row's parent (local) */
   int64_t* chosen_tokens;   /* (searches, k) and token */
-  int (*rules)(int64_t search);  /* takes a search's step that is not ordinary; nonzero: an error, the run ends */
+  int (*rules)(int64_t search, int64_t group);  /* takes a search's step that is not ordinary (the search in group
+                                                  `group` of the batch now); nonzero: an error, the run ends */
 } nmt_beam_run_args;
 
 /* Offline beam search's steps. The search's rules are nmtserve/search.py's BeamSearch alone: the library takes the
@@ -109,7 +110,7 @@ typedef struct {
    width extensions (beam + candidate score, best first; ties: lower row, then the better candidate of the row). On an
    ordinary step (no eos among the k best, an ordinary step left) each row continues its parent with its token (the
    search's next place in out_parents and out_tokens; advanced[search] counts them) and its beam score. On any other,
-   its best extensions go into cand_rows, cand_ids and cand_scores, and rules(search) writes each row's parent and token
+   its best extensions go into cand_rows, cand_ids and cand_scores, and rules(search, group) writes each row's parent and token
    into chosen_parents and chosen_tokens, its scores into the group's `beam` and ordinary[search] anew. Each row's
    origin row is then copied from its parent's. A search that is over decodes on, each row fed its own best token,
    until the groups over are a quarter of the groups: then they leave the batch (as nmt_greedy_run's rows; `beam` and

@@ -210,7 +210,7 @@ class NativeBinding:
                    row_names: tuple[tuple[str, int], ...], out: tuple[np.ndarray, ...], rules) -> tuple[int, int]:
         """Offline beam search of the first `groups` searches' rows (k each) in the library (kernels.h,
         nmt_beam_steps): each step, every search whose k best extensions simply continue (BeamSearch.ordinary) takes
-        it there; for any other, rules(search), a Python function, takes it (writing its choice into `out`, its scores
+        it there; for any other, rules(search, group), a Python function, takes it (writing its choice into `out`, its scores
         into `beam` and its ordinary steps into `ordinary`); the searches that are over leave the batch there. Runs
         until every search is over or len(out_parents) steps. `ids` and `scores` (rows, 2k) are the step's bound
         candidate outputs, `tokens` and `positions` its bound inputs, `origin` (rows, capacity) int32 the state's cache
@@ -234,10 +234,10 @@ class NativeBinding:
         assert all(x.dtype == np.int64 for x in out if x is not cand_scores) and cand_scores.dtype == np.float64
         raised = []
 
-        @_ffi.callback("int(int64_t)")
-        def called(search: int) -> int:
+        @_ffi.callback("int(int64_t, int64_t)")
+        def called(search: int, group: int) -> int:
             try:
-                rules(search)
+                rules(search, group)
                 return 0
             except BaseException as e:  # it cannot cross the library: raised below
                 raised.append(e)

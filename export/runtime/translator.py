@@ -259,8 +259,7 @@ class OnnxTranslator(Decoder):
                 searches[r].advance(out_parents[taken, r].tolist(), out_tokens[taken, r].tolist(), beam[rows].copy())
                 synced[r] = advanced[r]
 
-        def rules(r: int) -> None:
-            g = search_of.tolist().index(r)
+        def rules(r: int, g: int) -> None:  # search r, now group g of the batch
             rows = slice(g * k, (g + 1) * k)
             catch_up(r, rows)
             search = searches[r]
