@@ -14,16 +14,15 @@ flood, and the flood's sentences/s alone and while the probes run. Every call mu
 
 from __future__ import annotations
 
-import itertools
 import statistics
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from nmtserve.console import Progress
 from nmtserve.errors import NmtserveError
+from nmtserve.loadtests.flood import Flood, probe, rate
 from nmtserve.loadtests.machine import describe, machine_info
 from nmtserve.loadtests.measure import percentile
 from nmtserve.loadtests.workload import ServerProcess, default_sentence_file, mixed, read_sentences
@@ -44,61 +43,6 @@ class ModelsBenchConfig:
     max_decoding_length: int = 32  # of every call, flood and probes
 
 
-class Flood:
-    """Closed-loop clients calling one model until stopped; counts the sentences translated."""
-
-    def __init__(self, stub, model: str, pool: list[str], clients: int, per_call: int, seed: int, options):
-        from nmtserve.v1 import translation_pb2 as pb
-
-        self.done, self.errors, self.lock, self.stop = 0, [], threading.Lock(), threading.Event()
-        calls = [pb.TranslateRequest(sentences=mixed(pool, per_call, seed=seed * 1000 + i), model=model,
-                                     options=options) for i in range(clients)]
-        self.threads = [threading.Thread(target=self._client, args=(stub, call)) for call in calls]
-
-    def _client(self, stub, call) -> None:
-        import grpc
-
-        while not self.stop.is_set():
-            try:
-                stub.Translate(call, timeout=300)
-            except grpc.RpcError as e:
-                self.errors.append(f"{e.code().name}: {e.details()}")
-                return
-            with self.lock:
-                self.done += len(call.sentences)
-
-    def __enter__(self) -> Flood:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join()
-
-
-def _probe(stub, model: str, sentences: list[str], options, seconds: float = 0.0) -> list[float]:
-    """Latencies of one call per sentence, one after another; with `seconds`, over the sentences again
-    until that long has passed."""
-    from nmtserve.v1 import translation_pb2 as pb
-
-    latencies, end = [], time.perf_counter() + seconds
-    for sentence in itertools.chain(sentences, itertools.takewhile(lambda _: time.perf_counter() < end,
-                                                                   itertools.cycle(sentences))):
-        t0 = time.perf_counter()
-        stub.Translate(pb.TranslateRequest(sentences=[sentence], model=model, options=options), timeout=300)
-        latencies.append(time.perf_counter() - t0)
-    return latencies
-
-
-def _rate(flood: Flood, seconds: float) -> float:
-    """Sentences/s the flood translates over the next `seconds`."""
-    start, t0 = flood.done, time.perf_counter()
-    time.sleep(seconds)
-    return (flood.done - start) / (time.perf_counter() - t0)
-
-
 def run_models_bench(cfg: ModelsBenchConfig, progress: Progress) -> dict:
     from nmtserve.client import open_channel
     from nmtserve.v1 import translation_pb2 as pb
@@ -113,23 +57,24 @@ def run_models_bench(cfg: ModelsBenchConfig, progress: Progress) -> dict:
         stub = pb_grpc.TranslationServiceStub(channel)
         flooded, probed = [m.model for m in stub.ListModels(pb.ListModelsRequest(), timeout=30).models]
         options = pb.DecodingOptions(max_decoding_length=cfg.max_decoding_length)
-        _probe(stub, probed, probe_pool[:4], options)  # warm-up: a channel's and a process's first calls
-        _probe(stub, flooded, flood_pool[:4], options)
+        probe(stub, probed, probe_pool[:4], options)  # warm-up: a channel's and a process's first calls
+        probe(stub, flooded, flood_pool[:4], options)
         progress.expect(cfg.runs)
         for run in range(cfg.runs):
             probes = mixed(probe_pool, cfg.probes, seed=run)
             progress.stage(f"run {run + 1}/{cfg.runs}: {probed} alone, {flooded} alone, both")
-            alone = _probe(stub, probed, probes, options)
+            alone = probe(stub, probed, probes, options)
             flood = (stub, flooded, flood_pool, cfg.flood_clients, cfg.flood_sentences, run, options)
             with Flood(*flood) as flooding:
-                flood_alone = _rate(flooding, cfg.seconds)
+                flood_alone = rate(flooding, cfg.seconds)
             with Flood(*flood) as flooding:
                 time.sleep(min(2.0, cfg.seconds / 4))  # the flood's first calls fill the running batch
                 start, t0 = flooding.done, time.perf_counter()
-                under = _probe(stub, probed, probes, options, cfg.seconds)
+                under = probe(stub, probed, probes, options, cfg.seconds)
                 flood_with_probes = (flooding.done - start) / (time.perf_counter() - t0)
-            if flooding.errors:
-                raise NmtserveError(f"{len(flooding.errors)} flood call(s) failed, e.g. {flooding.errors[0]}")
+            if flooding.errors or flooding.rejected:
+                raise NmtserveError(f"{len(flooding.errors) + flooding.rejected} flood call(s) failed, e.g. "
+                                    f"{(flooding.errors or ['RESOURCE_EXHAUSTED'])[0]}")
             if not flood_alone:
                 raise NmtserveError(f"no flood call finished in {cfg.seconds} s: give more --seconds")
             runs.append({"probe_alone_p50_ms": percentile(alone, 50) * 1e3,

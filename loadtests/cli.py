@@ -3,9 +3,11 @@
     nmtserve bench offline bundles/default          # PyTorch (train extra) vs ONNX Runtime vs CTranslate2 (bench extra)
     nmtserve bench served bundles/default           # continuous vs static batching, served over gRPC
     nmtserve bench models bundles/en-fr bundles/fr-en   # one server, two models: a flood on one, the other's latency
+    nmtserve bench quotas bundles/default           # one API key floods under its quota: another key's latency
     nmtserve bench documents bundles/default        # a document in one TranslateText call vs separate calls
     nmtserve bench cross-kv bundles/default         # a beam's copies of its cross-attention K/V vs one shared copy
     nmtserve loadtest bundles/default --scenario steady --peak-users 32 --seconds 60 --slo loadtests/slo.toml
+    nmtserve loadtest bundles/default --protocol http --slo loadtests/slo.toml   # through the HTTP/JSON front
     nmtserve check-slo runs/loadtest/steady --slo loadtests/slo.toml
     nmtserve soak bundles/default --seconds 600 --clients 24 --out runs/soak
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -110,7 +113,8 @@ def cmd_loadtest(args) -> int:
 
     return run_loadtest(LoadTestConfig(args.scenario, args.bundle, args.server or "", args.peak_users, args.seconds,
                                        args.out or "", args.sentences_file or "", args.slo or "", args.think_time,
-                                       args.server_flag or [], args.decoding, args.metrics_url or ""))
+                                       args.server_flag or [], args.decoding, args.metrics_url or "", args.protocol,
+                                       args.api_key))
 
 
 def cmd_check_slo(args) -> int:
@@ -211,6 +215,20 @@ def _add_bench(p) -> None:
     p.add_argument("--max-decoding-length", type=int, default=32, help="of every call (default %(default)s)")
     _add_report_flags(p)
     p.set_defaults(func=cmd_bench_models)
+    p = bench.add_parser("quotas", help="one API key floods the server under its quota: another key's latency")
+    p.add_argument("bundle")
+    p.add_argument("--sentences-file", help="sentence file (default: the bundle's test split)")
+    p.add_argument("--max-concurrent", type=int, default=2, help="the flooding key's quota of calls at once")
+    p.add_argument("--chars-per-minute", type=int, help="the flooding key's quota of characters (default: none)")
+    p.add_argument("--flood-clients", type=int, default=16)
+    p.add_argument("--flood-sentences", type=int, default=8, help="sentences per flood call")
+    p.add_argument("--probes", type=int, default=30, help="probe calls per run and phase")
+    p.add_argument("--seconds", type=float, default=15.0, help="seconds the probes run under each flood")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
+    p.add_argument("--max-decoding-length", type=int, default=32, help="of every call (default %(default)s)")
+    _add_report_flags(p)
+    p.set_defaults(func=cmd_bench_quotas)
     p = bench.add_parser("cross-kv", help="a beam's copies of its cross-attention K/V against one shared copy")
     p.add_argument("bundle")
     p.add_argument("--requests", type=int, default=8)
@@ -239,6 +257,20 @@ def cmd_bench_models(args) -> int:
                             args.max_decoding_length)
     with Progress(f"bench models {args.flooded} {args.probed}", unit="measurement") as progress:
         report = run_models_bench(cfg, progress)
+    _show(report, args, format_table)
+    return 0
+
+
+def cmd_bench_quotas(args) -> int:
+    from nmtserve.loadtests.bench_quotas import QuotasBenchConfig, format_table, run_quotas_bench
+
+    _at_least(1, max_concurrent=args.max_concurrent, flood_clients=args.flood_clients, runs=args.runs,
+              probes=args.probes, chars_per_minute=args.chars_per_minute or 1)
+    cfg = QuotasBenchConfig(args.bundle, args.sentences_file, args.max_concurrent, args.chars_per_minute,
+                            args.flood_clients, args.flood_sentences, args.probes, args.seconds, args.runs,
+                            args.threads, args.max_decoding_length)
+    with Progress(f"bench quotas {args.bundle}", unit="measurement") as progress:
+        report = run_quotas_bench(cfg, progress)
     _show(report, args, format_table)
     return 0
 
@@ -281,6 +313,10 @@ def _add_loadtest(p) -> None:
     p.add_argument("--decoding", choices=("default", "mixed"), default="default",
                    help="default: each model's own decoding options; mixed: 50%% greedy, 40%% beam 4, 10%% sampled")
     p.add_argument("--server-flag", action="append", help="extra flag for the started server (repeat)")
+    p.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
+                   help="grpc, or http: the same calls through the HTTP/JSON front (--server: its http://HOST:PORT)")
+    p.add_argument("--api-key", default=os.environ.get("NMTSERVE_API_KEY", ""),
+                   help="for a server with --api-keys (default: NMTSERVE_API_KEY)")
     p.set_defaults(func=cmd_loadtest)
 
 

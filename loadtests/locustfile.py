@@ -1,11 +1,16 @@
-"""Locust users for nmtserve's gRPC service, and the load shapes of the named scenarios.
+"""Locust users for nmtserve's service, over gRPC or its HTTP/JSON front, and the load shapes of the named scenarios.
 
     nmtserve loadtest --scenario spike                   # starts a server on loopback, runs, reports
+    nmtserve loadtest --protocol http                    # the same calls through the HTTP/JSON front
     locust -f loadtests/locustfile.py --host 127.0.0.1:50051 --scenario steady --peak-users 32 \
         --scenario-seconds 60 --headless --csv out/stats
+    locust -f loadtests/locustfile.py --protocol http --host http://127.0.0.1:8080 …
 
 Follows locust's gRPC pattern: grpc is patched for gevent, and a client interceptor fires
-locust's request events. Entries in locust's statistics (request type "grpc"):
+locust's request events. With `--protocol http` the users' stub is HttpStub: the same methods and
+messages, sent as JSON to server/http.py's routes (streams as server-sent events), firing the same
+events, so that both protocols have the same entries and the same SLO file checks either. Entries in
+locust's statistics (request type "grpc" or "http"):
 
   Translate                        one unary call, 1..N sentences
   TranslateStream                  one streamed sentence, end to end
@@ -15,8 +20,9 @@ locust's request events. Entries in locust's statistics (request type "grpc"):
   <rpc> RESOURCE_EXHAUSTED         the server refused at once because its queue was full: expected
                                    under overload, so counted apart and never as a failure
 
-Every other gRPC status is a failure. Users are closed-loop clients (`--think-time` 0 by default):
-the number of users is the number of requests in flight.
+Every other status is a failure. Users are closed-loop clients (`--think-time` 0 by default):
+the number of users is the number of requests in flight. A server with --api-keys gets `--api-key`
+(default: NMTSERVE_API_KEY) as `authorization: Bearer KEY` on every call of either protocol.
 
 Several models: each user asks the server's ListModels and sends each call to a model picked at
 random, naming it; entries then carry the model ("Translate [en-fr]"). `--sentences-file` gives one
@@ -30,13 +36,18 @@ decoding option, so each model decodes with its own defaults.
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import time
 
 import gevent
 import grpc
 import grpc.experimental.gevent as grpc_gevent
+import requests
+from google.protobuf import json_format
 from locust import LoadTestShape, User, events, task
+from locust.exception import StopUser
 
 from nmtserve.client import TlsFiles, open_channel
 from nmtserve.errors import ConfigError
@@ -80,6 +91,10 @@ def _options(parser) -> None:
     parser.add_argument("--grpc-tls-ca", default="", help="PEM roots of the server's certificate (turns TLS on)")
     parser.add_argument("--grpc-tls-cert", default="", help="client certificate for mutual TLS")
     parser.add_argument("--grpc-tls-key", default="", help="its private key")
+    parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
+                        help="http: the HTTP/JSON front (--host http://HOST:PORT)")
+    parser.add_argument("--api-key", default=os.environ.get("NMTSERVE_API_KEY", ""), include_in_web_ui=False,
+                        help="sent as `authorization: Bearer KEY` (default: NMTSERVE_API_KEY)")
 
 
 @events.init.add_listener
@@ -90,11 +105,11 @@ def _load_sentences(environment, **_kwargs) -> None:
         SENTENCES.update({model: read_sentences(path) for model, path in files.items()})
 
 
-class LocustInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Fires one locust request event per call (and TTFT / inter-token events for streams)."""
+class Reporter:
+    """Fires locust's request events of one protocol's calls, under the entries both protocols share."""
 
-    def __init__(self, environment):
-        self.events = environment.events
+    def __init__(self, environment, request_type: str):
+        self.events, self.request_type = environment.events, request_type
         self.tag_modes = environment.parsed_options.decoding == "mixed"
 
     def _tag(self, request) -> str:
@@ -110,8 +125,35 @@ class LocustInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClient
               exception: Exception | None = None) -> None:
         if isinstance(exception, grpc.RpcError) and exception.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             kind, exception = kind + REJECTED_SUFFIX, None
-        self.events.request.fire(request_type="grpc", name=entry(kind, tag), response_time=seconds * 1000,
+        self.events.request.fire(request_type=self.request_type, name=entry(kind, tag), response_time=seconds * 1000,
                                  response_length=length, exception=exception, context={})
+
+    def _timed(self, rpc: str, tag: str, messages, started: float):
+        """A stream's messages, passed on; its TTFT and inter-token events as its deltas arrive, and the whole
+        call's event at its end."""
+        last, length = None, 0
+        try:
+            for message in messages:
+                now = time.perf_counter()
+                length += message.ByteSize()
+                if message.HasField("delta"):
+                    if last is None:
+                        self._fire(f"{rpc} TTFT", tag, now - started)
+                    else:
+                        self._fire(f"{rpc} inter-token", tag, now - last)
+                    last = now
+                yield message
+        except grpc.RpcError as e:
+            self._fire(rpc, tag, time.perf_counter() - started, exception=e)
+            raise
+        self._fire(rpc, tag, time.perf_counter() - started, length)
+
+
+class LocustInterceptor(Reporter, grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Fires one locust request event per gRPC call (and TTFT / inter-token events for streams)."""
+
+    def __init__(self, environment):
+        super().__init__(environment, "grpc")
 
     def intercept_unary_unary(self, continuation, call_details, request):
         rpc, tag = call_details.method.rsplit("/", 1)[-1], self._tag(request)
@@ -128,27 +170,94 @@ class LocustInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClient
         return self._timed(call_details.method.rsplit("/", 1)[-1], self._tag(request),
                            continuation(call_details, request), time.perf_counter())
 
-    def _timed(self, rpc: str, tag: str, call, started: float):
-        last, length = None, 0
+
+class HttpCallError(grpc.RpcError):
+    """An HTTP call's error as the gRPC status its JSON body names (server/http_status.py), so that users handle
+    both protocols alike."""
+
+    def __init__(self, status: int, body: str):
         try:
-            for message in call:
-                now = time.perf_counter()
-                length += message.ByteSize()
-                if message.HasField("delta"):
-                    if last is None:
-                        self._fire(f"{rpc} TTFT", tag, now - started)
-                    else:
-                        self._fire(f"{rpc} inter-token", tag, now - last)
-                    last = now
-                yield message
+            error = json.loads(body)["error"]
+            self._code, self._details = grpc.StatusCode[error["status"]], error["message"]
+        except (ValueError, KeyError, TypeError):
+            self._code, self._details = grpc.StatusCode.UNKNOWN, f"HTTP {status}: {body[:200]}"
+        super().__init__(f"{self._code.name}: {self._details}")
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class HttpStub(Reporter):
+    """The TranslationService's stub over the HTTP/JSON front: each method takes and returns the proto's messages
+    (protobuf's JSON mapping on the wire) and reports its call to locust."""
+
+    ROUTES = {"Translate": ("/v1/translate", pb.TranslateResponse),
+              "TranslateText": ("/v1/translateText", pb.TranslateTextResponse),
+              "TranslateStream": ("/v1/translate:stream", pb.TranslateStreamResponse)}
+
+    def __init__(self, environment, base_url: str, api_key: str = ""):
+        super().__init__(environment, "http")
+        self.base_url, self.session = base_url.rstrip("/"), requests.Session()
+        if api_key:
+            self.session.headers["authorization"] = f"Bearer {api_key}"
+
+    def _post(self, rpc: str, request, timeout: float, stream: bool = False) -> requests.Response:
+        response = self.session.post(self.base_url + self.ROUTES[rpc][0], json=json_format.MessageToDict(request),
+                                     timeout=timeout, stream=stream)
+        if response.status_code != 200:
+            raise HttpCallError(response.status_code, response.text)
+        return response
+
+    def _unary(self, rpc: str, request, timeout: float):
+        tag, started = self._tag(request), time.perf_counter()
+        try:
+            response = self._post(rpc, request, timeout)
+            message = json_format.Parse(response.content, self.ROUTES[rpc][1](), ignore_unknown_fields=True)
         except grpc.RpcError as e:
             self._fire(rpc, tag, time.perf_counter() - started, exception=e)
             raise
-        self._fire(rpc, tag, time.perf_counter() - started, length)
+        self._fire(rpc, tag, time.perf_counter() - started, message.ByteSize())
+        return message
+
+    def Translate(self, request, timeout: float):
+        return self._unary("Translate", request, timeout)
+
+    def TranslateText(self, request, timeout: float):
+        return self._unary("TranslateText", request, timeout)
+
+    def TranslateStream(self, request, timeout: float):
+        return self._timed("TranslateStream", self._tag(request), self._events("TranslateStream", request, timeout),
+                           time.perf_counter())
+
+    def _events(self, rpc: str, request, timeout: float):
+        """The stream's messages, one per server-sent event as it arrives; an `error` event raises its status."""
+        with self._post(rpc, request, timeout, stream=True) as response:
+            event = ""
+            for line in response.iter_lines(chunk_size=None, decode_unicode=True):
+                if line.startswith("event: "):
+                    event = line.removeprefix("event: ")
+                elif line.startswith("data: "):
+                    data = line.removeprefix("data: ")
+                    if event == "error":
+                        raise HttpCallError(response.status_code, data)
+                    yield json_format.Parse(data, self.ROUTES[rpc][1](), ignore_unknown_fields=True)
+
+    def ListModels(self, request, timeout: float):
+        response = self.session.get(f"{self.base_url}/v1/models", timeout=timeout)
+        if response.status_code != 200:
+            raise HttpCallError(response.status_code, response.text)
+        return json_format.Parse(response.content, pb.ListModelsResponse(), ignore_unknown_fields=True)
+
+    def close(self) -> None:
+        self.session.close()
 
 
 class GrpcUser(User):
-    """A closed-loop client with its own channel; the interceptor reports every call to locust."""
+    """A closed-loop client with its own channel (or, with --protocol http, its own HTTP session); the stub reports
+    every call to locust."""
 
     abstract = True
 
@@ -158,9 +267,21 @@ class GrpcUser(User):
 
     def on_start(self) -> None:
         o = self.environment.parsed_options
-        self.channel = open_channel(self.host, TlsFiles(o.grpc_tls_ca, o.grpc_tls_cert, o.grpc_tls_key))
-        self.stub = pb_grpc.TranslationServiceStub(grpc.intercept_channel(self.channel, LocustInterceptor(self.environment)))
-        served = pb_grpc.TranslationServiceStub(self.channel).ListModels(pb.ListModelsRequest(), timeout=30).models
+        if o.protocol == "http":
+            self.channel = self.stub = HttpStub(self.environment, self.host, o.api_key)
+            models = self.stub
+        else:
+            self.channel = open_channel(self.host, TlsFiles(o.grpc_tls_ca, o.grpc_tls_cert, o.grpc_tls_key),
+                                        api_key=o.api_key)
+            self.stub = pb_grpc.TranslationServiceStub(grpc.intercept_channel(self.channel,
+                                                                              LocustInterceptor(self.environment)))
+            models = pb_grpc.TranslationServiceStub(self.channel)
+        try:
+            served = models.ListModels(pb.ListModelsRequest(), timeout=30).models
+        except grpc.RpcError as e:  # a failure of the run (a missing --api-key, say), reported; the user stops
+            self.environment.events.request.fire(request_type=o.protocol, name="ListModels", response_time=0,
+                                                 response_length=0, exception=e, context={})
+            raise StopUser() from e
         self.models = [m.model for m in served]
         missing = [m for m in self.models if m not in SENTENCES and "" not in SENTENCES]
         if missing:

@@ -1,5 +1,6 @@
 """`nmtserve loadtest`: start a server on loopback (unless --server is given), run one scenario
-headless with locust for a bounded time, and write its results:
+headless with locust for a bounded time, over gRPC or (--protocol http) the HTTP/JSON front, and write
+its results:
 
     OUT/stats_stats.csv, stats_stats_history.csv, stats_failures.csv, stats_exceptions.csv   locust's CSV
     OUT/report.html                                                                           locust's report
@@ -12,6 +13,7 @@ or, with --slo, when an objective is violated.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -56,11 +58,15 @@ class LoadTestConfig:
     server_flags: list[str] = field(default_factory=list)
     decoding: str = "default"  # or "mixed": 50% greedy, 40% beam 4, 10% sampled calls
     metrics_url: str = ""  # with server: its /metrics, for where a call's time went (a started server's is known)
+    protocol: str = "grpc"  # or "http": the HTTP/JSON front (server: its URL, http://HOST:PORT)
+    api_key: str = ""  # for a server with --api-keys
 
 
 def run_loadtest(cfg: LoadTestConfig) -> int:
     if cfg.scenario not in SCENARIOS:
         raise ConfigError(f"--scenario {cfg.scenario!r}: choose from {', '.join(SCENARIOS)}")
+    if cfg.protocol not in ("grpc", "http"):
+        raise ConfigError(f"--protocol {cfg.protocol!r}: grpc or http")
     if cfg.peak_users < 1 or cfg.seconds <= 0:
         raise ConfigError(f"--peak-users {cfg.peak_users} / --seconds {cfg.seconds}: must be positive")
     objectives = slo_check.load_slo(cfg.slo) if cfg.slo else None  # a bad SLO file fails before the run
@@ -69,25 +75,26 @@ def run_loadtest(cfg: LoadTestConfig) -> int:
     sentences = ",".join(f"{model}={path}" if model else path for model, path in _sentence_files(cfg).items())
     server, metrics_url = None, cfg.metrics_url
     if not cfg.server:
-        metrics_port = free_port()
+        metrics_port, http_port = free_port(), free_port()
         flags = ["--metrics-port", str(metrics_port)] + (OVERLOAD_SERVER_FLAGS if cfg.scenario == "overload" else []) \
-            + cfg.server_flags
+            + (["--http-port", str(http_port)] if cfg.protocol == "http" else []) + cfg.server_flags
         server = ServerProcess(cfg.bundle, *flags, log=out / "server.log")
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-    target = cfg.server or server.target
+    target = cfg.server or (f"http://127.0.0.1:{http_port}" if cfg.protocol == "http" else server.target)
     before = scrape(metrics_url, TIMES) if metrics_url else None
     after, models = None, ""
     try:
         cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", target,
                "--scenario", cfg.scenario, "--peak-users", str(cfg.peak_users), "--scenario-seconds", str(cfg.seconds),
                "--sentences-file", sentences, "--think-time", str(cfg.think_time),
-               "--decoding", cfg.decoding,
+               "--decoding", cfg.decoding, "--protocol", cfg.protocol,
                "--csv", str(out / "stats"), "--csv-full-history", "--html", str(out / "report.html"),
                "--stop-timeout", "10", "--only-summary",  # the shape ends the run; the timeout below bounds it
                "--loglevel", "WARNING"]
-        print(f"nmtserve loadtest: {cfg.scenario} against {target}, peak {cfg.peak_users} users, {cfg.seconds:g} s",
-              flush=True)
-        with subprocess.Popen(cmd) as locust, \
+        print(f"nmtserve loadtest: {cfg.scenario} against {target} ({cfg.protocol}), peak {cfg.peak_users} users, "
+              f"{cfg.seconds:g} s", flush=True)
+        env = {**os.environ, "NMTSERVE_API_KEY": cfg.api_key} if cfg.api_key else None  # not on the command line
+        with subprocess.Popen(cmd, env=env) as locust, \
                 Progress(f"loadtest {cfg.scenario}", total=round(cfg.seconds), unit="second") as progress:
             started = time.monotonic()
             while locust.poll() is None:
@@ -103,7 +110,8 @@ def run_loadtest(cfg: LoadTestConfig) -> int:
             server.stop()
     if not (out / "stats_stats.csv").is_file():
         raise ConfigError(f"locust wrote no statistics (exit {locust.returncode}); see its output above")
-    title = (f"nmtserve loadtest {cfg.scenario}: peak {cfg.peak_users} users, {cfg.seconds:g} s, {cfg.decoding} decoding, "
+    title = (f"nmtserve loadtest {cfg.scenario} over {cfg.protocol}: peak {cfg.peak_users} users, {cfg.seconds:g} s, "
+             f"{cfg.decoding} decoding, "
              f"against {models or target}\n{host(machine_info())}")
     plot(out / "stats_stats_history.csv", out / "chart.png", title)
     stats = slo_check.read_stats(out / "stats_stats.csv")

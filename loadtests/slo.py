@@ -77,14 +77,15 @@ def stats_file(results: str | Path) -> Path:
 
 
 def read_stats(path: str | Path) -> dict[str, dict[str, float]]:
-    """name -> row of locust's per-entry statistics (numbers as floats)."""
+    """name -> row of locust's per-entry statistics (numbers as floats): the calls' entries, over gRPC or HTTP (the
+    Aggregated row left out)."""
     with open(stats_file(path), newline="", encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
     if rows and ("Name" not in rows[0] or "95%" not in rows[0]):
         raise ConfigError(f"{path}: not a locust *_stats.csv file")
     out = {}
     for row in rows:
-        if row.get("Type") == "grpc":
+        if row.get("Type") in ("grpc", "http"):
             out[row["Name"]] = {k: number(v) for k, v in row.items() if k not in ("Type", "Name")}
     return out
 

@@ -7,6 +7,7 @@
     nmtserve import-marian ~/models/opus-mt-en-de --out runs/opus-en-de.pt
     nmtserve export runs/small/average.pt --out bundles/small --verify  # nmtserve.export (train extra)
     nmtserve serve bundles/small --port 50051                           # nmtserve.server (base install)
+    nmtserve api-key web-frontend --model en-fr >> keys.toml            # serve --api-keys keys.toml
     nmtserve translate --server localhost:50051 "The cat sleeps."       # base install; CHECKPOINT TEXT… needs train
     nmtserve models --server localhost:50051                            # what a server serves (ListModels)
     nmtserve bench offline|served bundles/small                         # nmtserve.loadtests
@@ -49,6 +50,7 @@ COMMANDS = {
     "models": ("nmtserve.translate", "list what a server serves: models, languages, limits, decoding defaults"),
     "export": ("nmtserve.export.cli", "export a checkpoint to an ONNX bundle"),
     "serve": ("nmtserve.server.cli", "serve a bundle over gRPC (flags also read NMTSERVE_* variables)"),
+    "api-key": ("nmtserve.server.cli", "make a client's API key: the key on stderr, its --api-keys entry on stdout"),
     "bench": ("nmtserve.loadtests.cli", "benchmarks: offline (engines side by side), served, models, documents, cross-kv"),
     "loadtest": ("nmtserve.loadtests.cli", "run a locust scenario headless against a server"),
     "check-slo": ("nmtserve.loadtests.cli", "check a load test's results against service-level objectives"),

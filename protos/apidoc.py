@@ -28,8 +28,10 @@ STATUS_CODES = (
     ("PERMISSION_DENIED", "the call's API key is a client's that may not use the model it asks for (HTTP 403)"),
     ("NOT_FOUND", "no served model is the one named, or serves the language pair asked for; the message lists "
                   "what is served (HTTP 404)"),
-    ("RESOURCE_EXHAUSTED", "the model's waiting queue is full (--max-waiting), or a response would exceed "
-                           "--max-message-bytes; retry later or send less (HTTP 429, with Retry-After)"),
+    ("RESOURCE_EXHAUSTED", "the model's waiting queue is full (--max-waiting), the call's client is over its quota "
+                           "(`max_concurrent`, `chars_per_minute`: [serving.md](serving.md#quotas)), or a response "
+                           "would exceed --max-message-bytes; when waiting helps, the `retry-after` trailer (gRPC) or "
+                           "Retry-After header (HTTP 429) says how many seconds"),
     ("UNAVAILABLE", "the server is draining on SIGTERM (its health check says NOT_SERVING); retry on another replica (HTTP 503)"),
     ("DEADLINE_EXCEEDED", "the client's deadline passed; the sentence's rows were freed (HTTP 504)"),
     ("CANCELLED", "the client cancelled the call; the sentence's rows were freed (HTTP 499)"),

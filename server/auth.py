@@ -6,18 +6,22 @@ The file is TOML, one table per client; a key is stored only as its SHA-256, nev
 
     [[client]]
     name = "web-frontend"                 # in logs and metrics, never the key
-    sha256 = "9f86d081884c7d65…"          # printf %s "$KEY" | sha256sum  (or: nmtserve api-key NAME)
+    sha256 = "9f86d081884c7d65…"          # printf %s "$KEY" | sha256sum  (nmtserve api-key NAME makes both)
     models = ["en-fr"]                    # optional: the models it may use (absent: every one)
+    max_concurrent = 8                    # optional: its translation calls in flight at once (server/quotas.py)
+    chars_per_minute = 60000              # optional: source characters a minute, a token bucket
 
 A call carries its key as `authorization: Bearer KEY` (gRPC metadata, or the HTTP header; LibreTranslate's api_key
 field too). No key or an unknown one is UNAUTHENTICATED, a model the client may not use PERMISSION_DENIED. Digests
-are compared in constant time, every client's every time. The file is read again when it changes (checked at most
+are compared in constant time, every client's every time. A call over its client's quota is RESOURCE_EXHAUSTED
+with a retry-after (quotas.py). The file is read again when it changes (checked at most
 once a second, on a call) or on SIGHUP; a file that no longer parses keeps the keys in force and is logged."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import os
 import time
@@ -26,9 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nmtserve.errors import ConfigError, NmtserveError
+from nmtserve.server.quotas import ClientQuota, Quotas
 
 log = logging.getLogger("nmtserve.server")
 RECHECK_SECONDS = 1.0  # how often a call may look at the file's modification time
+QUOTA_FIELDS = ("max_concurrent", "chars_per_minute")
+FIELDS = {"name", "sha256", "models", *QUOTA_FIELDS}
 
 
 class Unauthenticated(NmtserveError):
@@ -44,6 +51,8 @@ class Client:
     name: str
     digest: bytes  # SHA-256 of its key
     models: frozenset[str] | None  # None: every model
+    max_concurrent: int | None = None  # None: no limit of its own
+    chars_per_minute: int | None = None
 
 
 def digest_of(key: str) -> bytes:
@@ -56,6 +65,14 @@ def bearer(metadata) -> str | None:
         if name.lower() == "authorization" and value.startswith("Bearer "):
             return value.removeprefix("Bearer ").strip()
     return None
+
+
+def client_entry(name: str, key: str, models: list[str] | None = None, **limits: int) -> str:
+    """The file's [[client]] table for a client of this key: its SHA-256, never the key."""
+    lines = [f"name = {json.dumps(name)}", f'sha256 = "{hashlib.sha256(key.encode()).hexdigest()}"']
+    lines += [f"models = {json.dumps(models)}"] if models is not None else []
+    lines += [f"{field} = {value}" for field, value in limits.items()]
+    return "[[client]]\n" + "".join(f"{line}\n" for line in lines) + "\n"
 
 
 def read_clients(path: Path) -> list[Client]:
@@ -77,10 +94,14 @@ def read_clients(path: Path) -> list[Client]:
             raise ConfigError(f"{where} ({name}): sha256 must be 64 hexadecimal digits, the SHA-256 of the key")
         if models is not None and not (isinstance(models, list) and all(isinstance(m, str) for m in models)):
             raise ConfigError(f"{where} ({name}): models must be a list of model ids")
-        if set(entry) - {"name", "sha256", "models"}:
-            raise ConfigError(f"{where} ({name}): unknown fields {sorted(set(entry) - {'name', 'sha256', 'models'})}")
+        limits = {field: entry.get(field) for field in QUOTA_FIELDS}
+        for field, value in limits.items():
+            if value is not None and (type(value) is not int or value < 1):
+                raise ConfigError(f"{where} ({name}): {field} {value!r} must be a whole number above 0")
+        if set(entry) - FIELDS:
+            raise ConfigError(f"{where} ({name}): unknown fields {sorted(set(entry) - FIELDS)}")
         names.add(name)
-        clients.append(Client(name, bytes.fromhex(digest), None if models is None else frozenset(models)))
+        clients.append(Client(name, bytes.fromhex(digest), None if models is None else frozenset(models), **limits))
     return clients
 
 
@@ -92,6 +113,7 @@ class ApiKeys:
         self.clients = read_clients(self.path)
         self._stamp = self._file_stamp()
         self._checked = time.monotonic()
+        self._quotas = Quotas()
 
     def _file_stamp(self) -> tuple[int, int] | None:
         try:
@@ -128,6 +150,10 @@ class ApiKeys:
         if found is None:
             raise Unauthenticated("authorization: this API key is not known here")
         return found
+
+    def quota(self, client: Client) -> ClientQuota:
+        """The client's quota state, under its limits in the file as now read."""
+        return self._quotas.of(client.name, client.max_concurrent, client.chars_per_minute)
 
     @staticmethod
     def allow(client: Client, model: str) -> None:

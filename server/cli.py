@@ -57,7 +57,43 @@ def cmd_serve(args) -> int:
     return asyncio.run(serve(config))
 
 
+def cmd_api_key(args) -> int:
+    """A new random key, once, on stderr (give it to the client; nothing keeps it), and the client's entry of the
+    key file on stdout, holding only the key's SHA-256."""
+    import secrets
+    import sys
+
+    from nmtserve.server.auth import client_entry
+
+    key = "nmt-" + secrets.token_urlsafe(32)
+    limits = {k: v for k, v in (("max_concurrent", args.max_concurrent), ("chars_per_minute", args.chars_per_minute))
+              if v is not None}
+    print(f"API key of client {args.name} (shown once; the file keeps only its SHA-256): {key}", file=sys.stderr)
+    print(client_entry(args.name, key, args.model, **limits), end="")
+    return 0
+
+
+def _positive(text: str) -> int:
+    import argparse
+
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number above 0, got {text!r}")
+    return int(text)
+
+
 def add_parser(sub, name: str, help_text: str) -> None:
+    if name == "api-key":
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("name", help="the client's name, in logs and metrics (never the key)")
+        p.add_argument("--model", action="append", help="a model the client may use (repeat; default: every one)")
+        p.add_argument("--max-concurrent", type=_positive, help="its translation calls in flight at once")
+        p.add_argument("--chars-per-minute", type=_positive, help="its source characters a minute")
+        p.set_defaults(func=cmd_api_key)
+        return
+    _add_serve_parser(sub, name, help_text)
+
+
+def _add_serve_parser(sub, name: str, help_text: str) -> None:
     from nmtserve.server.config import SECTIONS, ServerConfig, defaults_from_env, env_name, flag_fields
 
     d = ServerConfig.from_flags(**defaults_from_env()).flat()  # a bad NMTSERVE_* value is a ConfigError naming it

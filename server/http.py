@@ -14,11 +14,13 @@ user knows them), with no second schema of the same messages (FastAPI would decl
     GET  /v1/models                                           -> ListModelsResponse
     GET  /v1/models/{model}                                   -> ModelInfo
     POST /translate, GET /languages  LibreTranslate's API (libretranslate.py)
+    GET  /livez, /readyz           liveness (200 while the process answers), readiness (503 from the drain's start)
     GET  /openapi.json
     GET  /                         a page to try the models (static/index.html: no build step, the routes above only)
 
 Errors carry gRPC's status mapped to HTTP's (HTTP_STATUS) and a JSON body naming the field: {"error": {"code": 400,
-"status": "INVALID_ARGUMENT", "message": "sentences[0]: empty sentence"}}; RESOURCE_EXHAUSTED adds Retry-After.
+"status": "INVALID_ARGUMENT", "message": "sentences[0]: empty sentence"}}; RESOURCE_EXHAUSTED adds Retry-After
+when waiting helps (a full queue, a client's quota: the gRPC call's retry-after trailer).
 A call's deadline is the X-Server-Timeout header (seconds), as Google's HTTP APIs take it."""
 
 from __future__ import annotations
@@ -45,17 +47,15 @@ from nmtserve.server.service import TranslationServicer
 from nmtserve.v1 import translation_pb2 as pb
 
 log = logging.getLogger("nmtserve.server")
-RETRY_AFTER_SECONDS = 1  # with RESOURCE_EXHAUSTED: the engine's queue was full a moment ago
 TIMEOUT_HEADER = "x-server-timeout"
 BODY_SECONDS = 10.0  # a request body not received in full within this is a 400: a slow client holds no handler longer
 
 
-def error_response(code: grpc.StatusCode, message: str, body: dict | None = None) -> JSONResponse:
-    """The status's HTTP response: its JSON error body (error_body, unless `body` is given) and, with
-    RESOURCE_EXHAUSTED, Retry-After."""
-    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
-    return JSONResponse(error_body(code, message) if body is None else body, HTTP_STATUS.get(code, 500),
-                        headers=headers)
+def error_response(aborted: Aborted, body: dict | None = None) -> JSONResponse:
+    """The status's HTTP response: its JSON error body (error_body, unless `body` is given) and its Retry-After."""
+    headers = None if aborted.retry_after is None else {"Retry-After": aborted.retry_after}
+    return JSONResponse(error_body(aborted.code, aborted.details) if body is None else body,
+                        HTTP_STATUS.get(aborted.code, 500), headers=headers)
 
 
 async def _within_limits(request: Request, max_bytes: int, read):
@@ -136,6 +136,8 @@ class HttpFront:
             Route("/v1/models/{model}", self._model_info, methods=["GET"]),
             Route("/translate", self._libretranslate, methods=["POST"]),
             Route("/languages", self._languages, methods=["GET"]),
+            Route("/livez", self._livez, methods=["GET"]),
+            Route("/readyz", self._readyz, methods=["GET"]),
             Route("/openapi.json", self._openapi, methods=["GET"]),
             Route("/", self._page, methods=["GET"]),
         ], exception_handlers={Exception: self._internal})
@@ -146,7 +148,7 @@ class HttpFront:
     async def _internal(request: Request, exc: Exception) -> Response:
         """A failure of our own: logged with its traceback, and a JSON INTERNAL to the client (never a traceback)."""
         log.error("HTTP %s %s failed", request.method, request.url.path, exc_info=exc)
-        return error_response(grpc.StatusCode.INTERNAL, f"{type(exc).__name__} in the server (logged)")
+        return error_response(Aborted(grpc.StatusCode.INTERNAL, f"{type(exc).__name__} in the server (logged)"))
 
     async def _message(self, request: Request, kind):
         data = await read_json(request, self.max_bytes)
@@ -165,7 +167,7 @@ class HttpFront:
                 message = await self._message(request, kind)
                 response = await method(message, context_of(request))
             except Aborted as e:
-                return error_response(e.code, e.details)
+                return error_response(e)
             return JSONResponse(json_format.MessageToDict(response))
         return endpoint
 
@@ -178,7 +180,7 @@ class HttpFront:
                 stream = method(message, context_of(request))
                 first = await anext(stream, None)  # before the response starts: an early error keeps its status
             except Aborted as e:
-                return error_response(e.code, e.details)
+                return error_response(e)
 
             async def events():
                 try:
@@ -197,7 +199,7 @@ class HttpFront:
         try:
             response = await self.servicer.ListModels(pb.ListModelsRequest(), context_of(request))
         except Aborted as e:
-            return error_response(e.code, e.details)
+            return error_response(e)
         return JSONResponse(json_format.MessageToDict(response))
 
     async def _model_info(self, request: Request) -> Response:
@@ -205,7 +207,7 @@ class HttpFront:
             info = await self.servicer.GetModelInfo(pb.GetModelInfoRequest(model=request.path_params["model"]),
                                                     context_of(request))
         except Aborted as e:
-            return error_response(e.code, e.details)
+            return error_response(e)
         return JSONResponse(json_format.MessageToDict(info))
 
     async def _libretranslate(self, request: Request) -> Response:
@@ -219,10 +221,19 @@ class HttpFront:
             context = context_of(request, api_key if isinstance(api_key, str) else None)
             return JSONResponse(await libretranslate.translate(self.servicer, data, context))
         except Aborted as e:  # LibreTranslate's clients read {"error": "…"}
-            return error_response(e.code, e.details, {"error": e.details})
+            return error_response(e, {"error": e.details})
 
     async def _languages(self, request: Request) -> Response:
         return JSONResponse(libretranslate.languages(self.servicer.models))
+
+    async def _livez(self, request: Request) -> Response:
+        return JSONResponse({"status": "SERVING" if self.servicer.accepting else "NOT_SERVING"})
+
+    async def _readyz(self, request: Request) -> Response:
+        """As grpc.health.v1's check of the service: the front starts once the models are warm, and the drain
+        turns it NOT_SERVING (503) while in-flight calls finish."""
+        serving = self.servicer.accepting
+        return JSONResponse({"status": "SERVING" if serving else "NOT_SERVING"}, 200 if serving else 503)
 
     async def _openapi(self, request: Request) -> Response:
         return JSONResponse(self._document)
@@ -264,9 +275,12 @@ class HttpServer:
 
 
 def bound_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port (port 0: a free one); "::" takes IPv4 too, as gRPC's "[::]" does."""
+    """A TCP socket bound to host:port (port 0: a free one); "::" takes IPv4 too, as gRPC's "[::]" does. Its protocol
+    is named (IPPROTO_TCP), so that asyncio turns Nagle's algorithm off on each connection (TCP_NODELAY): with it on,
+    a response's body waits behind its headers for the client's delayed ACK, about 40 ms a call on a kept-alive
+    connection."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if family == socket.AF_INET6:
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)

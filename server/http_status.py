@@ -17,11 +17,12 @@ HTTP_STATUS = {
 
 
 class Aborted(Exception):
-    """A call the servicer ended with a status (HttpContext.abort)."""
+    """A call the servicer ended with a status (HttpContext.abort); retry_after: the seconds of its retry-after
+    trailer, if it had one."""
 
-    def __init__(self, code: grpc.StatusCode, details: str):
+    def __init__(self, code: grpc.StatusCode, details: str, retry_after: str | None = None):
         super().__init__(details)
-        self.code, self.details = code, details
+        self.code, self.details, self.retry_after = code, details, retry_after
 
 
 class HttpContext:
@@ -42,8 +43,8 @@ class HttpContext:
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
-    async def abort(self, code: grpc.StatusCode, details: str):
-        raise Aborted(code, details)
+    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata=None):
+        raise Aborted(code, details, dict(trailing_metadata or ()).get("retry-after"))
 
 
 def error_body(code: grpc.StatusCode, message: str) -> dict:

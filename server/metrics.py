@@ -5,7 +5,9 @@ touches prometheus_client. Each server has its own registry (tests run several i
 Every request and engine series carries the `model` label: the id of a served model, so its values are
 bounded by the models served; empty for a call refused before it could be routed to one. Request
 series also carry `mode`, the decoding mode (greedy, beam, sampling; empty for a call refused before
-its options were read); engine steps mix modes, so step series have none.
+its options were read); engine steps mix modes, so step series have none. RPC series carry `client` too: the name
+of the API key's client (server/auth.py; never the key), so bounded by the key file; empty on a server without
+keys and for a call without a known key.
 """
 
 from __future__ import annotations
@@ -50,12 +52,17 @@ class ServerMetrics:
         self._sentence_children: dict[tuple, tuple] = {}  # sentence(): by (model, mode, rpc, finish reason)
         self.input_tokens = Counter("nmtserve_input_tokens", "Source tokens of finished sentences", ["model", "mode"], registry=r)
         self.output_tokens = Counter("nmtserve_output_tokens", "Target tokens produced", ["model", "mode"], registry=r)
-        self.requests = Counter("nmtserve_requests", "Finished RPCs by status code", ["model", "mode", "rpc", "code"], registry=r)
+        self.requests = Counter("nmtserve_requests", "Finished RPCs by status code", ["model", "mode", "rpc", "code", "client"],
+                                registry=r)
         self.sentences = Counter("nmtserve_sentences", "Finished sentences by finish reason", ["model", "mode", "finish_reason"], registry=r)
         self.cancelled = Counter("nmtserve_cancelled_sentences", "Sentences dropped by client cancellation or deadline",
                                  ["model", "mode", "reason"], registry=r)
         self.rejected = Counter("nmtserve_rejected_requests", "RPCs refused before any work, by status code",
-                                ["model", "mode", "code"], registry=r)
+                                ["model", "mode", "code", "client"], registry=r)
+        self.quota_rejections = Counter("nmtserve_quota_rejections", "Calls refused for a client over its quota, by "
+                                        "quota (concurrency, characters)", ["client", "quota"], registry=r)
+        self.client_characters = Counter("nmtserve_client_characters", "Source characters of a client's answered "
+                                         "translation calls", ["client"], registry=r)
         self.running = Gauge("nmtserve_requests_running", "Requests (sentences) in the running batch", ["model"], registry=r)
         self.waiting = Gauge("nmtserve_requests_waiting", "Requests waiting for admission", ["model"], registry=r)
         self.model = Info("nmtserve_model", "The bundles being served, one series per model", ["model"], registry=r)
@@ -109,10 +116,17 @@ class ServerMetrics:
         if request.finished is not None:
             duration.observe(request.finished - request.arrived)
 
-    def rpc(self, model: str, mode: str, rpc: str, code: str, rejected: bool = False) -> None:
-        self.requests.labels(model, mode, rpc, code).inc()
+    def rpc(self, model: str, mode: str, rpc: str, code: str, client: str, characters: int = 0,
+            rejected: bool = False) -> None:
+        """A finished RPC; `characters`: the source characters of an answered one."""
+        self.requests.labels(model, mode, rpc, code, client).inc()
+        if characters:
+            self.client_characters.labels(client).inc(characters)
         if rejected:
-            self.rejected.labels(model, mode, code).inc()
+            self.rejected.labels(model, mode, code, client).inc()
+
+    def over_quota(self, client: str, quota: str) -> None:
+        self.quota_rejections.labels(client, quota).inc()
 
 
 class _Admissions:

@@ -34,6 +34,8 @@ _LIBRE_REQUEST = {"type": "object", "required": ["q", "target"], "properties": {
 _LIBRE_RESPONSE = {"type": "object", "required": ["translatedText"], "properties": {
     "translatedText": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
     "alternatives": {"type": "array", "items": {}}}}
+_HEALTH = {"type": "object", "required": ["status"], "properties": {
+    "status": {"type": "string", "enum": ["SERVING", "NOT_SERVING"]}}}
 _LANGUAGES = {"type": "array", "items": {"type": "object", "required": ["code", "name", "targets"], "properties": {
     "code": {"type": "string"}, "name": {"type": "string"}, "targets": {"type": "array", "items": {"type": "string"}}}}}
 
@@ -110,6 +112,10 @@ def openapi_document() -> dict:
                       **_errors({"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}})}}}
     paths["/languages"] = {"get": {"summary": "LibreTranslate's languages: each source language and its targets",
                                    "responses": {"200": {"description": "the languages", **_json(_LANGUAGES)}}}}
+    for path, summary in (("/livez", "Liveness: 200 while the process answers, draining or not"),
+                          ("/readyz", "Readiness: 200 while the server takes calls, 503 from the start of its drain")):
+        paths[path] = {"get": {"summary": summary, "responses": {
+            "200": {"description": "status", **_json(_HEALTH)}, "503": {"description": "draining", **_json(_HEALTH)}}}}
     paths["/openapi.json"] = {"get": {"summary": "This document",
                                       "responses": {"200": {"description": "OpenAPI 3.1", **_json({"type": "object"})}}}}
     schemas["Error"] = _ERROR
@@ -117,4 +123,8 @@ def openapi_document() -> dict:
             "info": {"title": "nmtserve", "version": nmtserve.__version__,
                      "description": "The gRPC service nmtserve.v1.TranslationService as JSON over HTTP, and "
                                     "LibreTranslate's API. Field meanings: docs/api.md."},
-            "paths": paths, "components": {"schemas": schemas}}
+            "paths": paths, "security": [{"apiKey": []}, {}],
+            "components": {"schemas": schemas, "securitySchemes": {"apiKey": {
+                "type": "http", "scheme": "bearer",
+                "description": "where the server has --api-keys: `authorization: Bearer KEY` (401 without a known key, "
+                               "403 for a model the key's client may not use, 429 with Retry-After over its quota)"}}}}

@@ -7,6 +7,8 @@ raised while a call is validated and submitted, `_EARLY_FINISH` for requests the
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import json
 import logging
 import time
@@ -24,12 +26,15 @@ from nmtserve.server.documents import MIME_TYPES, rejoin
 from nmtserve.server.engine import EngineOverloaded, EngineStopped
 from nmtserve.server.metrics import ServerMetrics
 from nmtserve.server.models import ServedModel, route
+from nmtserve.server.quotas import ClientQuota, QuotaExceeded
 from nmtserve.server.request import FinishReason, Request
 from nmtserve.tokenizer import StreamDecoder
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 
 log = logging.getLogger("nmtserve.server")
+OVERLOADED_RETRY_SECONDS = 1  # retry-after with a full queue: a running batch frees rows every step
+
 
 class ResponseTooLarge(NmtserveError):
     """A response message over --max-message-bytes: grpc's write of it would fail."""
@@ -49,7 +54,7 @@ def _status_of(exc: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.UNAUTHENTICATED
     if isinstance(exc, PermissionDenied):
         return grpc.StatusCode.PERMISSION_DENIED
-    if isinstance(exc, EngineOverloaded | ResponseTooLarge):
+    if isinstance(exc, EngineOverloaded | ResponseTooLarge | QuotaExceeded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, EngineStopped):
         return grpc.StatusCode.UNAVAILABLE
@@ -66,11 +71,51 @@ class _Call:
     started: float = field(default_factory=time.monotonic)
     client: str = ""  # the API key's client, where the server has keys
     resumed: float | None = None  # when a unary call's handler resumed, its sentences decoded (Timings.resumed_ns)
+    quota: ClientQuota | None = None  # its client's, while the call holds one of the client's slots
+    charged: int = 0  # characters taken from the client's quota
 
     def cancel(self) -> None:
         """Free the call's rows at the engine's next step."""
         for r in self.requests:
             r.cancel()
+
+    def leave(self) -> None:
+        """The call is over: its slot in its client's quota is free."""
+        if self.quota is not None:
+            self.quota.leave()
+            self.quota = None
+
+
+def _rpc(method):
+    """A translation RPC's handler, given its _Call: however the call ends (answered, failed, cancelled, a stream
+    closed early), the slot it holds in its client's quota is freed."""
+    name = method.__name__
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def stream(self, request, context):
+            call = self._call(name)
+            try:
+                async for item in method(self, call, request, context):
+                    yield item
+            finally:
+                call.leave()
+        return stream
+
+    @functools.wraps(method)
+    async def unary(self, request, context):
+        call = self._call(name)
+        try:
+            return await method(self, call, request, context)
+        finally:
+            call.leave()
+    return unary
+
+
+def _retry_after(exc: Exception) -> int | None:
+    """Seconds after which a RESOURCE_EXHAUSTED call may pass: a full queue's or the client's quota's."""
+    if isinstance(exc, EngineOverloaded):
+        return OVERLOADED_RETRY_SECONDS
+    return exc.retry_after if isinstance(exc, QuotaExceeded) else None
 
 
 def _log_line(call: _Call, code: str) -> None:
@@ -108,12 +153,23 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
 
     def _allow(self, call: _Call, context, model: str | None) -> None:
         """Unauthenticated or PermissionDenied unless the call's key is a client's that may use the model (any
-        model: None); nothing on a server without keys."""
+        model: None); then a translation call takes a slot of its client's quota (QuotaExceeded where none is
+        free). Nothing on a server without keys."""
         if self.keys is not None:
             client = self.keys.client(bearer(context.invocation_metadata()))
             call.client = client.name
             if model is not None:
                 self.keys.allow(client, model)
+                quota = self.keys.quota(client)
+                quota.enter()
+                call.quota = quota
+
+    @staticmethod
+    def _charge(call: _Call, chars: int) -> None:
+        """Take the call's source characters from its client's quota, before any of it is submitted."""
+        if call.quota is not None:
+            call.quota.charge(chars)
+            call.charged = chars
 
     @staticmethod
     def _options(call: _Call, model: ServedModel, request) -> tuple[int, DecodingOptions, bool]:
@@ -143,15 +199,21 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         """End the call with exc's status; `rejected`: refused while it was checked and submitted,
         before any work (its submitted requests are cancelled)."""
         call.cancel()
+        if rejected and call.charged:
+            call.quota.refund(call.charged)
         code = _status_of(exc)
-        self.metrics.rpc(call.model, call.mode, call.rpc, code.name, rejected=rejected)
+        self.metrics.rpc(call.model, call.mode, call.rpc, code.name, call.client,
+                         rejected=rejected and not isinstance(exc, QuotaExceeded))
+        if isinstance(exc, QuotaExceeded):
+            self.metrics.over_quota(call.client, exc.quota)
         _log_line(call, code.name)
-        await context.abort(code, str(exc))
+        retry_after = _retry_after(exc)
+        await context.abort(code, str(exc), () if retry_after is None else (("retry-after", str(retry_after)),))
 
     def _cancelled(self, call: _Call) -> None:
         """The client went away: free the rows at the next step."""
         call.cancel()
-        self.metrics.rpc(call.model, call.mode, call.rpc, "CANCELLED")
+        self.metrics.rpc(call.model, call.mode, call.rpc, "CANCELLED", call.client)
 
     async def _fit(self, call: _Call, message, context):
         """The message, if grpc can send it: a write over the message size limit fails inside grpc, after
@@ -165,7 +227,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         return message
 
     def _succeed(self, call: _Call) -> None:
-        self.metrics.rpc(call.model, call.mode, call.rpc, "OK")
+        self.metrics.rpc(call.model, call.mode, call.rpc, "OK", call.client, call.charged)
         _log_line(call, "OK")
 
     def _submit(self, call: _Call, model: ServedModel, request: Request) -> None:
@@ -186,7 +248,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                 log.error("request %s failed in the engine: %s", request.id, request.error)
             code, what = _EARLY_FINISH[request.finish]
             message = f"request {request.id} {what}"
-            self.metrics.rpc(call.model, call.mode, call.rpc, code.name)
+            self.metrics.rpc(call.model, call.mode, call.rpc, code.name, call.client)
             _log_line(call, code.name)
             if request.finish is not FinishReason.ERROR and getattr(context, "ends_late_calls", True):
                 # the client's own deadline or cancellation already gave it this status, and gRPC may
@@ -196,8 +258,8 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             await context.abort(code, message)
 
     # -- RPCs
-    async def Translate(self, request: pb.TranslateRequest, context) -> pb.TranslateResponse:
-        call = self._call("Translate")
+    @_rpc
+    async def Translate(self, call: _Call, request: pb.TranslateRequest, context) -> pb.TranslateResponse:
         try:
             model = self._model(call, request, context)
             n = len(request.sentences)
@@ -206,6 +268,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             options = self._options(call, model, request)
             language = model.language_token(request.target_language)
             sources = [model.source(f"sentences[{i}]", s, language) for i, s in enumerate(request.sentences)]
+            self._charge(call, sum(len(s) for s in request.sentences))
             pairs = [self._request(call, ids, options, context) for ids in sources]
             for engine_request, _ in pairs:
                 self._submit(call, model, engine_request)
@@ -224,13 +287,14 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         self._succeed(call)
         return response
 
-    async def TranslateStream(self, request: pb.TranslateStreamRequest, context):
+    @_rpc
+    async def TranslateStream(self, call: _Call, request: pb.TranslateStreamRequest, context):
         tokens = Inbox(self.wakeups)
-        call = self._call("TranslateStream")
         try:
             model = self._model(call, request, context)
             options = self._options(call, model, request)
             ids = model.source("sentence", request.sentence, model.language_token(request.target_language))
+            self._charge(call, len(request.sentence))
             engine_request, future = self._request(call, ids, options, context, on_token=lambda r, t: tokens.put(t),
                                                    on_done=lambda: tokens.put(None))  # after the last token
             self._submit(call, model, engine_request)
@@ -277,6 +341,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         options = self._options(call, model, request)
         language = model.language_token(request.target_language)
         pieces = [model.text_pieces(field, text, language) for field, text in texts]
+        self._charge(call, sum(len(text) for _, text in texts))
         documents = [(spans, [self._request(call, piece, options, context) if piece else None for piece in ids])
                      for spans, ids in pieces]
         for _, pairs in documents:
@@ -288,8 +353,8 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
     def _piece_text(model: ServedModel, text: str, span: tuple[int, int], pair) -> str:
         return model.tokenizer.decode(pair[0].tokens) if pair else text[span[0]:span[1]]
 
-    async def TranslateText(self, request: pb.TranslateTextRequest, context) -> pb.TranslateTextResponse:
-        call = self._call("TranslateText")
+    @_rpc
+    async def TranslateText(self, call: _Call, request: pb.TranslateTextRequest, context) -> pb.TranslateTextResponse:
         try:
             model = self._model(call, request, context)
             n, chars = len(request.texts), sum(len(t) for t in request.texts)
@@ -320,8 +385,8 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         self._succeed(call)
         return response
 
-    async def TranslateTextStream(self, request: pb.TranslateTextStreamRequest, context):
-        call = self._call("TranslateTextStream")
+    @_rpc
+    async def TranslateTextStream(self, call: _Call, request: pb.TranslateTextStreamRequest, context):
         try:
             model = self._model(call, request, context)
             [(spans, pairs)] = self._text_requests(call, model, [("text", request.text)], request, context)

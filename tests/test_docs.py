@@ -30,7 +30,8 @@ def _populated() -> ServerMetrics:
     metrics.sentence("m", "Translate", Request([1, 2], finish=FinishReason.EOS, tokens=[3, 4], admitted=now,
                                                first_token=now, finished=now))
     metrics.sentence("m", "Translate", Request([1], finish=FinishReason.CANCELLED))
-    metrics.rpc("m", "greedy", "Translate", "OK", rejected=True)
+    metrics.rpc("m", "greedy", "Translate", "OK", "web", characters=7, rejected=True)
+    metrics.over_quota("web", "characters")
     metrics.model.labels("m").info({"bundle": "b", "variant": "fp32", "device": "cpu"})
     return metrics
 

@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from nmtserve.loadtests.workload import free_port
+from nmtserve.server.auth import client_entry
 from nmtserve.server.config import ServerConfig
 from nmtserve.training.data import read_tsv
 from nmtserve.v1 import translation_pb2 as pb
@@ -21,7 +22,10 @@ from tests.helpers import ROOT, TARGET_LABELS, ServerThread, exported_series, me
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "nmtserve-dashboard.json"
 # Grafana's variables, as a local Prometheus without Kubernetes labels must read them
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$namespace": ".*", "$pod": ".*", "$model": ".*"}
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$namespace": ".*", "$pod": ".*", "$model": ".*", "$client": ".*"}
+# series of an API key's client that no model labels: filtered by the client variable instead
+CLIENT_SERIES = ("nmtserve_quota_rejections_total", "nmtserve_client_characters_total")
+DASH, TIGHT = "key-of-the-dashboards-client", "key-of-a-client-of-ten-characters-a-minute"
 
 
 def dashboard_queries() -> dict[str, str]:
@@ -49,15 +53,18 @@ def test_the_dashboard_covers_the_server_and_names_only_exported_metrics():
     exported = exported_series()
     used = set().union(*map(metric_names, queries.values()))
     assert used <= exported, f"not exported by server/metrics.py: {sorted(used - exported)}"
-    # throughput, latency percentiles, TTFT, queue, batch rows, rejections, cancellations
+    # throughput, latency percentiles, TTFT, queue, batch rows, rejections, cancellations, per-client traffic
     for needed in ("nmtserve_sentences_total", "nmtserve_output_tokens_total", "nmtserve_request_duration_seconds_bucket",
                    "nmtserve_time_to_first_token_seconds_bucket", "nmtserve_request_queue_seconds_bucket",
                    "nmtserve_requests_waiting", "nmtserve_step_rows_bucket", "nmtserve_rejected_requests_total",
-                   "nmtserve_cancelled_sentences_total"):
+                   "nmtserve_cancelled_sentences_total", *CLIENT_SERIES):
         assert needed in used, f"no panel queries {needed}"
     panel_queries = {name: expr for name, expr in queries.items() if not name.startswith("variable ")}
-    unfiltered = [name for name, expr in panel_queries.items() if expr.count('model=~"$model"') != expr.count("nmtserve_")]
-    assert not unfiltered, f"every series a panel reads must be filtered by the model variable: {unfiltered}"
+    unfiltered = [name for name, expr in panel_queries.items()
+                  if expr.count('model=~"$model"') + sum(expr.count(f'{m}{{') for m in CLIENT_SERIES)
+                  != expr.count("nmtserve_")
+                  or sum(expr.count(f'{m}{{') for m in CLIENT_SERIES) > expr.count('client=~"$client"')]
+    assert not unfiltered, f"every series a panel reads must be filtered by the model (or client) variable: {unfiltered}"
     board = json.loads(DASHBOARD.read_text())
     datasources = {json.dumps(p.get("datasource")) for p in board["panels"] if p["type"] != "row"}
     assert datasources == {json.dumps({"type": "prometheus", "uid": "${datasource}"})}, "panels must use the datasource variable"
@@ -108,17 +115,24 @@ class Prometheus:
 
 def test_every_dashboard_query_returns_data_from_a_real_prometheus(tiny_bundle, tiny_corpus, tmp_path):
     sentences = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs][:8]
+    keys = tmp_path / "keys.toml"
+    keys.write_text(client_entry("dashboard", DASH) + client_entry("tight", TIGHT, chars_per_minute=10))
     server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=0,
-                                       max_decoding_length=64))
+                                                  max_decoding_length=64, api_keys=str(keys)))
+    key = [("authorization", f"Bearer {DASH}")]
 
     def traffic(round_: int) -> None:
         with server.channel() as channel:
             stub = pb_grpc.TranslationServiceStub(channel)
-            responses = [stub.Translate(pb.TranslateRequest(sentences=sentences[i:i + 2]), timeout=30) for i in (0, 2, 4)]
+            responses = [stub.Translate(pb.TranslateRequest(sentences=sentences[i:i + 2]), metadata=key, timeout=30)
+                         for i in (0, 2, 4)]
             assert all(t.text for r in responses for t in r.translations)
-            list(stub.TranslateStream(pb.TranslateStreamRequest(sentence=sentences[6]), timeout=30))
+            list(stub.TranslateStream(pb.TranslateStreamRequest(sentence=sentences[6]), metadata=key, timeout=30))
+            with pytest.raises(grpc.RpcError):  # over the tight client's quota: a call of more than 10 characters
+                stub.Translate(pb.TranslateRequest(sentences=[sentences[7]]), timeout=5,
+                               metadata=[("authorization", f"Bearer {TIGHT}")])
             with pytest.raises(grpc.RpcError):
-                stub.Translate(pb.TranslateRequest(sentences=[""]), timeout=5)  # a rejection, the last call
+                stub.Translate(pb.TranslateRequest(sentences=[""]), metadata=key, timeout=5)  # a rejection, the last call
         # a scrape after all of it
         prometheus.wait_for(f'nmtserve_rejected_requests_total{{code="INVALID_ARGUMENT"}} >= {round_}')
 

@@ -13,7 +13,7 @@ from nmtserve.server.config import ServerConfig, env_name, flag_fields
 from tests.helpers import ROOT
 
 KUBE = ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("cpu", "gpu", "multi-model")
+OVERLAYS = ("cpu", "gpu", "multi-model", "api-keys")
 KUBERNETES_VERSION = "1.30.0"  # the oldest release with the preStop `sleep` action (beta, on by default)
 
 
@@ -50,12 +50,16 @@ def test_ports_probes_and_env_agree_with_the_server(rendered):
     known = {env_name(f.name) for _, f in flag_fields()}
     assert set(config) <= known, set(config) - known
     grpc_port, metrics_port = int(config.get("NMTSERVE_PORT", defaults["port"])), int(config.get("NMTSERVE_METRICS_PORT", defaults["metrics_port"]))
+    http_port = int(config.get("NMTSERVE_HTTP_PORT", defaults["http_port"]))
     container = docs["Deployment"]["spec"]["template"]["spec"]["containers"][0]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": grpc_port, "metrics": metrics_port}
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    assert ports == {"grpc": grpc_port, "metrics": metrics_port, "http": http_port}
+    for probe in ("startupProbe", "readinessProbe"):
         assert container[probe]["grpc"]["port"] == grpc_port
     assert container["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
+    assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": http_port}  # a route of server/http.py
+    allowed = {p["port"] for rule in docs["NetworkPolicy"]["spec"]["ingress"] for p in rule["ports"]}
+    assert allowed == {grpc_port, http_port, metrics_port}
     service_ports = {p["name"]: p["targetPort"] for p in docs["Service"]["spec"]["ports"]}
     assert set(service_ports.values()) <= set(ports) and docs["Service"]["spec"]["clusterIP"] == "None"
     assert docs["ServiceMonitor"]["spec"]["endpoints"][0]["port"] in service_ports
@@ -99,3 +103,21 @@ def test_the_multi_model_overlay_mounts_the_models_file_the_server_reads():
     assert volume["configMap"]["name"] == models["metadata"]["name"]
     entries = tomllib.loads(models["data"]["models.toml"])["models"]
     assert len(entries) == 2 and all(set(e) <= set(SPEC_KEYS) and "bundle" in e for e in entries)
+
+
+def test_the_api_keys_overlay_mounts_a_key_file_the_server_reads(tmp_path):
+    import base64
+    from pathlib import PurePosixPath
+
+    from nmtserve.server.auth import read_clients
+
+    docs = render("api-keys")
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "api-keys")
+    volume = next(v for v in pod["volumes"] if v["name"] == "api-keys")
+    secret = docs["Secret"]
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"] and mount["readOnly"] is True
+    [(name, data)] = secret["data"].items()
+    assert str(PurePosixPath(mount["mountPath"]) / name) == docs["ConfigMap"]["data"]["NMTSERVE_API_KEYS"]
+    (tmp_path / name).write_bytes(base64.b64decode(data))
+    assert read_clients(tmp_path / name)  # the file parses as the server parses it

@@ -1,5 +1,6 @@
 """`nmtserve loadtest` headless against a real server with the tiny bundle, and the SLO checker."""
 
+import json
 import re
 
 import pytest
@@ -32,6 +33,44 @@ def test_short_steady_run_has_no_failure_and_writes_every_result(steady_run):
     line = next(line for line in result.stdout.splitlines() if line.startswith("where the time went"))
     call, queue, decoding, outside = map(float, re.findall(r"([\d.]+) ms", line))
     assert call > 0 and decoding > 0 and queue >= 0 and outside >= 0 and "the largest share: " in line, line
+
+
+def test_the_http_front_under_load_with_an_api_key_has_the_same_entries_and_meets_the_slo(tiny_bundle, tmp_path):
+    """--protocol http: the same users through the HTTP/JSON front (streams as server-sent events), each call with
+    the client's key (a server with --api-keys), checked against an SLO file as a gRPC run is."""
+    from nmtserve.server.auth import client_entry
+
+    keys, slo = tmp_path / "keys.toml", tmp_path / "slo.toml"
+    keys.write_text(client_entry("locust", "key-of-the-load-test"))
+    slo.write_text("p95_latency_ms = 60000\np95_time_to_first_token_ms = 60000\nmax_error_rate = 0.0\n"
+                   "min_throughput_rps = 0.5\n")
+    out = tmp_path / "run"
+    result = run_cli("loadtest", str(tiny_bundle), "--protocol", "http", "--scenario", "steady", "--seconds", "10",
+                     "--peak-users", "4", "--out", str(out), f"--server-flag=--api-keys={keys}", "--slo", str(slo),
+                     timeout=240, env={"NMTSERVE_API_KEY": "key-of-the-load-test"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "(http)" in result.stdout and "measured: p95_latency_ms" in result.stdout
+    assert "SLO violated" not in result.stdout
+    stats = read_stats(out / "stats_stats.csv")
+    for name in ("Translate", "TranslateStream", "TranslateStream TTFT", "TranslateText"):
+        assert stats[name]["Request Count"] > 0, name
+    assert sum(row["Failure Count"] for row in stats.values()) == 0
+    calls = [json.loads(line.split(" ", 4)[-1]) for line in (out / "server.log").read_text().splitlines()
+             if '"rpc": "Translate' in line]
+    assert calls and all(c["client"] == "locust" and c["code"] == "OK" for c in calls)
+
+
+def test_without_the_key_every_http_call_fails_as_unauthenticated(tiny_bundle, tmp_path):
+    from nmtserve.server.auth import client_entry
+
+    keys = tmp_path / "keys.toml"
+    keys.write_text(client_entry("locust", "key-of-the-load-test"))
+    result = run_cli("loadtest", str(tiny_bundle), "--protocol", "http", "--scenario", "steady", "--seconds", "4",
+                     "--peak-users", "2", "--out", str(tmp_path / "run"), f"--server-flag=--api-keys={keys}",
+                     timeout=240, env={"NMTSERVE_API_KEY": ""})
+    assert result.returncode == 1
+    failures = (tmp_path / "run" / "stats_failures.csv").read_text()
+    assert "UNAUTHENTICATED" in failures
 
 
 def test_the_bottleneck_named_is_the_largest_share_of_a_calls_time():

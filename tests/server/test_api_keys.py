@@ -2,7 +2,6 @@
 the client may not use PERMISSION_DENIED (403); health stays open; the file is read again when it changes, and a
 broken one keeps the keys in force; the CLI sends its key; keys never reach the log."""
 
-import hashlib
 import logging
 import os
 
@@ -14,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nmtserve.errors import ConfigError
 from nmtserve.server import auth
 from nmtserve.server.app import start_server
+from nmtserve.server.auth import client_entry
 from nmtserve.server.config import ServerConfig
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
@@ -22,15 +22,10 @@ from tests.helpers import ServerThread, run_cli
 WEB, NARROW, LATER = "key-of-the-web-front-end", "key-of-a-client-of-fr-en-only", "a-key-added-while-serving"
 
 
-def _entry(name: str, key: str, models: list[str] | None = None) -> str:
-    listed = "" if models is None else f"models = {models!r}\n".replace("'", '"')
-    return f'[[client]]\nname = "{name}"\nsha256 = "{hashlib.sha256(key.encode()).hexdigest()}"\n{listed}\n'
-
-
 @pytest.fixture(scope="module")
 def keyed(tiny_bundle, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.toml"
-    keys.write_text(_entry("web", WEB) + _entry("narrow", NARROW, ["fr-en"]))
+    keys.write_text(client_entry("web", WEB) + client_entry("narrow", NARROW, ["fr-en"]))
     server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
                                                   http_port=0, api_keys=str(keys), max_decoding_length=32))
     server.keys, server.url = keys, f"http://127.0.0.1:{server.running.http_port}"
@@ -91,7 +86,7 @@ def test_the_key_file_is_read_again_when_it_changes_and_a_broken_one_keeps_the_k
     assert _refused(keyed, LATER).code() == grpc.StatusCode.UNAUTHENTICATED
     before = keyed.keys.read_text()
     try:
-        keyed.keys.write_text(before + _entry("later", LATER))
+        keyed.keys.write_text(before + client_entry("later", LATER))
         os.utime(keyed.keys, ns=(1, 1))  # a stamp of its own, whatever the file system's clock
         assert _translate(keyed, LATER).translations  # no restart
         keyed.keys.write_text(before + '[[client]]\nname = "broken"\n')
@@ -114,6 +109,8 @@ def test_the_cli_sends_its_key(keyed):
     ('[[client]]\nname = "a"\nsha256 = "abc"\n', "sha256 must be 64 hexadecimal digits"),
     ('[[client]]\nsha256 = "' + "0" * 64 + '"\n', "name None"),
     ('[[client]]\nname = "a"\nsha256 = "' + "0" * 64 + '"\nkey = "in clear"\n', "unknown fields ['key']"),
+    ('[[client]]\nname = "a"\nsha256 = "' + "0" * 64 + '"\nmax_concurrent = 0\n', "max_concurrent 0 must be a whole"),
+    ('[[client]]\nname = "a"\nsha256 = "' + "0" * 64 + '"\nchars_per_minute = 1.5\n', "chars_per_minute 1.5 must"),
     ("not toml [", "--api-keys"),
 ])
 def test_a_bad_key_file_stops_the_start_naming_the_problem(tiny_bundle, tmp_path, text, message):
@@ -125,3 +122,14 @@ def test_a_bad_key_file_stops_the_start_naming_the_problem(tiny_bundle, tmp_path
                                      api_keys=str(keys))
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         asyncio.run(start_server(config))
+
+
+def test_the_api_key_command_prints_the_key_once_and_a_file_entry_with_only_its_digest(tmp_path):
+    done = run_cli("api-key", "web", "--model", "en-fr", "--chars-per-minute", "600")
+    assert done.returncode == 0, done.stderr
+    key = done.stderr.strip().rsplit(" ", 1)[-1]
+    assert key.startswith("nmt-") and key not in done.stdout
+    (tmp_path / "keys.toml").write_text(done.stdout)
+    [client] = auth.read_clients(tmp_path / "keys.toml")
+    assert (client.name, client.digest, client.models, client.chars_per_minute, client.max_concurrent) == (
+        "web", auth.digest_of(key), frozenset({"en-fr"}), 600, None)

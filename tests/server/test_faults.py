@@ -168,7 +168,7 @@ def test_a_response_too_large_to_send_fails_alone_with_its_sizes(tiny_bundle, ca
             [model] = server.running.models
             assert registry.get_sample_value("nmtserve_requests_total",
                                              {"model": model, "mode": "greedy", "rpc": rpc,
-                                              "code": "RESOURCE_EXHAUSTED"}) == 1
+                                              "code": "RESOURCE_EXHAUSTED", "client": ""}) == 1
             wait_engine_idle(server.running.engine, 20)
             assert server.running.engine.stats()["running"] == server.running.engine.stats()["waiting"] == 0
         finally:

@@ -10,8 +10,9 @@ import requests
 from openapi_spec_validator import validate
 
 from nmtserve.server.config import ServerConfig
-from nmtserve.server.http import RETRY_AFTER_SECONDS, error_response
-from nmtserve.server.http_status import HTTP_STATUS
+from nmtserve.server.http import error_response
+from nmtserve.server.http_status import HTTP_STATUS, Aborted
+from nmtserve.server.service import OVERLOADED_RETRY_SECONDS
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 from tests.helpers import ServerThread
@@ -120,19 +121,24 @@ def test_deadlines_and_draining_keep_grpcs_codes(server):
     bad = requests.post(f"{server.url}/v1/translate", json={"sentences": ["a"]}, headers={"X-Server-Timeout": "soon"},
                         timeout=30)
     assert bad.status_code == 400 and "x-server-timeout header 'soon'" in bad.json()["error"]["message"]
+    assert requests.get(f"{server.url}/readyz", timeout=30).json() == {"status": "SERVING"}
     server.running.servicer.accepting = False  # as while draining
     try:
         refused = requests.post(f"{server.url}/v1/translate", json={"sentences": ["a"]}, timeout=30)
+        ready = requests.get(f"{server.url}/readyz", timeout=30)
+        alive = requests.get(f"{server.url}/livez", timeout=30)
     finally:
         server.running.servicer.accepting = True
     assert refused.status_code == 503 and refused.json()["error"]["status"] == "UNAVAILABLE"
+    assert ready.status_code == 503 and ready.json() == {"status": "NOT_SERVING"}
+    assert alive.status_code == 200  # liveness holds through the drain: Kubernetes must not restart a draining pod
 
 
 def test_status_codes_follow_grpcs_http_mapping():
     assert {code.name: status for code, status in HTTP_STATUS.items()} == {
         "INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "NOT_FOUND": 404,
         "RESOURCE_EXHAUSTED": 429, "CANCELLED": 499, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504, "INTERNAL": 500}
-    assert error_response(grpc.StatusCode.UNKNOWN, "x").status_code == 500
+    assert error_response(Aborted(grpc.StatusCode.UNKNOWN, "x")).status_code == 500
 
 
 def test_a_full_queue_is_429_with_retry_after_and_the_others_are_served(tiny_bundle):
@@ -152,7 +158,7 @@ def test_a_full_queue_is_429_with_retry_after_and_the_others_are_served(tiny_bun
         small.stop()
     full = [a for a in answers if a.status_code == 429]
     assert full and all(a.status_code in (200, 429) for a in answers)
-    assert all(a.headers["retry-after"] == str(RETRY_AFTER_SECONDS) for a in full)
+    assert all(a.headers["retry-after"] == str(OVERLOADED_RETRY_SECONDS) for a in full)
     assert all(a.json()["error"]["status"] == "RESOURCE_EXHAUSTED" for a in full)
     assert all(a.json()["translations"][0]["text"] for a in answers if a.status_code == 200)
 
@@ -186,7 +192,7 @@ def test_the_openapi_document_is_valid_and_describes_the_responses(server):
     document = requests.get(f"{server.url}/openapi.json", timeout=30).json()
     validate(document)
     assert {"/v1/translate", "/v1/translate:stream", "/v1/translateText", "/v1/translateText:stream", "/v1/models",
-            "/v1/models/{model}", "/translate", "/languages", "/openapi.json"} == set(document["paths"])
+            "/v1/models/{model}", "/translate", "/languages", "/livez", "/readyz", "/openapi.json"} == set(document["paths"])
     translated = requests.post(f"{server.url}/v1/translate", json={"sentences": SENTENCES,
                                                                    "options": {"returnScores": True}}, timeout=60).json()
     jsonschema.validate(translated, _schema_of(document, "TranslateResponse"))
@@ -196,3 +202,15 @@ def test_the_openapi_document_is_valid_and_describes_the_responses(server):
     jsonschema.validate(error, _schema_of(document, "Error"))
     with pytest.raises(jsonschema.ValidationError):  # the schemas say something: a wrong type fails them
         jsonschema.validate({"translations": [{"text": 5}]}, _schema_of(document, "TranslateResponse"))
+
+
+def test_connections_have_nagles_algorithm_off(server):
+    """TCP_NODELAY on every accepted connection: with Nagle's algorithm on, a kept-alive connection's response body
+    waits behind its headers for the client's delayed ACK (tens of milliseconds a call)."""
+    import socket
+
+    with requests.Session() as session:  # one kept-alive connection, open while the server's side is looked at
+        assert session.post(f"{server.url}/v1/translate", json={"sentences": ["a"]}, timeout=30).status_code == 200
+        connections = server.running.http._server.server_state.connections
+        sockets = [c.transport.get_extra_info("socket") for c in list(connections)]
+        assert sockets and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)

@@ -55,9 +55,9 @@ def test_scrape_agrees_with_traffic_and_static_batching_gives_the_same_text(tiny
                 t.finish_reason == pb.FINISH_REASON_EOS for t in translations)
             assert delta("nmtserve_sentences_total", finish_reason="length") == sum(
                 t.finish_reason == pb.FINISH_REASON_LENGTH for t in translations)
-            assert delta("nmtserve_requests_total", code="OK", rpc="Translate") == 3
-            assert delta("nmtserve_requests_total", code="INVALID_ARGUMENT", rpc="Translate") == 1
-            assert delta("nmtserve_rejected_requests_total", code="INVALID_ARGUMENT") == 1
+            assert delta("nmtserve_requests_total", code="OK", rpc="Translate", client="") == 3
+            assert delta("nmtserve_requests_total", code="INVALID_ARGUMENT", rpc="Translate", client="") == 1
+            assert delta("nmtserve_rejected_requests_total", code="INVALID_ARGUMENT", client="") == 1
             assert delta("nmtserve_time_to_first_token_seconds_count") == 6
             assert delta("nmtserve_request_duration_seconds_count", rpc="Translate") == 6
             assert delta("nmtserve_step_duration_seconds_count", mode=None) > 0
