@@ -11,16 +11,17 @@ from nmtserve.loadtests.workload import mixed
 
 
 class Flood:
-    """Closed-loop clients calling one model until stopped, as fast as they can (a refusal is not waited out:
-    its retry-after is ignored, as a misbehaving client would); counts the sentences translated and the calls
-    refused with RESOURCE_EXHAUSTED. A client stops at any other error (`errors`)."""
+    """Closed-loop clients calling one model until stopped, as fast as they can; counts the sentences translated
+    and the calls refused with RESOURCE_EXHAUSTED. A refusal is sent again at once, as a misbehaving client
+    would, or with `polite` after the seconds of its retry-after trailer, as a client library would. A client
+    stops at any other error (`errors`)."""
 
     def __init__(self, stub, model: str, pool: list[str], clients: int, per_call: int, seed: int, options,
-                 metadata=None):
+                 metadata=None, polite: bool = False):
         from nmtserve.v1 import translation_pb2 as pb
 
         self.done, self.rejected, self.errors, self.lock, self.stop = 0, 0, [], threading.Lock(), threading.Event()
-        self.metadata = metadata
+        self.metadata, self.polite = metadata, polite
         calls = [pb.TranslateRequest(sentences=mixed(pool, per_call, seed=seed * 1000 + i), model=model,
                                      options=options) for i in range(clients)]
         self.threads = [threading.Thread(target=self._client, args=(stub, call)) for call in calls]
@@ -35,6 +36,8 @@ class Flood:
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     with self.lock:
                         self.rejected += 1
+                    if self.polite:
+                        self.stop.wait(float(dict(e.trailing_metadata() or ()).get("retry-after", 1)))
                     continue
                 self.errors.append(f"{e.code().name}: {e.details()}")
                 return
@@ -50,6 +53,55 @@ class Flood:
         self.stop.set()
         for t in self.threads:
             t.join()
+
+
+class FloodProcess:
+    """A Flood in a process of its own, with its own channel: a flood that spins on refusals holds its process's
+    GIL, which the probes of a Flood in their own process would wait for. `done` and `rejected` as Flood's."""
+
+    def __init__(self, target: str, model: str, pool: list[str], clients: int, per_call: int, seed: int, options,
+                 metadata=None, polite: bool = False):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self._done, self._rejected, self._stop = context.Value("q", 0), context.Value("q", 0), context.Event()
+        self._errors = context.Queue()
+        self.process = context.Process(target=_flood_process, daemon=True, args=(
+            target, model, pool, clients, per_call, seed, options.SerializeToString(), metadata, polite,
+            self._done, self._rejected, self._stop, self._errors))
+
+    @property
+    def done(self) -> int:
+        return self._done.value
+
+    @property
+    def rejected(self) -> int:
+        return self._rejected.value
+
+    def __enter__(self) -> FloodProcess:
+        self.process.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self.process.join(60)
+        self.errors = [] if self._errors.empty() else self._errors.get()
+
+
+def _flood_process(target, model, pool, clients, per_call, seed, options, metadata, polite, done, rejected, stop,
+                   errors) -> None:
+    from nmtserve.client import open_channel
+    from nmtserve.v1 import translation_pb2 as pb
+    from nmtserve.v1 import translation_pb2_grpc as pb_grpc
+
+    with open_channel(target) as channel:
+        flood = Flood(pb_grpc.TranslationServiceStub(channel), model, pool, clients, per_call, seed,
+                      pb.DecodingOptions.FromString(options), metadata, polite)
+        with flood:
+            while not stop.wait(0.05):
+                done.value, rejected.value = flood.done, flood.rejected
+        done.value, rejected.value = flood.done, flood.rejected
+        errors.put(flood.errors)
 
 
 def probe(stub, model: str, sentences: list[str], options, seconds: float = 0.0, metadata=None) -> list[float]:

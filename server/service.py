@@ -118,10 +118,10 @@ def _retry_after(exc: Exception) -> int | None:
     return exc.retry_after if isinstance(exc, QuotaExceeded) else None
 
 
-def _log_line(call: _Call, code: str) -> None:
+def _log_line(call: _Call, code: str, level: int = logging.INFO) -> None:
     """One structured line per RPC: id, sizes, timings, status."""
     requests = call.requests
-    log.info(json.dumps({
+    log.log(level, json.dumps({
         "rpc": call.rpc, "model": call.model, "client": call.client, "mode": call.mode, "code": code, "ids": [r.id for r in requests], "sentences": len(requests),
         "input_tokens": sum(len(r.src_ids) for r in requests), "output_tokens": sum(len(r.tokens) for r in requests),
         "queue_ms": round(max(((r.admitted or r.arrived) - r.arrived) * 1e3 for r in requests), 2) if requests else None,
@@ -204,9 +204,9 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         code = _status_of(exc)
         self.metrics.rpc(call.model, call.mode, call.rpc, code.name, call.client,
                          rejected=rejected and not isinstance(exc, QuotaExceeded))
-        if isinstance(exc, QuotaExceeded):
+        if isinstance(exc, QuotaExceeded):  # counted; logged at DEBUG: a client's flood would be a line a refusal
             self.metrics.over_quota(call.client, exc.quota)
-        _log_line(call, code.name)
+        _log_line(call, code.name, logging.DEBUG if isinstance(exc, QuotaExceeded) else logging.INFO)
         retry_after = _retry_after(exc)
         await context.abort(code, str(exc), () if retry_after is None else (("retry-after", str(retry_after)),))
 
@@ -265,10 +265,10 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             n = len(request.sentences)
             if not 1 <= n <= self.config.limits.max_sentences:
                 raise InvalidRequest(f"sentences: {n} given, between 1 and {self.config.limits.max_sentences} accepted")
+            self._charge(call, sum(len(s) for s in request.sentences))  # first: a refusal is cheap
             options = self._options(call, model, request)
             language = model.language_token(request.target_language)
             sources = [model.source(f"sentences[{i}]", s, language) for i, s in enumerate(request.sentences)]
-            self._charge(call, sum(len(s) for s in request.sentences))
             pairs = [self._request(call, ids, options, context) for ids in sources]
             for engine_request, _ in pairs:
                 self._submit(call, model, engine_request)
@@ -292,9 +292,9 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         tokens = Inbox(self.wakeups)
         try:
             model = self._model(call, request, context)
+            self._charge(call, len(request.sentence))
             options = self._options(call, model, request)
             ids = model.source("sentence", request.sentence, model.language_token(request.target_language))
-            self._charge(call, len(request.sentence))
             engine_request, future = self._request(call, ids, options, context, on_token=lambda r, t: tokens.put(t),
                                                    on_done=lambda: tokens.put(None))  # after the last token
             self._submit(call, model, engine_request)
@@ -338,10 +338,10 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             raise InvalidRequest(f"mime_type {request.mime_type!r}: "
                                  + ("HTML is not supported yet" if "html" in request.mime_type else "not supported")
                                  + f"; send {', '.join(MIME_TYPES)}")
+        self._charge(call, sum(len(text) for _, text in texts))
         options = self._options(call, model, request)
         language = model.language_token(request.target_language)
         pieces = [model.text_pieces(field, text, language) for field, text in texts]
-        self._charge(call, sum(len(text) for _, text in texts))
         documents = [(spans, [self._request(call, piece, options, context) if piece else None for piece in ids])
                      for spans, ids in pieces]
         for _, pairs in documents:
