@@ -7,6 +7,7 @@ Used by `nmtserve translate --server`, the served benchmark and the locust users
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +17,26 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nmtserve.errors import ConfigError, NmtserveError
 
-# dns:///host:port resolves every address of a headless Service; round_robin spreads calls over them
-CHANNEL_OPTIONS = [("grpc.lb_policy_name", "round_robin")]
+SERVICE = "nmtserve.v1.TranslationService"
+KEEPALIVE_SECONDS = 30  # the client pings an idle connection this often (the server accepts down to 10 s)
+# gRPC's service config: dns:///host:port resolves every address of a headless Service and round_robin spreads
+# calls over them, skipping a replica whose health service says NOT_SERVING (it does from the start of its drain:
+# healthCheckConfig, each connection watching grpc.health.v1); a call refused with UNAVAILABLE all the same (the
+# moment before the watch tells, or a replica gone) is sent again to another, up to maxAttempts in all (gRFC A6),
+# and retryThrottling is the retry budget: once more than half of its tokens are spent (each failure takes one,
+# each success gives back tokenRatio), calls are no longer retried. Every RPC of the service is idempotent; a
+# stream is retried only before its first message has come.
+SERVICE_CONFIG = {
+    "loadBalancingConfig": [{"round_robin": {}}],
+    "healthCheckConfig": {"serviceName": SERVICE},
+    "methodConfig": [{"name": [{"service": SERVICE}],
+                      "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.5s",
+                                      "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}],
+    "retryThrottling": {"maxTokens": 100, "tokenRatio": 0.1},
+}
+CHANNEL_OPTIONS = [("grpc.service_config", json.dumps(SERVICE_CONFIG)), ("grpc.enable_retries", 1),
+                   ("grpc.keepalive_time_ms", KEEPALIVE_SECONDS * 1000), ("grpc.keepalive_timeout_ms", 10_000),
+                   ("grpc.keepalive_permit_without_calls", 1)]
 
 
 @dataclass
@@ -72,8 +91,9 @@ class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIntercepto
 
 def open_channel(target: str, tls: TlsFiles | None = None, aio: bool = False, options: list | None = None,
                  api_key: str = ""):
-    """A plaintext or TLS channel (grpc.aio when aio=True) with round_robin balancing; with api_key (blocking
-    channels), every call sends it as `authorization: Bearer KEY`."""
+    """A plaintext or TLS channel (grpc.aio when aio=True) with SERVICE_CONFIG: round_robin over every address of
+    the target, retries of UNAVAILABLE within a budget, keepalive; with api_key (blocking channels), every call
+    sends it as `authorization: Bearer KEY`."""
     options = CHANNEL_OPTIONS + list(options or [])
     api = grpc.aio if aio else grpc
     if tls is not None and tls.enabled:

@@ -41,6 +41,29 @@ SERVICE_NAME = translation_pb2.DESCRIPTOR.services_by_name["TranslationService"]
 AT_LEAST_ONE = ("max_beam_size", "stream_interval", "max_burst_steps", "max_running_rows", "max_batch_tokens",
                 "max_waiting", "max_sentences", "max_sentence_chars", "max_text_chars", "max_call_chars",
                 "max_decoding_length", "max_message_bytes")
+# seconds that must be above 0 (max_connection_age: 0 turns it off)
+ABOVE_ZERO = ("keepalive_time", "keepalive_timeout", "max_connection_age_grace")
+PING_FLOOR_SECONDS = 10.0
+
+
+def server_options(network) -> list[tuple[str, int]]:
+    """gRPC's channel arguments for the server: message limits, keepalive, and the connection age that lets
+    clients find replicas added since they connected (gRPC's guidance for L7-less balancing)."""
+    def ms(seconds: float) -> int:
+        return int(seconds * 1000)
+
+    options = [("grpc.max_receive_message_length", network.max_message_bytes),
+               ("grpc.max_send_message_length", network.max_message_bytes),
+               ("grpc.keepalive_time_ms", ms(network.keepalive_time)),
+               ("grpc.keepalive_timeout_ms", ms(network.keepalive_timeout)),
+               ("grpc.keepalive_permit_without_calls", 1),
+               # a client's pings closer than this are an abuse (nmtserve.client pings every KEEPALIVE_SECONDS)
+               ("grpc.http2.min_recv_ping_interval_without_data_ms", ms(PING_FLOOR_SECONDS)),
+               ("grpc.http2.max_ping_strikes", 2)]
+    if network.max_connection_age > 0:
+        options += [("grpc.max_connection_age_ms", ms(network.max_connection_age)),
+                    ("grpc.max_connection_age_grace_ms", ms(network.max_connection_age_grace))]
+    return options
 
 
 def health_names(models) -> list[str]:
@@ -148,6 +171,11 @@ async def start_server(config: ServerConfig) -> RunningServer:
         value = flags[name]
         if value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be at least 1")
+    for name in ABOVE_ZERO:
+        if not flags[name] > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {flags[name]}: must be above 0 seconds")
+    if flags["max_connection_age"] < 0:
+        raise ConfigError(f"--max-connection-age {flags['max_connection_age']}: 0 (never) or more seconds")
     specs = model_specs(config)
     metrics = ServerMetrics()
     models: dict[str, ServedModel] = {}
@@ -160,9 +188,7 @@ async def start_server(config: ServerConfig) -> RunningServer:
         raise
     metrics_port = metrics.serve(config.network.metrics_port, addr="127.0.0.1" if config.network.host.startswith("127.") else "0.0.0.0") \
         if config.network.metrics_port >= 0 else None
-    options = [("grpc.max_receive_message_length", config.network.max_message_bytes),
-               ("grpc.max_send_message_length", config.network.max_message_bytes)]
-    server = grpc.aio.server(options=options)
+    server = grpc.aio.server(options=server_options(config.network))
     servicer = TranslationServicer(models, config, metrics, keys)
     translation_pb2_grpc.add_TranslationServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

@@ -28,6 +28,11 @@ HELPS = {"models": "TOML file of the models to serve: bundle, id, variant, devic
          "max_batch_tokens": "Σ source + output-budget tokens of running rows",
          "max_waiting": "waiting requests per model before RESOURCE_EXHAUSTED",
          "drain_timeout": "seconds to finish in-flight work on SIGTERM",
+         "max_connection_age": "seconds after which a client's connection is asked to go away (GOAWAY, ±10%%) once "
+                               "its calls end, so that clients reconnect and spread over replicas added since; 0: never",
+         "max_connection_age_grace": "seconds the calls still running on such a connection may take before it closes",
+         "keepalive_time": "seconds between the server's pings of an idle connection",
+         "keepalive_timeout": "seconds a ping may go unanswered before the connection is closed",
          "metrics_port": "Prometheus /metrics on this HTTP port (Triton's metrics port; not 9090, where Prometheus "
                          "itself listens); -1 turns it off",
          "http_port": "the HTTP/JSON front on this port: the RPCs as JSON (/v1/…, streams as server-sent events), "

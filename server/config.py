@@ -64,6 +64,12 @@ class NetworkConfig:
     http_port: int = -1  # the HTTP/JSON front (server/http.py) on this port; -1: off; 0: a free one
     max_message_bytes: int = 4 * 1024 * 1024
     drain_timeout: float = 30.0
+    # a connection older than this (±10%, gRPC's jitter) is asked to go away (GOAWAY) once its calls end, so that
+    # clients connect again, resolve the name again and spread over replicas added since; 0: never
+    max_connection_age: float = 30.0
+    max_connection_age_grace: float = 30.0  # then calls still running on it are ended (as the drain's timeout)
+    keepalive_time: float = 60.0  # the server pings an idle connection this often; the client's pings: at most every 10 s
+    keepalive_timeout: float = 20.0  # a ping unanswered this long closes the connection (a vanished client)
 
 
 @dataclass

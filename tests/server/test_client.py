@@ -1,9 +1,11 @@
 """The client side: round_robin spreads calls over every address of a target, and `nmtserve translate`
 takes dns:/// targets (what a headless Kubernetes Service gives)."""
 
+import asyncio
 import json
 
 import grpc
+import pytest
 
 from nmtserve.client import open_channel
 from nmtserve.server.config import ServerConfig
@@ -174,3 +176,154 @@ def test_translate_cli_sends_a_long_stdin_in_calls_the_server_accepts(served):
     out = run_cli("translate", "--server", served.target, stdin="\n".join(sentences) + "\n", timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == expected and len(expected) == limit + 6
+
+
+def _draining(server, draining: bool, health: bool = True) -> None:
+    """Refuse new calls with UNAVAILABLE as a replica does from the start of its drain and, with `health`, say
+    NOT_SERVING as it does (or take calls again, SERVING)."""
+    from grpc_health.v1 import health_pb2
+
+    from nmtserve.server.app import health_names
+
+    server.running.servicer.accepting = not draining
+    if health:
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if draining else health_pb2.HealthCheckResponse.SERVING
+        for name in health_names(server.running.models):
+            asyncio.run_coroutine_threadsafe(server.running.health.set(name, status), server.loop).result(10)
+
+
+def _unavailable(server) -> float:
+    samples = server.running.servicer.metrics.registry.collect()
+    return sum(s.value for family in samples for s in family.samples
+               if s.name == "nmtserve_requests_total" and s.labels["code"] == "UNAVAILABLE")
+
+
+def _two_replicas(tiny_bundle):
+    servers = [ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
+                                                    max_decoding_length=8)) for _ in range(2)]
+    return servers, "ipv4:" + ",".join(f"127.0.0.1:{s.running.port}" for s in servers)
+
+
+def _translate(stub):
+    return stub.Translate(pb.TranslateRequest(sentences=["the cat sleeps ."]), timeout=30).translations
+
+
+def _channel_on_both(target: str, servers):
+    """A channel whose connections to both replicas are READY (health-checked: once each said SERVING): calls until
+    each replica has decoded one."""
+    import time
+
+    channel = open_channel(target)
+    stub = pb_grpc.TranslationServiceStub(channel)
+    before, end = [s.running.engine.stats()["steps"] for s in servers], time.monotonic() + 30
+    while not all(s.running.engine.stats()["steps"] > b for s, b in zip(servers, before)):
+        assert time.monotonic() < end, "the channel never sent a call to both replicas"
+        _translate(stub)
+    return channel, stub
+
+
+@pytest.fixture
+def replicas(tiny_bundle):
+    """Two replicas on ports of their own, and a channel whose connections to both are READY. gRPC keeps a retry
+    budget per target name in the process: fresh ports give each test a budget of its own."""
+    servers, target = _two_replicas(tiny_bundle)
+    channel, stub = _channel_on_both(target, servers)
+    yield servers, stub
+    channel.close()
+    for s in servers:
+        s.running.servicer.accepting = True
+        s.stop()
+
+
+def test_a_replica_that_says_not_serving_gets_no_calls(replicas):
+    """One replica says NOT_SERVING (its drain): once the channel's health watch tells it, the channel sends that
+    replica no call (round_robin without the watch would send it every other one)."""
+    import time
+
+    servers, stub = replicas
+    _draining(servers[0], True)
+    end = time.monotonic() + 20
+    while True:  # until the watch has told the channel: 6 calls in a row that do not reach the replica
+        before = _unavailable(servers[0])
+        assert all(_translate(stub) for _ in range(6))
+        if _unavailable(servers[0]) == before:
+            break
+        assert time.monotonic() < end, "calls still reach a replica that said NOT_SERVING"
+    before = _unavailable(servers[0])
+    assert all(_translate(stub) for _ in range(12)) and _unavailable(servers[0]) == before
+
+
+def test_a_call_refused_with_unavailable_is_retried_on_another_replica(replicas):
+    """One replica refuses while its health still says SERVING (the moment before the watch tells): each refused
+    attempt is sent again, to the other, and every call succeeds."""
+    servers, stub = replicas
+    _draining(servers[0], True, health=False)
+    assert all(_translate(stub) for _ in range(6))
+    assert _unavailable(servers[0]) > 0, "no attempt reached the refusing replica: nothing was retried"
+
+
+def test_a_call_every_replica_refuses_fails_after_max_attempts(replicas):
+    from nmtserve.client import SERVICE_CONFIG
+
+    servers, stub = replicas
+    for server in servers:
+        _draining(server, True, health=False)
+    with pytest.raises(grpc.RpcError) as refused:
+        _translate(stub)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    attempts = _unavailable(servers[0]) + _unavailable(servers[1])
+    assert attempts == SERVICE_CONFIG["methodConfig"][0]["retryPolicy"]["maxAttempts"]
+
+
+def _client_ports(server_port: int) -> set[int]:
+    """Local ports of this host's established TCP connections to server_port (Linux's /proc/net/tcp and tcp6: gRPC
+    may connect to 127.0.0.1 from an IPv6 socket)."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            local, remote, state = line.split()[1:4]
+            if state == "01" and int(remote.split(":")[1], 16) == server_port:
+                ports.add(int(local.split(":")[1], 16))
+    return ports
+
+
+def test_a_connection_older_than_max_connection_age_is_replaced_and_no_call_fails(tiny_bundle):
+    """--max-connection-age 1: the server asks the connection to go away after about a second; the client connects
+    again (where a new replica could be found) and every call of a steady stream succeeds."""
+    import time
+
+    server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
+                                                  max_decoding_length=8, max_connection_age=1.0,
+                                                  max_connection_age_grace=1.0))
+    try:
+        seen: set[int] = set()
+        with open_channel(f"127.0.0.1:{server.running.port}") as channel:
+            stub = pb_grpc.TranslationServiceStub(channel)
+            end = time.monotonic() + 4.0
+            while time.monotonic() < end:
+                assert stub.Translate(pb.TranslateRequest(sentences=["the cat sleeps ."]), timeout=30).translations
+                seen |= _client_ports(server.running.port)
+        assert len(seen) >= 2, f"one connection all along ({seen}): max_connection_age did not replace it"
+    finally:
+        server.stop()
+
+
+def test_the_retry_budget_stops_retries_once_spent(replicas):
+    """retryThrottling: with one replica refusing every call it gets, retries go on until about half the budget's
+    tokens are spent (a failure takes one, a success gives back 0.1), then stop: from there on the refused calls
+    fail instead of doubling the load on the replicas."""
+    from nmtserve.client import SERVICE_CONFIG
+
+    servers, stub = replicas
+    _draining(servers[0], True, health=False)
+    failed = 0
+    for _ in range(300):
+        try:
+            _translate(stub)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE
+            failed += 1
+    refused = _unavailable(servers[0])
+    budget = SERVICE_CONFIG["retryThrottling"]["maxTokens"]
+    assert failed > 0, "the refused calls were retried without end"
+    assert refused - failed <= budget, "more retries than the budget allows"
