@@ -21,23 +21,22 @@ stderr and exit status 2; a missing optional dependency names the extra to insta
 One spelling per concept across the commands (tests/test_cli.py walks every parser to keep it so): a
 bundle is positional, the length limit is --max-decoding-length, languages are --source-lang and
 --target-lang, a file of sentences is --sentences-file and a count --sentences, --json prints the result as
-JSON on stdout, --report PATH writes a benchmark's report; every command takes --log-level.
+JSON on stdout, --report PATH writes a benchmark's report; every command takes --log-level and --log-format.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import os
 import sys
 
 import nmtserve
+from nmtserve import logs
 from nmtserve.errors import NmtserveError
 
 EXIT_USAGE = 2
 LOG_LEVELS = ("debug", "info", "warning", "error")
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 # command: (module that adds its parser and runs it, one-line help for `nmtserve --help`)
 COMMANDS = {
@@ -83,6 +82,9 @@ def build_parser(command: str | None) -> ArgumentParser:
                 leaf.add_argument("--log-level", choices=LOG_LEVELS, default=_default_log_level(name),
                                   help="the least severe log records shown on stderr (env NMTSERVE_LOG_LEVEL; "
                                        "default %(default)s)")
+                leaf.add_argument("--log-format", choices=logs.FORMATS, default=_default_log_format(name),
+                                  help="json: one JSON object a line, for log collectors; text: for a terminal (env "
+                                       "NMTSERVE_LOG_FORMAT; default %(default)s)")
         else:
             sub.add_parser(name, help=help_text, add_help=False)
     return parser
@@ -102,6 +104,14 @@ def _default_log_level(command: str) -> str:
     if level and level not in LOG_LEVELS:
         raise NmtserveError(f"NMTSERVE_LOG_LEVEL {level!r}: choose from {', '.join(LOG_LEVELS)}")
     return level or ("info" if command == "serve" else "warning")
+
+
+def _default_log_format(command: str) -> str:
+    """NMTSERVE_LOG_FORMAT, else json for the server (read by collectors) and text for the others."""
+    fmt = os.environ.get("NMTSERVE_LOG_FORMAT", "").lower()
+    if fmt and fmt not in logs.FORMATS:
+        raise NmtserveError(f"NMTSERVE_LOG_FORMAT {fmt!r}: choose from {', '.join(logs.FORMATS)}")
+    return fmt or ("json" if command == "serve" else "text")
 
 
 def _listed_positional(parser: ArgumentParser, command: str | None) -> str | None:
@@ -139,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     prefix = f"nmtserve {command or ''}".strip()
     try:
         args = _parse(build_parser(command), command, argv)
-        logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+        logs.configure(args.log_level, args.log_format)
         return args.func(args)
     except (NmtserveError, OSError, ValueError) as e:
         print(f"{prefix}: error: {e}", file=sys.stderr)

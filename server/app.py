@@ -165,6 +165,9 @@ async def start_server(config: ServerConfig) -> RunningServer:
     credentials = server_credentials(config)  # a bad certificate path fails before the model loads
     keys = ApiKeys(config.access.api_keys) if config.access.api_keys else None  # so does a bad key file
     io_binding = _switch("io-binding", config.runtime.io_binding)  # the switches are checked before any model loads
+    if config.observability.access_log not in ("on", "off"):
+        raise ConfigError(f"--access-log {config.observability.access_log!r}: choose on or off")
+    logging.getLogger("nmtserve.access").disabled = config.observability.access_log == "off"
     attention_kernel = _switch("attention-kernel", config.runtime.attention_kernel)
     flags = config.flat()
     for name in AT_LEAST_ONE:  # 0 rows or a queue of 0 would take no request, ever

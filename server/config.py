@@ -86,8 +86,14 @@ class AccessConfig:
     api_keys: str = ""  # a TOML file of clients, each a name, its key's SHA-256 and the models it may use; "": open
 
 
+@dataclass
+class ObservabilityConfig:
+    """What the server says about each call besides its metrics (--log-level and --log-format are every command's)."""
+    access_log: str = "on"  # on: a line per RPC on the nmtserve.access logger (nmtserve.logs); off: none
+
+
 SECTIONS = {"runtime": RuntimeConfig, "engine": EngineConfig, "limits": LimitsConfig, "network": NetworkConfig,
-            "tls": TlsConfig, "access": AccessConfig}
+            "tls": TlsConfig, "access": AccessConfig, "observability": ObservabilityConfig}
 
 
 @dataclass
@@ -98,6 +104,7 @@ class ServerConfig:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
     access: AccessConfig = field(default_factory=AccessConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     @classmethod
     def from_flags(cls, **values) -> ServerConfig:

@@ -52,10 +52,10 @@ BODY_SECONDS = 10.0  # a request body not received in full within this is a 400:
 
 
 def error_response(aborted: Aborted, body: dict | None = None) -> JSONResponse:
-    """The status's HTTP response: its JSON error body (error_body, unless `body` is given) and its Retry-After."""
-    headers = None if aborted.retry_after is None else {"Retry-After": aborted.retry_after}
+    """The status's HTTP response: its JSON error body (error_body, unless `body` is given), and its trailers as
+    headers (Retry-After, X-Request-Id)."""
     return JSONResponse(error_body(aborted.code, aborted.details) if body is None else body,
-                        HTTP_STATUS.get(aborted.code, 500), headers=headers)
+                        HTTP_STATUS.get(aborted.code, 500), headers=aborted.trailers)
 
 
 async def _within_limits(request: Request, max_bytes: int, read):
@@ -109,9 +109,10 @@ def timeout_of(request: Request) -> float | None:
 
 
 def context_of(request: Request, api_key: str | None = None) -> HttpContext:
-    """The servicer's context for a request: its deadline, and its key (the authorization header, else `api_key`)."""
+    """The servicer's context for a request: its deadline, its key (the authorization header, else `api_key`) and
+    its X-Request-Id."""
     authorization = request.headers.get("authorization") or (f"Bearer {api_key}" if api_key else None)
-    return HttpContext(timeout_of(request), authorization)
+    return HttpContext(timeout_of(request), authorization, request.headers.get("x-request-id"))
 
 
 def sse(data: dict, event: str | None = None) -> str:
@@ -165,10 +166,11 @@ class HttpFront:
         async def endpoint(request: Request) -> Response:
             try:
                 message = await self._message(request, kind)
-                response = await method(message, context_of(request))
+                context = context_of(request)
+                response = await method(message, context)
             except Aborted as e:
                 return error_response(e)
-            return JSONResponse(json_format.MessageToDict(response))
+            return JSONResponse(json_format.MessageToDict(response), headers=context.trailers)
         return endpoint
 
     def _stream(self, rpc: str, kind):
@@ -177,7 +179,8 @@ class HttpFront:
         async def endpoint(request: Request) -> Response:
             try:
                 message = await self._message(request, kind)
-                stream = method(message, context_of(request))
+                context = context_of(request)
+                stream = method(message, context)
                 first = await anext(stream, None)  # before the response starts: an early error keeps its status
             except Aborted as e:
                 return error_response(e)
@@ -192,23 +195,25 @@ class HttpFront:
                     yield sse(error_body(e.code, e.details), event="error")
                 finally:
                     await stream.aclose()  # a client that leaves cancels its sentences' rows
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(events(), media_type="text/event-stream", headers=context.trailers)
         return endpoint
 
     async def _models(self, request: Request) -> Response:
         try:
-            response = await self.servicer.ListModels(pb.ListModelsRequest(), context_of(request))
+            context = context_of(request)
+            response = await self.servicer.ListModels(pb.ListModelsRequest(), context)
         except Aborted as e:
             return error_response(e)
-        return JSONResponse(json_format.MessageToDict(response))
+        return JSONResponse(json_format.MessageToDict(response), headers=context.trailers)
 
     async def _model_info(self, request: Request) -> Response:
         try:
+            context = context_of(request)
             info = await self.servicer.GetModelInfo(pb.GetModelInfoRequest(model=request.path_params["model"]),
-                                                    context_of(request))
+                                                    context)
         except Aborted as e:
             return error_response(e)
-        return JSONResponse(json_format.MessageToDict(info))
+        return JSONResponse(json_format.MessageToDict(info), headers=context.trailers)
 
     async def _libretranslate(self, request: Request) -> Response:
         try:
@@ -219,7 +224,7 @@ class HttpFront:
                 data = await read_json(request, self.max_bytes)
             api_key = data.get("api_key") if isinstance(data, dict) else None
             context = context_of(request, api_key if isinstance(api_key, str) else None)
-            return JSONResponse(await libretranslate.translate(self.servicer, data, context))
+            return JSONResponse(await libretranslate.translate(self.servicer, data, context), headers=context.trailers)
         except Aborted as e:  # LibreTranslate's clients read {"error": "…"}
             return error_response(e, {"error": e.details})
 
@@ -254,8 +259,9 @@ class HttpServer:
     """The HTTP front on its port, started and stopped with the gRPC server (app.py)."""
 
     def __init__(self, servicer: TranslationServicer, host: str, port: int):
+        # log_config None: uvicorn's records go through the process's handler (nmtserve.logs: JSON), not its own
         self._server = _EmbeddedServer(uvicorn.Config(HttpFront(servicer).app, log_level="warning", access_log=False,
-                                                      lifespan="off"))
+                                                      lifespan="off", log_config=None))
         self._socket = bound_socket(host.strip("[]"), port)  # here, so that a port in use is an OSError of ours
         self.port = self._socket.getsockname()[1]
         self._task: asyncio.Task | None = None

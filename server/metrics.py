@@ -66,6 +66,8 @@ class ServerMetrics:
         self.running = Gauge("nmtserve_requests_running", "Requests (sentences) in the running batch", ["model"], registry=r)
         self.waiting = Gauge("nmtserve_requests_waiting", "Requests waiting for admission", ["model"], registry=r)
         self.model = Info("nmtserve_model", "The bundles being served, one series per model", ["model"], registry=r)
+        Info("nmtserve_build", "The versions of nmtserve and of the libraries it serves with",
+             registry=r).info(build_versions())
         self._engines: dict[str, object] = {}  # each model's engine, read at each scrape (watch_engine)
         r.register(_Admissions(self._engines))
         # process_resident_memory_bytes, process_open_fds, process_cpu_seconds_total, … (Linux /proc)
@@ -127,6 +129,22 @@ class ServerMetrics:
 
     def over_quota(self, client: str, quota: str) -> None:
         self.quota_rejections.labels(client, quota).inc()
+
+
+def build_versions() -> dict[str, str]:
+    """nmtserve's version, Python's, and those of the libraries a call passes through."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    import nmtserve
+
+    versions = {"version": nmtserve.__version__, "python": platform.python_version()}
+    for package in ("onnxruntime", "onnxruntime-gpu", "grpcio", "protobuf"):
+        try:
+            versions[package.replace("-", "_")] = version(package)
+        except PackageNotFoundError:
+            pass
+    return versions
 
 
 class _Admissions:

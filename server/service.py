@@ -9,14 +9,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-import json
 import logging
+import re
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import grpc
 
 from nmtserve.errors import NmtserveError
+from nmtserve.logs import REQUEST_ID
 from nmtserve.search import DecodingOptions
 from nmtserve.server.auth import ApiKeys, PermissionDenied, Unauthenticated, bearer
 from nmtserve.server.bridge import Inbox, Wakeups
@@ -33,6 +35,9 @@ from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 
 log = logging.getLogger("nmtserve.server")
+access_log = logging.getLogger("nmtserve.access")  # one line per RPC; --access-log off silences it
+REQUEST_ID_KEY = "x-request-id"
+_VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 OVERLOADED_RETRY_SECONDS = 1  # retry-after with a full queue: a running batch frees rows every step
 
 
@@ -70,6 +75,7 @@ class _Call:
     requests: list[Request] = field(default_factory=list)  # its engine requests, as submitted
     started: float = field(default_factory=time.monotonic)
     client: str = ""  # the API key's client, where the server has keys
+    request_id: str = ""  # the client's x-request-id, or one made for it
     resumed: float | None = None  # when a unary call's handler resumed, its sentences decoded (Timings.resumed_ns)
     quota: ClientQuota | None = None  # its client's, while the call holds one of the client's slots
     charged: int = 0  # characters taken from the client's quota
@@ -93,7 +99,7 @@ def _rpc(method):
     if inspect.isasyncgenfunction(method):
         @functools.wraps(method)
         async def stream(self, request, context):
-            call = self._call(name)
+            call = self._call(name, context)
             try:
                 async for item in method(self, call, request, context):
                     yield item
@@ -103,7 +109,7 @@ def _rpc(method):
 
     @functools.wraps(method)
     async def unary(self, request, context):
-        call = self._call(name)
+        call = self._call(name, context)
         try:
             return await method(self, call, request, context)
         finally:
@@ -118,15 +124,26 @@ def _retry_after(exc: Exception) -> int | None:
     return exc.retry_after if isinstance(exc, QuotaExceeded) else None
 
 
-def _log_line(call: _Call, code: str, level: int = logging.INFO) -> None:
-    """One structured line per RPC: id, sizes, timings, status."""
+def request_id_of(metadata) -> str:
+    """The x-request-id among (key, value) pairs, if it is one (1 to 128 letters, digits and ._:-), else a new id."""
+    for key, value in metadata or ():
+        if key == REQUEST_ID_KEY and _VALID_REQUEST_ID.fullmatch(value):
+            return value
+    return uuid.uuid4().hex
+
+
+def _access_line(call: _Call, code: str, level: int = logging.INFO) -> None:
+    """The access log: one record per RPC, its fields as the record's (nmtserve.logs): sizes, timings, status."""
+    if not access_log.isEnabledFor(level):
+        return
     requests = call.requests
-    log.log(level, json.dumps({
-        "rpc": call.rpc, "model": call.model, "client": call.client, "mode": call.mode, "code": code, "ids": [r.id for r in requests], "sentences": len(requests),
+    access_log.log(level, "rpc", extra={
+        "rpc": call.rpc, "model": call.model, "client": call.client, "mode": call.mode, "code": code,
+        "ids": [r.id for r in requests], "sentences": len(requests),
         "input_tokens": sum(len(r.src_ids) for r in requests), "output_tokens": sum(len(r.tokens) for r in requests),
         "queue_ms": round(max(((r.admitted or r.arrived) - r.arrived) * 1e3 for r in requests), 2) if requests else None,
         "ttft_ms": round(max(((r.first_token or r.arrived) - r.arrived) * 1e3 for r in requests), 2) if requests else None,
-        "total_ms": round((time.monotonic() - call.started) * 1e3, 2)}))
+        "total_ms": round((time.monotonic() - call.started) * 1e3, 2)})
 
 
 class TranslationServicer(pb_grpc.TranslationServiceServicer):
@@ -140,9 +157,14 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         self.last_arrival = time.monotonic()  # when the latest call arrived (the drain waits for a quiet moment)
         self.wakeups = Wakeups(asyncio.get_running_loop())  # made on the loop that serves it (start_server)
 
-    def _call(self, rpc: str) -> _Call:
+    def _call(self, rpc: str, context) -> _Call:
+        """The call, under its request id: the client's x-request-id where it sent a valid one, else a new one; in
+        every log line written while it is handled (nmtserve.logs) and in the x-request-id trailer of its answer."""
         self.last_arrival = time.monotonic()
-        return _Call(rpc)
+        call = _Call(rpc, request_id=request_id_of(context.invocation_metadata()))
+        REQUEST_ID.set(call.request_id)
+        context.set_trailing_metadata(((REQUEST_ID_KEY, call.request_id),))
+        return call
 
     def _model(self, call: _Call, request, context) -> ServedModel:
         """The model a call asks for, once its client may use it (an API key, where the server has them)."""
@@ -206,9 +228,10 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                          rejected=rejected and not isinstance(exc, QuotaExceeded))
         if isinstance(exc, QuotaExceeded):  # counted; logged at DEBUG: a client's flood would be a line a refusal
             self.metrics.over_quota(call.client, exc.quota)
-        _log_line(call, code.name, logging.DEBUG if isinstance(exc, QuotaExceeded) else logging.INFO)
+        _access_line(call, code.name, logging.DEBUG if isinstance(exc, QuotaExceeded) else logging.INFO)
         retry_after = _retry_after(exc)
-        await context.abort(code, str(exc), () if retry_after is None else (("retry-after", str(retry_after)),))
+        await context.abort(code, str(exc), ((REQUEST_ID_KEY, call.request_id),)
+                            + (() if retry_after is None else (("retry-after", str(retry_after)),)))
 
     def _cancelled(self, call: _Call) -> None:
         """The client went away: free the rows at the next step."""
@@ -228,7 +251,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
 
     def _succeed(self, call: _Call) -> None:
         self.metrics.rpc(call.model, call.mode, call.rpc, "OK", call.client, call.charged)
-        _log_line(call, "OK")
+        _access_line(call, "OK")
 
     def _submit(self, call: _Call, model: ServedModel, request: Request) -> None:
         if not self.accepting:
@@ -249,7 +272,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             code, what = _EARLY_FINISH[request.finish]
             message = f"request {request.id} {what}"
             self.metrics.rpc(call.model, call.mode, call.rpc, code.name, call.client)
-            _log_line(call, code.name)
+            _access_line(call, code.name)
             if request.finish is not FinishReason.ERROR and getattr(context, "ends_late_calls", True):
                 # the client's own deadline or cancellation already gave it this status, and gRPC may
                 # have ended the call: a status written now fails inside grpc (ExecuteBatchError, logged
@@ -414,7 +437,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         yield pb.TranslateTextStreamResponse(delta=request.text[position:])
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
-        call = self._call("GetModelInfo")
+        call = self._call("GetModelInfo", context)
         try:
             self._allow(call, context, request.model or None)
         except NmtserveError as e:
@@ -427,7 +450,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         return (self.models.get(request.model) or next(iter(self.models.values()))).info()
 
     async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
-        call = self._call("ListModels")
+        call = self._call("ListModels", context)
         try:
             self._allow(call, context, None)
         except NmtserveError as e:

@@ -55,8 +55,8 @@ def test_the_http_front_under_load_with_an_api_key_has_the_same_entries_and_meet
     for name in ("Translate", "TranslateStream", "TranslateStream TTFT", "TranslateText"):
         assert stats[name]["Request Count"] > 0, name
     assert sum(row["Failure Count"] for row in stats.values()) == 0
-    calls = [json.loads(line.split(" ", 4)[-1]) for line in (out / "server.log").read_text().splitlines()
-             if '"rpc": "Translate' in line]
+    calls = [record for record in map(json.loads, (out / "server.log").read_text().splitlines())
+             if record["logger"] == "nmtserve.access" and record["rpc"].startswith("Translate")]
     assert calls and all(c["client"] == "locust" and c["code"] == "OK" for c in calls)
 
 

@@ -11,6 +11,7 @@ import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nmtserve.errors import ConfigError
+from nmtserve.logs import json_formatter
 from nmtserve.server import auth
 from nmtserve.server.app import start_server
 from nmtserve.server.auth import client_entry
@@ -47,7 +48,7 @@ def _refused(server, key: str | None) -> grpc.RpcError:
 
 
 def test_grpc_calls_need_a_clients_key_for_the_model_and_health_stays_open(keyed, caplog):
-    caplog.set_level(logging.INFO, logger="nmtserve.server")
+    caplog.set_level(logging.INFO, logger="nmtserve")
     assert _translate(keyed, WEB).translations[0].text
     assert _refused(keyed, None).code() == grpc.StatusCode.UNAUTHENTICATED
     assert _refused(keyed, "not-a-key").code() == grpc.StatusCode.UNAUTHENTICATED
@@ -60,7 +61,9 @@ def test_grpc_calls_need_a_clients_key_for_the_model_and_health_stays_open(keyed
         assert listed.value.code() == grpc.StatusCode.UNAUTHENTICATED
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
-    assert '"client": "web"' in caplog.text and not any(k in caplog.text for k in (WEB, NARROW))
+    assert any(r.name == "nmtserve.access" and r.client == "web" for r in caplog.records)
+    logged = "\n".join(json_formatter().format(r) for r in caplog.records)  # every field, as the server writes it
+    assert '"client": "web"' in logged and not any(k in logged for k in (WEB, NARROW))
 
 
 def test_http_calls_need_a_key_in_the_header_or_libretranslates_api_key(keyed):
