@@ -59,7 +59,8 @@ COMMANDS = {
 # top-level module of an optional dependency -> the extra that installs it
 EXTRAS = {"torch": "train", "pyrealb": "train", "sacrebleu": "train", "tensorboard": "train", "tqdm": "train",
           "safetensors": "train", "transformers": "marian",
-          "locust": "loadtest", "gevent": "loadtest", "matplotlib": "loadtest", "ctranslate2": "bench"}
+          "locust": "loadtest", "gevent": "loadtest", "matplotlib": "loadtest", "ctranslate2": "bench",
+          "opentelemetry": "otel"}
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -29,6 +29,7 @@ from nmtserve.server.metrics import ServerMetrics
 from nmtserve.server.models import ModelSpec, ServedModel, model_specs
 from nmtserve.server.request import Request
 from nmtserve.server.service import TranslationServicer
+from nmtserve.server.tracing import start_tracing
 from nmtserve.v1 import translation_pb2, translation_pb2_grpc
 
 if TYPE_CHECKING:
@@ -116,6 +117,8 @@ class RunningServer:
         for model in self.models.values():
             await loop.run_in_executor(None, model.engine.stop)
         self.servicer.wakeups.close()
+        if self.servicer.tracing is not None:
+            await loop.run_in_executor(None, self.servicer.tracing.shutdown)  # the spans it holds go out
 
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
@@ -160,9 +163,11 @@ def load_model(spec: ModelSpec, config: ServerConfig, metrics: ServerMetrics, io
     return ServedModel(spec, engine, config)
 
 
-async def start_server(config: ServerConfig) -> RunningServer:
-    """Load, warm up, bind (port 0 picks a free port) and start; health says SERVING only after warm-up."""
+async def start_server(config: ServerConfig, span_exporter=None) -> RunningServer:
+    """Load, warm up, bind (port 0 picks a free port) and start; health says SERVING only after warm-up.
+    `span_exporter`: where --tracing's spans go in place of an OTLP collector (tests: OpenTelemetry's in-memory one)."""
     credentials = server_credentials(config)  # a bad certificate path fails before the model loads
+    tracing = start_tracing(config.observability.tracing, span_exporter)  # so does tracing without its extra
     keys = ApiKeys(config.access.api_keys) if config.access.api_keys else None  # so does a bad key file
     io_binding = _switch("io-binding", config.runtime.io_binding)  # the switches are checked before any model loads
     if config.observability.access_log not in ("on", "off"):
@@ -191,8 +196,9 @@ async def start_server(config: ServerConfig) -> RunningServer:
         raise
     metrics_port = metrics.serve(config.network.metrics_port, addr="127.0.0.1" if config.network.host.startswith("127.") else "0.0.0.0") \
         if config.network.metrics_port >= 0 else None
-    server = grpc.aio.server(options=server_options(config.network))
-    servicer = TranslationServicer(models, config, metrics, keys)
+    server = grpc.aio.server(options=server_options(config.network),
+                             interceptors=tracing.interceptors() if tracing is not None else None)
+    servicer = TranslationServicer(models, config, metrics, keys, tracing)
     translation_pb2_grpc.add_TranslationServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -44,6 +44,8 @@ HELPS = {"models": "TOML file of the models to serve: bundle, id, variant, devic
                      "empty: every client may use every model",
          "access_log": "on: one log line per RPC (logger nmtserve.access: its sizes, timings, status, client and "
                        "request id); off: none",
+         "tracing": "otlp: OpenTelemetry spans of each call (queueing, encoder admission, decoding) to the collector "
+                    "of OTEL_EXPORTER_OTLP_ENDPOINT (the otel extra); off: none",
          "tls_cert": "server certificate chain (PEM); turns TLS on", "tls_key": "its private key (PEM)",
          "tls_client_ca": "PEM roots for client certificates; turns mutual TLS on (clients must present one)"}
 

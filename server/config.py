@@ -90,6 +90,7 @@ class AccessConfig:
 class ObservabilityConfig:
     """What the server says about each call besides its metrics (--log-level and --log-format are every command's)."""
     access_log: str = "on"  # on: a line per RPC on the nmtserve.access logger (nmtserve.logs); off: none
+    tracing: str = "off"  # otlp: OpenTelemetry spans of each call to an OTLP collector (server/tracing.py)
 
 
 SECTIONS = {"runtime": RuntimeConfig, "engine": EngineConfig, "limits": LimitsConfig, "network": NetworkConfig,

@@ -30,6 +30,7 @@ from nmtserve.server.metrics import ServerMetrics
 from nmtserve.server.models import ServedModel, route
 from nmtserve.server.quotas import ClientQuota, QuotaExceeded
 from nmtserve.server.request import FinishReason, Request
+from nmtserve.server.tracing import Tracing
 from nmtserve.tokenizer import StreamDecoder
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
@@ -76,6 +77,8 @@ class _Call:
     started: float = field(default_factory=time.monotonic)
     client: str = ""  # the API key's client, where the server has keys
     request_id: str = ""  # the client's x-request-id, or one made for it
+    code: str = ""  # its status, once it has one
+    trace_parent: object = None  # with --tracing: the context it started in (its RPC's server span)
     resumed: float | None = None  # when a unary call's handler resumed, its sentences decoded (Timings.resumed_ns)
     quota: ClientQuota | None = None  # its client's, while the call holds one of the client's slots
     charged: int = 0  # characters taken from the client's quota
@@ -104,7 +107,7 @@ def _rpc(method):
                 async for item in method(self, call, request, context):
                     yield item
             finally:
-                call.leave()
+                self._end(call)
         return stream
 
     @functools.wraps(method)
@@ -113,7 +116,7 @@ def _rpc(method):
         try:
             return await method(self, call, request, context)
         finally:
-            call.leave()
+            self._end(call)
     return unary
 
 
@@ -134,6 +137,7 @@ def request_id_of(metadata) -> str:
 
 def _access_line(call: _Call, code: str, level: int = logging.INFO) -> None:
     """The access log: one record per RPC, its fields as the record's (nmtserve.logs): sizes, timings, status."""
+    call.code = code
     if not access_log.isEnabledFor(level):
         return
     requests = call.requests
@@ -151,8 +155,8 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
     engine, awaits them, converts back."""
 
     def __init__(self, models: dict[str, ServedModel], config: ServerConfig, metrics: ServerMetrics,
-                 keys: ApiKeys | None = None):
-        self.models, self.config, self.metrics, self.keys = models, config, metrics, keys
+                 keys: ApiKeys | None = None, tracing: Tracing | None = None):
+        self.models, self.config, self.metrics, self.keys, self.tracing = models, config, metrics, keys, tracing
         self.accepting = True
         self.last_arrival = time.monotonic()  # when the latest call arrived (the drain waits for a quiet moment)
         self.wakeups = Wakeups(asyncio.get_running_loop())  # made on the loop that serves it (start_server)
@@ -164,7 +168,15 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         call = _Call(rpc, request_id=request_id_of(context.invocation_metadata()))
         REQUEST_ID.set(call.request_id)
         context.set_trailing_metadata(((REQUEST_ID_KEY, call.request_id),))
+        if self.tracing is not None:
+            call.trace_parent = self.tracing.current()
         return call
+
+    def _end(self, call: _Call) -> None:
+        """However the call ended: its quota slot is free, and its spans are written (with --tracing)."""
+        call.leave()
+        if self.tracing is not None:
+            self.tracing.record(call, call.trace_parent)
 
     def _model(self, call: _Call, request, context) -> ServedModel:
         """The model a call asks for, once its client may use it (an API key, where the server has them)."""
@@ -236,6 +248,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
     def _cancelled(self, call: _Call) -> None:
         """The client went away: free the rows at the next step."""
         call.cancel()
+        call.code = "CANCELLED"
         self.metrics.rpc(call.model, call.mode, call.rpc, "CANCELLED", call.client)
 
     async def _fit(self, call: _Call, message, context):

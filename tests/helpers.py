@@ -91,11 +91,11 @@ def run_cli_each(*argvs: list[str], timeout: float = 300) -> list[subprocess.Com
 class ServerThread:
     """start_server() on a private event loop thread; `stop()` drains it like SIGTERM does."""
 
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: ServerConfig, **start):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.running = asyncio.run_coroutine_threadsafe(start_server(config), self.loop).result(120)
+        self.running = asyncio.run_coroutine_threadsafe(start_server(config, **start), self.loop).result(120)
         self.target = f"localhost:{self.running.port}"
 
     def channel(self) -> grpc.Channel:
