@@ -113,8 +113,8 @@ def cmd_loadtest(args) -> int:
 
     return run_loadtest(LoadTestConfig(args.scenario, args.bundle, args.server or "", args.peak_users, args.seconds,
                                        args.out or "", args.sentences_file or "", args.slo or "", args.think_time,
-                                       args.server_flag or [], args.decoding, args.metrics_url or "", args.protocol,
-                                       args.api_key))
+                                       args.server_flag or [], args.decoding, args.metrics_url or "",
+                                       protocol=args.protocol, workers=args.workers, api_key=args.api_key))
 
 
 def cmd_check_slo(args) -> int:
@@ -317,6 +317,9 @@ def _add_loadtest(p) -> None:
                    help="grpc, or http: the same calls through the HTTP/JSON front (--server: its http://HOST:PORT)")
     p.add_argument("--api-key", default=os.environ.get("NMTSERVE_API_KEY", ""),
                    help="for a server with --api-keys (default: NMTSERVE_API_KEY)")
+    p.add_argument("--workers", type=int, default=0, help="locust's distributed mode: a master and this many worker "
+                   "processes, each with its share of the users (a load generator of more than one core); 0: one "
+                   "process (default)")
     p.set_defaults(func=cmd_loadtest)
 
 

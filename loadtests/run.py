@@ -13,6 +13,7 @@ or, with --slo, when an objective is violated.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -59,6 +60,7 @@ class LoadTestConfig:
     decoding: str = "default"  # or "mixed": 50% greedy, 40% beam 4, 10% sampled calls
     metrics_url: str = ""  # with server: its /metrics, for where a call's time went (a started server's is known)
     protocol: str = "grpc"  # or "http": the HTTP/JSON front (server: its URL, http://HOST:PORT)
+    workers: int = 0  # above 0: locust's distributed mode, a master and this many worker processes
     api_key: str = ""  # for a server with --api-keys
 
 
@@ -67,6 +69,8 @@ def run_loadtest(cfg: LoadTestConfig) -> int:
         raise ConfigError(f"--scenario {cfg.scenario!r}: choose from {', '.join(SCENARIOS)}")
     if cfg.protocol not in ("grpc", "http"):
         raise ConfigError(f"--protocol {cfg.protocol!r}: grpc or http")
+    if cfg.workers < 0:
+        raise ConfigError(f"--workers {cfg.workers}: 0 (one locust process) or more")
     if cfg.peak_users < 1 or cfg.seconds <= 0:
         raise ConfigError(f"--peak-users {cfg.peak_users} / --seconds {cfg.seconds}: must be positive")
     objectives = slo_check.load_slo(cfg.slo) if cfg.slo else None  # a bad SLO file fails before the run
@@ -84,18 +88,27 @@ def run_loadtest(cfg: LoadTestConfig) -> int:
     before = scrape(metrics_url, TIMES) if metrics_url else None
     after, models = None, ""
     try:
-        cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", target,
+        # what every locust process's users read (the workers' too); the shape, statistics and reports are the master's
+        users = ["-f", str(LOCUSTFILE), "--host", target, "--sentences-file", sentences, "--think-time",
+                 str(cfg.think_time), "--decoding", cfg.decoding, "--protocol", cfg.protocol, "--loglevel", "WARNING"]
+        cmd = [sys.executable, "-m", "locust", *users, "--headless",
                "--scenario", cfg.scenario, "--peak-users", str(cfg.peak_users), "--scenario-seconds", str(cfg.seconds),
-               "--sentences-file", sentences, "--think-time", str(cfg.think_time),
-               "--decoding", cfg.decoding, "--protocol", cfg.protocol,
                "--csv", str(out / "stats"), "--csv-full-history", "--html", str(out / "report.html"),
-               "--stop-timeout", "10", "--only-summary",  # the shape ends the run; the timeout below bounds it
-               "--loglevel", "WARNING"]
+               "--stop-timeout", "10", "--only-summary"]  # the shape ends the run; the timeout below bounds it
+        workers = []
+        if cfg.workers:  # locust's distributed mode: a master that runs the shape, N worker processes with the users
+            port = free_port()
+            cmd += ["--master", "--expect-workers", str(cfg.workers), "--master-bind-host", "127.0.0.1",
+                    "--master-bind-port", str(port)]
+            workers = [[sys.executable, "-m", "locust", *users, "--worker", "--master-host", "127.0.0.1",
+                        "--master-port", str(port)]] * cfg.workers
         print(f"nmtserve loadtest: {cfg.scenario} against {target} ({cfg.protocol}), peak {cfg.peak_users} users, "
-              f"{cfg.seconds:g} s", flush=True)
+              f"{cfg.seconds:g} s" + (f", {cfg.workers} locust workers" if cfg.workers else ""), flush=True)
         env = {**os.environ, "NMTSERVE_API_KEY": cfg.api_key} if cfg.api_key else None  # not on the command line
-        with subprocess.Popen(cmd, env=env) as locust, \
+        with subprocess.Popen(cmd, env=env) as locust, contextlib.ExitStack() as stack, \
                 Progress(f"loadtest {cfg.scenario}", total=round(cfg.seconds), unit="second") as progress:
+            for worker in workers:
+                stack.enter_context(_Worker(worker, env))
             started = time.monotonic()
             while locust.poll() is None:
                 if time.monotonic() - started > cfg.seconds + 120:
@@ -131,6 +144,23 @@ def run_loadtest(cfg: LoadTestConfig) -> int:
     status = status or (0 if met else 1)
     print(f"results in {out}: stats_stats.csv, report.html, chart.png")
     return status
+
+
+class _Worker:
+    """A locust worker process for the run's length: it ends when the master does (or is stopped then)."""
+
+    def __init__(self, cmd: list[str], env: dict | None):
+        self.process = subprocess.Popen(cmd, env=env)
+
+    def __enter__(self) -> _Worker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 def _sentence_files(cfg: LoadTestConfig) -> dict[str, str]:

@@ -13,7 +13,7 @@ from nmtserve.server.config import ServerConfig, env_name, flag_fields
 from tests.helpers import ROOT
 
 KUBE = ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("cpu", "gpu", "multi-model", "api-keys")
+OVERLAYS = ("cpu", "gpu", "multi-model", "api-keys", "tls")
 KUBERNETES_VERSION = "1.30.0"  # the oldest release with the preStop `sleep` action (beta, on by default)
 
 
@@ -54,9 +54,13 @@ def test_ports_probes_and_env_agree_with_the_server(rendered):
     container = docs["Deployment"]["spec"]["template"]["spec"]["containers"][0]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"grpc": grpc_port, "metrics": metrics_port, "http": http_port}
-    for probe in ("startupProbe", "readinessProbe"):
-        assert container[probe]["grpc"]["port"] == grpc_port
-    assert container["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
+    for probe in ("startupProbe", "readinessProbe"):  # kubelet's gRPC probe speaks no TLS: then the HTTP front's
+        if overlay == "tls":
+            assert container[probe]["httpGet"] == {"path": "/readyz", "port": http_port} and "grpc" not in container[probe]
+        else:
+            assert container[probe]["grpc"]["port"] == grpc_port
+    if overlay != "tls":
+        assert container["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
     assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": http_port}  # a route of server/http.py
     allowed = {p["port"] for rule in docs["NetworkPolicy"]["spec"]["ingress"] for p in rule["ports"]}
     assert allowed == {grpc_port, http_port, metrics_port}
@@ -121,3 +125,28 @@ def test_the_api_keys_overlay_mounts_a_key_file_the_server_reads(tmp_path):
     assert str(PurePosixPath(mount["mountPath"]) / name) == docs["ConfigMap"]["data"]["NMTSERVE_API_KEYS"]
     (tmp_path / name).write_bytes(base64.b64decode(data))
     assert read_clients(tmp_path / name)  # the file parses as the server parses it
+
+
+def test_the_tls_overlay_mounts_the_certificate_where_the_server_reads_it():
+    from pathlib import PurePosixPath
+
+    docs = render("tls")
+    config = docs["ConfigMap"]["data"]
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "tls")
+    volume = next(v for v in pod["volumes"] if v["name"] == "tls")
+    assert volume["secret"]["secretName"] and mount["readOnly"] is True
+    for key, name in (("NMTSERVE_TLS_CERT", "tls.crt"), ("NMTSERVE_TLS_KEY", "tls.key")):  # kubernetes.io/tls keys
+        assert config[key] == str(PurePosixPath(mount["mountPath"]) / name)
+
+
+def test_replicas_spread_over_nodes_and_zones_without_blocking_a_schedule(rendered):
+    _, docs = rendered
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    selector = docs["Deployment"]["spec"]["selector"]["matchLabels"]
+    spread = {c["topologyKey"]: c for c in pod["topologySpreadConstraints"]}
+    assert set(spread) == {"topology.kubernetes.io/zone", "kubernetes.io/hostname"}
+    assert all(c["whenUnsatisfiable"] == "ScheduleAnyway" and c["labelSelector"]["matchLabels"].items() >= selector.items()
+               for c in spread.values())
+    [term] = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"].items() >= selector.items()

@@ -60,6 +60,20 @@ def test_the_http_front_under_load_with_an_api_key_has_the_same_entries_and_meet
     assert calls and all(c["client"] == "locust" and c["code"] == "OK" for c in calls)
 
 
+def test_workers_run_the_users_of_a_distributed_run_with_the_same_results(tiny_bundle, tmp_path):
+    """--workers 2: locust's master runs the scenario's shape and writes the statistics, two worker processes run
+    the users (the master runs none: every call counted came from a worker); the same entries and SLO check."""
+    out = tmp_path / "run"
+    result = run_cli("loadtest", str(tiny_bundle), "--workers", "2", "--scenario", "steady", "--seconds", "8",
+                     "--peak-users", "4", "--out", str(out), timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "2 locust workers" in result.stdout and "measured: p95_latency_ms" in result.stdout
+    stats = read_stats(out / "stats_stats.csv")
+    for name in ("Translate", "TranslateStream", "TranslateText"):
+        assert stats[name]["Request Count"] > 0, name
+    assert sum(row["Failure Count"] for row in stats.values()) == 0
+
+
 def test_without_the_key_every_http_call_fails_as_unauthenticated(tiny_bundle, tmp_path):
     from nmtserve.server.auth import client_entry
 
