@@ -12,8 +12,10 @@ keys and for a call without a known key.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, start_http_server
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -68,6 +70,7 @@ class ServerMetrics:
         self.model = Info("nmtserve_model", "The bundles being served, one series per model", ["model"], registry=r)
         Info("nmtserve_build", "The versions of nmtserve and of the libraries it serves with",
              registry=r).info(build_versions())
+        r.register(_MemoryLimit(memory_limit_bytes()))
         self._engines: dict[str, object] = {}  # each model's engine, read at each scrape (watch_engine)
         r.register(_Admissions(self._engines))
         # process_resident_memory_bytes, process_open_fds, process_cpu_seconds_total, … (Linux /proc)
@@ -145,6 +148,38 @@ def build_versions() -> dict[str, str]:
         except PackageNotFoundError:
             pass
     return versions
+
+
+# cgroup v2, then v1: the container's memory limit; v1 writes a huge number for none
+CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def memory_limit_bytes(paths=CGROUP_MEMORY_LIMITS) -> int | None:
+    """The process's cgroup memory limit in bytes, None where it has none (or it cannot be read)."""
+    for path in paths:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**60:
+            return int(text)
+        return None  # "max", or v1's "unlimited"
+    return None
+
+
+class _MemoryLimit:
+    """nmtserve_memory_limit_bytes: the container's memory limit, beside process_resident_memory_bytes (the alert
+    on memory near the limit divides one by the other); the family has no sample where there is no limit."""
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+
+    def collect(self):
+        family = GaugeMetricFamily("nmtserve_memory_limit_bytes", "The memory limit of the server's container "
+                                   "(its cgroup's), where it has one")
+        if self.limit is not None:
+            family.add_metric([], self.limit)
+        yield family
 
 
 class _Admissions:

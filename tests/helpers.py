@@ -130,7 +130,8 @@ def metric(samples: list, name: str, **labels: str) -> float:
 
 
 def metric_names(expr: str) -> set[str]:
-    return set(re.findall(r"\b(nmtserve_[a-z_]+)\b", expr))
+    """The server's series a PromQL expression names: its own and its process collector's."""
+    return set(re.findall(r"\b((?:nmtserve|process)_[a-z_]+)\b", expr))
 
 
 def stream_decoded(decode, ids: list[int], rng: random.Random) -> tuple[str, list[int]]:

@@ -10,7 +10,7 @@ from tests.deploy.test_manifests import render
 from tests.helpers import exported_series, metric_names, system_tool
 
 ALERTS = {"NmtserveDown", "NmtserveInternalErrors", "NmtserveRejectingForCapacity", "NmtserveQueueBacklog",
-          "NmtserveSlowRequests", "NmtserveSlowFirstToken"}
+          "NmtserveSlowRequests", "NmtserveSlowFirstToken", "NmtserveRestarting", "NmtserveMemoryNearLimit"}
 POD = {"namespace": "ml", "pod": "nmtserve-a"}
 MODEL = "en-fr"
 
@@ -40,6 +40,11 @@ def _traffic(ok_per_minute: int, internal: int, exhausted: int, waiting: int, sl
         _series("nmtserve_requests_waiting", f"{waiting}x30", model=MODEL),
         *_histogram("nmtserve_request_duration_seconds", latency),
         *_histogram("nmtserve_time_to_first_token_seconds", first_token),
+        # a broken pod's process starts again every 5 minutes and holds 95% of its memory limit
+        _series("process_start_time_seconds", "1000x4 1300x4 1600x4 1900x4 2200x4 2500x4 2800x4 3100x2" if slow
+                else "1000x30", job="nmtserve"),
+        _series("process_resident_memory_bytes", f"{3.8e9 if slow else 1.2e9:.0f}x30", job="nmtserve"),
+        _series("nmtserve_memory_limit_bytes", f"{4e9:.0f}x30", job="nmtserve"),
     ]
 
 
@@ -72,7 +77,8 @@ def test_each_alert_fires_on_a_broken_pod_and_none_on_a_healthy_one(rules):
     scope = {"namespace": "ml", "model": MODEL}  # errors, refusals and latency alert per model
     broken = {"NmtserveDown": {**POD, "job": "nmtserve"}, "NmtserveInternalErrors": scope,
               "NmtserveRejectingForCapacity": scope, "NmtserveQueueBacklog": POD,
-              "NmtserveSlowRequests": scope, "NmtserveSlowFirstToken": scope}
+              "NmtserveSlowRequests": scope, "NmtserveSlowFirstToken": scope,
+              "NmtserveRestarting": {**POD, "job": "nmtserve"}, "NmtserveMemoryNearLimit": POD}
     severity = {"NmtserveDown": "critical", "NmtserveInternalErrors": "critical"}
     tests = {
         "rule_files": ["bare.rules.yml"],

@@ -25,6 +25,9 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "nmtserve-dashboard.json"
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$namespace": ".*", "$pod": ".*", "$model": ".*", "$client": ".*"}
 # series of an API key's client that no model labels: filtered by the client variable instead
 CLIENT_SERIES = ("nmtserve_quota_rejections_total", "nmtserve_client_characters_total")
+# series of a pod as a whole (its process, its build): filtered by the pod variable
+POD_SERIES = ("process_resident_memory_bytes", "process_cpu_seconds_total", "process_start_time_seconds",
+              "nmtserve_build_info")
 DASH, TIGHT = "key-of-the-dashboards-client", "key-of-a-client-of-ten-characters-a-minute"
 
 
@@ -57,14 +60,17 @@ def test_the_dashboard_covers_the_server_and_names_only_exported_metrics():
     for needed in ("nmtserve_sentences_total", "nmtserve_output_tokens_total", "nmtserve_request_duration_seconds_bucket",
                    "nmtserve_time_to_first_token_seconds_bucket", "nmtserve_request_queue_seconds_bucket",
                    "nmtserve_requests_waiting", "nmtserve_step_rows_bucket", "nmtserve_rejected_requests_total",
-                   "nmtserve_cancelled_sentences_total", *CLIENT_SERIES):
+                   "nmtserve_cancelled_sentences_total", *CLIENT_SERIES, *POD_SERIES):
         assert needed in used, f"no panel queries {needed}"
     panel_queries = {name: expr for name, expr in queries.items() if not name.startswith("variable ")}
+    def filtered(name: str, selector: str) -> bool:
+        needed = 'client=~"$client"' if name in CLIENT_SERIES else 'pod=~"$pod"' if name in POD_SERIES \
+            else 'model=~"$model"'
+        return needed in selector
+
     unfiltered = [name for name, expr in panel_queries.items()
-                  if expr.count('model=~"$model"') + sum(expr.count(f'{m}{{') for m in CLIENT_SERIES)
-                  != expr.count("nmtserve_")
-                  or sum(expr.count(f'{m}{{') for m in CLIENT_SERIES) > expr.count('client=~"$client"')]
-    assert not unfiltered, f"every series a panel reads must be filtered by the model (or client) variable: {unfiltered}"
+                  for series, selector in re.findall(r"(\w+)\{([^}]*)\}", expr) if not filtered(series, selector)]
+    assert not unfiltered, f"every series a panel reads must be filtered by the model (client, pod) variable: {unfiltered}"
     board = json.loads(DASHBOARD.read_text())
     datasources = {json.dumps(p.get("datasource")) for p in board["panels"] if p["type"] != "row"}
     assert datasources == {json.dumps({"type": "prometheus", "uid": "${datasource}"})}, "panels must use the datasource variable"

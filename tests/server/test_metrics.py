@@ -81,3 +81,16 @@ def test_metrics_page_passes_promtool_lint(served):
     promtool = system_tool("promtool")
     check = subprocess.run([promtool, "check", "metrics"], input=page, capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_the_memory_limit_is_the_cgroups_and_absent_without_one(tmp_path):
+    from nmtserve.server.metrics import memory_limit_bytes
+
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    v2.write_text("4294967296\n")
+    assert memory_limit_bytes((str(v2), str(v1))) == 4294967296
+    v2.write_text("max\n")
+    assert memory_limit_bytes((str(v2), str(v1))) is None
+    v1.write_text("9223372036854771712\n")  # cgroup v1's "no limit"
+    assert memory_limit_bytes((str(tmp_path / "absent"), str(v1))) is None
+    assert memory_limit_bytes((str(tmp_path / "absent"),)) is None
