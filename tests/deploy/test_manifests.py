@@ -13,7 +13,9 @@ from nmtserve.server.config import ServerConfig, env_name, flag_fields
 from tests.helpers import ROOT
 
 KUBE = ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("cpu", "gpu", "multi-model", "api-keys", "tls")
+OVERLAYS = ("cpu", "gpu", "multi-model", "api-keys", "tls", "gateway", "models-volume")
+CRD_GROUPS = {"ServiceMonitor": "monitoring.coreos.com/v1", "PrometheusRule": "monitoring.coreos.com/v1",
+              "GRPCRoute": "gateway.networking.k8s.io/v1", "HTTPRoute": "gateway.networking.k8s.io/v1"}
 KUBERNETES_VERSION = "1.30.0"  # the oldest release with the preStop `sleep` action (beta, on by default)
 
 
@@ -37,8 +39,8 @@ def test_every_object_validates_against_the_kubernetes_schema(rendered):
     assert {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "HorizontalPodAutoscaler",
             "NetworkPolicy", "ServiceMonitor", "PrometheusRule"} <= set(docs)
     for kind, doc in docs.items():
-        if kind in ("ServiceMonitor", "PrometheusRule"):  # CRDs of the Prometheus Operator: no schema here
-            assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+        if kind in CRD_GROUPS:  # the Prometheus Operator's and the Gateway API's: no schema here
+            assert doc["apiVersion"] == CRD_GROUPS[kind]
             continue
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
 
@@ -150,3 +152,50 @@ def test_replicas_spread_over_nodes_and_zones_without_blocking_a_schedule(render
                for c in spread.values())
     [term] = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     assert term["podAffinityTerm"]["labelSelector"]["matchLabels"].items() >= selector.items()
+
+
+def test_the_gateway_routes_send_the_service_and_the_http_front_to_their_ports():
+    docs = render("gateway")
+    ports = {p["name"]: p["port"] for p in docs["Service"]["spec"]["ports"]}
+    [grpc_rule] = docs["GRPCRoute"]["spec"]["rules"]
+    assert grpc_rule["matches"] == [{"method": {"service": SERVICE_NAME}}]
+    assert grpc_rule["backendRefs"] == [{"name": docs["Service"]["metadata"]["name"], "port": ports["grpc"]}]
+    [http_rule] = docs["HTTPRoute"]["spec"]["rules"]
+    assert http_rule["backendRefs"] == [{"name": docs["Service"]["metadata"]["name"], "port": ports["http"]}]
+    routes = {m["path"]["value"] for m in http_rule["matches"]}
+    from nmtserve.server.openapi import openapi_document
+
+    documented = set(openapi_document()["paths"])  # every route sent on is one of the HTTP front's
+    assert all(any(path == r or (r.endswith("/") and path.startswith(r)) for path in documented) for r in routes)
+
+
+def test_the_models_volume_overlay_serves_a_bundle_from_the_claim():
+    from pathlib import PurePosixPath
+
+    docs = render("models-volume")
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "models")
+    volume = next(v for v in pod["volumes"] if v["name"] == "models")
+    assert volume["persistentVolumeClaim"]["claimName"] == docs["PersistentVolumeClaim"]["metadata"]["name"]
+    assert mount["readOnly"] is True and volume["persistentVolumeClaim"]["readOnly"] is True
+    assert PurePosixPath(docs["ConfigMap"]["data"]["NMTSERVE_BUNDLE"]).is_relative_to(mount["mountPath"])
+
+
+def test_the_envoy_example_balances_both_ports_over_the_service_with_health_checks():
+    """Envoy is not run here: its file's clusters must reach the Service's ports and check health as the server
+    answers it (grpc.health.v1 for the service, the HTTP front's /readyz)."""
+    config = yaml.safe_load((ROOT / "deploy" / "envoy" / "envoy.yaml").read_text())["static_resources"]
+    service = render("cpu")["Service"]
+    ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    clusters = {c["name"]: c for c in config["clusters"]}
+    routed = {l["name"]: l["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]
+              ["routes"][0]["route"]["cluster"] for l in config["listeners"]}
+    assert set(routed.values()) == set(clusters)
+    for name, port_name in (("nmtserve_grpc", "grpc"), ("nmtserve_http", "http")):
+        cluster = clusters[name]
+        assert cluster["type"] == "STRICT_DNS" and cluster["lb_policy"] == "ROUND_ROBIN"
+        [endpoint] = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        address = endpoint["endpoint"]["address"]["socket_address"]
+        assert address["address"].startswith(service["metadata"]["name"] + ".") and address["port_value"] == ports[port_name]
+    assert clusters["nmtserve_grpc"]["health_checks"][0]["grpc_health_check"] == {"service_name": SERVICE_NAME}
+    assert clusters["nmtserve_http"]["health_checks"][0]["http_health_check"] == {"path": "/readyz"}
