@@ -8,6 +8,7 @@
     nmtserve bench cross-kv bundles/default         # a beam's copies of its cross-attention K/V vs one shared copy
     nmtserve loadtest bundles/default --scenario steady --peak-users 32 --seconds 60 --slo loadtests/slo.toml
     nmtserve loadtest bundles/default --protocol http --slo loadtests/slo.toml   # through the HTTP/JSON front
+    nmtserve loadtest bundles/default --scenario replicas   # replicas behind one name: added, drained, killed
     nmtserve check-slo runs/loadtest/steady --slo loadtests/slo.toml
     nmtserve soak bundles/default --seconds 600 --clients 24 --out runs/soak
 """
@@ -111,10 +112,28 @@ def cmd_bench_served(args) -> int:
 def cmd_loadtest(args) -> int:
     from nmtserve.loadtests.run import LoadTestConfig, run_loadtest
 
+    if args.scenario == "replicas":
+        return _replicas(args)
+
     return run_loadtest(LoadTestConfig(args.scenario, args.bundle, args.server or "", args.peak_users, args.seconds,
                                        args.out or "", args.sentences_file or "", args.slo or "", args.think_time,
                                        args.server_flag or [], args.decoding, args.metrics_url or "",
                                        protocol=args.protocol, workers=args.workers, api_key=args.api_key))
+
+
+def _replicas(args) -> int:
+    """--scenario replicas: replicas behind one name in a network namespace (loadtests/replicas.py); --peak-users
+    clients, --seconds split into the run's phases."""
+    from nmtserve.loadtests.replicas import ReplicasConfig, run_replicas
+
+    cfg = ReplicasConfig(args.bundle, args.out or "runs/loadtest/replicas", clients=args.peak_users,
+                         phase=max(6.0, args.seconds / 5))
+    report = run_replicas(cfg)
+    for name, check in report["checks"].items():
+        figures = ", ".join(f"{k} {v}" for k, v in check.items() if k != "held")
+        print(f"{'held' if check['held'] else 'FAILED'}: {name} ({figures})")
+    print(f"{report['calls']} calls, {report['failed']} failed; results in {cfg.out}: replicas.json, replicas.png")
+    return 0 if all(check["held"] for check in report["checks"].values()) else 1
 
 
 def cmd_check_slo(args) -> int:
@@ -296,7 +315,9 @@ def cmd_bench_documents(args) -> int:
 
 
 def _add_loadtest(p) -> None:
-    p.add_argument("--scenario", default="steady", help="steady, step, spike or overload (default %(default)s)")
+    p.add_argument("--scenario", default="steady", help="steady, step, spike or overload (default %(default)s); "
+                   "replicas: three replicas behind one name in a network namespace (root), one added, one drained, "
+                   "one killed (loadtests/replicas.py)")
     p.add_argument("bundle", nargs="?", default="bundles/default", help="bundle to serve, and whose test split is "
                    "sent (default %(default)s); comma-separated: one server of several models, each sent its own "
                    "bundle's test split")
