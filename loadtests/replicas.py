@@ -82,11 +82,12 @@ class Replica:
     def __init__(self, ns: Namespace, index: int, cfg: ReplicasConfig, out: Path):
         self.name, self.address, self.log = f"r{index}", f"{SUBNET}{10 + index}", out / f"r{index}.log"
         ns.address(self.address)
-        self.process = ns.run([sys.executable, "-m", "nmtserve.cli", "serve", cfg.bundle, "--host", self.address,
-                               "--port", str(PORT), "--metrics-port", "-1", "--max-connection-age",
-                               str(cfg.max_connection_age), "--max-connection-age-grace", "5", "--drain-timeout", "5",
-                               "--threads", "1"],
-                              stdout=subprocess.PIPE, stderr=open(self.log, "w"), text=True)
+        with open(self.log, "w") as log:  # the child keeps its own descriptor
+            self.process = ns.run([sys.executable, "-m", "nmtserve.cli", "serve", cfg.bundle, "--host", self.address,
+                                   "--port", str(PORT), "--metrics-port", "-1", "--max-connection-age",
+                                   str(cfg.max_connection_age), "--max-connection-age-grace", "5",
+                                   "--drain-timeout", "5", "--threads", "1"],
+                                  stdout=subprocess.PIPE, stderr=log, text=True)
         line = self.process.stdout.readline()
         if "serving on port" not in line:
             raise NmtserveError(f"replica {self.name} did not start: {self.log.read_text()[-500:]}")
