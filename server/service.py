@@ -97,7 +97,7 @@ class _Call:
 
 def _rpc(method):
     """A translation RPC's handler, given its _Call: however the call ends (answered, failed, cancelled, a stream
-    closed early), the slot it holds in its client's quota is freed."""
+    closed early), the slot it holds in its client's quota is freed and its spans are written (_end)."""
     name = method.__name__
     if inspect.isasyncgenfunction(method):
         @functools.wraps(method)
