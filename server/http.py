@@ -164,13 +164,7 @@ class HttpFront:
         method = getattr(self.servicer, rpc)
 
         async def endpoint(request: Request) -> Response:
-            try:
-                message = await self._message(request, kind)
-                context = context_of(request)
-                response = await method(message, context)
-            except Aborted as e:
-                return error_response(e)
-            return JSONResponse(json_format.MessageToDict(response), headers=context.trailers)
+            return await self._answer(request, lambda: self._message(request, kind), method)
         return endpoint
 
     def _stream(self, rpc: str, kind):
@@ -198,22 +192,27 @@ class HttpFront:
             return StreamingResponse(events(), media_type="text/event-stream", headers=context.trailers)
         return endpoint
 
-    async def _models(self, request: Request) -> Response:
+    @staticmethod
+    async def _answer(request: Request, read, method) -> Response:
+        """A unary RPC over HTTP: `await read()` gives its message, `method` answers it; the answer as JSON with the
+        call's trailers as headers (X-Request-Id), or its error."""
         try:
+            message = await read()
             context = context_of(request)
-            response = await self.servicer.ListModels(pb.ListModelsRequest(), context)
+            response = await method(message, context)
         except Aborted as e:
             return error_response(e)
         return JSONResponse(json_format.MessageToDict(response), headers=context.trailers)
 
+    async def _models(self, request: Request) -> Response:
+        async def read():
+            return pb.ListModelsRequest()
+        return await self._answer(request, read, self.servicer.ListModels)
+
     async def _model_info(self, request: Request) -> Response:
-        try:
-            context = context_of(request)
-            info = await self.servicer.GetModelInfo(pb.GetModelInfoRequest(model=request.path_params["model"]),
-                                                    context)
-        except Aborted as e:
-            return error_response(e)
-        return JSONResponse(json_format.MessageToDict(info), headers=context.trailers)
+        async def read():
+            return pb.GetModelInfoRequest(model=request.path_params["model"])
+        return await self._answer(request, read, self.servicer.GetModelInfo)
 
     async def _libretranslate(self, request: Request) -> Response:
         try:
@@ -283,8 +282,7 @@ class HttpServer:
 def bound_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to host:port (port 0: a free one); "::" takes IPv4 too, as gRPC's "[::]" does. Its protocol
     is named (IPPROTO_TCP), so that asyncio turns Nagle's algorithm off on each connection (TCP_NODELAY): with it on,
-    a response's body waits behind its headers for the client's delayed ACK, about 40 ms a call on a kept-alive
-    connection."""
+    a response's body waits behind its headers for the client's delayed ACK on a kept-alive connection."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -24,6 +24,7 @@ class Tracing:
     finished calls."""
 
     def __init__(self, exporter, batch: bool):
+        from opentelemetry import context
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
@@ -34,18 +35,16 @@ class Tracing:
         self.provider.add_span_processor(BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("nmtserve.server", nmtserve.__version__)
         self._epoch_offset_ns = time.time_ns() - time.monotonic_ns()  # time.monotonic() -> the epoch's ns
+        self._context = context  # read at every call's start
 
     def interceptors(self) -> list:
         from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
         return [aio_server_interceptor(tracer_provider=self.provider)]
 
-    @staticmethod
-    def current():
+    def current(self):
         """The context a call starts in: its RPC's server span, where the interceptor made one."""
-        from opentelemetry import context
-
-        return context.get_current()
+        return self._context.get_current()
 
     def _ns(self, monotonic: float) -> int:
         return int(monotonic * 1e9) + self._epoch_offset_ns
