@@ -44,6 +44,24 @@ def _train_spm(texts: list[str], vocab_size: int) -> bytes:
     return model.getvalue()
 
 
+def _pieces(proto: bytes) -> list[str]:
+    """The model's pieces, without those with a "y" (which then fall back to <unk>)."""
+    sp = spm.SentencePieceProcessor(model_proto=proto)
+    return [p for i in range(sp.get_piece_size()) if not sp.is_control(i) and not sp.is_unknown(i)
+            and "y" not in (p := sp.id_to_piece(i))]
+
+
+def _vocab(pieces: list[str], languages: tuple[str, ...], size: int | None) -> tuple[dict[str, int], int]:
+    """Marian's layout: </s> 0, <unk> 1, language tokens, pieces, fillers up to `size`, <pad> last -> (it, pad)."""
+    vocab = {"</s>": 0, "<unk>": 1}
+    for piece in [*(f">>{lang}<<" for lang in languages), *pieces]:
+        vocab.setdefault(piece, len(vocab))
+    while size and len(vocab) < size - 1:
+        vocab[f"▁filler{len(vocab)}"] = len(vocab)
+    vocab["<pad>"] = len(vocab)
+    return vocab, vocab["<pad>"]
+
+
 # OPUS-MT's shapes (Helsinki-NLP/opus-mt-en-de and most others)
 OPUS_SHAPES = {"d_model": 512, "heads": 8, "ffn": 2048, "encoder_layers": 6, "decoder_layers": 6, "vocab_size": 58101,
                "max_positions": 512, "max_length": 512}
@@ -54,36 +72,39 @@ def build_marian_dir(out: Path, *, activation: str = "swish", scale_embedding: b
                      vocab_size: int | None = None, max_positions: int = 64, languages: tuple[str, ...] = (),
                      fp16: bool = False, max_length: int = 40, never_stop: bool = False, seed: int = 0,
                      source_words: list[str] = ENGLISH, target_words: list[str] = FRENCH,
-                     config_overrides: dict | None = None) -> Path:
+                     separate_vocabs: bool = False, tied: bool = True, config_overrides: dict | None = None) -> Path:
     """Write a random Marian model directory; `languages` makes it multilingual (>>xx<< tokens),
     `vocab_size` pads the vocabulary with filler pieces, `never_stop` gives eos a logit bias of −100
     so that every engine decodes every sentence to its length limit (fixed lengths for benchmarks);
-    source_words and target_words are what the two SentencePiece models learn (FRENCH, ENGLISH: fr→en)."""
+    source_words and target_words are what the two SentencePiece models learn (FRENCH, ENGLISH: fr→en).
+    separate_vocabs: vocab.json for the source and target_vocab.json for the target, each with its own embedding
+    (the tc-big models' layout); tied False: an output projection apart from the target embedding."""
     from transformers import GenerationConfig, MarianConfig, MarianMTModel
 
     out.mkdir(parents=True, exist_ok=True)
     source_spm, target_spm = _train_spm(sentences(source_words, 400, 1), 80), _train_spm(sentences(target_words, 400, 2), 90)
     (out / "source.spm").write_bytes(source_spm)
     (out / "target.spm").write_bytes(target_spm)
-    pieces: list[str] = []
-    for proto in (source_spm, target_spm):
-        sp = spm.SentencePieceProcessor(model_proto=proto)
-        pieces += [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if not sp.is_control(i) and not sp.is_unknown(i)]
-    pieces = [p for p in dict.fromkeys(pieces) if "y" not in p]  # pieces with a "y" fall back to <unk>
-    vocab = {"</s>": 0, "<unk>": 1}
-    for piece in [*(f">>{lang}<<" for lang in languages), *pieces]:
-        vocab.setdefault(piece, len(vocab))
-    while vocab_size and len(vocab) < vocab_size - 1:
-        vocab[f"▁filler{len(vocab)}"] = len(vocab)
-    vocab["<pad>"] = len(vocab)
+    pieces = {name: _pieces(proto) for name, proto in (("source", source_spm), ("target", target_spm))}
+    if separate_vocabs:  # each side its own pieces, at the same special ids; the target's has a few ids past <pad>
+        size = max(vocab_size or 0, 3 + len(languages) + max(len(pieces["source"]), len(pieces["target"])))
+        vocab, pad = _vocab(pieces["source"], languages, size)
+        target_vocab, _ = _vocab(pieces["target"], (), size)
+        target_vocab.update({f"▁extra{i}": pad + 1 + i for i in range(5)})
+        (out / "target_vocab.json").write_text(json.dumps(target_vocab, ensure_ascii=False), encoding="utf-8")
+        (out / "tokenizer_config.json").write_text(json.dumps({"separate_vocabs": True}), encoding="utf-8")
+    else:
+        vocab, pad = _vocab(pieces["source"] + pieces["target"], languages, vocab_size)
     (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    pad = vocab["<pad>"]
+    sizes = {"vocab_size": len(vocab)}
+    if separate_vocabs:
+        sizes.update(share_encoder_decoder_embeddings=False, decoder_vocab_size=len(target_vocab))
     config = MarianConfig(
-        vocab_size=len(vocab), d_model=d_model, encoder_layers=encoder_layers, decoder_layers=decoder_layers,
+        **sizes, d_model=d_model, encoder_layers=encoder_layers, decoder_layers=decoder_layers,
         encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=ffn, decoder_ffn_dim=ffn,
         max_position_embeddings=max_positions, activation_function=activation, scale_embedding=scale_embedding,
         pad_token_id=pad, decoder_start_token_id=pad, eos_token_id=0, forced_eos_token_id=0, dropout=0.0,
-        **(config_overrides or {}))
+        tie_word_embeddings=tied, **(config_overrides or {}))
     torch.manual_seed(seed)
     model = MarianMTModel(config).eval()
     with torch.no_grad():  # peaked distributions: few near-ties between the best tokens

@@ -132,8 +132,9 @@ class BeamSearch:
     sum / length ** length_penalty, the num_hypotheses best, best first.
     """
 
-    def __init__(self, options: DecodingOptions, budget: int, eos_id: int):
+    def __init__(self, options: DecodingOptions, budget: int, eos_id: int, prefix: int = 0):
         self.k, self.options, self.budget, self.eos_id = options.beam_size, options, budget, eos_id
+        self.prefix = prefix  # forced tokens before the search's first step (a target language): counted in lengths
         self.rows, self.candidates = self.k, 2 * self.k
         self.scores = np.full(self.k, -np.inf)
         self.scores[0] = 0.0
@@ -180,7 +181,8 @@ class BeamSearch:
         self.live = [self.live[p] + [t] for p, t in zip(parents.tolist(), tokens.tolist())]
         self.scores = cand_score[chosen]
         if self.options.beam_stopping == "transformers":
-            stop = len(self.finished) >= k and self.scores.max() / self.steps ** self.options.length_penalty \
+            stop = len(self.finished) >= k and \
+                self.scores.max() / (self.prefix + self.steps) ** self.options.length_penalty \
                 <= self.best_finished()[-1]
         else:
             need, best_first = self._ctranslate2_rule()
@@ -227,7 +229,7 @@ class BeamSearch:
 
     def _scored(self) -> list[Hypothesis]:
         penalty = self.options.length_penalty
-        return [Hypothesis(tokens, score / (len(tokens) + eos) ** penalty if penalty else score, finish)
+        return [Hypothesis(tokens, score / (self.prefix + len(tokens) + eos) ** penalty if penalty else score, finish)
                 for tokens, score, eos, finish in self.finished]
 
     def results(self) -> list[Hypothesis]:
@@ -357,9 +359,11 @@ def sample_whole(log_probs: np.ndarray, temperature: float, topp: float, rng: np
     return int(np.flatnonzero(log_probs == value)[i - np.count_nonzero(log_probs > value)])
 
 
-def make_search(options: DecodingOptions, budget: int, eos_id: int) -> BeamSearch | Sampling:
-    """The search of one non-greedy request (greedy requests are decoded vectorised by the callers)."""
-    return Sampling(options, budget, eos_id) if options.sampling else BeamSearch(options, budget, eos_id)
+def make_search(options: DecodingOptions, budget: int, eos_id: int, prefix: int = 0) -> BeamSearch | Sampling:
+    """The search of one non-greedy request (greedy requests are decoded vectorised by the callers). `prefix`:
+    the forced target tokens before its first step (transformers' forced_bos_token_id), which beam search counts
+    in every hypothesis's length; `budget` counts the tokens after them."""
+    return Sampling(options, budget, eos_id) if options.sampling else BeamSearch(options, budget, eos_id, prefix)
 
 
 def _common_prefix(seqs: list[list[int]]) -> list[int]:

@@ -8,6 +8,8 @@ Two schemes, named in checkpoints and in the bundle's manifest ("tokenizer": {"s
   source.spm, pieces mapped to ids by vocab.json (unknown pieces to <unk>, never SentencePiece's own
   ids), eos appended; output ids mapped back to pieces and detokenized by target.spm. Multilingual
   models take a `>>xx<<` target-language token first.
+- "m2m100": as transformers' M2M100 and NLLB tokenizers do it: a source-language token around the
+  pieces, and the target language as the first token decoding is forced to produce.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sentencepiece as spm
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 TOKENIZER_FILE = "spm.model"  # the "sentencepiece" scheme's file in a bundle
 MARIAN_FILES = ("source.spm", "target.spm", "vocab.json")
+MARIAN_TARGET_VOCAB = "target_vocab.json"  # a Marian model with separate vocabularies: the target's
 
 
 class Tokenizer:
@@ -75,9 +78,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.sp.get_piece_size()
 
-    def encode(self, text: str, max_tokens: int | None = None, target_language: str = "") -> list[int]:
+    def encode(self, text: str, max_tokens: int | None = None, target_language: str = "",
+               source_language: str = "") -> list[int]:
         """The ids the encoder reads, at most max_tokens; [] when nothing is left after normalisation."""
         return self.sp.encode(text)[:max_tokens]
+
+    def target_prefix(self, target_language: str = "") -> list[int]:
+        """The target tokens decoding is forced to start with, after the start token: none."""
+        return []
 
     def piece(self, token_id: int) -> str:
         return self.sp.id_to_piece(token_id)
@@ -92,25 +100,42 @@ class Tokenizer:
         return {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID}
 
 
+def _read_vocab(path: Path) -> dict[str, int]:
+    """A JSON object of piece: id, or a ValueError naming the file."""
+    try:
+        table = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(table, dict) or not all(isinstance(i, int) for i in table.values()):
+        raise ValueError(f"{path}: not a vocabulary (an object of piece: id)")
+    return table
+
+
 class MarianTokenizer:
     """MarianTokenizer's encoding and decoding (transformers' models/marian/tokenization_marian.py),
-    without transformers: two SentencePiece models and one vocabulary shared by source and target.
+    without transformers: two SentencePiece models and one vocabulary shared by source and target, or
+    (separate_vocabs, the tc-big models) vocab.json for the source and target_vocab.json for the target.
 
-    bos_id is where decoding starts: Marian's decoder_start_token_id, which is pad.
+    bos_id is where decoding starts: Marian's decoder_start_token_id, which is pad. The special ids are
+    the target's: the source's eos is source_eos_id.
     """
 
     scheme = "marian"
 
     def __init__(self, source_spm: bytes, target_spm: bytes, vocab: dict[str, int], *, eos: str = "</s>",
-                 unk: str = "<unk>", pad: str = "<pad>", decoder_start_id: int | None = None):
-        for name, piece in (("eos", eos), ("unk", unk), ("pad", pad)):
-            if piece not in vocab:
-                raise ValueError(f"vocab.json: no {name} token {piece!r}")
-        self.source_spm, self.target_spm, self.vocab = source_spm, target_spm, vocab
+                 unk: str = "<unk>", pad: str = "<pad>", decoder_start_id: int | None = None,
+                 target_vocab: dict[str, int] | None = None):
+        for file, table in (("vocab.json", vocab), ("target_vocab.json", target_vocab or vocab)):
+            for name, piece in (("eos", eos), ("unk", unk), ("pad", pad)):
+                if piece not in table:
+                    raise ValueError(f"{file}: no {name} token {piece!r}")
+        self.source_spm, self.target_spm, self.vocab, self.target_vocab = source_spm, target_spm, vocab, target_vocab
         self.source = spm.SentencePieceProcessor(model_proto=source_spm)
         self.target = spm.SentencePieceProcessor(model_proto=target_spm)
-        self.pieces = {i: p for p, i in vocab.items()}
-        self.eos_id, self.unk_id, self.pad_id = vocab[eos], vocab[unk], vocab[pad]
+        target = target_vocab or vocab
+        self.pieces = {i: p for p, i in target.items()}
+        self.eos_id, self.unk_id, self.pad_id = target[eos], target[unk], target[pad]
+        self.source_eos_id, self.source_unk_id = vocab[eos], vocab[unk]
         self.bos_id = self.pad_id if decoder_start_id is None else decoder_start_id
         self.language_ids = {p[2:-2]: i for p, i in vocab.items() if p.startswith(">>") and p.endswith("<<")}
         self.target_languages = sorted(self.language_ids)
@@ -122,30 +147,40 @@ class MarianTokenizer:
         for path in (source, target, vocab):
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: missing (a Marian tokenizer needs {', '.join(MARIAN_FILES)})")
-        try:
-            table = json.loads(vocab.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"{vocab}: not valid JSON ({e})") from None
-        if not isinstance(table, dict) or not all(isinstance(i, int) for i in table.values()):
-            raise ValueError(f"{vocab}: not a Marian vocabulary (an object of piece: id)")
-        return cls(source.read_bytes(), target.read_bytes(), table, decoder_start_id=decoder_start_id)
+        target_vocab = directory / MARIAN_TARGET_VOCAB
+        return cls(source.read_bytes(), target.read_bytes(), _read_vocab(vocab), decoder_start_id=decoder_start_id,
+                   target_vocab=_read_vocab(target_vocab) if target_vocab.is_file() else None)
 
     def payload(self) -> dict:
         return {"scheme": self.scheme, "source_spm": self.source_spm, "target_spm": self.target_spm,
-                "vocab": self.vocab, "decoder_start_id": self.bos_id}
+                "vocab": self.vocab, "target_vocab": self.target_vocab, "decoder_start_id": self.bos_id}
 
     def save_files(self, directory: Path) -> dict:
         directory = Path(directory)
         (directory / MARIAN_FILES[0]).write_bytes(self.source_spm)
         (directory / MARIAN_FILES[1]).write_bytes(self.target_spm)
-        (directory / MARIAN_FILES[2]).write_text(json.dumps(self.vocab, ensure_ascii=False, indent=1), encoding="utf-8")
-        return {"scheme": self.scheme, "files": list(MARIAN_FILES), "decoder_start_id": self.bos_id}
+        files = list(MARIAN_FILES)
+        for name, table in ((MARIAN_FILES[2], self.vocab), (MARIAN_TARGET_VOCAB, self.target_vocab)):
+            if table is not None:
+                (directory / name).write_text(json.dumps(table, ensure_ascii=False, indent=1), encoding="utf-8")
+                files += [name] if name not in files else []
+        return {"scheme": self.scheme, "files": files, "decoder_start_id": self.bos_id}
 
     @property
     def vocab_size(self) -> int:
+        """The target vocabulary's size (the decoder's output)."""
+        return max((self.target_vocab or self.vocab).values()) + 1
+
+    @property
+    def source_vocab_size(self) -> int:
         return max(self.vocab.values()) + 1
 
-    def encode(self, text: str, max_tokens: int | None = None, target_language: str = "") -> list[int]:
+    def target_prefix(self, target_language: str = "") -> list[int]:
+        """None: a Marian model's target language is a source token."""
+        return []
+
+    def encode(self, text: str, max_tokens: int | None = None, target_language: str = "",
+               source_language: str = "") -> list[int]:
         """[>>xx<<] pieces eos, at most max_tokens (eos kept last); [] when no piece is left.
 
         A text that starts with a language token (">>fr<< …") keeps it, as MarianTokenizer does;
@@ -153,19 +188,19 @@ class MarianTokenizer:
         """
         code: list[int] = []
         if text.startswith(">>") and (end := text.find("<<")) != -1:  # MarianTokenizer.remove_language_code
-            code, text = [self.vocab.get(text[: end + 2], self.unk_id)], text[end + 2:]
+            code, text = [self.vocab.get(text[: end + 2], self.source_unk_id)], text[end + 2:]
         elif target_language and self.language_ids:
             if target_language not in self.language_ids:
                 raise ValueError(f"target language {target_language!r}: this model translates into "
                                  f"{', '.join(self.target_languages)}")
             code = [self.language_ids[target_language]]
-        ids = [self.vocab.get(p, self.unk_id) for p in self.source.encode(text, out_type=str)]
+        ids = [self.vocab.get(p, self.source_unk_id) for p in self.source.encode(text, out_type=str)]
         if not ids and not code:
             return []
         ids = code + ids
         if max_tokens is not None:
             ids = ids[: max_tokens - 1]
-        return ids + [self.eos_id]
+        return ids + [self.source_eos_id]
 
     def piece(self, token_id: int) -> str:
         return self.pieces[token_id]
@@ -175,6 +210,110 @@ class MarianTokenizer:
         skip = (self.eos_id, self.pad_id, self.unk_id)
         pieces = [self.pieces.get(i) or self.target.id_to_piece(i) for i in ids if i not in skip]
         return self.target.decode_pieces(pieces).replace("▁", " ").strip()
+
+    def special_ids(self) -> dict[str, int]:
+        return {"pad": self.pad_id, "unk": self.unk_id, "bos": self.bos_id, "eos": self.eos_id}
+
+
+class M2M100Tokenizer:
+    """transformers' M2M100Tokenizer and NllbTokenizer without transformers, for fairseq's multilingual models:
+    one SentencePiece model, a vocabulary of piece: id (M2M100's vocab.json; NLLB's pieces at SentencePiece's ids
+    plus fairseq's offset of one) and a token per language. A source is [source language] pieces eos (NLLB's
+    legacy behaviour: pieces eos [source language]); decoding starts from the decoder start token (eos) and is
+    forced to the target language's token next (`target_prefix`: transformers' forced_bos_token_id). Special
+    and language tokens never reach decoded text.
+    """
+
+    scheme = "m2m100"
+    files = ("sentencepiece.bpe.model", "vocab.json", "languages.json")
+
+    def __init__(self, spm_model: bytes, vocab: dict[str, int], languages: dict[str, int], *, language_last: bool = False,
+                 source_language: str = "", target_language: str = "", decoder_start_id: int | None = None,
+                 eos: str = "</s>", unk: str = "<unk>", pad: str = "<pad>"):
+        for name, piece in (("eos", eos), ("unk", unk), ("pad", pad)):
+            if piece not in vocab:
+                raise ValueError(f"vocabulary: no {name} token {piece!r}")
+        if not languages:
+            raise ValueError("no language tokens: a multilingual model needs one per language")
+        for name, code in (("source", source_language), ("target", target_language)):
+            if code and code not in languages:
+                raise ValueError(f"default {name} language {code!r}: not among the model's {len(languages)} languages")
+        self.spm_model, self.vocab, self.languages = spm_model, vocab, languages
+        self.language_last, self.source_language, self.target_language = language_last, source_language, target_language
+        self.sp = spm.SentencePieceProcessor(model_proto=spm_model)
+        self.eos_id, self.unk_id, self.pad_id = vocab[eos], vocab[unk], vocab[pad]
+        self.bos_id = self.eos_id if decoder_start_id is None else decoder_start_id
+        self.pieces = {i: p for p, i in vocab.items()}
+        self.target_languages = sorted(languages)
+        self.skipped = {self.eos_id, self.unk_id, self.pad_id, self.bos_id, *languages.values(),
+                        *(vocab[p] for p in ("<s>", "<mask>") if p in vocab)}
+
+    def payload(self) -> dict:
+        return {"scheme": self.scheme, "spm": self.spm_model, "vocab": self.vocab, **self._options()}
+
+    def _options(self) -> dict:
+        return {"languages": self.languages, "language_last": self.language_last, "source_language": self.source_language,
+                "target_language": self.target_language, "decoder_start_id": self.bos_id}
+
+    @classmethod
+    def from_payload(cls, payload: dict) -> M2M100Tokenizer:
+        return cls(payload["spm"], payload["vocab"], **{k: payload[k] for k in cls._option_names()})
+
+    @staticmethod
+    def _option_names() -> tuple[str, ...]:
+        return "languages", "language_last", "source_language", "target_language", "decoder_start_id"
+
+    def save_files(self, directory: Path) -> dict:
+        directory = Path(directory)
+        model, vocab, languages = (directory / name for name in self.files)
+        model.write_bytes(self.spm_model)
+        vocab.write_text(json.dumps(self.vocab, ensure_ascii=False), encoding="utf-8")
+        languages.write_text(json.dumps(self._options(), ensure_ascii=False, indent=1), encoding="utf-8")
+        return {"scheme": self.scheme, "files": list(self.files)}
+
+    @classmethod
+    def from_files(cls, directory: Path) -> M2M100Tokenizer:
+        model, vocab, languages = (Path(directory) / name for name in cls.files)
+        options = json.loads(languages.read_text(encoding="utf-8"))
+        return cls(model.read_bytes(), _read_vocab(vocab), **{k: options[k] for k in cls._option_names()})
+
+    @property
+    def vocab_size(self) -> int:
+        return max(max(self.vocab.values()), max(self.languages.values())) + 1
+
+    def _language(self, code: str, side: str) -> int:
+        code = code or (self.source_language if side == "source" else self.target_language)
+        if not code:
+            raise ValueError(f"{side} language: this model translates between {len(self.languages)} languages "
+                             f"({', '.join(self.target_languages[:8])}, …); name one")
+        if code not in self.languages:
+            raise ValueError(f"{side} language {code!r}: not one of this model's {len(self.languages)} languages "
+                             f"({', '.join(self.target_languages[:8])}, …)")
+        return self.languages[code]
+
+    def encode(self, text: str, max_tokens: int | None = None, target_language: str = "",
+               source_language: str = "") -> list[int]:
+        """[source language] pieces eos (or pieces eos [source language]), at most max_tokens; [] when no piece is
+        left. The target language is checked here too, so that a bad one fails before any work."""
+        code = self._language(source_language, "source")
+        self._language(target_language, "target")
+        ids = [self.vocab.get(p, self.unk_id) for p in self.sp.encode(text, out_type=str)]
+        if not ids:
+            return []
+        if max_tokens is not None:
+            ids = ids[: max(0, max_tokens - 2)]
+        return ids + [self.eos_id, code] if self.language_last else [code, *ids, self.eos_id]
+
+    def target_prefix(self, target_language: str = "") -> list[int]:
+        """The target language's token, which decoding is forced to start with."""
+        return [self._language(target_language, "target")]
+
+    def piece(self, token_id: int) -> str:
+        return self.pieces.get(token_id, "")
+
+    def decode(self, ids: list[int]) -> str:
+        """decode(ids, skip_special_tokens=True): special and language tokens skipped, the rest SentencePiece's."""
+        return self.sp.decode_pieces([self.pieces[i] for i in ids if i not in self.skipped and i in self.pieces])
 
     def special_ids(self) -> dict[str, int]:
         return {"pad": self.pad_id, "unk": self.unk_id, "bos": self.bos_id, "eos": self.eos_id}
@@ -205,21 +344,25 @@ class StreamDecoder:
         return text[len(context):]
 
 
-def from_payload(payload: bytes | dict) -> Tokenizer | MarianTokenizer:
+def from_payload(payload: bytes | dict) -> Tokenizer | MarianTokenizer | M2M100Tokenizer:
     """The tokenizer a checkpoint stores: SentencePiece bytes, or a dict naming its scheme."""
     if isinstance(payload, bytes):
         return Tokenizer(payload)
+    if payload.get("scheme") == M2M100Tokenizer.scheme:
+        return M2M100Tokenizer.from_payload(payload)
     if payload.get("scheme") == MarianTokenizer.scheme:
         return MarianTokenizer(payload["source_spm"], payload["target_spm"], payload["vocab"],
-                               decoder_start_id=payload["decoder_start_id"])
+                               decoder_start_id=payload["decoder_start_id"], target_vocab=payload.get("target_vocab"))
     raise ValueError(f"unknown tokenizer scheme {payload.get('scheme')!r}")
 
 
-def from_bundle(directory: Path, entry: dict | None) -> Tokenizer | MarianTokenizer:
+def from_bundle(directory: Path, entry: dict | None) -> Tokenizer | MarianTokenizer | M2M100Tokenizer:
     """The tokenizer of a bundle, from its manifest's "tokenizer" entry (absent: "sentencepiece")."""
     scheme = (entry or {}).get("scheme", Tokenizer.scheme)
     if scheme == Tokenizer.scheme:
         return Tokenizer.load(Path(directory) / TOKENIZER_FILE)
     if scheme == MarianTokenizer.scheme:
         return MarianTokenizer.from_files(directory, entry.get("decoder_start_id"))
+    if scheme == M2M100Tokenizer.scheme:
+        return M2M100Tokenizer.from_files(directory)
     raise ValueError(f"{directory}: unknown tokenizer scheme {scheme!r}")

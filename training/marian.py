@@ -8,13 +8,13 @@ holds the weights under nmtserve's names, a ModelConfig with Marian's options (p
 its activation, embedding scale, final_logits_bias, pad as the decoder start and never generated),
 the Marian tokenizer, where it came from (directory, sha256 of every file read, the config) and the
 generation defaults as decoding options. A variant nmtserve cannot represent is refused with one line
-naming the config key and its value (MarianError, exit 2). Torch is needed, transformers is not.
+naming the config key and its value (ImportRefused, exit 2). Torch is needed, transformers is not.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -23,50 +23,49 @@ from nmtserve.errors import NmtserveError
 from nmtserve.export.runtime.bundle import sha256_of
 from nmtserve.tokenizer import MarianTokenizer
 from nmtserve.training.checkpoint import save
-from nmtserve.training.model import EncoderDecoder, ModelConfig
+from nmtserve.training.model import EncoderDecoder, ModelConfig, SinusoidalPositions
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 GENERATION_KEYS = ("num_beams", "max_length", "length_penalty", "early_stopping", "bad_words_ids", "renormalize_logits")
 # config.json activation_function -> ModelConfig.activation (transformers' ACT2FN names)
 ACTIVATION_OF = {"relu": "relu", "swish": "swish", "silu": "swish", "gelu": "gelu"}
-# keys of BART-family configs whose non-default value changes the architecture: the value nmtserve needs
-REQUIRED_IF_PRESENT = {"normalize_before": False, "normalize_embedding": False, "add_final_layer_norm": False,
-                      "static_position_embeddings": True, "add_bias_logits": False}
+# keys of BART-family configs whose non-default value would change the architecture, and the value nmtserve needs.
+# normalize_before is not among them: transformers' MarianMTModel (and CTranslate2's converter) run every Marian
+# checkpoint post-norm whatever it says, and Hugging Face's conversion refuses pre-norm Marian models.
+REQUIRED_IF_PRESENT = {"normalize_embedding": False, "add_final_layer_norm": False, "static_position_embeddings": True,
+                       "add_bias_logits": False}
 
 
-class MarianError(NmtserveError):
-    """A Marian directory nmtserve cannot import: the message names the file or config key and value."""
+class ImportRefused(NmtserveError):
+    """A model directory nmtserve cannot import: the message names the file or config key and value."""
 
 
-def _read_json(path: Path, required: bool = True) -> dict:
+def read_json(path: Path, required: bool = True) -> dict:
     if not path.is_file():
         if required:
-            raise MarianError(f"{path}: missing; a Marian model directory has config.json, weights, "
+            raise ImportRefused(f"{path}: missing; a Marian model directory has config.json, weights, "
                               "source.spm, target.spm and vocab.json")
         return {}
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
-        raise MarianError(f"{path}: not valid JSON ({e})") from None
+        raise ImportRefused(f"{path}: not valid JSON ({e})") from None
 
 
 def model_config(config: dict, generation: dict) -> ModelConfig:
-    """nmtserve's ModelConfig for a Marian config.json, or MarianError naming what cannot be represented."""
+    """nmtserve's ModelConfig for a Marian config.json, or ImportRefused naming what cannot be represented."""
 
     def refuse(key: str, why: str):
-        raise MarianError(f"config.json: {key}={json.dumps(config.get(key))}: {why}")
+        raise ImportRefused(f"config.json: {key}={json.dumps(config.get(key))}: {why}")
 
     if config.get("model_type") != "marian":
         refuse("model_type", "not a Marian model (expected \"marian\")")
-    if not config.get("share_encoder_decoder_embeddings", True):
-        refuse("share_encoder_decoder_embeddings", "separate source and target vocabularies are not supported")
-    if config.get("decoder_vocab_size") not in (None, config.get("vocab_size")):
-        refuse("decoder_vocab_size", "a target vocabulary apart from the source's is not supported")
-    if not config.get("tie_word_embeddings", True):
-        refuse("tie_word_embeddings", "an output projection apart from the embeddings is not supported")
+    shared = config.get("share_encoder_decoder_embeddings", True)
+    if shared and config.get("decoder_vocab_size") not in (None, config.get("vocab_size")):
+        refuse("decoder_vocab_size", "differs from vocab_size although share_encoder_decoder_embeddings is true")
     for key, needed in REQUIRED_IF_PRESENT.items():
         if key in config and config[key] != needed:
-            refuse(key, f"only {json.dumps(needed)} is supported (post-norm Marian without embedding layer norm)")
+            refuse(key, f"only {json.dumps(needed)} is supported (Marian without embedding layer norm)")
     for enc, dec in (("encoder_attention_heads", "decoder_attention_heads"), ("encoder_ffn_dim", "decoder_ffn_dim")):
         if config.get(enc) != config.get(dec):
             refuse(dec, f"differs from {enc}={config.get(enc)}; nmtserve's layers share one value")
@@ -82,10 +81,11 @@ def model_config(config: dict, generation: dict) -> ModelConfig:
     pad = config.get("pad_token_id", 58100)
     bad_words = generation.get("bad_words_ids") or []
     if any(len(ids) != 1 for ids in bad_words):
-        raise MarianError(f"generation_config.json: bad_words_ids={json.dumps(bad_words)}: only single-token "
+        raise ImportRefused(f"generation_config.json: bad_words_ids={json.dumps(bad_words)}: only single-token "
                           "entries are supported")
-    return ModelConfig(
-        vocab_size=config["vocab_size"], d_model=d_model, n_heads=heads, d_ff=config["encoder_ffn_dim"],
+    target_vocab = config["vocab_size"] if shared else config.get("decoder_vocab_size") or config["vocab_size"]
+    return ModelConfig(  # the embeddings (a source table apart, an untied output) are the weights' (state_dict)
+        vocab_size=target_vocab, d_model=d_model, n_heads=heads, d_ff=config["encoder_ffn_dim"],
         n_encoder_layers=config["encoder_layers"], n_decoder_layers=config["decoder_layers"], dropout=0.0,
         max_len=config.get("max_position_embeddings", 1024), pad_id=pad,
         bos_id=config.get("decoder_start_token_id", pad), eos_id=eos, positions="halves", activation=activation,
@@ -101,7 +101,7 @@ def decoding_defaults(generation: dict, config: ModelConfig) -> dict:
     """
     early_stopping = generation.get("early_stopping", False)
     if early_stopping not in (True, False):
-        raise MarianError(f"generation_config.json: early_stopping={json.dumps(early_stopping)}: true or false")
+        raise ImportRefused(f"generation_config.json: early_stopping={json.dumps(early_stopping)}: true or false")
     defaults = {"beam_size": int(generation.get("num_beams", 1)),
                 "length_penalty": float(generation.get("length_penalty", 1.0)),
                 # early_stopping=true stops at beam_size finished hypotheses: CTranslate2's rule with patience 1
@@ -117,7 +117,7 @@ def _load_weights(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
         if path.is_file():
             break
     else:
-        raise MarianError(f"{directory}: no weights ({' or '.join(WEIGHT_FILES)})")
+        raise ImportRefused(f"{directory}: no weights ({' or '.join(WEIGHT_FILES)})")
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -126,29 +126,47 @@ def _load_weights(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
         else:
             weights = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a damaged file raises many types
-        raise MarianError(f"{path}: not readable ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        raise ImportRefused(f"{path}: not readable ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
     return {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}, path
 
 
-def state_dict(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """transformers' MarianMTModel names -> EncoderDecoder names; an unknown or missing tensor is an error."""
+def state_dict(weights: dict[str, torch.Tensor], config: ModelConfig) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """transformers' MarianMTModel or M2M100ForConditionalGeneration names -> EncoderDecoder names, and the config
+    with the embeddings the weights have; an unknown or missing tensor is an error. Each side reads its own
+    embed_tokens where stored (transformers ties them to `shared` unless the config unties them, and then saves
+    each); sinusoidal position tables, when stored, are checked against nmtserve's own."""
     weights = {k.removeprefix("model."): v for k, v in weights.items()}
-    out = {}
-    embedding = next((weights.pop(k) for k in ("shared.weight", "encoder.embed_tokens.weight",
-                                               "decoder.embed_tokens.weight", "lm_head.weight") if k in weights), None)
-    if embedding is None:
-        raise MarianError("weights: no shared embedding (model.shared.weight)")
-    for k in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"):
-        if k in weights and not torch.equal(weights.pop(k), embedding):
-            raise MarianError(f"weights: {k} differs from the shared embedding; untied embeddings are not supported")
-    out["embed.weight"] = embedding
-    out["embed.bias"] = weights.pop("final_logits_bias", torch.zeros(1, config.vocab_size)).reshape(-1)
-    table = EncoderDecoder(config).positions.table  # Marian's positions are not learned: check, then regenerate
+    shared = weights.pop("shared.weight", None)
+    target, source = (weights.pop(f"{side}.embed_tokens.weight", shared) for side in ("decoder", "encoder"))
+    if target is None or source is None:
+        raise ImportRefused("weights: no embedding (model.shared.weight or model.decoder.embed_tokens.weight)")
+    projection = weights.pop("lm_head.weight", target)
+    separate_source = source.shape != target.shape or not torch.equal(source, target)
+    untied = projection.shape != target.shape or not torch.equal(projection, target)
+    config = replace(config, source_vocab_size=len(source) if separate_source else 0, tied_output=not untied)
+    out = {"embed.weight": target}
+    if separate_source:
+        out["source_embed.weight"] = source
+    if untied:
+        out["embed.projection"] = projection
+    if config.output_bias:
+        out["embed.bias"] = weights.pop("final_logits_bias", torch.zeros(1, config.vocab_size)).reshape(-1)
+    weights.pop("final_logits_bias", None)  # M2M100 has none; an all-zero one changes nothing
+    table = SinusoidalPositions(config).table
     for side in ("encoder", "decoder"):
         stored = weights.pop(f"{side}.embed_positions.weight", None)
-        if stored is not None and (stored.shape != table.shape or (stored - table).abs().max() > 1e-4):
-            raise MarianError(f"weights: {side}.embed_positions.weight is not Marian's sinusoidal table "
+        if config.positions == "fairseq" and stored is not None:
+            stored = stored[config.pad_id + 1:]
+        if stored is not None and (stored.shape[1] != table.shape[1] or
+                                   (stored[:len(table)] - table[:len(stored)]).abs().max() > 1e-4):
+            raise ImportRefused(f"weights: {side}.embed_positions.weight is not the sinusoidal table "
                               "(learned positions are not supported)")
+    for side in ("encoder", "decoder"):
+        if config.pre_norm:
+            for name in ("weight", "bias"):
+                if f"{side}.layer_norm.{name}" not in weights:
+                    raise ImportRefused(f"weights: no {side}.layer_norm.{name} (the {side}'s final layer norm)")
+                out[f"{side}_norm.{name}"] = weights.pop(f"{side}.layer_norm.{name}")
     sublayers = {"encoder": {"self_attn": "self_attn", "self_attn_layer_norm": "res1.norm", "fc1": "ffn.w1",
                              "fc2": "ffn.w2", "final_layer_norm": "res2.norm"},
                  "decoder": {"self_attn": "self_attn", "self_attn_layer_norm": "res1.norm", "encoder_attn": "cross_attn",
@@ -159,54 +177,66 @@ def state_dict(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
         if len(parts) >= 5 and parts[0] in sublayers and parts[1] == "layers" and parts[3] in sublayers[parts[0]]:
             out[".".join([parts[0], parts[2], sublayers[parts[0]][parts[3]], *parts[4:]])] = weights.pop(name)
     if weights:
-        raise MarianError(f"weights: {len(weights)} tensors nmtserve does not know, e.g. {sorted(weights)[0]}")
-    return out
+        raise ImportRefused(f"weights: {len(weights)} tensors nmtserve does not know, e.g. {sorted(weights)[0]}")
+    return out, config
 
 
 def import_marian(directory: str | Path, out: str | Path, source_lang: str = "", target_lang: str = "") -> dict:
     """Write the checkpoint `out`; returns a summary of what was imported."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise MarianError(f"{directory}: no such directory")
-    raw_config = _read_json(directory / "config.json")
+        raise ImportRefused(f"{directory}: no such directory")
+    raw_config = read_json(directory / "config.json")
     # older OPUS-MT directories keep the generation settings in config.json, as transformers then reads them
-    generation = _read_json(directory / "generation_config.json", required=False) or \
+    generation = read_json(directory / "generation_config.json", required=False) or \
         {k: raw_config[k] for k in GENERATION_KEYS if k in raw_config}
-    tokenizer_config = _read_json(directory / "tokenizer_config.json", required=False)
-    if tokenizer_config.get("separate_vocabs") or (directory / "target_vocab.json").is_file():
-        raise MarianError(f"{directory / 'tokenizer_config.json'}: separate_vocabs=true: separate source and "
-                          "target vocabularies are not supported")
+    tokenizer_config = read_json(directory / "tokenizer_config.json", required=False)
     config = model_config(raw_config, generation)
     try:
         tokenizer = MarianTokenizer.from_files(directory, decoder_start_id=config.bos_id)
     except (OSError, ValueError) as e:
-        raise MarianError(str(e)) from None
-    if tokenizer.vocab_size > config.vocab_size or (tokenizer.eos_id, tokenizer.pad_id) != (config.eos_id, config.pad_id):
-        raise MarianError(f"{directory / 'vocab.json'}: {tokenizer.vocab_size} pieces, eos {tokenizer.eos_id}, pad "
-                          f"{tokenizer.pad_id}; config.json says vocab_size {config.vocab_size}, eos_token_id "
-                          f"{config.eos_id}, pad_token_id {config.pad_id}")
-    weights, weights_path = _load_weights(directory)
-    model = EncoderDecoder(config)
-    try:
-        model.load_state_dict(state_dict(weights, config))
-    except RuntimeError as e:
-        raise MarianError(f"{weights_path}: weights do not fit config.json ({str(e).splitlines()[-1].strip()[:200]})") \
-            from None
-    read = ["config.json", weights_path.name, "source.spm", "target.spm", "vocab.json",
-            *[n for n in ("generation_config.json", "tokenizer_config.json") if (directory / n).is_file()]]
+        raise ImportRefused(str(e)) from None
+    if tokenizer.target_vocab is not None and raw_config.get("share_encoder_decoder_embeddings", True):
+        raise ImportRefused(f"{directory / 'target_vocab.json'}: a target vocabulary of its own, but config.json has "
+                            "share_encoder_decoder_embeddings=true")
+    source_size = raw_config["vocab_size"]
+    if tokenizer.vocab_size > config.vocab_size or tokenizer.source_vocab_size > source_size or \
+            (tokenizer.eos_id, tokenizer.pad_id) != (config.eos_id, config.pad_id):
+        raise ImportRefused(f"{directory / 'vocab.json'}: {tokenizer.source_vocab_size} source and {tokenizer.vocab_size} "
+                          f"target pieces, eos {tokenizer.eos_id}, pad {tokenizer.pad_id}; config.json says vocab_size "
+                          f"{source_size} and {config.vocab_size}, eos_token_id {config.eos_id}, pad_token_id "
+                          f"{config.pad_id}")
+    read = ["config.json", "source.spm", "target.spm", "vocab.json",
+            *[n for n in ("target_vocab.json", "generation_config.json", "tokenizer_config.json")
+              if (directory / n).is_file()]]
     languages = {"source": source_lang or str(tokenizer_config.get("source_lang") or ""),
                  "target": target_lang or str(tokenizer_config.get("target_lang") or "")}
     if tokenizer.target_languages and languages["target"] and languages["target"] not in tokenizer.target_languages:
-        raise MarianError(f"--target-lang {languages['target']}: this multilingual model translates into "
+        raise ImportRefused(f"--target-lang {languages['target']}: this multilingual model translates into "
                           f"{', '.join(tokenizer.target_languages)}")
-    defaults = decoding_defaults(generation, config)
+    return save_imported(out, "marian", directory, config, tokenizer, languages, decoding_defaults(generation, config),
+                         read, raw_config, generation)
+
+
+def save_imported(out: str | Path, family: str, directory: Path, config: ModelConfig, tokenizer, languages: dict,
+                  defaults: dict, read: list[str], raw_config: dict, generation: dict) -> dict:
+    """Load the directory's weights into an EncoderDecoder of `config` and write the checkpoint `out`, which records
+    where it came from (the sha256 of every file read) -> a summary of what was imported."""
+    weights, weights_path = _load_weights(directory)
+    weights, config = state_dict(weights, config)
+    model = EncoderDecoder(config)
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        raise ImportRefused(f"{weights_path}: weights do not fit config.json ({str(e).splitlines()[-1].strip()[:200]})") \
+            from None
+    read = [*read, weights_path.name]
     save(Path(out), {
         "model": model.state_dict(), "model_config": asdict(config), "tokenizer": tokenizer.payload(),
         "special_ids": tokenizer.special_ids(), "languages": languages, "decoding_defaults": defaults,
-        "imported_from": {"format": "marian", "directory": str(directory.resolve()),
+        "imported_from": {"format": family, "directory": str(directory.resolve()),
                           "files": {n: sha256_of(directory / n) for n in read},
                           "config": raw_config, "generation_config": generation}})
     return {"out": str(out), "parameters": model.num_parameters(), "languages": languages,
             "target_languages": tokenizer.target_languages, "decoding_defaults": defaults,
             "model_config": {k: v for k, v in asdict(config).items() if k != "suppressed_ids"}}
-

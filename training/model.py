@@ -27,7 +27,7 @@ PRESETS = {
 
 
 ACTIVATIONS = {"relu": F.relu, "swish": F.silu, "gelu": F.gelu}
-POSITIONS = ("interleaved", "halves")
+POSITIONS = ("interleaved", "halves", "fairseq")
 
 
 @dataclass
@@ -46,12 +46,15 @@ class ModelConfig:
     bos_id: int = 2
     eos_id: int = 3
     # what imported models need (training/marian.py); the defaults are the paper's model
-    positions: str = "interleaved"  # sin/cos interleaved (the paper) or "halves": sin then cos (Marian)
+    positions: str = "interleaved"  # sin/cos interleaved (the paper), "halves": sin then cos (Marian), or
+    # "fairseq": sin then cos at fairseq's frequencies, from row pad_id + 1 on (M2M100, NLLB)
     activation: str = "relu"  # or "swish" (= silu) or "gelu" (exact, with erf)
     scale_embedding: bool = True  # embeddings times sqrt(d_model)
     output_bias: bool = False  # a bias on the output logits (Marian's final_logits_bias)
     suppressed_ids: tuple[int, ...] = ()  # never generated (Marian never generates pad)
     renormalize: bool = True  # suppressed before the softmax; False: after it, the rest not renormalised
+    source_vocab_size: int = 0  # 0: source and target share vocab_size and one embedding; else a source table apart
+    tied_output: bool = True  # the output projection is the target embedding; False: a matrix of its own
 
     def __post_init__(self):
         self.suppressed_ids = tuple(self.suppressed_ids)
@@ -107,14 +110,19 @@ class KVCache:
 
 # ---------------------------------------------------------------- embeddings
 class ScaledEmbedding(nn.Module):
-    """Token embeddings times sqrt(d_model), shared by source, target and the output projection."""
+    """Token embeddings times sqrt(d_model). The target's is the output projection too (or, untied, holds a
+    projection of its own); a source vocabulary apart from the target's has a table of its own, lookup only."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, vocab_size: int | None = None, output: bool = True):
         super().__init__()
+        vocab_size = vocab_size or config.vocab_size
         self.scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
-        self.weight = nn.Parameter(torch.randn(config.vocab_size, config.d_model) * config.d_model ** -0.5)
-        if config.output_bias:
-            self.register_buffer("bias", torch.zeros(config.vocab_size))
+        self.weight = nn.Parameter(torch.randn(vocab_size, config.d_model) * config.d_model ** -0.5)
+        self.projection = None
+        if output and not config.tied_output:
+            self.projection = nn.Parameter(torch.randn(vocab_size, config.d_model) * config.d_model ** -0.5)
+        if output and config.output_bias:
+            self.register_buffer("bias", torch.zeros(vocab_size))
         else:
             self.bias = None
 
@@ -127,19 +135,27 @@ class ScaledEmbedding(nn.Module):
         its C, not a transposed copy of the embedding and Adds over (B, V) (docs/performance-journal.md, "The output bias inside
         the Gemm": a smaller graph at the same speed)."""
         bias = self.bias if add is None else add if self.bias is None else self.bias + add
-        return F.linear(x, self.weight, bias)
+        return F.linear(x, self.weight if self.projection is None else self.projection, bias)
 
 
 class SinusoidalPositions(nn.Module):
     """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...).
 
     "halves" lays the same values out as Marian does: every sin first, then every cos,
-    computed in float64 as transformers' MarianSinusoidalPositionalEmbedding does.
+    computed in float64 as transformers' MarianSinusoidalPositionalEmbedding does. "fairseq" is
+    M2M100's table (transformers' M2M100SinusoidalPositionalEmbedding, float32): sin then cos with
+    frequencies 10000^(-i / (d/2 - 1)), position p of a sequence at row p + pad_id + 1.
     """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        if config.positions == "halves":
+        if config.positions == "fairseq":
+            half = config.d_model // 2
+            freqs = torch.exp(torch.arange(half, dtype=torch.int64).float() * -(math.log(10000) / (half - 1)))
+            rows = torch.arange(config.pad_id + 1, config.pad_id + 1 + config.max_len, dtype=torch.int64).float()
+            angles = rows[:, None] * freqs[None, :]
+            table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+        elif config.positions == "halves":
             angles = torch.arange(config.max_len, dtype=torch.float64)[:, None] / torch.pow(
                 10000.0, torch.arange(0, config.d_model, 2, dtype=torch.float64) / config.d_model)
             table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1).float()
@@ -309,6 +325,8 @@ class EncoderDecoder(nn.Module):
         super().__init__()
         self.config = config
         self.embed = ScaledEmbedding(config)
+        self.source_embed = ScaledEmbedding(config, config.source_vocab_size, output=False) \
+            if config.source_vocab_size else None
         self.positions = SinusoidalPositions(config)
         self.embed_dropout = nn.Dropout(config.dropout)
         self.encoder = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_encoder_layers))
@@ -323,7 +341,7 @@ class EncoderDecoder(nn.Module):
         else:
             self.suppress = None
         for name, p in self.named_parameters():
-            if p.dim() > 1 and not name.startswith("embed."):
+            if p.dim() > 1 and not name.startswith(("embed.", "source_embed.")):
                 nn.init.xavier_uniform_(p)
 
     def _log_probs(self, x: torch.Tensor) -> torch.Tensor:
@@ -333,13 +351,19 @@ class EncoderDecoder(nn.Module):
         return F.log_softmax(self.embed.logits(x).float(), dim=-1) + self.suppress
 
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Target ids (B, T) at positions (B, T) -> the decoder's input rows."""
         return self.embed_dropout(self.embed(ids) + self.positions(positions))
+
+    def _embed_source(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Source ids -> the encoder's input rows (the target's table unless the source has its own)."""
+        table = self.embed if self.source_embed is None else self.source_embed
+        return self.embed_dropout(table(ids) + self.positions(positions))
 
     # -- encoder
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
         """src (B, S) ids, src_mask (B, S) True at real tokens -> memory (B, S, D)."""
         positions = torch.arange(src.shape[1], device=src.device)[None, :].expand_as(src)
-        x = self._embed(src, positions)
+        x = self._embed_source(src, positions)
         attn_mask = src_mask[:, None, None, :]  # (B, 1, 1, S)
         for layer in self.encoder:
             x = layer(x, attn_mask)

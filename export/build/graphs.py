@@ -108,7 +108,7 @@ class EncoderGraph(nn.Module):
         def padded(t):  # (1, T, D) -> (B, S, D)
             return t[:, spread].reshape(batch, width, -1)
 
-        x = m._embed(src_ids, torch.arange(width)[None, :].expand_as(src_ids)).reshape(1, batch * width, -1)[:, real]
+        x = m._embed_source(src_ids, torch.arange(width)[None, :].expand_as(src_ids)).reshape(1, batch * width, -1)[:, real]
         keep = src_mask.to(torch.int32)
         for layer in m.encoder:  # every token by itself on (1, T, D); only attention sees rows, (B, S, D)
             h, sa = layer.res1.input(x), layer.self_attn
@@ -206,7 +206,7 @@ def example_inputs(model: EncoderDecoder, batch: int = 3, src_len: int = 7, past
     """Inputs of both graphs at sizes > 1, so that tracing specialises no dimension."""
     c = model.config
     g = torch.Generator().manual_seed(0)
-    src_ids = torch.randint(4, c.vocab_size, (batch, src_len), generator=g)
+    src_ids = torch.randint(4, c.source_vocab_size or c.vocab_size, (batch, src_len), generator=g)
     src_mask = torch.ones(batch, src_len, dtype=torch.bool)
     src_mask[0, -2:] = False
     with torch.no_grad():

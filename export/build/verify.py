@@ -10,9 +10,9 @@
 5. decoder-step latency at steps 1, 16, 64 and 128 (it should stay nearly flat);
    2 to 5 for each variant's portable graphs and, where the bundle has them, its graphs on nmtserve's kernels
    (a bundle whose kernel graphs cannot run here fails: they would serve unverified);
-6. for a checkpoint imported from Marian, against transformers (the marian extra) on the directory it
-   came from: log-probabilities of MarianMTModel and of the imported model, and the fp32 bundle's greedy
-   and beam-4 tokens against MarianMTModel.generate's, on random sources of the model's own pieces.
+6. for a checkpoint imported from Hugging Face (Marian, M2M100, NLLB), against transformers (the marian extra) on
+   the directory it came from: log-probabilities of its model and of the imported one, and the fp32 bundle's greedy
+   and beam-4 tokens against its generate's, on random sources of the model's own pieces.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def check_graph_files(bundle_dir: Path, variants: dict) -> dict:
 def _random_inputs(model, batch: int, src_len: int, past_len: int, seed: int):
     c = model.config
     g = torch.Generator().manual_seed(seed)
-    src = torch.randint(4, c.vocab_size, (batch, src_len), generator=g)
+    src = torch.randint(4, c.source_vocab_size or c.vocab_size, (batch, src_len), generator=g)
     src_mask = torch.ones(batch, src_len, dtype=torch.bool)
     if batch > 1 and src_len > 1:
         src_mask[-1, src_len // 2:] = False  # one padded row
@@ -276,13 +276,14 @@ def verify_bundle(bundle_dir: Path, loaded: LoadedModel, split: str = "test", li
 
 
 def transformers_parity(loaded: LoadedModel, tr: OnnxTranslator, sentences: int = 50) -> dict:
-    """The imported model against transformers' MarianMTModel loaded from the directory it came from
+    """The imported model against transformers' model (MarianMTModel, M2M100ForConditionalGeneration) loaded from the
+    directory it came from
     (every file's sha256 must still match). Sources are random sequences of the vocabulary's pieces, so
     no text in the model's language is needed; budgets are nmtserve's (length_rule "nmtserve", whose
     2 × source + 10 cap keeps a random model's outputs short), and generate runs without forced eos.
     length_rule "transformers" against generate's own max_length and forced eos is checked by
     tests/export/test_marian.py."""
-    from transformers import MarianMTModel
+    from transformers import M2M100ForConditionalGeneration, MarianMTModel
     from transformers.utils import logging as transformers_logging
 
     from nmtserve.errors import CheckpointError
@@ -296,17 +297,24 @@ def transformers_parity(loaded: LoadedModel, tr: OnnxTranslator, sentences: int 
             raise CheckpointError(f"{directory / name}: missing or changed since import; verification against "
                                   "transformers needs the directory the checkpoint came from")
     transformers_logging.set_verbosity_error()  # generate warns that max_new_tokens overrides max_length
-    hf = MarianMTModel.from_pretrained(directory, dtype=torch.float32).eval()
-    model, c = loaded.model.eval(), loaded.model.config
-    specials = {c.pad_id, c.eos_id, c.bos_id, loaded.tokenizer.unk_id}
-    pieces = [i for i in range(c.vocab_size) if i not in specials]
+    reference = M2M100ForConditionalGeneration if origin["format"] == "m2m100" else MarianMTModel
+    hf = reference.from_pretrained(directory, dtype=torch.float32).eval()
+    model, c, tok = loaded.model.eval(), loaded.model.config, loaded.tokenizer
     rng = np.random.default_rng(0)
-    sources = [[int(i) for i in rng.choice(pieces, rng.integers(3, 30))] + [c.eos_id] for _ in range(sentences)]
+    # a multilingual model's sources carry their language token, and its outputs start with the target's
+    languages = getattr(tok, "languages", {}) if origin["format"] == "m2m100" else {}
+    around, prefix = ([], []) if not languages else \
+        ([languages[tok.source_language or tok.target_languages[0]]], tok.target_prefix(tok.target_language or
+                                                                                          tok.target_languages[0]))
+    specials = {c.pad_id, c.eos_id, c.bos_id, tok.unk_id, *languages.values()}
+    pieces = [i for i in range(c.source_vocab_size or c.vocab_size) if i not in specials]
+    targets = [i for i in range(c.vocab_size) if i not in specials]
+    sources = [around + [int(i) for i in rng.choice(pieces, rng.integers(3, 30))] + [c.eos_id] for _ in range(sentences)]
     worst = 0.0
     with torch.no_grad():
         for src in sources[:8]:
             src_ids = torch.tensor([src])
-            tgt = torch.tensor([[c.bos_id] + [int(i) for i in rng.choice(pieces, 12)]])
+            tgt = torch.tensor([[c.bos_id, *prefix] + [int(i) for i in rng.choice(targets, 12)]])
             logits = hf(input_ids=src_ids, decoder_input_ids=tgt).logits[0]
             suppress = model.suppress if model.suppress is not None else 0  # generate's bad_words_ids
             expected = torch.log_softmax(logits + suppress, dim=-1) if c.renormalize else \
@@ -315,15 +323,17 @@ def transformers_parity(loaded: LoadedModel, tr: OnnxTranslator, sentences: int 
             finite = torch.isfinite(expected)
             worst = max(worst, float((got - expected)[finite].abs().max()))
     report = {"directory": str(directory), "sentences": sentences, "log_prob_diff": worst}
+    forced = {"forced_bos_token_id": prefix[0]} if prefix else {}
     for name, k in (("greedy", 1), ("beam4", 4)):
         options = DecodingOptions(beam_size=k, length_penalty=1.0, beam_stopping="transformers")
-        got = [h[0].tokens for h in tr.search_ids(sources, options, max_batch_size=16)]
+        got = [h[0].tokens for h in tr.search_ids(sources, options, max_batch_size=16,
+                                                  prefixes=[prefix] * len(sources) if prefix else None)]
         same = 0
         for src, tokens in zip(sources, got):
-            budget = tr.limits.output_budget(len(src), options.max_decoding_length)
+            budget = tr.limits.output_budget(len(src), options.max_decoding_length)  # the forced token counted
             out = hf.generate(torch.tensor([src]), num_beams=k, length_penalty=1.0, max_new_tokens=budget,
-                              forced_eos_token_id=None, bad_words_ids=[[i] for i in c.suppressed_ids] or None)
-            same += tokens == [t for t in out[0].tolist()[1:] if t not in (c.eos_id, c.pad_id)]
+                              forced_eos_token_id=None, bad_words_ids=[[i] for i in c.suppressed_ids] or None, **forced)
+            same += tokens == [t for t in out[0].tolist()[1 + len(prefix):] if t not in (c.eos_id, c.pad_id)]
         report[f"{name}_identical"] = round(same / sentences, 4)
     return report
 

@@ -120,13 +120,14 @@ class BatchState:
             np.concatenate([self.hole, other.hole]), ops, origin=origin)
 
     def append(self, fresh: BatchState, room: int = 0, start: int = 0) -> BatchState:
-        """Fresh rows (no step taken yet), fresh's rows from `start` on, after this state's -> the state of both.
+        """Fresh rows (no step taken yet but their forced prefix's: `Decoder.prefill`), fresh's rows from `start`
+        on, after this state's -> the state of both.
         On the host they are written into the room past this state's rows when its buffers have enough (a state
         from `relocate` or an earlier append: no running row is copied); else this state's rows are copied once,
         into buffers with room for `room` rows (the rows' cap: no later newcomer copies them again; the room is
         address space only until rows are written there, the pages the kernel's until touched). On a device (an
         OrtValue is not a view) as `concatenate`."""
-        assert fresh.length == 0 and self.width == fresh.width == 1
+        assert self.width == fresh.width == 1
         if not self.ops.views:
             return self.concatenate(fresh.take(np.arange(start, fresh.size)) if start else fresh)
         first, size, state = self.size, self.size + fresh.size - start, self
@@ -337,10 +338,11 @@ class BatchState:
         self.positions[rows] = 0
 
     def insert(self, rows: list[int], fresh: BatchState, start: int = 0) -> None:
-        """Fresh rows (no step taken yet), fresh's rows start.. one for each, into holes; they write their
-        first K/V at their slot 0 (fresh's own caches are not read: `prefill` may make them without slots)."""
+        """Fresh rows, fresh's rows start.. one for each, into holes. Rows that took no step yet write their first
+        K/V at their slot 0 (fresh's own caches are not read: `prefill` may make them without slots); the slots of
+        a forced prefix (`Decoder.prefill`) are copied."""
         part = slice(start, start + len(rows))
-        assert fresh.length == 0 and part.stop <= fresh.size
+        assert part.stop <= fresh.size
         ops = self.ops
         src_len = int(fresh.cross_slot[part].max()) + 1  # the longest of these newcomers' sources
         if src_len > self.src_mask.shape[1]:  # a longer source than any so far: widen (a copy, rare; zeros past the
@@ -354,6 +356,8 @@ class BatchState:
         self.cross_eos = ops.place_rows(self.cross_eos, rows, fresh.cross_eos, start)
         self.src_mask[rows] = HostTensors.pad(fresh.src_mask[part, :src_len], 1, self.src_mask.shape[1])
         self.cross_slot[rows] = fresh.cross_slot[part]  # in place, as the other per-row arrays: the binding holds them
+        if filled := int(fresh.positions[part].max()):  # a forced prefix's slots
+            self.k, self.v = (ops.place_rows(x, rows, y, start, filled) for x, y in ((self.k, fresh.k), (self.v, fresh.v)))
         if self.origin is not None:  # each its own slots
             self.origin[rows] = np.asarray(rows, np.int32)[:, None]
         self.hole[rows] = False

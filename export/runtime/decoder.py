@@ -123,6 +123,7 @@ class Decoder:
             + tuple((name, 0) for name in ("tokens", "positions", "candidate_ids", "candidate_scores"))
         self.eos_width = 2 * self.d_model  # a layer's cross_eos per row: the eos key, then its value
         self.vocab_size = m["vocab_size"]
+        self.source_vocab_size = m.get("source_vocab_size") or self.vocab_size
         self.limits = self.bundle.limits
         ids = self.bundle.special_ids
         self.pad_id, self.bos_id, self.eos_id = ids["pad"], ids["bos"], ids["eos"]
@@ -181,10 +182,22 @@ class Decoder:
         return log_probs, new_k, new_v
 
     # -- the same on the batch state, wherever its tensors live: callers never see K/V
-    def prefill(self, sources: list[list[int]], caches: bool = True) -> BatchState:
+    def prefill(self, sources: list[list[int]], caches: bool = True, prefixes: list[list[int]] | None = None) \
+            -> BatchState:
         """Encode token-id sources once -> fresh rows for the decoder batch (on this translator's device).
         caches=False: their self-attention caches have no slots (rows that another state's `insert` or
-        `append` takes, which read only their cross K/V)."""
+        `append` takes, which read only their cross K/V). `prefixes`: each row's forced target tokens after the
+        start token (one length for all: a multilingual model's target language), fed in decoder steps here, so
+        that the rows leave at the position after them with their last one as the token they feed next."""
+        if prefixes and any(prefixes):
+            if len({len(p) for p in prefixes}) > 1:
+                raise ValueError(f"forced target prefixes of lengths {sorted({len(p) for p in prefixes})}: one length "
+                                 "for every row of a prefill")
+            state = self.prefill(sources)
+            for column in zip(*prefixes):
+                self.decode_candidates(state, 1)  # the step's K/V kept, its output not: the token is forced
+                state.choose(np.array(column, np.int64))
+            return state
         src_ids, src_mask = self.pad(sources)
         capacity = FRESH_SLOTS if caches else 0
         if not self.io_binding:
@@ -355,13 +368,16 @@ class Decoder:
     def pad(self, seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         """Token-id sources -> ids (B, S) int64 padded, and their mask. An id outside the vocabulary is a
         ValueError naming it: ONNX Runtime's CPU Gather refuses it, but CUDA's would read out of bounds."""
-        ids = np.full((len(seqs), max(len(s) for s in seqs)), self.pad_id, dtype=np.int64)
+        lengths = np.array([len(s) for s in seqs])
+        ids = np.zeros((len(seqs), lengths.max()), dtype=np.int64)  # past a source: masked, any id in the table
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = s
-        outside = ids[(ids < 0) | (ids >= self.vocab_size)]
+        mask = np.arange(ids.shape[1])[None, :] < lengths[:, None]
+        outside = ids[mask & ((ids < 0) | (ids >= self.source_vocab_size))]
         if outside.size:
-            raise ValueError(f"source token id {int(outside[0])} is out of the vocabulary (0 to {self.vocab_size - 1})")
-        return ids, ids != self.pad_id
+            raise ValueError(f"source token id {int(outside[0])} is out of the vocabulary "
+                             f"(0 to {self.source_vocab_size - 1})")
+        return ids, mask
 
     def replica(self) -> Decoder:
         """This translator with a decoding context of its own (decoder binding and bound buffers) over the

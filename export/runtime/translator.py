@@ -92,7 +92,7 @@ class OnnxTranslator(Decoder):
         binding, rebind = None, self.io_binding or state.ops.device != self.device  # rows bound by value: every step
         self._with_scores[...] = scores
         while state is not None:
-            if binding is None or rebind or len(steps[0]) == state.capacity:  # a new state, or its cache full
+            if binding is None or rebind or state.length == state.capacity:  # a new state, or its cache full
                 state.open_slot()
                 binding = self._greedy_binding(state)
             run_bound(self.decoder, binding)
@@ -130,7 +130,7 @@ class OnnxTranslator(Decoder):
         while state is not None:
             state.open_slot()
             binding = self._greedy_binding(state)
-            room = state.capacity - stepped  # the live rows are all at `stepped`: open_slot made room for one
+            room = state.capacity - state.length  # the live rows are all at one position: open_slot made room for one
             out = (np.zeros((room, n), np.int64), np.zeros((room, n), np.float32) if scores else None, end, by_eos)
             before = source[:state.size].copy()
             taken, rows = binding.greedy_run(state.size, state.tokens, state.positions, self._scores, source, budget,
@@ -158,13 +158,13 @@ class OnnxTranslator(Decoder):
         """`greedy` of a batch of one on the library, without the bookkeeping of rows that finish apart: runs
         until its eos or its budget, the cache doubling (and bound again) when full. Its score is the sum of its
         steps' log-probs, eos included, in step order (as `_collect`'s)."""
-        budget = self.limits.output_budget(len(source), max_decoding_length, length_rule)
+        budget = self.limits.output_budget(len(source), max_decoding_length, length_rule)  # a position, as greedy's
         tokens, values = [], []
         self._with_scores[...] = scores
-        while not tokens or tokens[-1] != self.eos_id and len(tokens) < budget:
+        while not tokens or tokens[-1] != self.eos_id and state.length < budget:
             state.open_slot()
             binding = self._greedy_binding(state)
-            out, out_scores = self._native_greedy_steps(state, binding, min(state.capacity, budget) - len(tokens), scores)
+            out, out_scores = self._native_greedy_steps(state, binding, min(state.capacity, budget) - state.length, scores)
             tokens += out[:, 0].tolist()
             values += out_scores[:, 0].tolist() if scores else []
         eos = tokens[-1] == self.eos_id
@@ -192,8 +192,9 @@ class OnnxTranslator(Decoder):
         on, ignored, until finished sources are a quarter of the batch; then their rows leave together
         (as greedy's). With native_steps the library takes beam search's ordinary steps after the first
         (`_native_beam_steps`), and every other step comes back here."""
+        forced = state.length  # a forced prefix's tokens (`prefill`), counted in the budget and in lengths
         searches = [make_search(options, self.limits.output_budget(len(s), options.max_decoding_length,
-                                                                   options.length_rule), self.eos_id)
+                                                                   options.length_rule) - forced, self.eos_id, forced)
                     for s in sources]
         width, k = searches[0].rows, searches[0].candidates
         beams = isinstance(searches[0], BeamSearch)
@@ -280,10 +281,13 @@ class OnnxTranslator(Decoder):
         return state.moved_in_place(np.array([place[r] for r in left]), cross_eos_moved=False), left
 
     def search_ids(self, sources: list[list[int]], options: DecodingOptions = DecodingOptions(), *,
-                   max_batch_size: int = 32, scores: bool = True) -> list[list[Hypothesis]]:
+                   max_batch_size: int = 32, scores: bool = True,
+                   prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
         """The n-best hypotheses of each token-id source, best first; sources are batched by sorted length,
         at most max_batch_size sources (each with its beam's rows) per batch. scores=False: greedy search
-        skips the log-softmax and scores nothing (each score nan); beam search and sampling always score."""
+        skips the log-softmax and scores nothing (each score nan); beam search and sampling always score.
+        `prefixes`: each source's forced target tokens (one length for all; not in the hypotheses, counted in
+        their budgets and lengths, as transformers' forced_bos_token_id)."""
         if max_batch_size < 1:
             raise ConfigError(f"max_batch_size {max_batch_size}: must be at least 1")
         options.check(self.vocab_size)
@@ -295,7 +299,7 @@ class OnnxTranslator(Decoder):
         groups = guided_groups(batches, max(1, ENCODE_AHEAD // max_batch_size), self.inter_threads)
         if self.inter_threads == 1 or len(groups) == 1:
             for group in groups:
-                self._decode_group(group, sources, options, results, scores)
+                self._decode_group(group, sources, options, results, scores, prefixes)
             return results
         replicas = queue.SimpleQueue()  # one decoding context per thread; a thread takes the next group
         for _ in range(self.inter_threads):
@@ -304,7 +308,7 @@ class OnnxTranslator(Decoder):
         def decode(group):
             replica = replicas.get()
             try:
-                replica._decode_group(group, sources, options, results, scores)
+                replica._decode_group(group, sources, options, results, scores, prefixes)
             finally:
                 replicas.put(replica)
         with ThreadPoolExecutor(min(self.inter_threads, len(groups)), thread_name_prefix="nmtserve-batch") as pool:
@@ -312,11 +316,14 @@ class OnnxTranslator(Decoder):
         return results
 
     def _decode_group(self, group: list[list[int]], sources: list[list[int]], options: DecodingOptions,
-                      results: list, scores: bool) -> None:
+                      results: list, scores: bool, prefixes: list[list[int]] | None = None) -> None:
         """Encode a group of batches (each a list of source indices), then decode them one after another into
         results."""
         group_sources = [[sources[i] for i in rows] for rows in group]
-        states = self._prefill_group(group_sources)
+        if prefixes:  # each batch its own prefill, which feeds the forced tokens
+            states = [self.prefill(batch, prefixes=[prefixes[i] for i in rows]) for rows, batch in zip(group, group_sources)]
+        else:
+            states = self._prefill_group(group_sources)
         for rows, batch in zip(group, group_sources):
             state = states.pop(0)  # the list lets go of it: its caches are freed once decoded
             for i, hypotheses in zip(rows, self.decode(state, batch, options, scores)):
@@ -358,15 +365,21 @@ class OnnxTranslator(Decoder):
                         num_hypotheses: int = 1, length_penalty: float = 0.0, patience: float = 1.0,
                         sampling_topk: int = 1, sampling_topp: float = 1.0, sampling_temperature: float = 1.0,
                         seed: int = 0, max_decoding_length: int = 256, beam_stopping: str = "ctranslate2",
-                        length_rule: str = "nmtserve", return_scores: bool = False) -> list[Translation]:
+                        length_rule: str = "nmtserve", return_scores: bool = False, source_language: str = "",
+                        target_language: str = "") -> list[Translation]:
         """Translate texts, with CTranslate2's decoding options (nmtserve/search.py says what each does):
         greedy by default, beam search with beam_size > 1, random sampling with sampling_topk != 1. Each
         Translation is the best hypothesis, with the rest of the n-best list in `alternatives`. Inputs are
-        sorted by length so that each batch has little padding."""
+        sorted by length so that each batch has little padding. A multilingual model takes the languages (its
+        defaults where not given; a ValueError names one it does not know)."""
         options = DecodingOptions(beam_size, num_hypotheses, length_penalty, patience, sampling_topk, sampling_topp,
                                   sampling_temperature, seed, max_decoding_length, beam_stopping, length_rule)
-        ids = [self.tokenizer.encode(t, self.limits.max_source_tokens) or [self.eos_id] for t in texts]
-        found = self.search_ids(ids, options, max_batch_size=max_batch_size, scores=return_scores)
+        encode = self.tokenizer.encode
+        ids = [encode(t, self.limits.max_source_tokens, target_language, source_language) or [self.eos_id]
+               for t in texts]
+        prefix = self.tokenizer.target_prefix(target_language)
+        found = self.search_ids(ids, options, max_batch_size=max_batch_size, scores=return_scores,
+                                prefixes=[prefix] * len(ids) if prefix else None)
         return [self._translation(hypotheses, return_scores) for hypotheses in found]
 
     def _translation(self, hypotheses: list[Hypothesis], return_scores: bool) -> Translation:

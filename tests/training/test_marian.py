@@ -13,7 +13,7 @@ import torch
 from nmtserve.loadtests.marian_model import ENGLISH, ODD, build_marian_dir, sentences
 from nmtserve.tokenizer import MarianTokenizer
 from nmtserve.training.checkpoint import load_model
-from nmtserve.training.marian import MarianError, import_marian
+from nmtserve.training.marian import ImportRefused, import_marian
 from nmtserve.training.model import KVCache
 from tests.helpers import run_cli, stream_decoded
 
@@ -86,10 +86,10 @@ def test_checkpoint_records_origin_and_generation_defaults(marian_dir, marian_ch
 
 @pytest.mark.parametrize("marian_dir", ["swish"], indirect=True)
 @pytest.mark.parametrize("key, value", [
-    ("share_encoder_decoder_embeddings", False),
+    ("decoder_vocab_size", 7),
     ("decoder_attention_heads", 2),
     ("activation_function", "tanh"),
-    ("normalize_before", True),
+    ("normalize_embedding", True),
     ("model_type", "bart"),
 ])
 def test_unrepresentable_variants_are_refused_naming_the_key(marian_dir, tmp_path, key, value):
@@ -98,7 +98,7 @@ def test_unrepresentable_variants_are_refused_naming_the_key(marian_dir, tmp_pat
     config = json.loads((bad / "config.json").read_text())
     config[key] = value
     (bad / "config.json").write_text(json.dumps(config))
-    with pytest.raises(MarianError, match=f"config.json: {key}={json.dumps(value)}"):
+    with pytest.raises(ImportRefused, match=f"config.json: {key}={json.dumps(value)}"):
         import_marian(bad, tmp_path / "x.pt")
     result = run_cli("import-marian", str(bad), "--out", str(tmp_path / "x.pt"))
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -112,7 +112,7 @@ def test_missing_files_and_multilingual_target_are_named(tmp_path):
     assert tok.encode("the cat", target_language="de")[0] == tok.vocab[">>de<<"]
     with pytest.raises(ValueError, match="'es'.*de, fr"):
         tok.encode("the cat", target_language="es")
-    with pytest.raises(MarianError, match="--target-lang es"):
+    with pytest.raises(ImportRefused, match="--target-lang es"):
         import_marian(d, tmp_path / "m.pt", "en", "es")
     (d / "target.spm").unlink()
     result = run_cli("import-marian", str(d), "--out", str(tmp_path / "m.pt"))
