@@ -98,7 +98,7 @@ bench-served: $(BUNDLE)/manifest.json
 OPUS := runs/opus-shaped
 bundles/opus-shaped/manifest.json: | install
 	$(PY) -m nmtserve.loadtests.marian_model $(OPUS)
-	$(NMT) import-marian $(OPUS) --out $(OPUS).pt --source-lang en --target-lang fr
+	$(NMT) import $(OPUS) --out $(OPUS).pt --source-lang en --target-lang fr
 	$(NMT) export $(OPUS).pt --out bundles/opus-shaped
 
 bench-opus: bundles/opus-shaped/manifest.json

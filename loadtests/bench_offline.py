@@ -29,12 +29,12 @@ Ratios are ours over CTranslate2's of the same precision, each at its best threa
 both at one batch on one thread (1×1) where the sweep has it. Each worker's peak resident memory
 (ru_maxrss: the model loaded and every batch size run) is reported too.
 
-A bundle imported from a Hugging Face Marian directory (`nmtserve import-marian`) is measured against
+A bundle imported from a Hugging Face Marian directory (`nmtserve import`) is measured against
 that directory: CTranslate2 converts it with its own converter (TransformersConverter, as
 `ct2-transformers-converter` does) and transformers' `MarianMTModel.generate` takes PyTorch's place.
 
     python -m nmtserve.loadtests.marian_model runs/opus-shaped     # random, OPUS-MT's shapes, eos never wins
-    nmtserve import-marian runs/opus-shaped --out runs/opus-shaped.pt && nmtserve export runs/opus-shaped.pt --out bundles/opus-shaped
+    nmtserve import runs/opus-shaped --out runs/opus-shaped.pt && nmtserve export runs/opus-shaped.pt --out bundles/opus-shaped
     nmtserve bench offline bundles/opus-shaped --sentences-file runs/opus-shaped/sentences.txt --max-decoding-length 32 --beam-size 4
 
 On a GPU (`--device cuda`, onnxruntime-gpu): ONNX Runtime's fp16 variant (`ort_fp16`), CTranslate2 in

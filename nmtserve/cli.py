@@ -4,7 +4,7 @@
     nmtserve train --data data/ --out runs/small --max-minutes 20
     nmtserve evaluate runs/small/best.pt --split test --json
     nmtserve average runs/small/step_*.pt --out runs/small/average.pt
-    nmtserve import-marian ~/models/opus-mt-en-de --out runs/opus-en-de.pt
+    nmtserve import ~/models/opus-mt-en-de --out runs/opus-en-de.pt
     nmtserve export runs/small/average.pt --out bundles/small --verify  # nmtserve.export (train extra)
     nmtserve serve bundles/small --port 50051                           # nmtserve.server (base install)
     nmtserve api-key web-frontend --model en-fr >> keys.toml            # serve --api-keys keys.toml
@@ -43,7 +43,7 @@ COMMANDS = {
     "data": ("nmtserve.training.cli", "generate the built-in English→French corpus"),
     "train": ("nmtserve.training.cli", "train a model"),
     "average": ("nmtserve.training.cli", "average checkpoints of one run"),
-    "import-marian": ("nmtserve.training.cli", "import a local Hugging Face Marian (OPUS-MT) model as a checkpoint"),
+    "import": ("nmtserve.training.cli", "import a local Hugging Face model folder (OPUS-MT, M2M100, NLLB) as a checkpoint"),
     "evaluate": ("nmtserve.training.cli", "BLEU and chrF of a checkpoint or bundle, any decoding mode"),
     "translate": ("nmtserve.translate", "translate sentences through a server, or with a bundle or checkpoint"),
     "models": ("nmtserve.translate", "list what a server serves: models, languages, limits, decoding defaults"),

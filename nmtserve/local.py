@@ -6,11 +6,13 @@ commands. Below the command line: parses no argv and prints nothing.
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from nmtserve.decoding import LENGTH_RULES
 from nmtserve.errors import NmtserveError
+from nmtserve.hf_folder import bundle_for
 from nmtserve.search import BEAM_STOPPING, DecodingOptions
 
 SEARCH_FLAGS = ("max_decoding_length", "beam_size", "num_hypotheses", "length_penalty", "patience", "sampling_topk", "sampling_topp",
@@ -31,14 +33,16 @@ def local_options(args, defaults: dict) -> DecodingOptions:
 def local_translator(model: str, args) -> Callable[[list[str]], list[list[tuple[str, float]]]]:
     """A bundle directory (ONNX Runtime) or a checkpoint (the PyTorch reference), loaded once, as a function from
     texts to the n-best (text, score) of each, best first; args carries the decoding and thread flags, batch_size,
-    device and target_lang."""
+    device, source_lang and target_lang."""
     if args.threads < 0:
         raise NmtserveError(f"--threads {args.threads}: must be at least 0 (0: ONNX Runtime's default, a thread per core)")
     if args.inter_threads < 1:
         raise NmtserveError(f"--inter-threads {args.inter_threads}: must be at least 1")
     if not Path(model).exists():
         raise NmtserveError(f"{model}: no such bundle directory or checkpoint file")
-    return _bundle_translator(model, args) if Path(model).is_dir() else _checkpoint_translator(model, args)
+    if not Path(model).is_dir():
+        return _checkpoint_translator(model, args)
+    return _bundle_translator(bundle_for(model, lambda line: print(line, file=sys.stderr)), args)
 
 
 def _bundle_translator(path: str, args) -> Callable[[list[str]], list[list[tuple[str, float]]]]:
@@ -50,11 +54,14 @@ def _bundle_translator(path: str, args) -> Callable[[list[str]], list[list[tuple
 
     def translate(texts: list[str]) -> list[list[tuple[str, float]]]:
         try:
-            ids = [tr.tokenizer.encode(t, tr.limits.max_source_tokens, args.target_lang) or [tr.eos_id] for t in texts]
-        except ValueError as e:  # a language the multilingual model has no >>xx<< token for
-            raise NmtserveError(f"--target-lang: {e}") from None
+            ids = [tr.tokenizer.encode(t, tr.limits.max_source_tokens, args.target_lang, args.source_lang) or [tr.eos_id]
+                   for t in texts]
+            prefix = tr.tokenizer.target_prefix(args.target_lang)
+        except ValueError as e:  # a language the multilingual model has no token for
+            raise NmtserveError(f"--source-lang/--target-lang: {e}") from None
         return [[(tr.tokenizer.decode(h.tokens), h.score) for h in hypotheses]
-                for hypotheses in tr.search_ids(ids, options, max_batch_size=args.batch_size)]
+                for hypotheses in tr.search_ids(ids, options, max_batch_size=args.batch_size,
+                                                prefixes=[prefix] * len(ids) if prefix else None)]
     return translate
 
 
@@ -65,8 +72,9 @@ def _checkpoint_translator(path: str, args) -> Callable[[list[str]], list[list[t
     from nmtserve.training.decode import beam_search, sample
     from nmtserve.training.decode import translate as greedy
 
-    if args.target_lang:
-        raise NmtserveError("--target-lang: give a bundle or --server (the PyTorch reference reads no language token)")
+    if args.target_lang or args.source_lang:
+        raise NmtserveError("--source-lang and --target-lang: give a bundle or --server (the PyTorch reference reads no "
+                            "language token)")
     if args.threads or args.inter_threads != 1 or args.variant:
         raise NmtserveError("--threads, --inter-threads and --variant: with a bundle (ONNX Runtime), not a checkpoint")
     loaded = load_model(path, device=args.device)
@@ -117,8 +125,11 @@ def add_decoding_flags(p) -> None:
     search.add_argument("--max-decoding-length", type=int,
                         help="most target tokens per sentence (default: the model's, 256 for the models nmtserve trains; "
                              "with --server, the server's)")
-    search.add_argument("--target-lang", default="", help="the language to translate into: the >>xx<< token of a "
-                        "multilingual model, and with --server the model that translates into it")
+    search.add_argument("--target-lang", default="", help="the language to translate into: a multilingual model's "
+                        "target language (Marian's >>xx<<, M2M100's and NLLB's codes), and with --server the model "
+                        "that translates into it")
+    search.add_argument("--source-lang", default="", help="the language translated from: what a multilingual model "
+                        "(M2M100, NLLB) reads, and with --server the model that translates from it")
     search.add_argument("--beam-size", type=int)
     search.add_argument("--num-hypotheses", type=int, help="n-best list length (--json prints it)")
     search.add_argument("--length-penalty", type=float, help="beam: score / length ** this")

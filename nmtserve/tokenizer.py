@@ -33,6 +33,7 @@ class Tokenizer:
     scheme = "sentencepiece"
     pad_id, unk_id, bos_id, eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
     target_languages: list[str] = []  # one target language: no language token
+    source_languages: list[str] = []  # one source language: no language token
 
     def __init__(self, model_proto: bytes):
         self.model_proto = model_proto
@@ -121,6 +122,7 @@ class MarianTokenizer:
     """
 
     scheme = "marian"
+    source_languages: list[str] = []  # the source language is the model's own
 
     def __init__(self, source_spm: bytes, target_spm: bytes, vocab: dict[str, int], *, eos: str = "</s>",
                  unk: str = "<unk>", pad: str = "<pad>", decoder_start_id: int | None = None,
@@ -244,7 +246,7 @@ class M2M100Tokenizer:
         self.eos_id, self.unk_id, self.pad_id = vocab[eos], vocab[unk], vocab[pad]
         self.bos_id = self.eos_id if decoder_start_id is None else decoder_start_id
         self.pieces = {i: p for p, i in vocab.items()}
-        self.target_languages = sorted(languages)
+        self.target_languages = self.source_languages = sorted(languages)
         self.skipped = {self.eos_id, self.unk_id, self.pad_id, self.bos_id, *languages.values(),
                         *(vocab[p] for p in ("<s>", "<mask>") if p in vocab)}
 

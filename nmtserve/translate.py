@@ -36,8 +36,8 @@ def cmd_translate(args) -> int:
                             "own (nmtserve serve --threads, --inter-threads, --variant)")
     if args.server:
         return _translate_remote(args)
-    if args.model or args.source_lang or args.file:
-        raise NmtserveError("--model, --source-lang and --file need --server")
+    if args.model or args.file:
+        raise NmtserveError("--model and --file need --server")
     if not args.inputs:
         raise NmtserveError("give a bundle or checkpoint (or --server HOST:PORT) and the sentences")
     model, texts = args.inputs[0], args.inputs[1:] or [line.rstrip("\n") for line in sys.stdin]
@@ -155,8 +155,11 @@ def cmd_models(args) -> int:
     if args.json:
         print_json([MessageToDict(m, preserving_proto_field_name=True) for m in models])
         return 0
+    def listed(many, one: str) -> str:
+        return (f"{len(many)} languages" if len(many) > 8 else "/".join(many)) or one or "?"
+
     for m in models:
-        languages = f"{m.source_language or '?'}→{'/'.join(m.target_languages) or m.target_language or '?'}"
+        languages = f"{listed(m.source_languages, m.source_language)}→{listed(m.target_languages, m.target_language)}"
         print(f"{m.model}\t{languages}\t{m.variant} on {m.device}\t{m.kernels}\t"
               f"max_decoding_length {m.limits.max_decoding_length}, max_beam_size {m.limits.max_beam_size}, "
               f"max_sentences {m.limits.max_sentences}")
@@ -188,7 +191,6 @@ def add_parser(sub, name: str, help_text: str) -> None:
     _add_server_flags(p)
     p.add_argument("--model", default="", help="with --server: the served model (ListModels; e.g. en-fr)")
     p.add_argument("--file", help="with --server: translate this whole text file (TranslateText), keeping its layout")
-    p.add_argument("--source-lang", default="", help="with --server: choose the model by its languages")
     p.add_argument("--stream", action="store_true",
                    help="with --server: print each translation as it is decoded (TranslateStream)")
     p.add_argument("--batch-size", type=int, default=64)

@@ -169,7 +169,8 @@ class Engine:
                 break  # an oversized request still runs alone rather than never
             request.admitted = now
             if not request.options.greedy:
-                request.search = make_search(request.options, request.budget(self.tr.limits), self.tr.eos_id)
+                request.search = make_search(request.options, request.budget(self.tr.limits), self.tr.eos_id,
+                                             len(request.prefix))
             budget -= cost
             rows += request.width
             admitted.append(request)

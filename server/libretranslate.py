@@ -67,5 +67,6 @@ def languages(models: dict[str, ServedModel]) -> list[dict]:
     code stands for the name: the bundles name their languages by code only)."""
     targets: dict[str, set[str]] = {}
     for model in models.values():
-        targets.setdefault(model.source_language, set()).update(model.target_languages)
+        for source in model.source_languages:  # a multilingual model (M2M100, NLLB): each of its languages
+            targets.setdefault(source, set()).update(t for t in model.target_languages if t != source)
     return [{"code": code, "name": code, "targets": sorted(found)} for code, found in sorted(targets.items()) if code]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +26,16 @@ from pathlib import Path
 from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.bundle import MANIFEST, default_variant, load_bundle
 from nmtserve.export.runtime.decoder import CUDA_INTER_THREADS
+from nmtserve.hf_folder import bundle_for
 from nmtserve.search import DecodingOptions
 from nmtserve.server.config import ServerConfig
 from nmtserve.server.convert import InvalidRequest, ModelNotFound, decoding_options
 from nmtserve.server.documents import fit, sentence_spans
 from nmtserve.server.engine import EnginePool
+from nmtserve.tokenizer import M2M100Tokenizer
 from nmtserve.v1 import translation_pb2 as pb
+
+log = logging.getLogger("nmtserve.server")
 
 SPEC_KEYS = ("bundle", "id", "variant", "device", "threads", "inter_threads")
 INTEGER_KEYS = ("threads", "inter_threads")
@@ -49,11 +54,15 @@ class ModelSpec:
 
 
 def default_id(bundle: str) -> str:
-    """The bundle's languages ("en-fr"), or its directory's name when the manifest names none."""
-    languages = load_bundle(bundle).manifest.get("languages") or {}
-    if languages.get("source") and languages.get("target"):
+    """The bundle's languages ("en-fr"); a multilingual model's (M2M100, NLLB) or one whose manifest names no
+    languages: the name of the folder it was imported from, else of its directory."""
+    manifest = load_bundle(bundle).manifest
+    languages = manifest.get("languages") or {}
+    multilingual = (manifest.get("tokenizer") or {}).get("scheme") == M2M100Tokenizer.scheme
+    if languages.get("source") and languages.get("target") and not multilingual:
         return f"{languages['source']}-{languages['target']}"
-    return Path(bundle).resolve().name
+    imported = ((manifest.get("source") or {}).get("imported_from") or {}).get("directory")
+    return Path(imported or bundle).resolve().name
 
 
 def model_specs(config: ServerConfig) -> list[ModelSpec]:
@@ -84,6 +93,8 @@ def model_specs(config: ServerConfig) -> list[ModelSpec]:
         entries = [{"bundle": b.strip()} for b in config.runtime.bundle.split(",") if b.strip()]
     if not entries:
         raise ConfigError("no model to serve: give one or more bundle directories, or --models FILE")
+    for e in entries:  # a Hugging Face model folder: its bundle, made once into the cache
+        e["bundle"] = bundle_for(e["bundle"], log.info)
     specs = []
     for e in entries:
         device = e.get("device", config.runtime.device)
@@ -138,7 +149,7 @@ class ServedModel:
 
     def describe(self) -> str:
         """'en-fr (en→fr)', as error messages list the served models."""
-        return f"{self.id} ({self.source_language or '?'}→{'/'.join(self.target_languages) or '?'})"
+        return f"{self.id} ({_listed(self.source_languages, '/') or '?'}→{_listed(self.target_languages, '/') or '?'})"
 
     # -- validation
     def options(self, options: pb.DecodingOptions) -> tuple[int, DecodingOptions]:
@@ -146,28 +157,42 @@ class ServedModel:
         return decoding_options(options, self.defaults, self.default_output_tokens, self.max_decoding_length,
                                 self.engine.tr.vocab_size, self.max_beam_size)
 
-    def language_token(self, requested: str) -> str:
-        """The language whose >>xx<< token a multilingual model reads ("" for others); InvalidRequest for a
-        language the model does not translate into."""
-        multilingual, served = self.tokenizer.target_languages, self.target_languages
-        language = requested or self.target_language
-        if (requested and served and requested not in served) or (multilingual and language not in multilingual):
-            raise InvalidRequest(f"target_language {requested!r}: model {self.id} translates into {', '.join(served)}")
-        return language if multilingual else ""
+    @property
+    def source_languages(self) -> list[str]:
+        """Every language this model translates from ([] when its bundle does not say)."""
+        return self.tokenizer.source_languages or ([self.source_language] if self.source_language else [])
 
-    def source(self, field: str, text: str, target_language: str = "") -> list[int]:
+    def languages(self, source_language: str, target_language: str) -> CallLanguages:
+        """How a call's sentences are encoded and decoded for its languages; InvalidRequest for a language the model
+        does not know, or none where a multilingual model has no default."""
+        multilingual, served = self.tokenizer.target_languages, self.target_languages
+        language = target_language or self.target_language
+        if (target_language and served and target_language not in served) or \
+                (multilingual and language not in multilingual):
+            raise InvalidRequest(f"target_language {target_language!r}: model {self.id} translates into "
+                                 f"{_listed(served)}")
+        source = ""
+        if self.tokenizer.source_languages:  # a source language token (M2M100, NLLB)
+            source = source_language or self.source_language
+            if source not in self.tokenizer.source_languages:
+                raise InvalidRequest(f"source_language {source_language!r}: model {self.id} translates from "
+                                     f"{_listed(self.tokenizer.source_languages)}")
+        target = language if multilingual else ""
+        return CallLanguages(source, target, tuple(self.tokenizer.target_prefix(target)))
+
+    def source(self, field: str, text: str, languages: CallLanguages) -> list[int]:
         if not text.strip():
             raise InvalidRequest(f"{field}: empty sentence")
         if len(text) > self.config.limits.max_sentence_chars:
             raise InvalidRequest(f"{field}: {len(text)} characters, the limit is {self.config.limits.max_sentence_chars}")
-        ids = self.tokenizer.encode(text, target_language=target_language)
+        ids = self.tokenizer.encode(text, target_language=languages.target, source_language=languages.source)
         if not ids:  # only characters the tokenizer's normalisation removes (zero-width, controls)
             raise InvalidRequest(f"{field}: nothing to translate in {text[:40]!r} (no token after normalisation)")
         if len(ids) > self.max_source_tokens:
             raise InvalidRequest(f"{field}: {len(ids)} tokens, the limit is {self.max_source_tokens}")
         return ids
 
-    def text_pieces(self, field: str, text: str, target_language: str) -> tuple[list[tuple[int, int]], list[list[int]]]:
+    def text_pieces(self, field: str, text: str, languages: CallLanguages) -> tuple[list[tuple[int, int]], list[list[int]]]:
         """A whole text's sentences (pieces of those over the character or token limit) as spans and
         token ids; a piece of nothing but what the tokenizer drops has no ids and is kept as it is."""
         if len(text) > self.config.limits.max_text_chars:
@@ -175,12 +200,13 @@ class ServedModel:
 
         @functools.cache  # fit() measures a piece, then its ids are kept: each piece is encoded once
         def encode(piece: str) -> list[int]:
-            return self.tokenizer.encode(piece, target_language=target_language)
+            return self.tokenizer.encode(piece, target_language=languages.target, source_language=languages.source)
 
         def too_long(piece: str) -> bool:
             return len(piece) > self.config.limits.max_sentence_chars or len(encode(piece)) > self.max_source_tokens
 
-        spans = [piece for span in sentence_spans(text, self.source_language) for piece in fit(text, span, too_long)]
+        spans = [piece for span in sentence_spans(text, languages.source or self.source_language)
+                 for piece in fit(text, span, too_long)]
         return spans, [encode(text[start:end]) for start, end in spans]
 
     # -- description
@@ -208,8 +234,8 @@ class ServedModel:
                 sampling_topk=1, sampling_topp=1.0, sampling_temperature=1.0,
                 beam_stopping=pb.BeamStopping.Value(f"BEAM_STOPPING_{self.defaults.beam_stopping.upper()}"),
                 length_rule=pb.LengthRule.Value(f"LENGTH_RULE_{self.defaults.length_rule.upper()}")),
-            target_languages=self.tokenizer.target_languages, graphs=self.engine.tr.graphs,
-            kernels=self.engine.tr.kernel_note)
+            target_languages=self.tokenizer.target_languages, source_languages=self.tokenizer.source_languages,
+            graphs=self.engine.tr.graphs, kernels=self.engine.tr.kernel_note)
 
 
 def route(models: dict[str, ServedModel], model: str, source_language: str, target_language: str) -> ServedModel:
@@ -220,21 +246,21 @@ def route(models: dict[str, ServedModel], model: str, source_language: str, targ
         if model not in models:
             raise ModelNotFound(f"model {model!r}: not served here; this server serves {served}")
         chosen = models[model]
-        if source_language and chosen.source_language and source_language != chosen.source_language:
+        if source_language and chosen.source_languages and source_language not in chosen.source_languages:
             raise InvalidRequest(f"source_language {source_language!r}: model {model} translates from "
-                                 f"{chosen.source_language}")
+                                 f"{_listed(chosen.source_languages)}")
         return chosen
     if len(models) == 1:
         chosen = next(iter(models.values()))
-        if source_language and chosen.source_language and source_language != chosen.source_language:
+        if source_language and chosen.source_languages and source_language not in chosen.source_languages:
             raise InvalidRequest(f"source_language {source_language!r}: this server translates from "
-                                 f"{chosen.source_language}")
+                                 f"{_listed(chosen.source_languages)}")
         return chosen
     if not (source_language or target_language):
         raise InvalidRequest(f"model: not given, and this server serves several: {served}; name one, or give "
                              "source_language and target_language")
     matching = [m for m in models.values()
-                if (not source_language or m.source_language == source_language)
+                if (not source_language or source_language in m.source_languages)
                 and (not target_language or target_language in m.target_languages)]
     pair = f"source_language {source_language!r}, target_language {target_language!r}"
     if not matching:
@@ -243,3 +269,17 @@ def route(models: dict[str, ServedModel], model: str, source_language: str, targ
         raise InvalidRequest(f"{pair}: served by several models ({', '.join(m.id for m in matching)}); name one "
                              "with model")
     return matching[0]
+
+
+@dataclass(frozen=True)
+class CallLanguages:
+    """A call's languages as its model reads them (ServedModel.languages)."""
+
+    source: str  # the source language token's language (M2M100, NLLB), "" for a model of one source language
+    target: str  # the target language token's language (multilingual models), "" for a model of one target
+    prefix: tuple[int, ...]  # the target tokens decoding is forced to start with (M2M100, NLLB: the language's)
+
+
+def _listed(languages: list[str], sep: str = ", ") -> str:
+    """Languages for a message: all of a few, the count and the first of many."""
+    return sep.join(languages) if len(languages) <= 8 else f"{len(languages)} languages ({', '.join(languages[:6])}, …)"

@@ -29,13 +29,14 @@ class Request:
     hypothesis's and `hypotheses` the n-best list."""
 
     src_ids: list[int]
-    max_decoding_length: int = 256
+    max_decoding_length: int = 256  # the output budget, counting the forced prefix's tokens
     options: DecodingOptions = field(default_factory=DecodingOptions)  # its max_decoding_length is not read
     deadline: float | None = None  # time.monotonic() after which the request is dropped
     on_token: Callable[[Request, int], None] | None = None  # called from the engine thread
     on_finish: Callable[[Request], None] | None = None  # called from the engine thread, once
     scored: bool = True  # whether its score is read; greedy without: steps of such rows alone skip the log-softmax
     id: str = ""
+    prefix: list[int] = field(default_factory=list)  # target tokens decoding is forced to start with (not in tokens)
     tokens: list[int] = field(default_factory=list)
     score: float = 0.0
     hypotheses: list[Hypothesis] = field(default_factory=list)
@@ -57,9 +58,11 @@ class Request:
         self.cancelled = True
 
     def budget(self, limits: Limits) -> int:
-        """Most target tokens this request may produce (worked out once: the engine asks at every step)."""
+        """Most target tokens this request may produce after its prefix (worked out once: the engine asks at every
+        step); the prefix counts in the output budget, as transformers counts a forced first token."""
         if self._budget is None:
-            self._budget = limits.output_budget(len(self.src_ids), self.max_decoding_length, self.options.length_rule)
+            self._budget = limits.output_budget(len(self.src_ids), self.max_decoding_length, self.options.length_rule) \
+                - len(self.prefix)
         return self._budget
 
     @property

@@ -60,7 +60,7 @@ class RunningBatch:
                 if r is not None:
                     rows.setdefault(id(r), (r, []))[1].append(i)
             self._placement = [(r, np.array(found)) for r, found in rows.values()]
-            self._slots = max((r.budget(self.tr.limits) + 1 for r, _ in self._placement), default=0)
+            self._slots = max((len(r.prefix) + r.budget(self.tr.limits) + 1 for r, _ in self._placement), default=0)
         return self._placement
 
     def slots(self) -> int:
@@ -76,7 +76,7 @@ class RunningBatch:
         # on the host the rows go into the running state's buffers, which take only their cross K/V: no caches
         caches = self.state is None or not self.state.ops.views
         try:
-            fresh = self.tr.prefill([r.src_ids for r in requests], caches)
+            fresh = self.tr.prefill([r.src_ids for r in requests], caches, [r.prefix for r in requests])
         except Exception as e:
             if len(requests) == 1:
                 return [(requests[0], e)]

@@ -212,8 +212,8 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         return max_tokens, search, request.options.return_scores
 
     # -- engine round trip
-    def _request(self, call: _Call, ids: list[int], options: tuple[int, DecodingOptions, bool], context, on_token=None,
-                 on_done=None):
+    def _request(self, call: _Call, ids: list[int], options: tuple[int, DecodingOptions, bool], context,
+                 prefix: tuple[int, ...] = (), on_token=None, on_done=None):
         wakeups = self.wakeups
         future = wakeups.loop.create_future()
         remaining = context.time_remaining()
@@ -226,7 +226,8 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
 
         max_tokens, search, scored = options
         request = Request(ids, max_decoding_length=max_tokens, options=search, on_token=on_token, on_finish=on_finish,
-                          scored=scored, deadline=None if remaining is None else time.monotonic() + remaining)
+                          scored=scored, deadline=None if remaining is None else time.monotonic() + remaining,
+                          prefix=list(prefix))
         return request, future
 
     async def _fail(self, call: _Call, context, exc: Exception, rejected: bool = True):
@@ -303,9 +304,9 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                 raise InvalidRequest(f"sentences: {n} given, between 1 and {self.config.limits.max_sentences} accepted")
             self._charge(call, sum(len(s) for s in request.sentences))  # first: a refusal is cheap
             options = self._options(call, model, request)
-            language = model.language_token(request.target_language)
-            sources = [model.source(f"sentences[{i}]", s, language) for i, s in enumerate(request.sentences)]
-            pairs = [self._request(call, ids, options, context) for ids in sources]
+            languages = model.languages(request.source_language, request.target_language)
+            sources = [model.source(f"sentences[{i}]", s, languages) for i, s in enumerate(request.sentences)]
+            pairs = [self._request(call, ids, options, context, languages.prefix) for ids in sources]
             for engine_request, _ in pairs:
                 self._submit(call, model, engine_request)
             # one sentence (most calls) awaits its future itself: gather's own future is one more event-loop hop
@@ -330,8 +331,10 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             model = self._model(call, request, context)
             self._charge(call, len(request.sentence))
             options = self._options(call, model, request)
-            ids = model.source("sentence", request.sentence, model.language_token(request.target_language))
-            engine_request, future = self._request(call, ids, options, context, on_token=lambda r, t: tokens.put(t),
+            languages = model.languages(request.source_language, request.target_language)
+            ids = model.source("sentence", request.sentence, languages)
+            engine_request, future = self._request(call, ids, options, context, languages.prefix,
+                                                   on_token=lambda r, t: tokens.put(t),
                                                    on_done=lambda: tokens.put(None))  # after the last token
             self._submit(call, model, engine_request)
         except NmtserveError as e:
@@ -376,9 +379,10 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                                  + f"; send {', '.join(MIME_TYPES)}")
         self._charge(call, sum(len(text) for _, text in texts))
         options = self._options(call, model, request)
-        language = model.language_token(request.target_language)
-        pieces = [model.text_pieces(field, text, language) for field, text in texts]
-        documents = [(spans, [self._request(call, piece, options, context) if piece else None for piece in ids])
+        languages = model.languages(request.source_language, request.target_language)
+        pieces = [model.text_pieces(field, text, languages) for field, text in texts]
+        documents = [(spans, [self._request(call, piece, options, context, languages.prefix) if piece else None
+                              for piece in ids])
                      for spans, ids in pieces]
         for _, pairs in documents:
             for engine_request, _future in filter(None, pairs):

@@ -62,6 +62,14 @@ def marian_dir(request, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def nllb_dir(tmp_path_factory) -> Path:
+    """A tiny NLLB folder, as transformers saves one (loadtests/m2m100_model.py)."""
+    from nmtserve.loadtests.m2m100_model import build_m2m100_dir
+
+    return build_m2m100_dir(tmp_path_factory.mktemp("nllb") / "nllb-tiny", family="nllb")
+
+
+@pytest.fixture(scope="session")
 def marian_checkpoint(marian_dir, tmp_path_factory) -> Path:
     from nmtserve.training.marian import import_marian
 

@@ -1,9 +1,9 @@
-"""Commands of nmtserve.training: data, train, average, import-marian, evaluate (the train extra).
+"""Commands of nmtserve.training: data, train, average, import, evaluate (the train extra).
 
     nmtserve data --out data/default --pairs 200000 --seed 1
     nmtserve train --data data/default --out runs/default --max-minutes 20
     nmtserve average runs/default/step_*.pt --out runs/default/average.pt
-    nmtserve import-marian ~/models/opus-mt-en-de --out runs/opus-en-de.pt
+    nmtserve import ~/models/opus-mt-en-de --out runs/opus-en-de.pt
     nmtserve evaluate runs/default/best.pt --split test --json
     nmtserve evaluate bundles/default --split novel --beam-size 4 --length-penalty 1
 """
@@ -58,10 +58,10 @@ def cmd_average(args) -> int:
     return 0
 
 
-def cmd_import_marian(args) -> int:
-    from nmtserve.training.marian import import_marian
+def cmd_import(args) -> int:
+    from nmtserve.training.hf_import import import_model
 
-    summary = import_marian(args.directory, args.out, args.source_lang, args.target_lang)
+    summary = import_model(args.directory, args.out, args.source_lang, args.target_lang)
     if args.json:
         print_json(summary)
     else:
@@ -186,13 +186,13 @@ def add_parser(sub, name: str, help_text: str) -> None:
         p.add_argument("checkpoints", nargs="+")
         p.add_argument("--out", required=True)
         p.set_defaults(func=cmd_average)
-    elif name == "import-marian":
-        p.add_argument("directory", help="a local Hugging Face Marian (OPUS-MT) model directory")
+    elif name == "import":
+        p.add_argument("directory", help="a local Hugging Face model folder: Marian (OPUS-MT), M2M100 or NLLB")
         p.add_argument("--out", required=True, help="the checkpoint to write")
         p.add_argument("--source-lang", default="", help="source language code (default: tokenizer_config.json's)")
         p.add_argument("--target-lang", default="", help="target language code (default: tokenizer_config.json's)")
         p.add_argument("--json", action="store_true")
-        p.set_defaults(func=cmd_import_marian)
+        p.set_defaults(func=cmd_import)
     elif name == "evaluate":
         from nmtserve.local import add_bundle_flags, add_decoding_flags
 

@@ -1,6 +1,6 @@
 """Import a Hugging Face Marian (OPUS-MT) model directory as an nmtserve checkpoint.
 
-    nmtserve import-marian ~/models/opus-mt-en-de --out runs/opus-en-de.pt --source-lang en --target-lang de
+    nmtserve import ~/models/opus-mt-en-de --out runs/opus-en-de.pt --source-lang en --target-lang de
 
 Reads config.json, model.safetensors or pytorch_model.bin (fp16 is widened to fp32), source.spm,
 target.spm, vocab.json and generation_config.json when present; nothing is downloaded. The checkpoint

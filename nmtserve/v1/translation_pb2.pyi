@@ -261,7 +261,7 @@ class Limits(_message.Message):
     def __init__(self, max_sentences: _Optional[int] = ..., max_sentence_chars: _Optional[int] = ..., max_source_tokens: _Optional[int] = ..., max_decoding_length: _Optional[int] = ..., max_beam_size: _Optional[int] = ..., max_text_chars: _Optional[int] = ..., max_call_chars: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("source_language", "target_language", "bundle_id", "variant", "device", "model_json", "limits", "default_options", "target_languages", "model", "graphs", "kernels")
+    __slots__ = ("source_language", "target_language", "bundle_id", "variant", "device", "model_json", "limits", "default_options", "target_languages", "model", "graphs", "kernels", "source_languages")
     SOURCE_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     TARGET_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +274,7 @@ class ModelInfo(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GRAPHS_FIELD_NUMBER: _ClassVar[int]
     KERNELS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_LANGUAGES_FIELD_NUMBER: _ClassVar[int]
     source_language: str
     target_language: str
     bundle_id: str
@@ -286,4 +287,5 @@ class ModelInfo(_message.Message):
     model: str
     graphs: _containers.RepeatedScalarFieldContainer[str]
     kernels: str
-    def __init__(self, source_language: _Optional[str] = ..., target_language: _Optional[str] = ..., bundle_id: _Optional[str] = ..., variant: _Optional[str] = ..., device: _Optional[str] = ..., model_json: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., default_options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., target_languages: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., graphs: _Optional[_Iterable[str]] = ..., kernels: _Optional[str] = ...) -> None: ...
+    source_languages: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, source_language: _Optional[str] = ..., target_language: _Optional[str] = ..., bundle_id: _Optional[str] = ..., variant: _Optional[str] = ..., device: _Optional[str] = ..., model_json: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., default_options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., target_languages: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., graphs: _Optional[_Iterable[str]] = ..., kernels: _Optional[str] = ..., source_languages: _Optional[_Iterable[str]] = ...) -> None: ...

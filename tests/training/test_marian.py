@@ -100,7 +100,7 @@ def test_unrepresentable_variants_are_refused_naming_the_key(marian_dir, tmp_pat
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ImportRefused, match=f"config.json: {key}={json.dumps(value)}"):
         import_marian(bad, tmp_path / "x.pt")
-    result = run_cli("import-marian", str(bad), "--out", str(tmp_path / "x.pt"))
+    result = run_cli("import", str(bad), "--out", str(tmp_path / "x.pt"))
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert key in result.stderr and not (tmp_path / "x.pt").exists()
 
@@ -115,7 +115,7 @@ def test_missing_files_and_multilingual_target_are_named(tmp_path):
     with pytest.raises(ImportRefused, match="--target-lang es"):
         import_marian(d, tmp_path / "m.pt", "en", "es")
     (d / "target.spm").unlink()
-    result = run_cli("import-marian", str(d), "--out", str(tmp_path / "m.pt"))
+    result = run_cli("import", str(d), "--out", str(tmp_path / "m.pt"))
     assert result.returncode == 2 and "target.spm: missing" in result.stderr
 
 
