@@ -261,13 +261,15 @@ def engines_alone(spec: dict, engines: int, threads: int) -> dict:
     model = load_model(ModelSpec("bench", spec["bundle"], spec["variant"], spec["device"], threads, engines), config,
                        ServerMetrics())
     warm_up(model.engine)
-    calls = [(model.source("sentence", sentence), *model.options(pb.DecodingOptions(**options)))
+    languages = model.languages("", "")  # the model's own
+    calls = [(model.source("sentence", sentence, languages), *model.options(pb.DecodingOptions(**options)))
              for [sentence], options in spec["calls"]]
     done: queue.SimpleQueue = queue.SimpleQueue()
 
     def send(i: int) -> None:
         ids, max_tokens, search = calls[i]
-        model.engine.submit(Request(ids, max_decoding_length=max_tokens, options=search, on_finish=done.put, scored=False))
+        model.engine.submit(Request(ids, max_decoding_length=max_tokens, options=search, on_finish=done.put, scored=False,
+                                    prefix=list(languages.prefix)))
 
     clients = min(spec["clients"], len(calls))
     started = last_sent = time.perf_counter()
