@@ -29,9 +29,11 @@ Ratios are ours over CTranslate2's of the same precision, each at its best threa
 both at one batch on one thread (1×1) where the sweep has it. Each worker's peak resident memory
 (ru_maxrss: the model loaded and every batch size run) is reported too.
 
-A bundle imported from a Hugging Face Marian directory (`nmtserve import`) is measured against
-that directory: CTranslate2 converts it with its own converter (TransformersConverter, as
-`ct2-transformers-converter` does) and transformers' `MarianMTModel.generate` takes PyTorch's place.
+A bundle imported from a Hugging Face folder (`nmtserve import`: Marian, M2M100, NLLB) is measured against
+that folder: CTranslate2 converts it with its own converter (TransformersConverter, as
+`ct2-transformers-converter` does) and transformers' `generate` takes PyTorch's place. A multilingual model
+translates from and into its default languages (the folder's src_lang and tgt_lang): every engine is given
+the target language's token as the forced first one (CTranslate2's target_prefix).
 
     python -m nmtserve.loadtests.marian_model runs/opus-shaped     # random, OPUS-MT's shapes, eos never wins
     nmtserve import runs/opus-shaped --out runs/opus-shaped.pt && nmtserve export runs/opus-shaped.pt --out bundles/opus-shaped
@@ -125,8 +127,8 @@ class BenchConfig:
     device: str = "cpu"  # cuda: ONNX Runtime's fp16 variant, CTranslate2 float16, PyTorch/transformers in fp16
 
 
-def marian_directory(bundle: str) -> str | None:
-    """The Hugging Face Marian directory an imported bundle came from; None for our own model's."""
+def imported_directory(bundle: str) -> str | None:
+    """The Hugging Face folder an imported bundle came from; None for our own model's."""
     from nmtserve.export.runtime.bundle import load_bundle
 
     imported = load_bundle(bundle).manifest["source"].get("imported_from")
@@ -139,8 +141,8 @@ def runs_on(engine: str, device: str) -> bool:
 
 def default_engines(bundle: str, device: str = "cpu") -> tuple[str, ...]:
     """Every engine of the device but the other reference: PyTorch for our own model's bundle,
-    transformers for one imported from Marian."""
-    other = "pytorch" if marian_directory(bundle) else "transformers"
+    transformers for one imported from a Hugging Face folder."""
+    other = "pytorch" if imported_directory(bundle) else "transformers"
     return tuple(e for e in ENGINES if runs_on(e, device) and e != other)
 
 
@@ -192,15 +194,16 @@ def _load_engine(engine: str, inter: int, threads: int, spec: dict):
         return run
     if engine == "transformers":
         import torch
-        from transformers import MarianMTModel
+        from transformers import AutoModelForSeq2SeqLM
 
         from nmtserve.decoding import sorted_batches
 
         torch.set_num_threads(threads)
         device = spec["device"]
-        model = MarianMTModel.from_pretrained(
-            spec["marian_directory"], dtype=torch.float16 if device == "cuda" else torch.float32).to(device).eval()
-        pad_id, eos_id = model.config.pad_token_id, model.config.eos_token_id
+        model = AutoModelForSeq2SeqLM.from_pretrained(
+            spec["hf_directory"], dtype=torch.float16 if device == "cuda" else torch.float32).to(device).eval()
+        pad_id, eos_id, prefix = model.config.pad_token_id, model.config.eos_token_id, spec["prefix"]
+        forced = {"forced_bos_token_id": prefix[0]} if prefix else {}
 
         def run(sources, batch_size):
             out = [None] * len(sources)
@@ -212,8 +215,8 @@ def _load_engine(engine: str, inter: int, threads: int, spec: dict):
                     generated = model.generate(input_ids=ids, attention_mask=ids != pad_id, do_sample=False,
                                                num_beams=spec["search"]["beam_size"],
                                                max_new_tokens=spec["search"]["max_decoding_length"],
-                                               forced_eos_token_id=None)
-                for i, row in zip(rows, generated[:, 1:].tolist()):  # after the decoder start token
+                                               forced_eos_token_id=None, **forced)
+                for i, row in zip(rows, generated[:, 1 + len(prefix):].tolist()):  # after the start and forced ones
                     out[i] = row[:row.index(eos_id)] if eos_id in row else [t for t in row if t != pad_id]
             return out
         return run
@@ -222,15 +225,16 @@ def _load_engine(engine: str, inter: int, threads: int, spec: dict):
 
         tr = OnnxTranslator(spec["bundle"], device=spec["device"], variant=engine[4:], intra_op_threads=threads,
                             inter_threads=inter)
-        options = DecodingOptions(**spec["search"])
+        options, prefix = DecodingOptions(**spec["search"]), spec["prefix"]
         return lambda sources, batch_size: [found[0].tokens for found in tr.search_ids(
-            sources, options, max_batch_size=batch_size, scores=False)]
+            sources, options, max_batch_size=batch_size, scores=False,
+            prefixes=[prefix] * len(sources) if prefix else None)]
     if engine.startswith("ct2_"):
         import ctranslate2
 
         ct = ctranslate2.Translator(spec["ct2_model"], device=spec["device"], intra_threads=threads, inter_threads=inter,
                                     compute_type={"ct2_fp32": "float32", "ct2_int8": "int8", "ct2_fp16": "float16"}[engine])
-        vocab = spec["vocab"]
+        vocab, prefix = spec["vocab"], [spec["vocab"][i] for i in spec["prefix"]]
         ids = {piece: i for i, piece in enumerate(vocab)}
 
         def run(sources, batch_size):
@@ -238,17 +242,18 @@ def _load_engine(engine: str, inter: int, threads: int, spec: dict):
                                          length_penalty=spec["search"]["length_penalty"],
                                          max_batch_size=batch_size, batch_type="examples",
                                          max_decoding_length=spec["search"]["max_decoding_length"],
-                                         min_decoding_length=0)  # as ours: eos may come first (its default is 1)
-            return [[ids[p] for p in r.hypotheses[0]] for r in results]
+                                         min_decoding_length=0,  # as ours: eos may come first (its default is 1)
+                                         target_prefix=[prefix] * len(sources) if prefix else None)
+            return [[ids[p] for p in r.hypotheses[0][len(prefix):]] for r in results]
         return run
     raise NmtserveError(f"unknown engine {engine!r}")
 
 
-def _peak_rss_mb() -> float:
-    """This process's peak resident memory: VmHWM (Linux), which starts afresh at exec, where ru_maxrss
-    would carry the runner's peak over into the worker."""
+def _rss_mb(field: str) -> float:
+    """This process's resident memory, "VmRSS" (now) or "VmHWM" (its peak, which starts afresh at exec, where
+    ru_maxrss would carry the runner's peak over into the worker), Linux; elsewhere ru_maxrss."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return round(int(line.split()[1]) / 1024, 1)
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
@@ -272,7 +277,9 @@ def measure(engine: str, inter: int, threads: int, spec: dict) -> dict:
     the median pass: one pass of 200 short sentences lasts 0.1–0.5 s at the larger batches, where a
     hiccup of the machine or a first call at a new shape shows. The host probe runs before and after."""
     probe_before = host_probe()
+    started = time.perf_counter()
     run = _load_engine(engine, inter, threads, spec)
+    load_seconds, loaded_rss = time.perf_counter() - started, _rss_mb("VmRSS")
     sources = spec["sources"]
     run(sources[:16], 8)  # first-call allocations, lazy kernels
     seconds, tokens, outputs = {}, {}, {}
@@ -288,7 +295,8 @@ def measure(engine: str, inter: int, threads: int, spec: dict) -> dict:
     first = outputs[str(spec["batch_sizes"][0])]
     return {"seconds": seconds, "tokens": tokens, "outputs": outputs[str(spec["batch_sizes"][-1])],
             "same_output_at_every_batch_size": all(o == first for o in outputs.values()),
-            "peak_rss_mb": _peak_rss_mb(), "host_probe": [probe_before, host_probe()],
+            "peak_rss_mb": _rss_mb("VmHWM"), "load_seconds": round(load_seconds, 2), "rss_after_load_mb": loaded_rss,
+            "host_probe": [probe_before, host_probe()],
             "modules_loaded": [m for m in ENGINE_MODULES if m in sys.modules]}
 
 
@@ -304,26 +312,26 @@ def _spec(cfg: BenchConfig, workdir: Path) -> dict:
     sources = [tokenizer.encode(t, bundle.limits.max_source_tokens) or [tokenizer.special_ids()["eos"]]
                for t in texts]
     checkpoint = cfg.checkpoint or bundle.manifest["source"]["checkpoint"]
-    marian = marian_directory(cfg.bundle)
-    if "transformers" in cfg.engines and not marian:
-        raise NmtserveError(f"--engines transformers: {cfg.bundle} was not imported from a Marian directory")
+    imported = imported_directory(cfg.bundle)
+    if "transformers" in cfg.engines and not imported:
+        raise NmtserveError(f"--engines transformers: {cfg.bundle} was not imported from a Hugging Face folder")
     # our engines search as the model's defaults say (an imported Marian model's length penalty and
     # stopping rule: what transformers' generate does with the same directory), at the asked beam and length;
     # our own model's with CTranslate2's length rule, so that a sentence that never says eos costs every engine
     # the same steps (nmtserve's 2 × source + 10 cap would stop ours where CTranslate2 decodes on)
     search = replace(DecodingOptions(**(bundle.manifest.get("decoding_defaults") or {})).override(
         beam_size=cfg.beam_size), max_decoding_length=cfg.max_decoding_length)
-    if not marian:
+    if not imported:
         search = replace(search, length_rule="ctranslate2")
     spec = {"bundle": cfg.bundle, "model": bundle.model, "device": cfg.device, "checkpoint": checkpoint,
-            "marian_directory": marian, "sources": sources, "batch_sizes": list(cfg.batch_sizes),
-            "repeats": cfg.repeats, "search": asdict(search)}
+            "hf_directory": imported, "sources": sources, "batch_sizes": list(cfg.batch_sizes),
+            "repeats": cfg.repeats, "search": asdict(search), "prefix": tokenizer.target_prefix()}
     if any(e.startswith("ct2_") for e in cfg.engines):
         # converted here, once, in the runner (torch), never in a measuring process
-        if marian:  # by CTranslate2's own converter, from the directory the bundle was imported from
+        if imported:  # by CTranslate2's own converter, from the directory the bundle was imported from
             from ctranslate2.converters import TransformersConverter
 
-            spec["ct2_model"] = TransformersConverter(marian).convert(str(workdir / "ct2"))
+            spec["ct2_model"] = TransformersConverter(imported).convert(str(workdir / "ct2"))
         else:
             from nmtserve.export.build.to_ctranslate2 import convert
             from nmtserve.training.checkpoint import load_model
@@ -401,6 +409,7 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, spec: dict, 
                      for ours, theirs in pairs if single(ours, batches[0]) and single(theirs, batches[0])}
     reference = next(e for e in ("pytorch", "transformers", "ort_fp32", *cfg.engines) if e in cfg.engines)
     agreement, modules, batch_independent, peak_rss, output_tokens, probe_runs, ct2_logged = {}, {}, {}, {}, {}, {}, {}
+    loading: dict = {}  # per engine: load seconds and resident memory once loaded, over every worker
     at_limit = {}  # sentences decoded to --max-decoding-length: a batch holding one runs that many steps
     for (engine, inter, t, isa), measured in runs.items():
         probe_runs.setdefault(engine, {})[layout_name(inter, t, isa)] = [m["host_probe"] for m in measured]  # [before, after]
@@ -408,6 +417,8 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, spec: dict, 
             ct2_logged.setdefault(engine, {})[layout_name(inter, t, isa)] = measured[0]["ct2_logged"]
         modules.setdefault(engine, set()).update(*(m["modules_loaded"] for m in measured))
         peak_rss[engine] = max(peak_rss.get(engine, 0), *(m["peak_rss_mb"] for m in measured))
+        for key in ("load_seconds", "rss_after_load_mb"):
+            loading.setdefault(engine, {}).setdefault(key, []).extend(m[key] for m in measured)
         output_tokens[engine] = round(measured[0]["tokens"][batches[-1]] / n_sentences, 2)
         at_limit[engine] = sum(len(o) >= cfg.max_decoding_length for o in measured[0]["outputs"])
         batch_independent[engine] = batch_independent.get(engine, True) and all(
@@ -429,6 +440,7 @@ def _report(cfg: BenchConfig, threads: tuple[int, ...], runs: dict, spec: dict, 
             "single_thread_ratios": single_ratios,
             "token_agreement": agreement,
             "peak_rss_mb": peak_rss, "mean_output_tokens": output_tokens, "at_max_decoding_length": at_limit,
+            "loading": {e: {k: _stats(v, 2) for k, v in by.items()} for e, by in loading.items()},
             "same_output_at_every_batch_size": batch_independent,
             "host_probe": {e: {name: _stats([p[name] for runs in by_layout.values() for pair in runs for p in pair])
                                for name in PROBES} for e, by_layout in probe_runs.items()},
@@ -487,6 +499,9 @@ def format_table(report: dict) -> str:
     for name, share in report["token_agreement"].items():
         lines.append(f"{name}: {share:.1%}")
     lines.append("peak RSS (MB): " + ", ".join(f"{e} {mb:,.0f}" for e, mb in report["peak_rss_mb"].items()))
+    lines.append("loaded (median s, MB resident): " + ", ".join(
+        f"{e} {by['load_seconds']['median']:.2f} s, {by['rss_after_load_mb']['median']:,.0f} MB"
+        for e, by in report.get("loading", {}).items()))
     lines.append("output tokens per sentence: " + ", ".join(f"{e} {n:.1f}" for e, n in report["mean_output_tokens"].items()))
     if any(report.get("at_max_decoding_length", {}).values()):  # where a GPU's flat-cost steps go (docs/performance-journal.md)
         lines.append(f"sentences decoded to the length limit ({report['max_decoding_length']} tokens, no eos), of "

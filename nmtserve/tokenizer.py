@@ -311,6 +311,7 @@ class M2M100Tokenizer:
         return [self._language(target_language, "target")]
 
     def piece(self, token_id: int) -> str:
+        """The token of an id (a language's too: `__fr__`, `fra_Latn`); "" for an id past the vocabulary."""
         return self.pieces.get(token_id, "")
 
     def decode(self, ids: list[int]) -> str:

@@ -80,12 +80,13 @@ def tokenizer_of(directory: Path, config: ModelConfig) -> tuple[M2M100Tokenizer,
             raise ImportRefused(f"{directory / 'tokenizer_config.json'}: language_codes="
                                 f"{json.dumps(settings.get('language_codes'))}: one of {', '.join(LANGUAGE_CODES)}")
         languages = {code: len(vocab) + i for i, code in enumerate(codes)}
+        vocab.update({f"__{code}__": i for code, i in languages.items()})  # the language tokens' pieces
         read.append("vocab.json")
     elif (directory / "tokenizer.json").is_file():  # NLLB, as transformers saves it
         table = read_json(directory / "tokenizer.json")
         vocab = dict(table.get("model", {}).get("vocab") or {})
         added = {t["content"]: t["id"] for t in table.get("added_tokens", [])}
-        vocab.update({piece: i for piece, i in added.items() if piece not in NLLB})
+        vocab.update(added)
         languages = {code: added[code] for code in NLLB if code in added}
         read.append("tokenizer.json")
     else:  # NLLB from its SentencePiece model alone: fairseq's layout
@@ -94,6 +95,7 @@ def tokenizer_of(directory: Path, config: ModelConfig) -> tuple[M2M100Tokenizer,
         vocab.update({sp.id_to_piece(i): i + 1 for i in range(sp.get_piece_size())
                       if not (sp.is_control(i) or sp.is_unknown(i))})
         languages = {code: sp.get_piece_size() + 1 + i for i, code in enumerate(NLLB)}
+        vocab.update(languages)
         vocab["<mask>"] = sp.get_piece_size() + 1 + len(NLLB)
     try:
         tokenizer = M2M100Tokenizer(model, vocab, languages, language_last=bool(settings.get("legacy_behaviour")),

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,20 +71,27 @@ def export_bundle(cfg: ExportConfig, progress=None) -> dict:
     if out.exists() and any(out.iterdir()) and not (out / MANIFEST).is_file():
         raise ConfigError(f"--out {out}: exists, is not empty and is not a bundle; choose another directory")
     out.mkdir(parents=True, exist_ok=True)
-    stage("the fp32 graphs from PyTorch")
-    paths = export_graphs(loaded.model, out)
-    tokenizer = loaded.tokenizer.save_files(out)
-    for name in cfg.variants:  # each precision from the fp32 graphs, before those become the served ones
-        if name != "fp32":
-            for graph in ("encoder", "decoder"):
-                write_variant(name, paths[graph], out / file_name(graph, name))
     c = loaded.model.config
-    with WeightStore(out / WEIGHTS) as weights:
-        variants = {}
+    # the exported graphs and each precision's, in a folder of their own (a model over 2 GB has its tensors in files
+    # beside them), until prepare_variant has written the served graphs over the bundle's one weights file
+    with tempfile.TemporaryDirectory(dir=out, prefix=".export-") as exported:
+        stage("the fp32 graphs from PyTorch")
+        paths = export_graphs(loaded.model, Path(exported))
         for name in cfg.variants:
-            stage(f"the {name} variant's graphs")
-            variants[name] = {"graphs": prepare_variant(out, name, c.n_heads, c.d_model, "cpu" in VARIANTS[name]["devices"],
-                                                        weights), **VARIANTS[name]}
+            if name != "fp32":
+                for graph in ("encoder", "decoder"):
+                    write_variant(name, paths[graph], Path(exported) / file_name(graph, name))
+        with WeightStore(out / WEIGHTS) as weights:
+            variants = {}
+            for name in cfg.variants:
+                stage(f"the {name} variant's graphs")
+                variants[name] = {"graphs": prepare_variant(Path(exported), out, name, c.n_heads, c.d_model,
+                                                            "cpu" in VARIANTS[name]["devices"], weights),
+                                  **VARIANTS[name]}
+    tokenizer = loaded.tokenizer.save_files(out)
+    served = {g: out / file_name(g, "fp32") for g in ("encoder", "decoder")}  # the manifest describes these
+    signatures, optimization = ({g: graph_signature(p) for g, p in served.items()},
+                                {g: fusion_report(p) for g, p in served.items()})
     tensor_ops = {dtype: write_tensor_ops(out, dtype) for dtype in sorted({v["kv_dtype"] for v in variants.values()})}
     kept = bundle_files({"variants": variants, "tensor_ops": tensor_ops, "weights": WEIGHTS})
     for stale in [*out.glob("*.onnx"), *out.glob("ops/*.onnx")]:  # a re-export leaves nothing behind
@@ -103,12 +111,11 @@ def export_bundle(cfg: ExportConfig, progress=None) -> dict:
         "special_ids": loaded.tokenizer.special_ids(),
         "limits": {"max_source_tokens": c.max_len, "max_target_tokens": c.max_len},
         "opset": OPSET,
-        "graphs": {g: {**graph_signature(paths[g]), "dynamic_axes": dynamic_axes(c.n_decoder_layers)[g]}
-                   for g in paths},
+        "graphs": {g: {**signatures[g], "dynamic_axes": dynamic_axes(c.n_decoder_layers)[g]} for g in signatures},
         "variants": variants,
         "tensor_ops": tensor_ops,
         "weights": WEIGHTS,
-        "optimization": {g: fusion_report(paths[g]) for g in paths},
+        "optimization": optimization,
         # an imported model's generation defaults (DecodingOptions names): the server's defaults
         "decoding_defaults": payload.get("decoding_defaults") or {},
         "source": {"checkpoint": str(cfg.checkpoint), "sha256": sha256_of(Path(cfg.checkpoint)),

@@ -37,12 +37,13 @@ def file_name(graph: str, variant: str) -> str:
     return f"{graph}.onnx" if variant == "fp32" else f"{graph}.{variant}.onnx"
 
 
-def prepare_variant(out: Path, variant: str, heads: int, dim: int, kernels: bool, weights: WeightStore) -> dict:
-    """Write the variant's graphs into `out`, from its exported encoder and decoder there (the decoder's file is
-    replaced by the served step), their large initializers into `weights` -> {name: file}, the manifest's
-    `graphs` of the variant."""
-    encoder = kernel_graphs.sort_nodes(onnx.load(str(out / file_name("encoder", variant))))
-    decoder = with_search_head(kernel_graphs.sort_nodes(onnx.load(str(out / file_name("decoder", variant)))))
+def prepare_variant(exported: Path, out: Path, variant: str, heads: int, dim: int, kernels: bool,
+                    weights: WeightStore) -> dict:
+    """Write the variant's graphs into `out`, from its exported encoder and decoder in `exported` (the decoder as
+    the served step), their large initializers into `weights` -> {name: file}, the manifest's `graphs` of the
+    variant."""
+    encoder = kernel_graphs.sort_nodes(onnx.load(str(exported / file_name("encoder", variant))))
+    decoder = with_search_head(kernel_graphs.sort_nodes(onnx.load(str(exported / file_name("decoder", variant)))))
     models = {"encoder": encoder, "decoder": decoder,
               "decoder_shared": with_shared_cross(copy.deepcopy(decoder), heads, dim)}
     if kernels:

@@ -23,16 +23,20 @@ VARIANTS = {
     "fp16": {"devices": ["cuda"], "kv_dtype": "float16"},
 }
 FP16_KEEP_FP32_OPS = ["LayerNormalization", "Softmax", "LogSoftmax"]
+LARGEST_PROTO = (2 << 30) - (64 << 20)  # a graph this large is written with its weights apart (protobuf's 2 GB)
 
 
 def quantize_int8(src: Path, dst: Path) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     with tempfile.TemporaryDirectory() as tmp:
-        unfused = Path(tmp) / "matmul.onnx"
-        onnx.save(gemm_as_matmul(onnx.load(str(src))), str(unfused))
+        unfused, model = Path(tmp) / "matmul.onnx", gemm_as_matmul(onnx.load(str(src)))
+        large = model.ByteSize() > LARGEST_PROTO  # protobuf serialises at most 2 GB: the weights then in a file beside
+        onnx.save(model, str(unfused), save_as_external_data=large, location="matmul.onnx.data")
+        del model
         # MatMul only: the embedding Gather stays fp32, so int8 costs accuracy in the matmuls alone
-        quantize_dynamic(str(unfused), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"])
+        quantize_dynamic(str(unfused), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
+                         use_external_data_format=large)
 
 
 def gemm_as_matmul(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -144,7 +144,7 @@ def test_the_report_counts_the_sentences_decoded_to_the_length_limit(tiny_bundle
 def test_transformers_is_an_engine_of_imported_bundles_only(tiny_bundle):
     result = run_cli("bench", "offline", str(tiny_bundle), "--engines", "transformers,ort_fp32", timeout=120)
     assert result.returncode != 0
-    assert f"--engines transformers: {tiny_bundle} was not imported from a Marian directory" in result.stderr
+    assert f"--engines transformers: {tiny_bundle} was not imported from a Hugging Face folder" in result.stderr
 
 
 def test_bench_counts_out_of_range_are_refused_naming_the_flag(tiny_bundle):
