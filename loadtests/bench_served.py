@@ -226,7 +226,7 @@ def offline_spec(cfg: ServedBenchConfig, pool: list[str]) -> dict:
     sources = [tokenizer.encode(t, limit) or [bundle.special_ids["eos"]] for t in mixed(pool, OFFLINE_SENTENCES, cfg.seed)]
     return {"bundle": cfg.bundle, "device": cfg.device, "sources": sources, "repeats": 1,
             "batch_sizes": sorted({max(1, cfg.max_running_rows // 2), cfg.max_running_rows}),
-            "search": asdict(served_defaults(bundle).override(beam_size=1))}
+            "search": asdict(served_defaults(bundle).override(beam_size=1)), "prefix": tokenizer.target_prefix()}
 
 
 def max_waiting(cfg: ServedBenchConfig) -> int:

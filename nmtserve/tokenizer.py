@@ -1,7 +1,7 @@
 """Tokenizers: text <-> the ids a model reads and writes. Torch-free: training, the bundle reader
 and the server all use them.
 
-Two schemes, named in checkpoints and in the bundle's manifest ("tokenizer": {"scheme": …}):
+Three schemes, named in checkpoints and in the bundle's manifest ("tokenizer": {"scheme": …}):
 - "sentencepiece": one SentencePiece model over source and target text, with fixed special ids
   (the models nmtserve trains);
 - "marian": as Hugging Face's MarianTokenizer does it for OPUS-MT models: source text through
@@ -161,11 +161,12 @@ class MarianTokenizer:
         directory = Path(directory)
         (directory / MARIAN_FILES[0]).write_bytes(self.source_spm)
         (directory / MARIAN_FILES[1]).write_bytes(self.target_spm)
+        (directory / MARIAN_FILES[2]).write_text(json.dumps(self.vocab, ensure_ascii=False, indent=1), encoding="utf-8")
         files = list(MARIAN_FILES)
-        for name, table in ((MARIAN_FILES[2], self.vocab), (MARIAN_TARGET_VOCAB, self.target_vocab)):
-            if table is not None:
-                (directory / name).write_text(json.dumps(table, ensure_ascii=False, indent=1), encoding="utf-8")
-                files += [name] if name not in files else []
+        if self.target_vocab is not None:
+            (directory / MARIAN_TARGET_VOCAB).write_text(json.dumps(self.target_vocab, ensure_ascii=False, indent=1),
+                                                          encoding="utf-8")
+            files.append(MARIAN_TARGET_VOCAB)
         return {"scheme": self.scheme, "files": files, "decoder_start_id": self.bos_id}
 
     @property
@@ -228,6 +229,7 @@ class M2M100Tokenizer:
 
     scheme = "m2m100"
     files = ("sentencepiece.bpe.model", "vocab.json", "languages.json")
+    options = ("languages", "language_last", "source_language", "target_language", "decoder_start_id")
 
     def __init__(self, spm_model: bytes, vocab: dict[str, int], languages: dict[str, int], *, language_last: bool = False,
                  source_language: str = "", target_language: str = "", decoder_start_id: int | None = None,
@@ -254,16 +256,13 @@ class M2M100Tokenizer:
         return {"scheme": self.scheme, "spm": self.spm_model, "vocab": self.vocab, **self._options()}
 
     def _options(self) -> dict:
+        """What the constructor takes besides the SentencePiece model and the vocabulary."""
         return {"languages": self.languages, "language_last": self.language_last, "source_language": self.source_language,
                 "target_language": self.target_language, "decoder_start_id": self.bos_id}
 
     @classmethod
     def from_payload(cls, payload: dict) -> M2M100Tokenizer:
-        return cls(payload["spm"], payload["vocab"], **{k: payload[k] for k in cls._option_names()})
-
-    @staticmethod
-    def _option_names() -> tuple[str, ...]:
-        return "languages", "language_last", "source_language", "target_language", "decoder_start_id"
+        return cls(payload["spm"], payload["vocab"], **{k: payload[k] for k in cls.options})
 
     def save_files(self, directory: Path) -> dict:
         directory = Path(directory)
@@ -277,7 +276,7 @@ class M2M100Tokenizer:
     def from_files(cls, directory: Path) -> M2M100Tokenizer:
         model, vocab, languages = (Path(directory) / name for name in cls.files)
         options = json.loads(languages.read_text(encoding="utf-8"))
-        return cls(model.read_bytes(), _read_vocab(vocab), **{k: options[k] for k in cls._option_names()})
+        return cls(model.read_bytes(), _read_vocab(vocab), **{k: options[k] for k in cls.options})
 
     @property
     def vocab_size(self) -> int:

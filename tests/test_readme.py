@@ -46,18 +46,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_bash(script: str, cwd: Path, substitutions: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
+def run_bash(script: str, cwd: Path, substitutions: dict[str, str], timeout: float = 600,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The block as one bash script (errors stop it) with `nmtserve` this environment's, after the substitutions."""
     for old, new in substitutions.items():
         assert old in script, f"the README no longer says {old!r}: update this test's substitutions"
         script = script.replace(old, new)
-    env = {**os.environ, "PATH": f"{Path(NMTSERVE).parent}:{os.environ['PATH']}"}
+    env = {**os.environ, **(env or {}), "PATH": f"{Path(NMTSERVE).parent}:{os.environ['PATH']}"}
     return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 
 def test_the_readme_has_the_quickstarts_the_issue_asks_for():
-    assert list(quickstarts()) == ["serve the built-in model", "serve your own OPUS-MT folder", "call it",
+    assert list(quickstarts()) == ["serve the built-in model", "serve your own OPUS-MT, M2M100 or NLLB folder", "call it",
                                    "deploy on Kubernetes", "load-test it", "train on your own corpus"]
     assert len(README.read_text().splitlines()) <= 300
 
@@ -78,17 +79,19 @@ def test_serve_the_built_in_model(tiny_bundle, tmp_path):
     assert lines[3].startswith("en-fr\ten→fr\tfp32 on cpu"), lines[3]
 
 
-def test_serve_your_own_opus_mt_folder(tmp_path):
+def test_serve_your_own_folder(tmp_path):
     from nmtserve.loadtests.marian_model import build_marian_dir
 
-    [(language, script)] = quickstarts()["serve your own OPUS-MT folder"]
+    [(language, script)] = quickstarts()["serve your own OPUS-MT, M2M100 or NLLB folder"]
     folder = build_marian_dir(tmp_path / "opus-mt-en-fr", activation="swish", scale_embedding=True, encoder_layers=2,
                               decoder_layers=2, seed=0)
-    done = run_bash(script, tmp_path, {"~/models/opus-mt-en-fr": str(folder), "50052": str(free_port())})
+    cache = {"NMTSERVE_CACHE": str(tmp_path / "cache")}
+    done = run_bash(script, tmp_path, {"~/models/opus-mt-en-fr": str(folder), "50052": str(free_port())}, env=cache)
     assert done.returncode == 0, done.stdout + done.stderr
-    # the served translation is the one the same bundle gives offline, under the model's decoding defaults
-    offline = run_cli("translate", str(tmp_path / "bundles/opus-en-fr"), "--variant", "int8", "The weather is nice today.")
+    # the served translation is the one the same cached bundle gives offline, under the model's decoding defaults
+    offline = run_cli("translate", str(folder), "--variant", "int8", "The weather is nice today.", env=cache)
     assert offline.returncode == 0 and done.stdout.splitlines()[-1] == offline.stdout.strip(), offline.stderr
+    assert "the bundle made from it before" in offline.stderr, offline.stderr
 
 
 def test_call_it(tiny_bundle):

@@ -31,7 +31,8 @@ def quantize_int8(src: Path, dst: Path) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         unfused, model = Path(tmp) / "matmul.onnx", gemm_as_matmul(onnx.load(str(src)))
-        large = model.ByteSize() > LARGEST_PROTO  # protobuf serialises at most 2 GB: the weights then in a file beside
+        # protobuf serialises at most 2 GB (ByteSize itself refuses past it): the weights then in a file beside
+        large = sum(len(t.raw_data) for t in model.graph.initializer) > LARGEST_PROTO
         onnx.save(model, str(unfused), save_as_external_data=large, location="matmul.onnx.data")
         del model
         # MatMul only: the embedding Gather stays fp32, so int8 costs accuracy in the matmuls alone
