@@ -10,7 +10,6 @@ vocab.json, tokenizer_config.json; NLLB: tokenizer.json, tokenizer_config.json).
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
@@ -18,19 +17,11 @@ import sentencepiece as spm
 import torch
 
 from nmtserve.language_codes import NLLB
-from nmtserve.loadtests.marian_model import ENGLISH, FRENCH, sentences
+from nmtserve.loadtests.marian_model import ENGLISH, FRENCH, sentences, train_spm
 
 # facebook/nllb-200-distilled-600M's shapes (its SentencePiece model has 256,000 pieces: vocab_size 256,206)
 NLLB_600M_SHAPES = {"d_model": 1024, "heads": 16, "ffn": 4096, "encoder_layers": 12, "decoder_layers": 12,
                     "spm_pieces": 256000, "max_positions": 1024}
-
-
-def _train_spm(texts: list[str], pieces: int) -> bytes:
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=model, vocab_size=pieces,
-                                   model_type="bpe", character_coverage=1.0, hard_vocab_limit=False,
-                                   num_threads=1, minloglevel=2)
-    return model.getvalue()
 
 
 def build_m2m100_dir(out: Path, *, family: str = "m2m100", d_model: int = 32, heads: int = 4, ffn: int = 64,
@@ -46,7 +37,7 @@ def build_m2m100_dir(out: Path, *, family: str = "m2m100", d_model: int = 32, he
 
     out.mkdir(parents=True, exist_ok=True)
     texts = sentences(ENGLISH, 400, 1) + sentences(FRENCH, 400, 2)
-    model_proto = _train_spm(texts, min(spm_pieces, 120))
+    model_proto = train_spm(texts, min(spm_pieces, 120), "bpe")
     if spm_pieces > 120:
         model_proto = _padded(model_proto, spm_pieces)
     (out / "sentencepiece.bpe.model").write_bytes(model_proto)

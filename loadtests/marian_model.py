@@ -36,10 +36,11 @@ def sentences(words: list[str], n: int, seed: int) -> list[str]:
     return out
 
 
-def _train_spm(texts: list[str], vocab_size: int) -> bytes:
+def train_spm(texts: list[str], vocab_size: int, model_type: str = "unigram") -> bytes:
+    """A SentencePiece model of the texts (OPUS-MT's are unigram, M2M100's and NLLB's BPE)."""
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=model, vocab_size=vocab_size,
-                                   model_type="unigram", character_coverage=1.0, hard_vocab_limit=False,
+                                   model_type=model_type, character_coverage=1.0, hard_vocab_limit=False,
                                    num_threads=1, minloglevel=2)
     return model.getvalue()
 
@@ -82,7 +83,7 @@ def build_marian_dir(out: Path, *, activation: str = "swish", scale_embedding: b
     from transformers import GenerationConfig, MarianConfig, MarianMTModel
 
     out.mkdir(parents=True, exist_ok=True)
-    source_spm, target_spm = _train_spm(sentences(source_words, 400, 1), 80), _train_spm(sentences(target_words, 400, 2), 90)
+    source_spm, target_spm = train_spm(sentences(source_words, 400, 1), 80), train_spm(sentences(target_words, 400, 2), 90)
     (out / "source.spm").write_bytes(source_spm)
     (out / "target.spm").write_bytes(target_spm)
     pieces = {name: _pieces(proto) for name, proto in (("source", source_spm), ("target", target_spm))}

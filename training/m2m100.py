@@ -23,10 +23,10 @@ import sentencepiece as spm
 from nmtserve.language_codes import M2M100, NLLB, WMT21
 from nmtserve.tokenizer import M2M100Tokenizer
 from nmtserve.training.marian import (
-    ACTIVATION_OF,
-    GENERATION_KEYS,
+        GENERATION_KEYS,
     ImportRefused,
     decoding_defaults,
+    layer_shapes,
     read_json,
     save_imported,
 )
@@ -44,15 +44,7 @@ def model_config(config: dict) -> ModelConfig:
 
     if config.get("model_type") != "m2m_100":
         refuse("model_type", "not an M2M100 or NLLB model (expected \"m2m_100\")")
-    for enc, dec in (("encoder_attention_heads", "decoder_attention_heads"), ("encoder_ffn_dim", "decoder_ffn_dim")):
-        if config.get(enc) != config.get(dec):
-            refuse(dec, f"differs from {enc}={config.get(enc)}; nmtserve's layers share one value")
-    activation = ACTIVATION_OF.get(config.get("activation_function", "relu"))
-    if activation is None:
-        refuse("activation_function", f"supported: {', '.join(ACTIVATION_OF)}")
-    d_model, heads = config.get("d_model"), config.get("encoder_attention_heads")
-    if not isinstance(d_model, int) or not isinstance(heads, int) or d_model % heads or d_model % 2 or d_model < 4:
-        refuse("d_model", f"must be even, at least 4 and divisible by encoder_attention_heads={heads}")
+    activation, d_model, heads = layer_shapes(config, refuse, "relu")
     for key in ("eos_token_id", "pad_token_id", "decoder_start_token_id"):
         if not isinstance(config.get(key, 0), int):
             refuse(key, "one token id is supported")

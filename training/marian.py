@@ -66,15 +66,7 @@ def model_config(config: dict, generation: dict) -> ModelConfig:
     for key, needed in REQUIRED_IF_PRESENT.items():
         if key in config and config[key] != needed:
             refuse(key, f"only {json.dumps(needed)} is supported (Marian without embedding layer norm)")
-    for enc, dec in (("encoder_attention_heads", "decoder_attention_heads"), ("encoder_ffn_dim", "decoder_ffn_dim")):
-        if config.get(enc) != config.get(dec):
-            refuse(dec, f"differs from {enc}={config.get(enc)}; nmtserve's layers share one value")
-    activation = ACTIVATION_OF.get(config.get("activation_function", "gelu"))
-    if activation is None:
-        refuse("activation_function", f"supported: {', '.join(ACTIVATION_OF)}")
-    d_model, heads = config.get("d_model"), config.get("encoder_attention_heads")
-    if not isinstance(d_model, int) or not isinstance(heads, int) or d_model % heads or d_model % 2:
-        refuse("d_model", f"must be even and divisible by encoder_attention_heads={heads}")
+    activation, d_model, heads = layer_shapes(config, refuse, "gelu")
     eos = config.get("eos_token_id", 0)
     if not isinstance(eos, int):
         refuse("eos_token_id", "one end-of-sentence id is supported")
@@ -92,6 +84,21 @@ def model_config(config: dict, generation: dict) -> ModelConfig:
         scale_embedding=bool(config.get("scale_embedding", False)), output_bias=True,
         suppressed_ids=tuple(sorted({ids[0] for ids in bad_words})),
         renormalize=bool(generation.get("renormalize_logits", False)))
+
+
+def layer_shapes(config: dict, refuse, default_activation: str) -> tuple[str, int, int]:
+    """(activation, d_model, heads) of a BART-family config.json, or `refuse(key, why)` for what nmtserve's layers
+    cannot hold: encoder and decoder with different heads or FFN widths, another activation, an odd d_model."""
+    for enc, dec in (("encoder_attention_heads", "decoder_attention_heads"), ("encoder_ffn_dim", "decoder_ffn_dim")):
+        if config.get(enc) != config.get(dec):
+            refuse(dec, f"differs from {enc}={config.get(enc)}; nmtserve's layers share one value")
+    activation = ACTIVATION_OF.get(config.get("activation_function", default_activation))
+    if activation is None:
+        refuse("activation_function", f"supported: {', '.join(ACTIVATION_OF)}")
+    d_model, heads = config.get("d_model"), config.get("encoder_attention_heads")
+    if not isinstance(d_model, int) or not isinstance(heads, int) or d_model % heads or d_model % 2 or d_model < 4:
+        refuse("d_model", f"must be even, at least 4 and divisible by encoder_attention_heads={heads}")
+    return activation, d_model, heads
 
 
 def decoding_defaults(generation: dict, config: ModelConfig) -> dict:
