@@ -23,10 +23,10 @@ import sentencepiece as spm
 from nmtserve.language_codes import M2M100, NLLB, WMT21
 from nmtserve.tokenizer import M2M100Tokenizer
 from nmtserve.training.marian import (
-        GENERATION_KEYS,
     ImportRefused,
     decoding_defaults,
     layer_shapes,
+    read_configs,
     read_json,
     save_imported,
 )
@@ -106,11 +106,7 @@ def import_m2m100(directory: str | Path, out: str | Path, source_lang: str = "",
     """Write the checkpoint `out`; returns a summary of what was imported. source_lang and target_lang become the
     model's default languages (a request names its own)."""
     directory = Path(directory)
-    if not directory.is_dir():
-        raise ImportRefused(f"{directory}: no such directory")
-    raw_config = read_json(directory / "config.json")
-    generation = read_json(directory / "generation_config.json", required=False) or \
-        {k: raw_config[k] for k in GENERATION_KEYS if k in raw_config}
+    raw_config, generation = read_configs(directory)
     config = model_config(raw_config)
     tokenizer, read = tokenizer_of(directory, config)
     for name, code in (("--source-lang", source_lang), ("--target-lang", target_lang)):

@@ -191,12 +191,7 @@ def state_dict(weights: dict[str, torch.Tensor], config: ModelConfig) -> tuple[d
 def import_marian(directory: str | Path, out: str | Path, source_lang: str = "", target_lang: str = "") -> dict:
     """Write the checkpoint `out`; returns a summary of what was imported."""
     directory = Path(directory)
-    if not directory.is_dir():
-        raise ImportRefused(f"{directory}: no such directory")
-    raw_config = read_json(directory / "config.json")
-    # older OPUS-MT directories keep the generation settings in config.json, as transformers then reads them
-    generation = read_json(directory / "generation_config.json", required=False) or \
-        {k: raw_config[k] for k in GENERATION_KEYS if k in raw_config}
+    raw_config, generation = read_configs(directory)
     tokenizer_config = read_json(directory / "tokenizer_config.json", required=False)
     config = model_config(raw_config, generation)
     try:
@@ -223,6 +218,17 @@ def import_marian(directory: str | Path, out: str | Path, source_lang: str = "",
                           f"{', '.join(tokenizer.target_languages)}")
     return save_imported(out, "marian", directory, config, tokenizer, languages, decoding_defaults(generation, config),
                          read, raw_config, generation)
+
+
+def read_configs(directory: Path) -> tuple[dict, dict]:
+    """config.json and the generation settings of a Hugging Face folder, or ImportRefused naming what is missing."""
+    if not directory.is_dir():
+        raise ImportRefused(f"{directory}: no such directory")
+    config = read_json(directory / "config.json")
+    # older directories keep the generation settings in config.json, as transformers then reads them
+    generation = read_json(directory / "generation_config.json", required=False) or \
+        {k: config[k] for k in GENERATION_KEYS if k in config}
+    return config, generation
 
 
 def save_imported(out: str | Path, family: str, directory: Path, config: ModelConfig, tokenizer, languages: dict,
