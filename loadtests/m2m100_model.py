@@ -5,7 +5,7 @@ a few hundred sentences of two languages, and the tokenizer's own files as trans
 vocab.json, tokenizer_config.json; NLLB: tokenizer.json, tokenizer_config.json). Needs the `marian` extra
 (transformers). Tiny ones for the tests; an NLLB-600M-shaped one for the benchmarks:
 
-    python -m nmtserve.loadtests.m2m100_model runs/nllb-shaped    # 1024 dims, 16 heads, 4096 FFN, 12+12, 256,206 ids
+    python -m nmtserve.loadtests.m2m100_model runs/nllb-shaped    # 1024 dims, 16 heads, 4096 FFN, 12+12, 256,204 ids
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import torch
 from nmtserve.language_codes import NLLB
 from nmtserve.loadtests.marian_model import ENGLISH, FRENCH, sentences, train_spm
 
-# facebook/nllb-200-distilled-600M's shapes (its SentencePiece model has 256,000 pieces: vocab_size 256,206)
+# facebook/nllb-200-distilled-600M's shapes (its SentencePiece model has 256,000 pieces; with the special and
+# language tokens transformers adds here, 256,204 ids against the real model's 256,206)
 NLLB_600M_SHAPES = {"d_model": 1024, "heads": 16, "ffn": 4096, "encoder_layers": 12, "decoder_layers": 12,
                     "spm_pieces": 256000, "max_positions": 1024}
 

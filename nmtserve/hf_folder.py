@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -62,5 +61,4 @@ def bundle_for(path: str | Path, log=print) -> str:
         except OSError:
             if not (target / MANIFEST).is_file():
                 raise
-            shutil.rmtree(Path(tmp) / "bundle", ignore_errors=True)
     return str(target)

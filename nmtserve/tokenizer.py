@@ -295,9 +295,8 @@ class M2M100Tokenizer:
     def encode(self, text: str, max_tokens: int | None = None, target_language: str = "",
                source_language: str = "") -> list[int]:
         """[source language] pieces eos (or pieces eos [source language]), at most max_tokens; [] when no piece is
-        left. The target language is checked here too, so that a bad one fails before any work."""
+        left. The target language is not read here: it is `target_prefix`'s."""
         code = self._language(source_language, "source")
-        self._language(target_language, "target")
         ids = [self.vocab.get(p, self.unk_id) for p in self.sp.encode(text, out_type=str)]
         if not ids:
             return []
