@@ -19,6 +19,7 @@ import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import numpy as np
 import sentencepiece as spm
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -242,15 +243,34 @@ class M2M100Tokenizer:
         for name, code in (("source", source_language), ("target", target_language)):
             if code and code not in languages:
                 raise ValueError(f"default {name} language {code!r}: not among the model's {len(languages)} languages")
-        self.spm_model, self.vocab, self.languages = spm_model, vocab, languages
+        self.spm_model, self.languages = spm_model, languages
         self.language_last, self.source_language, self.target_language = language_last, source_language, target_language
         self.sp = spm.SentencePieceProcessor(model_proto=spm_model)
         self.eos_id, self.unk_id, self.pad_id = vocab[eos], vocab[unk], vocab[pad]
         self.bos_id = self.eos_id if decoder_start_id is None else decoder_start_id
-        self.pieces = {i: p for p, i in vocab.items()}
+        self.vocab_size = max(max(vocab.values()), max(languages.values())) + 1
+        # the vocabulary as two arrays, SentencePiece's ids to the model's and back: a dict of NLLB's 256,000
+        # pieces holds some 60 MB; the pieces SentencePiece has not (special tokens) in a dict of their own
+        self._model_ids = np.full(self.sp.get_piece_size(), self.unk_id, np.int32)
+        self._piece_ids = np.full(self.vocab_size, -1, np.int32)
+        self._others: dict[str, int] = {}
+        pieces = list(vocab)
+        piece_ids = self.sp.piece_to_id(pieces)
+        for piece, i, s, back in zip(pieces, vocab.values(), piece_ids, self.sp.id_to_piece(piece_ids)):
+            if back == piece and self._piece_ids[i] < 0:
+                self._model_ids[s], self._piece_ids[i] = i, s
+            else:
+                self._others[piece] = i
+        self._other_pieces = {i: p for p, i in self._others.items()}
         self.target_languages = self.source_languages = sorted(languages)
         self.skipped = {self.eos_id, self.unk_id, self.pad_id, self.bos_id, *languages.values(),
                         *(vocab[p] for p in ("<s>", "<mask>") if p in vocab)}
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        """piece: id, made again from the arrays (for saving the vocabulary, never per sentence)."""
+        ids = np.flatnonzero(self._piece_ids >= 0)
+        return {**dict(zip(self.sp.id_to_piece(self._piece_ids[ids].tolist()), ids.tolist())), **self._others}
 
     def payload(self) -> dict:
         return {"scheme": self.scheme, "spm": self.spm_model, "vocab": self.vocab, **self._options()}
@@ -278,10 +298,6 @@ class M2M100Tokenizer:
         options = json.loads(languages.read_text(encoding="utf-8"))
         return cls(model.read_bytes(), _read_vocab(vocab), **{k: options[k] for k in cls.options})
 
-    @property
-    def vocab_size(self) -> int:
-        return max(max(self.vocab.values()), max(self.languages.values())) + 1
-
     def _language(self, code: str, side: str) -> int:
         code = code or (self.source_language if side == "source" else self.target_language)
         if not code:
@@ -297,7 +313,7 @@ class M2M100Tokenizer:
         """[source language] pieces eos (or pieces eos [source language]), at most max_tokens; [] when no piece is
         left. The target language is not read here: it is `target_prefix`'s."""
         code = self._language(source_language, "source")
-        ids = [self.vocab.get(p, self.unk_id) for p in self.sp.encode(text, out_type=str)]
+        ids = self._model_ids[self.sp.encode(text)].tolist()
         if not ids:
             return []
         if max_tokens is not None:
@@ -310,11 +326,13 @@ class M2M100Tokenizer:
 
     def piece(self, token_id: int) -> str:
         """The token of an id (a language's too: `__fr__`, `fra_Latn`); "" for an id past the vocabulary."""
-        return self.pieces.get(token_id, "")
+        if 0 <= token_id < self.vocab_size and self._piece_ids[token_id] >= 0:
+            return self.sp.id_to_piece(int(self._piece_ids[token_id]))
+        return self._other_pieces.get(token_id, "")
 
     def decode(self, ids: list[int]) -> str:
         """decode(ids, skip_special_tokens=True): special and language tokens skipped, the rest SentencePiece's."""
-        return self.sp.decode_pieces([self.pieces[i] for i in ids if i not in self.skipped and i in self.pieces])
+        return self.sp.decode_pieces([p for p in map(self.piece, (i for i in ids if i not in self.skipped)) if p])
 
     def special_ids(self) -> dict[str, int]:
         return {"pad": self.pad_id, "unk": self.unk_id, "bos": self.bos_id, "eos": self.eos_id}

@@ -7,6 +7,8 @@ writes, for each variant:
   running batch, whose rows have different widths);
 - `decoder_shared`: the same reading each source's one copy of its cross K/V for all its rows
   (`with_shared_cross`: offline batches, where a beam's rows share a source);
+- the decoders' output projection, where it is the embedding table a lookup reads too, on a copy of its own
+  (`with_own_projection`);
 - on CPU variants, `encoder_kernels`, `decoder_kernels` and `decoder_shared_kernels`: the same on nmtserve's
   custom ops (kernel_graphs.py), which need the kernel library where they run;
 Their large initializers live once each in the bundle's one weights file (`WeightStore`, ONNX external data,
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +34,7 @@ from nmtserve.export.build import kernel_graphs
 WEIGHTS = "weights.bin"
 EXTERNAL_MIN_BYTES = 1 << 10  # smaller initializers stay in their graph
 ALIGNMENT = 1 << 16  # each tensor starts at a multiple of the largest page size a loader maps in one piece
+PROJECTION = ".projection"  # the name's end of an output projection's own copy of the embedding table
 
 
 def file_name(graph: str, variant: str) -> str:
@@ -43,7 +47,8 @@ def prepare_variant(exported: Path, out: Path, variant: str, heads: int, dim: in
     the served step), their large initializers into `weights` -> {name: file}, the manifest's `graphs` of the
     variant."""
     encoder = kernel_graphs.sort_nodes(onnx.load(str(exported / file_name("encoder", variant))))
-    decoder = with_search_head(kernel_graphs.sort_nodes(onnx.load(str(exported / file_name("decoder", variant)))))
+    decoder = with_search_head(with_own_projection(
+        kernel_graphs.sort_nodes(onnx.load(str(exported / file_name("decoder", variant))))))
     models = {"encoder": encoder, "decoder": decoder,
               "decoder_shared": with_shared_cross(copy.deepcopy(decoder), heads, dim)}
     if kernels:
@@ -76,7 +81,8 @@ class WeightStore:
             if not tensor.HasField("raw_data") or len(tensor.raw_data) < EXTERNAL_MIN_BYTES:
                 continue
             data = tensor.raw_data
-            key = hashlib.sha256(data).digest()
+            # an output projection's copy stays apart from the table it copies (with_own_projection)
+            key = hashlib.sha256(data).digest() + (tensor.name.encode() if tensor.name.endswith(PROJECTION) else b"")
             if key not in self.offsets:
                 self.file.write(b"\0" * (-self.file.tell() % ALIGNMENT))
                 self.offsets[key] = self.file.tell()
@@ -89,6 +95,25 @@ class WeightStore:
 
     def __exit__(self, *exc) -> None:
         self.file.close()
+
+
+def with_own_projection(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The decoder-step graph (changed in place) with each Gemm whose weight another node reads too (the tied
+    output projection over the embedding that the lookup reads) on a copy of that weight of its own. ONNX Runtime
+    packs a Gemm's constant weight and frees the original once no other node needs it: on the shared table, the
+    packing would read every page of the mapped original, which then stays resident beside the packed copy for the
+    lookup's sake, where the lookup alone touches only the rows it reads."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    readers = Counter(name for node in model.graph.node for name in node.input)
+    for node in model.graph.node:
+        weight = node.input[1] if node.op_type == "Gemm" else None
+        if weight in initializers and readers[weight] > 1:
+            own = onnx.TensorProto()
+            own.CopyFrom(initializers[weight])
+            own.name = weight + PROJECTION
+            model.graph.initializer.append(own)
+            node.input[1] = own.name
+    return model
 
 
 def with_search_head(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -43,6 +43,7 @@ import numpy as np
 from nmtserve.export.runtime.tensors import HostTensors
 
 FRESH_SLOTS = 32  # the cache slots of a state fresh from the encoder (open_slot doubles them when full)
+SLOT_GRAIN = 8  # a cache that grows to its rows' budget (open_slot) grows to a multiple of this
 
 
 @dataclass
@@ -166,10 +167,14 @@ class BatchState:
         return BatchState(k, v, cross_k, cross_v, eos, self.src_mask, self.positions, self.tokens, self.hole, ops,
                           origin=None if self.origin is None else self.origin.copy())
 
-    def open_slot(self) -> None:
-        """Before a step: room for every row's next slot (the cache doubles when full)."""
+    def open_slot(self, most: int | None = None) -> None:
+        """Before a step: room for every row's next slot. A full cache doubles, or grows to `most` slots (rounded
+        up to a multiple of SLOT_GRAIN) where that is less: the most any row can fill (their budgets)."""
         if self.length >= self.capacity:
-            self._resize(2 * self.capacity)
+            slots = 2 * self.capacity
+            if most is not None:
+                slots = max(self.capacity + 1, min(slots, -(-most // SLOT_GRAIN) * SLOT_GRAIN))
+            self._resize(slots)
 
     def reserve(self, slots: int) -> None:
         """Room for `slots` slots a row at once (rounded up to a multiple of a fresh state's), so that rows that

@@ -53,6 +53,8 @@ from nmtserve.export.runtime.tensors import DeviceTensors, HostTensors
 CUDA_INTER_THREADS = ("inter_threads {n} on cuda: one decoding context per model on a GPU (two at once gave wrong "
                       "tokens there; one running batch fills the GPU): use inter_threads 1")
 FALLBACK = "ONNX Runtime's own nodes"  # how the log and GetModelInfo name the portable graphs' kernels
+# source slots (rows × padded length) per encoder call at most: the activations of a call beside its outputs
+ENCODER_TOKENS = 1024
 ROW_INPUTS = ("tokens", "positions", "cross_slot")  # the decoder step's per-row inputs (export/build/graphs.py)
 log = logging.getLogger("nmtserve.runtime")
 
@@ -85,7 +87,6 @@ class Decoder:
                 variant, device, *self.graphs, self.kernel_note)
         custom_ops = kernels.LIBRARY if self.attention_kernel else None
         encoder_path, decoder_path = (self.bundle.graph_path(variant, name) for name in self.graphs)
-        self.encoder = make_session(encoder_path, device, intra_op_threads, custom_ops=custom_ops)
         # on nmtserve's kernels, a beam row that continues another's hypothesis points at that row's cache slots
         # instead of copying them (BatchState.origin; the kernel graphs' cache_origin input)
         self.cache_origin = self.attention_kernel
@@ -104,6 +105,9 @@ class Decoder:
                 raise cannot_load(decoder_path, e) from None
         else:
             self.decoder = make_session(decoder_path, device, intra_op_threads, custom_ops=custom_ops)
+        # the encoder after the decoder: a session holds its largest weight twice while it packs it (read, packed),
+        # and the decoder's output projection is the model's largest, so the peak while loading is lower this way
+        self.encoder = make_session(encoder_path, device, intra_op_threads, custom_ops=custom_ops)
         self._binding, self._bound = self.decoder.io_binding(), {}  # see _binding_for
         self._with_scores = np.array(True)  # the step's with_scores input, bound by address
         self.kv_dtype = np.float16 if self.bundle.variant(variant).get("kv_dtype") == "float16" else np.float32
@@ -151,11 +155,37 @@ class Decoder:
     # -- the two graphs; K/V are stacked (L, B, H, T|S, Dh) here and fed one layer per input
     def encode(self, src_ids: np.ndarray, src_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """src_ids (B, S) int64, src_mask (B, S) bool -> cross_k, cross_v (L, B, H, S, Dh) and cross_eos
-        (L, B, 2, H, Dh): each row's key and value at its last source slot."""
-        outputs = self.encoder.run(None, {"src_ids": src_ids, "src_mask": src_mask})
-        n, (batch, heads, _, head_dim) = self.n_layers, outputs[0].shape
-        eos = np.stack(outputs[2 * n:]).reshape(n, batch, 2, heads, head_dim)
-        return np.stack(outputs[0:2 * n:2]), np.stack(outputs[1:2 * n:2]), eos
+        (L, B, 2, H, Dh): each row's key and value at its last source slot, in host memory."""
+        batch, src_len = src_ids.shape
+        shape = (self.n_layers, batch, self.n_heads, src_len, self.head_dim)
+        stacked = (np.empty(shape, self.kv_dtype), np.empty(shape, self.kv_dtype),
+                   np.empty((self.n_layers, batch, 2, self.n_heads, self.head_dim), self.kv_dtype))
+        self._encode_into(src_ids, src_mask, *stacked)
+        return stacked
+
+    def _encode_into(self, src_ids: np.ndarray, src_mask: np.ndarray, cross_k, cross_v, eos) -> None:
+        """Run the encoder with each layer's outputs bound to their rows of the stacked tensors (host arrays or
+        device OrtValues): nothing is copied. Rows go through in calls of at most ENCODER_TOKENS source slots, so
+        that a large batch's activations stay small beside the outputs it must hold anyway."""
+        batch, src_len = src_ids.shape
+        rows_per_call = max(1, ENCODER_TOKENS // src_len)
+        item = np.dtype(self.kv_dtype).itemsize
+        row_bytes = {"cross_k": self.n_heads * src_len * self.head_dim * item, "cross_eos": self.eos_width * item}
+        row_bytes["cross_v"] = row_bytes["cross_k"]
+        layers = {"cross_k": self._layer_addresses(cross_k), "cross_v": self._layer_addresses(cross_v),
+                  "cross_eos": self._layer_addresses(eos)}
+        for first in range(0, batch, rows_per_call):
+            rows = slice(first, min(batch, first + rows_per_call))
+            n = rows.stop - first
+            binding = self.encoder.io_binding()
+            binding.bind_cpu_input("src_ids", np.ascontiguousarray(src_ids[rows]))
+            binding.bind_cpu_input("src_mask", np.ascontiguousarray(src_mask[rows]))
+            for prefix, addresses in layers.items():
+                shape = (n, self.eos_width) if prefix == "cross_eos" else (n, self.n_heads, src_len, self.head_dim)
+                for layer, address in enumerate(addresses):
+                    bind_address(binding, f"{prefix}_{layer}", self.device, self.kv_dtype, shape,
+                                 address + first * row_bytes[prefix], output=True)
+            run_bound(self.encoder, binding)
 
     def step(self, tokens, positions, past_k, past_v, past_valid, cross_k, cross_v, src_mask):
         """One decoder step on plain arrays (the checks' form, as PyTorch's decode_step: past (L, B, H, T, Dh)
@@ -204,18 +234,10 @@ class Decoder:
             cross_k, cross_v, eos = self.encode(src_ids, src_mask)
             return BatchState.from_encoded(cross_k, cross_v, eos, src_mask, self.bos_id, capacity,
                                            origin=self.cache_origin)
-        batch, src_len = src_ids.shape
-        shape = (self.n_layers, batch, self.n_heads, src_len, self.head_dim)
+        shape = (self.n_layers, len(sources), self.n_heads, src_ids.shape[1], self.head_dim)
         cross_k, cross_v = self.ops.empty(shape, self.kv_dtype), self.ops.empty(shape, self.kv_dtype)
-        eos = self.ops.empty((self.n_layers, batch, 2, self.n_heads, self.head_dim), self.kv_dtype)
-        binding = self.encoder.io_binding()
-        binding.bind_cpu_input("src_ids", src_ids)
-        binding.bind_cpu_input("src_mask", src_mask)
-        for prefix, stacked, layer_shape in (("cross_k", cross_k, shape[1:]), ("cross_v", cross_v, shape[1:]),
-                                             ("cross_eos", eos, (batch, self.eos_width))):
-            for layer, address in enumerate(self._layer_addresses(stacked)):
-                bind_address(binding, f"{prefix}_{layer}", self.device, self.kv_dtype, layer_shape, address, output=True)
-        run_bound(self.encoder, binding)
+        eos = self.ops.empty((self.n_layers, len(sources), 2, self.n_heads, self.head_dim), self.kv_dtype)
+        self._encode_into(src_ids, src_mask, cross_k, cross_v, eos)
         return BatchState.from_encoded(cross_k, cross_v, eos, src_mask, self.bos_id, capacity, ops=self.ops)
 
     def decode_one_token(self, state: BatchState) -> tuple[np.ndarray, np.ndarray]:

@@ -93,7 +93,7 @@ class OnnxTranslator(Decoder):
         self._with_scores[...] = scores
         while state is not None:
             if binding is None or rebind or state.length == state.capacity:  # a new state, or its cache full
-                state.open_slot()
+                state.open_slot(int(budget.max()))
                 binding = self._greedy_binding(state)
             run_bound(self.decoder, binding)
             state.positions += 1  # every row: offline batches have no holes
@@ -128,7 +128,7 @@ class OnnxTranslator(Decoder):
         tokens, values, stepped = [], [], 0
         self._with_scores[...] = scores
         while state is not None:
-            state.open_slot()
+            state.open_slot(int(budget.max()))
             binding = self._greedy_binding(state)
             room = state.capacity - state.length  # the live rows are all at one position: open_slot made room for one
             out = (np.zeros((room, n), np.int64), np.zeros((room, n), np.float32) if scores else None, end, by_eos)
@@ -162,7 +162,7 @@ class OnnxTranslator(Decoder):
         tokens, values = [], []
         self._with_scores[...] = scores
         while not tokens or tokens[-1] != self.eos_id and state.length < budget:
-            state.open_slot()
+            state.open_slot(budget)
             binding = self._greedy_binding(state)
             out, out_scores = self._native_greedy_steps(state, binding, min(state.capacity, budget) - state.length, scores)
             tokens += out[:, 0].tolist()

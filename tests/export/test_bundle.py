@@ -253,3 +253,38 @@ def test_every_large_tensor_is_in_the_weights_file_once_and_every_graph_points_i
     embedding = [names for names in places.values() if "model.embed.weight" in names]
     assert len(embedding) == 1  # one copy for the encoders, the decoders and both variants
 
+
+
+def test_a_tied_output_projection_reads_a_copy_of_its_own_stored_apart_from_the_table(marian_bundle):
+    """An imported OPUS-MT model's logits are a Gemm over the embedding table that the step's lookup reads too:
+    each decoder graph's Gemm reads a copy of its own (ONNX Runtime packs it and frees it, where the table stays
+    mapped for the lookup, which touches the rows it reads), stored once in the weights file, apart from the table,
+    with the same values; the encoders read the table."""
+    import numpy as np
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo
+
+    from nmtserve.export.build.step_graphs import PROJECTION
+
+    def stored(tensor) -> tuple[int, np.ndarray]:
+        info = ExternalDataInfo(tensor)
+        values = np.fromfile(marian_bundle / "weights.bin", np.float32, info.length // 4, offset=info.offset)
+        return info.offset, values
+
+    bundle = load_bundle(marian_bundle)
+    places = set()
+    for graph in bundle.variant("fp32")["graphs"]:
+        model = onnx.load(str(bundle.graph_path("fp32", graph)), load_external_data=False)
+        initializers = {t.name: t for t in model.graph.initializer}
+        readers = {name: [n.op_type for n in model.graph.node if name in n.input] for name in initializers}
+        copies = [name for name in initializers if name.endswith(PROJECTION)]
+        if graph.startswith("encoder"):
+            assert not copies and readers["model.embed.weight"], graph
+            continue
+        assert len(copies) == 1 and readers[copies[0]] == ["Gemm"], (graph, copies)
+        assert "Gemm" not in readers["model.embed.weight"], graph
+        (own, own_values), (table, table_values) = stored(initializers[copies[0]]), \
+            stored(initializers["model.embed.weight"])
+        assert own != table and np.array_equal(own_values, table_values)
+        places.add(own)
+    assert len(places) == 1  # one copy for every decoder graph

@@ -75,3 +75,21 @@ print("ok")
 def test_a_state_refused_the_address_space_of_its_room_goes_on_in_buffers_of_its_own_rows():
     done = subprocess.run([sys.executable, "-c", ROOM_REFUSED], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_the_encoder_in_calls_of_a_few_rows_writes_what_one_call_writes(tiny_bundle, monkeypatch):
+    """A batch of more source slots than ENCODER_TOKENS goes through the encoder a few rows a call, each call's
+    outputs bound to their rows of the stacked cross K/V: the same values as one call of every row."""
+    import numpy as np
+
+    from nmtserve.export.runtime import decoder
+    from nmtserve.export.runtime.translator import OnnxTranslator
+
+    tr = OnnxTranslator(tiny_bundle)
+    sources = [tr.tokenizer.encode(text) for text in ["the cat sleeps", "a dog", "the old teacher reads the book",
+                                                        "hello", "the house is big", "we run"]]
+    src_ids, src_mask = tr.pad(sources)
+    whole = tr.encode(src_ids, src_mask)
+    monkeypatch.setattr(decoder, "ENCODER_TOKENS", 2 * src_ids.shape[1])  # two rows a call, three calls
+    for got, expected in zip(tr.encode(src_ids, src_mask), whole):
+        assert np.allclose(got, expected, atol=1e-5)
