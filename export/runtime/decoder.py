@@ -156,36 +156,35 @@ class Decoder:
     def encode(self, src_ids: np.ndarray, src_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """src_ids (B, S) int64, src_mask (B, S) bool -> cross_k, cross_v (L, B, H, S, Dh) and cross_eos
         (L, B, 2, H, Dh): each row's key and value at its last source slot, in host memory."""
-        batch, src_len = src_ids.shape
-        shape = (self.n_layers, batch, self.n_heads, src_len, self.head_dim)
-        stacked = (np.empty(shape, self.kv_dtype), np.empty(shape, self.kv_dtype),
-                   np.empty((self.n_layers, batch, 2, self.n_heads, self.head_dim), self.kv_dtype))
-        self._encode_into(src_ids, src_mask, *stacked)
-        return stacked
+        return self._encode(src_ids, src_mask, np.empty)
 
-    def _encode_into(self, src_ids: np.ndarray, src_mask: np.ndarray, cross_k, cross_v, eos) -> None:
-        """Run the encoder with each layer's outputs bound to their rows of the stacked tensors (host arrays or
-        device OrtValues): nothing is copied. Rows go through in calls of at most ENCODER_TOKENS source slots, so
-        that a large batch's activations stay small beside the outputs it must hold anyway."""
+    def _encode(self, src_ids: np.ndarray, src_mask: np.ndarray, empty) -> tuple:
+        """`encode` into tensors made by `empty(shape, dtype)` (host arrays or device OrtValues): the encoder writes
+        each layer's outputs into their rows of them, bound by address, so nothing is copied. Rows go through in
+        calls of at most ENCODER_TOKENS source slots, so that a large batch's activations stay small beside the
+        outputs it must hold anyway."""
         batch, src_len = src_ids.shape
+        slot_bytes = np.dtype(self.kv_dtype).itemsize * self.n_heads * self.head_dim  # a row's keys at one slot
+        cross = (self.n_layers, batch, self.n_heads, src_len, self.head_dim)
+        stacked = {"cross_k": empty(cross, self.kv_dtype), "cross_v": empty(cross, self.kv_dtype),
+                   "cross_eos": empty((self.n_layers, batch, 2, self.n_heads, self.head_dim), self.kv_dtype)}
+        # each output's row: its shape as the graph gives it, and its bytes within a layer
+        row = {"cross_k": (cross[2:], src_len * slot_bytes), "cross_v": (cross[2:], src_len * slot_bytes),
+               "cross_eos": ((self.eos_width,), 2 * slot_bytes)}
+        layers = {prefix: self._layer_addresses(x) for prefix, x in stacked.items()}
         rows_per_call = max(1, ENCODER_TOKENS // src_len)
-        item = np.dtype(self.kv_dtype).itemsize
-        row_bytes = {"cross_k": self.n_heads * src_len * self.head_dim * item, "cross_eos": self.eos_width * item}
-        row_bytes["cross_v"] = row_bytes["cross_k"]
-        layers = {"cross_k": self._layer_addresses(cross_k), "cross_v": self._layer_addresses(cross_v),
-                  "cross_eos": self._layer_addresses(eos)}
         for first in range(0, batch, rows_per_call):
             rows = slice(first, min(batch, first + rows_per_call))
-            n = rows.stop - first
             binding = self.encoder.io_binding()
             binding.bind_cpu_input("src_ids", np.ascontiguousarray(src_ids[rows]))
             binding.bind_cpu_input("src_mask", np.ascontiguousarray(src_mask[rows]))
             for prefix, addresses in layers.items():
-                shape = (n, self.eos_width) if prefix == "cross_eos" else (n, self.n_heads, src_len, self.head_dim)
                 for layer, address in enumerate(addresses):
-                    bind_address(binding, f"{prefix}_{layer}", self.device, self.kv_dtype, shape,
-                                 address + first * row_bytes[prefix], output=True)
+                    shape, size = row[prefix]
+                    bind_address(binding, f"{prefix}_{layer}", self.device, self.kv_dtype, (rows.stop - first, *shape),
+                                 address + first * size, output=True)
             run_bound(self.encoder, binding)
+        return stacked["cross_k"], stacked["cross_v"], stacked["cross_eos"]
 
     def step(self, tokens, positions, past_k, past_v, past_valid, cross_k, cross_v, src_mask):
         """One decoder step on plain arrays (the checks' form, as PyTorch's decode_step: past (L, B, H, T, Dh)
@@ -229,16 +228,9 @@ class Decoder:
                 state.choose(np.array(column, np.int64))
             return state
         src_ids, src_mask = self.pad(sources)
-        capacity = FRESH_SLOTS if caches else 0
-        if not self.io_binding:
-            cross_k, cross_v, eos = self.encode(src_ids, src_mask)
-            return BatchState.from_encoded(cross_k, cross_v, eos, src_mask, self.bos_id, capacity,
-                                           origin=self.cache_origin)
-        shape = (self.n_layers, len(sources), self.n_heads, src_ids.shape[1], self.head_dim)
-        cross_k, cross_v = self.ops.empty(shape, self.kv_dtype), self.ops.empty(shape, self.kv_dtype)
-        eos = self.ops.empty((self.n_layers, len(sources), 2, self.n_heads, self.head_dim), self.kv_dtype)
-        self._encode_into(src_ids, src_mask, cross_k, cross_v, eos)
-        return BatchState.from_encoded(cross_k, cross_v, eos, src_mask, self.bos_id, capacity, ops=self.ops)
+        cross_k, cross_v, eos = self._encode(src_ids, src_mask, self.ops.empty)
+        return BatchState.from_encoded(cross_k, cross_v, eos, src_mask, self.bos_id, FRESH_SLOTS if caches else 0,
+                                       ops=self.ops, origin=self.cache_origin)
 
     def decode_one_token(self, state: BatchState) -> tuple[np.ndarray, np.ndarray]:
         """One greedy step of every row -> tokens (B,) int64 and their log-probs (B,); the step's K/V

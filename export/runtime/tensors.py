@@ -30,6 +30,10 @@ class HostTensors:
     views = True  # a tensor may be the first rows of a larger buffer (`head`, `with_rows`)
 
     @staticmethod
+    def empty(shape: tuple, dtype) -> np.ndarray:
+        return np.empty(shape, dtype)
+
+    @staticmethod
     def zeros(shape: tuple, dtype) -> np.ndarray:
         return np.zeros(shape, dtype)
 
