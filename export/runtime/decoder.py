@@ -22,6 +22,7 @@ steps mix rows of different widths, loads the `decoder` step (shared_cross=False
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from pathlib import Path
 
@@ -113,7 +114,8 @@ class Decoder:
         self.kv_dtype = np.float16 if self.bundle.variant(variant).get("kv_dtype") == "float16" else np.float32
         self.ops = DeviceTensors(device, PROVIDERS[device], session_options(1), self.bundle.tensor_ops(variant)) \
             if self.io_binding else HostTensors
-        self.tokenizer = self.bundle.tokenizer()
+        # read at first use and shared by replicas: a caller that translates ids never holds the tokenizer
+        self._tokenizer = functools.cache(self.bundle.tokenizer)
         m = self.bundle.model
         self.n_layers, self.n_heads, self.head_dim = m["n_decoder_layers"], m["n_heads"], m["d_model"] // m["n_heads"]
         self.d_model = m["d_model"]
@@ -131,6 +133,11 @@ class Decoder:
         self.limits = self.bundle.limits
         ids = self.bundle.special_ids
         self.pad_id, self.bos_id, self.eos_id = ids["pad"], ids["bos"], ids["eos"]
+
+    @property
+    def tokenizer(self):
+        """The bundle's tokenizer (nmtserve/tokenizer.py)."""
+        return self._tokenizer()
 
     def _choose_kernels(self, asked: bool | None) -> tuple[bool, str, bool]:
         """Whether to run the variant's `*_kernels` graphs, why in words (for the log and GetModelInfo), and whether

@@ -16,14 +16,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import io
 import os
-import shutil
 import subprocess
 import sys
-import tarfile
-import tempfile
-import urllib.request
 from pathlib import Path
 
 from nmtserve.errors import ConfigError
@@ -72,7 +67,14 @@ def header_dir() -> Path:
 
 def _download_headers(dest: Path) -> None:
     """The pinned package, checked against its SHA-256, its usr/include/onnxruntime unpacked into dest (the .deb
-    is an ar archive holding data.tar.*; nothing is installed)."""
+    is an ar archive holding data.tar.*; nothing is installed). Its modules are imported here, not by every
+    process that only loads the library (urllib brings TLS, HTTP and email with it, resident for good)."""
+    import io
+    import shutil
+    import tarfile
+    import tempfile
+    import urllib.request
+
     url = f"{DEBIAN}/{HEADER_PACKAGE}"
     with urllib.request.urlopen(url, timeout=300) as response:
         package = response.read()

@@ -93,3 +93,15 @@ def test_the_encoder_in_calls_of_a_few_rows_writes_what_one_call_writes(tiny_bun
     monkeypatch.setattr(decoder, "ENCODER_TOKENS", 2 * src_ids.shape[1])  # two rows a call, three calls
     for got, expected in zip(tr.encode(src_ids, src_mask), whole):
         assert np.allclose(got, expected, atol=1e-5)
+
+
+def test_a_translator_reads_its_tokenizer_at_first_use_and_shares_it_with_its_replicas(tiny_bundle):
+    """Ids in, ids out (search_ids) never loads the tokenizer (a multilingual model's holds tens of MB)."""
+    from nmtserve.export.runtime.translator import OnnxTranslator
+    from nmtserve.search import DecodingOptions
+
+    tr = OnnxTranslator(tiny_bundle)
+    found = tr.search_ids([[5, 6, 7], [8, 9]], DecodingOptions(max_decoding_length=4))
+    assert len(found) == 2 and tr._tokenizer.cache_info().currsize == 0
+    replica = tr.replica()
+    assert replica.tokenizer is tr.tokenizer and tr._tokenizer.cache_info().misses == 1
