@@ -5,6 +5,8 @@ that joins both sides' pieces in Marian's layout (</s> 0, <unk> 1, …, <pad> la
 `marian` extra (transformers). Tiny ones for the tests; an OPUS-MT-shaped one for the benchmark:
 
     python -m nmtserve.loadtests.marian_model runs/opus-shaped    # 512 dims, 8 heads, 2048 FFN, 6+6, 58,101 pieces
+    python -m nmtserve.loadtests.marian_model runs/tc-big-shaped --shape tc-big  # 1024, 16, 4096, 6+6, relu,
+                                                                  # separate vocabularies of 57,059 pieces each
 """
 
 from __future__ import annotations
@@ -66,6 +68,11 @@ def _vocab(pieces: list[str], languages: tuple[str, ...], size: int | None) -> t
 # OPUS-MT's shapes (Helsinki-NLP/opus-mt-en-de and most others)
 OPUS_SHAPES = {"d_model": 512, "heads": 8, "ffn": 2048, "encoder_layers": 6, "decoder_layers": 6, "vocab_size": 58101,
                "max_positions": 512, "max_length": 512}
+# Helsinki-NLP/opus-mt-tc-big-*'s: transformer-big, relu, a vocabulary and an embedding for each side
+TC_BIG_SHAPES = {"d_model": 1024, "heads": 16, "ffn": 4096, "encoder_layers": 6, "decoder_layers": 6,
+                 "vocab_size": 57059, "max_positions": 1024, "max_length": 512, "activation": "relu",
+                 "separate_vocabs": True}
+SHAPES = {"opus": OPUS_SHAPES, "tc-big": TC_BIG_SHAPES}
 
 
 def build_marian_dir(out: Path, *, activation: str = "swish", scale_embedding: bool = True, encoder_layers: int = 2,
@@ -124,9 +131,13 @@ def build_marian_dir(out: Path, *, activation: str = "swish", scale_embedding: b
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
-    directory = build_marian_dir(Path(sys.argv[1]), **OPUS_SHAPES, never_stop=True)
+    parser = argparse.ArgumentParser(prog="python -m nmtserve.loadtests.marian_model")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="opus")
+    args = parser.parse_args()
+    directory = build_marian_dir(args.out, **SHAPES[args.shape], never_stop=True)
     # sentences of 12 words or more: nmtserve's budget of 2 × source tokens + 10 is then above the
     # benchmark's 32 output tokens, and every engine decodes exactly that many
     words = sentences(ENGLISH, 1000, 3)
