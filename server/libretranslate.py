@@ -1,8 +1,9 @@
 """LibreTranslate's API on the servicer, for the tools self-hosters already point at LibreTranslate: POST /translate
 (q as a string or a list of them, source, target, format, alternatives, api_key) and GET /languages. Texts go
 through TranslateText (split into sentences, whitespace kept); with alternatives, each q is one sentence of
-Translate with that many more hypotheses, of a beam that wide. There is no language identification here:
-source "auto" (the default) routes by the target alone. format "html" is refused until markup is kept (a 400).
+Translate with that many more hypotheses, of a beam that wide. source "auto" (the default) is detected over all of
+q together (server/language_id.py) and answered as LibreTranslate does, in detectedLanguage (confidence in percent;
+with q a list, one entry per text, each the call's). format "html" is refused until markup is kept (a 400).
 Errors are the servicer's, in LibreTranslate's body ({"error": "…"}, server/http.py)."""
 
 from __future__ import annotations
@@ -46,20 +47,20 @@ async def translate(servicer: TranslationServicer, data: dict, context) -> dict:
         raise invalid("format 'html': not served yet; this server translates plain text (format text)")
     if alternatives < 0:
         raise invalid(f"alternatives {alternatives}: must be 0 or more")
-    source = "" if source == "auto" else source
     if not alternatives:
         response = await servicer.TranslateText(pb.TranslateTextRequest(texts=texts, source_language=source,
                                                                         target_language=target), context)
-        translated = [t.text for t in response.translations]
-        return {"translatedText": translated if isinstance(q, list) else translated[0]}
-    options = pb.DecodingOptions(num_hypotheses=alternatives + 1, beam_size=alternatives + 1)
-    response = await servicer.Translate(pb.TranslateRequest(sentences=texts, options=options, source_language=source,
-                                                            target_language=target), context)
-    translated = [t.text for t in response.translations]
-    others = [[a.text for a in t.alternatives] for t in response.translations]
-    if isinstance(q, list):
-        return {"translatedText": translated, "alternatives": others}
-    return {"translatedText": translated[0], "alternatives": others[0]}
+        body = {"translatedText": [t.text for t in response.translations]}
+    else:
+        options = pb.DecodingOptions(num_hypotheses=alternatives + 1, beam_size=alternatives + 1)
+        response = await servicer.Translate(pb.TranslateRequest(sentences=texts, options=options,
+                                                                source_language=source, target_language=target), context)
+        body = {"translatedText": [t.text for t in response.translations],
+                "alternatives": [[a.text for a in t.alternatives] for t in response.translations]}
+    if response.HasField("detected_language"):
+        found = response.detected_language
+        body["detectedLanguage"] = [{"confidence": round(found.confidence * 100, 1), "language": found.language}] * len(texts)
+    return body if isinstance(q, list) else {key: value[0] for key, value in body.items()}
 
 
 def languages(models: dict[str, ServedModel]) -> list[dict]:

@@ -26,14 +26,17 @@ _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
                    "message": {"type": "string", "description": "what was wrong, naming the field"}}}}}
 _LIBRE_REQUEST = {"type": "object", "required": ["q", "target"], "properties": {
     "q": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
-    "source": {"type": "string", "description": "a language code, or auto (the default): routed by the target"},
+    "source": {"type": "string", "description": "a language code, or auto (the default): detected among those served"},
     "target": {"type": "string"},
     "format": {"type": "string", "enum": ["text", "html"], "description": "html is refused (400) until markup is kept"},
     "alternatives": {"type": "integer", "minimum": 0},
     "api_key": {"type": "string"}}}
+_DETECTED = {"type": "object", "properties": {"confidence": {"type": "number", "minimum": 0, "maximum": 100},
+                                              "language": {"type": "string"}}}
 _LIBRE_RESPONSE = {"type": "object", "required": ["translatedText"], "properties": {
     "translatedText": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
-    "alternatives": {"type": "array", "items": {}}}}
+    "alternatives": {"type": "array", "items": {}},
+    "detectedLanguage": {"oneOf": [_DETECTED, {"type": "array", "items": _DETECTED}]}}}
 _HEALTH = {"type": "object", "required": ["status"], "properties": {
     "status": {"type": "string", "enum": ["SERVING", "NOT_SERVING"]}}}
 _LANGUAGES = {"type": "array", "items": {"type": "object", "required": ["code", "name", "targets"], "properties": {

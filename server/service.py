@@ -26,6 +26,7 @@ from nmtserve.server.config import ServerConfig
 from nmtserve.server.convert import InvalidRequest, ModelNotFound, translation
 from nmtserve.server.documents import MIME_TYPES, rejoin
 from nmtserve.server.engine import EngineOverloaded, EngineStopped
+from nmtserve.server.language_id import AUTO, detect
 from nmtserve.server.metrics import ServerMetrics
 from nmtserve.server.models import ServedModel, route
 from nmtserve.server.quotas import ClientQuota, QuotaExceeded
@@ -82,6 +83,8 @@ class _Call:
     resumed: float | None = None  # when a unary call's handler resumed, its sentences decoded (Timings.resumed_ns)
     quota: ClientQuota | None = None  # its client's, while the call holds one of the client's slots
     charged: int = 0  # characters taken from the client's quota
+    source_language: str = ""  # the request's, or what source_language "auto" detected
+    detected: pb.DetectedLanguage | None = None  # with source_language "auto"
 
     def cancel(self) -> None:
         """Free the call's rows at the engine's next step."""
@@ -178,12 +181,35 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         if self.tracing is not None:
             self.tracing.record(call, call.trace_parent)
 
-    def _model(self, call: _Call, request, context) -> ServedModel:
-        """The model a call asks for, once its client may use it (an API key, where the server has them)."""
-        model = route(self.models, request.model, request.source_language, request.target_language)
+    async def _model(self, call: _Call, request, context, texts: list[str]) -> ServedModel:
+        """The model a call asks for, once its client may use it (an API key, where the server has them); with
+        source_language "auto", the source language detected in the call's texts first (once the key is known)."""
+        call.source_language = request.source_language
+        if request.source_language == AUTO:
+            self._allow(call, context, None)
+            call.source_language = await self._detect(call, request, texts)
+        model = route(self.models, request.model, call.source_language, request.target_language)
         call.model = model.id
         self._allow(call, context, model.id)
         return model
+
+    async def _detect(self, call: _Call, request, texts: list[str]) -> str:
+        """The language of the texts among the source languages of the models that could serve the call (the
+        one named; else those of its target language, or all): one language is taken as it is; none, and the
+        call is routed as if it named none. Off the event loop: the first detection reads the detector's model."""
+        if request.model:
+            models = [self.models[request.model]] if request.model in self.models else []
+        else:
+            models = [m for m in self.models.values()
+                      if not request.target_language or request.target_language in m.target_languages]
+        candidates = list(dict.fromkeys(code for m in models for code in m.source_languages))
+        if len(candidates) <= 1:
+            code, confidence = (candidates[0], 1.0) if candidates else ("", 0.0)
+        else:
+            code, confidence = await asyncio.to_thread(detect, texts, candidates)
+        if code:
+            call.detected = pb.DetectedLanguage(language=code, confidence=confidence)
+        return code
 
     def _allow(self, call: _Call, context, model: str | None) -> None:
         """Unauthenticated or PermissionDenied unless the call's key is a client's that may use the model (any
@@ -298,13 +324,13 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
     @_rpc
     async def Translate(self, call: _Call, request: pb.TranslateRequest, context) -> pb.TranslateResponse:
         try:
-            model = self._model(call, request, context)
+            model = await self._model(call, request, context, request.sentences)
             n = len(request.sentences)
             if not 1 <= n <= self.config.limits.max_sentences:
                 raise InvalidRequest(f"sentences: {n} given, between 1 and {self.config.limits.max_sentences} accepted")
             self._charge(call, sum(len(s) for s in request.sentences))  # first: a refusal is cheap
             options = self._options(call, model, request)
-            languages = model.languages(request.source_language, request.target_language)
+            languages = model.languages(call.source_language, request.target_language)
             sources = [model.source(f"sentences[{i}]", s, languages) for i, s in enumerate(request.sentences)]
             pairs = [self._request(call, ids, options, context, languages.prefix) for ids in sources]
             for engine_request, _ in pairs:
@@ -319,7 +345,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             raise
         await self._check_finished(call, done, context)
         response = pb.TranslateResponse(translations=[self._translation(call, model, r, request.options.return_scores)
-                                                      for r in done])
+                                                      for r in done], detected_language=call.detected)
         response = await self._fit(call, response, context)
         self._succeed(call)
         return response
@@ -328,10 +354,10 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
     async def TranslateStream(self, call: _Call, request: pb.TranslateStreamRequest, context):
         tokens = Inbox(self.wakeups)
         try:
-            model = self._model(call, request, context)
+            model = await self._model(call, request, context, [request.sentence])
             self._charge(call, len(request.sentence))
             options = self._options(call, model, request)
-            languages = model.languages(request.source_language, request.target_language)
+            languages = model.languages(call.source_language, request.target_language)
             ids = model.source("sentence", request.sentence, languages)
             engine_request, future = self._request(call, ids, options, context, languages.prefix,
                                                    on_token=lambda r, t: tokens.put(t),
@@ -364,7 +390,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                 log.error("request %s: streamed text is not a prefix of the final text", engine_request.id)
                 await context.abort(grpc.StatusCode.INTERNAL, f"request {engine_request.id}: stream diverged")
             yield await self._fit(call, pb.TranslateStreamResponse(delta=final.text[len(emitted):]), context)
-        last = await self._fit(call, pb.TranslateStreamResponse(final=final), context)
+        last = await self._fit(call, pb.TranslateStreamResponse(final=final, detected_language=call.detected), context)
         self._succeed(call)
         yield last
 
@@ -379,7 +405,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                                  + f"; send {', '.join(MIME_TYPES)}")
         self._charge(call, sum(len(text) for _, text in texts))
         options = self._options(call, model, request)
-        languages = model.languages(request.source_language, request.target_language)
+        languages = model.languages(call.source_language, request.target_language)
         pieces = [model.text_pieces(field, text, languages) for field, text in texts]
         documents = [(spans, [self._request(call, piece, options, context, languages.prefix) if piece else None
                               for piece in ids])
@@ -396,7 +422,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
     @_rpc
     async def TranslateText(self, call: _Call, request: pb.TranslateTextRequest, context) -> pb.TranslateTextResponse:
         try:
-            model = self._model(call, request, context)
+            model = await self._model(call, request, context, request.texts)
             n, chars = len(request.texts), sum(len(t) for t in request.texts)
             if not 1 <= n <= self.config.limits.max_sentences:
                 raise InvalidRequest(f"texts: {n} given, between 1 and {self.config.limits.max_sentences} accepted")
@@ -421,14 +447,15 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                 output_tokens=sum(len(r.tokens) for r in done),
                 alignment=[pb.SentenceAlignment(source_start=a, source_end=b, target_start=c, target_end=d)
                            for a, b, c, d in alignment] if request.return_alignment else []))
-        response = await self._fit(call, pb.TranslateTextResponse(translations=translations), context)
+        response = await self._fit(call, pb.TranslateTextResponse(translations=translations,
+                                                                   detected_language=call.detected), context)
         self._succeed(call)
         return response
 
     @_rpc
     async def TranslateTextStream(self, call: _Call, request: pb.TranslateTextStreamRequest, context):
         try:
-            model = self._model(call, request, context)
+            model = await self._model(call, request, context, [request.text])
             [(spans, pairs)] = self._text_requests(call, model, [("text", request.text)], request, context)
         except NmtserveError as e:
             await self._fail(call, context, e)
@@ -444,14 +471,15 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                 yield await self._fit(call, pb.TranslateTextStreamResponse(
                     delta=delta, alignment=pb.SentenceAlignment(source_start=span[0], source_end=span[1],
                                                                 target_start=target_start,
-                                                                target_end=target_start + len(translation))),
-                    context)
+                                                                target_end=target_start + len(translation)),
+                    detected_language=call.detected if position == 0 else None), context)
                 position, length = span[1], length + len(delta)
         except asyncio.CancelledError:
             self._cancelled(call)
             raise
         self._succeed(call)
-        yield pb.TranslateTextStreamResponse(delta=request.text[position:])
+        yield pb.TranslateTextStreamResponse(delta=request.text[position:],
+                                             detected_language=call.detected if not spans else None)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         call = self._call("GetModelInfo", context)

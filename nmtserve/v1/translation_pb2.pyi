@@ -124,11 +124,21 @@ class TranslateRequest(_message.Message):
     source_language: str
     def __init__(self, sentences: _Optional[_Iterable[str]] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., target_language: _Optional[str] = ..., model: _Optional[str] = ..., source_language: _Optional[str] = ...) -> None: ...
 
+class DetectedLanguage(_message.Message):
+    __slots__ = ("language", "confidence")
+    LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    language: str
+    confidence: float
+    def __init__(self, language: _Optional[str] = ..., confidence: _Optional[float] = ...) -> None: ...
+
 class TranslateResponse(_message.Message):
-    __slots__ = ("translations",)
+    __slots__ = ("translations", "detected_language")
     TRANSLATIONS_FIELD_NUMBER: _ClassVar[int]
+    DETECTED_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     translations: _containers.RepeatedCompositeFieldContainer[Translation]
-    def __init__(self, translations: _Optional[_Iterable[_Union[Translation, _Mapping]]] = ...) -> None: ...
+    detected_language: DetectedLanguage
+    def __init__(self, translations: _Optional[_Iterable[_Union[Translation, _Mapping]]] = ..., detected_language: _Optional[_Union[DetectedLanguage, _Mapping]] = ...) -> None: ...
 
 class TranslateStreamRequest(_message.Message):
     __slots__ = ("sentence", "options", "target_language", "model", "source_language")
@@ -145,12 +155,14 @@ class TranslateStreamRequest(_message.Message):
     def __init__(self, sentence: _Optional[str] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., target_language: _Optional[str] = ..., model: _Optional[str] = ..., source_language: _Optional[str] = ...) -> None: ...
 
 class TranslateStreamResponse(_message.Message):
-    __slots__ = ("delta", "final")
+    __slots__ = ("delta", "final", "detected_language")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    DETECTED_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     delta: str
     final: Translation
-    def __init__(self, delta: _Optional[str] = ..., final: _Optional[_Union[Translation, _Mapping]] = ...) -> None: ...
+    detected_language: DetectedLanguage
+    def __init__(self, delta: _Optional[str] = ..., final: _Optional[_Union[Translation, _Mapping]] = ..., detected_language: _Optional[_Union[DetectedLanguage, _Mapping]] = ...) -> None: ...
 
 class TranslateTextRequest(_message.Message):
     __slots__ = ("texts", "mime_type", "options", "model", "source_language", "target_language", "return_alignment")
@@ -197,10 +209,12 @@ class TextTranslation(_message.Message):
     def __init__(self, text: _Optional[str] = ..., sentences: _Optional[int] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., alignment: _Optional[_Iterable[_Union[SentenceAlignment, _Mapping]]] = ...) -> None: ...
 
 class TranslateTextResponse(_message.Message):
-    __slots__ = ("translations",)
+    __slots__ = ("translations", "detected_language")
     TRANSLATIONS_FIELD_NUMBER: _ClassVar[int]
+    DETECTED_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     translations: _containers.RepeatedCompositeFieldContainer[TextTranslation]
-    def __init__(self, translations: _Optional[_Iterable[_Union[TextTranslation, _Mapping]]] = ...) -> None: ...
+    detected_language: DetectedLanguage
+    def __init__(self, translations: _Optional[_Iterable[_Union[TextTranslation, _Mapping]]] = ..., detected_language: _Optional[_Union[DetectedLanguage, _Mapping]] = ...) -> None: ...
 
 class TranslateTextStreamRequest(_message.Message):
     __slots__ = ("text", "mime_type", "options", "model", "source_language", "target_language")
@@ -219,12 +233,14 @@ class TranslateTextStreamRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., mime_type: _Optional[str] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., model: _Optional[str] = ..., source_language: _Optional[str] = ..., target_language: _Optional[str] = ...) -> None: ...
 
 class TranslateTextStreamResponse(_message.Message):
-    __slots__ = ("delta", "alignment")
+    __slots__ = ("delta", "alignment", "detected_language")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    DETECTED_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     delta: str
     alignment: SentenceAlignment
-    def __init__(self, delta: _Optional[str] = ..., alignment: _Optional[_Union[SentenceAlignment, _Mapping]] = ...) -> None: ...
+    detected_language: DetectedLanguage
+    def __init__(self, delta: _Optional[str] = ..., alignment: _Optional[_Union[SentenceAlignment, _Mapping]] = ..., detected_language: _Optional[_Union[DetectedLanguage, _Mapping]] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ("model",)

@@ -169,7 +169,9 @@ def test_libretranslate_api(server):
     assert one.status_code == 200 and one.json() == {"translatedText": expected[0]}
     several = requests.post(f"{server.url}/translate", json={"q": SENTENCES, "source": "auto", "target": "fr",
                                                              "api_key": "unused"}, timeout=60)
-    assert several.json() == {"translatedText": expected}
+    # "auto" with one source language served: that one, certain (no detection)
+    assert several.json() == {"translatedText": expected,
+                              "detectedLanguage": [{"confidence": 100.0, "language": "en"}] * len(SENTENCES)}
     form = requests.post(f"{server.url}/translate", data={"q": SENTENCES[0], "source": "en", "target": "fr"},
                          timeout=60)
     assert form.json() == {"translatedText": expected[0]}
@@ -177,7 +179,8 @@ def test_libretranslate_api(server):
                                  timeout=60).json()
     nbest = _grpc(server, "Translate", pb.TranslateRequest(sentences=SENTENCES[:1], options=pb.DecodingOptions(
         beam_size=3, num_hypotheses=3))).translations[0]
-    assert alternatives == {"translatedText": nbest.text, "alternatives": [a.text for a in nbest.alternatives]}
+    assert alternatives == {"translatedText": nbest.text, "alternatives": [a.text for a in nbest.alternatives],
+                            "detectedLanguage": {"confidence": 100.0, "language": "en"}}
     for body, status, message in (({"q": "a", "target": "fr", "format": "html"}, 400, "format 'html'"),
                                   ({"q": "a"}, 400, "target: required"),
                                   ({"q": 3, "target": "fr"}, 400, "q 3"),

@@ -74,3 +74,28 @@ def test_a_language_the_model_does_not_know_is_invalid_argument_naming_it(nllb, 
                                                           timeout=30)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert refused.value.details().startswith(f"{field} {value!r}: ") and "202 languages" in refused.value.details()
+
+
+def test_source_language_auto_detects_among_the_models_languages(nllb):
+    """source_language "auto": the language detected (py3langid) among the model's, in the response; the
+    translation equals the one of a call that names that language."""
+    _, server = nllb
+    english, french = sentences(ENGLISH, 3, 5), sentences(FRENCH, 3, 6)
+    with server.channel() as channel:
+        stub = pb_grpc.TranslationServiceStub(channel)
+        for texts, language in ((english, "eng_Latn"), (french, "fra_Latn")):
+            auto = stub.Translate(pb.TranslateRequest(sentences=texts, source_language="auto",
+                                                      target_language="deu_Latn"), timeout=60)
+            named = stub.Translate(pb.TranslateRequest(sentences=texts, source_language=language,
+                                                       target_language="deu_Latn"), timeout=60)
+            assert auto.detected_language.language == language and 0.5 < auto.detected_language.confidence <= 1
+            assert [t.text for t in auto.translations] == [t.text for t in named.translations]
+            assert not named.HasField("detected_language")
+        text = stub.TranslateText(pb.TranslateTextRequest(texts=[" ".join(french)], source_language="auto",
+                                                          target_language="eng_Latn"), timeout=60)
+        first = next(iter(stub.TranslateTextStream(pb.TranslateTextStreamRequest(
+            text=" ".join(french), source_language="auto", target_language="eng_Latn"), timeout=60)))
+        final = list(stub.TranslateStream(pb.TranslateStreamRequest(sentence=french[0], source_language="auto",
+                                                                    target_language="eng_Latn"), timeout=60))[-1]
+    assert text.detected_language.language == first.detected_language.language == "fra_Latn"
+    assert final.detected_language.language == "fra_Latn" and final.HasField("final")
