@@ -89,6 +89,10 @@ class Tokenizer:
         """The target tokens decoding is forced to start with, after the start token: none."""
         return []
 
+    def encode_target(self, text: str) -> list[int]:
+        """A target text's ids, no eos: the start of a translation that decoding is forced to (target_prefix)."""
+        return self.sp.encode(text)
+
     def piece(self, token_id: int) -> str:
         return self.sp.id_to_piece(token_id)
 
@@ -182,6 +186,12 @@ class MarianTokenizer:
     def target_prefix(self, target_language: str = "") -> list[int]:
         """None: a Marian model's target language is a source token."""
         return []
+
+    def encode_target(self, text: str) -> list[int]:
+        """A target text's ids, no eos (as MarianTokenizer's text_target, eos left out): target.spm's pieces,
+        the target vocabulary's ids."""
+        table = self.target_vocab or self.vocab
+        return [table.get(p, self.unk_id) for p in self.target.encode(text, out_type=str)]
 
     def encode(self, text: str, max_tokens: int | None = None, target_language: str = "",
                source_language: str = "") -> list[int]:
@@ -323,6 +333,10 @@ class M2M100Tokenizer:
     def target_prefix(self, target_language: str = "") -> list[int]:
         """The target language's token, which decoding is forced to start with."""
         return [self._language(target_language, "target")]
+
+    def encode_target(self, text: str) -> list[int]:
+        """A target text's ids, no eos and no language token (target_prefix's comes before them)."""
+        return self._model_ids[self.sp.encode(text)].tolist()
 
     def piece(self, token_id: int) -> str:
         """The token of an id (a language's too: `__fr__`, `fra_Latn`); "" for an id past the vocabulary."""

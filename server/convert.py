@@ -56,10 +56,11 @@ def translation(request: Request, decode, started: float, resumed: float | None,
                          total_ns=ns((request.finished or arrived) - arrived),
                          prepare_ns=ns(arrived - started), encoded_ns=ns((request.encoded or arrived) - arrived),
                          resumed_ns=ns((resumed or started) - started))
-    alternatives = [pb.Hypothesis(text=decode(h.tokens), output_tokens=len(h.tokens), score=h.score)
+    shown = request.shown_prefix  # a target_prefix's tokens begin every hypothesis
+    alternatives = [pb.Hypothesis(text=decode(shown + h.tokens), output_tokens=len(shown) + len(h.tokens), score=h.score)
                     for h in request.hypotheses[1:]]
-    message = pb.Translation(text=decode(request.tokens), input_tokens=len(request.src_ids),
-                             output_tokens=len(request.tokens), score=request.score if return_scores else 0.0,
+    message = pb.Translation(text=decode(shown + request.tokens), input_tokens=len(request.src_ids),
+                             output_tokens=len(shown) + len(request.tokens), score=request.score if return_scores else 0.0,
                              finish_reason=FINISH_REASONS.get(request.finish, pb.FINISH_REASON_UNSPECIFIED),
                              timings=timings, alternatives=alternatives)
     message.timings.handler_ns = ns(time.monotonic() - started)

@@ -180,6 +180,24 @@ class ServedModel:
         target = language if multilingual else ""
         return CallLanguages(source, target, tuple(self.tokenizer.target_prefix(target)))
 
+    def target_prefixes(self, texts, sources: list[list[int]], options: tuple[int, DecodingOptions, bool],
+                        languages: CallLanguages) -> list[tuple[int, ...]]:
+        """Each sentence's target_prefix as target ids (() where none); InvalidRequest for a count other than the
+        sentences' or a prefix that leaves its sentence no room in its output budget."""
+        if not texts:
+            return [()] * len(sources)
+        if len(texts) != len(sources):
+            raise InvalidRequest(f"target_prefix: {len(texts)} given for {len(sources)} sentences; one each, or none")
+        given = []
+        for i, (text, source) in enumerate(zip(texts, sources)):
+            ids = tuple(self.tokenizer.encode_target(text)) if text else ()
+            budget = self.engine.tr.limits.output_budget(len(source), options[0], options[1].length_rule)
+            if len(languages.prefix) + len(ids) >= budget:
+                raise InvalidRequest(f"target_prefix[{i}]: {len(ids)} tokens, which leave no room in the sentence's "
+                                     f"output budget of {budget} tokens")
+            given.append(ids)
+        return given
+
     def source(self, field: str, text: str, languages: CallLanguages) -> list[int]:
         if not text.strip():
             raise InvalidRequest(f"{field}: empty sentence")

@@ -37,6 +37,7 @@ class Request:
     scored: bool = True  # whether its score is read; greedy without: steps of such rows alone skip the log-softmax
     id: str = ""
     prefix: list[int] = field(default_factory=list)  # target tokens decoding is forced to start with (not in tokens)
+    shown_prefix: list[int] = field(default_factory=list)  # the end of `prefix` its output begins with (target_prefix)
     tokens: list[int] = field(default_factory=list)
     score: float = 0.0
     hypotheses: list[Hypothesis] = field(default_factory=list)

@@ -239,7 +239,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
 
     # -- engine round trip
     def _request(self, call: _Call, ids: list[int], options: tuple[int, DecodingOptions, bool], context,
-                 prefix: tuple[int, ...] = (), on_token=None, on_done=None):
+                 prefix: tuple[int, ...] = (), on_token=None, on_done=None, shown: tuple[int, ...] = ()):
         wakeups = self.wakeups
         future = wakeups.loop.create_future()
         remaining = context.time_remaining()
@@ -253,7 +253,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         max_tokens, search, scored = options
         request = Request(ids, max_decoding_length=max_tokens, options=search, on_token=on_token, on_finish=on_finish,
                           scored=scored, deadline=None if remaining is None else time.monotonic() + remaining,
-                          prefix=list(prefix))
+                          prefix=list(prefix), shown_prefix=list(shown))
         return request, future
 
     async def _fail(self, call: _Call, context, exc: Exception, rejected: bool = True):
@@ -332,7 +332,9 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             options = self._options(call, model, request)
             languages = model.languages(call.source_language, request.target_language)
             sources = [model.source(f"sentences[{i}]", s, languages) for i, s in enumerate(request.sentences)]
-            pairs = [self._request(call, ids, options, context, languages.prefix) for ids in sources]
+            given = model.target_prefixes(request.target_prefix, sources, options, languages)
+            pairs = [self._request(call, ids, options, context, languages.prefix + shown, shown=shown)
+                     for ids, shown in zip(sources, given)]
             for engine_request, _ in pairs:
                 self._submit(call, model, engine_request)
             # one sentence (most calls) awaits its future itself: gather's own future is one more event-loop hop

@@ -223,12 +223,16 @@ class Decoder:
         """Encode token-id sources once -> fresh rows for the decoder batch (on this translator's device).
         caches=False: their self-attention caches have no slots (rows that another state's `insert` or
         `append` takes, which read only their cross K/V). `prefixes`: each row's forced target tokens after the
-        start token (one length for all: a multilingual model's target language), fed in decoder steps here, so
-        that the rows leave at the position after them with their last one as the token they feed next."""
+        start token, fed in decoder steps here, so that the rows leave at the position after them with their last
+        one as the token they feed next (rows of different lengths: a prefill per length, rows then at mixed
+        positions)."""
         if prefixes and any(prefixes):
-            if len({len(p) for p in prefixes}) > 1:
-                raise ValueError(f"forced target prefixes of lengths {sorted({len(p) for p in prefixes})}: one length "
-                                 "for every row of a prefill")
+            lengths = sorted({len(p) for p in prefixes})
+            if len(lengths) > 1:  # a prefill per length, then the rows back in the sources' order
+                groups = [[i for i, p in enumerate(prefixes) if len(p) == n] for n in lengths]
+                parts = [self.prefill([sources[i] for i in rows], prefixes=[prefixes[i] for i in rows])
+                         for rows in groups]
+                return functools.reduce(BatchState.concatenate, parts).gather(np.argsort(np.concatenate(groups)))
             state = self.prefill(sources)
             for column in zip(*prefixes):
                 self.decode_candidates(state, 1)  # the step's K/V kept, its output not: the token is forced

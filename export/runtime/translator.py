@@ -192,10 +192,11 @@ class OnnxTranslator(Decoder):
         on, ignored, until finished sources are a quarter of the batch; then their rows leave together
         (as greedy's). With native_steps the library takes beam search's ordinary steps after the first
         (`_native_beam_steps`), and every other step comes back here."""
-        forced = state.length  # a forced prefix's tokens (`prefill`), counted in the budget and in lengths
+        # each source's forced prefix (`prefill`: its row's position), counted in the budget and in lengths
+        forced = state.positions.tolist()
         searches = [make_search(options, self.limits.output_budget(len(s), options.max_decoding_length,
-                                                                   options.length_rule) - forced, self.eos_id, forced)
-                    for s in sources]
+                                                                   options.length_rule) - f, self.eos_id, f)
+                    for s, f in zip(sources, forced)]
         width, k = searches[0].rows, searches[0].candidates
         beams = isinstance(searches[0], BeamSearch)
         # ordinary beam steps in the library, after the first (on the step that shares each source's cross K/V)
@@ -286,12 +287,21 @@ class OnnxTranslator(Decoder):
         """The n-best hypotheses of each token-id source, best first; sources are batched by sorted length,
         at most max_batch_size sources (each with its beam's rows) per batch. scores=False: greedy search
         skips the log-softmax and scores nothing (each score nan); beam search and sampling always score.
-        `prefixes`: each source's forced target tokens (one length for all; not in the hypotheses, counted in
-        their budgets and lengths, as transformers' forced_bos_token_id)."""
+        `prefixes`: each source's forced target tokens (not in the hypotheses, counted in their budgets and
+        lengths, as transformers' forced_bos_token_id)."""
         if max_batch_size < 1:
             raise ConfigError(f"max_batch_size {max_batch_size}: must be at least 1")
         options.check(self.vocab_size)
         results: list = [None] * len(sources)
+        lengths = sorted({len(p) for p in prefixes or [[]]})
+        if len(lengths) > 1:  # the native greedy loop runs rows at one position: batches of one prefix length each
+            for n in lengths:
+                rows = [i for i, p in enumerate(prefixes) if len(p) == n]
+                found = self.search_ids([sources[i] for i in rows], options, max_batch_size=max_batch_size,
+                                        scores=scores, prefixes=[prefixes[i] for i in rows] if n else None)
+                for i, hypotheses in zip(rows, found):
+                    results[i] = hypotheses
+            return results
         batches = list(sorted_batches([len(s) for s in sources], max_batch_size, self.inter_threads))
         # a group encoded (in one call: _prefill_group), then decoded batch after batch: each graph's weights stay
         # in the CPU cache from one run to the next (both graphs' may not fit in a small host's last-level cache);
@@ -366,24 +376,46 @@ class OnnxTranslator(Decoder):
                         sampling_topk: int = 1, sampling_topp: float = 1.0, sampling_temperature: float = 1.0,
                         seed: int = 0, max_decoding_length: int = 256, beam_stopping: str = "ctranslate2",
                         length_rule: str = "nmtserve", return_scores: bool = False, source_language: str = "",
-                        target_language: str = "") -> list[Translation]:
+                        target_language: str = "", target_prefix: list[str | None] | None = None) -> list[Translation]:
         """Translate texts, with CTranslate2's decoding options (nmtserve/search.py says what each does):
         greedy by default, beam search with beam_size > 1, random sampling with sampling_topk != 1. Each
         Translation is the best hypothesis, with the rest of the n-best list in `alternatives`. Inputs are
         sorted by length so that each batch has little padding. A multilingual model takes the languages (its
-        defaults where not given; a ValueError names one it does not know)."""
+        defaults where not given; a ValueError names one it does not know). `target_prefix` (CTranslate2's, as text):
+        for each text the start its translation is forced to (None or "": none); each hypothesis begins with it."""
         options = DecodingOptions(beam_size, num_hypotheses, length_penalty, patience, sampling_topk, sampling_topp,
                                   sampling_temperature, seed, max_decoding_length, beam_stopping, length_rule)
         encode = self.tokenizer.encode
         ids = [encode(t, self.limits.max_source_tokens, target_language, source_language) or [self.eos_id]
                for t in texts]
-        prefix = self.tokenizer.target_prefix(target_language)
+        forced = self.forced_prefixes(ids, options, target_prefix, self.tokenizer.target_prefix(target_language))
         found = self.search_ids(ids, options, max_batch_size=max_batch_size, scores=return_scores,
-                                prefixes=[prefix] * len(ids) if prefix else None)
-        return [self._translation(hypotheses, return_scores) for hypotheses in found]
+                                prefixes=[language + given for language, given in forced] if any(map(any, forced))
+                                else None)
+        return [self._translation(hypotheses, return_scores, given) for hypotheses, (_, given) in zip(found, forced)]
 
-    def _translation(self, hypotheses: list[Hypothesis], return_scores: bool) -> Translation:
-        best, *rest = [Translation(self.tokenizer.decode(h.tokens), h.tokens, h.score if return_scores else None)
+    def forced_prefixes(self, sources: list[list[int]], options: DecodingOptions, target_prefix: list | None,
+                        language: list[int]) -> list[tuple[list[int], list[int]]]:
+        """Each source's forced target tokens: (the target language's, target_prefix's) -> ValueError naming
+        target_prefix or the entry that does not fit (a prefix must leave room for one token in the budget)."""
+        if target_prefix is None:
+            return [(language, [])] * len(sources)
+        if len(target_prefix) != len(sources):
+            raise ValueError(f"target_prefix: {len(target_prefix)} given for {len(sources)} texts; one each")
+        forced = []
+        for i, (source, text) in enumerate(zip(sources, target_prefix)):
+            given = self.tokenizer.encode_target(text) if text else []
+            budget = self.limits.output_budget(len(source), options.max_decoding_length, options.length_rule)
+            if len(language) + len(given) >= budget:
+                raise ValueError(f"target_prefix[{i}]: {len(given)} tokens, which leave no room in this sentence's "
+                                 f"output budget of {budget} tokens")
+            forced.append((language, given))
+        return forced
+
+    def _translation(self, hypotheses: list[Hypothesis], return_scores: bool, prefix: list[int] = ()) -> Translation:
+        """A hypothesis as text; a forced target_prefix's tokens come first (its tokens' scores are not counted)."""
+        best, *rest = [Translation(self.tokenizer.decode([*prefix, *h.tokens]), [*prefix, *h.tokens],
+                                   h.score if return_scores else None)
                        for h in hypotheses]
         best.alternatives = rest
         return best

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dnmtserve/v1/translation.proto\x12\x0bnmtserve.v1\"\xca\x03\n\x0f\x44\x65\x63odingOptions\x12\x1b\n\x13max_decoding_length\x18\x01 \x01(\r\x12\x15\n\rreturn_scores\x18\x02 \x01(\x08\x12\x11\n\tbeam_size\x18\x03 \x01(\r\x12\x16\n\x0enum_hypotheses\x18\x04 \x01(\r\x12\x1b\n\x0elength_penalty\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12\x15\n\x08patience\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x1a\n\rsampling_topk\x18\x07 \x01(\rH\x02\x88\x01\x01\x12\x1a\n\rsampling_topp\x18\x08 \x01(\x02H\x03\x88\x01\x01\x12!\n\x14sampling_temperature\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x30\n\rbeam_stopping\x18\x0b \x01(\x0e\x32\x19.nmtserve.v1.BeamStopping\x12,\n\x0blength_rule\x18\x0c \x01(\x0e\x32\x17.nmtserve.v1.LengthRuleB\x11\n\x0f_length_penaltyB\x0b\n\t_patienceB\x10\n\x0e_sampling_topkB\x10\n\x0e_sampling_toppB\x17\n\x15_sampling_temperature\"\x9d\x01\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x1e\n\x16time_to_first_token_ns\x18\x02 \x01(\x04\x12\x10\n\x08total_ns\x18\x03 \x01(\x04\x12\x12\n\nprepare_ns\x18\x04 \x01(\x04\x12\x12\n\nhandler_ns\x18\x05 \x01(\x04\x12\x12\n\nencoded_ns\x18\x06 \x01(\x04\x12\x12\n\nresumed_ns\x18\x07 \x01(\x04\"@\n\nHypothesis\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\r\n\x05score\x18\x03 \x01(\x02\"\xdf\x01\n\x0bTranslation\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x14\n\x0cinput_tokens\x18\x02 \x01(\r\x12\x15\n\routput_tokens\x18\x03 \x01(\r\x12\r\n\x05score\x18\x04 \x01(\x02\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.nmtserve.v1.FinishReason\x12%\n\x07timings\x18\x06 \x01(\x0b\x32\x14.nmtserve.v1.Timings\x12-\n\x0c\x61lternatives\x18\x07 \x03(\x0b\x32\x17.nmtserve.v1.Hypothesis\"\x95\x01\n\x10TranslateRequest\x12\x11\n\tsentences\x18\x01 \x03(\t\x12-\n\x07options\x18\x02 \x01(\x0b\x32\x1c.nmtserve.v1.DecodingOptions\x12\x17\n\x0ftarget_language\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x17\n\x0fsource_language\x18\x05 \x01(\t\"8\n\x10\x44\x65tectedLanguage\x12\x10\n\x08language\x18\x01 \x01(\t\x12\x12\n\nconfidence\x18\x02 \x01(\x02\"}\n\x11TranslateResponse\x12.\n\x0ctranslations\x18\x01 \x03(\x0b\x32\x18.nmtserve.v1.Translation\x12\x38\n\x11\x64\x65tected_language\x18\x02 \x01(\x0b\x32\x1d.nmtserve.v1.DetectedLanguage\"\x9a\x01\n\x16TranslateStreamRequest\x12\x10\n\x08sentence\x18\x01 \x01(\t\x12-\n\x07options\x18\x02 \x01(\x0b\x32\x1c.nmtserve.v1.DecodingOptions\x12\x17\n\x0ftarget_language\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x17\n\x0fsource_language\x18\x05 \x01(\t\"\x98\x01\n\x17TranslateStreamResponse\x12\x0f\n\x05\x64\x65lta\x18\x01 \x01(\tH\x00\x12)\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x18.nmtserve.v1.TranslationH\x00\x12\x38\n\x11\x64\x65tected_language\x18\x03 \x01(\x0b\x32\x1d.nmtserve.v1.DetectedLanguageB\x07\n\x05\x65vent\"\xc2\x01\n\x14TranslateTextRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x11\n\tmime_type\x18\x02 \x01(\t\x12-\n\x07options\x18\x03 \x01(\x0b\x32\x1c.nmtserve.v1.DecodingOptions\x12\r\n\x05model\x18\x04 \x01(\t\x12\x17\n\x0fsource_language\x18\x05 \x01(\t\x12\x17\n\x0ftarget_language\x18\x06 \x01(\t\x12\x18\n\x10return_alignment\x18\x07 \x01(\x08\"g\n\x11SentenceAlignment\x12\x14\n\x0csource_start\x18\x01 \x01(\r\x12\x12\n\nsource_end\x18\x02 \x01(\r\x12\x14\n\x0ctarget_start\x18\x03 \x01(\r\x12\x12\n\ntarget_end\x18\x04 \x01(\r\"\x92\x01\n\x0fTextTranslation\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\tsentences\x18\x02 \x01(\r\x12\x14\n\x0cinput_tokens\x18\x03 \x01(\r\x12\x15\n\routput_tokens\x18\x04 \x01(\r\x12\x31\n\talignment\x18\x05 \x03(\x0b\x32\x1e.nmtserve.v1.SentenceAlignment\"\x85\x01\n\x15TranslateTextResponse\x12\x32\n\x0ctranslations\x18\x01 \x03(\x0b\x32\x1c.nmtserve.v1.TextTranslation\x12\x38\n\x11\x64\x65tected_language\x18\x02 \x01(\x0b\x32\x1d.nmtserve.v1.DetectedLanguage\"\xad\x01\n\x1aTranslateTextStreamRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\tmime_type\x18\x02 \x01(\t\x12-\n\x07options\x18\x03 \x01(\x0b\x32\x1c.nmtserve.v1.DecodingOptions\x12\r\n\x05model\x18\x04 \x01(\t\x12\x17\n\x0fsource_language\x18\x05 \x01(\t\x12\x17\n\x0ftarget_language\x18\x06 \x01(\t\"\x99\x01\n\x1bTranslateTextStreamResponse\x12\r\n\x05\x64\x65lta\x18\x01 \x01(\t\x12\x31\n\talignment\x18\x02 \x01(\x0b\x32\x1e.nmtserve.v1.SentenceAlignment\x12\x38\n\x11\x64\x65tected_language\x18\x03 \x01(\x0b\x32\x1d.nmtserve.v1.DetectedLanguage\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.nmtserve.v1.ModelInfo\"\xba\x01\n\x06Limits\x12\x15\n\rmax_sentences\x18\x01 \x01(\r\x12\x1a\n\x12max_sentence_chars\x18\x02 \x01(\r\x12\x19\n\x11max_source_tokens\x18\x03 \x01(\r\x12\x1b\n\x13max_decoding_length\x18\x04 \x01(\r\x12\x15\n\rmax_beam_size\x18\x05 \x01(\r\x12\x16\n\x0emax_text_chars\x18\x06 \x01(\r\x12\x16\n\x0emax_call_chars\x18\x07 \x01(\r\"\xc5\x02\n\tModelInfo\x12\x17\n\x0fsource_language\x18\x01 \x01(\t\x12\x17\n\x0ftarget_language\x18\x02 \x01(\t\x12\x11\n\tbundle_id\x18\x03 \x01(\t\x12\x0f\n\x07variant\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nmodel_json\x18\x06 \x01(\t\x12#\n\x06limits\x18\x07 \x01(\x0b\x32\x13.nmtserve.v1.Limits\x12\x35\n\x0f\x64\x65\x66\x61ult_options\x18\x08 \x01(\x0b\x32\x1c.nmtserve.v1.DecodingOptions\x12\x18\n\x10target_languages\x18\t \x03(\t\x12\r\n\x05model\x18\n \x01(\t\x12\x0e\n\x06graphs\x18\x0b \x03(\t\x12\x0f\n\x07kernels\x18\x0c \x01(\t\x12\x18\n\x10source_languages\x18\r \x03(\t*l\n\x0c\x42\x65\x61mStopping\x12\x1d\n\x19\x42\x45\x41M_STOPPING_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x42\x45\x41M_STOPPING_CTRANSLATE2\x10\x01\x12\x1e\n\x1a\x42\x45\x41M_STOPPING_TRANSFORMERS\x10\x02*~\n\nLengthRule\x12\x1b\n\x17LENGTH_RULE_UNSPECIFIED\x10\x00\x12\x18\n\x14LENGTH_RULE_NMTSERVE\x10\x01\x12\x1c\n\x18LENGTH_RULE_TRANSFORMERS\x10\x02\x12\x1b\n\x17LENGTH_RULE_CTRANSLATE2\x10\x03*^\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\x9d\x04\n\x12TranslationService\x12J\n\tTranslate\x12\x1d.nmtserve.v1.TranslateRequest\x1a\x1e.nmtserve.v1.TranslateResponse\x12^\n\x0fTranslateStream\x12#.nmtserve.v1.TranslateStreamRequest\x1a$.nmtserve.v1.TranslateStreamResponse0\x01\x12V\n\rTranslateText\x12!.nmtserve.v1.TranslateTextRequest\x1a\".nmtserve.v1.TranslateTextResponse\x12j\n\x13TranslateTextStream\x12\'.nmtserve.v1.TranslateTextStreamRequest\x1a(.nmtserve.v1.TranslateTextStreamResponse0\x01\x12H\n\x0cGetModelInfo\x12 .nmtserve.v1.GetModelInfoRequest\x1a\x16.nmtserve.v1.ModelInfo\x12M\n\nListModels\x12\x1e.nmtserve.v1.ListModelsRequest\x1a\x1f.nmtserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dnmtserve/v1/translation.proto\x12\x0bnmtserve.v1\"\xca\x03\n\x0f\x44\x65\x63odingOptions\x12\x1b\n\x13max_decoding_length\x18\x01 \x01(\r\x12\x15\n\rreturn_scores\x18\x02 \x01(\x08\x12\x11\n\tbeam_size\x18\x03 \x01(\r\x12\x16\n\x0enum_hypotheses\x18\x04 \x01(\r\x12\x1b\n\x0elength_penalty\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12\x15\n\x08patience\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x1a\n\rsampling_topk\x18\x07 \x01(\rH\x02\x88\x01\x01\x12\x1a\n\rsampling_topp\x18\x08 \x01(\x02H\x03\x88\x01\x01\x12!\n\x14sampling_temperature\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x30\n\rbeam_stopping\x18\x0b \x01(\x0e\x32\x19.nmtserve.v1.BeamStopping\x12,\n\x0blength_rule\x18\x0c \x01(\x0e\x32\x17.nmtserve.v1.LengthRuleB\x11\n\x0f_length_penaltyB\x0b\n\t_patienceB\x10\n\x0e_sampling_topkB\x10\n\x0e_sampling_toppB\x17\n\x15_sampling_temperature\"\x9d\x01\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x1e\n\x16time_to_first_token_ns\x18\x02 \x01(\x04\x12\x10\n\x08total_ns\x18\x03 \x01(\x04\x12\x12\n\nprepare_ns\x18\x04 \x01(\x04\x12\x12\n\nhandler_ns\x18\x05 \x01(\x04\x12\x12\n\nencoded_ns\x18\x06 \x01(\x04\x12\x12\n\nresumed_ns\x18\x07 \x01(\x04\"@\n\nHypothesis\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\r\n\x05score\x18\x03 \x01(\x02\"\xdf\x01\n\x0bTranslation\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x14\n\x0cinput_tokens\x18\x02 \x01(\r\x12\x15\n\routput_tokens\x18\x03 \x01(\r\x12\r\n\x05score\x18\x04 \x01(\x02\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.nmtserve.v1.FinishReason\x12%\n\x07timings\x18\x06 \x01(\x0b\x32\x14.nmtserve.v1.Timings\x12-\n\x0c\x61lternatives\x18\x07 \x03(\x0b\x32\x17.nmtserve.v1.Hypothesis\"\xac\x01\n\x10TranslateRequest\x12\x11\n\tsentences\x18\x01 \x03(\t\x12-\n\x07options\x18\x02 \x01(\x0b\x32\x1c.nmtserve.v1.DecodingOptions\x12\x17\n\x0ftarget_language\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x17\n\x0fsource_language\x18\x05 \x01(\t\x12\x15\n\rtarget_prefix\x18\x06 \x03(\t\"8\n\x10\x44\x65tectedLanguage\x12\x10\n\x08language\x18\x01 \x01(\t\x12\x12\n\nconfidence\x18\x02 \x01(\x02\"}\n\x11TranslateResponse\x12.\n\x0ctranslations\x18\x01 \x03(\x0b\x32\x18.nmtserve.v1.Translation\x12\x38\n\x11\x64\x65tected_language\x18\x02 \x01(\x0b\x32\x1d.nmtserve.v1.DetectedLanguage\"\x9a\x01\n\x16TranslateStreamRequest\x12\x10\n\x08sentence\x18\x01 \x01(\t\x12-\n\x07options\x18\x02 \x01(\x0b\x32\x1c.nmtserve.v1.DecodingOptions\x12\x17\n\x0ftarget_language\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x17\n\x0fsource_language\x18\x05 \x01(\t\"\x98\x01\n\x17TranslateStreamResponse\x12\x0f\n\x05\x64\x65lta\x18\x01 \x01(\tH\x00\x12)\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x18.nmtserve.v1.TranslationH\x00\x12\x38\n\x11\x64\x65tected_language\x18\x03 \x01(\x0b\x32\x1d.nmtserve.v1.DetectedLanguageB\x07\n\x05\x65vent\"\xc2\x01\n\x14TranslateTextRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x11\n\tmime_type\x18\x02 \x01(\t\x12-\n\x07options\x18\x03 \x01(\x0b\x32\x1c.nmtserve.v1.DecodingOptions\x12\r\n\x05model\x18\x04 \x01(\t\x12\x17\n\x0fsource_language\x18\x05 \x01(\t\x12\x17\n\x0ftarget_language\x18\x06 \x01(\t\x12\x18\n\x10return_alignment\x18\x07 \x01(\x08\"g\n\x11SentenceAlignment\x12\x14\n\x0csource_start\x18\x01 \x01(\r\x12\x12\n\nsource_end\x18\x02 \x01(\r\x12\x14\n\x0ctarget_start\x18\x03 \x01(\r\x12\x12\n\ntarget_end\x18\x04 \x01(\r\"\x92\x01\n\x0fTextTranslation\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\tsentences\x18\x02 \x01(\r\x12\x14\n\x0cinput_tokens\x18\x03 \x01(\r\x12\x15\n\routput_tokens\x18\x04 \x01(\r\x12\x31\n\talignment\x18\x05 \x03(\x0b\x32\x1e.nmtserve.v1.SentenceAlignment\"\x85\x01\n\x15TranslateTextResponse\x12\x32\n\x0ctranslations\x18\x01 \x03(\x0b\x32\x1c.nmtserve.v1.TextTranslation\x12\x38\n\x11\x64\x65tected_language\x18\x02 \x01(\x0b\x32\x1d.nmtserve.v1.DetectedLanguage\"\xad\x01\n\x1aTranslateTextStreamRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\tmime_type\x18\x02 \x01(\t\x12-\n\x07options\x18\x03 \x01(\x0b\x32\x1c.nmtserve.v1.DecodingOptions\x12\r\n\x05model\x18\x04 \x01(\t\x12\x17\n\x0fsource_language\x18\x05 \x01(\t\x12\x17\n\x0ftarget_language\x18\x06 \x01(\t\"\x99\x01\n\x1bTranslateTextStreamResponse\x12\r\n\x05\x64\x65lta\x18\x01 \x01(\t\x12\x31\n\talignment\x18\x02 \x01(\x0b\x32\x1e.nmtserve.v1.SentenceAlignment\x12\x38\n\x11\x64\x65tected_language\x18\x03 \x01(\x0b\x32\x1d.nmtserve.v1.DetectedLanguage\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.nmtserve.v1.ModelInfo\"\xba\x01\n\x06Limits\x12\x15\n\rmax_sentences\x18\x01 \x01(\r\x12\x1a\n\x12max_sentence_chars\x18\x02 \x01(\r\x12\x19\n\x11max_source_tokens\x18\x03 \x01(\r\x12\x1b\n\x13max_decoding_length\x18\x04 \x01(\r\x12\x15\n\rmax_beam_size\x18\x05 \x01(\r\x12\x16\n\x0emax_text_chars\x18\x06 \x01(\r\x12\x16\n\x0emax_call_chars\x18\x07 \x01(\r\"\xc5\x02\n\tModelInfo\x12\x17\n\x0fsource_language\x18\x01 \x01(\t\x12\x17\n\x0ftarget_language\x18\x02 \x01(\t\x12\x11\n\tbundle_id\x18\x03 \x01(\t\x12\x0f\n\x07variant\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nmodel_json\x18\x06 \x01(\t\x12#\n\x06limits\x18\x07 \x01(\x0b\x32\x13.nmtserve.v1.Limits\x12\x35\n\x0f\x64\x65\x66\x61ult_options\x18\x08 \x01(\x0b\x32\x1c.nmtserve.v1.DecodingOptions\x12\x18\n\x10target_languages\x18\t \x03(\t\x12\r\n\x05model\x18\n \x01(\t\x12\x0e\n\x06graphs\x18\x0b \x03(\t\x12\x0f\n\x07kernels\x18\x0c \x01(\t\x12\x18\n\x10source_languages\x18\r \x03(\t*l\n\x0c\x42\x65\x61mStopping\x12\x1d\n\x19\x42\x45\x41M_STOPPING_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x42\x45\x41M_STOPPING_CTRANSLATE2\x10\x01\x12\x1e\n\x1a\x42\x45\x41M_STOPPING_TRANSFORMERS\x10\x02*~\n\nLengthRule\x12\x1b\n\x17LENGTH_RULE_UNSPECIFIED\x10\x00\x12\x18\n\x14LENGTH_RULE_NMTSERVE\x10\x01\x12\x1c\n\x18LENGTH_RULE_TRANSFORMERS\x10\x02\x12\x1b\n\x17LENGTH_RULE_CTRANSLATE2\x10\x03*^\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\x9d\x04\n\x12TranslationService\x12J\n\tTranslate\x12\x1d.nmtserve.v1.TranslateRequest\x1a\x1e.nmtserve.v1.TranslateResponse\x12^\n\x0fTranslateStream\x12#.nmtserve.v1.TranslateStreamRequest\x1a$.nmtserve.v1.TranslateStreamResponse0\x01\x12V\n\rTranslateText\x12!.nmtserve.v1.TranslateTextRequest\x1a\".nmtserve.v1.TranslateTextResponse\x12j\n\x13TranslateTextStream\x12\'.nmtserve.v1.TranslateTextStreamRequest\x1a(.nmtserve.v1.TranslateTextStreamResponse0\x01\x12H\n\x0cGetModelInfo\x12 .nmtserve.v1.GetModelInfoRequest\x1a\x16.nmtserve.v1.ModelInfo\x12M\n\nListModels\x12\x1e.nmtserve.v1.ListModelsRequest\x1a\x1f.nmtserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nmtserve.v1.translation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BEAMSTOPPING']._serialized_start=3165
-  _globals['_BEAMSTOPPING']._serialized_end=3273
-  _globals['_LENGTHRULE']._serialized_start=3275
-  _globals['_LENGTHRULE']._serialized_end=3401
-  _globals['_FINISHREASON']._serialized_start=3403
-  _globals['_FINISHREASON']._serialized_end=3497
+  _globals['_BEAMSTOPPING']._serialized_start=3188
+  _globals['_BEAMSTOPPING']._serialized_end=3296
+  _globals['_LENGTHRULE']._serialized_start=3298
+  _globals['_LENGTHRULE']._serialized_end=3424
+  _globals['_FINISHREASON']._serialized_start=3426
+  _globals['_FINISHREASON']._serialized_end=3520
   _globals['_DECODINGOPTIONS']._serialized_start=47
   _globals['_DECODINGOPTIONS']._serialized_end=505
   _globals['_TIMINGS']._serialized_start=508
@@ -46,37 +46,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRANSLATION']._serialized_start=734
   _globals['_TRANSLATION']._serialized_end=957
   _globals['_TRANSLATEREQUEST']._serialized_start=960
-  _globals['_TRANSLATEREQUEST']._serialized_end=1109
-  _globals['_DETECTEDLANGUAGE']._serialized_start=1111
-  _globals['_DETECTEDLANGUAGE']._serialized_end=1167
-  _globals['_TRANSLATERESPONSE']._serialized_start=1169
-  _globals['_TRANSLATERESPONSE']._serialized_end=1294
-  _globals['_TRANSLATESTREAMREQUEST']._serialized_start=1297
-  _globals['_TRANSLATESTREAMREQUEST']._serialized_end=1451
-  _globals['_TRANSLATESTREAMRESPONSE']._serialized_start=1454
-  _globals['_TRANSLATESTREAMRESPONSE']._serialized_end=1606
-  _globals['_TRANSLATETEXTREQUEST']._serialized_start=1609
-  _globals['_TRANSLATETEXTREQUEST']._serialized_end=1803
-  _globals['_SENTENCEALIGNMENT']._serialized_start=1805
-  _globals['_SENTENCEALIGNMENT']._serialized_end=1908
-  _globals['_TEXTTRANSLATION']._serialized_start=1911
-  _globals['_TEXTTRANSLATION']._serialized_end=2057
-  _globals['_TRANSLATETEXTRESPONSE']._serialized_start=2060
-  _globals['_TRANSLATETEXTRESPONSE']._serialized_end=2193
-  _globals['_TRANSLATETEXTSTREAMREQUEST']._serialized_start=2196
-  _globals['_TRANSLATETEXTSTREAMREQUEST']._serialized_end=2369
-  _globals['_TRANSLATETEXTSTREAMRESPONSE']._serialized_start=2372
-  _globals['_TRANSLATETEXTSTREAMRESPONSE']._serialized_end=2525
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2527
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2563
-  _globals['_LISTMODELSREQUEST']._serialized_start=2565
-  _globals['_LISTMODELSREQUEST']._serialized_end=2584
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2586
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2646
-  _globals['_LIMITS']._serialized_start=2649
-  _globals['_LIMITS']._serialized_end=2835
-  _globals['_MODELINFO']._serialized_start=2838
-  _globals['_MODELINFO']._serialized_end=3163
-  _globals['_TRANSLATIONSERVICE']._serialized_start=3500
-  _globals['_TRANSLATIONSERVICE']._serialized_end=4041
+  _globals['_TRANSLATEREQUEST']._serialized_end=1132
+  _globals['_DETECTEDLANGUAGE']._serialized_start=1134
+  _globals['_DETECTEDLANGUAGE']._serialized_end=1190
+  _globals['_TRANSLATERESPONSE']._serialized_start=1192
+  _globals['_TRANSLATERESPONSE']._serialized_end=1317
+  _globals['_TRANSLATESTREAMREQUEST']._serialized_start=1320
+  _globals['_TRANSLATESTREAMREQUEST']._serialized_end=1474
+  _globals['_TRANSLATESTREAMRESPONSE']._serialized_start=1477
+  _globals['_TRANSLATESTREAMRESPONSE']._serialized_end=1629
+  _globals['_TRANSLATETEXTREQUEST']._serialized_start=1632
+  _globals['_TRANSLATETEXTREQUEST']._serialized_end=1826
+  _globals['_SENTENCEALIGNMENT']._serialized_start=1828
+  _globals['_SENTENCEALIGNMENT']._serialized_end=1931
+  _globals['_TEXTTRANSLATION']._serialized_start=1934
+  _globals['_TEXTTRANSLATION']._serialized_end=2080
+  _globals['_TRANSLATETEXTRESPONSE']._serialized_start=2083
+  _globals['_TRANSLATETEXTRESPONSE']._serialized_end=2216
+  _globals['_TRANSLATETEXTSTREAMREQUEST']._serialized_start=2219
+  _globals['_TRANSLATETEXTSTREAMREQUEST']._serialized_end=2392
+  _globals['_TRANSLATETEXTSTREAMRESPONSE']._serialized_start=2395
+  _globals['_TRANSLATETEXTSTREAMRESPONSE']._serialized_end=2548
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2550
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2586
+  _globals['_LISTMODELSREQUEST']._serialized_start=2588
+  _globals['_LISTMODELSREQUEST']._serialized_end=2607
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2609
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2669
+  _globals['_LIMITS']._serialized_start=2672
+  _globals['_LIMITS']._serialized_end=2858
+  _globals['_MODELINFO']._serialized_start=2861
+  _globals['_MODELINFO']._serialized_end=3186
+  _globals['_TRANSLATIONSERVICE']._serialized_start=3523
+  _globals['_TRANSLATIONSERVICE']._serialized_end=4064
 # @@protoc_insertion_point(module_scope)

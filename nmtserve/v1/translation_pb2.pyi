@@ -111,18 +111,20 @@ class Translation(_message.Message):
     def __init__(self, text: _Optional[str] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., score: _Optional[float] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., alternatives: _Optional[_Iterable[_Union[Hypothesis, _Mapping]]] = ...) -> None: ...
 
 class TranslateRequest(_message.Message):
-    __slots__ = ("sentences", "options", "target_language", "model", "source_language")
+    __slots__ = ("sentences", "options", "target_language", "model", "source_language", "target_prefix")
     SENTENCES_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     TARGET_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SOURCE_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PREFIX_FIELD_NUMBER: _ClassVar[int]
     sentences: _containers.RepeatedScalarFieldContainer[str]
     options: DecodingOptions
     target_language: str
     model: str
     source_language: str
-    def __init__(self, sentences: _Optional[_Iterable[str]] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., target_language: _Optional[str] = ..., model: _Optional[str] = ..., source_language: _Optional[str] = ...) -> None: ...
+    target_prefix: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sentences: _Optional[_Iterable[str]] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., target_language: _Optional[str] = ..., model: _Optional[str] = ..., source_language: _Optional[str] = ..., target_prefix: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DetectedLanguage(_message.Message):
     __slots__ = ("language", "confidence")

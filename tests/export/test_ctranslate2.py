@@ -44,3 +44,32 @@ def test_length_rule_ctranslate2_gives_ctranslate2s_tokens_where_nmtserves_cap_s
         ours = [greedy_decode(loaded.model.eval(), *pad([s], 0), 60, "ctranslate2")[0][0] for s in sources]
     assert any(len(t) > 2 * len(s) + 10 for t, s in zip(ours, sources))  # some rows ran past nmtserve's cap
     assert sum(a == b for a, b in zip(got, ours)) >= 0.95 * len(sources)
+
+
+def test_target_prefix_gives_ctranslate2s_tokens(tiny_checkpoint, tiny_bundle, tiny_corpus, tmp_path):
+    """translate_batch's target_prefix (CTranslate2's, as text): 200 sentences, each forced to start with the first
+    0 to 3 words of its reference, rows of every prefix length in one batch; fp32. Greedy: CTranslate2's tokens on
+    the same weights, prefix included, on every sentence; beam 4 on at least 95% (this barely trained model's
+    near-ties). CTranslate2 runs one sentence a call: its own results for a row change with the other rows'
+    prefixes in a batch; ours do not (the batch-1 run below)."""
+    from nmtserve.export.runtime.translator import OnnxTranslator
+
+    loaded = load_model(tiny_checkpoint)
+    sp = loaded.tokenizer.sp
+    pairs = read_tsv(tiny_corpus / "train.tsv").pairs[:200]
+    texts = [source for source, _ in pairs]
+    prefixes = [" ".join(target.split()[:i % 4]) or None for i, (_, target) in enumerate(pairs)]
+    ct2 = ctranslate2.Translator(str(convert(loaded, tmp_path / "ct2")), device="cpu")
+    ours = OnnxTranslator(tiny_bundle)
+    for beam, least in ((1, 200), (4, 190)):
+        theirs = ct2.translate_batch([sp.encode(t, out_type=str) for t in texts], beam_size=beam, max_decoding_length=40,
+                                     min_decoding_length=0, length_penalty=1.0, max_batch_size=1,
+                                     target_prefix=[sp.encode(p, out_type=str) if p else None for p in prefixes])
+        got = ours.translate_batch(texts, beam_size=beam, max_decoding_length=40, length_rule="ctranslate2",
+                                   length_penalty=1.0, target_prefix=prefixes)
+        alone = ours.translate_batch(texts, beam_size=beam, max_decoding_length=40, length_rule="ctranslate2",
+                                     length_penalty=1.0, target_prefix=prefixes, max_batch_size=1)
+        assert [t.tokens for t in got] == [t.tokens for t in alone]
+        assert all(t.tokens[:len(sp.encode(p))] == sp.encode(p) and t.text.startswith(p) for t, p in zip(got, prefixes) if p)
+        same = sum(t.tokens == [sp.piece_to_id(p) for p in r.hypotheses[0]] for t, r in zip(got, theirs))
+        assert same >= least, (beam, same)

@@ -114,3 +114,29 @@ def test_model_info_reports_the_beam_limit(served):
     with served.channel() as channel:
         info = pb_grpc.TranslationServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest())
     assert info.limits.max_beam_size == 8
+
+
+def test_target_prefix_in_one_call_with_others_gets_the_offline_result(served, tiny_bundle, tiny_corpus):
+    """target_prefix per sentence (rows of 0 to 3 forced words in one admission, beside calls without), greedy and
+    beam 4: each translation begins with its prefix and equals OnnxTranslator's translate_batch; a count other than
+    the sentences' or a prefix without room is INVALID_ARGUMENT naming it."""
+    pairs = read_tsv(tiny_corpus / "test.tsv").pairs[:8]
+    texts = [s for s, _ in pairs]
+    prefixes = [" ".join(t.split()[:i % 4]) for i, (_, t) in enumerate(pairs)]
+    tr = OnnxTranslator(tiny_bundle, shared_cross=False)
+    with served.channel() as channel:
+        stub = pb_grpc.TranslationServiceStub(channel)
+        for beam in (1, 4):
+            expected = tr.translate_batch(texts, beam_size=beam, max_decoding_length=64, target_prefix=prefixes)
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                plain = pool.submit(stub.Translate, pb.TranslateRequest(sentences=texts), timeout=60)
+                got = stub.Translate(pb.TranslateRequest(sentences=texts, target_prefix=prefixes,
+                                                         options=pb.DecodingOptions(beam_size=beam)), timeout=60)
+                plain.result()
+            assert [t.text for t in got.translations] == [t.text for t in expected]
+            assert all(t.text.startswith(p) for t, p in zip(got.translations, prefixes))
+        for prefixes, message in ((["Le"], "target_prefix: 1 given for 8 sentences"),
+                                  ([""] * 7 + ["le " * 80], "target_prefix[7]: ")):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Translate(pb.TranslateRequest(sentences=texts, target_prefix=prefixes), timeout=60)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details()
