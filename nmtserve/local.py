@@ -41,6 +41,8 @@ def local_translator(model: str, args) -> Callable[[list[str]], list[list[tuple[
     if not Path(model).exists():
         raise NmtserveError(f"{model}: no such bundle directory or checkpoint file")
     if not Path(model).is_dir():
+        if getattr(args, "target_prefix", ""):
+            raise NmtserveError("--target-prefix: a bundle, a model folder or --server; not a checkpoint")
         return _checkpoint_translator(model, args)
     return _bundle_translator(bundle_for(model, lambda line: print(line, file=sys.stderr)), args)
 
@@ -56,12 +58,18 @@ def _bundle_translator(path: str, args) -> Callable[[list[str]], list[list[tuple
         try:
             ids = [tr.tokenizer.encode(t, tr.limits.max_source_tokens, args.target_lang, args.source_lang) or [tr.eos_id]
                    for t in texts]
-            prefix = tr.tokenizer.target_prefix(args.target_lang)
+            language = tr.tokenizer.target_prefix(args.target_lang)
         except ValueError as e:  # a language the multilingual model has no token for
             raise NmtserveError(f"--source-lang/--target-lang: {e}") from None
-        return [[(tr.tokenizer.decode(h.tokens), h.score) for h in hypotheses]
-                for hypotheses in tr.search_ids(ids, options, max_batch_size=args.batch_size,
-                                                prefixes=[prefix] * len(ids) if prefix else None)]
+        try:
+            given = getattr(args, "target_prefix", "")  # translate's flag (evaluate has none)
+            forced = tr.forced_prefixes(ids, options, [given] * len(ids) if given else None, language)
+        except ValueError as e:
+            raise NmtserveError(f"--target-prefix: {e}") from None
+        prefixes = [lang + given for lang, given in forced]
+        return [[(tr.tokenizer.decode(given + h.tokens), h.score) for h in hypotheses]
+                for hypotheses, (_, given) in zip(tr.search_ids(ids, options, max_batch_size=args.batch_size,
+                                                                prefixes=prefixes if any(prefixes) else None), forced)]
     return translate
 
 

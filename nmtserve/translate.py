@@ -68,6 +68,8 @@ def _translate_remote(args) -> int:
 
     if args.file and (args.inputs or args.stream):
         raise NmtserveError("--file translates the whole file: give no TEXT and no --stream")
+    if args.target_prefix and args.file:
+        raise NmtserveError("--target-prefix: sentence by sentence only (Translate, TranslateStream), not with --file")
     texts = [] if args.file else args.inputs or [line.rstrip("\n") for line in sys.stdin]
     given = given_options(args)
     if "beam_stopping" in given:
@@ -86,14 +88,17 @@ def _translate_remote(args) -> int:
                 return 0
             if args.stream:  # TranslateStream per sentence: text is printed as the server decides it
                 for text in texts:
-                    for message in stub.TranslateStream(pb.TranslateStreamRequest(sentence=text, options=options,
-                                                                                  **route), timeout=args.timeout):
+                    for message in stub.TranslateStream(pb.TranslateStreamRequest(
+                            sentence=text, options=options, target_prefix=args.target_prefix, **route),
+                            timeout=args.timeout):
                         print(message.delta if message.HasField("delta") else "\n", end="", flush=True)
                 return 0
             # as many calls as the server's limit on sentences a call asks (a file piped in may hold thousands)
             limit = stub.ListModels(pb.ListModelsRequest(), timeout=args.timeout).models[0].limits.max_sentences or 1
             translations = [t for start in range(0, len(texts), limit) for t in stub.Translate(
-                pb.TranslateRequest(sentences=texts[start:start + limit], options=options, **route),
+                pb.TranslateRequest(sentences=texts[start:start + limit], options=options, **route,
+                                    target_prefix=[args.target_prefix] * len(texts[start:start + limit])
+                                    if args.target_prefix else []),
                 timeout=args.timeout).translations]
         except grpc.RpcError as e:
             raise NmtserveError(f"{args.server}: {e.code().name}: {e.details()}") from None
@@ -193,6 +198,8 @@ def add_parser(sub, name: str, help_text: str) -> None:
     p.add_argument("--file", help="with --server: translate this whole text file (TranslateText), keeping its layout")
     p.add_argument("--stream", action="store_true",
                    help="with --server: print each translation as it is decoded (TranslateStream)")
+    p.add_argument("--target-prefix", default="", help="the text every translation is forced to start with "
+                   "(CTranslate2's target_prefix); a bundle, a model folder or --server, not --file")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--device", default="cpu")
     add_bundle_flags(p)

@@ -361,13 +361,17 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             options = self._options(call, model, request)
             languages = model.languages(call.source_language, request.target_language)
             ids = model.source("sentence", request.sentence, languages)
-            engine_request, future = self._request(call, ids, options, context, languages.prefix,
+            [shown] = model.target_prefixes([request.target_prefix] if request.target_prefix else [], [ids], options,
+                                            languages)
+            engine_request, future = self._request(call, ids, options, context, languages.prefix + shown,
                                                    on_token=lambda r, t: tokens.put(t),
-                                                   on_done=lambda: tokens.put(None))  # after the last token
+                                                   on_done=lambda: tokens.put(None),  # after the last token
+                                                   shown=shown)
             self._submit(call, model, engine_request)
         except NmtserveError as e:
             await self._fail(call, context, e)
-        emitted, text, held, finished = "", StreamDecoder(model.tokenizer.decode), [], False
+        # a target_prefix's tokens are the stream's first (its final text begins with them)
+        emitted, text, held, finished = "", StreamDecoder(model.tokenizer.decode), list(engine_request.shown_prefix), False
         try:
             while not finished:
                 # everything the engine has decided since the last wake-up becomes one delta (a busy event

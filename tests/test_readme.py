@@ -118,7 +118,8 @@ def test_call_it(tiny_bundle):
     # curl: the HTTP front's two answers, one JSON object each
     assert curl.returncode == 0, curl.stderr
     answers = [json.loads(line) for line in curl.stdout.replace("}{", "}\n{").splitlines()]
-    assert answers == [{"translations": [{**answers[0]["translations"][0], "text": greedy}]}, {"translatedText": greedy}]
+    assert answers == [{"translations": [{**answers[0]["translations"][0], "text": greedy}]},
+                       {"translatedText": greedy, "detectedLanguage": {"confidence": 100.0, "language": "en"}}]
     # grpcurl: the body is the request message of the method it names, in protobuf's JSON mapping
     words = shlex.split(blocks[1][1].strip())
     assert words[0] == "grpcurl" and words[-1] == "nmtserve.v1.TranslationService/Translate"

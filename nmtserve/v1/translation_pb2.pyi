@@ -143,18 +143,20 @@ class TranslateResponse(_message.Message):
     def __init__(self, translations: _Optional[_Iterable[_Union[Translation, _Mapping]]] = ..., detected_language: _Optional[_Union[DetectedLanguage, _Mapping]] = ...) -> None: ...
 
 class TranslateStreamRequest(_message.Message):
-    __slots__ = ("sentence", "options", "target_language", "model", "source_language")
+    __slots__ = ("sentence", "options", "target_language", "model", "source_language", "target_prefix")
     SENTENCE_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     TARGET_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SOURCE_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PREFIX_FIELD_NUMBER: _ClassVar[int]
     sentence: str
     options: DecodingOptions
     target_language: str
     model: str
     source_language: str
-    def __init__(self, sentence: _Optional[str] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., target_language: _Optional[str] = ..., model: _Optional[str] = ..., source_language: _Optional[str] = ...) -> None: ...
+    target_prefix: str
+    def __init__(self, sentence: _Optional[str] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., target_language: _Optional[str] = ..., model: _Optional[str] = ..., source_language: _Optional[str] = ..., target_prefix: _Optional[str] = ...) -> None: ...
 
 class TranslateStreamResponse(_message.Message):
     __slots__ = ("delta", "final", "detected_language")

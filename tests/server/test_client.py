@@ -81,6 +81,23 @@ def test_translate_cli_decodes_with_a_beam_or_samples_locally_and_through_the_se
     assert bad.returncode == 2 and bad.stderr.strip().endswith("num_hypotheses 3: must be between 1 and beam_size (2)")
 
 
+def test_translate_cli_forces_a_target_prefix_locally_and_through_the_server(served, tiny_bundle, tiny_checkpoint):
+    """--target-prefix: every translation starts with it, the same from the bundle, the server and its stream; a
+    checkpoint or --file refuses it in one line."""
+    from nmtserve.export.runtime.translator import OnnxTranslator
+
+    sentences = ["the cat sleeps .", "a dog eats the bread ."]
+    expected = OnnxTranslator(tiny_bundle, shared_cross=False).translate_batch(
+        sentences, beam_size=4, max_decoding_length=64, target_prefix=["Le chien"] * 2)
+    flags = ["--target-prefix", "Le chien", "--beam-size", "4", "--max-decoding-length", "64"]
+    for model in (["--server", served.target], ["--server", served.target, "--stream"], [str(tiny_bundle)]):
+        out = run_cli("translate", *flags, *model, *sentences, timeout=120)
+        assert out.returncode == 0 and out.stdout.splitlines() == [t.text for t in expected], (model, out.stderr)
+    assert all(t.text.startswith("Le chien") for t in expected)
+    refused = run_cli("translate", "--target-prefix", "Le", str(tiny_checkpoint), "hi")
+    assert refused.returncode == 2 and "--target-prefix: a bundle, a model folder or --server" in refused.stderr
+
+
 def test_translate_cli_runs_the_bundle_variant_it_is_given(tiny_bundle):
     """--variant int8 runs the int8 graphs (its n-best scores are not fp32's); the default is fp32 on a CPU."""
     sentences = ["the cat sleeps .", "a dog eats the bread .", "the bird sings ."]

@@ -135,6 +135,10 @@ def test_target_prefix_in_one_call_with_others_gets_the_offline_result(served, t
                 plain.result()
             assert [t.text for t in got.translations] == [t.text for t in expected]
             assert all(t.text.startswith(p) for t, p in zip(got.translations, prefixes))
+            events = list(stub.TranslateStream(pb.TranslateStreamRequest(
+                sentence=texts[3], target_prefix=prefixes[3], options=pb.DecodingOptions(beam_size=beam)), timeout=60))
+            assert "".join(e.delta for e in events) == events[-1].final.text == expected[3].text
+            assert events[0].delta.startswith(prefixes[3])
         for prefixes, message in ((["Le"], "target_prefix: 1 given for 8 sentences"),
                                   ([""] * 7 + ["le " * 80], "target_prefix[7]: ")):
             with pytest.raises(grpc.RpcError) as e:
