@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from nmtserve.decoding import LENGTH_RULES
@@ -16,7 +17,9 @@ from nmtserve.hf_folder import bundle_for
 from nmtserve.search import BEAM_STOPPING, DecodingOptions
 
 SEARCH_FLAGS = ("max_decoding_length", "beam_size", "num_hypotheses", "length_penalty", "patience", "sampling_topk", "sampling_topp",
-                "sampling_temperature", "seed", "beam_stopping", "length_rule")
+                "sampling_temperature", "seed", "beam_stopping", "length_rule", "min_decoding_length", "disable_unk",
+                "no_repeat_ngram_size")
+MASK_FLAGS = "--min-decoding-length, --disable-unk, --no-repeat-ngram-size and --suppress-sequence"
 
 
 def given_options(args) -> dict:
@@ -53,6 +56,9 @@ def _bundle_translator(path: str, args) -> Callable[[list[str]], list[list[tuple
     tr = OnnxTranslator(path, device=args.device, variant=args.variant, intra_op_threads=args.threads,
                         inter_threads=args.inter_threads)
     options = local_options(args, tr.bundle.manifest.get("decoding_defaults") or {})
+    if args.suppress_sequence:  # target texts, as the tokens they are
+        options = replace(options, suppress_sequences=tuple(tuple(tr.tokenizer.encode_target(t))
+                                                           for t in args.suppress_sequence))
 
     def translate(texts: list[str]) -> list[list[tuple[str, float]]]:
         try:
@@ -87,6 +93,8 @@ def _checkpoint_translator(path: str, args) -> Callable[[list[str]], list[list[t
         raise NmtserveError("--threads, --inter-threads and --variant: with a bundle (ONNX Runtime), not a checkpoint")
     loaded = load_model(path, device=args.device)
     options = local_options(args, loaded.payload.get("decoding_defaults") or {})
+    if options.masked or args.suppress_sequence:
+        raise NmtserveError(f"{MASK_FLAGS}: give a bundle or --server (the PyTorch reference disables no token)")
     options.check(loaded.model.config.vocab_size)
 
     def translate(texts: list[str]) -> list[list[tuple[str, float]]]:
@@ -150,3 +158,8 @@ def add_decoding_flags(p) -> None:
     search.add_argument("--sampling-topp", type=float)
     search.add_argument("--sampling-temperature", type=float)
     search.add_argument("--seed", type=int, help="sampling: 0 picks one at random")
+    search.add_argument("--min-decoding-length", type=int, help="no end of sentence before this many tokens")
+    search.add_argument("--disable-unk", action="store_true", default=None, help="never the unknown token")
+    search.add_argument("--no-repeat-ngram-size", type=int, help="no n-gram of this many tokens twice")
+    search.add_argument("--suppress-sequence", action="append", default=[], metavar="TEXT",
+                        help="never these target tokens in this order (again for more)")

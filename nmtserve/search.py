@@ -49,6 +49,12 @@ class DecodingOptions:
     max_decoding_length: int = 256
     beam_stopping: str = "ctranslate2"  # or "transformers": when beam search stops (BeamSearch says how)
     length_rule: str = "nmtserve"  # or "transformers": the output budget, and how it ends (decoding.output_budget)
+    # CTranslate2's disabled tokens (TokenMasks): eos before this many tokens after a forced prefix (CTranslate2's
+    # default is 1, nmtserve's 0: eos may come first, as in transformers), unk, repeated n-grams, token sequences
+    min_decoding_length: int = 0
+    disable_unk: bool = False
+    no_repeat_ngram_size: int = 0
+    suppress_sequences: tuple[tuple[int, ...], ...] = ()  # token ids; a single token is never generated
 
     def override(self, **given) -> DecodingOptions:
         """These options (a model's defaults) with what a request gives; a sampled request decodes one
@@ -62,13 +68,19 @@ class DecodingOptions:
         return self.sampling_topk != 1
 
     @property
+    def masked(self) -> bool:
+        """Whether tokens are disabled (TokenMasks): the rows then rank the whole vocabulary in their search."""
+        return bool(self.min_decoding_length or self.disable_unk or self.no_repeat_ngram_size or self.suppress_sequences)
+
+    @property
     def greedy(self) -> bool:
-        return self.beam_size == 1 and not self.sampling
+        """Greedy search as the callers run it vectorised; with disabled tokens a beam of one does it instead."""
+        return self.beam_size == 1 and not self.sampling and not self.masked
 
     @property
     def mode(self) -> str:
         """"greedy", "beam" or "sampling": the decoding mode, as metrics label it."""
-        return "sampling" if self.sampling else "greedy" if self.greedy else "beam"
+        return "sampling" if self.sampling else "greedy" if self.beam_size == 1 else "beam"
 
     def check(self, vocab_size: int, max_beam_size: int | None = None) -> None:
         """ConfigError naming the field, its value and the limit, for a value out of range."""
@@ -95,6 +107,13 @@ class DecodingOptions:
             ("beam_stopping", self.beam_stopping, lambda: self.beam_stopping in BEAM_STOPPING,
              " or ".join(BEAM_STOPPING)),
             ("length_rule", self.length_rule, lambda: self.length_rule in LENGTH_RULES, " or ".join(LENGTH_RULES)),
+            ("min_decoding_length", self.min_decoding_length,
+             lambda: 0 <= self.min_decoding_length <= self.max_decoding_length,
+             f"between 0 and max_decoding_length ({self.max_decoding_length})"),
+            ("no_repeat_ngram_size", self.no_repeat_ngram_size, lambda: self.no_repeat_ngram_size >= 0, "0 or more"),
+            ("suppress_sequences", self.suppress_sequences,
+             lambda: all(s and all(0 <= t < vocab_size for t in s) for s in self.suppress_sequences),
+             f"sequences of at least one token id between 0 and {vocab_size - 1}"),
         ]
         for name, value, ok, limit in rules:
             if not ok():
@@ -132,10 +151,12 @@ class BeamSearch:
     sum / length ** length_penalty, the num_hypotheses best, best first.
     """
 
-    def __init__(self, options: DecodingOptions, budget: int, eos_id: int, prefix: int = 0):
+    def __init__(self, options: DecodingOptions, budget: int, eos_id: int, prefix: int = 0,
+                 masks: TokenMasks | None = None):
         self.k, self.options, self.budget, self.eos_id = options.beam_size, options, budget, eos_id
         self.prefix = prefix  # forced tokens before the search's first step (a target language): counted in lengths
-        self.rows, self.candidates = self.k, 2 * self.k
+        self.masks = masks  # disabled tokens: the step then gets each row's whole distribution (candidates 0)
+        self.rows, self.candidates = self.k, 0 if masks else 2 * self.k
         self.scores = np.full(self.k, -np.inf)
         self.scores[0] = 0.0
         self.live: list[list[int]] = [[] for _ in range(self.k)]
@@ -145,10 +166,12 @@ class BeamSearch:
         self.steps = 0
         self.done = False
 
-    def step(self, ids: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """ids, scores (rows, ≥ 2k): each row's best tokens and their log-probs, best first
-        -> parents (rows,) and next tokens (rows,)."""
+    def step(self, ids: np.ndarray | None, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """ids, scores (rows, ≥ 2k): each row's best tokens and their log-probs, best first; or, with masks, ids
+        None and scores (rows, V) each row's log-probs by token id -> parents (rows,) and next tokens (rows,)."""
         k = self.k
+        if ids is None:  # the tokens disabled, the rest renormalised, then each row's 2k best
+            ids, scores = best_candidates(self.masks.apply(scores, self.live, self.steps), 2 * k)
         total = (self.scores[:, None] + scores[:, : 2 * k]).ravel()  # (k · 2k,), row by row
         # best first; a stable sort keeps equal totals in row order, and each row's candidates come
         # with ties by lower id: the order lexsort((id, row, -total)) would give, in fewer calls
@@ -247,9 +270,9 @@ class Sampling:
     below it), renormalise and draw one with the request's own generator. The token's score is its
     log-probability under the model (before temperature). A hypothesis finishes at eos or at its budget."""
 
-    def __init__(self, options: DecodingOptions, budget: int, eos_id: int):
-        self.options, self.budget, self.eos_id = options, budget, eos_id
-        self.rows, self.candidates = 1, options.sampling_topk
+    def __init__(self, options: DecodingOptions, budget: int, eos_id: int, masks: TokenMasks | None = None):
+        self.options, self.budget, self.eos_id, self.masks = options, budget, eos_id, masks
+        self.rows, self.candidates = 1, 0 if masks else options.sampling_topk
         seed = options.seed or int.from_bytes(os.urandom(8), "little")
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self.tokens: list[int] = []
@@ -263,6 +286,10 @@ class Sampling:
         log-probs by token id, unranked (`sample_whole` draws the same token without ranking them) ->
         parents (1,) and the next token (1,)."""
         options = self.options
+        if ids is None and self.masks is not None:  # the tokens disabled, the rest renormalised
+            scores = self.masks.apply(scores, [self.tokens], len(self.tokens))
+            if options.sampling_topk:
+                ids, scores = best_candidates(scores, options.sampling_topk)
         if ids is None:
             token = sample_whole(scores[0], options.sampling_temperature, options.sampling_topp, self.rng)
             score = scores[0, token]
@@ -295,6 +322,15 @@ def beam_steps(searches: list[BeamSearch | None], ids: np.ndarray, scores: np.nd
     the rest of a step in the searches concerned (a finished row, the budget, a stopping rule)."""
     if len(searches) == 1 and searches[0] is not None:  # one search: its own step costs less than the set-up
         return searches[0].step(ids, scores)
+    if ids is None:  # with masks, each search ranks its own rows' whole distributions
+        k = next(s.k for s in searches if s is not None)
+        parents, tokens = np.arange(len(scores)), np.zeros(len(scores), np.int64)
+        for j, search in enumerate(searches):
+            if search is not None:
+                own = slice(j * k, (j + 1) * k)
+                chosen, tokens[own] = search.step(None, scores[own])
+                parents[own] = chosen + j * k
+        return parents, tokens
     n, k = len(searches), next(s.k for s in searches if s is not None)
     width = 2 * k
     beams = np.array([np.zeros(k) if s is None else s.scores for s in searches])  # (n, k), each search's own
@@ -359,11 +395,64 @@ def sample_whole(log_probs: np.ndarray, temperature: float, topp: float, rng: np
     return int(np.flatnonzero(log_probs == value)[i - np.count_nonzero(log_probs > value)])
 
 
-def make_search(options: DecodingOptions, budget: int, eos_id: int, prefix: int = 0) -> BeamSearch | Sampling:
-    """The search of one non-greedy request (greedy requests are decoded vectorised by the callers). `prefix`:
-    the forced target tokens before its first step (transformers' forced_bos_token_id), which beam search counts
-    in every hypothesis's length; `budget` counts the tokens after them."""
-    return Sampling(options, budget, eos_id) if options.sampling else BeamSearch(options, budget, eos_id, prefix)
+def make_search(options: DecodingOptions, budget: int, eos_id: int, forced: list[int] = (), unk_id: int = -1) \
+        -> BeamSearch | Sampling:
+    """The search of one non-greedy request (greedy requests are decoded vectorised by the callers; with disabled
+    tokens a beam of one). `forced`: the target tokens before its first step (transformers' forced_bos_token_id, a
+    target_prefix), which beam search counts in every hypothesis's length; `budget` counts the tokens after them."""
+    masks = TokenMasks(options, eos_id, unk_id, forced) if options.masked else None
+    if options.sampling:
+        return Sampling(options, budget, eos_id, masks)
+    return BeamSearch(options, budget, eos_id, len(forced), masks)
+
+
+class TokenMasks:
+    """CTranslate2's disabled tokens, on a search's rows' log-probs over the whole vocabulary: eos before
+    min_decoding_length tokens, unk with disable_unk, each of suppress_sequences' last token where a row's tokens end
+    with the rest of it (a single token: always), and with no_repeat_ngram_size n every token that would repeat an
+    n-gram of the row's tokens (a forced prefix's included, the start token not: CTranslate2's alive sequence).
+    CTranslate2 disables tokens in the logits, before its log-softmax: the rest are renormalised here the same way
+    (log-probs less the log of the mass left: the same values)."""
+
+    def __init__(self, options: DecodingOptions, eos_id: int, unk_id: int, start: list[int]):
+        self.options, self.eos_id, self.unk_id, self.start = options, eos_id, unk_id, list(start)
+        self.always = [s[0] for s in options.suppress_sequences if len(s) == 1] + ([unk_id] if options.disable_unk else [])
+        self.sequences = [list(s) for s in options.suppress_sequences if len(s) > 1]
+
+    def apply(self, log_probs: np.ndarray, histories: list[list[int]], step: int) -> np.ndarray:
+        """log_probs (R, V) of rows whose tokens after the start and prefix are histories[r], at the search's step
+        `step` (0: its first) -> the masked and renormalised log-probs (a copy)."""
+        out = np.array(log_probs, np.float32)
+        if step < self.options.min_decoding_length:
+            out[:, self.eos_id] = -np.inf
+        if self.always:
+            out[:, self.always] = -np.inf
+        n = self.options.no_repeat_ngram_size
+        for r, history in enumerate(histories):
+            sequence = self.start + history
+            for suppressed in self.sequences:
+                if sequence[len(sequence) - len(suppressed) + 1:] == suppressed[:-1]:
+                    out[r, suppressed[-1]] = -np.inf
+            if n and len(sequence) >= n:
+                tail = sequence[len(sequence) - n + 1:]
+                banned = [sequence[i + n - 1] for i in range(len(sequence) - n + 1) if sequence[i:i + n - 1] == tail]
+                out[r, banned] = -np.inf
+        live = np.isfinite(out).any(axis=1)
+        top = out[live].max(axis=1, keepdims=True)
+        out[live] -= top + np.log(np.exp(out[live] - top).sum(axis=1, keepdims=True))
+        return out
+
+
+def best_candidates(log_probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's k best tokens and their log-probs (R, k) from its log-probs over the vocabulary (R, V), best
+    first, ties by lower id (as the decoder's TopK head ranks them)."""
+    part = np.argpartition(-log_probs, k - 1, axis=1)[:, :k]
+    cut = np.take_along_axis(log_probs, part, axis=1).min(axis=1, keepdims=True)
+    ids = np.zeros((len(log_probs), k), np.int64)
+    for r, row in enumerate(log_probs):
+        tied = np.flatnonzero(row >= cut[r, 0])  # every token at least as good as the k-th: ties included, by id
+        ids[r] = tied[np.argsort(-row[tied], kind="stable")][:k]
+    return ids, np.take_along_axis(log_probs, ids, axis=1)
 
 
 def _common_prefix(seqs: list[list[int]]) -> list[int]:

@@ -76,7 +76,7 @@ def _translate_remote(args) -> int:
         given["beam_stopping"] = pb.BeamStopping.Value(f"BEAM_STOPPING_{given['beam_stopping'].upper()}")
     if "length_rule" in given:
         given["length_rule"] = pb.LengthRule.Value(f"LENGTH_RULE_{given['length_rule'].upper()}")
-    options = pb.DecodingOptions(**given)
+    options = pb.DecodingOptions(**given, suppress_sequences=args.suppress_sequence)
     route = {"model": args.model, "source_language": args.source_lang, "target_language": args.target_lang}
     with open_channel(args.server, TlsFiles(args.tls_ca, args.tls_cert, args.tls_key), api_key=args.api_key) as channel:
         if args.wait:

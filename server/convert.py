@@ -24,17 +24,21 @@ class ModelNotFound(NmtserveError):
 
 
 def decoding_options(options: pb.DecodingOptions, defaults: DecodingOptions, default_output_tokens: int,
-                     max_decoding_length: int, vocab_size: int, max_beam_size: int) -> tuple[int, DecodingOptions]:
+                     max_decoding_length: int, vocab_size: int, max_beam_size: int,
+                     encode_target=None) -> tuple[int, DecodingOptions]:
     """(most output tokens, the search's options) of a call; InvalidRequest naming `options.FIELD`, its value and
     the limit. proto3 zeros and absent fields mean "unset": the model's `defaults`, num_hypotheses 1, and
-    beam_size 1 for a sampled request."""
+    beam_size 1 for a sampled request. `encode_target`: the model's target text -> ids (suppress_sequences)."""
     if options.max_decoding_length > max_decoding_length:
         raise InvalidRequest(f"options.max_decoding_length {options.max_decoding_length} exceeds the limit {max_decoding_length}")
     given = {name: getattr(options, name) for name in ("length_penalty", "patience", "sampling_topk",
                                                           "sampling_topp", "sampling_temperature")
              if options.HasField(name)}
-    given.update({name: getattr(options, name) for name in ("beam_size", "num_hypotheses", "seed")
+    given.update({name: getattr(options, name) for name in ("beam_size", "num_hypotheses", "seed", "min_decoding_length",
+                                                            "disable_unk", "no_repeat_ngram_size")
                   if getattr(options, name)})
+    if options.suppress_sequences:
+        given["suppress_sequences"] = tuple(tuple(encode_target(text)) for text in options.suppress_sequences)
     if options.beam_stopping:
         given["beam_stopping"] = pb.BeamStopping.Name(options.beam_stopping).removeprefix("BEAM_STOPPING_").lower()
     if options.length_rule:

@@ -155,7 +155,7 @@ class ServedModel:
     def options(self, options: pb.DecodingOptions) -> tuple[int, DecodingOptions]:
         """(most output tokens, the search's options) of a call to this model (convert.decoding_options)."""
         return decoding_options(options, self.defaults, self.default_output_tokens, self.max_decoding_length,
-                                self.engine.tr.vocab_size, self.max_beam_size)
+                                self.engine.tr.vocab_size, self.max_beam_size, self.tokenizer.encode_target)
 
     @property
     def source_languages(self) -> list[str]:

@@ -144,13 +144,14 @@ class RunningBatch:
         placement = self.placement()
         # a sampler without top-k (candidates 0) gets its row's log-probs over the whole vocabulary, unranked, and
         # draws from them (search.sample_whole): the step ranks only the k best of each row, as the others need
+        # (a search with disabled tokens too, each of its rows: search.TokenMasks)
         whole = [i for i, (r, _) in enumerate(placement) if r.search is not None and r.search.candidates == 0]
         k = max([r.search.candidates if r.search else 1 for r, _ in placement] + [1])
         # greedy rows that no one reads a score of: the step skips the log-softmax (with_search_head)
         scored = any(r.scored or r.search is not None for r, _ in placement)
         try:
             ids, scores, *vocabulary = self.tr.decode_candidates(
-                self.state, k, scores=scored, whole=np.array([placement[i][1][0] for i in whole]) if whole else None)
+                self.state, k, scores=scored, whole=np.concatenate([placement[i][1] for i in whole]) if whole else None)
         except Exception:
             culprits = self._failing_rows([i for i, r in enumerate(self.rows) if r is not None])
             if not culprits:
@@ -163,7 +164,10 @@ class RunningBatch:
             return outputs, failed + more
         tokens, parents = ids[:, 0].copy(), None  # holes keep theirs: never read
         best, best_scores = tokens.tolist(), scores[:, 0].tolist() if scored else None  # Python numbers, once
-        outputs, whole_log_probs = [], dict(zip(whole, vocabulary[0])) if whole else {}  # by placement index
+        outputs, whole_log_probs = [], {}  # by placement index: each request's rows' log-probs over the vocabulary
+        if whole:
+            ends = np.cumsum([len(placement[i][1]) for i in whole])
+            whole_log_probs = dict(zip(whole, np.split(vocabulary[0], ends[:-1])))
         beams: dict[int, list[tuple[BeamSearch, np.ndarray]]] = {}  # beam size -> its searches and their rows
         for j, (request, rows) in enumerate(placement):
             if request.search is None:
@@ -172,10 +176,10 @@ class RunningBatch:
                 continue
             outputs.append((request, None, None))
             parents = np.arange(len(self.rows)) if parents is None else parents
-            if isinstance(request.search, BeamSearch):
+            if isinstance(request.search, BeamSearch) and j not in whole_log_probs:
                 beams.setdefault(request.search.k, []).append((request.search, rows))
                 continue
-            own = (None, whole_log_probs[j][None]) if j in whole_log_probs else (ids[rows], scores[rows])
+            own = (None, whole_log_probs[j]) if j in whole_log_probs else (ids[rows], scores[rows])
             chosen_parents, chosen = request.search.step(*own)
             parents[rows], tokens[rows] = rows[chosen_parents], chosen
         for searches in beams.values():  # the beams of one size ranked at once (search.beam_steps), their rows gathered

@@ -133,6 +133,7 @@ class Decoder:
         self.limits = self.bundle.limits
         ids = self.bundle.special_ids
         self.pad_id, self.bos_id, self.eos_id = ids["pad"], ids["bos"], ids["eos"]
+        self.unk_id = ids.get("unk", -1)  # what disable_unk disables
 
     @property
     def tokenizer(self):

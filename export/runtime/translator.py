@@ -186,21 +186,22 @@ class OnnxTranslator(Decoder):
         text = [t[t != self.eos_id].tolist() for t in np.split(tokens, np.searchsorted(rows, np.arange(1, n)))]
         return [[Hypothesis(o, s, "eos" if e else "length")] for o, s, e in zip(text, total.tolist(), eos)]
 
-    def search(self, state: BatchState, sources: list[list[int]], options: DecodingOptions) -> list[list[Hypothesis]]:
+    def search(self, state: BatchState, sources: list[list[int]], options: DecodingOptions,
+               prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
         """Beam search or sampling for one batch of token-id sources, encoded in `state` (`prefill`;
         nmtserve/search.py: one search per source, over its own rows). A finished source's rows decode
         on, ignored, until finished sources are a quarter of the batch; then their rows leave together
         (as greedy's). With native_steps the library takes beam search's ordinary steps after the first
         (`_native_beam_steps`), and every other step comes back here."""
-        # each source's forced prefix (`prefill`: its row's position), counted in the budget and in lengths
-        forced = state.positions.tolist()
+        # each source's forced prefix (`prefill`), counted in the budget and in lengths
+        forced = prefixes or [[]] * len(sources)
         searches = [make_search(options, self.limits.output_budget(len(s), options.max_decoding_length,
-                                                                   options.length_rule) - f, self.eos_id, f)
-                    for s, f in zip(sources, forced)]
+                                                                   options.length_rule) - len(f), self.eos_id, f,
+                                self.unk_id) for s, f in zip(sources, forced)]
         width, k = searches[0].rows, searches[0].candidates
         beams = isinstance(searches[0], BeamSearch)
         # ordinary beam steps in the library, after the first (on the step that shares each source's cross K/V)
-        native = beams and self.native_steps and self.cache_origin and self.shared_cross
+        native = beams and k > 0 and self.native_steps and self.cache_origin and self.shared_cross
         slots = list(range(len(sources)))  # the source each `width` rows search for, in row order
         while state is not None:
             live = [None if searches[r].done else searches[r] for r in slots]  # each slot's search, None once done
@@ -211,7 +212,8 @@ class OnnxTranslator(Decoder):
                 ids, scores = self.decode_candidates(state, k)
                 if state.size < width * len(slots):  # the first step, one row per source (a beam's rows all start
                     # alike and its search reads row 0 only): then each row becomes its beam's rows
-                    ids, scores = np.repeat(ids, width, axis=0), np.repeat(scores, width, axis=0)
+                    ids = None if ids is None else np.repeat(ids, width, axis=0)
+                    scores = np.repeat(scores, width, axis=0)
                     # with shared_cross the rows share their source's cross K/V; else each gets a copy
                     state = state.widen(width) if self.shared_cross \
                         else state.gather(np.repeat(np.arange(len(sources)), width))
@@ -336,7 +338,8 @@ class OnnxTranslator(Decoder):
             states = self._prefill_group(group_sources)
         for rows, batch in zip(group, group_sources):
             state = states.pop(0)  # the list lets go of it: its caches are freed once decoded
-            for i, hypotheses in zip(rows, self.decode(state, batch, options, scores)):
+            for i, hypotheses in zip(rows, self.decode(state, batch, options, scores,
+                                                       [prefixes[i] for i in rows] if prefixes else None)):
                 results[i] = hypotheses
 
     def _prefill_group(self, batches: list[list[list[int]]]) -> list[BatchState]:
@@ -357,12 +360,12 @@ class OnnxTranslator(Decoder):
         return states
 
     def decode(self, state: BatchState, sources: list[list[int]], options: DecodingOptions,
-               scores: bool = True) -> list[list[Hypothesis]]:
+               scores: bool = True, prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
         """One batch of token-id sources, encoded in `state` (`prefill`), decoded as options say: `greedy`,
         or `search` (beam search, sampling)."""
         if options.greedy:
             return self.greedy(state, sources, options.max_decoding_length, options.length_rule, scores)
-        return self.search(state, sources, options)
+        return self.search(state, sources, options, prefixes)
 
     def translate_ids(self, sources: list[list[int]], *, max_batch_size: int = 32,
                       max_decoding_length: int = 256) -> list[tuple[list[int], float]]:
@@ -376,15 +379,21 @@ class OnnxTranslator(Decoder):
                         sampling_topk: int = 1, sampling_topp: float = 1.0, sampling_temperature: float = 1.0,
                         seed: int = 0, max_decoding_length: int = 256, beam_stopping: str = "ctranslate2",
                         length_rule: str = "nmtserve", return_scores: bool = False, source_language: str = "",
-                        target_language: str = "", target_prefix: list[str | None] | None = None) -> list[Translation]:
+                        target_language: str = "", target_prefix: list[str | None] | None = None,
+                        min_decoding_length: int = 0, disable_unk: bool = False, no_repeat_ngram_size: int = 0,
+                        suppress_sequences: list[str] | None = None) -> list[Translation]:
         """Translate texts, with CTranslate2's decoding options (nmtserve/search.py says what each does):
         greedy by default, beam search with beam_size > 1, random sampling with sampling_topk != 1. Each
         Translation is the best hypothesis, with the rest of the n-best list in `alternatives`. Inputs are
         sorted by length so that each batch has little padding. A multilingual model takes the languages (its
         defaults where not given; a ValueError names one it does not know). `target_prefix` (CTranslate2's, as text):
-        for each text the start its translation is forced to (None or "": none); each hypothesis begins with it."""
+        for each text the start its translation is forced to (None or "": none); each hypothesis begins with it.
+        min_decoding_length, disable_unk, no_repeat_ngram_size and suppress_sequences (target texts) are
+        CTranslate2's disabled tokens (nmtserve/search.py: TokenMasks)."""
+        suppressed = tuple(tuple(self.tokenizer.encode_target(text)) for text in suppress_sequences or ())
         options = DecodingOptions(beam_size, num_hypotheses, length_penalty, patience, sampling_topk, sampling_topp,
-                                  sampling_temperature, seed, max_decoding_length, beam_stopping, length_rule)
+                                  sampling_temperature, seed, max_decoding_length, beam_stopping, length_rule,
+                                  min_decoding_length, disable_unk, no_repeat_ngram_size, suppressed)
         encode = self.tokenizer.encode
         ids = [encode(t, self.limits.max_source_tokens, target_language, source_language) or [self.eos_id]
                for t in texts]

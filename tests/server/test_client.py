@@ -98,6 +98,24 @@ def test_translate_cli_forces_a_target_prefix_locally_and_through_the_server(ser
     assert refused.returncode == 2 and "--target-prefix: a bundle, a model folder or --server" in refused.stderr
 
 
+def test_translate_cli_disables_tokens_locally_and_through_the_server(served, tiny_bundle, tiny_checkpoint):
+    """--no-repeat-ngram-size, --min-decoding-length, --disable-unk and --suppress-sequence: the bundle's and the
+    server's translations equal translate_batch's; the PyTorch reference refuses them in one line."""
+    from nmtserve.export.runtime.translator import OnnxTranslator
+
+    sentences = ["the cat sleeps .", "a dog eats the bread ."]
+    expected = OnnxTranslator(tiny_bundle, shared_cross=False).translate_batch(
+        sentences, max_decoding_length=64, no_repeat_ngram_size=2, min_decoding_length=5, disable_unk=True,
+        suppress_sequences=["s"])
+    flags = ["--no-repeat-ngram-size", "2", "--min-decoding-length", "5", "--disable-unk", "--suppress-sequence", "s",
+             "--max-decoding-length", "64"]
+    for model in (["--server", served.target], [str(tiny_bundle)]):
+        out = run_cli("translate", *flags, *model, *sentences, timeout=120)
+        assert out.returncode == 0 and out.stdout.splitlines() == [t.text for t in expected], (model, out.stderr)
+    refused = run_cli("translate", "--disable-unk", str(tiny_checkpoint), "hi")
+    assert refused.returncode == 2 and "--suppress-sequence: give a bundle or --server" in refused.stderr
+
+
 def test_translate_cli_runs_the_bundle_variant_it_is_given(tiny_bundle):
     """--variant int8 runs the int8 graphs (its n-best scores are not fp32's); the default is fp32 on a CPU."""
     sentences = ["the cat sleeps .", "a dog eats the bread .", "the bird sings ."]

@@ -21,6 +21,13 @@ MODES = [
     (pb.DecodingOptions(sampling_topk=0, seed=11), dict(sampling_topk=0, seed=11)),
     (pb.DecodingOptions(sampling_topk=8, sampling_topp=0.8, sampling_temperature=0.6, seed=5),
      dict(sampling_topk=8, sampling_topp=0.8, sampling_temperature=0.6, seed=5)),
+    # CTranslate2's disabled tokens: these requests' rows rank the whole vocabulary in their searches
+    (pb.DecodingOptions(min_decoding_length=6, no_repeat_ngram_size=2, suppress_sequences=["le chat"]),
+     dict(min_decoding_length=6, no_repeat_ngram_size=2, suppress_sequences=["le chat"])),
+    (pb.DecodingOptions(beam_size=3, num_hypotheses=2, no_repeat_ngram_size=2, disable_unk=True),
+     dict(beam_size=3, num_hypotheses=2, no_repeat_ngram_size=2, disable_unk=True)),
+    (pb.DecodingOptions(sampling_topk=5, seed=3, min_decoding_length=4, suppress_sequences=["s"]),
+     dict(sampling_topk=5, seed=3, min_decoding_length=4, suppress_sequences=["s"])),
 ]
 
 
@@ -74,8 +81,8 @@ def test_every_mode_in_concurrent_mixed_traffic_gets_its_alone_result(server, re
         results = list(pool.map(call, jobs))
     after = scrape(served.running.metrics_port)
     assert all(engine.stats()["steps"] > before for engine, before in zip(engines, steps_before))
-    # the request metrics count each decoding mode apart (MODES: 1 greedy, 2 beam, 2 sampled)
-    for mode, share in (("greedy", 1), ("beam", 2), ("sampling", 2)):
+    # the request metrics count each decoding mode apart (MODES: 2 greedy, 3 beam, 3 sampled)
+    for mode, share in (("greedy", 2), ("beam", 3), ("sampling", 3)):
         sentences_done = metric(after, "nmtserve_sentences_total", mode=mode) - metric(before, "nmtserve_sentences_total",
                                                                                         mode=mode)
         assert sentences_done == share * 2 * len(sentences), mode
@@ -99,6 +106,8 @@ def test_every_mode_in_concurrent_mixed_traffic_gets_its_alone_result(server, re
     (pb.DecodingOptions(sampling_topk=0, sampling_topp=1.5), "options.sampling_topp 1.5: must be in (0, 1]"),
     (pb.DecodingOptions(sampling_topk=0, sampling_temperature=-1.0), "options.sampling_temperature -1.0: must be above 0"),
     (pb.DecodingOptions(beam_size=3, sampling_topk=5), "options.sampling_topk 5: must be 1 (no sampling) with beam_size"),
+    (pb.DecodingOptions(min_decoding_length=999), "options.min_decoding_length 999: must be between 0 and max_decoding_length"),
+    (pb.DecodingOptions(suppress_sequences=[" "]), "options.suppress_sequences ((),): must be sequences of at least one"),
 ])
 def test_an_out_of_range_option_is_invalid_argument_naming_the_field_value_and_limit(served, options, message):
     with served.channel() as channel:
