@@ -18,8 +18,8 @@ from nmtserve.search import BEAM_STOPPING, DecodingOptions
 
 SEARCH_FLAGS = ("max_decoding_length", "beam_size", "num_hypotheses", "length_penalty", "patience", "sampling_topk", "sampling_topp",
                 "sampling_temperature", "seed", "beam_stopping", "length_rule", "min_decoding_length", "disable_unk",
-                "no_repeat_ngram_size")
-MASK_FLAGS = "--min-decoding-length, --disable-unk, --no-repeat-ngram-size and --suppress-sequence"
+                "no_repeat_ngram_size", "prefix_bias_beta")
+MASK_FLAGS = "--min-decoding-length, --disable-unk, --no-repeat-ngram-size, --prefix-bias-beta and --suppress-sequence"
 
 
 def given_options(args) -> dict:
@@ -67,15 +67,13 @@ def _bundle_translator(path: str, args) -> Callable[[list[str]], list[list[tuple
             language = tr.tokenizer.target_prefix(args.target_lang)
         except ValueError as e:  # a language the multilingual model has no token for
             raise NmtserveError(f"--source-lang/--target-lang: {e}") from None
+        given = getattr(args, "target_prefix", "")  # translate's flag (evaluate has none)
         try:
-            given = getattr(args, "target_prefix", "")  # translate's flag (evaluate has none)
-            forced = tr.forced_prefixes(ids, options, [given] * len(ids) if given else None, language)
+            found = tr.search_prefixed(ids, options, [given] * len(ids) if given else None, language,
+                                       max_batch_size=args.batch_size)
         except ValueError as e:
             raise NmtserveError(f"--target-prefix: {e}") from None
-        prefixes = [lang + given for lang, given in forced]
-        return [[(tr.tokenizer.decode(given + h.tokens), h.score) for h in hypotheses]
-                for hypotheses, (_, given) in zip(tr.search_ids(ids, options, max_batch_size=args.batch_size,
-                                                                prefixes=prefixes if any(prefixes) else None), forced)]
+        return [[(tr.tokenizer.decode(shown + h.tokens), h.score) for h in hypotheses] for hypotheses, shown in found]
     return translate
 
 
@@ -161,5 +159,7 @@ def add_decoding_flags(p) -> None:
     search.add_argument("--min-decoding-length", type=int, help="no end of sentence before this many tokens")
     search.add_argument("--disable-unk", action="store_true", default=None, help="never the unknown token")
     search.add_argument("--no-repeat-ngram-size", type=int, help="no n-gram of this many tokens twice")
+    search.add_argument("--prefix-bias-beta", type=float, help="with --target-prefix: favour the prefix by this "
+                        "weight (0 to 1) instead of forcing it")
     search.add_argument("--suppress-sequence", action="append", default=[], metavar="TEXT",
                         help="never these target tokens in this order (again for more)")

@@ -55,6 +55,8 @@ class DecodingOptions:
     disable_unk: bool = False
     no_repeat_ngram_size: int = 0
     suppress_sequences: tuple[tuple[int, ...], ...] = ()  # token ids; a single token is never generated
+    # CTranslate2's: with a target prefix, the prefix is not forced but favoured (BeamSearch's `bias`)
+    prefix_bias_beta: float = 0.0
 
     def override(self, **given) -> DecodingOptions:
         """These options (a model's defaults) with what a request gives; a sampled request decodes one
@@ -69,8 +71,10 @@ class DecodingOptions:
 
     @property
     def masked(self) -> bool:
-        """Whether tokens are disabled (TokenMasks): the rows then rank the whole vocabulary in their search."""
-        return bool(self.min_decoding_length or self.disable_unk or self.no_repeat_ngram_size or self.suppress_sequences)
+        """Whether tokens are disabled (TokenMasks) or a prefix favoured: the rows then rank the whole vocabulary
+        in their search."""
+        return bool(self.min_decoding_length or self.disable_unk or self.no_repeat_ngram_size or self.suppress_sequences
+                    or self.prefix_bias_beta)
 
     @property
     def greedy(self) -> bool:
@@ -111,6 +115,9 @@ class DecodingOptions:
              lambda: 0 <= self.min_decoding_length <= self.max_decoding_length,
              f"between 0 and max_decoding_length ({self.max_decoding_length})"),
             ("no_repeat_ngram_size", self.no_repeat_ngram_size, lambda: self.no_repeat_ngram_size >= 0, "0 or more"),
+            ("prefix_bias_beta", self.prefix_bias_beta, lambda: 0 <= self.prefix_bias_beta < 1, "in [0, 1)"),
+            ("prefix_bias_beta", self.prefix_bias_beta, lambda: not (self.prefix_bias_beta and self.sampling),
+             "0 when sampling"),
             ("suppress_sequences", self.suppress_sequences,
              lambda: all(s and all(0 <= t < vocab_size for t in s) for s in self.suppress_sequences),
              f"sequences of at least one token id between 0 and {vocab_size - 1}"),
@@ -152,10 +159,13 @@ class BeamSearch:
     """
 
     def __init__(self, options: DecodingOptions, budget: int, eos_id: int, prefix: int = 0,
-                 masks: TokenMasks | None = None):
+                 masks: TokenMasks | None = None, favoured: list[int] = ()):
         self.k, self.options, self.budget, self.eos_id = options.beam_size, options, budget, eos_id
         self.prefix = prefix  # forced tokens before the search's first step (a target language): counted in lengths
         self.masks = masks  # disabled tokens: the step then gets each row's whole distribution (candidates 0)
+        # prefix_bias_beta's target prefix: at step t a row that has not left it takes log((1 - β) p + β [prefix[t]]);
+        # as CTranslate2's BiasedDecoder, whose flags follow the candidates' places, not their parents
+        self.favoured, self.diverged = list(favoured), np.zeros(self.k, bool)
         self.rows, self.candidates = self.k, 0 if masks else 2 * self.k
         self.scores = np.full(self.k, -np.inf)
         self.scores[0] = 0.0
@@ -170,18 +180,33 @@ class BeamSearch:
         """ids, scores (rows, ≥ 2k): each row's best tokens and their log-probs, best first; or, with masks, ids
         None and scores (rows, V) each row's log-probs by token id -> parents (rows,) and next tokens (rows,)."""
         k = self.k
-        if ids is None:  # the tokens disabled, the rest renormalised, then each row's 2k best
-            ids, scores = best_candidates(self.masks.apply(scores, self.live, self.steps), 2 * k)
+        if ids is None:  # the tokens disabled, the rest renormalised, a prefix favoured, then each row's 2k best
+            ids, scores = best_candidates(self._favour(self.masks.apply(scores, self.live, self.steps)), 2 * k)
         total = (self.scores[:, None] + scores[:, : 2 * k]).ravel()  # (k · 2k,), row by row
         # best first; a stable sort keeps equal totals in row order, and each row's candidates come
         # with ties by lower id: the order lexsort((id, row, -total)) would give, in fewer calls
         best = np.argsort(-total, kind="stable")[: 2 * k]
         return self.select(best // (2 * k), ids[:, : 2 * k].ravel()[best], total[best])
 
+    def _favour(self, log_probs: np.ndarray) -> np.ndarray:
+        """log_probs (k, V) with prefix_bias_beta's favoured token mixed in, on the rows still on the prefix."""
+        if self.steps >= len(self.favoured):
+            return log_probs
+        beta, token = self.options.prefix_bias_beta, self.favoured[self.steps]
+        on = np.flatnonzero(~self.diverged)
+        mixed = (1 - beta) * np.exp(log_probs[on].astype(np.float64))
+        mixed[:, token] += beta
+        with np.errstate(divide="ignore"):
+            log_probs[on] = np.log(mixed)
+        return log_probs
+
     def select(self, cand_row: np.ndarray, cand_id: np.ndarray, cand_score: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The rest of a step, from its 2k best candidates, best first: each one's row, token and
         cumulative log-prob -> parents (rows,) and next tokens (rows,)."""
         k = self.k
+        if self.favoured:  # CTranslate2's flags: by the place of the k best candidates, before any finishes
+            self.diverged |= (self.steps >= len(self.favoured)) | \
+                (cand_id[:k] != self.favoured[min(self.steps, len(self.favoured) - 1)])
         self.steps += 1
         last = self.steps >= self.budget
         chosen = slice(0, k)  # unless a candidate finishes (on most steps none does)
@@ -395,15 +420,16 @@ def sample_whole(log_probs: np.ndarray, temperature: float, topp: float, rng: np
     return int(np.flatnonzero(log_probs == value)[i - np.count_nonzero(log_probs > value)])
 
 
-def make_search(options: DecodingOptions, budget: int, eos_id: int, forced: list[int] = (), unk_id: int = -1) \
-        -> BeamSearch | Sampling:
+def make_search(options: DecodingOptions, budget: int, eos_id: int, forced: list[int] = (), unk_id: int = -1,
+                favoured: list[int] = ()) -> BeamSearch | Sampling:
     """The search of one non-greedy request (greedy requests are decoded vectorised by the callers; with disabled
     tokens a beam of one). `forced`: the target tokens before its first step (transformers' forced_bos_token_id, a
-    target_prefix), which beam search counts in every hypothesis's length; `budget` counts the tokens after them."""
+    target_prefix), which beam search counts in every hypothesis's length; `budget` counts the tokens after them.
+    `favoured`: a target_prefix that prefix_bias_beta favours instead of forcing."""
     masks = TokenMasks(options, eos_id, unk_id, forced) if options.masked else None
     if options.sampling:
         return Sampling(options, budget, eos_id, masks)
-    return BeamSearch(options, budget, eos_id, len(forced), masks)
+    return BeamSearch(options, budget, eos_id, len(forced), masks, favoured)
 
 
 class TokenMasks:

@@ -170,7 +170,7 @@ class Engine:
             request.admitted = now
             if not request.options.greedy:
                 request.search = make_search(request.options, request.budget(self.tr.limits), self.tr.eos_id,
-                                             request.prefix, self.tr.unk_id)
+                                             request.prefix, self.tr.unk_id, request.favoured)
             budget -= cost
             rows += request.width
             admitted.append(request)

@@ -38,6 +38,7 @@ class Request:
     id: str = ""
     prefix: list[int] = field(default_factory=list)  # target tokens decoding is forced to start with (not in tokens)
     shown_prefix: list[int] = field(default_factory=list)  # the end of `prefix` its output begins with (target_prefix)
+    favoured: list[int] = field(default_factory=list)  # a target_prefix that prefix_bias_beta favours, not forced
     tokens: list[int] = field(default_factory=list)
     score: float = 0.0
     hypotheses: list[Hypothesis] = field(default_factory=list)

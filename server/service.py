@@ -239,7 +239,9 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
 
     # -- engine round trip
     def _request(self, call: _Call, ids: list[int], options: tuple[int, DecodingOptions, bool], context,
-                 prefix: tuple[int, ...] = (), on_token=None, on_done=None, shown: tuple[int, ...] = ()):
+                 prefix: tuple[int, ...] = (), on_token=None, on_done=None, given: tuple[int, ...] = ()):
+        """The engine request of one sentence and the future it resolves; `given`: its target_prefix's tokens,
+        forced after `prefix` (its output then begins with them), or favoured (prefix_bias_beta)."""
         wakeups = self.wakeups
         future = wakeups.loop.create_future()
         remaining = context.time_remaining()
@@ -251,9 +253,10 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                 on_done()
 
         max_tokens, search, scored = options
+        forced, favoured = ([], list(given)) if search.prefix_bias_beta else (list(given), [])
         request = Request(ids, max_decoding_length=max_tokens, options=search, on_token=on_token, on_finish=on_finish,
                           scored=scored, deadline=None if remaining is None else time.monotonic() + remaining,
-                          prefix=list(prefix), shown_prefix=list(shown))
+                          prefix=[*prefix, *forced], shown_prefix=forced, favoured=favoured)
         return request, future
 
     async def _fail(self, call: _Call, context, exc: Exception, rejected: bool = True):
@@ -333,8 +336,8 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             languages = model.languages(call.source_language, request.target_language)
             sources = [model.source(f"sentences[{i}]", s, languages) for i, s in enumerate(request.sentences)]
             given = model.target_prefixes(request.target_prefix, sources, options, languages)
-            pairs = [self._request(call, ids, options, context, languages.prefix + shown, shown=shown)
-                     for ids, shown in zip(sources, given)]
+            pairs = [self._request(call, ids, options, context, languages.prefix, given=prefix)
+                     for ids, prefix in zip(sources, given)]
             for engine_request, _ in pairs:
                 self._submit(call, model, engine_request)
             # one sentence (most calls) awaits its future itself: gather's own future is one more event-loop hop
@@ -361,12 +364,12 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             options = self._options(call, model, request)
             languages = model.languages(call.source_language, request.target_language)
             ids = model.source("sentence", request.sentence, languages)
-            [shown] = model.target_prefixes([request.target_prefix] if request.target_prefix else [], [ids], options,
+            [given] = model.target_prefixes([request.target_prefix] if request.target_prefix else [], [ids], options,
                                             languages)
-            engine_request, future = self._request(call, ids, options, context, languages.prefix + shown,
+            engine_request, future = self._request(call, ids, options, context, languages.prefix,
                                                    on_token=lambda r, t: tokens.put(t),
                                                    on_done=lambda: tokens.put(None),  # after the last token
-                                                   shown=shown)
+                                                   given=given)
             self._submit(call, model, engine_request)
         except NmtserveError as e:
             await self._fail(call, context, e)

@@ -187,17 +187,18 @@ class OnnxTranslator(Decoder):
         return [[Hypothesis(o, s, "eos" if e else "length")] for o, s, e in zip(text, total.tolist(), eos)]
 
     def search(self, state: BatchState, sources: list[list[int]], options: DecodingOptions,
-               prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
+               prefixes: list[list[int]] | None = None, favoured: list[list[int]] | None = None) \
+            -> list[list[Hypothesis]]:
         """Beam search or sampling for one batch of token-id sources, encoded in `state` (`prefill`;
         nmtserve/search.py: one search per source, over its own rows). A finished source's rows decode
         on, ignored, until finished sources are a quarter of the batch; then their rows leave together
         (as greedy's). With native_steps the library takes beam search's ordinary steps after the first
         (`_native_beam_steps`), and every other step comes back here."""
         # each source's forced prefix (`prefill`), counted in the budget and in lengths
-        forced = prefixes or [[]] * len(sources)
+        forced, favoured = prefixes or [[]] * len(sources), favoured or [[]] * len(sources)
         searches = [make_search(options, self.limits.output_budget(len(s), options.max_decoding_length,
                                                                    options.length_rule) - len(f), self.eos_id, f,
-                                self.unk_id) for s, f in zip(sources, forced)]
+                                self.unk_id, b) for s, f, b in zip(sources, forced, favoured)]
         width, k = searches[0].rows, searches[0].candidates
         beams = isinstance(searches[0], BeamSearch)
         # ordinary beam steps in the library, after the first (on the step that shares each source's cross K/V)
@@ -285,12 +286,14 @@ class OnnxTranslator(Decoder):
 
     def search_ids(self, sources: list[list[int]], options: DecodingOptions = DecodingOptions(), *,
                    max_batch_size: int = 32, scores: bool = True,
-                   prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
+                   prefixes: list[list[int]] | None = None, favoured: list[list[int]] | None = None) \
+            -> list[list[Hypothesis]]:
         """The n-best hypotheses of each token-id source, best first; sources are batched by sorted length,
         at most max_batch_size sources (each with its beam's rows) per batch. scores=False: greedy search
         skips the log-softmax and scores nothing (each score nan); beam search and sampling always score.
         `prefixes`: each source's forced target tokens (not in the hypotheses, counted in their budgets and
-        lengths, as transformers' forced_bos_token_id)."""
+        lengths, as transformers' forced_bos_token_id). `favoured`: each source's target_prefix that
+        prefix_bias_beta favours."""
         if max_batch_size < 1:
             raise ConfigError(f"max_batch_size {max_batch_size}: must be at least 1")
         options.check(self.vocab_size)
@@ -300,7 +303,8 @@ class OnnxTranslator(Decoder):
             for n in lengths:
                 rows = [i for i, p in enumerate(prefixes) if len(p) == n]
                 found = self.search_ids([sources[i] for i in rows], options, max_batch_size=max_batch_size,
-                                        scores=scores, prefixes=[prefixes[i] for i in rows] if n else None)
+                                        scores=scores, prefixes=[prefixes[i] for i in rows] if n else None,
+                                        favoured=[favoured[i] for i in rows] if favoured else None)
                 for i, hypotheses in zip(rows, found):
                     results[i] = hypotheses
             return results
@@ -311,7 +315,7 @@ class OnnxTranslator(Decoder):
         groups = guided_groups(batches, max(1, ENCODE_AHEAD // max_batch_size), self.inter_threads)
         if self.inter_threads == 1 or len(groups) == 1:
             for group in groups:
-                self._decode_group(group, sources, options, results, scores, prefixes)
+                self._decode_group(group, sources, options, results, scores, prefixes, favoured)
             return results
         replicas = queue.SimpleQueue()  # one decoding context per thread; a thread takes the next group
         for _ in range(self.inter_threads):
@@ -320,7 +324,7 @@ class OnnxTranslator(Decoder):
         def decode(group):
             replica = replicas.get()
             try:
-                replica._decode_group(group, sources, options, results, scores, prefixes)
+                replica._decode_group(group, sources, options, results, scores, prefixes, favoured)
             finally:
                 replicas.put(replica)
         with ThreadPoolExecutor(min(self.inter_threads, len(groups)), thread_name_prefix="nmtserve-batch") as pool:
@@ -328,7 +332,8 @@ class OnnxTranslator(Decoder):
         return results
 
     def _decode_group(self, group: list[list[int]], sources: list[list[int]], options: DecodingOptions,
-                      results: list, scores: bool, prefixes: list[list[int]] | None = None) -> None:
+                      results: list, scores: bool, prefixes: list[list[int]] | None = None,
+                      favoured: list[list[int]] | None = None) -> None:
         """Encode a group of batches (each a list of source indices), then decode them one after another into
         results."""
         group_sources = [[sources[i] for i in rows] for rows in group]
@@ -339,7 +344,8 @@ class OnnxTranslator(Decoder):
         for rows, batch in zip(group, group_sources):
             state = states.pop(0)  # the list lets go of it: its caches are freed once decoded
             for i, hypotheses in zip(rows, self.decode(state, batch, options, scores,
-                                                       [prefixes[i] for i in rows] if prefixes else None)):
+                                                       [prefixes[i] for i in rows] if prefixes else None,
+                                                       [favoured[i] for i in rows] if favoured else None)):
                 results[i] = hypotheses
 
     def _prefill_group(self, batches: list[list[list[int]]]) -> list[BatchState]:
@@ -360,12 +366,13 @@ class OnnxTranslator(Decoder):
         return states
 
     def decode(self, state: BatchState, sources: list[list[int]], options: DecodingOptions,
-               scores: bool = True, prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
+               scores: bool = True, prefixes: list[list[int]] | None = None,
+               favoured: list[list[int]] | None = None) -> list[list[Hypothesis]]:
         """One batch of token-id sources, encoded in `state` (`prefill`), decoded as options say: `greedy`,
         or `search` (beam search, sampling)."""
         if options.greedy:
             return self.greedy(state, sources, options.max_decoding_length, options.length_rule, scores)
-        return self.search(state, sources, options, prefixes)
+        return self.search(state, sources, options, prefixes, favoured)
 
     def translate_ids(self, sources: list[list[int]], *, max_batch_size: int = 32,
                       max_decoding_length: int = 256) -> list[tuple[list[int], float]]:
@@ -381,7 +388,7 @@ class OnnxTranslator(Decoder):
                         length_rule: str = "nmtserve", return_scores: bool = False, source_language: str = "",
                         target_language: str = "", target_prefix: list[str | None] | None = None,
                         min_decoding_length: int = 0, disable_unk: bool = False, no_repeat_ngram_size: int = 0,
-                        suppress_sequences: list[str] | None = None) -> list[Translation]:
+                        suppress_sequences: list[str] | None = None, prefix_bias_beta: float = 0.0) -> list[Translation]:
         """Translate texts, with CTranslate2's decoding options (nmtserve/search.py says what each does):
         greedy by default, beam search with beam_size > 1, random sampling with sampling_topk != 1. Each
         Translation is the best hypothesis, with the rest of the n-best list in `alternatives`. Inputs are
@@ -389,19 +396,33 @@ class OnnxTranslator(Decoder):
         defaults where not given; a ValueError names one it does not know). `target_prefix` (CTranslate2's, as text):
         for each text the start its translation is forced to (None or "": none); each hypothesis begins with it.
         min_decoding_length, disable_unk, no_repeat_ngram_size and suppress_sequences (target texts) are
-        CTranslate2's disabled tokens (nmtserve/search.py: TokenMasks)."""
+        CTranslate2's disabled tokens (nmtserve/search.py: TokenMasks). With prefix_bias_beta (CTranslate2's) the
+        target_prefix is favoured, not forced, and a translation begins with what was decoded."""
         suppressed = tuple(tuple(self.tokenizer.encode_target(text)) for text in suppress_sequences or ())
         options = DecodingOptions(beam_size, num_hypotheses, length_penalty, patience, sampling_topk, sampling_topp,
                                   sampling_temperature, seed, max_decoding_length, beam_stopping, length_rule,
-                                  min_decoding_length, disable_unk, no_repeat_ngram_size, suppressed)
+                                  min_decoding_length, disable_unk, no_repeat_ngram_size, suppressed, prefix_bias_beta)
         encode = self.tokenizer.encode
         ids = [encode(t, self.limits.max_source_tokens, target_language, source_language) or [self.eos_id]
                for t in texts]
-        forced = self.forced_prefixes(ids, options, target_prefix, self.tokenizer.target_prefix(target_language))
-        found = self.search_ids(ids, options, max_batch_size=max_batch_size, scores=return_scores,
-                                prefixes=[language + given for language, given in forced] if any(map(any, forced))
-                                else None)
-        return [self._translation(hypotheses, return_scores, given) for hypotheses, (_, given) in zip(found, forced)]
+        found = self.search_prefixed(ids, options, target_prefix, self.tokenizer.target_prefix(target_language),
+                                     max_batch_size=max_batch_size, scores=return_scores)
+        return [self._translation(hypotheses, return_scores, shown) for hypotheses, shown in found]
+
+    def search_prefixed(self, sources: list[list[int]], options: DecodingOptions, target_prefix: list | None,
+                        language: list[int], *, max_batch_size: int = 32, scores: bool = True) \
+            -> list[tuple[list[Hypothesis], list[int]]]:
+        """`search_ids` after a target language's tokens and each source's target_prefix (a text, or None): each
+        source's hypotheses and the prefix tokens they begin with (forced; none when prefix_bias_beta favours the
+        prefix instead). ValueError naming target_prefix or the entry that does not fit."""
+        forced = self.forced_prefixes(sources, options, target_prefix, language)
+        favoured = None
+        if options.prefix_bias_beta:  # the prefix favoured, not forced
+            favoured, forced = [given for _, given in forced], [(lang, []) for lang, _ in forced]
+        found = self.search_ids(sources, options, max_batch_size=max_batch_size, scores=scores,
+                                prefixes=[lang + given for lang, given in forced] if any(map(any, forced)) else None,
+                                favoured=favoured)
+        return [(hypotheses, given) for hypotheses, (_, given) in zip(found, forced)]
 
     def forced_prefixes(self, sources: list[list[int]], options: DecodingOptions, target_prefix: list | None,
                         language: list[int]) -> list[tuple[list[int], list[int]]]:

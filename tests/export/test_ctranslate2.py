@@ -103,3 +103,27 @@ def test_disabled_tokens_give_ctranslate2s_tokens(tiny_checkpoint, tiny_bundle, 
         same = sum(t.tokens == [sp.piece_to_id(p) for p in r.hypotheses[0]] for t, r in zip(got, theirs))
         assert same >= least, (beam, same)
         assert "disable_unk" in option or any(a.tokens != b.tokens for a, b in zip(got, plain))
+
+
+def test_prefix_bias_beta_gives_ctranslate2s_tokens(tiny_checkpoint, tiny_bundle, tiny_corpus, tmp_path):
+    """prefix_bias_beta: the target_prefix of 0 to 3 reference words favoured, not forced (CTranslate2's
+    BiasedDecoder), 200 sentences, greedy and beam 4, fp32: CTranslate2's tokens (greedy on every sentence, beam 4
+    on at least 95%), and the bias changes outputs."""
+    from nmtserve.export.runtime.translator import OnnxTranslator
+
+    loaded = load_model(tiny_checkpoint)
+    sp = loaded.tokenizer.sp
+    pairs = read_tsv(tiny_corpus / "train.tsv").pairs[:200]
+    texts = [source for source, _ in pairs]
+    prefixes = [" ".join(target.split()[:i % 4]) or None for i, (_, target) in enumerate(pairs)]
+    ct2 = ctranslate2.Translator(str(convert(loaded, tmp_path / "ct2")), device="cpu")
+    ours = OnnxTranslator(tiny_bundle)
+    for beam, least in ((1, 200), (4, 190)):
+        theirs = ct2.translate_batch([sp.encode(t, out_type=str) for t in texts], beam_size=beam, max_decoding_length=40,
+                                     min_decoding_length=0, length_penalty=1.0, prefix_bias_beta=0.5,
+                                     target_prefix=[sp.encode(p, out_type=str) if p else None for p in prefixes])
+        options = dict(beam_size=beam, max_decoding_length=40, length_rule="ctranslate2", length_penalty=1.0)
+        got = ours.translate_batch(texts, target_prefix=prefixes, prefix_bias_beta=0.5, **options)
+        same = sum(t.tokens == [sp.piece_to_id(p) for p in r.hypotheses[0]] for t, r in zip(got, theirs))
+        assert same >= least, (beam, same)
+        assert any(a.tokens != b.tokens for a, b in zip(got, ours.translate_batch(texts, **options)))

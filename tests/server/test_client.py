@@ -94,6 +94,11 @@ def test_translate_cli_forces_a_target_prefix_locally_and_through_the_server(ser
         out = run_cli("translate", *flags, *model, *sentences, timeout=120)
         assert out.returncode == 0 and out.stdout.splitlines() == [t.text for t in expected], (model, out.stderr)
     assert all(t.text.startswith("Le chien") for t in expected)
+    favoured = OnnxTranslator(tiny_bundle, shared_cross=False).translate_batch(
+        sentences, beam_size=4, max_decoding_length=64, target_prefix=["Le chien"] * 2, prefix_bias_beta=0.5)
+    for model in (["--server", served.target], [str(tiny_bundle)]):
+        out = run_cli("translate", *flags, "--prefix-bias-beta", "0.5", *model, *sentences, timeout=120)
+        assert out.returncode == 0 and out.stdout.splitlines() == [t.text for t in favoured], (model, out.stderr)
     refused = run_cli("translate", "--target-prefix", "Le", str(tiny_checkpoint), "hi")
     assert refused.returncode == 2 and "--target-prefix: a bundle, a model folder or --server" in refused.stderr
 

@@ -148,6 +148,10 @@ def test_target_prefix_in_one_call_with_others_gets_the_offline_result(served, t
                 sentence=texts[3], target_prefix=prefixes[3], options=pb.DecodingOptions(beam_size=beam)), timeout=60))
             assert "".join(e.delta for e in events) == events[-1].final.text == expected[3].text
             assert events[0].delta.startswith(prefixes[3])
+            favoured = stub.Translate(pb.TranslateRequest(sentences=texts, target_prefix=prefixes, options=pb.DecodingOptions(
+                beam_size=beam, prefix_bias_beta=0.5)), timeout=60)
+            assert [t.text for t in favoured.translations] == [t.text for t in tr.translate_batch(
+                texts, beam_size=beam, max_decoding_length=64, target_prefix=prefixes, prefix_bias_beta=0.5)]
         for prefixes, message in ((["Le"], "target_prefix: 1 given for 8 sentences"),
                                   ([""] * 7 + ["le " * 80], "target_prefix[7]: ")):
             with pytest.raises(grpc.RpcError) as e:
