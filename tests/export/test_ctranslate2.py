@@ -1,4 +1,7 @@
-"""The CTranslate2 converter gives CTranslate2 our model: same greedy tokens (under its length rule too)."""
+"""The CTranslate2 converter gives CTranslate2 our model: same greedy tokens (under its length rule too); and with
+CTranslate2's decoding controls (target_prefix, disabled tokens, prefix_bias_beta) both engines give the same tokens."""
+
+from types import SimpleNamespace
 
 import ctranslate2
 import pytest
@@ -47,83 +50,77 @@ def test_length_rule_ctranslate2_gives_ctranslate2s_tokens_where_nmtserves_cap_s
     assert sum(a == b for a, b in zip(got, ours)) >= 0.95 * len(sources)
 
 
-def test_target_prefix_gives_ctranslate2s_tokens(tiny_checkpoint, tiny_bundle, tiny_corpus, tmp_path):
-    """translate_batch's target_prefix (CTranslate2's, as text): 200 sentences, each forced to start with the first
-    0 to 3 words of its reference, rows of every prefix length in one batch; fp32. Greedy: CTranslate2's tokens on
-    the same weights, prefix included, on every sentence; beam 4 on at least 95% (this barely trained model's
-    near-ties). CTranslate2 runs one sentence a call: its own results for a row change with the other rows'
-    prefixes in a batch; ours do not (the batch-1 run below)."""
+@pytest.fixture(scope="module")
+def both(tiny_checkpoint, tiny_bundle, tiny_corpus, tmp_path_factory):
+    """CTranslate2 and ONNX Runtime on the tiny model's weights; 200 training sentences, and for each the first 0
+    to 3 words of its reference as a target prefix (None for 0)."""
     from nmtserve.export.runtime.translator import OnnxTranslator
 
     loaded = load_model(tiny_checkpoint)
-    sp = loaded.tokenizer.sp
     pairs = read_tsv(tiny_corpus / "train.tsv").pairs[:200]
-    texts = [source for source, _ in pairs]
-    prefixes = [" ".join(target.split()[:i % 4]) or None for i, (_, target) in enumerate(pairs)]
-    ct2 = ctranslate2.Translator(str(convert(loaded, tmp_path / "ct2")), device="cpu")
-    ours = OnnxTranslator(tiny_bundle)
-    for beam, least in ((1, 200), (4, 190)):
-        theirs = ct2.translate_batch([sp.encode(t, out_type=str) for t in texts], beam_size=beam, max_decoding_length=40,
-                                     min_decoding_length=0, length_penalty=1.0, max_batch_size=1,
-                                     target_prefix=[sp.encode(p, out_type=str) if p else None for p in prefixes])
-        got = ours.translate_batch(texts, beam_size=beam, max_decoding_length=40, length_rule="ctranslate2",
-                                   length_penalty=1.0, target_prefix=prefixes)
-        alone = ours.translate_batch(texts, beam_size=beam, max_decoding_length=40, length_rule="ctranslate2",
-                                     length_penalty=1.0, target_prefix=prefixes, max_batch_size=1)
+    return SimpleNamespace(sp=loaded.tokenizer.sp, texts=[source for source, _ in pairs],
+                           prefixes=[" ".join(target.split()[:i % 4]) or None for i, (_, target) in enumerate(pairs)],
+                           ct2=ctranslate2.Translator(str(convert(loaded, tmp_path_factory.mktemp("ct2") / "ct2")),
+                                                      device="cpu"),
+                           ours=OnnxTranslator(tiny_bundle))
+
+
+def _same(both, got, theirs) -> int:
+    """How many of our translations have CTranslate2's tokens (its best hypothesis)."""
+    return sum(t.tokens == [both.sp.piece_to_id(p) for p in r.hypotheses[0]] for t, r in zip(got, theirs))
+
+
+def _pieces(both, texts) -> list:
+    return [both.sp.encode(t, out_type=str) if t else None for t in texts]
+
+
+# greedy on every sentence, beam 4 on at least 95% (this barely trained model's near-ties); fp32, length penalty 1
+AGREEMENT = ((1, 200), (4, 190))
+CT2_OPTIONS = dict(max_decoding_length=40, min_decoding_length=0, length_penalty=1.0)
+OUR_OPTIONS = dict(max_decoding_length=40, length_rule="ctranslate2", length_penalty=1.0)
+
+
+def test_target_prefix_gives_ctranslate2s_tokens(both):
+    """translate_batch's target_prefix (CTranslate2's, as text): each sentence forced to start with its prefix, rows
+    of every prefix length in one batch: CTranslate2's tokens, prefix included. CTranslate2 runs one sentence a call:
+    its own results for a row change with the other rows' prefixes in a batch; ours do not (the batch-1 run)."""
+    for beam, least in AGREEMENT:
+        theirs = both.ct2.translate_batch(_pieces(both, both.texts), beam_size=beam, max_batch_size=1,
+                                          target_prefix=_pieces(both, both.prefixes), **CT2_OPTIONS)
+        got = both.ours.translate_batch(both.texts, beam_size=beam, target_prefix=both.prefixes, **OUR_OPTIONS)
+        alone = both.ours.translate_batch(both.texts, beam_size=beam, target_prefix=both.prefixes, max_batch_size=1,
+                                          **OUR_OPTIONS)
         assert [t.tokens for t in got] == [t.tokens for t in alone]
-        assert all(t.tokens[:len(sp.encode(p))] == sp.encode(p) and t.text.startswith(p) for t, p in zip(got, prefixes) if p)
-        same = sum(t.tokens == [sp.piece_to_id(p) for p in r.hypotheses[0]] for t, r in zip(got, theirs))
-        assert same >= least, (beam, same)
+        assert all(t.tokens[:len(both.sp.encode(p))] == both.sp.encode(p) and t.text.startswith(p)
+                   for t, p in zip(got, both.prefixes) if p)
+        assert _same(both, got, theirs) >= least, beam
 
 
 @pytest.mark.parametrize("option", [{"min_decoding_length": 12}, {"disable_unk": True}, {"no_repeat_ngram_size": 2},
                                     {"suppress_sequences": ["s", "le chat"]}])
-def test_disabled_tokens_give_ctranslate2s_tokens(tiny_checkpoint, tiny_bundle, tiny_corpus, tmp_path, option):
+def test_disabled_tokens_give_ctranslate2s_tokens(both, option):
     """CTranslate2's min_decoding_length, disable_unk, no_repeat_ngram_size and suppress_sequences (here as target
-    texts) on 200 sentences, greedy and beam 4, fp32: CTranslate2's tokens on the same weights (greedy on every
-    sentence, beam 4 on at least 95%: this barely trained model's near-ties), and the option changes outputs
-    (disable_unk aside: this model rarely says unk)."""
-    from nmtserve.export.runtime.translator import OnnxTranslator
-
-    loaded = load_model(tiny_checkpoint)
-    sp = loaded.tokenizer.sp
-    texts = [source for source, _ in read_tsv(tiny_corpus / "train.tsv").pairs[:200]]
-    ct2 = ctranslate2.Translator(str(convert(loaded, tmp_path / "ct2")), device="cpu")
-    theirs_option = {**option, "min_decoding_length": option.get("min_decoding_length", 0)}
+    texts): CTranslate2's tokens on the same weights, and the option changes outputs (disable_unk aside: this model
+    rarely says unk)."""
+    theirs_option = {**CT2_OPTIONS, **option}
     if "suppress_sequences" in option:
-        theirs_option["suppress_sequences"] = [sp.encode(t, out_type=str) for t in option["suppress_sequences"]]
-    ours = OnnxTranslator(tiny_bundle)
-    for beam, least in ((1, 200), (4, 190)):
-        theirs = ct2.translate_batch([sp.encode(t, out_type=str) for t in texts], beam_size=beam, max_decoding_length=40,
-                                     length_penalty=1.0, max_batch_size=32, **theirs_option)
-        got = ours.translate_batch(texts, beam_size=beam, max_decoding_length=40, length_rule="ctranslate2",
-                                   length_penalty=1.0, **option)
-        plain = ours.translate_batch(texts, beam_size=beam, max_decoding_length=40, length_rule="ctranslate2",
-                                     length_penalty=1.0)
-        same = sum(t.tokens == [sp.piece_to_id(p) for p in r.hypotheses[0]] for t, r in zip(got, theirs))
-        assert same >= least, (beam, same)
+        theirs_option["suppress_sequences"] = _pieces(both, option["suppress_sequences"])
+    for beam, least in AGREEMENT:
+        theirs = both.ct2.translate_batch(_pieces(both, both.texts), beam_size=beam, max_batch_size=32, **theirs_option)
+        got = both.ours.translate_batch(both.texts, beam_size=beam, **OUR_OPTIONS, **option)
+        assert _same(both, got, theirs) >= least, beam
+        plain = both.ours.translate_batch(both.texts, beam_size=beam, **OUR_OPTIONS)
         assert "disable_unk" in option or any(a.tokens != b.tokens for a, b in zip(got, plain))
 
 
-def test_prefix_bias_beta_gives_ctranslate2s_tokens(tiny_checkpoint, tiny_bundle, tiny_corpus, tmp_path):
-    """prefix_bias_beta: the target_prefix of 0 to 3 reference words favoured, not forced (CTranslate2's
-    BiasedDecoder), 200 sentences, greedy and beam 4, fp32: CTranslate2's tokens (greedy on every sentence, beam 4
-    on at least 95%), and the bias changes outputs."""
-    from nmtserve.export.runtime.translator import OnnxTranslator
-
-    loaded = load_model(tiny_checkpoint)
-    sp = loaded.tokenizer.sp
-    pairs = read_tsv(tiny_corpus / "train.tsv").pairs[:200]
-    texts = [source for source, _ in pairs]
-    prefixes = [" ".join(target.split()[:i % 4]) or None for i, (_, target) in enumerate(pairs)]
-    ct2 = ctranslate2.Translator(str(convert(loaded, tmp_path / "ct2")), device="cpu")
-    ours = OnnxTranslator(tiny_bundle)
-    for beam, least in ((1, 200), (4, 190)):
-        theirs = ct2.translate_batch([sp.encode(t, out_type=str) for t in texts], beam_size=beam, max_decoding_length=40,
-                                     min_decoding_length=0, length_penalty=1.0, prefix_bias_beta=0.5,
-                                     target_prefix=[sp.encode(p, out_type=str) if p else None for p in prefixes])
-        options = dict(beam_size=beam, max_decoding_length=40, length_rule="ctranslate2", length_penalty=1.0)
-        got = ours.translate_batch(texts, target_prefix=prefixes, prefix_bias_beta=0.5, **options)
-        same = sum(t.tokens == [sp.piece_to_id(p) for p in r.hypotheses[0]] for t, r in zip(got, theirs))
-        assert same >= least, (beam, same)
-        assert any(a.tokens != b.tokens for a, b in zip(got, ours.translate_batch(texts, **options)))
+def test_prefix_bias_beta_gives_ctranslate2s_tokens(both):
+    """prefix_bias_beta: the target prefix favoured, not forced (CTranslate2's BiasedDecoder): CTranslate2's tokens,
+    and the bias changes outputs."""
+    for beam, least in AGREEMENT:
+        theirs = both.ct2.translate_batch(_pieces(both, both.texts), beam_size=beam, prefix_bias_beta=0.5,
+                                          target_prefix=_pieces(both, both.prefixes), **CT2_OPTIONS)
+        got = both.ours.translate_batch(both.texts, beam_size=beam, target_prefix=both.prefixes, prefix_bias_beta=0.5,
+                                        **OUR_OPTIONS)
+        assert _same(both, got, theirs) >= least, beam
+        plain = both.ours.translate_batch(both.texts, beam_size=beam, **OUR_OPTIONS)
+        assert any(a.tokens != b.tokens for a, b in zip(got, plain))
