@@ -39,6 +39,12 @@ class Limits:
         return output_budget(src_len, max_decoding_length, self.max_target_tokens, length_rule)
 
 
+def by_length(prefixes: list[list[int]]) -> list[list[int]]:
+    """The indices of the prefixes of each length, shortest first: rows that start at one position together."""
+    lengths = sorted({len(p) for p in prefixes})
+    return [[i for i, p in enumerate(prefixes) if len(p) == n] for n in lengths]
+
+
 def sorted_batches(lengths: list[int], max_batch_size: int, at_once: int = 1) -> Iterator[list[int]]:
     """Indices sorted by length, longest first, cut into as few batches of at most max_batch_size as
     possible, of sizes that differ by one at most (200 sources at 64: four of 50, not 64, 64, 64 and 8):

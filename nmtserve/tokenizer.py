@@ -259,8 +259,9 @@ class M2M100Tokenizer:
         self.eos_id, self.unk_id, self.pad_id = vocab[eos], vocab[unk], vocab[pad]
         self.bos_id = self.eos_id if decoder_start_id is None else decoder_start_id
         self.vocab_size = max(max(vocab.values()), max(languages.values())) + 1
-        # the vocabulary as two arrays, SentencePiece's ids to the model's and back: a dict of NLLB's 256,000
-        # pieces holds some 60 MB; the pieces SentencePiece has not (special tokens) in a dict of their own
+        # the vocabulary as two arrays, SentencePiece's ids to the model's and back: dicts of a multilingual
+        # model's every piece would hold many times more; the pieces SentencePiece has not (special tokens) in a
+        # dict of their own
         self._model_ids = np.full(self.sp.get_piece_size(), self.unk_id, np.int32)
         self._piece_ids = np.full(self.vocab_size, -1, np.int32)
         self._others: dict[str, int] = {}

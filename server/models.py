@@ -181,22 +181,13 @@ class ServedModel:
         return CallLanguages(source, target, tuple(self.tokenizer.target_prefix(target)))
 
     def target_prefixes(self, texts, sources: list[list[int]], options: tuple[int, DecodingOptions, bool],
-                        languages: CallLanguages) -> list[tuple[int, ...]]:
-        """Each sentence's target_prefix as target ids (() where none); InvalidRequest for a count other than the
-        sentences' or a prefix that leaves its sentence no room in its output budget."""
-        if not texts:
-            return [()] * len(sources)
-        if len(texts) != len(sources):
-            raise InvalidRequest(f"target_prefix: {len(texts)} given for {len(sources)} sentences; one each, or none")
-        given = []
-        for i, (text, source) in enumerate(zip(texts, sources)):
-            ids = tuple(self.tokenizer.encode_target(text)) if text else ()
-            budget = self.engine.tr.limits.output_budget(len(source), options[0], options[1].length_rule)
-            if len(languages.prefix) + len(ids) >= budget:
-                raise InvalidRequest(f"target_prefix[{i}]: {len(ids)} tokens, which leave no room in the sentence's "
-                                     f"output budget of {budget} tokens")
-            given.append(ids)
-        return given
+                        languages: CallLanguages) -> list[list[int]]:
+        """Each sentence's target_prefix as target ids ([] where none; OnnxTranslator.target_prefix_ids);
+        InvalidRequest for a count other than the sentences' or a prefix without room in its output budget."""
+        try:
+            return self.engine.tr.target_prefix_ids(sources, texts, options[0], options[1].length_rule, languages.prefix)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
 
     def source(self, field: str, text: str, languages: CallLanguages) -> list[int]:
         if not text.strip():

@@ -239,7 +239,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
 
     # -- engine round trip
     def _request(self, call: _Call, ids: list[int], options: tuple[int, DecodingOptions, bool], context,
-                 prefix: tuple[int, ...] = (), on_token=None, on_done=None, given: tuple[int, ...] = ()):
+                 prefix: tuple[int, ...] = (), on_token=None, on_done=None, given: list[int] = ()):
         """The engine request of one sentence and the future it resolves; `given`: its target_prefix's tokens,
         forced after `prefix` (its output then begins with them), or favoured (prefix_bias_beta)."""
         wakeups = self.wakeups

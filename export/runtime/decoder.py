@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from nmtserve.decoding import by_length
 from nmtserve.errors import ConfigError
 from nmtserve.export.runtime import kernels, memory
 from nmtserve.export.runtime.batch import FRESH_SLOTS, BatchState, eos_of, own_slots
@@ -228,9 +229,8 @@ class Decoder:
         one as the token they feed next (rows of different lengths: a prefill per length, rows then at mixed
         positions)."""
         if prefixes and any(prefixes):
-            lengths = sorted({len(p) for p in prefixes})
-            if len(lengths) > 1:  # a prefill per length, then the rows back in the sources' order
-                groups = [[i for i, p in enumerate(prefixes) if len(p) == n] for n in lengths]
+            groups = by_length(prefixes)
+            if len(groups) > 1:  # a prefill per length, then the rows back in the sources' order
                 parts = [self.prefill([sources[i] for i in rows], prefixes=[prefixes[i] for i in rows])
                          for rows in groups]
                 return functools.reduce(BatchState.concatenate, parts).gather(np.argsort(np.concatenate(groups)))

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nmtserve.decoding import guided_groups, sorted_batches
+from nmtserve.decoding import by_length, guided_groups, sorted_batches
 from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.batch import BatchState
 from nmtserve.export.runtime.bundle import Bundle
@@ -298,12 +298,11 @@ class OnnxTranslator(Decoder):
             raise ConfigError(f"max_batch_size {max_batch_size}: must be at least 1")
         options.check(self.vocab_size)
         results: list = [None] * len(sources)
-        lengths = sorted({len(p) for p in prefixes or [[]]})
-        if len(lengths) > 1:  # the native greedy loop runs rows at one position: batches of one prefix length each
-            for n in lengths:
-                rows = [i for i, p in enumerate(prefixes) if len(p) == n]
+        groups = by_length(prefixes or [])
+        if len(groups) > 1:  # the native greedy loop runs rows at one position: batches of one prefix length each
+            for rows in groups:
                 found = self.search_ids([sources[i] for i in rows], options, max_batch_size=max_batch_size,
-                                        scores=scores, prefixes=[prefixes[i] for i in rows] if n else None,
+                                        scores=scores, prefixes=[prefixes[i] for i in rows] if prefixes[rows[0]] else None,
                                         favoured=[favoured[i] for i in rows] if favoured else None)
                 for i, hypotheses in zip(rows, found):
                     results[i] = hypotheses
@@ -415,32 +414,32 @@ class OnnxTranslator(Decoder):
         """`search_ids` after a target language's tokens and each source's target_prefix (a text, or None): each
         source's hypotheses and the prefix tokens they begin with (forced; none when prefix_bias_beta favours the
         prefix instead). ValueError naming target_prefix or the entry that does not fit."""
-        forced = self.forced_prefixes(sources, options, target_prefix, language)
-        favoured = None
-        if options.prefix_bias_beta:  # the prefix favoured, not forced
-            favoured, forced = [given for _, given in forced], [(lang, []) for lang, _ in forced]
+        given = self.target_prefix_ids(sources, target_prefix, options.max_decoding_length, options.length_rule,
+                                       language)
+        favoured, shown = (given, [[] for _ in given]) if options.prefix_bias_beta else (None, given)
+        prefixes = [[*language, *s] for s in shown]
         found = self.search_ids(sources, options, max_batch_size=max_batch_size, scores=scores,
-                                prefixes=[lang + given for lang, given in forced] if any(map(any, forced)) else None,
-                                favoured=favoured)
-        return [(hypotheses, given) for hypotheses, (_, given) in zip(found, forced)]
+                                prefixes=prefixes if any(prefixes) else None, favoured=favoured)
+        return list(zip(found, shown))
 
-    def forced_prefixes(self, sources: list[list[int]], options: DecodingOptions, target_prefix: list | None,
-                        language: list[int]) -> list[tuple[list[int], list[int]]]:
-        """Each source's forced target tokens: (the target language's, target_prefix's) -> ValueError naming
-        target_prefix or the entry that does not fit (a prefix must leave room for one token in the budget)."""
-        if target_prefix is None:
-            return [(language, [])] * len(sources)
-        if len(target_prefix) != len(sources):
-            raise ValueError(f"target_prefix: {len(target_prefix)} given for {len(sources)} texts; one each")
-        forced = []
-        for i, (source, text) in enumerate(zip(sources, target_prefix)):
-            given = self.tokenizer.encode_target(text) if text else []
-            budget = self.limits.output_budget(len(source), options.max_decoding_length, options.length_rule)
-            if len(language) + len(given) >= budget:
-                raise ValueError(f"target_prefix[{i}]: {len(given)} tokens, which leave no room in this sentence's "
+    def target_prefix_ids(self, sources: list[list[int]], texts, max_decoding_length: int, length_rule: str,
+                          language: list[int] = ()) -> list[list[int]]:
+        """Each source's target_prefix (a text; None or "" for none; no texts: none for any) as target ids ->
+        ValueError naming target_prefix for a count other than the sources' or a prefix that, after the target
+        language's tokens, leaves its sentence no room in its output budget."""
+        if not texts:
+            return [[] for _ in sources]
+        if len(texts) != len(sources):
+            raise ValueError(f"target_prefix: {len(texts)} given for {len(sources)} sentences; one each, or none")
+        given = []
+        for i, (source, text) in enumerate(zip(sources, texts)):
+            ids = self.tokenizer.encode_target(text) if text else []
+            budget = self.limits.output_budget(len(source), max_decoding_length, length_rule)
+            if len(language) + len(ids) >= budget:
+                raise ValueError(f"target_prefix[{i}]: {len(ids)} tokens, which leave no room in the sentence's "
                                  f"output budget of {budget} tokens")
-            forced.append((language, given))
-        return forced
+            given.append(ids)
+        return given
 
     def _translation(self, hypotheses: list[Hypothesis], return_scores: bool, prefix: list[int] = ()) -> Translation:
         """A hypothesis as text; a forced target_prefix's tokens come first (its tokens' scores are not counted)."""
