@@ -250,11 +250,11 @@ def engines_alone(spec: dict, engines: int, threads: int) -> dict:
     and tokenized as the server does (ServedModel.source, .options), fed by `clients` closed-loop submitters in
     this thread (each call's successor sent from its on_finish) -> tokens, seconds, tokens/s over the whole run and
     at steady state (`steady_window`), as a cell counts them."""
+    from nmtserve.export.runtime.request import FinishReason, Request
     from nmtserve.server.app import load_model, warm_up
     from nmtserve.server.config import ServerConfig
     from nmtserve.server.metrics import ServerMetrics
     from nmtserve.server.models import ModelSpec
-    from nmtserve.server.request import FinishReason, Request
     from nmtserve.v1 import translation_pb2 as pb
 
     config = ServerConfig.from_flags(bundle=spec["bundle"], max_running_rows=spec["max_running_rows"], max_waiting=spec["max_waiting"])
@@ -334,11 +334,11 @@ class Baseline:
             decoding = self.defaults.override(**options)
             decoding.check(tr.vocab_size)
             t0 = time.perf_counter()
-            state = tr.prefill([source])
+            tr.prefill([source])
             t1 = time.perf_counter()
             # no scores, as the bench's calls ask the servers (greedy then skips the log-softmax in both)
-            [[best, *_]] = tr.decode(state, [source], decoding, scores=False)
-            latencies.append(time.perf_counter() - t0)
+            [[best, *_]] = tr.search_ids([source], decoding, max_batch_size=1, scores=False)
+            latencies.append(time.perf_counter() - t1)
             encoding.append(t1 - t0)
             tokens += len(best.tokens)
         return {"threads": self.threads, "p50_ms": percentile(latencies, 50) * 1e3, "p90_ms": percentile(latencies, 90) * 1e3,

@@ -148,7 +148,7 @@ def product_peak(threads: int) -> dict:
 
 
 # A served cell's CPU by whom (thread_times): the server's event loop (its main thread), its engines (threads named
-# as server/engine.py names them), its other threads (gRPC's, the metrics endpoint's, and ONNX Runtime's intra-op
+# as export/runtime/engine.py names them), its other threads (gRPC's, the metrics endpoint's, and ONNX Runtime's intra-op
 # pool when an engine has more than one thread: `--threads 2`'s second thread counts here)
 THREAD_KINDS = ("event loop", "engines", "other server threads")
 

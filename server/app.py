@@ -21,13 +21,13 @@ from grpc_reflection.v1alpha import reflection
 from nmtserve.client import read_pem
 from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.bundle import load_bundle
+from nmtserve.export.runtime.engine import EnginePool
+from nmtserve.export.runtime.request import Request
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.server.auth import ApiKeys
 from nmtserve.server.config import ServerConfig
-from nmtserve.server.engine import EnginePool
 from nmtserve.server.metrics import ServerMetrics
 from nmtserve.server.models import ModelSpec, ServedModel, model_specs
-from nmtserve.server.request import Request
 from nmtserve.server.service import TranslationServicer
 from nmtserve.server.tracing import start_tracing
 from nmtserve.v1 import translation_pb2, translation_pb2_grpc

@@ -8,6 +8,7 @@ import os
 from dataclasses import Field, dataclass, field, fields
 
 from nmtserve.errors import ConfigError
+from nmtserve.export.runtime.engine import EngineConfig
 
 
 @dataclass
@@ -21,26 +22,6 @@ class RuntimeConfig:
     attention_kernel: str = "auto"  # the bundle's graphs on nmtserve's kernels; auto: where the library runs
     threads: int = 2  # ONNX Runtime intra-op threads (sessions never spin): the deployment's CPU request
     inter_threads: int = 1  # running batches per model (engines), each on a thread of its own with `threads` intra-op threads
-
-
-@dataclass
-class EngineConfig:
-    """Each engine's running batch: its budgets and how newcomers join it (server/engine.py)."""
-    max_running_rows: int = 64  # a beam search takes beam_size rows
-    max_batch_tokens: int = 16384  # Σ over running rows of source tokens + output budget
-    max_waiting: int = 256
-    batching: str = "continuous"  # or "static": admit only into an empty batch, run it to completion
-    # continuous batching: newcomers join a running batch once `admit_rows` of their rows wait and are free
-    # (at most an eighth of max_running_rows), or once `admit_steps` decoder steps have passed since the
-    # latest admission (text-generation-inference's max_waiting_tokens): a group is encoded in one call;
-    # a batch of fewer than half `admit_rows` rows takes them at once
-    admit_rows: int = 8
-    admit_steps: int = 4
-    # a batch of greedy requests steps in nmtserve's library (Decoder.native_steps); when none streams and no
-    # one joins, up to this many steps at once (while newcomers gather, up to the steps left of their
-    # gathering), with no Python between them; a newcomer ends such a run after its current step; 1: one step
-    # an iteration
-    max_burst_steps: int = 16
 
 
 @dataclass

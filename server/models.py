@@ -26,12 +26,12 @@ from pathlib import Path
 from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.bundle import MANIFEST, default_variant, load_bundle
 from nmtserve.export.runtime.decoder import CUDA_INTER_THREADS
+from nmtserve.export.runtime.engine import EnginePool
 from nmtserve.hf_folder import bundle_for
 from nmtserve.search import DecodingOptions
 from nmtserve.server.config import ServerConfig
 from nmtserve.server.convert import InvalidRequest, ModelNotFound, decoding_options
 from nmtserve.server.documents import fit, sentence_spans
-from nmtserve.server.engine import EnginePool
 from nmtserve.tokenizer import M2M100Tokenizer
 from nmtserve.v1 import translation_pb2 as pb
 
@@ -50,7 +50,7 @@ class ModelSpec:
     variant: str
     device: str
     threads: int
-    inter_threads: int = 1  # engines over the model's sessions (server/engine.py, EnginePool)
+    inter_threads: int = 1  # engines over the model's sessions (export/runtime/engine.py, EnginePool)
 
 
 def default_id(bundle: str) -> str:

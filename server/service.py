@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from nmtserve.errors import NmtserveError
+from nmtserve.export.runtime.engine import EngineOverloaded, EngineStopped
+from nmtserve.export.runtime.request import FinishReason, Request
 from nmtserve.logs import REQUEST_ID
 from nmtserve.search import DecodingOptions
 from nmtserve.server.auth import ApiKeys, PermissionDenied, Unauthenticated, bearer
@@ -25,12 +27,10 @@ from nmtserve.server.bridge import Inbox, Wakeups
 from nmtserve.server.config import ServerConfig
 from nmtserve.server.convert import InvalidRequest, ModelNotFound, translation
 from nmtserve.server.documents import MIME_TYPES, rejoin
-from nmtserve.server.engine import EngineOverloaded, EngineStopped
 from nmtserve.server.language_id import AUTO, detect
 from nmtserve.server.metrics import ServerMetrics
 from nmtserve.server.models import ServedModel, route
 from nmtserve.server.quotas import ClientQuota, QuotaExceeded
-from nmtserve.server.request import FinishReason, Request
 from nmtserve.server.tracing import Tracing
 from nmtserve.tokenizer import StreamDecoder
 from nmtserve.v1 import translation_pb2 as pb

@@ -9,8 +9,8 @@ import time
 
 import yaml
 
+from nmtserve.export.runtime.request import FinishReason, Request
 from nmtserve.server.metrics import ServerMetrics
-from nmtserve.server.request import FinishReason, Request
 from tests.helpers import ROOT
 
 OPERATIONS = ROOT / "docs" / "operations.md"

@@ -37,7 +37,7 @@ def test_the_wheel_adds_exactly_one_top_level_package(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"nmtserve"}
     for module in ("training/train.py", "export/runtime/translator.py", "export/build/exporter.py",
-                   "server/running_batch.py", "loadtests/locustfile.py", "loadtests/slo.toml", "v1/translation_pb2.py"):
+                   "export/runtime/running_batch.py", "loadtests/locustfile.py", "loadtests/slo.toml", "v1/translation_pb2.py"):
         assert f"nmtserve/{module}" in names, module
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -285,6 +286,71 @@ class Decoder:
         binding = self._greedy_binding(state)
         steps = steps if steps == 1 else min(steps, state.capacity - state.length)  # open_slot made room for one
         return self._native_greedy_steps(state, binding, steps, scores, stop, stop_at)
+
+    def decode_greedy_run(self, state: BatchState, budget: np.ndarray, scores: bool = True, stop_at: float = 0.0) \
+            -> tuple[BatchState | None, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
+        """(A state without holes) Greedy steps of every row, each row fed its own best token, until each row has
+        said eos or reached its position in `budget` (one per row), the cache's end, or a step past `stop_at`: rows
+        that finish leave the batch a quarter at a time, the last live rows moving into their places -> the state
+        of the rows left (None: none), which row of `state` each of them was, each step's tokens (n, B) int64 and,
+        with scores, log-probs (n, B) float32 at the row's column (None without), the step at which each row
+        finished (-1: it did not), and whether on eos. With native_steps all in the library, with no Python between
+        steps (`NativeBinding.greedy_run`); else the same loop here (`_greedy_run_here`)."""
+        assert not state.holes
+        n = state.size
+        state.open_slot(int(budget.max()))
+        source, budget = np.arange(n, dtype=np.int64), np.array(budget, np.int64)  # moved with the rows
+        room = state.capacity - state.length  # the rows furthest on have room for this many steps
+        out = (np.empty((room, n), np.int64), np.empty((room, n), np.float32) if scores else None,
+               np.full(n, -1, np.int64), np.zeros(n, np.uint8))
+        self._with_scores[...] = scores
+        if not self.native_steps:
+            return self._greedy_run_here(state, source, budget, out, stop_at)
+        binding = self._greedy_binding(state)
+        taken, rows = binding.greedy_run(n, state.tokens, state.positions, self._scores, source, budget, self.eos_id,
+                                         self._row_names, 0, out, stop_at=stop_at)
+        if rows < n:  # the library bound the fewer rows itself: what _bound holds is stale
+            self._bound.clear()
+        if 0 < rows < n:  # the rows left are in the first places
+            state = state.moved_in_place(source[:rows], cross_eos_moved=not self.shared_cross)
+        elif rows == 0:
+            state = None
+        tokens, values, end, by_eos = out
+        return state, source[:rows].copy(), tokens[:taken], None if values is None else values[:taken], end, \
+            by_eos.astype(bool)
+
+    def _greedy_run_here(self, state: BatchState, source: np.ndarray, budget: np.ndarray, out: tuple,
+                         stop_at: float) -> tuple:
+        """decode_greedy_run's loop in Python, on ONNX Runtime's own session: every row decodes at every step (a
+        finished one on, ignored, until it leaves), so the rows stay at one position, which that attention steps
+        faster than rows at mixed ones."""
+        tokens, values, end, by_eos = out
+        done = np.zeros(len(source), bool)  # the rows of `state` that have finished
+        binding, rebind = None, self.io_binding or state.ops.device != self.device  # rows bound by value: every step
+        for step in range(len(tokens)):
+            if binding is None or rebind:
+                binding = self._greedy_binding(state)
+            run_bound(self.decoder, binding)
+            state.positions += 1
+            live = source[~done]
+            tokens[step, live] = state.tokens[~done]
+            if values is not None:
+                values[step, live] = self._scores[~done, 0]
+            said_eos = (state.tokens == self.eos_id) & ~done
+            finished = said_eos | (state.positions >= budget) & ~done
+            end[source[finished]], by_eos[source[said_eos]] = step, 1
+            done |= finished
+            last = step + 1 == len(tokens) or 0 < stop_at <= time.monotonic()
+            if done.all():
+                return None, source[:0], tokens[:step + 1], None if values is None else values[:step + 1], end, \
+                    by_eos.astype(bool)
+            if done.sum() * 4 >= len(done) or done.any() and last:  # the last rows move into the finished ones' places
+                state, order = state.compact(~done)
+                source, budget, done, binding = source[order], budget[order], np.zeros(len(order), bool), None
+            if last:
+                return state, source, tokens[:step + 1], None if values is None else values[:step + 1], end, \
+                    by_eos.astype(bool)
+        raise AssertionError("unreachable: the loop returns at its last step")
 
     def _native_greedy_steps(self, state: BatchState, binding: NativeBinding, steps: int, scores: bool,
                              stop: np.ndarray | None = None, stop_at: float = 0.0) -> tuple[np.ndarray, np.ndarray | None]:

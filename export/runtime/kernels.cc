@@ -1039,7 +1039,8 @@ int64_t nmt_greedy_run(void* runner, void* binding, nmt_greedy_run_args* run, ch
         a.rows = 0;
         return step + 1;
       }
-      if (4 * done >= rows || (done > 0 && step + 1 == a.max_steps)) {  // the rows left at return are all live
+      const bool last = step + 1 == a.max_steps || (a.stop_at > 0 && monotonic_seconds() >= a.stop_at);
+      if (4 * done >= rows || (done > 0 && last)) {  // the rows left at return are all live
         const int64_t kept = rows - done;
         try {
           int64_t length = 0;  // the slots the rows left have filled
@@ -1055,6 +1056,7 @@ int64_t nmt_greedy_run(void* runner, void* binding, nmt_greedy_run_args* run, ch
         done = 0;
         finished.assign(rows, 0);
       }
+      if (last) return step + 1;
     }
     return a.max_steps;
   } catch (const std::exception& e) {

@@ -44,7 +44,7 @@ typedef struct {
   const int* kinds;
 } nmt_row_names;
 
-/* Offline greedy search of a batch (nmt_greedy_run): each row's source and budget move with it. */
+/* Greedy search of a batch of whole rows (nmt_greedy_run): each row's source and budget move with it. */
 typedef struct {
   int64_t rows;          /* in: the rows at the start; out: the live rows left (0: all finished), in the first places */
   int64_t* tokens;       /* the step's bound input, written by its search head */
@@ -54,6 +54,7 @@ typedef struct {
   int64_t* budget;       /* (rows,) the position at which a row finishes if no eos came */
   int64_t eos;
   int64_t max_steps;     /* the cache's room */
+  double stop_at;        /* CLOCK_MONOTONIC seconds after which the run ends after its current step (0: none) */
   nmt_row_names row_names;
   int64_t sources;       /* the columns of out_tokens */
   int64_t step0;         /* the step the run starts at (`end` counts from it) */
@@ -63,14 +64,15 @@ typedef struct {
   uint8_t* by_eos;       /* (sources,) whether it finished on eos */
 } nmt_greedy_run_args;
 
-/* Offline greedy search of a batch from its current step until every row has finished or max_steps have run, with no
-   Python between steps. Each step as nmt_greedy_steps: every live row advances and its token (and score) is written at
-   its source's column of out_tokens; a row finishes on eos (by_eos[its source] = 1) or at its budget (its position
-   reaching budget[row]), end[its source] = step0 + that step, and from then on neither advances nor is written. Once
-   the finished rows are a quarter of the rows they leave (the last live rows move into their places in every buffer of
-   row_names, and in `source` and `budget`, and those names are bound again with the fewer rows); so do any finished
-   rows at the last step. Returns the steps run, or -1 with the error's message (a step that fails after others returns
-   those before it, and the next call meets the error; a compaction that fails is -1 at once). */
+/* Greedy search of a batch of whole rows (no holes) from its current step until every row has finished, max_steps
+   have run, or a step ends at or after stop_at, with no Python between steps. Each step as nmt_greedy_steps: every
+   live row advances and its token (and score) is written at its source's column of out_tokens; a row finishes on eos
+   (by_eos[its source] = 1) or at its budget (its position reaching budget[row]), end[its source] = step0 + that step,
+   and from then on neither advances nor is written. Once the finished rows are a quarter of the rows they leave (the
+   last live rows move into their places in every buffer of row_names, and in `source` and `budget`, and those names
+   are bound again with the fewer rows); so do any finished rows at the last step, whatever ended the run. Returns the
+   steps run, or -1 with the error's message (a step that fails after others returns those before it, and the next
+   call meets the error; a compaction that fails is -1 at once). */
 int64_t nmt_greedy_run(void* runner, void* binding, nmt_greedy_run_args* run, char* error, size_t error_size);
 
 /* Offline beam search of a batch (nmt_beam_steps): searches of one beam size k, whose rows lie one after another, k

@@ -179,15 +179,17 @@ class NativeBinding:
 
     def greedy_run(self, rows: int, tokens: np.ndarray, positions: np.ndarray, scores: np.ndarray, source: np.ndarray,
                    budget: np.ndarray, eos_id: int, row_names: tuple[tuple[str, int], ...], step0: int,
-                   out: tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]) -> tuple[int, int]:
+                   out: tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray], stop_at: float = 0.0) \
+            -> tuple[int, int]:
         """Offline greedy steps of the first `rows` rows in the library (kernels.h, nmt_greedy_run: when a row
         finishes, and how the finished ones leave) until every row has finished or len(out_tokens) steps have run.
         `tokens`, `positions` and `scores` are the bound step's (tokens fed, written by the step), `source` and `budget`
         (int64, a row each) each row's source and the position at which it finishes if no eos came; the library moves
         them with the rows. `row_names`: (name, kind) of every bound buffer with a row per leading index (kinds:
         kernels.h, nmt_row_names). `out`: out_tokens (steps, sources) int64, out_scores (the same, float32, or None),
-        end (sources,) int64 and by_eos (sources,) uint8, written at each source's column; end as step0 + the step ->
-        (the steps run, the rows left in the first places of the buffers)."""
+        end (sources,) int64 and by_eos (sources,) uint8, written at each source's column; end as step0 + the step; the run
+        also ends after a step once time.monotonic() has reached `stop_at` (when above 0) -> (the steps run, the rows
+        left in the first places of the buffers)."""
         if self._pending:
             self._send()
         out_tokens, out_scores, end, by_eos = out
@@ -197,7 +199,7 @@ class NativeBinding:
         run = _ffi.new("nmt_greedy_run_args *", {
             "rows": rows, "tokens": _pointer("int64_t *", tokens), "positions": _pointer("int64_t *", positions),
             "scores": _pointer("float *", scores), "source": _pointer("int64_t *", source),
-            "budget": _pointer("int64_t *", budget), "eos": eos_id, "max_steps": len(out_tokens),
+            "budget": _pointer("int64_t *", budget), "eos": eos_id, "max_steps": len(out_tokens), "stop_at": stop_at,
             "row_names": self._row_names(row_names)[0], "sources": out_tokens.shape[1], "step0": step0,
             "out_tokens": _pointer("int64_t *", out_tokens), "out_scores": _pointer("float *", out_scores),
             "end": _pointer("int64_t *", end), "by_eos": _pointer("uint8_t *", by_eos)})

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import queue
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,11 +29,12 @@ from pathlib import Path
 import numpy as np
 
 from nmtserve.decoding import by_length, guided_groups, sorted_batches
-from nmtserve.errors import ConfigError
+from nmtserve.errors import ConfigError, NmtserveError
 from nmtserve.export.runtime.batch import BatchState
 from nmtserve.export.runtime.bundle import Bundle
 from nmtserve.export.runtime.decoder import CUDA_INTER_THREADS, Decoder
-from nmtserve.export.runtime.sessions import run_bound
+from nmtserve.export.runtime.engine import Engine, EngineConfig
+from nmtserve.export.runtime.request import FinishReason, Request
 from nmtserve.search import BeamSearch, DecodingOptions, Hypothesis, beam_steps, make_search
 
 ENCODE_AHEAD = 64  # search_ids encodes batches of up to this many sources in all before decoding them
@@ -66,125 +68,6 @@ class OnnxTranslator(Decoder):
         self.inter_threads = inter_threads  # batches decoded at once (search_ids), each on a thread of its own
         super().__init__(bundle, device, variant, intra_op_threads, io_binding, shared_cross, attention_kernel,
                          native_steps, keep_freed_memory)
-
-    def greedy(self, state: BatchState, sources: list[list[int]], max_decoding_length: int = 256,
-               length_rule: str = "nmtserve", scores: bool = True) -> list[list[Hypothesis]]:
-        """Greedy search for one batch of token-id sources, encoded in `state` (`prefill`). A finished row
-        stays in the batch, decoding on with its output ignored, until such rows are a quarter of the
-        batch; then they leave together (`BatchState.compact`: the last rows move into their places, once
-        instead of at every step where a row finishes).
-        Each step's best token is written straight into the step's `tokens` input (`_greedy_binding`), so
-        between two steps our Python only records it, advances the positions and looks for eos. With
-        native_steps the library does all of that, the compaction included, and Python comes back only to
-        double a full cache (`_native_greedy`); a batch of one there: `_greedy_one`. The Python loop (ONNX
-        Runtime's own attention: no kernels, or CUDA) keeps every row at one position, which that attention
-        steps faster than rows at mixed ones. Without scores the steps skip the log-softmax
-        (`with_search_head`) and each score is nan."""
-        if len(sources) == 1 and self.native_steps:
-            return [[self._greedy_one(state, sources[0], max_decoding_length, length_rule, scores)]]
-        budget = np.array([self.limits.output_budget(len(s), max_decoding_length, length_rule) for s in sources])
-        if self.native_steps:
-            return self._native_greedy(state, budget, scores)
-        rows = np.arange(len(sources))  # the source of each row of `state` (budget: each one's)
-        steps = [], [], []  # per step: each row's source, token and (when scored) log-prob
-        finished, end = np.zeros(len(sources), bool), np.zeros(len(sources), np.int64)  # end: its last step
-        done = np.zeros(len(rows), bool)  # the rows of `state` whose source has finished (they leave together)
-        binding, rebind = None, self.io_binding or state.ops.device != self.device  # rows bound by value: every step
-        self._with_scores[...] = scores
-        while state is not None:
-            if binding is None or rebind or state.length == state.capacity:  # a new state, or its cache full
-                state.open_slot(int(budget.max()))
-                binding = self._greedy_binding(state)
-            run_bound(self.decoder, binding)
-            state.positions += 1  # every row: offline batches have no holes
-            tokens = state.tokens.copy()
-            steps[0].append(rows)
-            steps[1].append(tokens)
-            if scores:  # unscored steps' values are not kept: each score is nan
-                steps[2].append(self._scores.copy())
-            said_eos, at = (tokens == self.eos_id) & ~done, len(steps[0]) - 1
-            done |= said_eos
-            over = (state.positions >= budget) & ~done  # live rows at their budget (after the run's last step)
-            if not (said_eos.any() or over.any()):
-                continue  # most Python steps: a few ufuncs (Python here runs on caches the step has flushed)
-            finished[rows[said_eos]], end[rows[said_eos]] = True, at
-            finished[rows[over]], end[rows[over]] = True, len(steps[0]) - 1
-            done |= over
-            if done.sum() * 4 >= len(rows):  # compact: the last rows move into the finished ones' places
-                state, order = state.compact(~done)
-                rows, budget, done = rows[order], budget[order], np.zeros(len(order), bool)
-                binding = None
-        return self._collect(len(sources), steps[0], steps[1], [s.ravel() for s in steps[2]], end)
-
-    def _native_greedy(self, state: BatchState, budget: np.ndarray, scores: bool) -> list[list[Hypothesis]]:
-        """`greedy` on the library: its steps, and the finished rows leaving the batch, all there
-        (`NativeBinding.greedy_run`); Python comes back only when the cache is full, to double it. Each step's
-        tokens (and log-probs) land in their source's column, and a source's hypothesis is its tokens up to the
-        step at which it finished, eos excluded, its score their sum (as `_collect`'s)."""
-        assert not state.holes and state.origin is not None
-        n = state.size
-        source, budget = np.arange(n, dtype=np.int64), budget.astype(np.int64)  # moved with the rows by the library
-        end, by_eos = np.full(n, -1, np.int64), np.zeros(n, np.uint8)
-        tokens, values, stepped = [], [], 0
-        self._with_scores[...] = scores
-        while state is not None:
-            state.open_slot(int(budget.max()))
-            binding = self._greedy_binding(state)
-            room = state.capacity - state.length  # the live rows are all at one position: open_slot made room for one
-            out = (np.zeros((room, n), np.int64), np.zeros((room, n), np.float32) if scores else None, end, by_eos)
-            before = source[:state.size].copy()
-            taken, rows = binding.greedy_run(state.size, state.tokens, state.positions, self._scores, source, budget,
-                                             self.eos_id, self._row_names, stepped, out)
-            tokens.append(out[0][:taken])
-            if scores:
-                values.append(out[1][:taken])
-            stepped += taken
-            if rows < state.size:  # the library bound the fewer rows itself: what _bound holds is stale
-                self._bound.clear()
-            if 0 < rows < state.size:  # the library moved the rows left into the first places (greedy_run)
-                index = np.empty(n, np.int64)
-                index[before] = np.arange(len(before))
-                state = state.moved_in_place(index[source[:rows]], cross_eos_moved=not self.shared_cross)
-            elif rows == 0:
-                state = None
-        tokens = np.concatenate(tokens).T.tolist()  # per source
-        values = np.concatenate(values).T.tolist() if scores else None
-        return [[Hypothesis(t[:e] if eos else t[:e + 1], sum(values[s][:e + 1]) if scores else math.nan,
-                            "eos" if eos else "length")]
-                for s, (t, e, eos) in enumerate(zip(tokens, end.tolist(), by_eos.tolist()))]
-
-    def _greedy_one(self, state: BatchState, source: list[int], max_decoding_length: int, length_rule: str,
-                    scores: bool) -> Hypothesis:
-        """`greedy` of a batch of one on the library, without the bookkeeping of rows that finish apart: runs
-        until its eos or its budget, the cache doubling (and bound again) when full. Its score is the sum of its
-        steps' log-probs, eos included, in step order (as `_collect`'s)."""
-        budget = self.limits.output_budget(len(source), max_decoding_length, length_rule)  # a position, as greedy's
-        tokens, values = [], []
-        self._with_scores[...] = scores
-        while not tokens or tokens[-1] != self.eos_id and state.length < budget:
-            state.open_slot(budget)
-            binding = self._greedy_binding(state)
-            out, out_scores = self._native_greedy_steps(state, binding, min(state.capacity, budget) - state.length, scores)
-            tokens += out[:, 0].tolist()
-            values += out_scores[:, 0].tolist() if scores else []
-        eos = tokens[-1] == self.eos_id
-        return Hypothesis(tokens[:-1] if eos else tokens, sum(values) if scores else math.nan, "eos" if eos else "length")
-
-    def _collect(self, n: int, rows: list, tokens: list, scores: list, end: np.ndarray) -> list[list[Hypothesis]]:
-        """Greedy's hypotheses from what each step chose: source s's tokens are those of its rows up to
-        its last step end[s], eos excluded; its score is their sum (nan when the steps kept no scores:
-        `scores` empty)."""
-        step = np.repeat(np.arange(len(rows)), [len(r) for r in rows])
-        rows, tokens = np.concatenate(rows), np.concatenate(tokens)
-        kept = step <= end[rows]
-        rows, tokens = rows[kept], tokens[kept]
-        total = np.bincount(rows, weights=np.concatenate(scores)[kept], minlength=n) if scores else np.full(n, np.nan)
-        eos = np.zeros(n, bool)
-        eos[rows[tokens == self.eos_id]] = True
-        order = np.argsort(rows, kind="stable")  # by source, then step
-        rows, tokens = rows[order], tokens[order]
-        text = [t[t != self.eos_id].tolist() for t in np.split(tokens, np.searchsorted(rows, np.arange(1, n)))]
-        return [[Hypothesis(o, s, "eos" if e else "length")] for o, s, e in zip(text, total.tolist(), eos)]
 
     def search(self, state: BatchState, sources: list[list[int]], options: DecodingOptions,
                prefixes: list[list[int]] | None = None, favoured: list[list[int]] | None = None) \
@@ -335,6 +218,10 @@ class OnnxTranslator(Decoder):
                       favoured: list[list[int]] | None = None) -> None:
         """Encode a group of batches (each a list of source indices), then decode them one after another into
         results."""
+        if options.greedy:  # on the server's engine: static batches, in the group's order
+            self._greedy_group([i for rows in group for i in rows], sources, options, results, scores, prefixes,
+                               max(len(rows) for rows in group))
+            return
         group_sources = [[sources[i] for i in rows] for rows in group]
         if prefixes:  # each batch its own prefill, which feeds the forced tokens
             states = [self.prefill(batch, prefixes=[prefixes[i] for i in rows]) for rows, batch in zip(group, group_sources)]
@@ -342,10 +229,26 @@ class OnnxTranslator(Decoder):
             states = self._prefill_group(group_sources)
         for rows, batch in zip(group, group_sources):
             state = states.pop(0)  # the list lets go of it: its caches are freed once decoded
-            for i, hypotheses in zip(rows, self.decode(state, batch, options, scores,
+            for i, hypotheses in zip(rows, self.search(state, batch, options,
                                                        [prefixes[i] for i in rows] if prefixes else None,
                                                        [favoured[i] for i in rows] if favoured else None)):
                 results[i] = hypotheses
+
+    def _greedy_group(self, order: list[int], sources: list[list[int]], options: DecodingOptions, results: list,
+                      scores: bool, prefixes: list[list[int]] | None, batch_size: int) -> None:
+        """Greedy search of the sources in `order` on an Engine of this translator's own (export/runtime/engine.py,
+        as the server's, in this thread): static batches of batch_size, admitted in that order, each run in
+        nmtserve's library until its rows finish where it runs, else step by step. Raises NmtserveError naming
+        the first sentence that failed."""
+        requests = [Request(sources[i], options.max_decoding_length, options, scored=scores,
+                            prefix=prefixes[i] if prefixes else []) for i in order]
+        config = EngineConfig(max_running_rows=batch_size, max_batch_tokens=sys.maxsize, batching="static",
+                              max_burst_steps=sys.maxsize, encode_ahead=ENCODE_AHEAD)
+        Engine(self, config).run(requests)
+        for i, request in zip(order, requests):
+            if request.finish not in (FinishReason.EOS, FinishReason.LENGTH):
+                raise NmtserveError(f"sentence {i}: {request.finish.value} ({request.error})")
+            results[i] = [Hypothesis(request.tokens, request.score if scores else math.nan, request.finish.value)]
 
     def _prefill_group(self, batches: list[list[list[int]]]) -> list[BatchState]:
         """Fresh states for several batches of token-id sources. On the host one encoder call for all of them
@@ -363,15 +266,6 @@ class OnnxTranslator(Decoder):
                                                   whole.cross_eos[:, rows], whole.src_mask[rows], self.bos_id,
                                                   origin=self.cache_origin))
         return states
-
-    def decode(self, state: BatchState, sources: list[list[int]], options: DecodingOptions,
-               scores: bool = True, prefixes: list[list[int]] | None = None,
-               favoured: list[list[int]] | None = None) -> list[list[Hypothesis]]:
-        """One batch of token-id sources, encoded in `state` (`prefill`), decoded as options say: `greedy`,
-        or `search` (beam search, sampling)."""
-        if options.greedy:
-            return self.greedy(state, sources, options.max_decoding_length, options.length_rule, scores)
-        return self.search(state, sources, options, prefixes, favoured)
 
     def translate_ids(self, sources: list[list[int]], *, max_batch_size: int = 32,
                       max_decoding_length: int = 256) -> list[tuple[list[int], float]]:

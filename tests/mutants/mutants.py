@@ -59,7 +59,7 @@ MUTANTS = {
     "stream-holds-back": {"module": "nmtserve.tokenizer", "patch": _stream_holds_back_more,
                           "tests": ["tests/training/test_marian.py::"
                                     "test_stream_text_of_a_marian_target_is_always_a_prefix_of_the_whole"]},
-    "never-dropped": {"module": "nmtserve.server.engine", "patch": _never_dropped,
+    "never-dropped": {"module": "nmtserve.export.runtime.engine", "patch": _never_dropped,
                       "tests": ["tests/server/test_service.py::test_deadline_exceeded_frees_the_rows"]},
     "one-token-short": {"module": "nmtserve.server.convert", "patch": _one_token_short,
                         "tests": ["tests/server/test_service.py::"

@@ -15,12 +15,11 @@ import pytest
 
 from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.batch import BatchState
+from nmtserve.export.runtime.engine import Engine, EngineConfig, EngineOverloaded, EnginePool
+from nmtserve.export.runtime.request import FinishReason, Request
+from nmtserve.export.runtime.running_batch import RunningBatch
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.search import DecodingOptions, make_search
-from nmtserve.server.config import EngineConfig
-from nmtserve.server.engine import Engine, EngineOverloaded, EnginePool
-from nmtserve.server.request import FinishReason, Request
-from nmtserve.server.running_batch import RunningBatch
 from nmtserve.training.data import read_tsv
 from tests.helpers import TEST_DEVICE, TEST_SCORE_TOLERANCE, TEST_VARIANT
 

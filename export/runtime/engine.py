@@ -1,6 +1,6 @@
 """Continuous (iteration-level) batching over a bundle's ONNX Runtime sessions. Protobuf-free.
 
-One scheduler thread owns the waiting queue and the running batch (server/running_batch.py).
+One scheduler thread owns the waiting queue and the running batch (export/runtime/running_batch.py).
 Each iteration has three phases: schedule (drop cancelled or expired requests, admit waiting ones
 within the budgets), execute (the newcomers join the running batch, one decoder step for every
 row; when every running request is greedy and no one joins, up to max_burst_steps steps in nmtserve's
@@ -15,6 +15,7 @@ sees K/V: the running batch and the translator keep them.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import threading
 import time
@@ -23,14 +24,38 @@ from collections.abc import Callable
 import numpy as np
 
 from nmtserve.errors import NmtserveError
+from nmtserve.export.runtime.decoder import Decoder
 from nmtserve.export.runtime.memory import LIBC, release_free_memory
-from nmtserve.export.runtime.translator import OnnxTranslator
+from nmtserve.export.runtime.request import FinishReason, Request
+from nmtserve.export.runtime.running_batch import RunningBatch
 from nmtserve.search import make_search
-from nmtserve.server.config import EngineConfig
-from nmtserve.server.request import FinishReason, Request
-from nmtserve.server.running_batch import RunningBatch
 
+WHOLE = -1  # Engine._burst: a static batch of greedy requests runs in the library until they finish
 TRIM_SECONDS = 5.0  # how often a busy engine gives the C heap's free pages back (release_free_memory)
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Each engine's running batch: its budgets and how newcomers join it."""
+    max_running_rows: int = 64  # a beam search takes beam_size rows
+    max_batch_tokens: int = 16384  # Σ over running rows of source tokens + output budget
+    max_waiting: int = 256
+    batching: str = "continuous"  # or "static": admit only into an empty batch, run it to completion
+    # continuous batching: newcomers join a running batch once `admit_rows` of their rows wait and are free
+    # (at most an eighth of max_running_rows), or once `admit_steps` decoder steps have passed since the
+    # latest admission (text-generation-inference's max_waiting_tokens): a group is encoded in one call;
+    # a batch of fewer than half `admit_rows` rows takes them at once
+    admit_rows: int = 8
+    admit_steps: int = 4
+    # a batch of greedy requests steps in nmtserve's library (Decoder.native_steps); when none streams and no
+    # one joins, up to this many steps at once (while newcomers gather, up to the steps left of their
+    # gathering), with no Python between them; a newcomer ends such a run after its current step; 1: one step
+    # an iteration
+    max_burst_steps: int = 16
+    # static batching: an admission also encodes the groups the next admissions will take, up to this many
+    # requests in all, in the same encoder call (the offline translator's; a call's fixed cost paid once)
+    encode_ahead: int = 0
+
 
 
 class EngineOverloaded(NmtserveError):
@@ -44,7 +69,7 @@ class EngineStopped(NmtserveError):
 class Engine:
     """Owns the waiting queue, the budgets and the loop over the running batch."""
 
-    def __init__(self, translator: OnnxTranslator, config: EngineConfig | None = None,
+    def __init__(self, translator: Decoder, config: EngineConfig | None = None,
                  on_step: Callable[[int, int, float], None] | None = None):
         self.tr = translator
         self.config = config or EngineConfig()
@@ -63,7 +88,8 @@ class Engine:
         self.steps = 0
         self.admitted_step = 0  # the step count at the latest admission (EngineConfig.admit_steps)
         self.admissions = 0  # groups admitted (each one encoder call), since the start
-        self.next_trim = 0.0
+        self.ahead: list[list[Request]] = []  # groups the next admissions will take (EngineConfig.encode_ahead)
+        self.next_trim = time.monotonic() + TRIM_SECONDS
         self.stop_burst = np.zeros(1, np.int32)  # set by submit and stop: the library's greedy steps end after the current one
         self.thread = threading.Thread(target=self._loop, name="nmtserve-engine", daemon=True)
 
@@ -110,35 +136,52 @@ class Engine:
         return bool(self.waiting) or self.running_count > 0
 
     # -- the loop
+    def run(self, requests: list[Request]) -> None:
+        """Decode the requests in the calling thread, with no engine thread, and return once every one has
+        finished (the offline translator's way in: OnnxTranslator.search_ids). They are admitted in the order given;
+        the waiting queue takes them all."""
+        with self.lock:
+            self.config = dataclasses.replace(self.config, max_waiting=max(self.config.max_waiting, len(requests)))
+        for request in requests:
+            self.submit(request)
+        while self._iterate(wait=False):
+            pass
+
     def _loop(self) -> None:
         if LIBC is not None:
             LIBC.prctl(15, b"nmtserve-engine", 0, 0, 0)  # PR_SET_NAME: top -H and perf show the thread by name
-        while True:
-            if time.monotonic() >= self.next_trim:
-                release_free_memory()
-                self.next_trim = time.monotonic() + TRIM_SECONDS
-            with self.lock:
-                while not self.waiting and not self.running_count and not self.stopping:
-                    self.lock.wait()
-                if self.stopping and not self.waiting and not self.running_count:
-                    return
-                admitted = self._schedule()
-                burst = self._burst(admitted)
-            started = time.perf_counter()
-            try:
-                stepped = self._execute(admitted, burst)
-                if self.on_step:
-                    seconds = (time.perf_counter() - started) / max(1, len(stepped))
-                    for rows, slots in stepped:
-                        self.on_step(rows, slots, seconds)
-            except Exception as e:  # an engine error fails the requests it touched, not the engine
-                running = self.batch.requests
-                placed = {id(r) for r in running}
-                failed = running + [r for r in admitted if id(r) not in placed]
-                self.batch.clear()
-                self._publish()
-                for request in failed:
-                    self._finish(request, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
+        while self._iterate(wait=True):
+            pass
+
+    def _iterate(self, wait: bool) -> bool:
+        """One iteration: schedule, execute, process -> False once there is nothing left to do (with `wait`, it
+        first sleeps until there is work or the engine stops)."""
+        if time.monotonic() >= self.next_trim:
+            release_free_memory()
+            self.next_trim = time.monotonic() + TRIM_SECONDS
+        with self.lock:
+            while wait and not self.waiting and not self.running_count and not self.stopping:
+                self.lock.wait()
+            if not self.waiting and not self.running_count and (self.stopping or not wait):
+                return False
+            admitted = self._schedule()
+            burst = self._burst(admitted)
+        started = time.perf_counter()
+        try:
+            stepped = self._execute(admitted, burst)
+            if self.on_step:
+                seconds = (time.perf_counter() - started) / max(1, len(stepped))
+                for rows, slots in stepped:
+                    self.on_step(rows, slots, seconds)
+        except Exception as e:  # an engine error fails the requests it touched, not the engine
+            running = self.batch.requests
+            placed = {id(r) for r in running}
+            failed = running + [r for r in admitted if id(r) not in placed]
+            self.batch.clear()
+            self._publish()
+            for request in failed:
+                self._finish(request, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
+        return True
 
     def _schedule(self) -> list[Request]:
         """(Lock held.) Drop cancelled/expired requests; take waiting ones within the budgets."""
@@ -174,6 +217,13 @@ class Engine:
             budget -= cost
             rows += request.width
             admitted.append(request)
+        self.ahead = []
+        if admitted and self.config.batching == "static" and self.config.encode_ahead > len(admitted):
+            n = len(admitted)
+            rest = list(itertools.islice(self.waiting, len(admitted), self.config.encode_ahead))
+            if len(rest) < len(self.waiting) - n:  # the queue goes on: whole groups only, as admissions take them
+                rest = rest[:len(rest) // n * n]
+            self.ahead = [rest[i:i + n] for i in range(0, len(rest), n)]
         if admitted:
             self.admitted_step = self.steps
             self.admissions += 1
@@ -201,13 +251,22 @@ class Engine:
 
     def _burst(self, admitted: list[Request]) -> int:
         """(Lock held.) How many greedy steps this iteration runs in the library: none (0: one step of every
-        search, `RunningBatch.step`) unless every request in the batch is greedy; one when some join or stream;
-        while newcomers gather (continuous batching), the steps left of their gathering (one if under two);
-        else up to max_burst_steps; never further than the nearest budget. Clears the stop flag that submit sets."""
+        search, `RunningBatch.step`) unless every request in the batch is greedy; one when some stream, or join a
+        running batch (continuous batching); with static batching (no one joins) and none streaming, WHOLE: the
+        batch runs until its requests finish (`RunningBatch.greedy_run`, in the library where it runs); while newcomers gather (continuous
+        batching), the steps left of their gathering (one if under two); else up to max_burst_steps; never further
+        than the nearest budget. Clears the stop flag that submit sets."""
         running = self.batch.requests + admitted
-        if not running or not self.tr.native_steps or any(r.search is not None for r in running):
+        if not running or any(r.search is not None for r in running):
             return 0
-        if admitted or self.config.max_burst_steps < 2 or any(r.on_token is not None for r in running):
+        if self.config.batching == "static" and self.config.max_burst_steps > 1 \
+                and not any(r.on_token is not None for r in running):
+            return WHOLE
+        if not self.tr.native_steps:
+            return 0
+        if self.config.max_burst_steps < 2 or any(r.on_token is not None for r in running):
+            return 1
+        if admitted:
             return 1
         steps = self.config.max_burst_steps
         if self.waiting and self.config.batching == "continuous":
@@ -221,18 +280,26 @@ class Engine:
         """Newcomers join, one decoder step (with `burst`, up to that many greedy steps in the library), its
         tokens processed -> (rows, valid cache slots) of each step run. A request the encoder or the decoder
         fails on alone finishes with ERROR; the others go on."""
-        failed = self.batch.admit(admitted) if admitted else []
+        failed = self.batch.admit(admitted, self.ahead) if admitted else []
         self.batch.compact()
-        steps = []
+        steps, whole = [], None  # whole: what a WHOLE run stepped
         if self.batch.state is not None:
-            if burst:
-                deadlines = [r.deadline for r in self.batch.requests if r.deadline is not None]
+            deadline = min((r.deadline for r in self.batch.requests if r.deadline is not None), default=0.0)
+            if burst == WHOLE and not self.batch.state.holes:
+                try:
+                    whole = self._run_whole(deadline)
+                except Exception:
+                    burst = 0  # one step below meets the error again and finds whom it belongs to
+            elif burst == WHOLE:  # a request left the batch (cancelled, expired): its hole stays until compaction
+                burst = min(self.config.max_burst_steps, *(r.budget(self.tr.limits) - len(r.tokens)
+                                                           for r in self.batch.requests)) if self.tr.native_steps else 0
+            if burst > 0 and whole is None:
                 stop = self.stop_burst if self.config.batching == "continuous" else None  # static: no one joins
                 try:
-                    steps = self.batch.greedy_steps(burst, stop, min(deadlines, default=0.0))
+                    steps = self.batch.greedy_steps(burst, stop, deadline)
                 except Exception:
                     steps = []  # one step below meets the error again and finds whom it belongs to
-            if not steps:
+            if not steps and whole is None:
                 outputs, step_failed = self.batch.step()
                 failed += step_failed
                 steps = [outputs]
@@ -240,12 +307,31 @@ class Engine:
             self._publish()
             for request, error in failed:
                 self._finish(request, FinishReason.ERROR, error=f"{type(error).__name__}: {error}")
+        if whole is not None:
+            return whole
         stepped = []
         rows, slots = len(self.batch.rows), self.batch.cache_slots()
         for i, outputs in enumerate(steps):  # a burst's rows each filled one slot a step
             stepped.append((rows, slots - (len(steps) - 1 - i) * len(outputs)))
             self.steps += 1
             self._process(outputs)
+        return stepped
+
+    def _run_whole(self, stop_at: float) -> list[tuple[int, int]]:
+        """The batch's greedy requests run in the library until they finish, the cache is full or a step passes
+        stop_at (`RunningBatch.greedy_run`): those that finished leave, told after the count is published."""
+        outputs, stepped = self.batch.greedy_run(stop_at)
+        now, leaving = time.monotonic(), []
+        for request, tokens, score, finish in outputs:
+            request.first_token = request.first_token or now
+            request.tokens += tokens
+            request.score += score
+            if finish is not None:
+                leaving.append((request, finish))
+        self.steps += len(stepped)
+        self._publish()
+        for request, why in leaving:
+            self._finish(request, why)
         return stepped
 
     def _process(self, outputs: list[tuple[Request, int | None, float | None]]) -> None:
@@ -315,7 +401,7 @@ class EnginePool:
     A request goes to the engine with the fewest requests waiting and running; its result does not depend
     on which (it depends on its own rows only). The pool has an Engine's interface."""
 
-    def __init__(self, translator: OnnxTranslator, count: int = 1, config: EngineConfig | None = None,
+    def __init__(self, translator: Decoder, count: int = 1, config: EngineConfig | None = None,
                  on_step: Callable[[int, int, float], None] | None = None):
         self.engines = [Engine(translator if i == 0 else translator.replica(), config, on_step) for i in range(count)]
         self.tr = translator

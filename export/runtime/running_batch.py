@@ -32,19 +32,20 @@ import time
 import numpy as np
 
 from nmtserve.export.runtime.batch import BatchState
-from nmtserve.export.runtime.translator import OnnxTranslator
+from nmtserve.export.runtime.decoder import Decoder
+from nmtserve.export.runtime.request import FinishReason, Request
 from nmtserve.search import BeamSearch, beam_steps
-from nmtserve.server.request import Request
 
 
 class RunningBatch:
-    def __init__(self, translator: OnnxTranslator, room: int = 0):
+    def __init__(self, translator: Decoder, room: int = 0):
         self.tr = translator
         self.room = room  # the most rows the state's buffers make room for when newcomers outgrow them (append)
         self.rows: list[Request | None] = []  # rows[i] is row i of `state`; None is a hole
         self.state: BatchState | None = None  # None when no request runs
         self._placement: list[tuple[Request, np.ndarray]] | None = None  # placement(), until rows change
         self._slots = 0  # the cache slots the running requests' budgets may fill (placement() works it out)
+        self._ahead: list[tuple[list[Request], BatchState]] = []  # groups encoded ahead of their admission (admit)
 
     @property
     def requests(self) -> list[Request]:
@@ -70,13 +71,21 @@ class RunningBatch:
         self.placement()
         return self._slots
 
-    def admit(self, requests: list[Request]) -> list[tuple[Request, Exception]]:
+    def admit(self, requests: list[Request], ahead: list[list[Request]] = ()) -> list[tuple[Request, Exception]]:
         """Encode the newcomers once and place their rows: into holes first (no copy of the running
-        cache), the rest appended as new rows. Returns the newcomers the encoder fails on, with the error."""
+        cache), the rest appended as new rows. `ahead`: groups of requests that later admissions will take as they
+        are (static batching), encoded in the same encoder call and kept until then (on the host, without forced
+        prefixes). Returns the newcomers the encoder fails on, with the error."""
         # on the host the rows go into the running state's buffers, which take only their cross K/V: no caches
         caches = self.state is None or not self.state.ops.views
         try:
-            fresh = self.tr.prefill([r.src_ids for r in requests], caches, [r.prefix for r in requests])
+            if self._ahead and len(self._ahead[0][0]) == len(requests) \
+                    and all(a is b for a, b in zip(self._ahead[0][0], requests)):
+                fresh = self._ahead.pop(0)[1]
+            elif ahead and caches and self.tr.ops.views and not any(r.prefix for g in [requests, *ahead] for r in g):
+                fresh = self._encode_ahead([requests, *ahead])
+            else:
+                fresh = self.tr.prefill([r.src_ids for r in requests], caches, [r.prefix for r in requests])
         except Exception as e:
             if len(requests) == 1:
                 return [(requests[0], e)]
@@ -99,6 +108,19 @@ class RunningBatch:
             self.rows.extend(owners[len(holes):])
         self.state.reserve(self.slots())
         return []
+
+    def _encode_ahead(self, groups: list[list[Request]]) -> BatchState:
+        """Fresh rows for the first group, from one encoder call for all the groups; the others' rows (each a view of
+        its rows of the call's cross K/V) are kept for their admissions (`_ahead`)."""
+        whole = self.tr.prefill([r.src_ids for group in groups for r in group], caches=False)
+        states, start = [], 0
+        for group in groups:
+            rows = slice(start, start + len(group))
+            start = rows.stop
+            states.append(BatchState.from_encoded(whole.cross_k[:, rows], whole.cross_v[:, rows], whole.cross_eos[:, rows],
+                                                  whole.src_mask[rows], self.tr.bos_id, origin=self.tr.cache_origin))
+        self._ahead = list(zip(groups[1:], states[1:]))
+        return states[0]
 
     def leave(self, requests: list[Request]) -> None:
         """The requests' rows become holes; a batch of holes only is dropped."""
@@ -205,6 +227,39 @@ class RunningBatch:
             return [[(r, step[i], math.nan) for r, i in rows] for step in tokens]
         return [[(r, step[i], values[i]) for r, i in rows] for step, values in zip(tokens, scores.tolist())]
 
+    def greedy_run(self, stop_at: float = 0.0) \
+            -> tuple[list[tuple[Request, list[int], float, FinishReason | None]], list[tuple[int, int]]]:
+        """A batch of greedy requests without holes decoded in nmtserve's library until each request has finished
+        (eos or its budget), the cache's end, or a step past `stop_at` (translator.decode_greedy_run: no Python
+        between steps; the finished rows leave the batch there) -> each request with the tokens it gained (eos
+        excluded), the sum of their log-probs (nan when no row is scored) and how it finished (None: it runs on);
+        and each step's (rows, valid cache slots). Raises what the library's first step raises; the caller then
+        takes one step with `step`, which finds the rows that fail."""
+        self.state.trim(self.slots())
+        requests = [r for r, _ in self.placement()]  # one row each, in row order
+        scored = any(r.scored for r in requests)
+        start = self.state.positions.copy()
+        budget = start + np.array([r.budget(self.tr.limits) - len(r.tokens) for r in requests])
+        state, left, tokens, scores, end, by_eos = self.tr.decode_greedy_run(self.state, budget, scored, stop_at)
+        taken = len(tokens)
+        ended = np.where(end < 0, taken, end + 1)  # the steps each row took
+        values = scores.T.tolist() if scored else [None] * len(requests)  # Python numbers, once
+        outputs = []
+        for request, own, own_values, took, at, eos in zip(requests, tokens.T.tolist(), values, ended.tolist(),
+                                                           end.tolist(), by_eos.tolist()):
+            finish = None if at < 0 else FinishReason.EOS if eos else FinishReason.LENGTH
+            total = sum(own_values[:took]) if scored else math.nan  # eos's log-prob included, as `step`'s callers add
+            outputs.append((request, own[:took - 1] if eos else own[:took], total, finish))
+        live = ended[None, :] > np.arange(taken)[:, None]  # (steps, rows): whom each step ran
+        stepped = list(zip(live.sum(axis=1).tolist(), ((start[None, :] + np.arange(1, taken + 1)[:, None]) * live)
+                           .sum(axis=1).tolist()))
+        self._placement = None
+        if state is None:
+            self.clear()
+        else:
+            self.state, self.rows = state, [requests[i] for i in left.tolist()]
+        return outputs, stepped
+
     def _failing_rows(self, rows: list[int]) -> list[tuple[int, Exception]]:
         """The rows whose step fails on a copy of the state holding just them, found by bisection."""
         try:
@@ -221,4 +276,5 @@ class RunningBatch:
         return int(self.state.positions.sum()) if self.state is not None else 0
 
     def clear(self) -> None:
+        """No running rows; what was encoded ahead is kept."""
         self.rows, self.state, self._placement = [], None, None
