@@ -50,6 +50,7 @@ from nmtserve.export.runtime.sessions import (
     weak_refs,
 )
 from nmtserve.export.runtime.tensors import DeviceTensors, HostTensors
+from nmtserve.search import BeamSearch, Sampling, beam_steps
 
 # two decoding contexts over one CUDA device gave wrong tokens there (GroupQueryAttention errors), and one running
 # batch fills a GPU anyway (docs/performance-journal.md, "GPU runs"): on CUDA a model has one
@@ -351,6 +352,96 @@ class Decoder:
                 return state, source, tokens[:step + 1], None if values is None else values[:step + 1], end, \
                     by_eos.astype(bool)
         raise AssertionError("unreachable: the loop returns at its last step")
+
+    def decode_search_run(self, state: BatchState, searches: list[BeamSearch | Sampling]) -> None:
+        """Beam searches or samplings of one kind (one beam size, one number of candidates), one per row of a fresh
+        `state` (`prefill`), run until every search is done (nmtserve/search.py: each over its own rows; the
+        results are the searches'). A finished search's rows decode on, ignored, until finished searches are a
+        quarter of the batch; then their rows leave together. With native_steps the library takes beam search's
+        ordinary steps after the first (`_native_beam_steps`), and every other step comes back here."""
+        width, k = searches[0].rows, searches[0].candidates
+        beams = isinstance(searches[0], BeamSearch)
+        # ordinary beam steps in the library, after the first (on the step that shares each source's cross K/V)
+        native = beams and k > 0 and self.native_steps and self.cache_origin and self.shared_cross
+        slots = list(range(len(searches)))  # the search each `width` rows run for, in row order
+        while state is not None:
+            live = [None if searches[r].done else searches[r] for r in slots]  # each slot's search, None once done
+            if native and state.size == width * len(slots):  # after the first step
+                state, slots = self._native_beam_steps(state, searches, slots, width)
+                continue
+            else:
+                ids, scores = self.decode_candidates(state, k)
+                if state.size < width * len(slots):  # the first step, one row per source (a beam's rows all start
+                    # alike and its search reads row 0 only): then each row becomes its beam's rows
+                    ids = None if ids is None else np.repeat(ids, width, axis=0)
+                    scores = np.repeat(scores, width, axis=0)
+                    # with shared_cross the rows share their source's cross K/V; else each gets a copy
+                    state = state.widen(width) if self.shared_cross \
+                        else state.gather(np.repeat(np.arange(len(searches)), width))
+                if beams:  # ranked once for all searches (nmtserve/search.py: beam_steps)
+                    parents, tokens = beam_steps(live, ids, scores)
+                else:
+                    # a finished source's rows decode on (on eos when the step ranked nothing: k = 0)
+                    tokens = np.full(state.size, self.eos_id) if ids is None else ids[:, 0].copy()
+                    parents = np.arange(state.size)
+                    for j, search in enumerate(live):
+                        if search is not None:
+                            rows = slice(j * width, (j + 1) * width)
+                            chosen_parents, tokens[rows] = search.step(None if ids is None else ids[rows],
+                                                                       scores[rows])
+                            parents[rows] = chosen_parents + j * width
+                state.choose(tokens, parents)
+            done = np.array([searches[r].done for r in slots])
+            if done.sum() * 4 >= len(slots):  # compact, as greedy does
+                state, order = state.compact(np.repeat(~done, width))
+                slots = [slots[j] for j in order[::width] // width]
+
+    def _native_beam_steps(self, state: BatchState, searches: list[BeamSearch], slots: list[int], k: int) \
+            -> tuple[BatchState | None, list[int]]:
+        """Beam search's steps in the library (NativeBinding.beam_steps) until every search is over or the cache is
+        full: it takes each search's ordinary steps (`BeamSearch.ordinary`: its k best extensions simply continue) and
+        calls `rules` for any other, which brings the search up to date (`BeamSearch.advance`) and lets it take that
+        step (`BeamSearch.select`, on the library's ranking); the searches that are over leave the batch there. At the
+        end each search takes the ordinary steps it ran since -> the state of the searches left (None: none) and the
+        search of each, in row order."""
+        state.open_slot()
+        self._with_scores[...] = True
+        binding = self._binding_for(state, 2 * k)
+        n, steps = len(searches), state.capacity - state.length
+        ordinary = np.array([-1 if s.done else s.ordinary_steps() for s in searches], np.int64)
+        beam = np.concatenate([searches[r].scores for r in slots])
+        search_of = np.array(slots, np.int64)
+        out = (np.empty((steps, n, k), np.int64), np.empty((steps, n, k), np.int64), np.empty(n, np.int64),
+               np.empty((n, 2 * k), np.int64), np.empty((n, 2 * k), np.int64), np.empty((n, 2 * k)),
+               np.empty((n, k), np.int64), np.empty((n, k), np.int64))
+        out_parents, out_tokens, advanced, cand_rows, cand_ids, cand_scores, chosen_parents, chosen_tokens = out
+        synced = np.zeros(n, np.int64)  # the ordinary steps each search has taken (advance)
+
+        def catch_up(r: int, rows: slice) -> None:  # search r, in the group of `rows`
+            if advanced[r] > synced[r]:
+                taken = slice(synced[r], advanced[r])
+                searches[r].advance(out_parents[taken, r].tolist(), out_tokens[taken, r].tolist(), beam[rows].copy())
+                synced[r] = advanced[r]
+
+        def rules(r: int, g: int) -> None:  # search r, now group g of the batch
+            rows = slice(g * k, (g + 1) * k)
+            catch_up(r, rows)
+            search = searches[r]
+            chosen_parents[r], chosen_tokens[r] = search.select(cand_rows[r], cand_ids[r], cand_scores[r])
+            beam[rows] = search.scores
+            ordinary[r] = -1 if search.done else search.ordinary_steps()
+        _, groups = binding.beam_steps(len(slots), self._ids, self._scores, state.tokens, state.positions, state.origin,
+                                       beam, search_of, ordinary, self.eos_id, self._row_names, out, rules)
+        for g, r in enumerate(search_of[:groups].tolist()):  # the live ones
+            catch_up(r, slice(g * k, (g + 1) * k))
+        left = search_of[:groups].tolist()
+        if groups == len(slots):
+            return state, left
+        self._bound.clear()  # the library bound the fewer rows itself: what _bound holds is stale
+        if groups == 0:
+            return None, []
+        place = {r: j for j, r in enumerate(slots)}  # the library moved the searches left into the first places
+        return state.moved_in_place(np.array([place[r] for r in left]), cross_eos_moved=False), left
 
     def _native_greedy_steps(self, state: BatchState, binding: NativeBinding, steps: int, scores: bool,
                              stop: np.ndarray | None = None, stop_at: float = 0.0) -> tuple[np.ndarray, np.ndarray | None]:

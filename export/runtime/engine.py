@@ -55,6 +55,9 @@ class EngineConfig:
     # static batching: an admission also encodes the groups the next admissions will take, up to this many
     # requests in all, in the same encoder call (the offline translator's; a call's fixed cost paid once)
     encode_ahead: int = 0
+    # static batching: a batch of beam searches or samplings of one kind, none streaming, runs to its end in one
+    # call (Decoder.decode_search_run; the offline translator's), where an error fails the whole batch
+    whole_searches: bool = False
 
 
 
@@ -253,10 +256,16 @@ class Engine:
         """(Lock held.) How many greedy steps this iteration runs in the library: none (0: one step of every
         search, `RunningBatch.step`) unless every request in the batch is greedy; one when some stream, or join a
         running batch (continuous batching); with static batching (no one joins) and none streaming, WHOLE: the
-        batch runs until its requests finish (`RunningBatch.greedy_run`, in the library where it runs); while newcomers gather (continuous
+        batch runs until its requests finish (`RunningBatch.greedy_run`, in the library where it runs; with
+        whole_searches, a newly admitted batch of like searches: `RunningBatch.search_run`); while newcomers gather (continuous
         batching), the steps left of their gathering (one if under two); else up to max_burst_steps; never further
         than the nearest budget. Clears the stop flag that submit sets."""
         running = self.batch.requests + admitted
+        if self.config.whole_searches and self.config.batching == "static" and admitted and not self.batch.requests \
+                and not any(r.on_token is not None for r in admitted) \
+                and all(r.search is not None for r in admitted) \
+                and len({(type(r.search), r.search.rows, r.search.candidates) for r in admitted}) == 1:
+            return WHOLE
         if not running or any(r.search is not None for r in running):
             return 0
         if self.config.batching == "static" and self.config.max_burst_steps > 1 \
@@ -280,10 +289,13 @@ class Engine:
         """Newcomers join, one decoder step (with `burst`, up to that many greedy steps in the library), its
         tokens processed -> (rows, valid cache slots) of each step run. A request the encoder or the decoder
         fails on alone finishes with ERROR; the others go on."""
-        failed = self.batch.admit(admitted, self.ahead) if admitted else []
+        searches = burst == WHOLE and any(r.search is not None for r in admitted)  # a whole search run
+        failed = self.batch.admit(admitted, self.ahead, narrow=searches) if admitted else []
         self.batch.compact()
         steps, whole = [], None  # whole: what a WHOLE run stepped
-        if self.batch.state is not None:
+        if searches and self.batch.state is not None:
+            whole = self._search_whole()
+        elif self.batch.state is not None:
             deadline = min((r.deadline for r in self.batch.requests if r.deadline is not None), default=0.0)
             if burst == WHOLE and not self.batch.state.holes:
                 try:
@@ -333,6 +345,14 @@ class Engine:
         for request, why in leaving:
             self._finish(request, why)
         return stepped
+
+    def _search_whole(self) -> list[tuple[int, int]]:
+        """The batch's searches run to their ends in one call (`RunningBatch.search_run`); each request settles."""
+        requests = self.batch.search_run()
+        self._publish()
+        for request in requests:
+            self._finish(request, self._settle(request))
+        return []
 
     def _process(self, outputs: list[tuple[Request, int | None, float | None]]) -> None:
         now = time.monotonic()

@@ -71,11 +71,13 @@ class RunningBatch:
         self.placement()
         return self._slots
 
-    def admit(self, requests: list[Request], ahead: list[list[Request]] = ()) -> list[tuple[Request, Exception]]:
+    def admit(self, requests: list[Request], ahead: list[list[Request]] = (), narrow: bool = False) \
+            -> list[tuple[Request, Exception]]:
         """Encode the newcomers once and place their rows: into holes first (no copy of the running
         cache), the rest appended as new rows. `ahead`: groups of requests that later admissions will take as they
         are (static batching), encoded in the same encoder call and kept until then (on the host, without forced
-        prefixes). Returns the newcomers the encoder fails on, with the error."""
+        prefixes). narrow: one row per request, whatever its width (a batch for `search_run`, which widens it after
+        the first step). Returns the newcomers the encoder fails on, with the error."""
         # on the host the rows go into the running state's buffers, which take only their cross K/V: no caches
         caches = self.state is None or not self.state.ops.views
         try:
@@ -90,11 +92,11 @@ class RunningBatch:
             if len(requests) == 1:
                 return [(requests[0], e)]
             half = len(requests) // 2
-            return self.admit(requests[:half]) + self.admit(requests[half:])
+            return self.admit(requests[:half], narrow=narrow) + self.admit(requests[half:], narrow=narrow)
         encoded = time.monotonic()
         for request in requests:
             request.encoded = encoded
-        owners = [r for r in requests for _ in range(r.width)]
+        owners = requests if narrow else [r for r in requests for _ in range(r.width)]
         self._placement = None
         if len(owners) > len(requests):  # a beam's rows share its source
             fresh = fresh.gather(np.repeat(np.arange(len(requests)), [r.width for r in requests]))
@@ -106,7 +108,8 @@ class RunningBatch:
         if len(owners) > len(holes):  # the rest
             self.state = fresh if self.state is None else self.state.append(fresh, self.room, len(holes))
             self.rows.extend(owners[len(holes):])
-        self.state.reserve(self.slots())
+        if not narrow:  # search_run grows the cache as its searches go (its first step widens the rows)
+            self.state.reserve(self.slots())
         return []
 
     def _encode_ahead(self, groups: list[list[Request]]) -> BatchState:
@@ -259,6 +262,15 @@ class RunningBatch:
         else:
             self.state, self.rows = state, [requests[i] for i in left.tolist()]
         return outputs, stepped
+
+    def search_run(self) -> list[Request]:
+        """A fresh batch of beam searches or samplings of one kind, admitted one row each (`admit`'s narrow), run
+        until every search is done (translator.decode_search_run) -> its requests, whose searches hold the
+        results; the batch is then empty."""
+        requests = [r for r, _ in self.placement()]
+        self.tr.decode_search_run(self.state, [r.search for r in requests])
+        self.clear()
+        return requests
 
     def _failing_rows(self, rows: list[int]) -> list[tuple[int, Exception]]:
         """The rows whose step fails on a copy of the state holding just them, found by bisection."""

@@ -28,16 +28,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from nmtserve.decoding import by_length, guided_groups, sorted_batches
 from nmtserve.errors import ConfigError, NmtserveError
-from nmtserve.export.runtime.batch import BatchState
 from nmtserve.export.runtime.bundle import Bundle
 from nmtserve.export.runtime.decoder import CUDA_INTER_THREADS, Decoder
 from nmtserve.export.runtime.engine import Engine, EngineConfig
 from nmtserve.export.runtime.request import FinishReason, Request
-from nmtserve.search import BeamSearch, DecodingOptions, Hypothesis, beam_steps, make_search
+from nmtserve.search import DecodingOptions, Hypothesis
 
 ENCODE_AHEAD = 64  # search_ids encodes batches of up to this many sources in all before decoding them
 
@@ -71,104 +68,6 @@ class OnnxTranslator(Decoder):
         super().__init__(bundle, device, variant, intra_op_threads, io_binding, shared_cross, attention_kernel,
                          native_steps, keep_freed_memory)
 
-    def search(self, state: BatchState, sources: list[list[int]], options: DecodingOptions,
-               prefixes: list[list[int]] | None = None, favoured: list[list[int]] | None = None) \
-            -> list[list[Hypothesis]]:
-        """Beam search or sampling for one batch of token-id sources, encoded in `state` (`prefill`;
-        nmtserve/search.py: one search per source, over its own rows). A finished source's rows decode
-        on, ignored, until finished sources are a quarter of the batch; then their rows leave together
-        (as greedy's). With native_steps the library takes beam search's ordinary steps after the first
-        (`_native_beam_steps`), and every other step comes back here."""
-        # each source's forced prefix (`prefill`), counted in the budget and in lengths
-        forced, favoured = prefixes or [[]] * len(sources), favoured or [[]] * len(sources)
-        searches = [make_search(options, self.limits.output_budget(len(s), options.max_decoding_length,
-                                                                   options.length_rule) - len(f), self.eos_id, f,
-                                self.unk_id, b) for s, f, b in zip(sources, forced, favoured)]
-        width, k = searches[0].rows, searches[0].candidates
-        beams = isinstance(searches[0], BeamSearch)
-        # ordinary beam steps in the library, after the first (on the step that shares each source's cross K/V)
-        native = beams and k > 0 and self.native_steps and self.cache_origin and self.shared_cross
-        slots = list(range(len(sources)))  # the source each `width` rows search for, in row order
-        while state is not None:
-            live = [None if searches[r].done else searches[r] for r in slots]  # each slot's search, None once done
-            if native and state.size == width * len(slots):  # after the first step
-                state, slots = self._native_beam_steps(state, searches, slots, width)
-                continue
-            else:
-                ids, scores = self.decode_candidates(state, k)
-                if state.size < width * len(slots):  # the first step, one row per source (a beam's rows all start
-                    # alike and its search reads row 0 only): then each row becomes its beam's rows
-                    ids = None if ids is None else np.repeat(ids, width, axis=0)
-                    scores = np.repeat(scores, width, axis=0)
-                    # with shared_cross the rows share their source's cross K/V; else each gets a copy
-                    state = state.widen(width) if self.shared_cross \
-                        else state.gather(np.repeat(np.arange(len(sources)), width))
-                if beams:  # ranked once for all sources (nmtserve/search.py: beam_steps)
-                    parents, tokens = beam_steps(live, ids, scores)
-                else:
-                    # a finished source's rows decode on (on eos when the step ranked nothing: k = 0)
-                    tokens = np.full(state.size, self.eos_id) if ids is None else ids[:, 0].copy()
-                    parents = np.arange(state.size)
-                    for j, search in enumerate(live):
-                        if search is not None:
-                            rows = slice(j * width, (j + 1) * width)
-                            chosen_parents, tokens[rows] = search.step(None if ids is None else ids[rows],
-                                                                       scores[rows])
-                            parents[rows] = chosen_parents + j * width
-                state.choose(tokens, parents)
-            done = np.array([searches[r].done for r in slots])
-            if done.sum() * 4 >= len(slots):  # compact, as greedy does
-                state, order = state.compact(np.repeat(~done, width))
-                slots = [slots[j] for j in order[::width] // width]
-        return [search.results() for search in searches]
-
-    def _native_beam_steps(self, state: BatchState, searches: list[BeamSearch], slots: list[int], k: int) \
-            -> tuple[BatchState | None, list[int]]:
-        """Beam search's steps in the library (NativeBinding.beam_steps) until every search is over or the cache is
-        full: it takes each search's ordinary steps (`BeamSearch.ordinary`: its k best extensions simply continue) and
-        calls `rules` for any other, which brings the search up to date (`BeamSearch.advance`) and lets it take that
-        step (`BeamSearch.select`, on the library's ranking); the searches that are over leave the batch there. At the
-        end each search takes the ordinary steps it ran since -> the state of the searches left (None: none) and the
-        search of each, in row order."""
-        state.open_slot()
-        self._with_scores[...] = True
-        binding = self._binding_for(state, 2 * k)
-        n, steps = len(searches), state.capacity - state.length
-        ordinary = np.array([-1 if s.done else s.ordinary_steps() for s in searches], np.int64)
-        beam = np.concatenate([searches[r].scores for r in slots])
-        search_of = np.array(slots, np.int64)
-        out = (np.empty((steps, n, k), np.int64), np.empty((steps, n, k), np.int64), np.empty(n, np.int64),
-               np.empty((n, 2 * k), np.int64), np.empty((n, 2 * k), np.int64), np.empty((n, 2 * k)),
-               np.empty((n, k), np.int64), np.empty((n, k), np.int64))
-        out_parents, out_tokens, advanced, cand_rows, cand_ids, cand_scores, chosen_parents, chosen_tokens = out
-        synced = np.zeros(n, np.int64)  # the ordinary steps each search has taken (advance)
-
-        def catch_up(r: int, rows: slice) -> None:  # search r, in the group of `rows`
-            if advanced[r] > synced[r]:
-                taken = slice(synced[r], advanced[r])
-                searches[r].advance(out_parents[taken, r].tolist(), out_tokens[taken, r].tolist(), beam[rows].copy())
-                synced[r] = advanced[r]
-
-        def rules(r: int, g: int) -> None:  # search r, now group g of the batch
-            rows = slice(g * k, (g + 1) * k)
-            catch_up(r, rows)
-            search = searches[r]
-            chosen_parents[r], chosen_tokens[r] = search.select(cand_rows[r], cand_ids[r], cand_scores[r])
-            beam[rows] = search.scores
-            ordinary[r] = -1 if search.done else search.ordinary_steps()
-        _, groups = binding.beam_steps(len(slots), self._ids, self._scores, state.tokens, state.positions, state.origin,
-                                       beam, search_of, ordinary, self.eos_id, self._row_names, out, rules)
-        for g, r in enumerate(search_of[:groups].tolist()):  # the live ones
-            catch_up(r, slice(g * k, (g + 1) * k))
-        left = search_of[:groups].tolist()
-        if groups == len(slots):
-            return state, left
-        self._bound.clear()  # the library bound the fewer rows itself: what _bound holds is stale
-        if groups == 0:
-            return None, []
-        place = {r: j for j, r in enumerate(slots)}  # the library moved the searches left into the first places
-        return state.moved_in_place(np.array([place[r] for r in left]), cross_eos_moved=False), left
-
     def search_ids(self, sources: list[list[int]], options: DecodingOptions = DecodingOptions(), *,
                    max_batch_size: int = 32, scores: bool = True,
                    prefixes: list[list[int]] | None = None, favoured: list[list[int]] | None = None) \
@@ -193,7 +92,7 @@ class OnnxTranslator(Decoder):
                     results[i] = hypotheses
             return results
         batches = list(sorted_batches([len(s) for s in sources], max_batch_size, self.inter_threads))
-        # a group encoded (in one call: _prefill_group), then decoded batch after batch: each graph's weights stay
+        # a group encoded (in one call: EngineConfig.encode_ahead), then decoded batch after batch: each graph's weights stay
         # in the CPU cache from one run to the next (both graphs' may not fit in a small host's last-level cache);
         # on threads, the groups shrink towards the end so that the threads finish about together
         groups = guided_groups(batches, max(1, ENCODE_AHEAD // max_batch_size), self.inter_threads)
@@ -218,56 +117,24 @@ class OnnxTranslator(Decoder):
     def _decode_group(self, group: list[list[int]], sources: list[list[int]], options: DecodingOptions,
                       results: list, scores: bool, prefixes: list[list[int]] | None = None,
                       favoured: list[list[int]] | None = None) -> None:
-        """Encode a group of batches (each a list of source indices), then decode them one after another into
-        results."""
-        if options.greedy:  # on the server's engine: static batches, in the group's order
-            self._greedy_group([i for rows in group for i in rows], sources, options, results, scores, prefixes,
-                               max(len(rows) for rows in group))
-            return
-        group_sources = [[sources[i] for i in rows] for rows in group]
-        if prefixes:  # each batch its own prefill, which feeds the forced tokens
-            states = [self.prefill(batch, prefixes=[prefixes[i] for i in rows]) for rows, batch in zip(group, group_sources)]
-        else:
-            states = self._prefill_group(group_sources)
-        for rows, batch in zip(group, group_sources):
-            state = states.pop(0)  # the list lets go of it: its caches are freed once decoded
-            for i, hypotheses in zip(rows, self.search(state, batch, options,
-                                                       [prefixes[i] for i in rows] if prefixes else None,
-                                                       [favoured[i] for i in rows] if favoured else None)):
-                results[i] = hypotheses
-
-    def _greedy_group(self, order: list[int], sources: list[list[int]], options: DecodingOptions, results: list,
-                      scores: bool, prefixes: list[list[int]] | None, batch_size: int) -> None:
-        """Greedy search of the sources in `order` on an Engine of this translator's own (export/runtime/engine.py,
-        as the server's, in this thread): static batches of batch_size, admitted in that order, each run in
-        nmtserve's library until its rows finish where it runs, else step by step. Raises NmtserveError naming
-        the first sentence that failed."""
+        """A group of batches (each a list of source indices) decoded into results on an Engine of this translator's
+        own (export/runtime/engine.py, the server's, in this thread): static batches admitted in the group's order,
+        the next ones encoded ahead with the first, each run to its end (greedy: in nmtserve's library where it
+        runs; beam search and sampling: `Decoder.decode_search_run`). Raises NmtserveError naming the first sentence
+        that failed."""
+        order = [i for rows in group for i in rows]
         requests = [Request(sources[i], options.max_decoding_length, options, scored=scores,
-                            prefix=prefixes[i] if prefixes else []) for i in order]
-        config = EngineConfig(max_running_rows=batch_size, max_batch_tokens=sys.maxsize, batching="static",
-                              max_burst_steps=sys.maxsize, encode_ahead=ENCODE_AHEAD)
+                            prefix=prefixes[i] if prefixes else [], favoured=favoured[i] if favoured else [])
+                    for i in order]
+        config = EngineConfig(max_running_rows=max(len(rows) for rows in group) * options.beam_size,
+                              max_batch_tokens=sys.maxsize, batching="static", max_burst_steps=sys.maxsize,
+                              encode_ahead=ENCODE_AHEAD, whole_searches=True)
         Engine(self, config).run(requests)
         for i, request in zip(order, requests):
             if request.finish not in (FinishReason.EOS, FinishReason.LENGTH):
                 raise NmtserveError(f"sentence {i}: {request.finish.value} ({request.error})")
-            results[i] = [Hypothesis(request.tokens, request.score if scores else math.nan, request.finish.value)]
-
-    def _prefill_group(self, batches: list[list[list[int]]]) -> list[BatchState]:
-        """Fresh states for several batches of token-id sources. On the host one encoder call for all of them
-        (the graph runs on their real tokens only), each batch's cross K/V a view of its rows of the group's:
-        a call's fixed cost, a sizeable share of a sentence at batch 1, is paid once rather than per batch. On a
-        device (an OrtValue is not a view) one call per batch."""
-        if len(batches) == 1 or not self.ops.views:
-            return [self.prefill(batch) for batch in batches]
-        whole = self.prefill([source for batch in batches for source in batch], caches=False)
-        states, start = [], 0
-        for batch in batches:
-            rows = slice(start, start + len(batch))
-            start = rows.stop
-            states.append(BatchState.from_encoded(whole.cross_k[:, rows], whole.cross_v[:, rows],
-                                                  whole.cross_eos[:, rows], whole.src_mask[rows], self.bos_id,
-                                                  origin=self.cache_origin))
-        return states
+            results[i] = request.hypotheses or \
+                [Hypothesis(request.tokens, request.score if scores else math.nan, request.finish.value)]
 
     def translate_ids(self, sources: list[list[int]], *, max_batch_size: int = 32,
                       max_decoding_length: int = 256) -> list[tuple[list[int], float]]:

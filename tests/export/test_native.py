@@ -4,7 +4,7 @@ tokens and scores of ONNX Runtime's own session, errors with ONNX Runtime's mess
 import numpy as np
 import pytest
 
-from nmtserve.errors import ConfigError
+from nmtserve.errors import ConfigError, NmtserveError
 from nmtserve.export.runtime import kernels
 from nmtserve.export.runtime import native as native_module
 from nmtserve.export.runtime.native import NativeBinding, NativeError, NativeSession
@@ -141,7 +141,7 @@ def test_an_error_in_beam_searchs_rules_called_back_by_the_library_is_raised_and
         return select(self, *args)
     monkeypatch.setattr(BeamSearch, "select", failing)
     options = DecodingOptions(beam_size=4)
-    with pytest.raises(ValueError, match="a rule failed"):
+    with pytest.raises(NmtserveError, match="sentence .*: error \\(ValueError: a rule failed\\)"):
         native.search_ids(sources, options, max_batch_size=8)
     assert native.search_ids(sources, options, max_batch_size=8) == theirs.search_ids(sources, options, max_batch_size=8)
 
