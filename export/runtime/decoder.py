@@ -308,6 +308,13 @@ class Decoder:
         if not self.native_steps:
             return self._greedy_run_here(state, source, budget, out, stop_at)
         binding = self._greedy_binding(state)
+        if n == 1:  # a batch of one: the server's steps, which stop at its eos, with no rows to keep track of
+            tokens, values = self._native_greedy_steps(state, binding, min(room, int(budget[0] - state.positions[0])),
+                                                       scores, stop_at=stop_at)
+            eos = tokens[-1, 0] == self.eos_id
+            over = eos or state.positions[0] >= budget[0]
+            return None if over else state, source[:0] if over else source, tokens, values, \
+                np.array([len(tokens) - 1 if over else -1]), np.array([eos])
         taken, rows = binding.greedy_run(n, state.tokens, state.positions, self._scores, source, budget, self.eos_id,
                                          self._row_names, 0, out, stop_at=stop_at)
         if rows < n:  # the library bound the fewer rows itself: what _bound holds is stale

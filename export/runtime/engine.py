@@ -86,7 +86,8 @@ class Engine:
         self.waiting: collections.deque[Request] = collections.deque()
         self.stopping = False
         self.running_count = 0
-        self.batch = RunningBatch(translator, room=self.config.max_running_rows)
+        self.batch = RunningBatch(translator, room=self.config.max_running_rows,
+                                  reserve=self.config.batching == "continuous")
         self.ids = itertools.count()
         self.steps = 0
         self.admitted_step = 0  # the step count at the latest admission (EngineConfig.admit_steps)
@@ -189,11 +190,9 @@ class Engine:
     def _schedule(self) -> list[Request]:
         """(Lock held.) Drop cancelled/expired requests; take waiting ones within the budgets."""
         now = time.monotonic()
-        for request in list(self.waiting):
-            reason = self._dropped(request, now)
-            if reason:
-                self.waiting.remove(request)
-                self._finish(request, reason)
+        for request in [r for r in self.waiting if r.cancelled or r.deadline is not None and now >= r.deadline]:
+            self.waiting.remove(request)
+            self._finish(request, self._dropped(request, now))
         self._leave([(r, why) for r in self.batch.requests if (why := self._dropped(r, now))])
         if not self.waiting:
             return []  # no one to admit
@@ -207,7 +206,7 @@ class Engine:
                 and min(self.config.max_running_rows - rows, sum(r.width for r in self.waiting)) < gather:
             return []  # newcomers gather, to be encoded together (EngineConfig.admit_rows)
         admitted = []
-        for request in sorted(self.waiting, key=self._latest_start) if running else list(self.waiting):
+        for request in sorted(self.waiting, key=self._latest_start) if running else self.waiting:
             if rows + request.width > self.config.max_running_rows:
                 break
             cost = request.cost(self.tr.limits)
@@ -230,8 +229,12 @@ class Engine:
         if admitted:
             self.admitted_step = self.steps
             self.admissions += 1
-            taken = {id(r) for r in admitted}
-            self.waiting = collections.deque(r for r in self.waiting if id(r) not in taken)
+            if running:
+                taken = {id(r) for r in admitted}
+                self.waiting = collections.deque(r for r in self.waiting if id(r) not in taken)
+            else:  # taken from the head, in order
+                for _ in admitted:
+                    self.waiting.popleft()
         self.running_count += len(admitted)  # counted from the moment they leave the queue
         return admitted
 
@@ -332,7 +335,7 @@ class Engine:
     def _run_whole(self, stop_at: float) -> list[tuple[int, int]]:
         """The batch's greedy requests run in the library until they finish, the cache is full or a step passes
         stop_at (`RunningBatch.greedy_run`): those that finished leave, told after the count is published."""
-        outputs, stepped = self.batch.greedy_run(stop_at)
+        outputs, stepped = self.batch.greedy_run(stop_at, occupancy=self.on_step is not None)
         now, leaving = time.monotonic(), []
         for request, tokens, score, finish in outputs:
             request.first_token = request.first_token or now

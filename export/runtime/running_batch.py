@@ -38,9 +38,13 @@ from nmtserve.search import BeamSearch, beam_steps
 
 
 class RunningBatch:
-    def __init__(self, translator: Decoder, room: int = 0):
+    def __init__(self, translator: Decoder, room: int = 0, reserve: bool = True):
         self.tr = translator
         self.room = room  # the most rows the state's buffers make room for when newcomers outgrow them (append)
+        # the cache holds the running requests' longest budget from their admission (`slots`), so that no newcomer's
+        # row copies it as it fills it (continuous batching); without, a static batch's cache doubles as it fills,
+        # which steps faster while it is small
+        self.reserve = reserve
         self.rows: list[Request | None] = []  # rows[i] is row i of `state`; None is a hole
         self.state: BatchState | None = None  # None when no request runs
         self._placement: list[tuple[Request, np.ndarray]] | None = None  # placement(), until rows change
@@ -108,7 +112,7 @@ class RunningBatch:
         if len(owners) > len(holes):  # the rest
             self.state = fresh if self.state is None else self.state.append(fresh, self.room, len(holes))
             self.rows.extend(owners[len(holes):])
-        if not narrow:  # search_run grows the cache as its searches go (its first step widens the rows)
+        if self.reserve and not narrow:
             self.state.reserve(self.slots())
         return []
 
@@ -230,13 +234,13 @@ class RunningBatch:
             return [[(r, step[i], math.nan) for r, i in rows] for step in tokens]
         return [[(r, step[i], values[i]) for r, i in rows] for step, values in zip(tokens, scores.tolist())]
 
-    def greedy_run(self, stop_at: float = 0.0) \
+    def greedy_run(self, stop_at: float = 0.0, occupancy: bool = True) \
             -> tuple[list[tuple[Request, list[int], float, FinishReason | None]], list[tuple[int, int]]]:
         """A batch of greedy requests without holes decoded in nmtserve's library until each request has finished
         (eos or its budget), the cache's end, or a step past `stop_at` (translator.decode_greedy_run: no Python
         between steps; the finished rows leave the batch there) -> each request with the tokens it gained (eos
         excluded), the sum of their log-probs (nan when no row is scored) and how it finished (None: it runs on);
-        and each step's (rows, valid cache slots). Raises what the library's first step raises; the caller then
+        and each step's (rows, valid cache slots) (without occupancy, (0, 0) a step). Raises what the library's first step raises; the caller then
         takes one step with `step`, which finds the rows that fail."""
         self.state.trim(self.slots())
         requests = [r for r, _ in self.placement()]  # one row each, in row order
@@ -253,9 +257,11 @@ class RunningBatch:
             finish = None if at < 0 else FinishReason.EOS if eos else FinishReason.LENGTH
             total = sum(own_values[:took]) if scored else math.nan  # eos's log-prob included, as `step`'s callers add
             outputs.append((request, own[:took - 1] if eos else own[:took], total, finish))
-        live = ended[None, :] > np.arange(taken)[:, None]  # (steps, rows): whom each step ran
-        stepped = list(zip(live.sum(axis=1).tolist(), ((start[None, :] + np.arange(1, taken + 1)[:, None]) * live)
-                           .sum(axis=1).tolist()))
+        stepped = [(0, 0)] * taken
+        if occupancy:
+            live = ended[None, :] > np.arange(taken)[:, None]  # (steps, rows): whom each step ran
+            stepped = list(zip(live.sum(axis=1).tolist(), ((start[None, :] + np.arange(1, taken + 1)[:, None]) * live)
+                               .sum(axis=1).tolist()))
         self._placement = None
         if state is None:
             self.clear()
