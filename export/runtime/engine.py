@@ -6,10 +6,14 @@ within the budgets), execute (the newcomers join the running batch, one decoder 
 row; when every running request is greedy and no one joins, up to max_burst_steps steps in nmtserve's
 library at once, with no Python between them), process outputs (hand each request its token, finish
 requests at eos or their budget).
-Requests join and leave between steps; no row ever waits for another to finish. A request is
-decoded greedily, by beam search (beam_size rows) or by sampling, as its DecodingOptions say; all
-three share each decoder step, and a request's result depends on its own rows only. The engine never
-sees K/V: the running batch and the translator keep them.
+Requests join and leave between steps; no row ever waits for another to finish. A request is decoded greedily,
+by beam search (beam_size rows) or by sampling, as its DecodingOptions say; all three share each decoder step,
+and a request's result depends on its own rows only. The engine never sees K/V: the running batch and the
+translator keep them.
+
+A static batch of greedy requests none of which streams runs to its end at once, in the library where it runs
+(`WHOLE`). The offline translator drives this same engine in its own thread (`Engine.run`): static batches, the
+next ones encoded ahead, a batch of like beam searches or samplings run whole (`EngineConfig.whole_searches`).
 """
 
 from __future__ import annotations

@@ -70,8 +70,8 @@ class RunningBatch:
 
     def slots(self) -> int:
         """The cache slots the running requests may fill (their largest budget, and one): the state keeps
-        them (`reserve` once they join, `trim` never below, nor below a fresh state's), so no row copies the cache
-        as it fills it."""
+        them (`reserve` once they join, when the batch reserves; `trim` never below, nor below a fresh state's), so
+        no row copies the cache as it fills it."""
         self.placement()
         return self._slots
 
