@@ -1,6 +1,6 @@
 """The decoder of one bundle variant: its encoder and decoder-step sessions, and the steps over a batch's state
-(prefill, decode candidates, greedy steps in the native library), which the offline translator and the server's
-engine both drive. Never edits a graph and never chooses a search.
+(prefill, decode candidates, greedy steps, a batch's whole greedy run or whole searches), which the engine
+drives, served and offline. Never edits a graph and never chooses a search (it runs the searches it is given).
 
 The graphs are the bundle's, loaded as export wrote them (export/build/step_graphs.py). The decoder step's
 search head returns each row's k best tokens and their log-probabilities (k = 1 greedy, 2 × beam for beam

@@ -34,7 +34,7 @@ from nmtserve.export.runtime.request import FinishReason, Request
 from nmtserve.export.runtime.running_batch import RunningBatch
 from nmtserve.search import make_search
 
-WHOLE = -1  # Engine._burst: a static batch of greedy requests runs in the library until they finish
+WHOLE = -1  # Engine._burst: a static batch runs to its end at once (greedy_run, or search_run for searches)
 TRIM_SECONDS = 5.0  # how often a busy engine gives the C heap's free pages back (release_free_memory)
 
 
@@ -62,7 +62,6 @@ class EngineConfig:
     # static batching: a batch of beam searches or samplings of one kind, none streaming, runs to its end in one
     # call (Decoder.decode_search_run; the offline translator's), where an error fails the whole batch
     whole_searches: bool = False
-
 
 
 class EngineOverloaded(NmtserveError):
@@ -260,13 +259,13 @@ class Engine:
         return None
 
     def _burst(self, admitted: list[Request]) -> int:
-        """(Lock held.) How many greedy steps this iteration runs in the library: none (0: one step of every
-        search, `RunningBatch.step`) unless every request in the batch is greedy; one when some stream, or join a
-        running batch (continuous batching); with static batching (no one joins) and none streaming, WHOLE: the
-        batch runs until its requests finish (`RunningBatch.greedy_run`, in the library where it runs; with
-        whole_searches, a newly admitted batch of like searches: `RunningBatch.search_run`); while newcomers gather (continuous
-        batching), the steps left of their gathering (one if under two); else up to max_burst_steps; never further
-        than the nearest budget. Clears the stop flag that submit sets."""
+        """(Lock held.) How many greedy steps this iteration runs in the library. WHOLE, with static batching (no
+        one joins) and none streaming: a batch of greedy requests runs until they finish (`RunningBatch.greedy_run`,
+        in the library where it runs), and with whole_searches a newly admitted batch of like beam searches or
+        samplings too (`RunningBatch.search_run`). Else none (0: one step of every search, `RunningBatch.step`)
+        unless every request in the batch is greedy; one when some stream or join; while newcomers gather
+        (continuous batching), the steps left of their gathering (one if under two); else up to max_burst_steps;
+        never further than the nearest budget. Clears the stop flag that submit sets."""
         running = self.batch.requests + admitted
         if self.config.whole_searches and self.config.batching == "static" and admitted and not self.batch.requests \
                 and not any(r.on_token is not None for r in admitted) \
@@ -280,9 +279,7 @@ class Engine:
             return WHOLE
         if not self.tr.native_steps:
             return 0
-        if self.config.max_burst_steps < 2 or any(r.on_token is not None for r in running):
-            return 1
-        if admitted:
+        if admitted or self.config.max_burst_steps < 2 or any(r.on_token is not None for r in running):
             return 1
         steps = self.config.max_burst_steps
         if self.waiting and self.config.batching == "continuous":
@@ -337,8 +334,8 @@ class Engine:
         return stepped
 
     def _run_whole(self, stop_at: float) -> list[tuple[int, int]]:
-        """The batch's greedy requests run in the library until they finish, the cache is full or a step passes
-        stop_at (`RunningBatch.greedy_run`): those that finished leave, told after the count is published."""
+        """The batch's greedy requests run until they finish, the cache is full or a step passes stop_at
+        (`RunningBatch.greedy_run`): those that finished leave, told after the count is published."""
         outputs, stepped = self.batch.greedy_run(stop_at, occupancy=self.on_step is not None)
         now, leaving = time.monotonic(), []
         for request, tokens, score, finish in outputs:

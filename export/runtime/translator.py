@@ -6,17 +6,16 @@ CTranslate2's translate_batch. Torch-free and onnx-free.
     for t in tr.translate_batch(["The cat sleeps."], beam_size=4, num_hypotheses=2, return_scores=True):
         print(t.text, t.score, [(a.text, a.score) for a in t.alternatives])
 
-Inputs are sorted by length and cut into batches of at most `max_batch_size` to cut padding. Greedy search runs
-on the server's Engine (export/runtime/engine.py) with static batching, in the caller's thread: each batch is run
-to its end in nmtserve's library where it runs, its finished rows leaving a quarter at a time. Beam search and
-sampling run here (`search`): within a batch, a finished search's rows decode on, ignored, until such searches are
-a quarter of the batch, then leave together. Small batches are encoded ahead, up to ENCODE_AHEAD sources in one
+Inputs are sorted by length and cut into batches of at most `max_batch_size` to cut padding, and decoded on the
+server's Engine (export/runtime/engine.py) with static batching, in the caller's thread: each batch is run to its
+end at once, greedy in nmtserve's library where it runs, beam search and sampling by `Decoder.decode_search_run`;
+its finished rows leave a quarter at a time. Small batches are encoded ahead, up to ENCODE_AHEAD sources in one
 encoder call on the host, then decoded one after another: each graph's weights stay in the CPU cache between its
 runs, and a call's fixed cost is paid once (a batch's result is the same either way). With inter_threads > 1
 (CTranslate2's name) that many batches, or groups of them, decode at once on threads of their own, each with its
-own binding over the same two sessions: on a CPU this uses the cores better than one batch on more intra-op
-threads (docs/performance-journal.md, "Batches at once"). The sessions and steps are the Decoder's (decoder.py);
-the searches' rules are nmtserve/search.py's.
+own engine and binding over the same two sessions: on a CPU this uses the cores better than one batch on more
+intra-op threads (docs/performance-journal.md, "Batches at once"). The sessions and steps are the Decoder's
+(decoder.py); the searches' rules are nmtserve/search.py's.
 """
 
 from __future__ import annotations
