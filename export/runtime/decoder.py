@@ -348,17 +348,17 @@ class Decoder:
             finished = said_eos | (state.positions >= budget) & ~done
             end[source[finished]], by_eos[source[said_eos]] = step, 1
             done |= finished
-            last = step + 1 == len(tokens) or 0 < stop_at <= time.monotonic()
             if done.all():
-                return None, source[:0], tokens[:step + 1], None if values is None else values[:step + 1], end, \
-                    by_eos.astype(bool)
+                state, source = None, source[:0]
+                break
+            last = step + 1 == len(tokens) or 0 < stop_at <= time.monotonic()
             if done.sum() * 4 >= len(done) or done.any() and last:  # the last rows move into the finished ones' places
                 state, order = state.compact(~done)
                 source, budget, done, binding = source[order], budget[order], np.zeros(len(order), bool), None
             if last:
-                return state, source, tokens[:step + 1], None if values is None else values[:step + 1], end, \
-                    by_eos.astype(bool)
-        raise AssertionError("unreachable: the loop returns at its last step")
+                break
+        taken = step + 1
+        return state, source, tokens[:taken], None if values is None else values[:taken], end, by_eos.astype(bool)
 
     def decode_search_run(self, state: BatchState, searches: list[BeamSearch | Sampling]) -> None:
         """Beam searches or samplings of one kind (one beam size, one number of candidates), one per row of a fresh
@@ -376,28 +376,26 @@ class Decoder:
             if native and state.size == width * len(slots):  # after the first step
                 state, slots = self._native_beam_steps(state, searches, slots, width)
                 continue
+            ids, scores = self.decode_candidates(state, k)
+            if state.size < width * len(slots):  # the first step, one row per source (a beam's rows all start
+                # alike and its search reads row 0 only): then each row becomes its beam's rows
+                ids = None if ids is None else np.repeat(ids, width, axis=0)
+                scores = np.repeat(scores, width, axis=0)
+                # with shared_cross the rows share their source's cross K/V; else each gets a copy
+                state = state.widen(width) if self.shared_cross \
+                    else state.gather(np.repeat(np.arange(len(searches)), width))
+            if beams:  # ranked once for all searches (nmtserve/search.py: beam_steps)
+                parents, tokens = beam_steps(live, ids, scores)
             else:
-                ids, scores = self.decode_candidates(state, k)
-                if state.size < width * len(slots):  # the first step, one row per source (a beam's rows all start
-                    # alike and its search reads row 0 only): then each row becomes its beam's rows
-                    ids = None if ids is None else np.repeat(ids, width, axis=0)
-                    scores = np.repeat(scores, width, axis=0)
-                    # with shared_cross the rows share their source's cross K/V; else each gets a copy
-                    state = state.widen(width) if self.shared_cross \
-                        else state.gather(np.repeat(np.arange(len(searches)), width))
-                if beams:  # ranked once for all searches (nmtserve/search.py: beam_steps)
-                    parents, tokens = beam_steps(live, ids, scores)
-                else:
-                    # a finished source's rows decode on (on eos when the step ranked nothing: k = 0)
-                    tokens = np.full(state.size, self.eos_id) if ids is None else ids[:, 0].copy()
-                    parents = np.arange(state.size)
-                    for j, search in enumerate(live):
-                        if search is not None:
-                            rows = slice(j * width, (j + 1) * width)
-                            chosen_parents, tokens[rows] = search.step(None if ids is None else ids[rows],
-                                                                       scores[rows])
-                            parents[rows] = chosen_parents + j * width
-                state.choose(tokens, parents)
+                # a finished source's rows decode on (on eos when the step ranked nothing: k = 0)
+                tokens = np.full(state.size, self.eos_id) if ids is None else ids[:, 0].copy()
+                parents = np.arange(state.size)
+                for j, search in enumerate(live):
+                    if search is not None:
+                        rows = slice(j * width, (j + 1) * width)
+                        chosen_parents, tokens[rows] = search.step(None if ids is None else ids[rows], scores[rows])
+                        parents[rows] = chosen_parents + j * width
+            state.choose(tokens, parents)
             done = np.array([searches[r].done for r in slots])
             if done.sum() * 4 >= len(slots):  # compact, as greedy does
                 state, order = state.compact(np.repeat(~done, width))
