@@ -275,18 +275,20 @@ class Decoder:
         state.advance()
         return (ids, scores) if whole is None else (ids, scores, self._whole.copy())
 
-    def decode_greedy_steps(self, state: BatchState, steps: int, scores: bool = True, stop: np.ndarray | None = None,
-                            stop_at: float = 0.0) -> tuple[np.ndarray, np.ndarray | None]:
-        """(native_steps only) Greedy steps of every row in the library, each row fed its own best token, until
-        a step in which a row (not a hole) says eos, `steps` steps, the cache's end, or a stop asked for
-        (`NativeBinding.greedy_steps`: `stop` flag, `stop_at`) -> each step's tokens (n, B) int64 and, with
-        scores, their log-probs (n, B) float32 (without: None). The K/V and positions advance as with
-        `decode_one_token` n times; `state.tokens` ends as the last step's tokens."""
+    def decode_greedy_steps(self, state: BatchState, steps: int, budget: np.ndarray, scores: bool = True,
+                            stop: np.ndarray | None = None, stop_at: float = 0.0) -> tuple[np.ndarray, ...]:
+        """(native_steps, the server's bursts) Up to `steps` greedy steps of every row but the holes, each row fed its
+        own best token, until the first step in which a row says eos or reaches its position in `budget` (one per
+        row), the cache's end, a step once `stop` (one int32, set by another thread) is set or a step past `stop_at`;
+        no row moves -> each step's tokens (n, B) int64, their log-probs (n, B) float32 (None without scores), the
+        step at which each row finished (-1: it did not) and whether on eos (a hole's are meaningless). The K/V and
+        positions advance as with `decode_one_token` n times."""
         state.open_slot()
-        self._with_scores[...] = scores
-        binding = self._greedy_binding(state)
-        steps = steps if steps == 1 else min(steps, state.capacity - state.length)  # open_slot made room for one
-        return self._native_greedy_steps(state, binding, steps, scores, stop, stop_at)
+        n = state.size
+        out = self._greedy_out(min(steps, state.capacity - state.length), n, scores)
+        *_, tokens, values, end, by_eos = self._greedy_loop(state, np.arange(n, dtype=np.int64),
+                                                             np.array(budget, np.int64), out, stop_at, stop, True)
+        return tokens, values, end, by_eos
 
     def decode_greedy_run(self, state: BatchState, budget: np.ndarray, scores: bool = True, stop_at: float = 0.0) \
             -> tuple[BatchState | None, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
@@ -295,28 +297,31 @@ class Decoder:
         that finish leave the batch a quarter at a time, the last live rows moving into their places -> the state
         of the rows left (None: none), which row of `state` each of them was, each step's tokens (n, B) int64 and,
         with scores, log-probs (n, B) float32 at the row's column (None without), the step at which each row
-        finished (-1: it did not), and whether on eos. With native_steps all in the library, with no Python between
-        steps (`NativeBinding.greedy_run`); else the same loop here (`_greedy_run_here`)."""
+        finished (-1: it did not), and whether on eos."""
         assert not state.holes
         n = state.size
         state.open_slot(int(budget.max()))
-        source, budget = np.arange(n, dtype=np.int64), np.array(budget, np.int64)  # moved with the rows
-        room = state.capacity - state.length  # the rows furthest on have room for this many steps
-        out = (np.empty((room, n), np.int64), np.empty((room, n), np.float32) if scores else None,
-               np.full(n, -1, np.int64), np.zeros(n, np.uint8))
-        self._with_scores[...] = scores
+        out = self._greedy_out(state.capacity - state.length, n, scores)  # the rows furthest on have room for as many
+        return self._greedy_loop(state, np.arange(n, dtype=np.int64), np.array(budget, np.int64), out, stop_at)
+
+    @staticmethod
+    def _greedy_out(steps: int, rows: int, scores: bool) -> tuple:
+        return (np.empty((steps, rows), np.int64), np.empty((steps, rows), np.float32) if scores else None,
+                np.full(rows, -1, np.int64), np.zeros(rows, np.uint8))
+
+    def _greedy_loop(self, state: BatchState, source: np.ndarray, budget: np.ndarray, out: tuple, stop_at: float,
+                     stop: np.ndarray | None = None, until_a_row_ends: bool = False) -> tuple:
+        """The greedy loop of decode_greedy_steps and decode_greedy_run: with native_steps all in the library, with no
+        Python between steps (`NativeBinding.greedy_run`); else the same loop here (`_greedy_run_here`)."""
+        n = state.size
+        self._with_scores[...] = out[1] is not None
         if not self.native_steps:
-            return self._greedy_run_here(state, source, budget, out, stop_at)
+            return self._greedy_run_here(state, source, budget, out, stop_at, stop, until_a_row_ends)
         binding = self._greedy_binding(state)
-        if n == 1:  # a batch of one: the server's steps, which stop at its eos, with no rows to keep track of
-            tokens, values = self._native_greedy_steps(state, binding, min(room, int(budget[0] - state.positions[0])),
-                                                       scores, stop_at=stop_at)
-            eos = tokens[-1, 0] == self.eos_id
-            over = eos or state.positions[0] >= budget[0]
-            return None if over else state, source[:0] if over else source, tokens, values, \
-                np.array([len(tokens) - 1 if over else -1]), np.array([eos])
         taken, rows = binding.greedy_run(n, state.tokens, state.positions, self._scores, source, budget, self.eos_id,
-                                         self._row_names, 0, out, stop_at=stop_at)
+                                         self._row_names, 0, out, stop_at=stop_at,
+                                         hole=state.hole if state.holes else None,
+                                         until_a_row_ends=until_a_row_ends, stop=stop)
         if rows < n:  # the library bound the fewer rows itself: what _bound holds is stale
             self._bound.clear()
         if 0 < rows < n:  # the rows left are in the first places
@@ -328,18 +333,26 @@ class Decoder:
             by_eos.astype(bool)
 
     def _greedy_run_here(self, state: BatchState, source: np.ndarray, budget: np.ndarray, out: tuple,
-                         stop_at: float) -> tuple:
-        """decode_greedy_run's loop in Python, on ONNX Runtime's own session: every row decodes at every step (a
+                         stop_at: float, stop: np.ndarray | None, until_a_row_ends: bool) -> tuple:
+        """_greedy_loop in Python, on ONNX Runtime's own session: every row but the holes decodes at every step (a
         finished one on, ignored, until it leaves), so the rows stay at one position, which that attention steps
         faster than rows at mixed ones."""
         tokens, values, end, by_eos = out
-        done = np.zeros(len(source), bool)  # the rows of `state` that have finished
+        hole = state.hole.copy() if state.holes else np.zeros(len(source), bool)
+        done = hole.copy()  # the rows of `state` that have finished (a hole from the start)
         binding, rebind = None, self.io_binding or state.ops.device != self.device  # rows bound by value: every step
+        taken = 0
         for step in range(len(tokens)):
             if binding is None or rebind:
                 binding = self._greedy_binding(state)
-            run_bound(self.decoder, binding)
-            state.positions += 1
+            try:
+                run_bound(self.decoder, binding)
+            except Exception:
+                if step == 0:
+                    raise
+                break  # the steps before stand; the next call meets the error
+            taken = step + 1
+            state.positions += ~hole
             live = source[~done]
             tokens[step, live] = state.tokens[~done]
             if values is not None:
@@ -348,17 +361,21 @@ class Decoder:
             finished = said_eos | (state.positions >= budget) & ~done
             end[source[finished]], by_eos[source[said_eos]] = step, 1
             done |= finished
-            if done.all():
-                state, source = None, source[:0]
+            last = step + 1 == len(tokens) or stop is not None and stop[0] != 0 or 0 < stop_at <= time.monotonic()
+            if last or done.all() or until_a_row_ends and finished.any():
                 break
-            last = step + 1 == len(tokens) or 0 < stop_at <= time.monotonic()
-            if done.sum() * 4 >= len(done) or done.any() and last:  # the last rows move into the finished ones' places
-                state, order = state.compact(~done)
-                source, budget, done, binding = source[order], budget[order], np.zeros(len(order), bool), None
-            if last:
-                break
-        taken = step + 1
+            if not until_a_row_ends and done.sum() * 4 >= len(done):  # the last rows move into the finished ones' places
+                state, source, budget, hole, done, binding = self._compacted(state, source, budget, hole, done)
+        if not until_a_row_ends and done.all():
+            state, source = None, source[:0]
+        elif not until_a_row_ends and done.any():  # the rows left at return are all live
+            state, source, *_ = self._compacted(state, source, budget, hole, done)
         return state, source, tokens[:taken], None if values is None else values[:taken], end, by_eos.astype(bool)
+
+    @staticmethod
+    def _compacted(state: BatchState, source, budget, hole, done) -> tuple:
+        state, order = state.compact(~done)
+        return state, source[order], budget[order], hole[order], np.zeros(len(order), bool), None
 
     def decode_search_run(self, state: BatchState, searches: list[BeamSearch | Sampling]) -> None:
         """Beam searches or samplings of one kind (one beam size, one number of candidates), one per row of a fresh
@@ -447,14 +464,6 @@ class Decoder:
             return None, []
         place = {r: j for j, r in enumerate(slots)}  # the library moved the searches left into the first places
         return state.moved_in_place(np.array([place[r] for r in left]), cross_eos_moved=False), left
-
-    def _native_greedy_steps(self, state: BatchState, binding: NativeBinding, steps: int, scores: bool,
-                             stop: np.ndarray | None = None, stop_at: float = 0.0) -> tuple[np.ndarray, np.ndarray | None]:
-        out = np.empty((steps, state.size), np.int64)
-        out_scores = np.empty(out.shape, np.float32) if scores else None
-        taken = binding.greedy_steps(state.tokens, state.positions, self._scores, self.eos_id, out, out_scores,
-                                     state.hole if state.holes else None, stop, stop_at)
-        return out[:taken], None if out_scores is None else out_scores[:taken]
 
     def _step(self, state: BatchState, k: int, whole: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """candidate ids and their scores (B, k) on the host, scored as `_with_scores` says (and the `whole`

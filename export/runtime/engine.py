@@ -264,8 +264,8 @@ class Engine:
         in the library where it runs), and with whole_searches a newly admitted batch of like beam searches or
         samplings too (`RunningBatch.search_run`). Else none (0: one step of every search, `RunningBatch.step`)
         unless every request in the batch is greedy; one when some stream or join; while newcomers gather
-        (continuous batching), the steps left of their gathering (one if under two); else up to max_burst_steps;
-        never further than the nearest budget. Clears the stop flag that submit sets."""
+        (continuous batching), the steps left of their gathering (one if under two); else up to max_burst_steps (a
+        burst ends when a request finishes). Clears the stop flag that submit sets."""
         running = self.batch.requests + admitted
         if self.config.whole_searches and self.config.batching == "static" and admitted and not self.batch.requests \
                 and not any(r.on_token is not None for r in admitted) \
@@ -287,64 +287,56 @@ class Engine:
             if steps < 2:
                 return 1
         self.stop_burst[0] = 0
-        return min(steps, *(r.budget(self.tr.limits) - len(r.tokens) for r in running))
+        return steps
 
     def _execute(self, admitted: list[Request], burst: int = 0) -> list[tuple[int, int]]:
-        """Newcomers join, one decoder step (with `burst`, up to that many greedy steps in the library), its
-        tokens processed -> (rows, valid cache slots) of each step run. A request the encoder or the decoder
+        """Newcomers join, one decoder step (with `burst`, up to that many greedy steps in the library; WHOLE: the
+        batch's whole search), its tokens processed -> (rows, valid cache slots) of each step run. A request the encoder or the decoder
         fails on alone finishes with ERROR; the others go on."""
         searches = burst == WHOLE and any(r.search is not None for r in admitted)  # a whole search run
         failed = self.batch.admit(admitted, self.ahead, narrow=searches) if admitted else []
         self.batch.compact()
-        steps, whole = [], None  # whole: what a WHOLE run stepped
+        outputs, whole = None, None  # one step's outputs, or what a run in one call stepped
         if searches and self.batch.state is not None:
             whole = self._search_whole()
         elif self.batch.state is not None:
             deadline = min((r.deadline for r in self.batch.requests if r.deadline is not None), default=0.0)
-            if burst == WHOLE and not self.batch.state.holes:
-                try:
-                    whole = self._run_whole(deadline)
-                except Exception:
-                    burst = 0  # one step below meets the error again and finds whom it belongs to
-            elif burst == WHOLE:  # a request left the batch (cancelled, expired): its hole stays until compaction
-                burst = min(self.config.max_burst_steps, *(r.budget(self.tr.limits) - len(r.tokens)
-                                                           for r in self.batch.requests)) if self.tr.native_steps else 0
-            if burst > 0 and whole is None:
+            if burst == WHOLE and self.batch.state.holes:  # a request left (cancelled, expired): its hole stays
+                burst = self.config.max_burst_steps if self.tr.native_steps else 0
+            if burst != 0:
                 stop = self.stop_burst if self.config.batching == "continuous" else None  # static: no one joins
                 try:
-                    steps = self.batch.greedy_steps(burst, stop, deadline)
+                    whole = self._run_greedy(deadline, 0 if burst == WHOLE else burst, stop)
                 except Exception:
-                    steps = []  # one step below meets the error again and finds whom it belongs to
-            if not steps and whole is None:
+                    pass  # one step below meets the error again and finds whom it belongs to
+            if whole is None:
                 outputs, step_failed = self.batch.step()
                 failed += step_failed
-                steps = [outputs]
         if failed:
             self._publish()
             for request, error in failed:
                 self._finish(request, FinishReason.ERROR, error=f"{type(error).__name__}: {error}")
-        if whole is not None:
-            return whole
-        stepped = []
-        rows, slots = len(self.batch.rows), self.batch.cache_slots()
-        for i, outputs in enumerate(steps):  # a burst's rows each filled one slot a step
-            stepped.append((rows, slots - (len(steps) - 1 - i) * len(outputs)))
-            self.steps += 1
-            self._process(outputs)
+        if outputs is None:
+            return whole or []
+        stepped = [(len(self.batch.rows), self.batch.cache_slots())]
+        self.steps += 1
+        self._process(outputs)
         return stepped
 
-    def _run_whole(self, stop_at: float) -> list[tuple[int, int]]:
-        """The batch's greedy requests run until they finish, the cache is full or a step passes stop_at
-        (`RunningBatch.greedy_run`): those that finished leave, told after the count is published."""
-        outputs, stepped = self.batch.greedy_run(stop_at, occupancy=self.on_step is not None)
+    def _run_greedy(self, stop_at: float, steps: int, stop: np.ndarray | None) -> list[tuple[int, int]]:
+        """The batch's greedy requests run in one call (`RunningBatch.greedy_run`): until they finish, the cache is
+        full or a step passes stop_at (steps 0), or a burst of up to `steps` that ends when one finishes or `stop` is
+        set. Their tokens are emitted; those that finished leave, told after the count is published."""
+        outputs, stepped = self.batch.greedy_run(stop_at, self.on_step is not None, steps, stop)
         now, leaving = time.monotonic(), []
         for request, tokens, score, finish in outputs:
             request.first_token = request.first_token or now
-            request.tokens += tokens
+            self._emit(request, tokens)
             request.score += score
             if finish is not None:
                 leaving.append((request, finish))
         self.steps += len(stepped)
+        self.batch.leave([r for r, _ in leaving])  # a whole run's finished rows have left already
         self._publish()
         for request, why in leaving:
             self._finish(request, why)

@@ -983,35 +983,6 @@ int nmt_run(void* runner, void* binding, char* error, size_t error_size) {
   }
 }
 
-int64_t nmt_greedy_steps(void* runner, void* binding, int64_t* tokens, int64_t* positions, const float* scores,
-                         const uint8_t* hole, int64_t rows, int64_t eos, int64_t max_steps,
-                         const volatile int32_t* stop, double stop_at, int64_t* out_tokens, float* out_scores,
-                         char* error, size_t error_size) {
-  auto& session = static_cast<Runner*>(runner)->session;
-  auto& io = static_cast<Binding*>(binding)->io;
-  const Ort::RunOptions run_options{nullptr};
-  int64_t step = 0;
-  try {
-    for (; step < max_steps; step++) {
-      session.Run(run_options, io);
-      bool ended = false;
-      for (int64_t r = 0; r < rows; r++) {
-        if (hole != nullptr && hole[r]) continue;  // neither advances nor ends
-        positions[r] += 1;
-        ended |= tokens[r] == eos;
-      }
-      std::memcpy(out_tokens + step * rows, tokens, rows * sizeof(int64_t));
-      if (out_scores != nullptr) std::memcpy(out_scores + step * rows, scores, rows * sizeof(float));
-      if (ended || (stop != nullptr && *stop) || (stop_at > 0 && monotonic_seconds() >= stop_at))
-        return step + 1;
-    }
-    return max_steps;
-  } catch (const std::exception& e) {
-    if (step > 0) return step;  // the steps before the failing one stand; the caller's next call meets the error
-    return failed(e, error, error_size);
-  }
-}
-
 int64_t nmt_greedy_run(void* runner, void* binding, nmt_greedy_run_args* run, char* error, size_t error_size) {
   auto& session = static_cast<Runner*>(runner)->session;
   auto& bound = *static_cast<Binding*>(binding);
@@ -1019,9 +990,12 @@ int64_t nmt_greedy_run(void* runner, void* binding, nmt_greedy_run_args* run, ch
   nmt_greedy_run_args& a = *run;
   int64_t rows = a.rows, step = 0, done = 0;
   std::vector<uint8_t> finished(rows, 0);
+  if (a.hole != nullptr)
+    for (int64_t r = 0; r < rows; r++) done += finished[r] = a.hole[r];
   try {
     for (; step < a.max_steps; step++) {
       session.Run(run_options, bound.io);
+      bool ended = false;
       for (int64_t r = 0; r < rows; r++) {
         if (finished[r]) continue;
         a.positions[r] += 1;
@@ -1031,15 +1005,21 @@ int64_t nmt_greedy_run(void* runner, void* binding, nmt_greedy_run_args* run, ch
         if (a.tokens[r] == a.eos || a.positions[r] >= a.budget[r]) {
           finished[r] = 1;
           done += 1;
+          ended = true;
           a.end[s] = a.step0 + step;
           a.by_eos[s] = a.tokens[r] == a.eos;
         }
+      }
+      const bool last = step + 1 == a.max_steps || (a.stop != nullptr && *a.stop) ||
+                        (a.stop_at > 0 && monotonic_seconds() >= a.stop_at);
+      if (a.until_a_row_ends) {
+        if (ended || last) return step + 1;
+        continue;
       }
       if (done == rows) {
         a.rows = 0;
         return step + 1;
       }
-      const bool last = step + 1 == a.max_steps || (a.stop_at > 0 && monotonic_seconds() >= a.stop_at);
       if (4 * done >= rows || (done > 0 && last)) {  // the rows left at return are all live
         const int64_t kept = rows - done;
         try {

@@ -25,16 +25,6 @@ int nmt_bind(void* binding, int count, const char* const* names, const int* type
 /* One run of the session over the bound memory. */
 int nmt_run(void* runner, void* binding, char* error, size_t error_size);
 
-/* Greedy steps of a binding whose step writes each row's best token into its `tokens` input (the server's bursts):
-   after each step every row's position advances, and the tokens (and, with `scores`, their scores) are copied out as
-   that step's row of out_tokens (steps × rows) and out_scores. Rows where `hole` is set (when given) neither advance
-   nor end the loop. Stops after the first step in which some row's token is eos, `*stop` is set (by another thread)
-   or CLOCK_MONOTONIC has reached `stop_at` (when above 0), or after max_steps. Returns the steps run; a step that
-   fails after others returns those before it (the next call meets the error), the first one -1 with its message. */
-int64_t nmt_greedy_steps(void* runner, void* binding, int64_t* tokens, int64_t* positions, const float* scores,
-                         const uint8_t* hole, int64_t rows, int64_t eos, int64_t max_steps, const volatile int32_t* stop,
-                         double stop_at, int64_t* out_tokens, float* out_scores, char* error, size_t error_size);
-
 /* The buffers bound with a row per leading index, which a batch's compaction moves (nmt_greedy_run, nmt_beam_steps):
    names[i] of kind kinds[i]: 0 a row per row; 1 a self-attention cache (rows, heads, slots, dim); 2 cache_origin
    (rows, slots); 3 a row per source (a source's cross K/V and last slot, which its rows share). */
@@ -44,7 +34,7 @@ typedef struct {
   const int* kinds;
 } nmt_row_names;
 
-/* Greedy search of a batch of whole rows (nmt_greedy_run): each row's source and budget move with it. */
+/* Greedy search of a batch's rows (nmt_greedy_run): each row's source and budget move with it. */
 typedef struct {
   int64_t rows;          /* in: the rows at the start; out: the live rows left (0: all finished), in the first places */
   int64_t* tokens;       /* the step's bound input, written by its search head */
@@ -52,8 +42,11 @@ typedef struct {
   const float* scores;   /* the step's bound output: each row's best token's score */
   int64_t* source;       /* (rows,) each row's source */
   int64_t* budget;       /* (rows,) the position at which a row finishes if no eos came */
+  const uint8_t* hole;   /* (rows,) empty places, or NULL: they never advance, finish or are written */
+  int64_t until_a_row_ends; /* 1: the run ends after the first step in which a row finishes, and no row moves */
   int64_t eos;
-  int64_t max_steps;     /* the cache's room */
+  int64_t max_steps;     /* the cache's room, or fewer */
+  const volatile int32_t* stop; /* set by another thread: the run ends after its current step (NULL: none) */
   double stop_at;        /* CLOCK_MONOTONIC seconds after which the run ends after its current step (0: none) */
   nmt_row_names row_names;
   int64_t sources;       /* the columns of out_tokens */
@@ -64,15 +57,18 @@ typedef struct {
   uint8_t* by_eos;       /* (sources,) whether it finished on eos */
 } nmt_greedy_run_args;
 
-/* Greedy search of a batch of whole rows (no holes) from its current step until every row has finished, max_steps
-   have run, or a step ends at or after stop_at, with no Python between steps. Each step as nmt_greedy_steps: every
-   live row advances and its token (and score) is written at its source's column of out_tokens; a row finishes on eos
-   (by_eos[its source] = 1) or at its budget (its position reaching budget[row]), end[its source] = step0 + that step,
-   and from then on neither advances nor is written. Once the finished rows are a quarter of the rows they leave (the
-   last live rows move into their places in every buffer of row_names, and in `source` and `budget`, and those names
-   are bound again with the fewer rows); so do any finished rows at the last step, whatever ended the run. Returns the
-   steps run, or -1 with the error's message (a step that fails after others returns those before it, and the next
-   call meets the error; a compaction that fails is -1 at once). */
+/* Greedy search of a batch's rows from their current step, each row fed its own best token, with no Python between
+   steps: the one greedy loop, for offline runs and the server's bursts alike. Each step the session runs (its search
+   head writes each row's best token into `tokens` and its score into `scores`), every live row advances and its token
+   (and score) is written at its source's column of out_tokens; a row finishes on eos (by_eos[its source] = 1) or at
+   its budget (its position reaching budget[row]), end[its source] = step0 + that step, and from then on neither
+   advances nor is written (a hole is finished from the start). The run ends when every row has finished, after
+   max_steps, or after a step once *stop is set or CLOCK_MONOTONIC has reached stop_at (when above 0); with
+   until_a_row_ends, also after the first step in which a row finishes. Without it, once the finished rows are a
+   quarter of the rows they leave (the last live rows move into their places in every buffer of row_names, and in
+   `source` and `budget`, and those names are bound again with the fewer rows); so do any finished rows at the last
+   step, whatever ended the run. Returns the steps run, or -1 with the error's message (a step that fails after others
+   returns those before it, and the next call meets the error; a compaction that fails is -1 at once). */
 int64_t nmt_greedy_run(void* runner, void* binding, nmt_greedy_run_args* run, char* error, size_t error_size);
 
 /* Offline beam search of a batch (nmt_beam_steps): searches of one beam size k, whose rows lie one after another, k

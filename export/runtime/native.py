@@ -1,11 +1,11 @@
 """The decoder step's session held by nmtserve's native library (kernels.cc), and decoder steps run in a loop
 there: no Python, and no wait for the GIL, between two steps.
 
-Offline greedy runs a batch's whole search in the library (`greedy_run`: its finished rows leave the batch there
-too; Python comes back only to double a full cache); offline beam search runs its steps there
-(`beam_steps`: where a search's k best extensions simply continue; the library calls BeamSearch back for every
-step where one of its rules applies, and the searches that are over leave the batch there); the server's greedy
-bursts run until a row meets eos (`greedy_steps`). Each is one call, the GIL released throughout (cffi releases it
+Greedy search runs in the library (`greedy_run`): a static batch's whole search, its finished rows leaving the
+batch there too (Python comes back only to double a full cache), and the server's bursts, which end at the first
+row that finishes; offline beam search runs its steps there (`beam_steps`: where a search's k best extensions
+simply continue; the library calls BeamSearch back for every step where one of its rules applies, and the
+searches that are over leave the batch there). Each is one call, the GIL released throughout (cffi releases it
 for every call into the library). Every other search binds and runs one step at a time through the same session,
 as with ONNX Runtime's own Python session. The library's functions and the structs of its loops' arguments are
 declared once, in kernels.h, which cffi reads here (typed: a wrong argument is a TypeError, not a crash).
@@ -118,8 +118,6 @@ class NativeBinding:
         self._pending: list = []  # binds not yet sent (bind)
         self._tables: dict = {}  # (names, types, shapes, outputs) of a send -> their C arrays (_send)
         self._row_tables: dict = {}  # greedy_run's and beam_steps' row_names -> their C struct (_row_names)
-        self._arrays: tuple = (None,) * 5  # greedy_steps' per-row arrays at its last call, and their pointers
-        self._pointers: list = []
 
     def bind(self, name: str, dtype, shape: tuple, address: int, output: bool = False) -> None:
         """Host memory at `address` of `shape` and `dtype` as the input (or the output, written there) `name`:
@@ -150,59 +148,38 @@ class NativeBinding:
             self._send()
         _checked(self._library.nmt_run(self.session._handle, self._handle, self._error, _ERROR_SIZE), self._error)
 
-    def greedy_steps(self, tokens: np.ndarray, positions: np.ndarray, scores: np.ndarray | None, eos_id: int,
-                     out_tokens: np.ndarray, out_scores: np.ndarray | None, hole: np.ndarray | None = None,
-                     stop: np.ndarray | None = None, stop_at: float = 0.0) -> int:
-        """Runs until the first step in which some row says eos, or len(out_tokens) steps (the server's bursts);
-        returns the steps run. The binding writes each step's best tokens into `tokens` (its `tokens` input) and
-        their scores into `scores`; after each step every row's position (`positions`, bound as input) advances by
-        one, and tokens (and scores, when out_scores is given) are copied into that step's row of out_tokens (steps,
-        rows) int64 (and out_scores float32). Rows where `hole` (bool) is set neither advance nor end the loop. The
-        loop also ends after a step once `stop` (one int32, set by another thread) is nonzero or time.monotonic()
-        has reached `stop_at` (when above 0). A step that fails after others ends the loop there (the steps before
-        it are returned); the next call meets the error."""
-        if self._pending:
-            self._send()
-        rows = len(tokens)
-        assert out_tokens.shape[1:] == (rows,) and tokens.dtype == np.int64
-        assert positions.dtype == np.int64 and (out_scores is None or out_scores.shape == out_tokens.shape)
-        assert (hole is None or hole.dtype == bool) and (stop is None or stop.dtype == np.int32)
-        arrays = (tokens, positions, None if out_scores is None else scores, hole, stop)
-        if any(a is not b for a, b in zip(arrays, self._arrays)):  # the pointers once per set of arrays: asked every step
-            self._arrays = arrays
-            self._pointers = [_pointer(kind, a) for kind, a in zip(
-                ("int64_t *", "int64_t *", "float *", "uint8_t *", "int32_t *"), arrays)]
-        return _checked(self._library.nmt_greedy_steps(
-            self.session._handle, self._handle, *self._pointers[:4], rows, eos_id, len(out_tokens), self._pointers[4],
-            stop_at, _pointer("int64_t *", out_tokens), _pointer("float *", out_scores), self._error, _ERROR_SIZE),
-            self._error)
-
     def greedy_run(self, rows: int, tokens: np.ndarray, positions: np.ndarray, scores: np.ndarray, source: np.ndarray,
                    budget: np.ndarray, eos_id: int, row_names: tuple[tuple[str, int], ...], step0: int,
-                   out: tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray], stop_at: float = 0.0) \
+                   out: tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray], stop_at: float = 0.0,
+                   hole: np.ndarray | None = None, until_a_row_ends: bool = False, stop: np.ndarray | None = None) \
             -> tuple[int, int]:
-        """Offline greedy steps of the first `rows` rows in the library (kernels.h, nmt_greedy_run: when a row
-        finishes, and how the finished ones leave) until every row has finished or len(out_tokens) steps have run.
-        `tokens`, `positions` and `scores` are the bound step's (tokens fed, written by the step), `source` and `budget`
-        (int64, a row each) each row's source and the position at which it finishes if no eos came; the library moves
-        them with the rows. `row_names`: (name, kind) of every bound buffer with a row per leading index (kinds:
-        kernels.h, nmt_row_names). `out`: out_tokens (steps, sources) int64, out_scores (the same, float32, or None),
-        end (sources,) int64 and by_eos (sources,) uint8, written at each source's column; end as step0 + the step; the run
-        also ends after a step once time.monotonic() has reached `stop_at` (when above 0) -> (the steps run, the rows
-        left in the first places of the buffers)."""
+        """Greedy steps of the first `rows` rows in the library (kernels.h, nmt_greedy_run: when a row finishes, and
+        how the finished ones leave) until every row has finished or len(out_tokens) steps have run. `tokens`,
+        `positions` and `scores` are the bound step's (tokens fed, written by the step), `source` and `budget` (int64,
+        a row each) each row's source and the position at which it finishes if no eos came; the library moves them
+        with the rows. `row_names`: (name, kind) of every bound buffer with a row per leading index (kinds: kernels.h,
+        nmt_row_names). `out`: out_tokens (steps, sources) int64, out_scores (the same, float32, or None), end
+        (sources,) int64 and by_eos (sources,) uint8, written at each source's column; end as step0 + the step. The run
+        also ends after a step once `stop` (one int32, set by another thread) is nonzero or time.monotonic() has
+        reached `stop_at` (when above 0); with until_a_row_ends after the first step in which a row finishes, no row
+        moving (the server's bursts). `hole` (bool, a row each): rows that never advance nor finish -> (the steps run,
+        the rows left in the first places of the buffers)."""
         if self._pending:
             self._send()
         out_tokens, out_scores, end, by_eos = out
         assert tokens.dtype == positions.dtype == source.dtype == budget.dtype == np.int64
         assert scores.dtype == np.float32 and by_eos.dtype == np.uint8 and end.dtype == np.int64
         assert out_scores is None or out_scores.shape == out_tokens.shape
+        assert (hole is None or hole.dtype == bool) and (stop is None or stop.dtype == np.int32)
         run = _ffi.new("nmt_greedy_run_args *", {
             "rows": rows, "tokens": _pointer("int64_t *", tokens), "positions": _pointer("int64_t *", positions),
             "scores": _pointer("float *", scores), "source": _pointer("int64_t *", source),
-            "budget": _pointer("int64_t *", budget), "eos": eos_id, "max_steps": len(out_tokens), "stop_at": stop_at,
-            "row_names": self._row_names(row_names)[0], "sources": out_tokens.shape[1], "step0": step0,
-            "out_tokens": _pointer("int64_t *", out_tokens), "out_scores": _pointer("float *", out_scores),
-            "end": _pointer("int64_t *", end), "by_eos": _pointer("uint8_t *", by_eos)})
+            "budget": _pointer("int64_t *", budget), "hole": _pointer("uint8_t *", hole),
+            "until_a_row_ends": until_a_row_ends, "eos": eos_id, "max_steps": len(out_tokens),
+            "stop": _pointer("int32_t *", stop), "stop_at": stop_at, "row_names": self._row_names(row_names)[0],
+            "sources": out_tokens.shape[1], "step0": step0, "out_tokens": _pointer("int64_t *", out_tokens),
+            "out_scores": _pointer("float *", out_scores), "end": _pointer("int64_t *", end),
+            "by_eos": _pointer("uint8_t *", by_eos)})
         steps = _checked(self._library.nmt_greedy_run(self.session._handle, self._handle, run, self._error, _ERROR_SIZE),
                          self._error)
         return steps, run.rows

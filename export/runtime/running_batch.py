@@ -218,39 +218,32 @@ class RunningBatch:
         self.state.choose(tokens, parents)  # parents: only when a search chose them
         return outputs, []
 
-    def greedy_steps(self, steps: int, stop: np.ndarray | None = None, stop_at: float = 0.0) \
-            -> list[list[tuple[Request, int, float]]]:
-        """Up to `steps` decoder steps of a batch of greedy requests in nmtserve's library, with no Python
-        between them (translator.decode_greedy_steps: until a row says eos, `stop` is set or `stop_at` has
-        passed; each row's token written straight into the next step's input) -> each step's (request,
-        token, log-prob), as `step` gives them. Raises what the library's first step raises; the caller
-        then takes one step with `step`, which finds the rows that fail."""
-        self.state.trim(self.slots())
-        rows = [(r, int(rows[0])) for r, rows in self.placement()]
-        scored = any(r.scored for r, _ in rows)
-        tokens, scores = self.tr.decode_greedy_steps(self.state, steps, scored, stop, stop_at)
-        tokens = tokens.tolist()  # Python numbers, once (holes' too: picking the rows in numpy costs more)
-        if not scored:
-            return [[(r, step[i], math.nan) for r, i in rows] for step in tokens]
-        return [[(r, step[i], values[i]) for r, i in rows] for step, values in zip(tokens, scores.tolist())]
-
-    def greedy_run(self, stop_at: float = 0.0, occupancy: bool = True) \
+    def greedy_run(self, stop_at: float = 0.0, occupancy: bool = True, steps: int = 0, stop: np.ndarray | None = None) \
             -> tuple[list[tuple[Request, list[int], float, FinishReason | None]], list[tuple[int, int]]]:
-        """A batch of greedy requests without holes decoded in nmtserve's library until each request has finished
-        (eos or its budget), the cache's end, or a step past `stop_at` (translator.decode_greedy_run: no Python
-        between steps; the finished rows leave the batch there) -> each request with the tokens it gained (eos
-        excluded), the sum of their log-probs (nan when no row is scored) and how it finished (None: it runs on);
-        and each step's (rows, valid cache slots) (without occupancy, (0, 0) a step). Raises what the library's first step raises; the caller then
-        takes one step with `step`, which finds the rows that fail."""
+        """A batch of greedy requests (one row each) decoded in nmtserve's library, with no Python between steps,
+        until each request has finished (eos or its budget), the cache's end, or a step past `stop_at`: the finished
+        rows leave the batch there (translator.decode_greedy_run; no holes). With `steps`, the server's burst: up to
+        that many steps, until the first step in which a request finishes or `stop` is set; no row moves, and the
+        caller lets the finished ones leave (translator.decode_greedy_steps) -> each request with the tokens it
+        gained (eos excluded), the sum of their log-probs (nan when no row is scored) and how it finished (None: it
+        runs on); and each step's (rows, valid cache slots) (without occupancy, (0, 0) a step). Raises what the
+        library's first step raises; the caller then takes one step with `step`, which finds the rows that fail."""
         self.state.trim(self.slots())
-        requests = [r for r, _ in self.placement()]  # one row each, in row order
+        live = np.flatnonzero([r is not None for r in self.rows])
+        requests = [self.rows[i] for i in live.tolist()]  # in row order
         scored = any(r.scored for r in requests)
         start = self.state.positions.copy()
-        budget = start + np.array([r.budget(self.tr.limits) - len(r.tokens) for r in requests])
-        state, left, tokens, scores, end, by_eos = self.tr.decode_greedy_run(self.state, budget, scored, stop_at)
+        budget = start.copy()
+        budget[live] += [r.budget(self.tr.limits) - len(r.tokens) for r in requests]
+        if steps:
+            tokens, scores, end, by_eos = self.tr.decode_greedy_steps(self.state, steps, budget, scored, stop, stop_at)
+            state, left = self.state, live
+        else:
+            state, left, tokens, scores, end, by_eos = self.tr.decode_greedy_run(self.state, budget, scored, stop_at)
+        tokens, end, by_eos, start = tokens[:, live], end[live], by_eos[live], start[live]
         taken = len(tokens)
-        ended = np.where(end < 0, taken, end + 1)  # the steps each row took
-        values = scores.T.tolist() if scored else [None] * len(requests)  # Python numbers, once
+        ended = np.where(end < 0, taken, end + 1)  # the steps each request took
+        values = scores[:, live].T.tolist() if scored else [None] * len(requests)  # Python numbers, once
         outputs = []
         for request, own, own_values, took, at, eos in zip(requests, tokens.T.tolist(), values, ended.tolist(),
                                                            end.tolist(), by_eos.tolist()):
@@ -259,14 +252,16 @@ class RunningBatch:
             outputs.append((request, own[:took - 1] if eos else own[:took], total, finish))
         stepped = [(0, 0)] * taken
         if occupancy:
-            live = ended[None, :] > np.arange(taken)[:, None]  # (steps, rows): whom each step ran
-            stepped = list(zip(live.sum(axis=1).tolist(), ((start[None, :] + np.arange(1, taken + 1)[:, None]) * live)
-                               .sum(axis=1).tolist()))
+            running = ended[None, :] > np.arange(taken)[:, None]  # (steps, requests): whom each step ran
+            stepped = list(zip(running.sum(axis=1).tolist(), ((start[None, :] + np.arange(1, taken + 1)[:, None])
+                                                              * running).sum(axis=1).tolist()))
+        if steps:
+            return outputs, stepped
         self._placement = None
         if state is None:
             self.clear()
         else:
-            self.state, self.rows = state, [requests[i] for i in left.tolist()]
+            self.state, self.rows = state, [self.rows[i] for i in left.tolist()]
         return outputs, stepped
 
     def search_run(self) -> list[Request]:

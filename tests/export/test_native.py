@@ -190,30 +190,45 @@ def test_asking_for_native_steps_where_they_cannot_run_is_a_config_error(tiny_bu
     assert not OnnxTranslator(tiny_bundle, attention_kernel=False).native_steps  # ONNX Runtime's own session
 
 
-def test_the_servers_greedy_steps_in_the_library_keep_holes_still_and_stop_when_asked(tiny_bundle, tiny_corpus):
-    """`decode_greedy_steps` (the engine's bursts) over rows of their own cross K/V with a hole: each step's
-    tokens and scores are those of one step at a time, the hole's position stays at 0, and the loop ends at
-    a row's eos, after one step when the stop flag is set or `stop_at` has passed, and at the cache's end."""
-    native, _ = _pair(tiny_bundle, "fp32", shared_cross=False)
+def test_the_servers_greedy_steps_keep_holes_still_and_stop_when_asked(tiny_bundle, tiny_corpus):
+    """`decode_greedy_steps` (the engine's bursts, the library's greedy loop with until_a_row_ends) over rows of their
+    own cross K/V with a hole: each step's tokens and scores are those of one step at a time, the hole's position
+    stays at 0, and the loop ends at a row's eos, at a row's budget, after one step when the stop flag is set or
+    `stop_at` has passed, and at the cache's end. The same loop in Python (`_greedy_run_here`, on ONNX Runtime's own
+    session) gives the same, step by step."""
+    native, python = _pair(tiny_bundle, "fp32", shared_cross=False)
     sources = [native.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs][:4]
-    ours, theirs = native.prefill(sources), native.prefill(sources)
-    for state in (ours, theirs):
+    ours, here, theirs = native.prefill(sources), python.prefill(sources), native.prefill(sources)
+    for state in (ours, here, theirs):
         state.free([1])
-    tokens, scores = native.decode_greedy_steps(ours, 50)
+    far = np.full(4, 10_000)
+    tokens, scores, end, by_eos = native.decode_greedy_steps(ours, 50, far)
     expected = []
     while not expected or expected[-1][0][~theirs.hole].tolist().count(native.eos_id) == 0:
         expected.append(native.decode_one_token(theirs))
     assert len(tokens) == len(expected) < 50  # up to the first eos of a row that is not the hole
+    keep = ~ours.hole
     for (t, s), (want, want_score) in zip(zip(tokens, scores), expected):
-        keep = ~ours.hole
         assert t[keep].tolist() == want[keep].tolist() and np.array_equal(s[keep], want_score[keep])
     assert ours.positions.tolist() == theirs.positions.tolist() and ours.positions[1] == 0
-    native.eos_id = -1  # from here on no row ends the loop
-    assert len(native.decode_greedy_steps(ours, 3)[0]) == 3
-    assert len(native.decode_greedy_steps(ours, 10, stop=np.ones(1, np.int32))[0]) == 1
-    assert len(native.decode_greedy_steps(ours, 10, stop_at=1.0)[0]) == 1  # time.monotonic() is past 1.0 s
-    before = ours.length
-    assert len(native.decode_greedy_steps(ours, 1000, scores=False)[0]) == ours.capacity - before == ours.length - before
+    ended = [i for i in (0, 2, 3) if expected[-1][0][i] == native.eos_id]
+    assert np.flatnonzero(end[keep] >= 0).tolist() == [[0, 2, 3].index(i) for i in ended] and by_eos[ended].all()
+    same = python.decode_greedy_steps(here, 50, far)
+    assert all(np.array_equal(x[:, keep] if x.ndim == 2 else x[keep], y[:, keep] if y.ndim == 2 else y[keep])
+               for x, y in zip(same, (tokens, scores, end, by_eos)))
+    for tr, state in ((native, ours), (python, here)):
+        tr.eos_id = -1  # from here on no eos ends the loop
+        budget = state.positions + np.array([5, 0, 7, 9])
+        tokens, _, end, by_eos = tr.decode_greedy_steps(state, 50, budget)
+        assert len(tokens) == 5 and end.tolist()[0] == 4 and end[2:].tolist() == [-1, -1] and not by_eos[0]
+        assert len(tr.decode_greedy_steps(state, 3, far)[0]) == 3
+        assert len(tr.decode_greedy_steps(state, 10, far, stop=np.ones(1, np.int32))[0]) == 1
+        assert len(tr.decode_greedy_steps(state, 10, far, stop_at=1.0)[0]) == 1  # time.monotonic() is past 1.0 s
+        before = state.length
+        assert len(tr.decode_greedy_steps(state, 1000, far, scores=False)[0]) == state.capacity - before \
+            == state.length - before
+        assert state.positions[1] == 0
+    assert ours.positions.tolist() == here.positions.tolist()
 
 
 @pytest.mark.parametrize("variant", ["fp32", "int8"])

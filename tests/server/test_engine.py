@@ -71,9 +71,9 @@ def test_steps_of_greedy_rows_no_one_reads_a_score_of_skip_the_log_softmax(trans
         flags.append(scores)
         return decode(state, k, scores, whole)
 
-    def recording_steps(state, n, scores=True, *args):  # greedy batches' steps in the library (native_steps)
+    def recording_steps(state, n, budget, scores=True, *args):  # greedy batches' steps in the library (native_steps)
         flags.append(scores)
-        return steps(state, n, scores, *args)
+        return steps(state, n, budget, scores, *args)
     monkeypatch.setattr(translator, "decode_candidates", recording)
     monkeypatch.setattr(translator, "decode_greedy_steps", recording_steps)
     engine = Engine(translator, EngineConfig(max_running_rows=8)).start()
@@ -671,9 +671,9 @@ def test_greedy_steps_run_in_the_library_in_bursts_that_a_newcomer_ends(tiny_bun
     bursts, steps, seen = [], translator.decode_greedy_steps, []
 
     def recording(*args):
-        tokens, scores = steps(*args)
+        tokens, *rest = steps(*args)
         bursts.append(len(tokens))
-        return tokens, scores
+        return tokens, *rest
     monkeypatch.setattr(translator, "decode_greedy_steps", recording)
     requests = [Request(s, max_decoding_length=b) for s, b in zip(sources, budgets)]
     engine = _run_together(translator, requests, EngineConfig(max_running_rows=8),
@@ -682,7 +682,7 @@ def test_greedy_steps_run_in_the_library_in_bursts_that_a_newcomer_ends(tiny_bun
     assert {r.finish for r in requests} == {FinishReason.LENGTH, FinishReason.EOS}
     assert bursts[0] == 1 and max(bursts) > 1  # the admission's step alone, then bursts
     assert len(seen) == engine.steps == sum(bursts)  # every step in the library, each counted
-    assert seen[0] == len(requests) and seen == sorted(seen, reverse=True)  # rows of each step, holes included
+    assert seen[0] == len(requests) and seen == sorted(seen, reverse=True)  # the rows each step ran for
     engine = Engine(translator, EngineConfig(max_running_rows=8))
     first = engine.submit(Request(sources[1], max_decoding_length=256))
     _iterate(engine)  # first joins: one step
