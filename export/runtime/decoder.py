@@ -278,31 +278,31 @@ class Decoder:
     def decode_greedy_steps(self, state: BatchState, steps: int, budget: np.ndarray, scores: bool = True,
                             stop: np.ndarray | None = None, stop_at: float = 0.0) -> tuple[np.ndarray, ...]:
         """(native_steps, the server's bursts) Up to `steps` greedy steps of every row but the holes, each row fed its
-        own best token, until the first step in which a row says eos or reaches its position in `budget` (one per
-        row), the cache's end, a step once `stop` (one int32, set by another thread) is set or a step past `stop_at`;
-        no row moves -> each step's tokens (n, B) int64, their log-probs (n, B) float32 (None without scores), the
+        own best token, until the first step in which a row says eos or reaches its position in `budget` (int64, one
+        per row), the cache's end, a step once `stop` (one int32, set by another thread) is set or a step past
+        `stop_at`; no row moves -> each step's tokens (n, B) int64, their log-probs (n, B) float32 (None without scores), the
         step at which each row finished (-1: it did not) and whether on eos (a hole's are meaningless). The K/V and
         positions advance as with `decode_one_token` n times."""
         state.open_slot()
         n = state.size
         out = self._greedy_out(min(steps, state.capacity - state.length), n, scores)
-        *_, tokens, values, end, by_eos = self._greedy_loop(state, np.arange(n, dtype=np.int64),
-                                                             np.array(budget, np.int64), out, stop_at, stop, True)
+        *_, tokens, values, end, by_eos = self._greedy_loop(state, np.arange(n, dtype=np.int64), budget, out, stop_at,
+                                                             stop, True)
         return tokens, values, end, by_eos
 
     def decode_greedy_run(self, state: BatchState, budget: np.ndarray, scores: bool = True, stop_at: float = 0.0) \
             -> tuple[BatchState | None, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
         """(A state without holes) Greedy steps of every row, each row fed its own best token, until each row has
-        said eos or reached its position in `budget` (one per row), the cache's end, or a step past `stop_at`: rows
-        that finish leave the batch a quarter at a time, the last live rows moving into their places -> the state
-        of the rows left (None: none), which row of `state` each of them was, each step's tokens (n, B) int64 and,
-        with scores, log-probs (n, B) float32 at the row's column (None without), the step at which each row
-        finished (-1: it did not), and whether on eos."""
+        said eos or reached its position in `budget` (int64, one per row, moved with them), the cache's end, or a
+        step past `stop_at`: rows that finish leave the batch a quarter at a time, the last live rows moving into
+        their places -> the state of the rows left (None: none), which row of `state` each of them was, each step's
+        tokens (n, B) int64 and, with scores, log-probs (n, B) float32 at the row's column (None without), the step at
+        which each row finished (-1: it did not), and whether on eos."""
         assert not state.holes
         n = state.size
         state.open_slot(int(budget.max()))
         out = self._greedy_out(state.capacity - state.length, n, scores)  # the rows furthest on have room for as many
-        return self._greedy_loop(state, np.arange(n, dtype=np.int64), np.array(budget, np.int64), out, stop_at)
+        return self._greedy_loop(state, np.arange(n, dtype=np.int64), budget, out, stop_at)
 
     @staticmethod
     def _greedy_out(steps: int, rows: int, scores: bool) -> tuple:

@@ -63,8 +63,7 @@ def _pointer(kind: str, array: np.ndarray | None):
     """`array`'s memory as a C pointer of `kind` (NULL for None): the array must stay alive while it is used."""
     if array is None:
         return _ffi.NULL
-    assert array.flags.c_contiguous
-    return _ffi.cast(kind, array.ctypes.data)
+    return _ffi.from_buffer(kind, array)  # a C-contiguous buffer, or an error
 
 
 def _strings(values: list[bytes]) -> tuple:
@@ -172,14 +171,14 @@ class NativeBinding:
         assert out_scores is None or out_scores.shape == out_tokens.shape
         assert (hole is None or hole.dtype == bool) and (stop is None or stop.dtype == np.int32)
         run = _ffi.new("nmt_greedy_run_args *", {
-            "rows": rows, "tokens": _pointer("int64_t *", tokens), "positions": _pointer("int64_t *", positions),
-            "scores": _pointer("float *", scores), "source": _pointer("int64_t *", source),
-            "budget": _pointer("int64_t *", budget), "hole": _pointer("uint8_t *", hole),
+            "rows": rows, "tokens": _pointer("int64_t[]", tokens), "positions": _pointer("int64_t[]", positions),
+            "scores": _pointer("float[]", scores), "source": _pointer("int64_t[]", source),
+            "budget": _pointer("int64_t[]", budget), "hole": _pointer("uint8_t[]", hole),
             "until_a_row_ends": until_a_row_ends, "eos": eos_id, "max_steps": len(out_tokens),
-            "stop": _pointer("int32_t *", stop), "stop_at": stop_at, "row_names": self._row_names(row_names)[0],
-            "sources": out_tokens.shape[1], "step0": step0, "out_tokens": _pointer("int64_t *", out_tokens),
-            "out_scores": _pointer("float *", out_scores), "end": _pointer("int64_t *", end),
-            "by_eos": _pointer("uint8_t *", by_eos)})
+            "stop": _pointer("int32_t[]", stop), "stop_at": stop_at, "row_names": self._row_names(row_names)[0],
+            "sources": out_tokens.shape[1], "step0": step0, "out_tokens": _pointer("int64_t[]", out_tokens),
+            "out_scores": _pointer("float[]", out_scores), "end": _pointer("int64_t[]", end),
+            "by_eos": _pointer("uint8_t[]", by_eos)})
         steps = _checked(self._library.nmt_greedy_run(self.session._handle, self._handle, run, self._error, _ERROR_SIZE),
                          self._error)
         return steps, run.rows
@@ -221,17 +220,16 @@ class NativeBinding:
             except BaseException as e:  # it cannot cross the library: raised below
                 raised.append(e)
                 return 1
-        i64 = "int64_t *"
         run = _ffi.new("nmt_beam_run_args *", {
-            "groups": groups, "ids": _pointer(i64, ids), "scores": _pointer("float *", scores), "width": ids.shape[1],
-            "tokens": _pointer(i64, tokens), "positions": _pointer(i64, positions),
-            "origin": _pointer("int32_t *", origin), "capacity": origin.shape[1], "beam": _pointer("double *", beam),
-            "search_of": _pointer(i64, search_of), "ordinary": _pointer(i64, ordinary), "searches": searches, "k": k,
+            "groups": groups, "ids": _pointer("int64_t[]", ids), "scores": _pointer("float[]", scores), "width": ids.shape[1],
+            "tokens": _pointer("int64_t[]", tokens), "positions": _pointer("int64_t[]", positions),
+            "origin": _pointer("int32_t[]", origin), "capacity": origin.shape[1], "beam": _pointer("double[]", beam),
+            "search_of": _pointer("int64_t[]", search_of), "ordinary": _pointer("int64_t[]", ordinary), "searches": searches, "k": k,
             "eos": eos_id, "max_steps": len(out_parents), "row_names": self._row_names(row_names)[0],
-            "out_parents": _pointer(i64, out_parents), "out_tokens": _pointer(i64, out_tokens),
-            "advanced": _pointer(i64, advanced), "cand_rows": _pointer(i64, cand_rows),
-            "cand_ids": _pointer(i64, cand_ids), "cand_scores": _pointer("double *", cand_scores),
-            "chosen_parents": _pointer(i64, chosen_parents), "chosen_tokens": _pointer(i64, chosen_tokens),
+            "out_parents": _pointer("int64_t[]", out_parents), "out_tokens": _pointer("int64_t[]", out_tokens),
+            "advanced": _pointer("int64_t[]", advanced), "cand_rows": _pointer("int64_t[]", cand_rows),
+            "cand_ids": _pointer("int64_t[]", cand_ids), "cand_scores": _pointer("double[]", cand_scores),
+            "chosen_parents": _pointer("int64_t[]", chosen_parents), "chosen_tokens": _pointer("int64_t[]", chosen_tokens),
             "rules": called})
         steps = self._library.nmt_beam_steps(self.session._handle, self._handle, run, self._error, _ERROR_SIZE)
         if raised:

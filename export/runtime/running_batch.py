@@ -229,29 +229,33 @@ class RunningBatch:
         runs on); and each step's (rows, valid cache slots) (without occupancy, (0, 0) a step). Raises what the
         library's first step raises; the caller then takes one step with `step`, which finds the rows that fail."""
         self.state.trim(self.slots())
-        live = np.flatnonzero([r is not None for r in self.rows])
-        requests = [self.rows[i] for i in live.tolist()]  # in row order
+        placement = self.placement()
+        requests = [r for r, _ in placement]  # in row order
+        # each request's row (a slice when there are no holes: the arrays below are then views, not copies)
+        rows = [int(own[0]) for _, own in placement] if self.state.holes else slice(None)
         scored = any(r.scored for r in requests)
-        start = self.state.positions.copy()
-        budget = start.copy()
-        budget[live] += [r.budget(self.tr.limits) - len(r.tokens) for r in requests]
+        start = self.state.positions[rows].copy()
+        budget = self.state.positions.copy()
+        budget[rows] += np.array([r.budget(self.tr.limits) - len(r.tokens) for r in requests])
         if steps:
             tokens, scores, end, by_eos = self.tr.decode_greedy_steps(self.state, steps, budget, scored, stop, stop_at)
-            state, left = self.state, live
+            state, left = self.state, None
         else:
             state, left, tokens, scores, end, by_eos = self.tr.decode_greedy_run(self.state, budget, scored, stop_at)
-        tokens, end, by_eos, start = tokens[:, live], end[live], by_eos[live], start[live]
-        taken = len(tokens)
+        taken, end = len(tokens), end[rows]
         ended = np.where(end < 0, taken, end + 1)  # the steps each request took
-        values = scores[:, live].T.tolist() if scored else [None] * len(requests)  # Python numbers, once
+        values = scores[:, rows].T.tolist() if scored else [None] * len(requests)  # Python numbers, once
         outputs = []
-        for request, own, own_values, took, at, eos in zip(requests, tokens.T.tolist(), values, ended.tolist(),
-                                                           end.tolist(), by_eos.tolist()):
+        for request, own, own_values, took, at, eos in zip(requests, tokens[:, rows].T.tolist(), values,
+                                                           ended.tolist(), end.tolist(), by_eos[rows].tolist()):
             finish = None if at < 0 else FinishReason.EOS if eos else FinishReason.LENGTH
             total = sum(own_values[:took]) if scored else math.nan  # eos's log-prob included, as `step`'s callers add
             outputs.append((request, own[:took - 1] if eos else own[:took], total, finish))
-        stepped = [(0, 0)] * taken
-        if occupancy:
+        if not occupancy:
+            stepped = [(0, 0)] * taken
+        elif taken == 1:
+            stepped = [(len(requests), int(start.sum()) + len(requests))]
+        else:
             running = ended[None, :] > np.arange(taken)[:, None]  # (steps, requests): whom each step ran
             stepped = list(zip(running.sum(axis=1).tolist(), ((start[None, :] + np.arange(1, taken + 1)[:, None])
                                                               * running).sum(axis=1).tolist()))

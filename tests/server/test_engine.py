@@ -656,7 +656,8 @@ def test_requests_that_waited_long_still_gather_after_an_admission(translator, s
 
 def test_greedy_steps_run_in_the_library_in_bursts_that_a_newcomer_ends(tiny_bundle, tiny_corpus, monkeypatch):
     """A batch of greedy requests steps in the library (host states; the io-binding translator above steps
-    in Python): with no one waiting, up to max_burst_steps steps an iteration. Tokens and scores are those
+    in Python): with no one waiting, up to max_burst_steps steps an iteration; an admission's step is one step in
+    Python. Tokens and scores are those
     of ONNX Runtime's own session one step at a time; a burst stops at a row's eos or at the first budget
     (short budgets here), and the step metrics count every step with its rows. A request submitted during
     a burst ends it after the current step (the stop flag), and joins at the next iteration; one that
@@ -668,20 +669,26 @@ def test_greedy_steps_run_in_the_library_in_bursts_that_a_newcomer_ends(tiny_bun
     budgets = [3, 256, 5, 256, 7, 256]
     one_step = [Request(s, max_decoding_length=b) for s, b in zip(sources, budgets)]
     _run_together(in_python, one_step, EngineConfig(max_running_rows=8))
-    bursts, steps, seen = [], translator.decode_greedy_steps, []
+    bursts, steps, one_step_calls, seen = [], translator.decode_greedy_steps, [], []
+    one_step_of = translator.decode_candidates
 
     def recording(*args):
         tokens, *rest = steps(*args)
         bursts.append(len(tokens))
         return tokens, *rest
+
+    def one_step_recording(*args, **kwargs):
+        one_step_calls.append(len(bursts))  # after how many bursts
+        return one_step_of(*args, **kwargs)
     monkeypatch.setattr(translator, "decode_greedy_steps", recording)
+    monkeypatch.setattr(translator, "decode_candidates", one_step_recording)
     requests = [Request(s, max_decoding_length=b) for s, b in zip(sources, budgets)]
     engine = _run_together(translator, requests, EngineConfig(max_running_rows=8),
                            on_step=lambda rows, slots, seconds: seen.append(rows))
     assert [(r.tokens, r.score, r.finish) for r in requests] == [(r.tokens, r.score, r.finish) for r in one_step]
     assert {r.finish for r in requests} == {FinishReason.LENGTH, FinishReason.EOS}
-    assert bursts[0] == 1 and max(bursts) > 1  # the admission's step alone, then bursts
-    assert len(seen) == engine.steps == sum(bursts)  # every step in the library, each counted
+    assert one_step_calls == [0] and max(bursts) > 1  # the admission's step alone (in Python), then bursts
+    assert len(seen) == engine.steps == 1 + sum(bursts)  # every step counted
     assert seen[0] == len(requests) and seen == sorted(seen, reverse=True)  # the rows each step ran for
     engine = Engine(translator, EngineConfig(max_running_rows=8))
     first = engine.submit(Request(sources[1], max_decoding_length=256))
