@@ -5,11 +5,13 @@ commands. Below the command line: parses no argv and prints nothing.
 
 from __future__ import annotations
 
+import math
 import random
 import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 from nmtserve.decoding import LENGTH_RULES
 from nmtserve.errors import NmtserveError
@@ -20,6 +22,14 @@ SEARCH_FLAGS = ("max_decoding_length", "beam_size", "num_hypotheses", "length_pe
                 "sampling_temperature", "seed", "beam_stopping", "length_rule", "min_decoding_length", "disable_unk",
                 "no_repeat_ngram_size", "prefix_bias_beta")
 MASK_FLAGS = "--min-decoding-length, --disable-unk, --no-repeat-ngram-size, --prefix-bias-beta and --suppress-sequence"
+
+
+class Found(NamedTuple):
+    """A hypothesis of a translation: its text, score and confidence (search.Hypothesis.confidence; nan where the
+    model gives none: the PyTorch reference)."""
+    text: str
+    score: float
+    confidence: float = math.nan
 
 
 def given_options(args) -> dict:
@@ -33,9 +43,9 @@ def local_options(args, defaults: dict) -> DecodingOptions:
     return DecodingOptions(**defaults).override(**given_options(args))
 
 
-def local_translator(model: str, args) -> Callable[[list[str]], list[list[tuple[str, float]]]]:
+def local_translator(model: str, args) -> Callable[[list[str]], list[list[Found]]]:
     """A bundle directory (ONNX Runtime) or a checkpoint (the PyTorch reference), loaded once, as a function from
-    texts to the n-best (text, score) of each, best first; args carries the decoding and thread flags, batch_size,
+    texts to the n-best of each, best first; args carries the decoding and thread flags, batch_size,
     device, source_lang and target_lang."""
     if args.threads < 0:
         raise NmtserveError(f"--threads {args.threads}: must be at least 0 (0: ONNX Runtime's default, a thread per core)")
@@ -50,7 +60,7 @@ def local_translator(model: str, args) -> Callable[[list[str]], list[list[tuple[
     return _bundle_translator(bundle_for(model, lambda line: print(line, file=sys.stderr)), args)
 
 
-def _bundle_translator(path: str, args) -> Callable[[list[str]], list[list[tuple[str, float]]]]:
+def _bundle_translator(path: str, args) -> Callable[[list[str]], list[list[Found]]]:
     from nmtserve.export.runtime.translator import OnnxTranslator
 
     tr = OnnxTranslator(path, device=args.device, variant=args.variant, intra_op_threads=args.threads,
@@ -60,7 +70,7 @@ def _bundle_translator(path: str, args) -> Callable[[list[str]], list[list[tuple
         options = replace(options, suppress_sequences=tuple(tuple(tr.tokenizer.encode_target(t))
                                                            for t in args.suppress_sequence))
 
-    def translate(texts: list[str]) -> list[list[tuple[str, float]]]:
+    def translate(texts: list[str]) -> list[list[Found]]:
         try:
             ids = [tr.tokenizer.encode(t, tr.limits.max_source_tokens, args.target_lang, args.source_lang) or [tr.eos_id]
                    for t in texts]
@@ -73,11 +83,12 @@ def _bundle_translator(path: str, args) -> Callable[[list[str]], list[list[tuple
                                        max_batch_size=args.batch_size)
         except ValueError as e:
             raise NmtserveError(f"--target-prefix: {e}") from None
-        return [[(tr.tokenizer.decode(shown + h.tokens), h.score) for h in hypotheses] for hypotheses, shown in found]
+        return [[Found(tr.tokenizer.decode(shown + h.tokens), h.score, h.confidence) for h in hypotheses]
+                for hypotheses, shown in found]
     return translate
 
 
-def _checkpoint_translator(path: str, args) -> Callable[[list[str]], list[list[tuple[str, float]]]]:
+def _checkpoint_translator(path: str, args) -> Callable[[list[str]], list[list[Found]]]:
     """The PyTorch reference, one sentence at a time for beam search and sampling."""
     from nmtserve.training.checkpoint import load_model
     from nmtserve.training.data import pad
@@ -95,9 +106,9 @@ def _checkpoint_translator(path: str, args) -> Callable[[list[str]], list[list[t
         raise NmtserveError(f"{MASK_FLAGS}: give a bundle or --server (the PyTorch reference disables no token)")
     options.check(loaded.model.config.vocab_size)
 
-    def translate(texts: list[str]) -> list[list[tuple[str, float]]]:
+    def translate(texts: list[str]) -> list[list[Found]]:
         if options.greedy:
-            return [[(text, 0.0)] for text in greedy(loaded.model, loaded.tokenizer, texts, max_batch_size=args.batch_size,
+            return [[Found(text, 0.0)] for text in greedy(loaded.model, loaded.tokenizer, texts, max_batch_size=args.batch_size,
                                                      max_decoding_length=options.max_decoding_length,
                                                      length_rule=options.length_rule, device=args.device)]
         found = []
@@ -116,7 +127,7 @@ def _checkpoint_translator(path: str, args) -> Callable[[list[str]], list[list[t
                                          patience=options.patience, beam_stopping=options.beam_stopping,
                                          max_decoding_length=options.max_decoding_length,
                                          length_rule=options.length_rule)[0]
-            found.append([(loaded.tokenizer.decode(tokens), score) for tokens, score in hypotheses])
+            found.append([Found(loaded.tokenizer.decode(tokens), score) for tokens, score in hypotheses])
         return found
     return translate
 

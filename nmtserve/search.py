@@ -17,12 +17,13 @@ the search stops.
     while not search.done:
         ids, scores = decoder_step(search.candidates)   # (rows, K) each: the rows' best, ties by lower id
         parents, tokens = search.step(ids, scores)
-    search.results()   # [Hypothesis(tokens, score, finish), …], best first
+    search.results()   # [Hypothesis(tokens, score, finish, mean_log_prob), …], best first
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 import os
 from dataclasses import dataclass, replace
 
@@ -132,6 +133,19 @@ class Hypothesis:
     tokens: list[int]  # target ids, eos excluded
     score: float  # beam search: sum of log-probs (eos included) / length ** length_penalty; else the sum
     finish: str  # "eos" or "length"
+    mean_log_prob: float = math.nan  # of the tokens decoded, eos included (`mean_log_prob`); nan when not scored
+
+    @property
+    def confidence(self) -> float:
+        """exp(mean_log_prob): the geometric mean of its decoded tokens' probabilities, from 0 to 1 (nan when not
+        scored). A translation scoring higher is more often right: `nmtserve evaluate --calibration` shows how."""
+        return math.exp(self.mean_log_prob)
+
+
+def mean_log_prob(total: float, tokens: int, eos: bool) -> float:
+    """The mean log-prob of a hypothesis's decoded tokens: `total`, the sum of the log-probs of its `tokens` decoded
+    tokens and of its eos (when `eos`: one decoded), over their count (forced tokens are neither summed nor counted)."""
+    return total / max(1, tokens + eos)
 
 
 class BeamSearch:
@@ -277,7 +291,8 @@ class BeamSearch:
 
     def _scored(self) -> list[Hypothesis]:
         penalty = self.options.length_penalty
-        return [Hypothesis(tokens, score / (self.prefix + len(tokens) + eos) ** penalty if penalty else score, finish)
+        return [Hypothesis(tokens, score / (self.prefix + len(tokens) + eos) ** penalty if penalty else score, finish,
+                           mean_log_prob(score, len(tokens), finish == "eos"))  # a forced eos is not counted
                 for tokens, score, eos, finish in self.finished]
 
     def results(self) -> list[Hypothesis]:
@@ -333,7 +348,8 @@ class Sampling:
         return np.zeros(1, np.int64), np.array([token], np.int64)
 
     def results(self) -> list[Hypothesis]:
-        return [Hypothesis(self.tokens, self.score, self.finish)]
+        return [Hypothesis(self.tokens, self.score, self.finish,
+                           mean_log_prob(self.score, len(self.tokens), self.finish == "eos"))]
 
     def settled(self) -> list[int]:
         return self.tokens

@@ -16,6 +16,7 @@ running server serves (ListModels).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from nmtserve.console import print_json
 from nmtserve.errors import NmtserveError
-from nmtserve.local import add_bundle_flags, add_decoding_flags, given_options, local_translator
+from nmtserve.local import Found, add_bundle_flags, add_decoding_flags, given_options, local_translator
 
 
 def cmd_translate(args) -> int:
@@ -45,16 +46,19 @@ def cmd_translate(args) -> int:
     return 0
 
 
-def _print_translations(texts: list[str], found: list[list[tuple[str, float]]], as_json: bool) -> None:
-    """One line per source: the best translation, or JSON with the source, the translation and, for an
-    n-best list, every hypothesis with its score."""
+def _print_translations(texts: list[str], found: list[list[Found]], as_json: bool) -> None:
+    """One line per source: the best translation, or JSON with the source, the translation, its confidence (where
+    the model gives one) and, for an n-best list, every hypothesis with its score and confidence."""
     for text, hypotheses in zip(texts, found):
         if not as_json:
-            print(hypotheses[0][0])
+            print(hypotheses[0].text)
             continue
-        line = {"source": text, "translation": hypotheses[0][0]}
+        line = {"source": text, "translation": hypotheses[0].text}
+        if not math.isnan(hypotheses[0].confidence):
+            line["confidence"] = round(hypotheses[0].confidence, 4)
         if len(hypotheses) > 1:
-            line["hypotheses"] = [{"text": t, "score": round(score, 4)} for t, score in hypotheses]
+            line["hypotheses"] = [{"text": h.text, "score": round(h.score, 4)} | (
+                {} if math.isnan(h.confidence) else {"confidence": round(h.confidence, 4)}) for h in hypotheses]
         print(json.dumps(line, ensure_ascii=False))
 
 
@@ -76,7 +80,7 @@ def _translate_remote(args) -> int:
         given["beam_stopping"] = pb.BeamStopping.Value(f"BEAM_STOPPING_{given['beam_stopping'].upper()}")
     if "length_rule" in given:
         given["length_rule"] = pb.LengthRule.Value(f"LENGTH_RULE_{given['length_rule'].upper()}")
-    options = pb.DecodingOptions(**given, suppress_sequences=args.suppress_sequence)
+    options = pb.DecodingOptions(**given, suppress_sequences=args.suppress_sequence, return_scores=args.json)
     route = {"model": args.model, "source_language": args.source_lang, "target_language": args.target_lang}
     with open_channel(args.server, TlsFiles(args.tls_ca, args.tls_cert, args.tls_key), api_key=args.api_key) as channel:
         if args.wait:
@@ -102,7 +106,8 @@ def _translate_remote(args) -> int:
                 timeout=args.timeout).translations]
         except grpc.RpcError as e:
             raise NmtserveError(f"{args.server}: {e.code().name}: {e.details()}") from None
-    _print_translations(texts, [[(t.text, t.score)] + [(a.text, a.score) for a in t.alternatives]
+    _print_translations(texts, [[Found(t.text, t.score, t.confidence if args.json else math.nan)]
+                                + [Found(a.text, a.score, a.confidence) for a in t.alternatives]
                                 for t in translations], args.json)
     return 0
 

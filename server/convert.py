@@ -61,12 +61,16 @@ def translation(request: Request, decode, started: float, resumed: float | None,
                          prepare_ns=ns(arrived - started), encoded_ns=ns((request.encoded or arrived) - arrived),
                          resumed_ns=ns((resumed or started) - started))
     shown = request.shown_prefix  # a target_prefix's tokens begin every hypothesis
-    alternatives = [pb.Hypothesis(text=decode(shown + h.tokens), output_tokens=len(shown) + len(h.tokens), score=h.score)
+    alternatives = [pb.Hypothesis(text=decode(shown + h.tokens), output_tokens=len(shown) + len(h.tokens), score=h.score,
+                                  mean_log_prob=h.mean_log_prob, confidence=h.confidence)
                     for h in request.hypotheses[1:]]
     message = pb.Translation(text=decode(shown + request.tokens), input_tokens=len(request.src_ids),
                              output_tokens=len(shown) + len(request.tokens), score=request.score if return_scores else 0.0,
                              finish_reason=FINISH_REASONS.get(request.finish, pb.FINISH_REASON_UNSPECIFIED),
                              timings=timings, alternatives=alternatives)
+    if return_scores and request.finish in (FinishReason.EOS, FinishReason.LENGTH):
+        best = request.results()[0]
+        message.mean_log_prob, message.confidence = best.mean_log_prob, best.confidence
     message.timings.handler_ns = ns(time.monotonic() - started)
     return message
 

@@ -102,23 +102,31 @@ EVALUATE_CHUNK = 512  # sentences translated between two updates of evaluate's p
 
 def cmd_evaluate(args) -> int:
     from nmtserve.local import given_options, local_translator
-    from nmtserve.training.evaluate import score
+    from nmtserve.training.evaluate import calibration, score
 
     pairs, source = _split_pairs(args)
     if args.limit:
         pairs = pairs[: args.limit]
     if not pairs:
         raise NmtserveError(f"{source}: no sentence pairs to evaluate")
-    translate, hyps = local_translator(args.model, args), []
+    if args.calibration < 0:
+        raise NmtserveError(f"--calibration {args.calibration}: must be at least 1 group (0: no calibration)")
+    if args.calibration and not Path(args.model).is_dir():
+        raise NmtserveError(f"--calibration: {args.model} is a checkpoint, whose PyTorch reference gives no confidence; "
+                            "give a bundle")
+    translate, best = local_translator(args.model, args), []
     with Progress(f"evaluate {args.model}", total=len(pairs), unit="sentence") as progress:
         for start in range(0, len(pairs), EVALUATE_CHUNK):  # results do not depend on the batches: chunks only count
             chunk = [s for s, _ in pairs[start:start + EVALUATE_CHUNK]]
-            hyps += [best for (best, _), *_ in translate(chunk)]
+            best += [hypotheses[0] for hypotheses in translate(chunk)]
             progress.update(len(chunk))
-    scores = score(hyps, [t for _, t in pairs])
+    hyps, references = [found.text for found in best], [t for _, t in pairs]
+    scores = score(hyps, references)
     result = {"model": str(args.model), "engine": "onnxruntime" if Path(args.model).is_dir() else "pytorch",
               "decoding": given_options(args), "data": source, "split": None if args.file else args.split,
               **scores.to_dict()}
+    if args.calibration:
+        result["calibration"] = calibration([found.confidence for found in best], hyps, references, args.calibration)
     if args.output:
         Path(args.output).write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
     if args.json:
@@ -126,6 +134,12 @@ def cmd_evaluate(args) -> int:
     else:
         print(f"{source}: BLEU {scores.bleu:.2f}  chrF {scores.chrf:.2f}  exact {scores.exact_match:.1%}  "
               f"({scores.sentences} sentences)")
+        if args.calibration:
+            print(f"{'confidence':>15}  {'sentences':>9}  {'exact':>6}  {'chrF':>6}  {'BLEU':>6}")
+            for group in result["calibration"]:
+                low, high = group["confidence"]
+                print(f"{low:.3f} – {high:.3f}  {group['sentences']:>9}  {group['exact_match']:>6.1%}  "
+                      f"{group['chrf']:>6.2f}  {group['bleu']:>6.2f}")
     return 0
 
 
@@ -203,6 +217,9 @@ def add_parser(sub, name: str, help_text: str) -> None:
         p.add_argument("--limit", type=int, default=0, help="only the first N pairs")
         p.add_argument("--batch-size", type=int, default=128)
         p.add_argument("--output", help="write the translations here")
+        p.add_argument("--calibration", type=int, default=0, metavar="GROUPS",
+                       help="(a bundle) also cut the sentences by confidence into this many groups of equal size and "
+                            "give each group's exact-match share, chrF and BLEU")
         p.add_argument("--device", default="cpu")
         add_bundle_flags(p)
         add_decoding_flags(p)

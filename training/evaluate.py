@@ -1,4 +1,4 @@
-"""BLEU and chrF of greedy translations, with sacrebleu."""
+"""BLEU and chrF of translations, with sacrebleu, and how their exact-match rate rises with their confidence."""
 
 from __future__ import annotations
 
@@ -33,3 +33,13 @@ def evaluate_pairs(model, tokenizer, pairs: list[tuple[str, str]], *, batch_size
     """Translate the sources of pairs and score them against the targets."""
     hypotheses = translate(model, tokenizer, [s for s, _ in pairs], max_batch_size=batch_size, device=device)
     return score(hypotheses, [t for _, t in pairs]), hypotheses
+
+
+def calibration(confidences: list[float], hypotheses: list[str], references: list[str], bins: int = 5) -> list[dict]:
+    """The sentences sorted by confidence (search.Hypothesis.confidence) and cut into `bins` groups of about equal
+    size, least confident first: each group's confidence range, size, exact-match share and chrF, which show whether
+    a threshold on confidence separates the translations that are right from the rest."""
+    order = sorted(range(len(confidences)), key=lambda i: confidences[i])
+    groups = [order[len(order) * b // bins: len(order) * (b + 1) // bins] for b in range(bins)]
+    return [{"confidence": [round(confidences[g[0]], 4), round(confidences[g[-1]], 4)],
+             **score([hypotheses[i] for i in g], [references[i] for i in g]).to_dict()} for g in groups if g]

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nmtserve.decoding import Limits
-from nmtserve.search import BeamSearch, DecodingOptions, Hypothesis, Sampling
+from nmtserve.search import BeamSearch, DecodingOptions, Hypothesis, Sampling, mean_log_prob
 
 
 class FinishReason(enum.Enum):
@@ -66,6 +66,14 @@ class Request:
             self._budget = limits.output_budget(len(self.src_ids), self.max_decoding_length, self.options.length_rule) \
                 - len(self.prefix)
         return self._budget
+
+    def results(self) -> list[Hypothesis]:
+        """(Finished with EOS or LENGTH) its n-best list, best first: a search's, or a greedy request's one
+        hypothesis (its tokens and score; nan scores when it was not scored)."""
+        if self.hypotheses:
+            return self.hypotheses
+        eos = self.finish is FinishReason.EOS
+        return [Hypothesis(self.tokens, self.score, self.finish.value, mean_log_prob(self.score, len(self.tokens), eos))]
 
     @property
     def width(self) -> int:

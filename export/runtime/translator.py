@@ -20,7 +20,6 @@ intra-op threads (docs/performance-journal.md, "Batches at once"). The sessions 
 
 from __future__ import annotations
 
-import math
 import queue
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +44,7 @@ class Translation:
     score: float | None = None  # sum of the chosen tokens' log-probabilities (eos included; beam search:
     # divided by length ** length_penalty), if asked
     alternatives: list[Translation] = field(default_factory=list)  # the rest of the n-best list, best first
+    confidence: float | None = None  # if asked: exp of its decoded tokens' mean log-prob (search.Hypothesis.confidence)
 
     @property
     def hypotheses(self) -> list[Translation]:
@@ -132,8 +132,7 @@ class OnnxTranslator(Decoder):
         for i, request in zip(order, requests):
             if request.finish not in (FinishReason.EOS, FinishReason.LENGTH):
                 raise NmtserveError(f"sentence {i}: {request.finish.value} ({request.error})")
-            results[i] = request.hypotheses or \
-                [Hypothesis(request.tokens, request.score if scores else math.nan, request.finish.value)]
+            results[i] = request.results()
 
     def translate_ids(self, sources: list[list[int]], *, max_batch_size: int = 32,
                       max_decoding_length: int = 256) -> list[tuple[list[int], float]]:
@@ -206,7 +205,8 @@ class OnnxTranslator(Decoder):
     def _translation(self, hypotheses: list[Hypothesis], return_scores: bool, prefix: list[int] = ()) -> Translation:
         """A hypothesis as text; a forced target_prefix's tokens come first (its tokens' scores are not counted)."""
         best, *rest = [Translation(self.tokenizer.decode([*prefix, *h.tokens]), [*prefix, *h.tokens],
-                                   h.score if return_scores else None)
+                                   h.score if return_scores else None,
+                                   confidence=h.confidence if return_scores else None)
                        for h in hypotheses]
         best.alternatives = rest
         return best

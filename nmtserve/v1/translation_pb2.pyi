@@ -93,17 +93,21 @@ class Timings(_message.Message):
     def __init__(self, queue_ns: _Optional[int] = ..., time_to_first_token_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., prepare_ns: _Optional[int] = ..., handler_ns: _Optional[int] = ..., encoded_ns: _Optional[int] = ..., resumed_ns: _Optional[int] = ...) -> None: ...
 
 class Hypothesis(_message.Message):
-    __slots__ = ("text", "output_tokens", "score")
+    __slots__ = ("text", "output_tokens", "score", "mean_log_prob", "confidence")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_LOG_PROB_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     text: str
     output_tokens: int
     score: float
-    def __init__(self, text: _Optional[str] = ..., output_tokens: _Optional[int] = ..., score: _Optional[float] = ...) -> None: ...
+    mean_log_prob: float
+    confidence: float
+    def __init__(self, text: _Optional[str] = ..., output_tokens: _Optional[int] = ..., score: _Optional[float] = ..., mean_log_prob: _Optional[float] = ..., confidence: _Optional[float] = ...) -> None: ...
 
 class Translation(_message.Message):
-    __slots__ = ("text", "input_tokens", "output_tokens", "score", "finish_reason", "timings", "alternatives")
+    __slots__ = ("text", "input_tokens", "output_tokens", "score", "finish_reason", "timings", "alternatives", "mean_log_prob", "confidence")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +115,8 @@ class Translation(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
+    MEAN_LOG_PROB_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     text: str
     input_tokens: int
     output_tokens: int
@@ -118,7 +124,9 @@ class Translation(_message.Message):
     finish_reason: FinishReason
     timings: Timings
     alternatives: _containers.RepeatedCompositeFieldContainer[Hypothesis]
-    def __init__(self, text: _Optional[str] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., score: _Optional[float] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., alternatives: _Optional[_Iterable[_Union[Hypothesis, _Mapping]]] = ...) -> None: ...
+    mean_log_prob: float
+    confidence: float
+    def __init__(self, text: _Optional[str] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., score: _Optional[float] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., alternatives: _Optional[_Iterable[_Union[Hypothesis, _Mapping]]] = ..., mean_log_prob: _Optional[float] = ..., confidence: _Optional[float] = ...) -> None: ...
 
 class TranslateRequest(_message.Message):
     __slots__ = ("sentences", "options", "target_language", "model", "source_language", "target_prefix")

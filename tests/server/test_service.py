@@ -3,6 +3,7 @@ invalid input, overload, deadlines, health and reflection."""
 
 import asyncio
 import concurrent.futures
+import math
 import random
 import threading
 
@@ -162,6 +163,30 @@ def test_scores_timings_and_finish_reasons(served, sentences):
         assert info.limits.max_sentences == 8 and info.variant == "fp32" and len(info.bundle_id) == 64
         # the built-in corpus's corpus.json names its languages; the export carries them into the manifest
         assert (info.source_language, info.target_language) == ("en", "fr")
+
+
+def test_confidence_is_the_mean_log_prob_of_the_decoded_tokens_as_offline(served, tiny_bundle, sentences):
+    """return_scores fills mean_log_prob (the score over the tokens decoded, eos counted when said) and confidence
+    (its exp) for greedy and for each hypothesis of a beam's n-best list (length_penalty 0: scores are sums); the
+    same as OnnxTranslator's offline. Without return_scores both are 0."""
+    translator = OnnxTranslator(tiny_bundle, shared_cross=False)
+    with served.channel() as channel:
+        stub = pb_grpc.TranslationServiceStub(channel)
+        for options in (pb.DecodingOptions(return_scores=True),
+                        pb.DecodingOptions(return_scores=True, beam_size=2, num_hypotheses=2, length_penalty=0)):
+            found = stub.Translate(pb.TranslateRequest(sentences=sentences[:4], options=options), timeout=30)
+            offline = translator.translate_batch(sentences[:4], beam_size=options.beam_size or 1,
+                                                 num_hypotheses=options.num_hypotheses or 1, length_penalty=0,
+                                                 max_decoding_length=64, return_scores=True)
+            for t, o in zip(found.translations, offline):
+                eos = t.finish_reason == pb.FINISH_REASON_EOS
+                for h in [t, *t.alternatives]:
+                    assert h.mean_log_prob == pytest.approx(h.score / (h.output_tokens + eos), rel=1e-5)
+                    assert h.confidence == pytest.approx(math.exp(h.mean_log_prob), rel=1e-5) and 0 < h.confidence <= 1
+                assert len(t.alternatives) == (options.num_hypotheses or 1) - 1
+                assert t.confidence == pytest.approx(o.confidence, rel=1e-5)
+        plain = stub.Translate(pb.TranslateRequest(sentences=sentences[:1]), timeout=30).translations[0]
+        assert plain.mean_log_prob == plain.confidence == plain.score == 0
 
 
 def test_health_and_reflection(served):

@@ -151,6 +151,26 @@ def test_cli_evaluate_a_bundle_with_beam_search_agrees_with_the_checkpoint(tiny_
     assert onnx["lines"] == pytorch["lines"] and onnx["bleu"] == pytorch["bleu"]
 
 
+def test_cli_evaluate_calibration_groups_the_sentences_by_confidence(tiny_checkpoint, tiny_bundle):
+    """--calibration 4: four groups of 10 of the 40 test sentences, by rising confidence, whose exact-match shares
+    average to the whole split's; translate --json gives each sentence's confidence. A checkpoint (no confidence)
+    is refused."""
+    result = run_cli("evaluate", str(tiny_bundle), "--split", "test", "--calibration", "4", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    groups = report["calibration"]
+    assert [g["sentences"] for g in groups] == [10] * 4
+    bounds = [b for g in groups for b in g["confidence"]]
+    assert bounds == sorted(bounds) and 0 < bounds[0] and bounds[-1] <= 1
+    assert sum(g["exact_match"] for g in groups) / 4 == pytest.approx(report["exact_match"], abs=1e-3)
+    text = run_cli("evaluate", str(tiny_bundle), "--split", "test", "--calibration", "4")
+    assert text.returncode == 0 and len(text.stdout.splitlines()) == 6, text.stderr  # the scores, a header, 4 groups
+    line = json.loads(run_cli("translate", "--json", str(tiny_bundle), "The cat sleeps.").stdout)
+    assert 0 < line["confidence"] <= 1
+    refused = run_cli("evaluate", str(tiny_checkpoint), "--calibration", "4")
+    assert refused.returncode == 2 and "gives no confidence; give a bundle" in refused.stderr
+
+
 def test_cli_errors_are_one_line_with_exit_2(tmp_path, tiny_checkpoint):
     broken = tmp_path / "broken.pt"
     broken.write_bytes(tiny_checkpoint.read_bytes()[:1000])
