@@ -58,6 +58,8 @@ class DecodingOptions:
     suppress_sequences: tuple[tuple[int, ...], ...] = ()  # token ids; a single token is never generated
     # CTranslate2's: with a target prefix, the prefix is not forced but favoured (BeamSearch's `bias`)
     prefix_bias_beta: float = 0.0
+    # nmtserve's: token sequences every hypothesis must contain (a glossary's target terms: ConstrainedBeamSearch)
+    constraints: tuple[tuple[int, ...], ...] = ()
 
     def override(self, **given) -> DecodingOptions:
         """These options (a model's defaults) with what a request gives; a sampled request decodes one
@@ -80,7 +82,7 @@ class DecodingOptions:
     @property
     def greedy(self) -> bool:
         """Greedy search as the callers run it vectorised; with disabled tokens a beam of one does it instead."""
-        return self.beam_size == 1 and not self.sampling and not self.masked
+        return self.beam_size == 1 and not self.sampling and not self.masked and not self.constraints
 
     @property
     def mode(self) -> str:
@@ -122,6 +124,12 @@ class DecodingOptions:
             ("suppress_sequences", self.suppress_sequences,
              lambda: all(s and all(0 <= t < vocab_size for t in s) for s in self.suppress_sequences),
              f"sequences of at least one token id between 0 and {vocab_size - 1}"),
+            ("constraints", self.constraints,
+             lambda: all(c and all(0 <= t < vocab_size for t in c) for c in self.constraints),
+             f"sequences of at least one token id between 0 and {vocab_size - 1}"),
+            ("constraints", self.constraints, lambda: not (self.constraints and self.sampling), "none when sampling"),
+            ("beam_size", k, lambda: k > sum(len(c) for c in self.constraints),
+             f"above the constraints' {sum(len(c) for c in self.constraints)} tokens (a beam per bank)"),
         ]
         for name, value, ok, limit in rules:
             if not ok():
@@ -303,6 +311,96 @@ class BeamSearch:
         return _common_prefix(self.live + [tokens for tokens, *_ in self.finished])
 
 
+class ConstrainedBeamSearch(BeamSearch):
+    """Beam search whose hypotheses each contain every constraint (a token sequence: a glossary's target term), by
+    dynamic beam allocation (Post & Vilar 2018, "Fast Lexically Constrained Decoding with Dynamic Beam Allocation").
+
+    Each row tracks the constraints its hypothesis has met and the one it is inside (`_after`: a token that leaves
+    a constraint unfinished abandons it). Each step ranks, from each row's whole distribution, the 2k best
+    extensions overall, each row's best, and each row's extensions by the next token of a constraint (the one it is
+    inside, or the first token of any it has not met); eos only once every constraint is met. The candidates fall
+    into banks by the constraint tokens their hypotheses have met (0 … C), and the beam is shared among them: the
+    best k // (C + 1) of each bank, most met first, then the best of the rest until k are chosen. The k chosen,
+    best first, and the other candidates as spares, take BeamSearch's step (`select`: which finish, when the search
+    stops). A hypothesis that reaches its budget without every constraint finishes by length; `results` puts those
+    after the ones that contain every constraint."""
+
+    def __init__(self, options: DecodingOptions, budget: int, eos_id: int, prefix: int = 0,
+                 masks: TokenMasks | None = None, favoured: list[int] = ()):
+        super().__init__(options, budget, eos_id, prefix, masks, favoured)
+        self.constraints = [list(c) for c in options.constraints]
+        self.banks = sum(len(c) for c in self.constraints) + 1
+        self.candidates = 0  # each row's whole distribution: a constraint's next token may rank anywhere
+        self.state: list[tuple[frozenset, tuple[int, int] | None]] = [(frozenset(), None)] * self.k
+
+    def step(self, ids: np.ndarray | None, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """scores (rows, V): each row's log-probs by token id (ids None: candidates 0) -> parents and tokens."""
+        k, eos = self.k, self.eos_id
+        if self.masks is not None:
+            scores = self.masks.apply(scores, self.live, self.steps)
+        if self.favoured:
+            scores = self._favour(np.array(scores, np.float32))
+        total = self.scores[:, None] + scores.astype(np.float64)  # (k, V): rows at -inf give -inf
+        unmet = [len(met) < len(self.constraints) for met, _ in self.state]
+        total[unmet, eos] = -np.inf
+        pairs = set(np.argpartition(-total.ravel(), 2 * k - 1)[:2 * k].tolist())
+        for r in range(k):
+            if np.isfinite(self.scores[r]):
+                pairs.add(r * total.shape[1] + int(total[r].argmax()))
+                pairs.update(r * total.shape[1] + t for t in self._wanted(r))
+        pairs = [p for p in pairs if np.isfinite(total.flat[p])]
+        pairs.sort(key=lambda p: (-total.flat[p], p))  # best first; ties: lower row, then lower token
+        width = total.shape[1]
+        bank = [self._met(self._after(self.state[p // width], p % width)) for p in pairs]
+        share = k // self.banks  # at least 1: beam_size is above the constraints' tokens (DecodingOptions.check)
+        taken = {i for b in range(self.banks) for i in [i for i, own in enumerate(bank) if own == b][:share]}
+        rest = [i for i in range(len(pairs)) if i not in taken]
+        chosen = sorted([*taken, *rest[:k - len(taken)]])  # best first
+        order = [pairs[i] for i in chosen + rest[k - len(taken):][:k]]  # then the spares
+        cand_row, cand_id = np.array(order) // width, np.array(order) % width
+        before = self.state
+        parents, tokens = self.select(cand_row, cand_id, total.flat[order])
+        self.state = [before[p] if t == eos else self._after(before[p], t)
+                      for p, t in zip(parents.tolist(), tokens.tolist())]
+        return parents, tokens
+
+    def _wanted(self, r: int) -> list[int]:
+        """The tokens that take row r further into a constraint."""
+        met, inside = self.state[r]
+        wanted = {c[0] for i, c in enumerate(self.constraints) if i not in met}
+        if inside is not None:
+            wanted.add(self.constraints[inside[0]][inside[1]])
+        return sorted(wanted)
+
+    def _after(self, state: tuple[frozenset, tuple[int, int] | None], token: int) \
+            -> tuple[frozenset, tuple[int, int] | None]:
+        """A row's constraints met and the one it is inside (constraint, tokens matched), after `token`."""
+        met, inside = state
+        if inside is not None:
+            c, n = inside
+            if self.constraints[c][n] == token:
+                return (met | {c}, None) if n + 1 == len(self.constraints[c]) else (met, (c, n + 1))
+        for c, tokens in enumerate(self.constraints):  # none in progress, or abandoned: one may start here
+            if c not in met and tokens[0] == token:
+                return (met | {c}, None) if len(tokens) == 1 else (met, (c, 1))
+        return met, None
+
+    def _met(self, state: tuple[frozenset, tuple[int, int] | None]) -> int:
+        """The constraint tokens a row has met: its bank."""
+        met, inside = state
+        return sum(len(self.constraints[c]) for c in met) + (inside[1] if inside else 0)
+
+    def ordinary_steps(self) -> int:
+        return 0  # every step ranks the whole distribution here, never in the library
+
+    def contains_all(self, tokens: list[int]) -> bool:
+        return all(any(tokens[i:i + len(c)] == c for i in range(len(tokens) - len(c) + 1)) for c in self.constraints)
+
+    def results(self) -> list[Hypothesis]:
+        ranked = sorted(self._scored(), key=lambda h: (not self.contains_all(h.tokens), -h.score))
+        return ranked[: self.options.num_hypotheses]
+
+
 class Sampling:
     """Random sampling in one row, as CTranslate2's RandomSampler: keep the sampling_topk best tokens
     (all if 0), divide their log-probs by the temperature, keep the smallest set of best tokens whose
@@ -445,7 +543,19 @@ def make_search(options: DecodingOptions, budget: int, eos_id: int, forced: list
     masks = TokenMasks(options, eos_id, unk_id, forced) if options.masked else None
     if options.sampling:
         return Sampling(options, budget, eos_id, masks)
+    if options.constraints:
+        return ConstrainedBeamSearch(options, budget, eos_id, len(forced), masks, favoured)
     return BeamSearch(options, budget, eos_id, len(forced), masks, favoured)
+
+
+def constrained_beam(options: DecodingOptions, constraints: tuple[tuple[int, ...], ...]) -> DecodingOptions:
+    """The options of a sentence whose hypotheses must contain `constraints` (token sequences): beam search, as
+    wide as the options say and at least one beam more than the constraints' tokens (a beam per bank:
+    ConstrainedBeamSearch). No constraints: the options as they are."""
+    if not constraints:
+        return options
+    return replace(options, constraints=constraints,
+                   beam_size=max(options.beam_size, sum(len(c) for c in constraints) + 1))
 
 
 class TokenMasks:

@@ -27,8 +27,9 @@ from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.bundle import MANIFEST, default_variant, load_bundle
 from nmtserve.export.runtime.decoder import CUDA_INTER_THREADS
 from nmtserve.export.runtime.engine import EnginePool
+from nmtserve.glossary import Glossary
 from nmtserve.hf_folder import bundle_for
-from nmtserve.search import DecodingOptions
+from nmtserve.search import DecodingOptions, constrained_beam
 from nmtserve.server.config import ServerConfig
 from nmtserve.server.convert import InvalidRequest, ModelNotFound, decoding_options
 from nmtserve.server.documents import fit, sentence_spans
@@ -156,6 +157,28 @@ class ServedModel:
         """(most output tokens, the search's options) of a call to this model (convert.decoding_options)."""
         return decoding_options(options, self.defaults, self.default_output_tokens, self.max_decoding_length,
                                 self.engine.tr.vocab_size, self.max_beam_size, self.tokenizer.encode_target)
+
+    def with_glossary(self, options: tuple[int, DecodingOptions, bool], entries, sentences) \
+            -> list[tuple[int, DecodingOptions, bool]]:
+        """Each sentence's options under a call's glossary (its GlossaryEntry messages): constrained beam search
+        (search.constrained_beam) where the sentence contains a source term. InvalidRequest naming the entry or the
+        sentence."""
+        if not entries:
+            return [options] * len(sentences)
+        try:
+            glossary = Glossary([(e.source, e.target) for e in entries])
+        except ConfigError as e:
+            raise InvalidRequest(str(e)) from None
+        max_tokens, search, scored = options
+        found = []
+        for i, sentence in enumerate(sentences):
+            constrained = constrained_beam(search, glossary.constraints_for(sentence, self.tokenizer.encode_target))
+            try:
+                constrained.check(self.engine.tr.vocab_size, self.max_beam_size)
+            except ConfigError as e:
+                raise InvalidRequest(f"glossary: sentences[{i}]'s terms: {e}") from None
+            found.append((max_tokens, constrained, scored))
+        return found
 
     @property
     def source_languages(self) -> list[str]:

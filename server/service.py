@@ -336,8 +336,9 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             languages = model.languages(call.source_language, request.target_language)
             sources = [model.source(f"sentences[{i}]", s, languages) for i, s in enumerate(request.sentences)]
             given = model.target_prefixes(request.target_prefix, sources, options, languages)
-            pairs = [self._request(call, ids, options, context, languages.prefix, given=prefix)
-                     for ids, prefix in zip(sources, given)]
+            each = model.with_glossary(options, request.glossary, request.sentences)
+            pairs = [self._request(call, ids, own, context, languages.prefix, given=prefix)
+                     for ids, prefix, own in zip(sources, given, each)]
             for engine_request, _ in pairs:
                 self._submit(call, model, engine_request)
             # one sentence (most calls) awaits its future itself: gather's own future is one more event-loop hop
@@ -366,6 +367,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             ids = model.source("sentence", request.sentence, languages)
             [given] = model.target_prefixes([request.target_prefix] if request.target_prefix else [], [ids], options,
                                             languages)
+            [options] = model.with_glossary(options, request.glossary, [request.sentence])
             engine_request, future = self._request(call, ids, options, context, languages.prefix,
                                                    on_token=lambda r, t: tokens.put(t),
                                                    on_done=lambda: tokens.put(None),  # after the last token

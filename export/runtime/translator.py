@@ -32,7 +32,8 @@ from nmtserve.export.runtime.bundle import Bundle
 from nmtserve.export.runtime.decoder import CUDA_INTER_THREADS, Decoder
 from nmtserve.export.runtime.engine import Engine, EngineConfig
 from nmtserve.export.runtime.request import FinishReason, Request
-from nmtserve.search import DecodingOptions, Hypothesis
+from nmtserve.glossary import Glossary
+from nmtserve.search import DecodingOptions, Hypothesis, constrained_beam
 
 ENCODE_AHEAD = 64  # search_ids encodes batches of up to this many sources in all before decoding them
 
@@ -69,24 +70,28 @@ class OnnxTranslator(Decoder):
 
     def search_ids(self, sources: list[list[int]], options: DecodingOptions = DecodingOptions(), *,
                    max_batch_size: int = 32, scores: bool = True,
-                   prefixes: list[list[int]] | None = None, favoured: list[list[int]] | None = None) \
-            -> list[list[Hypothesis]]:
+                   prefixes: list[list[int]] | None = None, favoured: list[list[int]] | None = None,
+                   constraints: list[tuple[tuple[int, ...], ...]] | None = None) -> list[list[Hypothesis]]:
         """The n-best hypotheses of each token-id source, best first; sources are batched by sorted length,
         at most max_batch_size sources (each with its beam's rows) per batch. scores=False: greedy search
         skips the log-softmax and scores nothing (each score nan); beam search and sampling always score.
         `prefixes`: each source's forced target tokens (not in the hypotheses, counted in their budgets and
         lengths, as transformers' forced_bos_token_id). `favoured`: each source's target_prefix that
-        prefix_bias_beta favours."""
+        prefix_bias_beta favours. `constraints`: each source's token sequences that its hypotheses must contain (a
+        glossary's target terms; search.constrained_beam says how it is then decoded)."""
         if max_batch_size < 1:
             raise ConfigError(f"max_batch_size {max_batch_size}: must be at least 1")
         options.check(self.vocab_size)
+        for c in set(constraints or ()):
+            constrained_beam(options, c).check(self.vocab_size)
         results: list = [None] * len(sources)
         groups = by_length(prefixes or [])
         if len(groups) > 1:  # the native greedy loop runs rows at one position: batches of one prefix length each
             for rows in groups:
                 found = self.search_ids([sources[i] for i in rows], options, max_batch_size=max_batch_size,
                                         scores=scores, prefixes=[prefixes[i] for i in rows] if prefixes[rows[0]] else None,
-                                        favoured=[favoured[i] for i in rows] if favoured else None)
+                                        favoured=[favoured[i] for i in rows] if favoured else None,
+                                        constraints=[constraints[i] for i in rows] if constraints else None)
                 for i, hypotheses in zip(rows, found):
                     results[i] = hypotheses
             return results
@@ -97,7 +102,7 @@ class OnnxTranslator(Decoder):
         groups = guided_groups(batches, max(1, ENCODE_AHEAD // max_batch_size), self.inter_threads)
         if self.inter_threads == 1 or len(groups) == 1:
             for group in groups:
-                self._decode_group(group, sources, options, results, scores, prefixes, favoured)
+                self._decode_group(group, sources, options, results, scores, prefixes, favoured, constraints)
             return results
         replicas = queue.SimpleQueue()  # one decoding context per thread; a thread takes the next group
         for _ in range(self.inter_threads):
@@ -106,7 +111,7 @@ class OnnxTranslator(Decoder):
         def decode(group):
             replica = replicas.get()
             try:
-                replica._decode_group(group, sources, options, results, scores, prefixes, favoured)
+                replica._decode_group(group, sources, options, results, scores, prefixes, favoured, constraints)
             finally:
                 replicas.put(replica)
         with ThreadPoolExecutor(min(self.inter_threads, len(groups)), thread_name_prefix="nmtserve-batch") as pool:
@@ -115,17 +120,19 @@ class OnnxTranslator(Decoder):
 
     def _decode_group(self, group: list[list[int]], sources: list[list[int]], options: DecodingOptions,
                       results: list, scores: bool, prefixes: list[list[int]] | None = None,
-                      favoured: list[list[int]] | None = None) -> None:
+                      favoured: list[list[int]] | None = None,
+                      constraints: list[tuple[tuple[int, ...], ...]] | None = None) -> None:
         """A group of batches (each a list of source indices) decoded into results on an Engine of this translator's
         own (export/runtime/engine.py, the server's, in this thread): static batches admitted in the group's order,
         the next ones encoded ahead with the first, each run to its end (greedy: in nmtserve's library where it
         runs; beam search and sampling: `Decoder.decode_search_run`). Raises NmtserveError naming the first sentence
         that failed."""
         order = [i for rows in group for i in rows]
-        requests = [Request(sources[i], options.max_decoding_length, options, scored=scores,
+        requests = [Request(sources[i], options.max_decoding_length,
+                            constrained_beam(options, constraints[i]) if constraints else options, scored=scores,
                             prefix=prefixes[i] if prefixes else [], favoured=favoured[i] if favoured else [])
                     for i in order]
-        config = EngineConfig(max_running_rows=max(len(rows) for rows in group) * options.beam_size,
+        config = EngineConfig(max_running_rows=max(len(rows) for rows in group) * max(r.width for r in requests),
                               max_batch_tokens=sys.maxsize, batching="static", max_burst_steps=sys.maxsize,
                               encode_ahead=ENCODE_AHEAD, whole_searches=True)
         Engine(self, config).run(requests)
@@ -148,7 +155,8 @@ class OnnxTranslator(Decoder):
                         length_rule: str = "nmtserve", return_scores: bool = False, source_language: str = "",
                         target_language: str = "", target_prefix: list[str | None] | None = None,
                         min_decoding_length: int = 0, disable_unk: bool = False, no_repeat_ngram_size: int = 0,
-                        suppress_sequences: list[str] | None = None, prefix_bias_beta: float = 0.0) -> list[Translation]:
+                        suppress_sequences: list[str] | None = None, prefix_bias_beta: float = 0.0,
+                        glossary: Glossary | list[tuple[str, str]] | None = None) -> list[Translation]:
         """Translate texts, with CTranslate2's decoding options (nmtserve/search.py says what each does):
         greedy by default, beam search with beam_size > 1, random sampling with sampling_topk != 1. Each
         Translation is the best hypothesis, with the rest of the n-best list in `alternatives`. Inputs are
@@ -157,7 +165,9 @@ class OnnxTranslator(Decoder):
         for each text the start its translation is forced to (None or "": none); each hypothesis begins with it.
         min_decoding_length, disable_unk, no_repeat_ngram_size and suppress_sequences (target texts) are
         CTranslate2's disabled tokens (nmtserve/search.py: TokenMasks). With prefix_bias_beta (CTranslate2's) the
-        target_prefix is favoured, not forced, and a translation begins with what was decoded."""
+        target_prefix is favoured, not forced, and a translation begins with what was decoded. `glossary` (nmtserve's:
+        (source term, target term) pairs, nmtserve/glossary.py): a text containing a source term is translated with
+        its target term, by constrained beam search."""
         suppressed = tuple(tuple(self.tokenizer.encode_target(text)) for text in suppress_sequences or ())
         options = DecodingOptions(beam_size, num_hypotheses, length_penalty, patience, sampling_topk, sampling_topp,
                                   sampling_temperature, seed, max_decoding_length, beam_stopping, length_rule,
@@ -165,12 +175,16 @@ class OnnxTranslator(Decoder):
         encode = self.tokenizer.encode
         ids = [encode(t, self.limits.max_source_tokens, target_language, source_language) or [self.eos_id]
                for t in texts]
+        if glossary is not None and not isinstance(glossary, Glossary):
+            glossary = Glossary(list(glossary))
+        constraints = [glossary.constraints_for(t, self.tokenizer.encode_target) for t in texts] if glossary else None
         found = self.search_prefixed(ids, options, target_prefix, self.tokenizer.target_prefix(target_language),
-                                     max_batch_size=max_batch_size, scores=return_scores)
+                                     max_batch_size=max_batch_size, scores=return_scores, constraints=constraints)
         return [self._translation(hypotheses, return_scores, shown) for hypotheses, shown in found]
 
     def search_prefixed(self, sources: list[list[int]], options: DecodingOptions, target_prefix: list | None,
-                        language: list[int], *, max_batch_size: int = 32, scores: bool = True) \
+                        language: list[int], *, max_batch_size: int = 32, scores: bool = True,
+                        constraints: list[tuple[tuple[int, ...], ...]] | None = None) \
             -> list[tuple[list[Hypothesis], list[int]]]:
         """`search_ids` after a target language's tokens and each source's target_prefix (a text, or None): each
         source's hypotheses and the prefix tokens they begin with (forced; none when prefix_bias_beta favours the
@@ -180,7 +194,7 @@ class OnnxTranslator(Decoder):
         favoured, shown = (given, [[] for _ in given]) if options.prefix_bias_beta else (None, given)
         prefixes = [[*language, *s] for s in shown]
         found = self.search_ids(sources, options, max_batch_size=max_batch_size, scores=scores,
-                                prefixes=prefixes if any(prefixes) else None, favoured=favoured)
+                                prefixes=prefixes if any(prefixes) else None, favoured=favoured, constraints=constraints)
         return list(zip(found, shown))
 
     def target_prefix_ids(self, sources: list[list[int]], texts, max_decoding_length: int, length_rule: str,

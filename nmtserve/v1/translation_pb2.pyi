@@ -129,20 +129,30 @@ class Translation(_message.Message):
     def __init__(self, text: _Optional[str] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., score: _Optional[float] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., alternatives: _Optional[_Iterable[_Union[Hypothesis, _Mapping]]] = ..., mean_log_prob: _Optional[float] = ..., confidence: _Optional[float] = ...) -> None: ...
 
 class TranslateRequest(_message.Message):
-    __slots__ = ("sentences", "options", "target_language", "model", "source_language", "target_prefix")
+    __slots__ = ("sentences", "options", "target_language", "model", "source_language", "target_prefix", "glossary")
     SENTENCES_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     TARGET_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SOURCE_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     TARGET_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    GLOSSARY_FIELD_NUMBER: _ClassVar[int]
     sentences: _containers.RepeatedScalarFieldContainer[str]
     options: DecodingOptions
     target_language: str
     model: str
     source_language: str
     target_prefix: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, sentences: _Optional[_Iterable[str]] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., target_language: _Optional[str] = ..., model: _Optional[str] = ..., source_language: _Optional[str] = ..., target_prefix: _Optional[_Iterable[str]] = ...) -> None: ...
+    glossary: _containers.RepeatedCompositeFieldContainer[GlossaryEntry]
+    def __init__(self, sentences: _Optional[_Iterable[str]] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., target_language: _Optional[str] = ..., model: _Optional[str] = ..., source_language: _Optional[str] = ..., target_prefix: _Optional[_Iterable[str]] = ..., glossary: _Optional[_Iterable[_Union[GlossaryEntry, _Mapping]]] = ...) -> None: ...
+
+class GlossaryEntry(_message.Message):
+    __slots__ = ("source", "target")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    target: str
+    def __init__(self, source: _Optional[str] = ..., target: _Optional[str] = ...) -> None: ...
 
 class DetectedLanguage(_message.Message):
     __slots__ = ("language", "confidence")
@@ -161,20 +171,22 @@ class TranslateResponse(_message.Message):
     def __init__(self, translations: _Optional[_Iterable[_Union[Translation, _Mapping]]] = ..., detected_language: _Optional[_Union[DetectedLanguage, _Mapping]] = ...) -> None: ...
 
 class TranslateStreamRequest(_message.Message):
-    __slots__ = ("sentence", "options", "target_language", "model", "source_language", "target_prefix")
+    __slots__ = ("sentence", "options", "target_language", "model", "source_language", "target_prefix", "glossary")
     SENTENCE_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     TARGET_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SOURCE_LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     TARGET_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    GLOSSARY_FIELD_NUMBER: _ClassVar[int]
     sentence: str
     options: DecodingOptions
     target_language: str
     model: str
     source_language: str
     target_prefix: str
-    def __init__(self, sentence: _Optional[str] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., target_language: _Optional[str] = ..., model: _Optional[str] = ..., source_language: _Optional[str] = ..., target_prefix: _Optional[str] = ...) -> None: ...
+    glossary: _containers.RepeatedCompositeFieldContainer[GlossaryEntry]
+    def __init__(self, sentence: _Optional[str] = ..., options: _Optional[_Union[DecodingOptions, _Mapping]] = ..., target_language: _Optional[str] = ..., model: _Optional[str] = ..., source_language: _Optional[str] = ..., target_prefix: _Optional[str] = ..., glossary: _Optional[_Iterable[_Union[GlossaryEntry, _Mapping]]] = ...) -> None: ...
 
 class TranslateStreamResponse(_message.Message):
     __slots__ = ("delta", "final", "detected_language")

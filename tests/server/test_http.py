@@ -59,6 +59,12 @@ def test_translate_over_http_is_translate_over_grpc(server):
     assert [[a["text"] for a in t["alternatives"]] for t in translations] == \
         [[a.text for a in t.alternatives] for t in expected.translations]
     assert [t["finishReason"] for t in translations] == [pb.FinishReason.Name(t.finish_reason) for t in expected.translations]
+    assert [t["confidence"] for t in translations] == pytest.approx([t.confidence for t in expected.translations])
+    glossary = [{"source": "cat", "target": "chien"}]
+    termed = requests.post(f"{server.url}/v1/translate", json={"sentences": ["the cat sleeps ."], "glossary": glossary},
+                           timeout=60).json()["translations"][0]["text"]
+    assert termed == _grpc(server, "Translate", pb.TranslateRequest(sentences=["the cat sleeps ."], glossary=[
+        pb.GlossaryEntry(source="cat", target="chien")])).translations[0].text and "chien" in termed
     text = requests.post(f"{server.url}/v1/translateText", json={"texts": ["the cat sees the dog. we are happy ."]},
                          timeout=60)
     assert text.json()["translations"][0]["text"] == _grpc(server, "TranslateText", pb.TranslateTextRequest(

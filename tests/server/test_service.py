@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.translator import OnnxTranslator
+from nmtserve.glossary import Glossary
 from nmtserve.server import bridge
 from nmtserve.server.app import start_server
 from nmtserve.server.config import ServerConfig
@@ -187,6 +188,41 @@ def test_confidence_is_the_mean_log_prob_of_the_decoded_tokens_as_offline(served
                 assert t.confidence == pytest.approx(o.confidence, rel=1e-5)
         plain = stub.Translate(pb.TranslateRequest(sentences=sentences[:1]), timeout=30).translations[0]
         assert plain.mean_log_prob == plain.confidence == plain.score == 0
+
+
+def test_a_glossary_call_shares_the_batch_and_gets_the_offline_translations(served, tiny_bundle, sentences):
+    """TranslateRequest.glossary: each sentence with a source term decodes by constrained beam search beside plain
+    calls in the running batch; the translations are OnnxTranslator's with the same glossary, and contain the terms.
+    A bad glossary, and a sentence whose terms need a beam over --max-beam-size, are INVALID_ARGUMENT naming them."""
+    entries = [("cat", "chat"), ("dog", "chien"), ("horse", "cheval"), ("bird", "oiseau"), ("house", "maison")]
+    chosen = sentences[:8]
+    offline = OnnxTranslator(tiny_bundle, shared_cross=False).translate_batch(chosen, glossary=entries,
+                                                                               max_decoding_length=64)
+    plain = OnnxTranslator(tiny_bundle, shared_cross=False).translate_batch(chosen, max_decoding_length=64)
+    glossary = [pb.GlossaryEntry(source=a, target=b) for a, b in entries]
+    with served.channel() as channel:
+        stub = pb_grpc.TranslationServiceStub(channel)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            calls = [pool.submit(stub.Translate, pb.TranslateRequest(sentences=chosen, glossary=glossary if i % 2 else []),
+                                 timeout=60) for i in range(4)]
+            found = [[t.text for t in c.result().translations] for c in calls]
+        assert found == [[t.text for t in plain], [t.text for t in offline]] * 2 and found[0] != found[1]
+        terms = [Glossary(entries).targets_for(s) for s in chosen]
+        assert any(terms) and all(term in text for text, wanted in zip(found[1], terms) for term in wanted)
+        stream = list(stub.TranslateStream(pb.TranslateStreamRequest(sentence=chosen[0], glossary=glossary), timeout=60))
+        assert stream[-1].final.text == offline[0].text
+        for request_, field in [
+            (pb.TranslateRequest(sentences=["a cat"], glossary=[pb.GlossaryEntry(source="cat", target="")]),
+             "glossary[0]: source 'cat' and target '' must both be non-empty"),
+            (pb.TranslateRequest(sentences=["ok", "a cat and a dog"],
+                                 glossary=[pb.GlossaryEntry(source="cat", target="un très long chat noir"),
+                                           pb.GlossaryEntry(source="dog", target="un grand chien blanc")]),
+             "glossary: sentences[1]'s terms: beam_size"),
+        ]:
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Translate(request_, timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details(), \
+                err.value.details()
 
 
 def test_health_and_reflection(served):
