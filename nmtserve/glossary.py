@@ -15,23 +15,24 @@ MAX_ENTRIES = 1000  # a glossary's entries
 class Glossary:
     """Entries (source term, target term), checked: both terms non-empty, no source term twice, none inside
     another (which of the two would apply would depend on the sentence), at most MAX_ENTRIES. ConfigError
-    naming the entry otherwise; `field` names the glossary in the message."""
+    naming the entry otherwise: `field`[i], or labels[i] where given (a file's line)."""
 
-    def __init__(self, entries: list[tuple[str, str]], field: str = "glossary"):
+    def __init__(self, entries: list[tuple[str, str]], field: str = "glossary", labels: list[str] | None = None):
         if len(entries) > MAX_ENTRIES:
             raise ConfigError(f"{field}: {len(entries)} entries; at most {MAX_ENTRIES}")
+        labels = labels or [f"{field}[{i}]" for i in range(len(entries))]
         seen: dict[str, int] = {}
         for i, (source, target) in enumerate(entries):
             if not source.strip() or not target.strip():
-                raise ConfigError(f"{field}[{i}]: source {source!r} and target {target!r} must both be non-empty")
+                raise ConfigError(f"{labels[i]}: source {source!r} and target {target!r} must both be non-empty")
             key = _folded(source)
             if key in seen:
-                raise ConfigError(f"{field}[{i}]: source term {source!r} is also entry {seen[key]}'s")
+                raise ConfigError(f"{labels[i]}: source term {source!r} is also {labels[seen[key]]}'s")
             seen[key] = i
         for key, i in seen.items():
             for other, j in seen.items():
                 if i != j and _pattern(key).search(other):
-                    raise ConfigError(f"{field}[{i}]: source term {entries[i][0]!r} overlaps entry {j}'s "
+                    raise ConfigError(f"{labels[i]}: source term {entries[i][0]!r} overlaps {labels[j]}'s "
                                       f"{entries[j][0]!r}, which contains it")
         self.entries = [(source.strip(), target.strip()) for source, target in entries]
         self._patterns = [_pattern(_folded(source)) for source, _ in self.entries]

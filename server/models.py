@@ -11,6 +11,7 @@ models.toml:
     bundle = "/models/en-fr"     # required
     id = "en-fr"                 # default: the bundle's languages ("en-fr"), else its directory's name
     variant = "int8"             # default: --variant (fp32 on cpu, fp16 on cuda); also device, threads, inter_threads
+    glossary = "/models/en-fr-terms.tsv"   # source term<TAB>target term a line: the calls that give none use it
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from nmtserve.v1 import translation_pb2 as pb
 
 log = logging.getLogger("nmtserve.server")
 
-SPEC_KEYS = ("bundle", "id", "variant", "device", "threads", "inter_threads")
+SPEC_KEYS = ("bundle", "id", "variant", "device", "threads", "inter_threads", "glossary")
 INTEGER_KEYS = ("threads", "inter_threads")
 
 
@@ -52,6 +53,7 @@ class ModelSpec:
     device: str
     threads: int
     inter_threads: int = 1  # engines over the model's sessions (export/runtime/engine.py, EnginePool)
+    glossary: str = ""  # a file of the model's glossary (read_glossary), for the calls that give none
 
 
 def default_id(bundle: str) -> str:
@@ -101,7 +103,8 @@ def model_specs(config: ServerConfig) -> list[ModelSpec]:
         device = e.get("device", config.runtime.device)
         specs.append(ModelSpec(e.get("id") or default_id(e["bundle"]), e["bundle"],
                                e.get("variant", config.runtime.variant) or default_variant(device), device,
-                               e.get("threads", config.runtime.threads), e.get("inter_threads", config.runtime.inter_threads)))
+                               e.get("threads", config.runtime.threads), e.get("inter_threads", config.runtime.inter_threads),
+                               e.get("glossary", "")))
     seen: dict[str, str] = {}
     for spec in specs:
         if spec.inter_threads < 1:
@@ -115,6 +118,25 @@ def model_specs(config: ServerConfig) -> list[ModelSpec]:
                               "give each an id in a --models file")
         seen[spec.id] = spec.bundle
     return specs
+
+
+def read_glossary(path: str) -> Glossary:
+    """A model's glossary file: a source term, a tab and its target term a line (UTF-8; blank lines and lines
+    starting with # skipped). ConfigError naming the file, and the line or entry."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"glossary {path}: {e}") from None
+    entries, labels = [], []
+    for n, line in enumerate(lines, 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        if line.count("\t") != 1:
+            raise ConfigError(f"glossary {path}, line {n}: expected a source term, a tab and a target term; got {line!r}")
+        source, target = line.split("\t")
+        entries.append((source, target))
+        labels.append(f"glossary {path}, line {n}")
+    return Glossary(entries, f"glossary {path}", labels)
 
 
 def bundle_defaults(manifest: dict, max_decoding_length: int) -> tuple[DecodingOptions, int]:
@@ -142,6 +164,7 @@ class ServedModel:
         self._info: pb.ModelInfo | None = None  # info(), built on first use
         languages = tr.bundle.manifest.get("languages") or {}
         self.source_language, self.target_language = languages.get("source", ""), languages.get("target", "")
+        self.glossary = read_glossary(spec.glossary) if spec.glossary else None  # the calls that give none use it
 
     @property
     def target_languages(self) -> list[str]:
@@ -160,15 +183,15 @@ class ServedModel:
 
     def with_glossary(self, options: tuple[int, DecodingOptions, bool], entries, sentences) \
             -> list[tuple[int, DecodingOptions, bool]]:
-        """Each sentence's options under a call's glossary (its GlossaryEntry messages): constrained beam search
-        (search.constrained_beam) where the sentence contains a source term. InvalidRequest naming the entry or the
-        sentence."""
-        if not entries:
-            return [options] * len(sentences)
+        """Each sentence's options under a call's glossary (its GlossaryEntry messages; none: the model's, if it has
+        one): constrained beam search (search.constrained_beam) where the sentence contains a source term.
+        InvalidRequest naming the entry or the sentence."""
         try:
-            glossary = Glossary([(e.source, e.target) for e in entries])
+            glossary = Glossary([(e.source, e.target) for e in entries]) if entries else self.glossary
         except ConfigError as e:
             raise InvalidRequest(str(e)) from None
+        if glossary is None:
+            return [options] * len(sentences)
         max_tokens, search, scored = options
         found = []
         for i, sentence in enumerate(sentences):

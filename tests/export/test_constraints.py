@@ -21,8 +21,8 @@ def test_a_glossary_matches_whole_words_whatever_their_case_and_refuses_what_is_
     assert glossary.targets_for("The cats eat a catfish and icecream.") == []
     refused = {
         "glossary[1]: source ' ' and target 'x' must both be non-empty": [("a", "b"), (" ", "x")],
-        "glossary[1]: source term 'Cat' is also entry 0's": [("cat", "chat"), ("Cat", "félin")],
-        "glossary[1]: source term 'York' overlaps entry 0's 'New York', which contains it": [("New York", "NY"),
+        "glossary[1]: source term 'Cat' is also glossary[0]'s": [("cat", "chat"), ("Cat", "félin")],
+        "glossary[1]: source term 'York' overlaps glossary[0]'s 'New York', which contains it": [("New York", "NY"),
                                                                                             ("York", "Y")],
         f"glossary: {MAX_ENTRIES + 1} entries; at most {MAX_ENTRIES}": [(f"w{i}", "x") for i in range(MAX_ENTRIES + 1)],
     }

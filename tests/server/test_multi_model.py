@@ -200,7 +200,7 @@ def test_the_models_file_names_ids_and_settings(tiny_bundle, fr_en_bundle, tmp_p
     bad = tmp_path / "bad.toml"
     for text, message in ((f'[[models]]\nbundle = "{tiny_bundle}"\nvariants = "int8"\n',
                            f"--models {bad}: models[0]: unknown key 'variants'; keys are bundle, id, variant, device, "
-                           "threads, inter_threads"),
+                           "threads, inter_threads, glossary"),
                           ('[[models]]\nid = "x"\n', f"--models {bad}: models[0]: bundle is required"),
                           (f'[[models]]\nbundle = "{tiny_bundle}"\nthreads = "two"\n',
                            f"--models {bad}: models[0].threads = 'two': expected an integer"),
@@ -225,6 +225,36 @@ def test_the_models_file_names_ids_and_settings(tiny_bundle, fr_en_bundle, tmp_p
     assert result.returncode == 2 and result.stderr.strip().endswith(message), result.stderr  # the last bad file
     result = run_cli("serve", str(tiny_bundle), "--models", str(models), "--port", "0", timeout=120)
     assert result.returncode == 2 and "give bundle directories or --models FILE, not both" in result.stderr
+
+
+def test_a_models_glossary_serves_the_calls_that_give_none(tiny_bundle, tmp_path):
+    """models.toml's glossary (a TSV file): a call without a glossary gets the model's terms, one with a glossary
+    its own instead; a bad file stops the server at start, naming the file and line."""
+    terms = tmp_path / "terms.tsv"
+    terms.write_text("# en\tfr\ncat\tchien\n\nbird\toiseau\n", encoding="utf-8")
+    models = tmp_path / "models.toml"
+    models.write_text(f'[[models]]\nbundle = "{tiny_bundle}"\nglossary = "{terms}"\n', encoding="utf-8")
+    sentence = "the cat sees a bird ."
+    translator = OnnxTranslator(tiny_bundle, shared_cross=False)
+    expected = [t.text for t in (translator.translate_batch([sentence], glossary=g, max_decoding_length=64)[0]
+                                 for g in ([("cat", "chien"), ("bird", "oiseau")], [("cat", "chat")]))]
+    server = ServerThread(ServerConfig.from_flags(models=str(models), host="127.0.0.1", port=0, metrics_port=-1,
+                                                  max_decoding_length=64))
+    try:
+        with server.channel() as channel:
+            stub = pb_grpc.TranslationServiceStub(channel)
+            found = [stub.Translate(pb.TranslateRequest(sentences=[sentence], glossary=glossary), timeout=60)
+                     .translations[0].text for glossary in ([], [pb.GlossaryEntry(source="cat", target="chat")])]
+    finally:
+        server.stop()
+    assert found == expected and expected[0] != expected[1] and "chien" in found[0] and "oiseau" in found[0]
+    for text, message in (("cat\tchien\nbird oiseau\n", f"glossary {terms}, line 2: expected a source term, a tab and "
+                                                         "a target term; got 'bird oiseau'"),
+                          ("cat\tchien\n\nCat\tfélin\n", f"glossary {terms}, line 3: source term 'Cat' is also "
+                                                            f"glossary {terms}, line 1's")):
+        terms.write_text(text, encoding="utf-8")
+        result = run_cli("serve", "--models", str(models), "--port", "0", timeout=120)
+        assert result.returncode == 2 and result.stderr.strip().endswith(message), result.stderr
 
 
 def test_translate_cli_names_the_model_or_the_target_language(two_models, fr_en_bundle):
