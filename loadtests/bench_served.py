@@ -63,6 +63,7 @@ from nmtserve.loadtests.machine import (
     usable_cores,
 )
 from nmtserve.loadtests.measure import layout_name, percentile, run_measure, run_worker
+from nmtserve.loadtests.profile import Sampler
 from nmtserve.loadtests.workload import (
     ServerProcess,
     default_sentence_file,
@@ -96,6 +97,7 @@ class ServedBenchConfig:
     server_flags: list[str] = field(default_factory=list)
     decoding: str = "greedy"  # or "mixed": each request's mode drawn from workload.DECODING_MIX
     sentences_per_call: int = 1  # sentences in each Translate call
+    profile: str = ""  # where each server's profile goes (PROFILE-MODE-LAYOUT-CLIENTS.txt): an extra cell each, sampled
 
 
 def work(cfg: ServedBenchConfig, pool: list[str], n: int, seed: int) -> list[tuple[list[str], dict]]:
@@ -371,6 +373,7 @@ def run_served_bench(cfg: ServedBenchConfig, progress: Progress) -> dict:
     alone: dict[tuple[int, int], list[dict]] = {layout: [] for layout in layouts(cfg)} \
         if cfg.sentences_per_call == 1 else {}
     floors: list[dict] = []  # the RPC path's own cost (grpc_floor), once a run, every server idle
+    profiles: dict[str, dict] = {}  # with cfg.profile: where each server's CPU went (loadtests/profile.py)
     with tempfile.TemporaryDirectory() as logs:
         spec_path, engines_path = Path(logs) / "offline-spec.json", Path(logs) / "engines-spec.json"
         if offline:
@@ -414,12 +417,22 @@ def run_served_bench(cfg: ServedBenchConfig, progress: Progress) -> dict:
                 for engines, t in alone:
                     alone[engines, t].append(run_engines_alone(engines, t, engines_path))
                 floors.append(grpc_floor())
+            if cfg.profile:  # an extra cell at the most clients for each server, not measured: py-spy samples it
+                c = max(cfg.concurrency)
+                progress.stage(f"profiles: {c} client(s), {len(servers_at)} server(s)")
+                requests = work(cfg, pool, 4 * (cfg.requests or max(64, 16 * c)), seed=cfg.seed - 1)  # more samples
+                for (m, layout), server in servers.items():
+                    name = f"{m} {layout_name(*layout)} {c} clients"
+                    sampler = Sampler(server.proc.pid, Path(f"{cfg.profile}-{name.replace(' ', '-')}.txt"))
+                    _cell(server.target, requests, c)
+                    profiles[name] = sampler.stop()
         finally:
             for server in servers.values():
                 server.stop()
     # the servers gone: at the most threads swept
     steps = translators[max(cfg.threads)].step_ms_by_rows(pool, cfg.max_running_rows) if translators else None
-    return _report(cfg, cells, baselines, steps, offline_best(offline), engines_best(alone), floors)
+    return _report(cfg, cells, baselines, steps, offline_best(offline), engines_best(alone), floors) | \
+        {"profile": profiles or None}
 
 
 def offline_best(offline: dict[tuple[int, int], list[dict]]) -> dict | None:
@@ -621,6 +634,13 @@ def format_table(report: dict) -> str:
                      f"calls/s at {floor['clients']} clients{cpu}")
     for name, value in report["ratios"].items():
         lines.append(f"{name}: {value}")
+    for name, profile in (report.get("profile") or {}).items():
+        if "error" in profile:
+            lines.append(f"profile, {name}: none ({profile['error']})")
+            continue
+        lines.append(f"profile, {name} ({profile['samples']:,} samples at {profile['rate']}/s, {profile['file']}): "
+                     "threads " + ", ".join(f"{t} {share:.0%}" for t, share in profile["threads"].items()))
+        lines += [f"  {share:6.1%}  {function}" for function, share in profile["top_own"]]
     return "\n".join(lines)
 
 

@@ -99,10 +99,13 @@ def cmd_bench_served(args) -> int:
     for flag in args.server_flag or []:  # the bench names each server's layout: it sets these two itself
         if flag.split("=")[0] in ("--threads", "--inter-threads"):
             raise NmtserveError(f"--server-flag {flag}: use bench served's own {flag.split('=')[0]}")
+    if args.profile and not args.report:
+        raise NmtserveError("--profile: give --report PATH too (the profiles are written beside it)")
     cfg = ServedBenchConfig(args.bundle, args.sentences_file, args.concurrency, args.requests, args.runs, args.threads,
                             args.inter_threads, args.variant or default_variant(args.device), args.max_running_rows,
                             args.device, modes, server_flags=args.server_flag or [], decoding=args.decoding,
-                            sentences_per_call=args.sentences_per_call)
+                            sentences_per_call=args.sentences_per_call,
+                            profile=str(Path(args.report).with_suffix("")) + "-profile" if args.profile else "")
     with Progress(f"bench served {args.bundle}", unit="measurement") as progress:
         report = run_served_bench(cfg, progress)
     _show(report, args, format_table, draw_chart)
@@ -218,6 +221,10 @@ def _add_bench(p) -> None:
                    help="sentences in each Translate call (default 1; above 1, no OnnxTranslator baseline)")
     p.add_argument("--server-flag", action="append",
                    help="extra flag for both servers, e.g. --server-flag=--io-binding=off")
+    p.add_argument("--profile", action="store_true",
+                   help="after the runs, one more cell at the most clients for each server, sampled by py-spy: each "
+                        "thread's share of the server's CPU and the functions that took most, in the report; the "
+                        "stacks beside it (REPORT-profile-MODE-LAYOUT-N-clients.txt, for a flame graph)")
     _add_report_flags(p, chart=True)
     p.set_defaults(func=cmd_bench_served)
     p = bench.add_parser("models", help="two models behind one server: a flood on one, the other's latency")

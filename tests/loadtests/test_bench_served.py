@@ -5,12 +5,14 @@ a report with both modes (median and spread; greedy, beam and sampled requests m
 import json
 import random
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from nmtserve.loadtests import bench_served
 from nmtserve.loadtests.bench_served import STAGES, Baseline, ServedBenchConfig, rpc_bound, steady_window, work
 from nmtserve.loadtests.machine import THREAD_KINDS
+from nmtserve.loadtests.profile import summarize
 from nmtserve.loadtests.workload import DECODING_MIX, draw_decoding
 from tests.helpers import run_cli
 
@@ -130,9 +132,17 @@ def test_served_bench_sends_several_sentences_a_call(tiny_bundle, tmp_path):
     out = tmp_path / "served.json"
     result = run_cli("bench", "served", str(tiny_bundle), "--concurrency", "2", "--requests", "4", "--runs", "1",
                      "--modes", "continuous", "--sentences-per-call", "3", "--threads", "1", "--inter-threads", "2",
-                     "--report", str(out), timeout=300)
+                     "--profile", "--report", str(out), timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
+    # --profile: one more cell, sampled by py-spy; its stacks beside the report, their summary in it
+    [(name, profile)] = report["profile"].items()
+    assert name == "continuous 2x1 2 clients" and f"profile, {name}" in result.stdout
+    if "error" in profile:  # a host where no process may attach to another (ptrace): said, not a failed bench
+        assert "ermission" in profile["error"] or "ptrace" in profile["error"], profile["error"]
+    else:
+        assert profile["samples"] > 0 and Path(profile["file"]) == tmp_path / "served-profile-continuous-2x1-2-clients.txt"
+        assert sum(profile["threads"].values()) == pytest.approx(1, abs=1e-3) and profile["top_own"]
     cell = report["results"]["continuous"]["2"]
     assert report["sentences_per_call"] == 3 and cell["requests"] == 4 and cell["sentences"] == 12
     assert cell["steady_tokens_per_s"] > 0 and min(cell["stages_mean_ms"].values()) >= 0
@@ -161,3 +171,20 @@ def test_served_bench_sends_several_sentences_a_call(tiny_bundle, tmp_path):
                   "--runs", "1", timeout=120)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
     assert "exited with 2 before serving: nmtserve serve: error: --max-running-rows 0: must be at least 1" in bad.stderr
+
+
+def test_a_profile_sums_the_samples_by_thread_and_by_the_function_on_top(tmp_path):
+    """py-spy's folded stacks (--format raw --threads): each thread's share of the samples, and each function's
+    share as the top frame, whatever its line; lines that are not stacks are skipped."""
+    folded = tmp_path / "stacks.txt"
+    folded.write_text("thread (1): nmtserve-engine;Engine._loop (export/runtime/engine.py:160);"
+                      "run_bound (export/runtime/sessions.py:41) 6\n"
+                      "thread (1): nmtserve-engine;Engine._loop (export/runtime/engine.py:160);"
+                      "run_bound (export/runtime/sessions.py:43) 2\n"
+                      "thread (2): MainThread;Handle._run (asyncio/events.py:84) 2\n"
+                      "not a stack\n", encoding="utf-8")
+    summary = summarize(folded)
+    assert summary["samples"] == 10 and summary["threads"] == {"nmtserve-engine": 0.8, "MainThread": 0.2}
+    assert summary["top_own"] == [["run_bound (export/runtime/sessions.py)", 0.8], ["Handle._run (asyncio/events.py)", 0.2]]
+    folded.write_text("", encoding="utf-8")
+    assert summarize(folded) == {"error": f"{folded}: no samples", "file": str(folded)}
