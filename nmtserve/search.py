@@ -320,7 +320,7 @@ class ConstrainedBeamSearch(BeamSearch):
     extensions overall, each row's best, and each row's extensions by the next token of a constraint (the one it is
     inside, or the first token of any it has not met); eos only once every constraint is met. The candidates fall
     into banks by the constraint tokens their hypotheses have met (0 … C), and the beam is shared among them: the
-    best k // (C + 1) of each bank, most met first, then the best of the rest until k are chosen. The k chosen,
+    best k // (C + 1) of each bank, then the best of the rest until k are chosen. The k chosen,
     best first, and the other candidates as spares, take BeamSearch's step (`select`: which finish, when the search
     stops). A hypothesis that reaches its budget without every constraint finishes by length; `results` puts those
     after the ones that contain every constraint."""
@@ -353,7 +353,10 @@ class ConstrainedBeamSearch(BeamSearch):
         width = total.shape[1]
         bank = [self._met(self._after(self.state[p // width], p % width)) for p in pairs]
         share = k // self.banks  # at least 1: beam_size is above the constraints' tokens (DecodingOptions.check)
-        taken = {i for b in range(self.banks) for i in [i for i, own in enumerate(bank) if own == b][:share]}
+        per_bank: dict[int, list[int]] = {}
+        for i, own in enumerate(bank):  # best first within each bank
+            per_bank.setdefault(own, []).append(i)
+        taken = {i for members in per_bank.values() for i in members[:share]}
         rest = [i for i in range(len(pairs)) if i not in taken]
         chosen = sorted([*taken, *rest[:k - len(taken)]])  # best first
         order = [pairs[i] for i in chosen + rest[k - len(taken):][:k]]  # then the spares

@@ -280,9 +280,9 @@ class Decoder:
         """(native_steps, the server's bursts) Up to `steps` greedy steps of every row but the holes, each row fed its
         own best token, until the first step in which a row says eos or reaches its position in `budget` (int64, one
         per row), the cache's end, a step once `stop` (one int32, set by another thread) is set or a step past
-        `stop_at`; no row moves -> each step's tokens (n, B) int64, their log-probs (n, B) float32 (None without scores), the
-        step at which each row finished (-1: it did not) and whether on eos (a hole's are meaningless). The K/V and
-        positions advance as with `decode_one_token` n times."""
+        `stop_at`; no row moves -> each step's tokens (n, B) int64, their log-probs (n, B) float32 (None without
+        scores), the step at which each row finished (-1: it did not) and whether on eos (a hole's are meaningless).
+        The K/V and positions advance as with `decode_one_token` n times."""
         state.open_slot()
         n = state.size
         out = self._greedy_out(min(steps, state.capacity - state.length), n, scores)

@@ -291,8 +291,8 @@ class Engine:
 
     def _execute(self, admitted: list[Request], burst: int = 0) -> list[tuple[int, int]]:
         """Newcomers join, one decoder step (with `burst`, up to that many greedy steps in the library; WHOLE: the
-        batch's whole search), its tokens processed -> (rows, valid cache slots) of each step run. A request the encoder or the decoder
-        fails on alone finishes with ERROR; the others go on."""
+        batch's whole search), its tokens processed -> (rows, valid cache slots) of each step run. A request the
+        encoder or the decoder fails on alone finishes with ERROR; the others go on."""
         searches = burst == WHOLE and any(r.search is not None for r in admitted)  # a whole search run
         failed = self.batch.admit(admitted, self.ahead, narrow=searches) if admitted else []
         self.batch.compact()

@@ -251,11 +251,8 @@ class RunningBatch:
             finish = None if at < 0 else FinishReason.EOS if eos else FinishReason.LENGTH
             total = sum(own_values[:took]) if scored else math.nan  # eos's log-prob included, as `step`'s callers add
             outputs.append((request, own[:took - 1] if eos else own[:took], total, finish))
-        if not occupancy:
-            stepped = [(0, 0)] * taken
-        elif taken == 1:
-            stepped = [(len(requests), int(start.sum()) + len(requests))]
-        else:
+        stepped = [(0, 0)] * taken
+        if occupancy:
             running = ended[None, :] > np.arange(taken)[:, None]  # (steps, requests): whom each step ran
             stepped = list(zip(running.sum(axis=1).tolist(), ((start[None, :] + np.arange(1, taken + 1)[:, None])
                                                               * running).sum(axis=1).tolist()))
