@@ -262,10 +262,11 @@ class Engine:
         """(Lock held.) How many greedy steps this iteration runs in the library. WHOLE, with static batching (no
         one joins) and none streaming: a batch of greedy requests runs until they finish (`RunningBatch.greedy_run`,
         in the library where it runs), and with whole_searches a newly admitted batch of like beam searches or
-        samplings too (`RunningBatch.search_run`). Else none (0: one step of every row, `RunningBatch.step`, which
-        costs less than a library call for one step) unless every request in the batch is greedy and none streams
-        or joins; while newcomers gather (continuous batching), the steps left of their gathering (none if under
-        two); else up to max_burst_steps (a burst ends when a request finishes). Clears the stop flag that submit sets."""
+        samplings too (`RunningBatch.search_run`). Else none (0: one step of every row, `RunningBatch.step`) unless
+        every request in the batch is greedy and none streams (a streamed token a step: one step in Python costs less
+        than a library call); one when some join; while newcomers gather (continuous batching), the steps left of
+        their gathering (one if under two); else up to max_burst_steps (a burst ends when a request finishes). Clears
+        the stop flag that submit sets."""
         running = self.batch.requests + admitted
         if self.config.whole_searches and self.config.batching == "static" and admitted and not self.batch.requests \
                 and not any(r.on_token is not None for r in admitted) \
@@ -279,13 +280,15 @@ class Engine:
             return WHOLE
         if not self.tr.native_steps:
             return 0
-        if admitted or self.config.max_burst_steps < 2 or any(r.on_token is not None for r in running):
+        if any(r.on_token is not None for r in running):
             return 0
+        if admitted or self.config.max_burst_steps < 2:
+            return 1
         steps = self.config.max_burst_steps
         if self.waiting and self.config.batching == "continuous":
             steps = min(steps, self.admitted_step + self.config.admit_steps - self.steps)
             if steps < 2:
-                return 0
+                return 1
         self.stop_burst[0] = 0
         return steps
 

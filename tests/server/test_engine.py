@@ -656,8 +656,7 @@ def test_requests_that_waited_long_still_gather_after_an_admission(translator, s
 
 def test_greedy_steps_run_in_the_library_in_bursts_that_a_newcomer_ends(tiny_bundle, tiny_corpus, monkeypatch):
     """A batch of greedy requests steps in the library (host states; the io-binding translator above steps
-    in Python): with no one waiting, up to max_burst_steps steps an iteration; an admission's step is one step in
-    Python. Tokens and scores are those
+    in Python): with no one waiting, up to max_burst_steps steps an iteration, an admission's step alone. Tokens and scores are those
     of ONNX Runtime's own session one step at a time; a burst stops at a row's eos or at the first budget
     (short budgets here), and the step metrics count every step with its rows. A request submitted during
     a burst ends it after the current step (the stop flag), and joins at the next iteration; one that
@@ -687,8 +686,8 @@ def test_greedy_steps_run_in_the_library_in_bursts_that_a_newcomer_ends(tiny_bun
                            on_step=lambda rows, slots, seconds: seen.append(rows))
     assert [(r.tokens, r.score, r.finish) for r in requests] == [(r.tokens, r.score, r.finish) for r in one_step]
     assert {r.finish for r in requests} == {FinishReason.LENGTH, FinishReason.EOS}
-    assert one_step_calls == [0] and max(bursts) > 1  # the admission's step alone (in Python), then bursts
-    assert len(seen) == engine.steps == 1 + sum(bursts)  # every step counted
+    assert bursts[0] == 1 and max(bursts) > 1 and one_step_calls == []  # the admission's step alone, then bursts
+    assert len(seen) == engine.steps == sum(bursts)  # every step in the library, each counted
     assert seen[0] == len(requests) and seen == sorted(seen, reverse=True)  # the rows each step ran for
     engine = Engine(translator, EngineConfig(max_running_rows=8))
     first = engine.submit(Request(sources[1], max_decoding_length=256))
