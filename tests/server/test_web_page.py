@@ -47,7 +47,7 @@ def test_a_user_types_a_text_and_reads_its_translation_stream_in(browser, server
         stub = pb_grpc.TranslationServiceStub(channel)
         expected = stub.TranslateText(pb.TranslateTextRequest(texts=[TEXT]), timeout=60).translations[0].text
         nbest = stub.Translate(pb.TranslateRequest(sentences=[TEXT], options=pb.DecodingOptions(
-            beam_size=4, num_hypotheses=4)), timeout=60).translations[0]
+            beam_size=4, num_hypotheses=4, return_scores=True)), timeout=60).translations[0]
     browser.get(url)
     wait = WebDriverWait(browser, 30)
     wait.until(lambda b: b.find_element(By.ID, "model").text)  # the models are listed
@@ -61,6 +61,8 @@ def test_a_user_types_a_text_and_reads_its_translation_stream_in(browser, server
     wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#nbest li")) == 4)
     listed = browser.execute_script("return [...document.querySelectorAll('#nbest li')].map(li => li.firstChild.textContent)")
     assert listed == [nbest.text, *(a.text for a in nbest.alternatives)]
+    scores = [span.text for span in browser.find_elements(By.CSS_SELECTOR, "#nbest li .score")]
+    assert scores == [f"{h.score:.3f}, confidence {h.confidence:.2f}" for h in (nbest, *nbest.alternatives)]
     assert browser.find_element(By.ID, "error").text == ""
 
 
