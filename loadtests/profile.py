@@ -69,7 +69,6 @@ def summarize(path: Path, top: int = TOP) -> dict:
     total = sum(threads.values())
     if not total:
         return {"error": f"{path}: no samples", "file": str(path)}
-    share = lambda n: round(n / total, 4)  # noqa: E731
     return {"file": str(path), "samples": total, "rate": RATE,
-            "threads": {name: share(n) for name, n in threads.most_common()},
-            "top_own": [[name, share(n)] for name, n in own.most_common(top)]}
+            "threads": {name: round(n / total, 4) for name, n in threads.most_common()},
+            "top_own": [[name, round(n / total, 4)] for name, n in own.most_common(top)]}

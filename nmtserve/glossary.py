@@ -29,18 +29,27 @@ class Glossary:
             if key in seen:
                 raise ConfigError(f"{labels[i]}: source term {source!r} is also {labels[seen[key]]}'s")
             seen[key] = i
-        for key, i in seen.items():
-            for other, j in seen.items():
-                if i != j and _pattern(key).search(other):
-                    raise ConfigError(f"{labels[i]}: source term {entries[i][0]!r} overlaps {labels[j]}'s "
-                                      f"{entries[j][0]!r}, which contains it")
         self.entries = [(source.strip(), target.strip()) for source, target in entries]
-        self._patterns = [_pattern(_folded(source)) for source, _ in self.entries]
+        self._index = seen  # folded source term -> its entry
+        # every source term as a whole word or phrase, in one pattern: a zero-width match at each place a term
+        # starts, so that terms that overlap in a sentence are all found. Shortest first: where two terms start at
+        # one place, the one inside the other is the one found (which the check below refuses)
+        terms = sorted(seen, key=len)
+        self._any = re.compile(r"(?<!\w)(?=(" + "|".join(map(re.escape, terms)) + r")(?!\w))") if seen else None
+        for key, i in seen.items():
+            inside = [j for j in self._found(key) if j != i]
+            if inside:
+                j = inside[0]
+                raise ConfigError(f"{labels[j]}: source term {entries[j][0]!r} overlaps {labels[i]}'s "
+                                  f"{entries[i][0]!r}, which contains it")
+
+    def _found(self, folded: str) -> list[int]:
+        """The entries whose source terms a folded text contains, in the glossary's order."""
+        return sorted({self._index[m.group(1)] for m in self._any.finditer(folded)}) if self._any else []
 
     def targets_for(self, sentence: str) -> list[str]:
         """The target terms of the source terms the sentence contains, in the glossary's order."""
-        folded = _folded(sentence)
-        return [target for (_, target), pattern in zip(self.entries, self._patterns) if pattern.search(folded)]
+        return [self.entries[i][1] for i in self._found(_folded(sentence))]
 
     def constraints_for(self, sentence: str, encode_target: Callable[[str], list[int]]) -> tuple[tuple[int, ...], ...]:
         """targets_for as the model's target tokens (`encode_target`: the tokenizer's)."""
@@ -50,7 +59,3 @@ class Glossary:
 def _folded(text: str) -> str:
     return " ".join(text.casefold().split())
 
-
-def _pattern(term: str) -> re.Pattern:
-    """A folded term as a whole word or phrase: not inside a longer word."""
-    return re.compile(r"(?<!\w)" + re.escape(term) + r"(?!\w)")

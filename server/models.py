@@ -197,7 +197,8 @@ class ServedModel:
         for i, sentence in enumerate(sentences):
             constrained = constrained_beam(search, glossary.constraints_for(sentence, self.tokenizer.encode_target))
             try:
-                constrained.check(self.engine.tr.vocab_size, self.max_beam_size)
+                if constrained is not search:  # the call's options were checked already
+                    constrained.check(self.engine.tr.vocab_size, self.max_beam_size)
             except ConfigError as e:
                 raise InvalidRequest(f"glossary: sentences[{i}]'s terms: {e}") from None
             found.append((max_tokens, constrained, scored))
