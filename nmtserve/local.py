@@ -20,8 +20,9 @@ from nmtserve.search import BEAM_STOPPING, DecodingOptions
 
 SEARCH_FLAGS = ("max_decoding_length", "beam_size", "num_hypotheses", "length_penalty", "patience", "sampling_topk", "sampling_topp",
                 "sampling_temperature", "seed", "beam_stopping", "length_rule", "min_decoding_length", "disable_unk",
-                "no_repeat_ngram_size", "prefix_bias_beta")
-MASK_FLAGS = "--min-decoding-length, --disable-unk, --no-repeat-ngram-size, --prefix-bias-beta and --suppress-sequence"
+                "no_repeat_ngram_size", "prefix_bias_beta", "repetition_penalty")
+MASK_FLAGS = ("--min-decoding-length, --disable-unk, --no-repeat-ngram-size, --prefix-bias-beta, --repetition-penalty "
+              "and --suppress-sequence")
 
 
 class Found(NamedTuple):
@@ -172,5 +173,7 @@ def add_decoding_flags(p) -> None:
     search.add_argument("--no-repeat-ngram-size", type=int, help="no n-gram of this many tokens twice")
     search.add_argument("--prefix-bias-beta", type=float, help="with --target-prefix: favour the prefix by this "
                         "weight (0 to 1) instead of forcing it")
+    search.add_argument("--repetition-penalty", type=float, help="divide the logits of tokens already decoded by this "
+                        "before each step (above 1 discourages repeats; 1: none)")
     search.add_argument("--suppress-sequence", action="append", default=[], metavar="TEXT",
                         help="never these target tokens in this order (again for more)")

@@ -4,7 +4,8 @@ a request's result depends on its own rows alone, never on what else shares the 
 
 A request decodes in `rows` rows of the decoder batch (beam_size for beam search, 1 when sampling).
 After each decoder step its search gets, for each of its rows, the `candidates` best tokens and their
-log-probabilities (the decoder graph's TopK head; 0 = the whole distribution), and answers which row's
+log-probabilities (the decoder graph's TopK head; 0 = the row's logits over the whole vocabulary, which the
+search turns into log-probabilities itself: `TokenMasks`, `log_softmax`), and answers which row's
 cache each row continues (`parents`, indices among the request's own rows) and which token it feeds
 next. Greedy search is beam search with one beam, which OnnxTranslator and the engine run vectorised
 (they need no object per request for it).
@@ -58,6 +59,9 @@ class DecodingOptions:
     suppress_sequences: tuple[tuple[int, ...], ...] = ()  # token ids; a single token is never generated
     # CTranslate2's: with a target prefix, the prefix is not forced but favoured (BeamSearch's `bias`)
     prefix_bias_beta: float = 0.0
+    # CTranslate2's: the logit of each token already in the row's sequence divided by it (multiplied where
+    # negative) before the log-softmax; above 1 discourages repeats (TokenMasks)
+    repetition_penalty: float = 1.0
     # nmtserve's: token sequences every hypothesis must contain (a glossary's target terms: ConstrainedBeamSearch)
     constraints: tuple[tuple[int, ...], ...] = ()
 
@@ -74,10 +78,10 @@ class DecodingOptions:
 
     @property
     def masked(self) -> bool:
-        """Whether tokens are disabled (TokenMasks) or a prefix favoured: the rows then rank the whole vocabulary
-        in their search."""
+        """Whether tokens are disabled or repeats penalised (TokenMasks) or a prefix favoured: the rows then rank
+        the whole vocabulary in their search."""
         return bool(self.min_decoding_length or self.disable_unk or self.no_repeat_ngram_size or self.suppress_sequences
-                    or self.prefix_bias_beta)
+                    or self.prefix_bias_beta or self.repetition_penalty != 1)
 
     @property
     def greedy(self) -> bool:
@@ -118,6 +122,8 @@ class DecodingOptions:
              lambda: 0 <= self.min_decoding_length <= self.max_decoding_length,
              f"between 0 and max_decoding_length ({self.max_decoding_length})"),
             ("no_repeat_ngram_size", self.no_repeat_ngram_size, lambda: self.no_repeat_ngram_size >= 0, "0 or more"),
+            ("repetition_penalty", self.repetition_penalty, lambda: 0 < self.repetition_penalty < np.inf,
+             "above 0 (1: none)"),
             ("prefix_bias_beta", self.prefix_bias_beta, lambda: 0 <= self.prefix_bias_beta < 1, "in [0, 1)"),
             ("prefix_bias_beta", self.prefix_bias_beta, lambda: not (self.prefix_bias_beta and self.sampling),
              "0 when sampling"),
@@ -200,9 +206,9 @@ class BeamSearch:
 
     def step(self, ids: np.ndarray | None, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """ids, scores (rows, ≥ 2k): each row's best tokens and their log-probs, best first; or, with masks, ids
-        None and scores (rows, V) each row's log-probs by token id -> parents (rows,) and next tokens (rows,)."""
+        None and scores (rows, V) each row's logits by token id -> parents (rows,) and next tokens (rows,)."""
         k = self.k
-        if ids is None:  # the tokens disabled, the rest renormalised, a prefix favoured, then each row's 2k best
+        if ids is None:  # repeats penalised, tokens disabled, the log-softmax, a prefix favoured: each row's 2k best
             ids, scores = best_candidates(self._favour(self.masks.apply(scores, self.live, self.steps)), 2 * k)
         total = (self.scores[:, None] + scores[:, : 2 * k]).ravel()  # (k · 2k,), row by row
         # best first; a stable sort keeps equal totals in row order, and each row's candidates come
@@ -334,10 +340,9 @@ class ConstrainedBeamSearch(BeamSearch):
         self.state: list[tuple[frozenset, tuple[int, int] | None]] = [(frozenset(), None)] * self.k
 
     def step(self, ids: np.ndarray | None, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """scores (rows, V): each row's log-probs by token id (ids None: candidates 0) -> parents and tokens."""
+        """scores (rows, V): each row's logits by token id (ids None: candidates 0) -> parents and tokens."""
         k, eos = self.k, self.eos_id
-        if self.masks is not None:
-            scores = self.masks.apply(scores, self.live, self.steps)
+        scores = log_softmax(scores) if self.masks is None else self.masks.apply(scores, self.live, self.steps)
         if self.favoured:
             scores = self._favour(np.array(scores, np.float32))
         total = self.scores[:, None] + scores.astype(np.float64)  # (k, V): rows at -inf give -inf
@@ -422,13 +427,13 @@ class Sampling:
         self.done = False
 
     def step(self, ids: np.ndarray | None, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """ids, scores (1, ≥ K): the row's best tokens and log-probs, best first (K = sampling_topk, or the
-        whole vocabulary when it is 0); or, for the whole vocabulary, ids None and scores (1, V) the row's
-        log-probs by token id, unranked (`sample_whole` draws the same token without ranking them) ->
-        parents (1,) and the next token (1,)."""
+        """ids, scores (1, ≥ K): the row's best tokens and log-probs, best first (K = sampling_topk); or ids None
+        and scores (1, V) the row's logits by token id, unranked (sampling_topk 0, or masks) -> parents (1,) and the
+        next token (1,)."""
         options = self.options
-        if ids is None and self.masks is not None:  # the tokens disabled, the rest renormalised
-            scores = self.masks.apply(scores, [self.tokens], len(self.tokens))
+        if ids is None:  # repeats penalised and tokens disabled, the log-softmax; sample_whole draws unranked
+            scores = log_softmax(scores) if self.masks is None else \
+                self.masks.apply(scores, [self.tokens], len(self.tokens))
             if options.sampling_topk:
                 ids, scores = best_candidates(scores, options.sampling_topk)
         if ids is None:
@@ -562,22 +567,26 @@ def constrained_beam(options: DecodingOptions, constraints: tuple[tuple[int, ...
 
 
 class TokenMasks:
-    """CTranslate2's disabled tokens, on a search's rows' log-probs over the whole vocabulary: eos before
-    min_decoding_length tokens, unk with disable_unk, each of suppress_sequences' last token where a row's tokens end
-    with the rest of it (a single token: always), and with no_repeat_ngram_size n every token that would repeat an
-    n-gram of the row's tokens (a forced prefix's included, the start token not: CTranslate2's alive sequence).
-    CTranslate2 disables tokens in the logits, before its log-softmax: the rest are renormalised here the same way
-    (log-probs less the log of the mass left: the same values)."""
+    """CTranslate2's logits processors, in its order, on a search's rows' logits over the whole vocabulary, then the
+    log-softmax: repetition_penalty on every token of the row's sequence (a forced prefix's included, the start
+    token not: CTranslate2's alive sequence), then the disabled tokens: eos before min_decoding_length tokens, unk
+    with disable_unk, each of suppress_sequences' last token where the sequence ends with the rest of it (a single
+    token: always), and with no_repeat_ngram_size n every token that would repeat an n-gram of the sequence."""
 
     def __init__(self, options: DecodingOptions, eos_id: int, unk_id: int, start: list[int]):
         self.options, self.eos_id, self.unk_id, self.start = options, eos_id, unk_id, list(start)
         self.always = [s[0] for s in options.suppress_sequences if len(s) == 1] + ([unk_id] if options.disable_unk else [])
         self.sequences = [list(s) for s in options.suppress_sequences if len(s) > 1]
 
-    def apply(self, log_probs: np.ndarray, histories: list[list[int]], step: int) -> np.ndarray:
-        """log_probs (R, V) of rows whose tokens after the start and prefix are histories[r], at the search's step
-        `step` (0: its first) -> the masked and renormalised log-probs (a copy)."""
-        out = np.array(log_probs, np.float32)
+    def apply(self, logits: np.ndarray, histories: list[list[int]], step: int) -> np.ndarray:
+        """logits (R, V) of rows whose tokens after the start and prefix are histories[r], at the search's step
+        `step` (0: its first) -> their log-probs, penalised and masked (a copy)."""
+        out = np.array(logits, np.float32)
+        penalty = self.options.repetition_penalty
+        if penalty != 1:
+            for r, history in enumerate(histories):
+                seen = list(set(self.start + history))
+                out[r, seen] = np.where(out[r, seen] < 0, out[r, seen] * penalty, out[r, seen] / penalty)
         if step < self.options.min_decoding_length:
             out[:, self.eos_id] = -np.inf
         if self.always:
@@ -592,10 +601,16 @@ class TokenMasks:
                 tail = sequence[len(sequence) - n + 1:]
                 banned = [sequence[i + n - 1] for i in range(len(sequence) - n + 1) if sequence[i:i + n - 1] == tail]
                 out[r, banned] = -np.inf
-        live = np.isfinite(out).any(axis=1)
-        top = out[live].max(axis=1, keepdims=True)
-        out[live] -= top + np.log(np.exp(out[live] - top).sum(axis=1, keepdims=True))
-        return out
+        return log_softmax(out)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Each row's log-probabilities (float32) from its logits; a row of -inf stays -inf."""
+    out = np.array(logits, np.float32)
+    live = np.isfinite(out).any(axis=1)
+    top = out[live].max(axis=1, keepdims=True)
+    out[live] -= top + np.log(np.exp(out[live] - top).sum(axis=1, keepdims=True))
+    return out
 
 
 def best_candidates(log_probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

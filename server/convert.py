@@ -32,7 +32,8 @@ def decoding_options(options: pb.DecodingOptions, defaults: DecodingOptions, def
     if options.max_decoding_length > max_decoding_length:
         raise InvalidRequest(f"options.max_decoding_length {options.max_decoding_length} exceeds the limit {max_decoding_length}")
     given = {name: getattr(options, name) for name in ("length_penalty", "patience", "sampling_topk",
-                                                          "sampling_topp", "sampling_temperature", "prefix_bias_beta")
+                                                          "sampling_topp", "sampling_temperature", "prefix_bias_beta",
+                                                          "repetition_penalty")
              if options.HasField(name)}
     given.update({name: getattr(options, name) for name in ("beam_size", "num_hypotheses", "seed", "min_decoding_length",
                                                             "disable_unk", "no_repeat_ngram_size")

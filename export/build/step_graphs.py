@@ -126,9 +126,10 @@ def with_search_head(model: onnx.ModelProto) -> onnx.ModelProto:
     rounding ties; its score is then that value), as CTranslate2's greedy search does when return_scores
     is off (the log-softmax is a pass over the vocabulary of every row). log_probs leaves the outputs, since ONNX Runtime runs every node of
     the graph whatever outputs a run asks for; `Decoder.step` rebuilds it from the K = V best.
-    Input `whole_rows` (R,) int64 and output whole_log_probs (R, V): those rows' log-probabilities over the
-    whole vocabulary (in the ArgMax branch the values before the log-softmax), for a sampler without top-k
-    among rows that need K of them: the step then ranks K per row, not the vocabulary of every row."""
+    Input `whole_rows` (R,) int64 and output whole_logits (R, V): those rows' logits over the whole vocabulary
+    (the values before the log-softmax, in either branch), for the rows whose search ranks the vocabulary itself
+    (a sampler without top-k, disabled tokens, a repetition penalty, which CTranslate2 applies to the logits)
+    among rows that need K: the step then ranks K per row, not the vocabulary of every row."""
     graph = model.graph
     producer = {out: node for node in graph.node for out in node.output}
     chain = [producer["log_probs"]]  # LogSoftmax, then perhaps an Add of the suppressed ids' -inf
@@ -148,14 +149,24 @@ def with_search_head(model: onnx.ModelProto) -> onnx.ModelProto:
             node.output[:] = [rename[o] for o in node.output]
             node.name = ""
             nodes.append(node)
-        outputs = [f"candidate_scores_{name}", f"candidate_ids_{name}", f"whole_log_probs_{name}"]
+        outputs = [f"candidate_scores_{name}", f"candidate_ids_{name}", f"whole_logits_{name}"]
         if softmax:
             nodes.append(helper.make_node("TopK", [rename["log_probs"], "candidates"], outputs[:2], axis=-1, largest=1,
                                           sorted=1))
         else:  # greedy's one best: ArgMax is cheaper than TopK at K = 1
             nodes += [helper.make_node("ArgMax", [rename["log_probs"]], [outputs[1]], axis=-1, keepdims=1),
                       helper.make_node("GatherElements", [rename["log_probs"], outputs[1]], [outputs[0]], axis=-1)]
-        nodes.append(helper.make_node("Gather", [rename["log_probs"], "whole_rows"], [outputs[2]], axis=0))
+        # the whole rows' logits, whichever branch: gathered before the log-softmax, then what follows it (an Add
+        # of the suppressed ids' -inf) on those rows alone
+        whole = f"whole_{name}" if len(chain) > 1 else outputs[2]
+        nodes.append(helper.make_node("Gather", [chain[0].input[0], "whole_rows"], [whole], axis=0))
+        for i, node in enumerate(chain[1:], 1):
+            node = copy.deepcopy(node)
+            node.input[:] = [whole if n == chain[i - 1].output[0] else n for n in node.input]
+            node.output[:] = [outputs[2] if i == len(chain) - 1 else f"{node.output[0]}_whole_{name}"]
+            whole = node.output[0]
+            node.name = ""
+            nodes.append(node)
         return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(outputs[0], onnx.TensorProto.FLOAT, None),
                                                    helper.make_tensor_value_info(outputs[1], onnx.TensorProto.INT64, None),
                                                    helper.make_tensor_value_info(outputs[2], onnx.TensorProto.FLOAT, None)])
@@ -163,13 +174,13 @@ def with_search_head(model: onnx.ModelProto) -> onnx.ModelProto:
     graph.input.extend([helper.make_tensor_value_info("candidates", onnx.TensorProto.INT64, [1]),
                         helper.make_tensor_value_info("with_scores", onnx.TensorProto.BOOL, []),
                         helper.make_tensor_value_info("whole_rows", onnx.TensorProto.INT64, ["whole"])])
-    graph.node.append(helper.make_node("If", ["with_scores"], ["candidate_scores", "candidate_ids", "whole_log_probs"],
+    graph.node.append(helper.make_node("If", ["with_scores"], ["candidate_scores", "candidate_ids", "whole_logits"],
                                        then_branch=branch("scores", True), else_branch=branch("ranks", False)))
     outputs = [o for o in graph.output if o.name != "log_probs"]
     del graph.output[:]
     graph.output.extend(outputs + [helper.make_tensor_value_info("candidate_ids", onnx.TensorProto.INT64, ["batch", "k"]),
                                    helper.make_tensor_value_info("candidate_scores", onnx.TensorProto.FLOAT, ["batch", "k"]),
-                                   helper.make_tensor_value_info("whole_log_probs", onnx.TensorProto.FLOAT, ["whole", "vocab"])])
+                                   helper.make_tensor_value_info("whole_logits", onnx.TensorProto.FLOAT, ["whole", "vocab"])])
     return model
 
 

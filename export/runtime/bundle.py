@@ -19,8 +19,8 @@ from pathlib import Path
 from nmtserve.decoding import Limits
 from nmtserve.errors import BundleError
 
-SCHEMA_VERSION = 5  # 5: each variant lists every graph the runtime runs (search head, shared cross, kernels), their
-# large initializers in one weights file
+SCHEMA_VERSION = 6  # 5: each variant lists every graph the runtime runs (search head, shared cross, kernels), their
+# large initializers in one weights file; 6: the search head gives the whole rows' logits (whole_logits)
 MANIFEST = "manifest.json"
 
 

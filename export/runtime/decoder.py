@@ -4,8 +4,8 @@ drives, served and offline. Never edits a graph and never chooses a search (it r
 
 The graphs are the bundle's, loaded as export wrote them (export/build/step_graphs.py). The decoder step's
 search head returns each row's k best tokens and their log-probabilities (k = 1 greedy, 2 × beam for beam
-search), never the whole distribution unless sampling from it, and then only the sampling rows'
-(`whole_rows`). Every cache is bound by address, one layer at a time, as both the step's input and its
+search), never the whole distribution unless a search ranks it itself, and then only its rows' logits
+(`whole_rows`: a sampler without top-k, disabled tokens, a repetition penalty). Every cache is bound by address, one layer at a time, as both the step's input and its
 `present` output, so the attention writes the new K/V into the cache in place. On a CPU with nmtserve's
 kernel library (kernels.py) the variant's `*_kernels` graphs run, and the step's session is the library's,
 whose loops run greedy and beam steps with no Python between them (native.py); elsewhere the portable graphs,
@@ -256,10 +256,10 @@ class Decoder:
     def decode_candidates(self, state: BatchState, k: int, scores: bool = True, whole: np.ndarray | None = None) \
             -> tuple[np.ndarray, ...]:
         """One step of every row -> its k best next tokens (B, k) int64 and their log-probs (B, k), best
-        first (k = 0: None and every row's log-probs over the vocabulary (B, V), unranked); scores=False
+        first (k = 0: None and every row's logits over the vocabulary (B, V), unranked); scores=False
         (k = 1 only): the best by the values before the log-softmax, which the step skips, and the scores are
         those values (`with_search_head`). With `whole` (R,) int64, rows that need the whole vocabulary among
-        rows that need k (a sampler without top-k in the server's batch): those rows' log-probs over the
+        rows that need k (a sampler without top-k in the server's batch, say): those rows' logits over the
         vocabulary (R, V) as a third value, unranked. The step's K/V are written into `state`; the caller then
         picks each row's next token, and for a beam its parent row, with `state.choose`."""
         if not scores and (k != 1 or whole is not None):
@@ -267,7 +267,7 @@ class Decoder:
                              "gives each row's one best token only (k = 1, no whole rows)")
         state.open_slot()
         self._with_scores[...] = scores
-        if k == 0:  # a sampler draws from them unranked (Sampling.step), as in the server's batch
+        if k == 0:  # each row's search ranks them itself (a sampler without top-k: Sampling.step)
             self._step(state, 1, np.arange(state.size))
             state.advance()
             return None, self._whole.copy()
@@ -467,7 +467,7 @@ class Decoder:
 
     def _step(self, state: BatchState, k: int, whole: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """candidate ids and their scores (B, k) on the host, scored as `_with_scores` says (and the `whole`
-        rows' log-probs over the vocabulary in `_whole`). Every cache is bound as both the input and the
+        rows' logits over the vocabulary in `_whole`). Every cache is bound as both the input and the
         `present` output of its layer, so the step writes the new K/V into `state`'s own buffers, wherever
         they live (`_binding_for`)."""
         binding = self._binding_for(state, k, whole=whole)
@@ -483,7 +483,7 @@ class Decoder:
         cross_slot: BatchState changes them in place), and the outputs (candidates into buffers of (B, k),
         with the `candidates` and `with_scores` inputs: the callers set the flag; greedy: k = 1 and each
         row's best token straight into `state.tokens`, `_greedy_binding`; the `whole` rows, none by default,
-        and their log-probs over the vocabulary into `_whole`). Host inputs of
+        and their logits over the vocabulary into `_whole`). Host inputs of
         a session on a device are copied to it when bound, so there the per-row arrays (and host caches)
         are bound every step (a translator serves one thread at a time)."""
         binding, bound, shared = self._binding, self._bound, self.shared_cross
@@ -531,7 +531,7 @@ class Decoder:
             bind_address(binding, "candidates", "cpu", np.int64, (1,), self._k.ctypes.data)
             bind_address(binding, "with_scores", "cpu", np.bool_, (), self._with_scores.ctypes.data)  # host memory
             for name, x in (("candidate_ids", state.tokens.reshape(-1, 1) if greedy else self._ids),
-                            ("candidate_scores", self._scores), ("whole_log_probs", self._whole)):
+                            ("candidate_scores", self._scores), ("whole_logits", self._whole)):
                 bind_address(binding, name, "cpu", x.dtype, x.shape, x.ctypes.data, output=True)
             bound["outputs"], new_outputs = (state.size, k, greedy, wholes), True
         if wholes:

@@ -490,7 +490,7 @@ struct HeadWork {
   const float* row_scale;  // (rows,) or null: logits[r, j] * row_scale[r] (+ bias[j]) are the logits
   const float* bias;  // (vocab,) or null
   const int64_t* whole_of_row;  // (rows,): the row's place among whole_rows, or -1
-  float* whole;  // (whole rows, vocab): their log-softmax (without scores: their logits)
+  float* whole;  // (whole rows, vocab): their logits
 };
 
 // x * scale + bias (bias may be null) into out.
@@ -515,23 +515,19 @@ void head_row(void* data, size_t row) {
   float* values = w.values + row * w.k;
   if (w.k > 0) best_of_row(x, w.vocab, w.k, values, w.ids + row * w.k);
   float* whole = w.whole_of_row[row] < 0 ? nullptr : w.whole + w.whole_of_row[row] * w.vocab;
-  if (w.scores && (w.k > 0 || whole)) {
-    const float top = w.k > 0 ? values[0] : *std::max_element(x, x + w.vocab);
-    const float shift = top + log_sum_exp_below(x, w.vocab, top);
+  if (w.scores && w.k > 0) {
+    const float shift = values[0] + log_sum_exp_below(x, w.vocab, values[0]);
     for (int64_t j = 0; j < w.k; j++) values[j] -= shift;
-    if (whole)
-      for (int64_t j = 0; j < w.vocab; j++) whole[j] = x[j] - shift;
-  } else if (whole) {
-    std::memcpy(whole, x, w.vocab * sizeof(float));
   }
+  if (whole) std::memcpy(whole, x, w.vocab * sizeof(float));
 }
 
 // The step's search head (step_graphs.with_search_head: LogSoftmax then TopK, or without scores the
 // best by the values before it) in one pass over each row's logits (B, V): candidate_scores and
 // candidate_ids (B, K), K = min(candidates, V), best first, ties by lower id; with_scores:
 // log-softmax values (logit - max - log(sum(exp(logit - max)))), else the logits themselves; and
-// whole_log_probs (R, V), the same values over the whole vocabulary of the rows whole_rows (R,) names (a
-// sampler without top-k among rows that need K). With row_scale (B, 1) and bias (V,) (int8 scales per
+// whole_logits (R, V), the logits over the whole vocabulary of the rows whole_rows (R,) names (rows whose
+// search ranks the vocabulary itself, among rows that need K). With row_scale (B, 1) and bias (V,) (int8 scales per
 // row: kernel_graphs.with_row_quantize), the logits are logits * row_scale + bias: the output projection's last
 // scaling and its bias, applied here instead of in two passes over the whole (B, V) output.
 Ort::Status SearchHead(OrtKernelContext* context, const Ort::Custom::Tensor<float>& logits,
@@ -540,7 +536,7 @@ Ort::Status SearchHead(OrtKernelContext* context, const Ort::Custom::Tensor<floa
                        std::optional<const Ort::Custom::Tensor<float>*> row_scale,
                        std::optional<const Ort::Custom::Tensor<float>*> bias,
                        Ort::Custom::Tensor<float>& candidate_scores, Ort::Custom::Tensor<int64_t>& candidate_ids,
-                       Ort::Custom::Tensor<float>& whole_log_probs) {
+                       Ort::Custom::Tensor<float>& whole_logits) {
   const std::vector<int64_t> shape = logits.Shape();
   const int64_t rows = shape[0], vocab = shape[1], wholes = whole_rows.NumberOfElement();
   const bool scaled = row_scale.has_value() && *row_scale != nullptr, biased = bias.has_value() && *bias != nullptr;
@@ -558,7 +554,7 @@ Ort::Status SearchHead(OrtKernelContext* context, const Ort::Custom::Tensor<floa
   const int64_t k = std::max<int64_t>(0, std::min(candidates.Data()[0], vocab));
   HeadWork w{logits.Data(), candidate_scores.Allocate({rows, k}), candidate_ids.Allocate({rows, k}), vocab, k,
              with_scores.Data()[0], scaled ? (*row_scale)->Data() : nullptr, biased ? (*bias)->Data() : nullptr,
-             whole_of_row.data(), whole_log_probs.Allocate({wholes, vocab})};
+             whole_of_row.data(), whole_logits.Allocate({wholes, vocab})};
   if (k > 0 || wholes > 0) Ort::KernelContext(context).ParallelFor(head_row, rows, 0, &w);
   return Ort::Status{nullptr};
 }

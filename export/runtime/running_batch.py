@@ -171,9 +171,9 @@ class RunningBatch:
         fails alone, the error is the batch's and is raised."""
         self.state.trim(self.slots())
         placement = self.placement()
-        # a sampler without top-k (candidates 0) gets its row's log-probs over the whole vocabulary, unranked, and
-        # draws from them (search.sample_whole): the step ranks only the k best of each row, as the others need
-        # (a search with disabled tokens too, each of its rows: search.TokenMasks)
+        # a search that ranks the vocabulary itself (candidates 0: a sampler without top-k, disabled tokens or a
+        # repetition penalty: search.TokenMasks) gets its rows' logits over the whole vocabulary, unranked; the step
+        # ranks only the k best of each other row, as the others need
         whole = [i for i, (r, _) in enumerate(placement) if r.search is not None and r.search.candidates == 0]
         k = max([r.search.candidates if r.search else 1 for r, _ in placement] + [1])
         # greedy rows that no one reads a score of: the step skips the log-softmax (with_search_head)
@@ -193,10 +193,10 @@ class RunningBatch:
             return outputs, failed + more
         tokens, parents = ids[:, 0].copy(), None  # holes keep theirs: never read
         best, best_scores = tokens.tolist(), scores[:, 0].tolist() if scored else None  # Python numbers, once
-        outputs, whole_log_probs = [], {}  # by placement index: each request's rows' log-probs over the vocabulary
+        outputs, whole_logits = [], {}  # by placement index: each request's rows' logits over the vocabulary
         if whole:
             ends = np.cumsum([len(placement[i][1]) for i in whole])
-            whole_log_probs = dict(zip(whole, np.split(vocabulary[0], ends[:-1])))
+            whole_logits = dict(zip(whole, np.split(vocabulary[0], ends[:-1])))
         beams: dict[int, list[tuple[BeamSearch, np.ndarray]]] = {}  # beam size -> its searches and their rows
         for j, (request, rows) in enumerate(placement):
             if request.search is None:
@@ -205,10 +205,10 @@ class RunningBatch:
                 continue
             outputs.append((request, None, None))
             parents = np.arange(len(self.rows)) if parents is None else parents
-            if isinstance(request.search, BeamSearch) and j not in whole_log_probs:
+            if isinstance(request.search, BeamSearch) and j not in whole_logits:
                 beams.setdefault(request.search.k, []).append((request.search, rows))
                 continue
-            own = (None, whole_log_probs[j]) if j in whole_log_probs else (ids[rows], scores[rows])
+            own = (None, whole_logits[j]) if j in whole_logits else (ids[rows], scores[rows])
             chosen_parents, chosen = request.search.step(*own)
             parents[rows], tokens[rows] = rows[chosen_parents], chosen
         for searches in beams.values():  # the beams of one size ranked at once (search.beam_steps), their rows gathered

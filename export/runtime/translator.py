@@ -156,7 +156,7 @@ class OnnxTranslator(Decoder):
                         target_language: str = "", target_prefix: list[str | None] | None = None,
                         min_decoding_length: int = 0, disable_unk: bool = False, no_repeat_ngram_size: int = 0,
                         suppress_sequences: list[str] | None = None, prefix_bias_beta: float = 0.0,
-                        glossary: Glossary | list[tuple[str, str]] | None = None) -> list[Translation]:
+                        repetition_penalty: float = 1.0, glossary: Glossary | list[tuple[str, str]] | None = None) -> list[Translation]:
         """Translate texts, with CTranslate2's decoding options (nmtserve/search.py says what each does):
         greedy by default, beam search with beam_size > 1, random sampling with sampling_topk != 1. Each
         Translation is the best hypothesis, with the rest of the n-best list in `alternatives`. Inputs are
@@ -165,13 +165,15 @@ class OnnxTranslator(Decoder):
         for each text the start its translation is forced to (None or "": none); each hypothesis begins with it.
         min_decoding_length, disable_unk, no_repeat_ngram_size and suppress_sequences (target texts) are
         CTranslate2's disabled tokens (nmtserve/search.py: TokenMasks). With prefix_bias_beta (CTranslate2's) the
-        target_prefix is favoured, not forced, and a translation begins with what was decoded. `glossary` (nmtserve's:
+        target_prefix is favoured, not forced, and a translation begins with what was decoded. repetition_penalty
+        (CTranslate2's) divides the logits of tokens already decoded before each step's softmax. `glossary` (nmtserve's:
         (source term, target term) pairs, nmtserve/glossary.py): a text containing a source term is translated with
         its target term, by constrained beam search."""
         suppressed = tuple(tuple(self.tokenizer.encode_target(text)) for text in suppress_sequences or ())
         options = DecodingOptions(beam_size, num_hypotheses, length_penalty, patience, sampling_topk, sampling_topp,
                                   sampling_temperature, seed, max_decoding_length, beam_stopping, length_rule,
-                                  min_decoding_length, disable_unk, no_repeat_ngram_size, suppressed, prefix_bias_beta)
+                                  min_decoding_length, disable_unk, no_repeat_ngram_size, suppressed, prefix_bias_beta,
+                                  repetition_penalty)
         encode = self.tokenizer.encode
         ids = [encode(t, self.limits.max_source_tokens, target_language, source_language) or [self.eos_id]
                for t in texts]

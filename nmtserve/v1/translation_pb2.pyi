@@ -37,7 +37,7 @@ FINISH_REASON_EOS: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
 class DecodingOptions(_message.Message):
-    __slots__ = ("max_decoding_length", "return_scores", "beam_size", "num_hypotheses", "length_penalty", "patience", "sampling_topk", "sampling_topp", "sampling_temperature", "seed", "beam_stopping", "length_rule", "min_decoding_length", "disable_unk", "no_repeat_ngram_size", "suppress_sequences", "prefix_bias_beta")
+    __slots__ = ("max_decoding_length", "return_scores", "beam_size", "num_hypotheses", "length_penalty", "patience", "sampling_topk", "sampling_topp", "sampling_temperature", "seed", "beam_stopping", "length_rule", "min_decoding_length", "disable_unk", "no_repeat_ngram_size", "suppress_sequences", "prefix_bias_beta", "repetition_penalty")
     MAX_DECODING_LENGTH_FIELD_NUMBER: _ClassVar[int]
     RETURN_SCORES_FIELD_NUMBER: _ClassVar[int]
     BEAM_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class DecodingOptions(_message.Message):
     NO_REPEAT_NGRAM_SIZE_FIELD_NUMBER: _ClassVar[int]
     SUPPRESS_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BIAS_BETA_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     max_decoding_length: int
     return_scores: bool
     beam_size: int
@@ -72,7 +73,8 @@ class DecodingOptions(_message.Message):
     no_repeat_ngram_size: int
     suppress_sequences: _containers.RepeatedScalarFieldContainer[str]
     prefix_bias_beta: float
-    def __init__(self, max_decoding_length: _Optional[int] = ..., return_scores: _Optional[bool] = ..., beam_size: _Optional[int] = ..., num_hypotheses: _Optional[int] = ..., length_penalty: _Optional[float] = ..., patience: _Optional[float] = ..., sampling_topk: _Optional[int] = ..., sampling_topp: _Optional[float] = ..., sampling_temperature: _Optional[float] = ..., seed: _Optional[int] = ..., beam_stopping: _Optional[_Union[BeamStopping, str]] = ..., length_rule: _Optional[_Union[LengthRule, str]] = ..., min_decoding_length: _Optional[int] = ..., disable_unk: _Optional[bool] = ..., no_repeat_ngram_size: _Optional[int] = ..., suppress_sequences: _Optional[_Iterable[str]] = ..., prefix_bias_beta: _Optional[float] = ...) -> None: ...
+    repetition_penalty: float
+    def __init__(self, max_decoding_length: _Optional[int] = ..., return_scores: _Optional[bool] = ..., beam_size: _Optional[int] = ..., num_hypotheses: _Optional[int] = ..., length_penalty: _Optional[float] = ..., patience: _Optional[float] = ..., sampling_topk: _Optional[int] = ..., sampling_topp: _Optional[float] = ..., sampling_temperature: _Optional[float] = ..., seed: _Optional[int] = ..., beam_stopping: _Optional[_Union[BeamStopping, str]] = ..., length_rule: _Optional[_Union[LengthRule, str]] = ..., min_decoding_length: _Optional[int] = ..., disable_unk: _Optional[bool] = ..., no_repeat_ngram_size: _Optional[int] = ..., suppress_sequences: _Optional[_Iterable[str]] = ..., prefix_bias_beta: _Optional[float] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_ns", "time_to_first_token_ns", "total_ns", "prepare_ns", "handler_ns", "encoded_ns", "resumed_ns")

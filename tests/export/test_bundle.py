@@ -28,7 +28,7 @@ def test_manifest_records_model_graphs_variants_and_hashes(tiny_bundle, tiny_che
     assert [o["name"] for o in decoder["outputs"]] == ["present_k_0", "present_v_0", "present_k_1",
                                                       "present_v_1", "present_cross_k_0", "present_cross_v_0",
                                                       "present_cross_k_1", "present_cross_v_1", "candidate_ids",
-                                                      "candidate_scores", "whole_log_probs"]
+                                                      "candidate_scores", "whole_logits"]
     past_k = next(i for i in decoder["inputs"] if i["name"] == "past_k_1")
     assert past_k["shape"] == ["batch", 4, "capacity", 16]
     assert [(i["dtype"], i["shape"]) for i in decoder["inputs"][2:5]] == [("int32", ["batch"]), ("int32", [1]),

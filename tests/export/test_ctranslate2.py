@@ -97,11 +97,12 @@ def test_target_prefix_gives_ctranslate2s_tokens(both):
 
 
 @pytest.mark.parametrize("option", [{"min_decoding_length": 12}, {"disable_unk": True}, {"no_repeat_ngram_size": 2},
-                                    {"suppress_sequences": ["s", "le chat"]}])
-def test_disabled_tokens_give_ctranslate2s_tokens(both, option):
-    """CTranslate2's min_decoding_length, disable_unk, no_repeat_ngram_size and suppress_sequences (here as target
-    texts): CTranslate2's tokens on the same weights, and the option changes outputs (disable_unk aside: this model
-    rarely says unk)."""
+                                    {"suppress_sequences": ["s", "le chat"]}, {"repetition_penalty": 1.5},
+                                    {"repetition_penalty": 0.7}])
+def test_logits_processors_give_ctranslate2s_tokens(both, option):
+    """CTranslate2's min_decoding_length, disable_unk, no_repeat_ngram_size, suppress_sequences (here as target
+    texts) and repetition_penalty (above 1 and below): CTranslate2's tokens on the same weights, and the option
+    changes outputs (disable_unk aside: this model rarely says unk)."""
     theirs_option = {**CT2_OPTIONS, **option}
     if "suppress_sequences" in option:
         theirs_option["suppress_sequences"] = _pieces(both, option["suppress_sequences"])

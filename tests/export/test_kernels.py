@@ -353,15 +353,15 @@ def test_search_head_gives_each_rows_best_logits_in_order_with_their_log_softmax
     shifted = logits - logits.max(axis=1, keepdims=True)
     log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
     for with_scores, expected in ((True, log_probs), (False, logits)):
-        for whole_rows in ([], [2, 0]):  # and those rows' values over the whole vocabulary, unranked
+        for whole_rows in ([], [2, 0]):  # and those rows' logits over the whole vocabulary, unranked
             scores, ids, whole = session.run(None, {"logits": logits, "candidates": np.array([k], np.int64),
                                                     "with_scores": np.array(with_scores),
                                                     "whole_rows": np.array(whole_rows, np.int64)})
             assert ids.shape == scores.shape == (4, k) and ids.dtype == np.int64
             assert np.array_equal(ids, expected_ids)
             assert np.allclose(scores, np.take_along_axis(expected, ids, axis=1), atol=1e-5, rtol=0)
-            assert whole.shape == (len(whole_rows), vocab)
-            assert np.allclose(whole, expected[whole_rows], atol=1e-5, rtol=0)
+            assert whole.shape == (len(whole_rows), vocab)  # with scores or without, those rows' logits
+            assert np.array_equal(whole, logits[whole_rows])
     scores, ids, _ = session.run(None, {"logits": logits, "candidates": np.array([vocab + 5], np.int64),
                                         "with_scores": np.array(True), "whole_rows": np.zeros(0, np.int64)})
     assert ids.shape == (4, vocab)  # at most the vocabulary

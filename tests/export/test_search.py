@@ -10,7 +10,7 @@ from nmtserve.export.build.to_ctranslate2 import convert
 from nmtserve.export.runtime.batch import BatchState
 from nmtserve.export.runtime.tensors import HostTensors
 from nmtserve.export.runtime.translator import OnnxTranslator
-from nmtserve.search import DecodingOptions
+from nmtserve.search import DecodingOptions, log_softmax
 from nmtserve.training.checkpoint import load_model
 from nmtserve.training.data import pad, read_tsv
 from nmtserve.training.decode import beam_search, sample
@@ -167,8 +167,8 @@ def test_beam_rows_sharing_their_sources_cross_kv_step_as_rows_with_copies(tiny_
 def test_whole_vocabulary_rows_come_unranked_beside_the_k_best_of_every_row(tiny_bundle, sources, options):
     """A step with `whole` rows (a sampler without top-k in the server's batch): every row gets its k best
     from the search head (nmtserve.SearchHead, or ONNX Runtime's If of TopK and Gather), and only the whole
-    rows' log-probs over the vocabulary come back: the values that a step of k = 0 gives those rows (every
-    row's log-probs, by token id)."""
+    rows' logits over the vocabulary come back: the values that a step of k = 0 gives those rows (every
+    row's logits, by token id), whose log-softmax ranks as the head does."""
     tr = OnnxTranslator(tiny_bundle, shared_cross=False, **options)
     states = [tr.prefill(sources[:5]) for _ in range(2)]
     whole = np.array([3, 1])
@@ -177,7 +177,7 @@ def test_whole_vocabulary_rows_come_unranked_beside_the_k_best_of_every_row(tiny
         ids, scores, vocabulary = tr.decode_candidates(states[1], 4, whole=whole)
         assert none is None and every.shape == (5, tr.vocab_size)
         assert ids.shape == scores.shape == (5, 4) and vocabulary.shape == (2, tr.vocab_size)
-        ranked, ranked_scores = top_candidates(every, 4)
+        ranked, ranked_scores = top_candidates(log_softmax(every), 4)
         assert (ids == ranked).all() and np.allclose(scores, ranked_scores, atol=1e-5)
         assert np.allclose(vocabulary, every[whole], atol=1e-5)
         for state in states:

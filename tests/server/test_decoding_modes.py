@@ -28,6 +28,9 @@ MODES = [
      dict(beam_size=3, num_hypotheses=2, no_repeat_ngram_size=2, disable_unk=True)),
     (pb.DecodingOptions(sampling_topk=5, seed=3, min_decoding_length=4, suppress_sequences=["s"]),
      dict(sampling_topk=5, seed=3, min_decoding_length=4, suppress_sequences=["s"])),
+    # CTranslate2's repetition penalty, on the logits of these rows alone
+    (pb.DecodingOptions(repetition_penalty=1.5), dict(repetition_penalty=1.5)),
+    (pb.DecodingOptions(beam_size=2, repetition_penalty=0.8), dict(beam_size=2, repetition_penalty=0.8)),
 ]
 
 
@@ -81,8 +84,8 @@ def test_every_mode_in_concurrent_mixed_traffic_gets_its_alone_result(server, re
         results = list(pool.map(call, jobs))
     after = scrape(served.running.metrics_port)
     assert all(engine.stats()["steps"] > before for engine, before in zip(engines, steps_before))
-    # the request metrics count each decoding mode apart (MODES: 2 greedy, 3 beam, 3 sampled)
-    for mode, share in (("greedy", 2), ("beam", 3), ("sampling", 3)):
+    # the request metrics count each decoding mode apart (MODES: 3 greedy, 4 beam, 3 sampled)
+    for mode, share in (("greedy", 3), ("beam", 4), ("sampling", 3)):
         sentences_done = metric(after, "nmtserve_sentences_total", mode=mode) - metric(before, "nmtserve_sentences_total",
                                                                                         mode=mode)
         assert sentences_done == share * 2 * len(sentences), mode
@@ -108,6 +111,7 @@ def test_every_mode_in_concurrent_mixed_traffic_gets_its_alone_result(server, re
     (pb.DecodingOptions(beam_size=3, sampling_topk=5), "options.sampling_topk 5: must be 1 (no sampling) with beam_size"),
     (pb.DecodingOptions(min_decoding_length=999), "options.min_decoding_length 999: must be between 0 and max_decoding_length"),
     (pb.DecodingOptions(suppress_sequences=[" "]), "options.suppress_sequences ((),): must be sequences of at least one"),
+    (pb.DecodingOptions(repetition_penalty=0.0), "options.repetition_penalty 0.0: must be above 0 (1: none)"),
 ])
 def test_an_out_of_range_option_is_invalid_argument_naming_the_field_value_and_limit(served, options, message):
     with served.channel() as channel:
