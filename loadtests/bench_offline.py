@@ -56,6 +56,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from nmtserve.console import Progress
+from nmtserve.decoding import DecodingOptions
 from nmtserve.errors import NmtserveError
 from nmtserve.loadtests.charts import host, legend_outside, pyplot, save
 from nmtserve.loadtests.machine import (
@@ -68,7 +69,6 @@ from nmtserve.loadtests.machine import (
     usable_cores,
 )
 from nmtserve.loadtests.measure import CT2_ISA, layout_name, run_measure, run_worker
-from nmtserve.search import DecodingOptions
 
 BATCH_SIZES = (1, 8, 32, 64)
 ENGINES = ("pytorch", "transformers", "ort_fp32", "ort_int8", "ort_fp16", "ct2_fp32", "ct2_int8", "ct2_fp16")

@@ -1,12 +1,145 @@
 """Decoding rules shared by every decoder (PyTorch reference, ONNX Runtime, the server), so that
-they batch alike, stop at the same step and give the same tokens."""
+they batch alike, stop at the same step and give the same tokens: a request's options (`DecodingOptions`, CTranslate2's
+names), the hypotheses a search gives, output budgets and batching. Below training and serving alike: imports neither."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from nmtserve.errors import ConfigError
 
 LENGTH_RULES = ("nmtserve", "transformers", "ctranslate2")
+BEAM_STOPPING = ("ctranslate2", "transformers")
+
+
+@dataclass(frozen=True)
+class DecodingOptions:
+    """How one request is decoded; CTranslate2's translate_batch names and defaults."""
+
+    beam_size: int = 1
+    num_hypotheses: int = 1  # the n-best list's length, at most beam_size
+    length_penalty: float = 0.0  # a finished hypothesis scores (sum of log-probs) / length ** length_penalty
+    patience: float = 1.0  # with a length penalty, stop after round(beam_size × patience) finished hypotheses
+    sampling_topk: int = 1  # 1: no sampling; 0: sample from the whole vocabulary; k: from the k best tokens
+    sampling_topp: float = 1.0  # then keep the smallest set of best tokens whose probability reaches topp
+    sampling_temperature: float = 1.0  # log-probabilities are divided by it before sampling
+    seed: int = 0  # of the request's own random generator; 0 draws one from the operating system
+    max_decoding_length: int = 256
+    beam_stopping: str = "ctranslate2"  # or "transformers": when beam search stops (BeamSearch says how)
+    length_rule: str = "nmtserve"  # or "transformers": the output budget, and how it ends (decoding.output_budget)
+    # CTranslate2's disabled tokens (TokenMasks): eos before this many tokens after a forced prefix (CTranslate2's
+    # default is 1, nmtserve's 0: eos may come first, as in transformers), unk, repeated n-grams, token sequences
+    min_decoding_length: int = 0
+    disable_unk: bool = False
+    no_repeat_ngram_size: int = 0
+    suppress_sequences: tuple[tuple[int, ...], ...] = ()  # token ids; a single token is never generated
+    # CTranslate2's: with a target prefix, the prefix is not forced but favoured (BeamSearch's `bias`)
+    prefix_bias_beta: float = 0.0
+    # CTranslate2's: the logit of each token already in the row's sequence divided by it (multiplied where
+    # negative) before the log-softmax; above 1 discourages repeats (TokenMasks)
+    repetition_penalty: float = 1.0
+    # nmtserve's: token sequences every hypothesis must contain (a glossary's target terms: ConstrainedBeamSearch)
+    constraints: tuple[tuple[int, ...], ...] = ()
+
+    def override(self, **given) -> DecodingOptions:
+        """These options (a model's defaults) with what a request gives; a sampled request decodes one
+        row unless it gives beam_size."""
+        if given.get("sampling_topk", 1) != 1:
+            given.setdefault("beam_size", 1)
+        return replace(self, **given)
+
+    @property
+    def sampling(self) -> bool:
+        return self.sampling_topk != 1
+
+    @property
+    def masked(self) -> bool:
+        """Whether tokens are disabled or repeats penalised (TokenMasks) or a prefix favoured: the rows then rank
+        the whole vocabulary in their search."""
+        return bool(self.min_decoding_length or self.disable_unk or self.no_repeat_ngram_size or self.suppress_sequences
+                    or self.prefix_bias_beta or self.repetition_penalty != 1)
+
+    @property
+    def greedy(self) -> bool:
+        """Greedy search as the callers run it vectorised; with disabled tokens a beam of one does it instead."""
+        return self.beam_size == 1 and not self.sampling and not self.masked and not self.constraints
+
+    @property
+    def mode(self) -> str:
+        """"greedy", "beam" or "sampling": the decoding mode, as metrics label it."""
+        return "sampling" if self.sampling else "greedy" if self.beam_size == 1 else "beam"
+
+    def check(self, vocab_size: int, max_beam_size: int | None = None) -> None:
+        """ConfigError naming the field, its value and the limit, for a value out of range."""
+        k, n = self.beam_size, self.num_hypotheses
+        rules = [  # in order: a rule may assume the ones before it hold
+            ("beam_size", k, lambda: k >= 1, "at least 1"),
+            ("beam_size", k, lambda: max_beam_size is None or k <= max_beam_size,
+             f"at most {max_beam_size} (the server's --max-beam-size)"),
+            ("beam_size", k, lambda: 2 * k <= vocab_size, f"at most {vocab_size // 2} (half the vocabulary)"),
+            ("num_hypotheses", n, lambda: 1 <= n <= k, f"between 1 and beam_size ({k})"),
+            ("length_penalty", self.length_penalty, lambda: np.isfinite(self.length_penalty), "a finite number"),
+            ("patience", self.patience, lambda: 0 < self.patience < np.inf, "above 0"),
+            ("patience", self.patience, lambda: round(k * self.patience) >= n,
+             f"enough for num_hypotheses ({n}) finished hypotheses: beam_size × patience"),
+            ("sampling_topk", self.sampling_topk, lambda: 0 <= self.sampling_topk <= vocab_size,
+             f"between 0 (the whole vocabulary) and {vocab_size}"),
+            ("sampling_topk", self.sampling_topk, lambda: not self.sampling or k == 1,
+             "1 (no sampling) with beam_size above 1"),
+            ("sampling_topp", self.sampling_topp, lambda: 0 < self.sampling_topp <= 1, "in (0, 1]"),
+            ("sampling_temperature", self.sampling_temperature, lambda: 0 < self.sampling_temperature < np.inf,
+             "above 0"),
+            ("seed", self.seed, lambda: 0 <= self.seed < 2 ** 64, "between 0 and 2^64 - 1"),
+            ("max_decoding_length", self.max_decoding_length, lambda: self.max_decoding_length >= 1, "at least 1"),
+            ("beam_stopping", self.beam_stopping, lambda: self.beam_stopping in BEAM_STOPPING,
+             " or ".join(BEAM_STOPPING)),
+            ("length_rule", self.length_rule, lambda: self.length_rule in LENGTH_RULES, " or ".join(LENGTH_RULES)),
+            ("min_decoding_length", self.min_decoding_length,
+             lambda: 0 <= self.min_decoding_length <= self.max_decoding_length,
+             f"between 0 and max_decoding_length ({self.max_decoding_length})"),
+            ("no_repeat_ngram_size", self.no_repeat_ngram_size, lambda: self.no_repeat_ngram_size >= 0, "0 or more"),
+            ("repetition_penalty", self.repetition_penalty, lambda: 0 < self.repetition_penalty < np.inf,
+             "above 0 (1: none)"),
+            ("prefix_bias_beta", self.prefix_bias_beta, lambda: 0 <= self.prefix_bias_beta < 1, "in [0, 1)"),
+            ("prefix_bias_beta", self.prefix_bias_beta, lambda: not (self.prefix_bias_beta and self.sampling),
+             "0 when sampling"),
+            ("suppress_sequences", self.suppress_sequences,
+             lambda: all(s and all(0 <= t < vocab_size for t in s) for s in self.suppress_sequences),
+             f"sequences of at least one token id between 0 and {vocab_size - 1}"),
+            ("constraints", self.constraints,
+             lambda: all(c and all(0 <= t < vocab_size for t in c) for c in self.constraints),
+             f"sequences of at least one token id between 0 and {vocab_size - 1}"),
+            ("constraints", self.constraints, lambda: not (self.constraints and self.sampling), "none when sampling"),
+            ("beam_size", k, lambda: k > sum(len(c) for c in self.constraints),
+             f"above the constraints' {sum(len(c) for c in self.constraints)} tokens (a beam per bank)"),
+        ]
+        for name, value, ok, limit in rules:
+            if not ok():
+                raise ConfigError(f"{name} {value}: must be {limit}")
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]  # target ids, eos excluded
+    score: float  # beam search: sum of log-probs (eos included) / length ** length_penalty; else the sum
+    finish: str  # "eos" or "length"
+    mean_log_prob: float = math.nan  # of the tokens decoded, eos included (`mean_log_prob`); nan when not scored
+
+    @property
+    def confidence(self) -> float:
+        """exp(mean_log_prob): the geometric mean of its decoded tokens' probabilities, from 0 to 1 (nan when not
+        scored). A translation scoring higher is more often right: `nmtserve evaluate --calibration` shows how."""
+        return math.exp(self.mean_log_prob)
+
+
+def mean_log_prob(total: float, tokens: int, eos: bool) -> float:
+    """The mean log-prob of a hypothesis's decoded tokens: `total`, the sum of the log-probs of its `tokens` decoded
+    tokens and of its eos (when `eos`: one decoded), over their count (forced tokens are neither summed nor counted)."""
+    return total / max(1, tokens + eos)
 
 
 def output_budget(src_len: int, max_decoding_length: int, max_len: int, length_rule: str = "nmtserve") -> int:

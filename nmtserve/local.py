@@ -13,10 +13,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
-from nmtserve.decoding import LENGTH_RULES
+from nmtserve.decoding import BEAM_STOPPING, LENGTH_RULES, DecodingOptions
 from nmtserve.errors import NmtserveError
 from nmtserve.hf_folder import bundle_for
-from nmtserve.search import BEAM_STOPPING, DecodingOptions
 
 SEARCH_FLAGS = ("max_decoding_length", "beam_size", "num_hypotheses", "length_penalty", "patience", "sampling_topk", "sampling_topp",
                 "sampling_temperature", "seed", "beam_stopping", "length_rule", "min_decoding_length", "disable_unk",

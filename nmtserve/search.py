@@ -1,4 +1,6 @@
-"""Beam search and sampling for one request, over the candidates of its rows. Numpy only, torch-free:
+"""The searches of one request, over the candidates of its rows: beam search (`BeamSearch`, `ConstrainedBeamSearch`
+for glossaries), beam steps ranked for several searches at once (`beam_steps`), and `make_search`, which picks a
+request's search (beam, constrained beam, or sampling: nmtserve/sampling.py). Numpy only, torch-free:
 OnnxTranslator (export/runtime) and the server's engine both drive these, one object per request, so
 a request's result depends on its own rows alone, never on what else shares the decoder batch.
 
@@ -24,142 +26,14 @@ the search stops.
 from __future__ import annotations
 
 import heapq
-import math
-import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
-from nmtserve.decoding import LENGTH_RULES
-from nmtserve.errors import ConfigError
-
-BEAM_STOPPING = ("ctranslate2", "transformers")
-
-
-@dataclass(frozen=True)
-class DecodingOptions:
-    """How one request is decoded; CTranslate2's translate_batch names and defaults."""
-
-    beam_size: int = 1
-    num_hypotheses: int = 1  # the n-best list's length, at most beam_size
-    length_penalty: float = 0.0  # a finished hypothesis scores (sum of log-probs) / length ** length_penalty
-    patience: float = 1.0  # with a length penalty, stop after round(beam_size × patience) finished hypotheses
-    sampling_topk: int = 1  # 1: no sampling; 0: sample from the whole vocabulary; k: from the k best tokens
-    sampling_topp: float = 1.0  # then keep the smallest set of best tokens whose probability reaches topp
-    sampling_temperature: float = 1.0  # log-probabilities are divided by it before sampling
-    seed: int = 0  # of the request's own random generator; 0 draws one from the operating system
-    max_decoding_length: int = 256
-    beam_stopping: str = "ctranslate2"  # or "transformers": when beam search stops (BeamSearch says how)
-    length_rule: str = "nmtserve"  # or "transformers": the output budget, and how it ends (decoding.output_budget)
-    # CTranslate2's disabled tokens (TokenMasks): eos before this many tokens after a forced prefix (CTranslate2's
-    # default is 1, nmtserve's 0: eos may come first, as in transformers), unk, repeated n-grams, token sequences
-    min_decoding_length: int = 0
-    disable_unk: bool = False
-    no_repeat_ngram_size: int = 0
-    suppress_sequences: tuple[tuple[int, ...], ...] = ()  # token ids; a single token is never generated
-    # CTranslate2's: with a target prefix, the prefix is not forced but favoured (BeamSearch's `bias`)
-    prefix_bias_beta: float = 0.0
-    # CTranslate2's: the logit of each token already in the row's sequence divided by it (multiplied where
-    # negative) before the log-softmax; above 1 discourages repeats (TokenMasks)
-    repetition_penalty: float = 1.0
-    # nmtserve's: token sequences every hypothesis must contain (a glossary's target terms: ConstrainedBeamSearch)
-    constraints: tuple[tuple[int, ...], ...] = ()
-
-    def override(self, **given) -> DecodingOptions:
-        """These options (a model's defaults) with what a request gives; a sampled request decodes one
-        row unless it gives beam_size."""
-        if given.get("sampling_topk", 1) != 1:
-            given.setdefault("beam_size", 1)
-        return replace(self, **given)
-
-    @property
-    def sampling(self) -> bool:
-        return self.sampling_topk != 1
-
-    @property
-    def masked(self) -> bool:
-        """Whether tokens are disabled or repeats penalised (TokenMasks) or a prefix favoured: the rows then rank
-        the whole vocabulary in their search."""
-        return bool(self.min_decoding_length or self.disable_unk or self.no_repeat_ngram_size or self.suppress_sequences
-                    or self.prefix_bias_beta or self.repetition_penalty != 1)
-
-    @property
-    def greedy(self) -> bool:
-        """Greedy search as the callers run it vectorised; with disabled tokens a beam of one does it instead."""
-        return self.beam_size == 1 and not self.sampling and not self.masked and not self.constraints
-
-    @property
-    def mode(self) -> str:
-        """"greedy", "beam" or "sampling": the decoding mode, as metrics label it."""
-        return "sampling" if self.sampling else "greedy" if self.beam_size == 1 else "beam"
-
-    def check(self, vocab_size: int, max_beam_size: int | None = None) -> None:
-        """ConfigError naming the field, its value and the limit, for a value out of range."""
-        k, n = self.beam_size, self.num_hypotheses
-        rules = [  # in order: a rule may assume the ones before it hold
-            ("beam_size", k, lambda: k >= 1, "at least 1"),
-            ("beam_size", k, lambda: max_beam_size is None or k <= max_beam_size,
-             f"at most {max_beam_size} (the server's --max-beam-size)"),
-            ("beam_size", k, lambda: 2 * k <= vocab_size, f"at most {vocab_size // 2} (half the vocabulary)"),
-            ("num_hypotheses", n, lambda: 1 <= n <= k, f"between 1 and beam_size ({k})"),
-            ("length_penalty", self.length_penalty, lambda: np.isfinite(self.length_penalty), "a finite number"),
-            ("patience", self.patience, lambda: 0 < self.patience < np.inf, "above 0"),
-            ("patience", self.patience, lambda: round(k * self.patience) >= n,
-             f"enough for num_hypotheses ({n}) finished hypotheses: beam_size × patience"),
-            ("sampling_topk", self.sampling_topk, lambda: 0 <= self.sampling_topk <= vocab_size,
-             f"between 0 (the whole vocabulary) and {vocab_size}"),
-            ("sampling_topk", self.sampling_topk, lambda: not self.sampling or k == 1,
-             "1 (no sampling) with beam_size above 1"),
-            ("sampling_topp", self.sampling_topp, lambda: 0 < self.sampling_topp <= 1, "in (0, 1]"),
-            ("sampling_temperature", self.sampling_temperature, lambda: 0 < self.sampling_temperature < np.inf,
-             "above 0"),
-            ("seed", self.seed, lambda: 0 <= self.seed < 2 ** 64, "between 0 and 2^64 - 1"),
-            ("max_decoding_length", self.max_decoding_length, lambda: self.max_decoding_length >= 1, "at least 1"),
-            ("beam_stopping", self.beam_stopping, lambda: self.beam_stopping in BEAM_STOPPING,
-             " or ".join(BEAM_STOPPING)),
-            ("length_rule", self.length_rule, lambda: self.length_rule in LENGTH_RULES, " or ".join(LENGTH_RULES)),
-            ("min_decoding_length", self.min_decoding_length,
-             lambda: 0 <= self.min_decoding_length <= self.max_decoding_length,
-             f"between 0 and max_decoding_length ({self.max_decoding_length})"),
-            ("no_repeat_ngram_size", self.no_repeat_ngram_size, lambda: self.no_repeat_ngram_size >= 0, "0 or more"),
-            ("repetition_penalty", self.repetition_penalty, lambda: 0 < self.repetition_penalty < np.inf,
-             "above 0 (1: none)"),
-            ("prefix_bias_beta", self.prefix_bias_beta, lambda: 0 <= self.prefix_bias_beta < 1, "in [0, 1)"),
-            ("prefix_bias_beta", self.prefix_bias_beta, lambda: not (self.prefix_bias_beta and self.sampling),
-             "0 when sampling"),
-            ("suppress_sequences", self.suppress_sequences,
-             lambda: all(s and all(0 <= t < vocab_size for t in s) for s in self.suppress_sequences),
-             f"sequences of at least one token id between 0 and {vocab_size - 1}"),
-            ("constraints", self.constraints,
-             lambda: all(c and all(0 <= t < vocab_size for t in c) for c in self.constraints),
-             f"sequences of at least one token id between 0 and {vocab_size - 1}"),
-            ("constraints", self.constraints, lambda: not (self.constraints and self.sampling), "none when sampling"),
-            ("beam_size", k, lambda: k > sum(len(c) for c in self.constraints),
-             f"above the constraints' {sum(len(c) for c in self.constraints)} tokens (a beam per bank)"),
-        ]
-        for name, value, ok, limit in rules:
-            if not ok():
-                raise ConfigError(f"{name} {value}: must be {limit}")
-
-
-@dataclass
-class Hypothesis:
-    tokens: list[int]  # target ids, eos excluded
-    score: float  # beam search: sum of log-probs (eos included) / length ** length_penalty; else the sum
-    finish: str  # "eos" or "length"
-    mean_log_prob: float = math.nan  # of the tokens decoded, eos included (`mean_log_prob`); nan when not scored
-
-    @property
-    def confidence(self) -> float:
-        """exp(mean_log_prob): the geometric mean of its decoded tokens' probabilities, from 0 to 1 (nan when not
-        scored). A translation scoring higher is more often right: `nmtserve evaluate --calibration` shows how."""
-        return math.exp(self.mean_log_prob)
-
-
-def mean_log_prob(total: float, tokens: int, eos: bool) -> float:
-    """The mean log-prob of a hypothesis's decoded tokens: `total`, the sum of the log-probs of its `tokens` decoded
-    tokens and of its eos (when `eos`: one decoded), over their count (forced tokens are neither summed nor counted)."""
-    return total / max(1, tokens + eos)
+from nmtserve.decoding import DecodingOptions, Hypothesis, mean_log_prob
+from nmtserve.logits import TokenMasks, best_candidates, log_softmax
+from nmtserve.sampling import Sampling
 
 
 class BeamSearch:
@@ -317,12 +191,20 @@ class BeamSearch:
         return _common_prefix(self.live + [tokens for tokens, *_ in self.finished])
 
 
+class Progress(NamedTuple):
+    """A row's way through its constraints (ConstrainedBeamSearch)."""
+    met: frozenset = frozenset()  # the constraints its hypothesis contains
+    inside: tuple[int, int] | None = None  # the constraint it is inside and the tokens of it matched
+    just: int | None = None  # the constraint its last token finished
+
+
 class ConstrainedBeamSearch(BeamSearch):
     """Beam search whose hypotheses each contain every constraint (a token sequence: a glossary's target term), by
     dynamic beam allocation (Post & Vilar 2018, "Fast Lexically Constrained Decoding with Dynamic Beam Allocation").
 
     Each row tracks the constraints its hypothesis has met and the one it is inside (`_after`: a token that leaves
-    a constraint unfinished abandons it). Each step ranks, from each row's whole distribution, the 2k best
+    a constraint unfinished abandons it; with `continues`, the tokens that continue a word, a token that runs a just
+    finished constraint on into a longer word unmeets it: "village" then "nt" is not the term). Each step ranks, from each row's whole distribution, the 2k best
     extensions overall, each row's best, and each row's extensions by the next token of a constraint (the one it is
     inside, or the first token of any it has not met); eos only once every constraint is met. The candidates fall
     into banks by the constraint tokens their hypotheses have met (0 … C), and the beam is shared among them: the
@@ -332,12 +214,13 @@ class ConstrainedBeamSearch(BeamSearch):
     after the ones that contain every constraint."""
 
     def __init__(self, options: DecodingOptions, budget: int, eos_id: int, prefix: int = 0,
-                 masks: TokenMasks | None = None, favoured: list[int] = ()):
+                 masks: TokenMasks | None = None, favoured: list[int] = (), continues: np.ndarray | None = None):
         super().__init__(options, budget, eos_id, prefix, masks, favoured)
         self.constraints = [list(c) for c in options.constraints]
+        self.continues = continues
         self.banks = sum(len(c) for c in self.constraints) + 1
         self.candidates = 0  # each row's whole distribution: a constraint's next token may rank anywhere
-        self.state: list[tuple[frozenset, tuple[int, int] | None]] = [(frozenset(), None)] * self.k
+        self.state: list[Progress] = [Progress()] * self.k
 
     def step(self, ids: np.ndarray | None, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """scores (rows, V): each row's logits by token id (ids None: candidates 0) -> parents and tokens."""
@@ -346,7 +229,7 @@ class ConstrainedBeamSearch(BeamSearch):
         if self.favoured:
             scores = self._favour(np.array(scores, np.float32))
         total = self.scores[:, None] + scores.astype(np.float64)  # (k, V): rows at -inf give -inf
-        unmet = [len(met) < len(self.constraints) for met, _ in self.state]
+        unmet = [len(state.met) < len(self.constraints) for state in self.state]
         total[unmet, eos] = -np.inf
         pairs = set(np.argpartition(-total.ravel(), 2 * k - 1)[:2 * k].tolist())
         for r in range(k):
@@ -374,91 +257,43 @@ class ConstrainedBeamSearch(BeamSearch):
 
     def _wanted(self, r: int) -> list[int]:
         """The tokens that take row r further into a constraint."""
-        met, inside = self.state[r]
+        met, inside, _ = self.state[r]
         wanted = {c[0] for i, c in enumerate(self.constraints) if i not in met}
         if inside is not None:
             wanted.add(self.constraints[inside[0]][inside[1]])
         return sorted(wanted)
 
-    def _after(self, state: tuple[frozenset, tuple[int, int] | None], token: int) \
-            -> tuple[frozenset, tuple[int, int] | None]:
-        """A row's constraints met and the one it is inside (constraint, tokens matched), after `token`."""
-        met, inside = state
+    def _after(self, state: Progress, token: int) -> Progress:
+        """A row's progress after `token`."""
+        met, inside, just = state
+        if just is not None and self.continues is not None and self.continues[token]:
+            met = met - {just}  # the term ran on into a longer word
         if inside is not None:
             c, n = inside
             if self.constraints[c][n] == token:
-                return (met | {c}, None) if n + 1 == len(self.constraints[c]) else (met, (c, n + 1))
+                return Progress(met | {c}, None, c) if n + 1 == len(self.constraints[c]) else Progress(met, (c, n + 1))
         for c, tokens in enumerate(self.constraints):  # none in progress, or abandoned: one may start here
             if c not in met and tokens[0] == token:
-                return (met | {c}, None) if len(tokens) == 1 else (met, (c, 1))
-        return met, None
+                return Progress(met | {c}, None, c) if len(tokens) == 1 else Progress(met, (c, 1))
+        return Progress(met)
 
-    def _met(self, state: tuple[frozenset, tuple[int, int] | None]) -> int:
+    def _met(self, state: Progress) -> int:
         """The constraint tokens a row has met: its bank."""
-        met, inside = state
-        return sum(len(self.constraints[c]) for c in met) + (inside[1] if inside else 0)
+        return sum(len(self.constraints[c]) for c in state.met) + (state.inside[1] if state.inside else 0)
 
     def ordinary_steps(self) -> int:
         return 0  # every step ranks the whole distribution here, never in the library
 
     def contains_all(self, tokens: list[int]) -> bool:
-        return all(any(tokens[i:i + len(c)] == c for i in range(len(tokens) - len(c) + 1)) for c in self.constraints)
+        """Whether every constraint is in `tokens`, none of them run on into a longer word."""
+        def ends_a_word(end: int) -> bool:
+            return end == len(tokens) or self.continues is None or not self.continues[tokens[end]]
+        return all(any(tokens[i:i + len(c)] == c and ends_a_word(i + len(c)) for i in range(len(tokens) - len(c) + 1))
+                   for c in self.constraints)
 
     def results(self) -> list[Hypothesis]:
         ranked = sorted(self._scored(), key=lambda h: (not self.contains_all(h.tokens), -h.score))
         return ranked[: self.options.num_hypotheses]
-
-
-class Sampling:
-    """Random sampling in one row, as CTranslate2's RandomSampler: keep the sampling_topk best tokens
-    (all if 0), divide their log-probs by the temperature, keep the smallest set of best tokens whose
-    probability reaches sampling_topp (a token is kept while the probability of the better ones is
-    below it), renormalise and draw one with the request's own generator. The token's score is its
-    log-probability under the model (before temperature). A hypothesis finishes at eos or at its budget."""
-
-    def __init__(self, options: DecodingOptions, budget: int, eos_id: int, masks: TokenMasks | None = None):
-        self.options, self.budget, self.eos_id, self.masks = options, budget, eos_id, masks
-        self.rows, self.candidates = 1, 0 if masks else options.sampling_topk
-        seed = options.seed or int.from_bytes(os.urandom(8), "little")
-        self.rng = np.random.Generator(np.random.PCG64(seed))
-        self.tokens: list[int] = []
-        self.score = 0.0
-        self.finish = ""
-        self.done = False
-
-    def step(self, ids: np.ndarray | None, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """ids, scores (1, ≥ K): the row's best tokens and log-probs, best first (K = sampling_topk); or ids None
-        and scores (1, V) the row's logits by token id, unranked (sampling_topk 0, or masks) -> parents (1,) and the
-        next token (1,)."""
-        options = self.options
-        if ids is None:  # repeats penalised and tokens disabled, the log-softmax; sample_whole draws unranked
-            scores = log_softmax(scores) if self.masks is None else \
-                self.masks.apply(scores, [self.tokens], len(self.tokens))
-            if options.sampling_topk:
-                ids, scores = best_candidates(scores, options.sampling_topk)
-        if ids is None:
-            token = sample_whole(scores[0], options.sampling_temperature, options.sampling_topp, self.rng)
-            score = scores[0, token]
-        else:
-            i = sample_index(scores[0, :self.candidates or None], options.sampling_temperature, options.sampling_topp,
-                             self.rng)
-            token, score = int(ids[0, i]), scores[0, i]
-        self.score += float(score)
-        if token == self.eos_id:
-            self.finish = "eos"
-        else:
-            self.tokens.append(token)
-            if len(self.tokens) >= self.budget:
-                self.finish = "length"
-        self.done = bool(self.finish)
-        return np.zeros(1, np.int64), np.array([token], np.int64)
-
-    def results(self) -> list[Hypothesis]:
-        return [Hypothesis(self.tokens, self.score, self.finish,
-                           mean_log_prob(self.score, len(self.tokens), self.finish == "eos"))]
-
-    def settled(self) -> list[int]:
-        return self.tokens
 
 
 def beam_steps(searches: list[BeamSearch | None], ids: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -502,57 +337,18 @@ def beam_steps(searches: list[BeamSearch | None], ids: np.ndarray, scores: np.nd
     return parents, tokens
 
 
-def sample_index(log_probs: np.ndarray, temperature: float, topp: float, rng: np.random.Generator) -> int:
-    """Index of the drawn candidate among log_probs (K,), sorted best first (ties: as given). Top-p keeps a
-    candidate while the probability of the better ones is below topp; the draw never lands past the last one
-    kept (rounding can put it at the very end of the sum)."""
-    z = log_probs.astype(np.float64) / temperature
-    probs = np.exp(z - z.max())  # unnormalised
-    kept = len(probs) if topp >= 1 else min(len(probs), _first_past(probs, topp * probs.sum(), "left") + 1)
-    return min(_first_past(probs[:kept], rng.random() * probs[:kept].sum(), "right"), kept - 1)
-
-
-_BLOCK = 1024  # candidates a block of the cumulative mass (_first_past)
-
-
-def _first_past(probs: np.ndarray, limit: float, side: str) -> int:
-    """The first index at which the cumulative mass of probs (K,) reaches limit (side "left": ≥) or passes it
-    ("right": >), K if none does. The sums of blocks find the block, and one block's cumulative sum the index:
-    numpy's cumulative sum is a serial loop, slow over a large vocabulary."""
-    n = len(probs)
-    if n <= _BLOCK:  # one block (a top-k sampler's candidates)
-        return int(np.searchsorted(np.cumsum(probs), limit, side))
-    blocks = np.zeros(-(-n // _BLOCK) * _BLOCK)
-    blocks[:n] = probs
-    blocks = blocks.reshape(-1, _BLOCK)
-    ends = np.cumsum(blocks.sum(axis=1))  # the mass up to each block's end
-    j = min(int(np.searchsorted(ends, limit, side)), len(ends) - 1)
-    within = (ends[j - 1] if j else 0.0) + np.cumsum(blocks[j])
-    return min(j * _BLOCK + int(np.searchsorted(within, limit, side)), n)
-
-
-def sample_whole(log_probs: np.ndarray, temperature: float, topp: float, rng: np.random.Generator) -> int:
-    """The token that sample_index draws from the whole vocabulary ranked best first, ties by lower id (as the
-    decoder's TopK head ranks it), without ranking the tokens: sample_index on the log-probs' values sorted
-    (the same numbers in the same order), then the token at the drawn place among the tokens of its value, by
-    id. log_probs (V,) by token id. A sort of V values, not of V (value, id) keys."""
-    ranked = -np.sort(-log_probs)  # best first
-    i = sample_index(ranked, temperature, topp, rng)
-    value = ranked[i]
-    return int(np.flatnonzero(log_probs == value)[i - np.count_nonzero(log_probs > value)])
-
-
 def make_search(options: DecodingOptions, budget: int, eos_id: int, forced: list[int] = (), unk_id: int = -1,
-                favoured: list[int] = ()) -> BeamSearch | Sampling:
+                favoured: list[int] = (), continues: np.ndarray | None = None) -> BeamSearch | Sampling:
     """The search of one non-greedy request (greedy requests are decoded vectorised by the callers; with disabled
     tokens a beam of one). `forced`: the target tokens before its first step (transformers' forced_bos_token_id, a
     target_prefix), which beam search counts in every hypothesis's length; `budget` counts the tokens after them.
-    `favoured`: a target_prefix that prefix_bias_beta favours instead of forcing."""
+    `favoured`: a target_prefix that prefix_bias_beta favours instead of forcing. `continues`: (V,) the tokens that
+    continue a word (constraints: a term must end a word)."""
     masks = TokenMasks(options, eos_id, unk_id, forced) if options.masked else None
     if options.sampling:
         return Sampling(options, budget, eos_id, masks)
     if options.constraints:
-        return ConstrainedBeamSearch(options, budget, eos_id, len(forced), masks, favoured)
+        return ConstrainedBeamSearch(options, budget, eos_id, len(forced), masks, favoured, continues)
     return BeamSearch(options, budget, eos_id, len(forced), masks, favoured)
 
 
@@ -564,65 +360,6 @@ def constrained_beam(options: DecodingOptions, constraints: tuple[tuple[int, ...
         return options
     return replace(options, constraints=constraints,
                    beam_size=max(options.beam_size, sum(len(c) for c in constraints) + 1))
-
-
-class TokenMasks:
-    """CTranslate2's logits processors, in its order, on a search's rows' logits over the whole vocabulary, then the
-    log-softmax: repetition_penalty on every token of the row's sequence (a forced prefix's included, the start
-    token not: CTranslate2's alive sequence), then the disabled tokens: eos before min_decoding_length tokens, unk
-    with disable_unk, each of suppress_sequences' last token where the sequence ends with the rest of it (a single
-    token: always), and with no_repeat_ngram_size n every token that would repeat an n-gram of the sequence."""
-
-    def __init__(self, options: DecodingOptions, eos_id: int, unk_id: int, start: list[int]):
-        self.options, self.eos_id, self.unk_id, self.start = options, eos_id, unk_id, list(start)
-        self.always = [s[0] for s in options.suppress_sequences if len(s) == 1] + ([unk_id] if options.disable_unk else [])
-        self.sequences = [list(s) for s in options.suppress_sequences if len(s) > 1]
-
-    def apply(self, logits: np.ndarray, histories: list[list[int]], step: int) -> np.ndarray:
-        """logits (R, V) of rows whose tokens after the start and prefix are histories[r], at the search's step
-        `step` (0: its first) -> their log-probs, penalised and masked (a copy)."""
-        out = np.array(logits, np.float32)
-        penalty = self.options.repetition_penalty
-        if penalty != 1:
-            for r, history in enumerate(histories):
-                seen = list(set(self.start + history))
-                out[r, seen] = np.where(out[r, seen] < 0, out[r, seen] * penalty, out[r, seen] / penalty)
-        if step < self.options.min_decoding_length:
-            out[:, self.eos_id] = -np.inf
-        if self.always:
-            out[:, self.always] = -np.inf
-        n = self.options.no_repeat_ngram_size
-        for r, history in enumerate(histories):
-            sequence = self.start + history
-            for suppressed in self.sequences:
-                if sequence[len(sequence) - len(suppressed) + 1:] == suppressed[:-1]:
-                    out[r, suppressed[-1]] = -np.inf
-            if n and len(sequence) >= n:
-                tail = sequence[len(sequence) - n + 1:]
-                banned = [sequence[i + n - 1] for i in range(len(sequence) - n + 1) if sequence[i:i + n - 1] == tail]
-                out[r, banned] = -np.inf
-        return log_softmax(out)
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Each row's log-probabilities (float32) from its logits; a row of -inf stays -inf."""
-    out = np.array(logits, np.float32)
-    live = np.isfinite(out).any(axis=1)
-    top = out[live].max(axis=1, keepdims=True)
-    out[live] -= top + np.log(np.exp(out[live] - top).sum(axis=1, keepdims=True))
-    return out
-
-
-def best_candidates(log_probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's k best tokens and their log-probs (R, k) from its log-probs over the vocabulary (R, V), best
-    first, ties by lower id (as the decoder's TopK head ranks them)."""
-    part = np.argpartition(-log_probs, k - 1, axis=1)[:, :k]
-    cut = np.take_along_axis(log_probs, part, axis=1).min(axis=1, keepdims=True)
-    ids = np.zeros((len(log_probs), k), np.int64)
-    for r, row in enumerate(log_probs):
-        tied = np.flatnonzero(row >= cut[r, 0])  # every token at least as good as the k-th: ties included, by id
-        ids[r] = tied[np.argsort(-row[tied], kind="stable")][:k]
-    return ids, np.take_along_axis(log_probs, ids, axis=1)
 
 
 def _common_prefix(seqs: list[list[int]]) -> list[int]:

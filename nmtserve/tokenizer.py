@@ -378,6 +378,14 @@ class StreamDecoder:
         return text[len(context):]
 
 
+def word_continuations(tokenizer, vocab_size: int) -> np.ndarray:
+    """(vocab_size,) bool: the target tokens that continue the word before them (a SentencePiece piece without the
+    word-start mark that begins with a letter or digit; special and language tokens do not). A glossary's term
+    followed by one ran on into a longer word (search.ConstrainedBeamSearch)."""
+    pieces = [tokenizer.piece(i) for i in range(vocab_size)]
+    return np.array([p[:1].isalnum() for p in pieces], bool)
+
+
 def from_payload(payload: bytes | dict) -> Tokenizer | MarianTokenizer | M2M100Tokenizer:
     """The tokenizer a checkpoint stores: SentencePiece bytes, or a dict naming its scheme."""
     if isinstance(payload, bytes):

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import time
 
+from nmtserve.decoding import DecodingOptions
 from nmtserve.errors import ConfigError, NmtserveError
 from nmtserve.export.runtime.request import FinishReason, Request
-from nmtserve.search import DecodingOptions
 from nmtserve.v1 import translation_pb2 as pb
 
 FINISH_REASONS = {FinishReason.EOS: pb.FINISH_REASON_EOS, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}

@@ -24,13 +24,14 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from nmtserve.decoding import DecodingOptions
 from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.bundle import MANIFEST, default_variant, load_bundle
 from nmtserve.export.runtime.decoder import CUDA_INTER_THREADS
 from nmtserve.export.runtime.engine import EnginePool
 from nmtserve.glossary import Glossary
 from nmtserve.hf_folder import bundle_for
-from nmtserve.search import DecodingOptions, constrained_beam
+from nmtserve.search import constrained_beam
 from nmtserve.server.config import ServerConfig
 from nmtserve.server.convert import InvalidRequest, ModelNotFound, decoding_options
 from nmtserve.server.documents import fit, sentence_spans

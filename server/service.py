@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from nmtserve.decoding import DecodingOptions
 from nmtserve.errors import NmtserveError
 from nmtserve.export.runtime.engine import EngineOverloaded, EngineStopped
 from nmtserve.export.runtime.request import FinishReason, Request
 from nmtserve.logs import REQUEST_ID
-from nmtserve.search import DecodingOptions
 from nmtserve.server.auth import ApiKeys, PermissionDenied, Unauthenticated, bearer
 from nmtserve.server.bridge import Inbox, Wakeups
 from nmtserve.server.config import ServerConfig

@@ -16,7 +16,8 @@ NEVER = {
                        "nmtserve.training", "nmtserve.export.build", "torch", "onnx"),
     "server": ("nmtserve.training", "nmtserve.export.build", "nmtserve.loadtests", "torch", "onnx"),
 }
-CORE = ("search.py", "decoding.py", "errors.py", "tokenizer.py", "local.py", "console.py", "client.py", "glossary.py")
+CORE = ("search.py", "sampling.py", "logits.py", "decoding.py", "errors.py", "tokenizer.py", "local.py", "console.py",
+        "client.py", "glossary.py")
 NEVER.update({f"nmtserve/{name}": ("nmtserve.cli", "nmtserve.translate", "nmtserve.server", "nmtserve.loadtests")
               for name in CORE})
 

@@ -3,17 +3,10 @@
 import numpy as np
 import pytest
 
-from nmtserve.decoding import guided_groups, sorted_batches
+from nmtserve.decoding import DecodingOptions, guided_groups, sorted_batches
 from nmtserve.errors import ConfigError
-from nmtserve.search import (
-    BeamSearch,
-    DecodingOptions,
-    Sampling,
-    _first_past,
-    beam_steps,
-    sample_index,
-    sample_whole,
-)
+from nmtserve.sampling import Sampling, _first_past, sample_index, sample_whole
+from nmtserve.search import BeamSearch, Progress, beam_steps, make_search
 from tests.helpers import top_candidates
 
 EOS = 3
@@ -257,3 +250,32 @@ def test_guided_groups_shrink_to_single_batches_at_the_end_on_threads(n, most, a
     groups = guided_groups(list(range(n)), most, at_once)
     assert [len(g) for g in groups] == sizes
     assert [b for g in groups for b in g] == list(range(n))  # every batch once, in order
+
+
+def test_a_term_that_runs_on_into_a_longer_word_is_not_met():
+    """ConstrainedBeamSearch with the tokens that continue a word: the term [5] followed by 7 (a continuation) is
+    unmet again, by [8] (a word start) or eos it stays met; the result is a hypothesis whose term ends a word, though
+    the model prefers to run it on."""
+    continues = np.zeros(V, bool)
+    continues[7] = True
+    options = DecodingOptions(beam_size=2, constraints=((5,),))
+    search = make_search(options, budget=3, eos_id=EOS, continues=continues)
+    after = search._after(search._after(Progress(), 5), 7)
+    assert after.met == frozenset() and search._after(search._after(Progress(), 5), 8).met == {0}
+    assert not search.contains_all([5, 7]) and search.contains_all([5, 8, 7]) and search.contains_all([1, 5])
+
+    def logits(step: int) -> np.ndarray:  # 5 first, then the model would run it on with 7, then eos
+        table = np.zeros((2, V))
+        if step == 0:
+            table[:, 5] = 6.0
+        elif step == 1:
+            table[:, 7], table[:, EOS], table[:, 8] = 6.0, 3.0, 1.0
+        else:
+            table[:, EOS] = 6.0
+        return table
+
+    for table, expected in ((continues, [5]), (None, [5, 7])):  # without the table, 5 then 7 counts as the term
+        search = make_search(options, budget=4, eos_id=EOS, continues=table)
+        while not search.done:
+            search.step(None, logits(search.steps))
+        assert search.results()[0].tokens == expected

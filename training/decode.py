@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from nmtserve.decoding import output_budget, sorted_batches
-from nmtserve.search import sample_index
+from nmtserve.sampling import sample_index
 from nmtserve.tokenizer import MarianTokenizer, Tokenizer
 from nmtserve.training.data import pad
 from nmtserve.training.model import EncoderDecoder, KVCache

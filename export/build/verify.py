@@ -286,9 +286,9 @@ def transformers_parity(loaded: LoadedModel, tr: OnnxTranslator, sentences: int 
     from transformers import M2M100ForConditionalGeneration, MarianMTModel
     from transformers.utils import logging as transformers_logging
 
+    from nmtserve.decoding import DecodingOptions
     from nmtserve.errors import CheckpointError
     from nmtserve.export.runtime.bundle import sha256_of
-    from nmtserve.search import DecodingOptions
 
     origin = loaded.payload["imported_from"]
     directory = Path(origin["directory"])

@@ -50,7 +50,9 @@ from nmtserve.export.runtime.sessions import (
     weak_refs,
 )
 from nmtserve.export.runtime.tensors import DeviceTensors, HostTensors
-from nmtserve.search import BeamSearch, Sampling, beam_steps
+from nmtserve.sampling import Sampling
+from nmtserve.search import BeamSearch, beam_steps
+from nmtserve.tokenizer import word_continuations
 
 # two decoding contexts over one CUDA device gave wrong tokens there (GroupQueryAttention errors), and one running
 # batch fills a GPU anyway (docs/performance-journal.md, "GPU runs"): on CUDA a model has one
@@ -142,6 +144,11 @@ class Decoder:
     def tokenizer(self):
         """The bundle's tokenizer (nmtserve/tokenizer.py)."""
         return self._tokenizer()
+
+    @functools.cached_property
+    def word_continuations(self) -> np.ndarray:
+        """(vocab,) bool: the tokens that continue a word (tokenizer.word_continuations), for glossaries' searches."""
+        return word_continuations(self.tokenizer, self.vocab_size)
 
     def _choose_kernels(self, asked: bool | None) -> tuple[bool, str, bool]:
         """Whether to run the variant's `*_kernels` graphs, why in words (for the log and GetModelInfo), and whether

@@ -218,7 +218,8 @@ class Engine:
             request.admitted = now
             if not request.options.greedy:
                 request.search = make_search(request.options, request.budget(self.tr.limits), self.tr.eos_id,
-                                             request.prefix, self.tr.unk_id, request.favoured)
+                                             request.prefix, self.tr.unk_id, request.favoured,
+                                             self.tr.word_continuations if request.options.constraints else None)
             budget -= cost
             rows += request.width
             admitted.append(request)

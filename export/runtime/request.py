@@ -9,8 +9,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nmtserve.decoding import Limits
-from nmtserve.search import BeamSearch, DecodingOptions, Hypothesis, Sampling, mean_log_prob
+from nmtserve.decoding import DecodingOptions, Hypothesis, Limits, mean_log_prob
+from nmtserve.sampling import Sampling
+from nmtserve.search import BeamSearch
 
 
 class FinishReason(enum.Enum):

@@ -26,14 +26,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nmtserve.decoding import by_length, guided_groups, sorted_batches
+from nmtserve.decoding import DecodingOptions, Hypothesis, by_length, guided_groups, sorted_batches
 from nmtserve.errors import ConfigError, NmtserveError
 from nmtserve.export.runtime.bundle import Bundle
 from nmtserve.export.runtime.decoder import CUDA_INTER_THREADS, Decoder
 from nmtserve.export.runtime.engine import Engine, EngineConfig
 from nmtserve.export.runtime.request import FinishReason, Request
 from nmtserve.glossary import Glossary
-from nmtserve.search import DecodingOptions, Hypothesis, constrained_beam
+from nmtserve.search import constrained_beam
 
 ENCODE_AHEAD = 64  # search_ids encodes batches of up to this many sources in all before decoding them
 

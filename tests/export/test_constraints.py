@@ -3,10 +3,11 @@ offline on the tiny model: every translation contains its sentence's target term
 
 import pytest
 
+from nmtserve.decoding import DecodingOptions
 from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.glossary import MAX_ENTRIES, Glossary
-from nmtserve.search import DecodingOptions, constrained_beam
+from nmtserve.search import constrained_beam
 from nmtserve.training.data import read_tsv
 from nmtserve.training.lexicon import NOUNS
 

@@ -9,13 +9,13 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from nmtserve.decoding import DecodingOptions
 from nmtserve.errors import ConfigError
 from nmtserve.export.build import kernel_graphs
 from nmtserve.export.build.exporter import ExportConfig, export_bundle
 from nmtserve.export.runtime import kernels
 from nmtserve.export.runtime.sessions import session_options
 from nmtserve.export.runtime.translator import OnnxTranslator
-from nmtserve.search import DecodingOptions
 from nmtserve.training.data import read_tsv
 from tests.helpers import TEST_SCORE_TOLERANCE, TEST_VARIANT
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nmtserve.decoding import DecodingOptions
 from nmtserve.export.build.exporter import ExportConfig, export_bundle
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.loadtests.marian_model import ENGLISH, sentences
-from nmtserve.search import DecodingOptions
 
 MAX_LENGTH = 39  # generation_config.json's max_length 40, less the decoder start token
 

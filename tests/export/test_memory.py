@@ -97,8 +97,8 @@ def test_the_encoder_in_calls_of_a_few_rows_writes_what_one_call_writes(tiny_bun
 
 def test_a_translator_reads_its_tokenizer_at_first_use_and_shares_it_with_its_replicas(tiny_bundle):
     """Ids in, ids out (search_ids) never loads the tokenizer (a multilingual model's holds tens of MB)."""
+    from nmtserve.decoding import DecodingOptions
     from nmtserve.export.runtime.translator import OnnxTranslator
-    from nmtserve.search import DecodingOptions
 
     tr = OnnxTranslator(tiny_bundle)
     found = tr.search_ids([[5, 6, 7], [8, 9]], DecodingOptions(max_decoding_length=4))

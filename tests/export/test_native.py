@@ -4,12 +4,13 @@ tokens and scores of ONNX Runtime's own session, errors with ONNX Runtime's mess
 import numpy as np
 import pytest
 
+from nmtserve.decoding import DecodingOptions
 from nmtserve.errors import ConfigError, NmtserveError
 from nmtserve.export.runtime import kernels
 from nmtserve.export.runtime import native as native_module
 from nmtserve.export.runtime.native import NativeBinding, NativeError, NativeSession
 from nmtserve.export.runtime.translator import OnnxTranslator
-from nmtserve.search import BeamSearch, DecodingOptions
+from nmtserve.search import BeamSearch
 from nmtserve.training.data import read_tsv
 
 pytestmark = pytest.mark.usefixtures("kernel_library")  # every test here runs the library

@@ -11,6 +11,7 @@ import onnx.numpy_helper
 import pytest
 import torch
 
+from nmtserve.decoding import DecodingOptions
 from nmtserve.errors import ConfigError
 from nmtserve.export.build.manifest import file_entry
 from nmtserve.export.build.verify import (
@@ -25,7 +26,6 @@ from nmtserve.export.build.verify import (
 from nmtserve.export.runtime import translator as translator_module
 from nmtserve.export.runtime.bundle import load_bundle
 from nmtserve.export.runtime.translator import OnnxTranslator
-from nmtserve.search import DecodingOptions
 from nmtserve.training.checkpoint import load_model
 from nmtserve.training.data import read_tsv
 from tests.helpers import TEST_DEVICE, TEST_SCORE_TOLERANCE, TEST_VARIANT, run_cli

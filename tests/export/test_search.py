@@ -5,12 +5,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from nmtserve.decoding import DecodingOptions
 from nmtserve.errors import ConfigError
 from nmtserve.export.build.to_ctranslate2 import convert
 from nmtserve.export.runtime.batch import BatchState
 from nmtserve.export.runtime.tensors import HostTensors
 from nmtserve.export.runtime.translator import OnnxTranslator
-from nmtserve.search import DecodingOptions, log_softmax
+from nmtserve.logits import log_softmax
 from nmtserve.training.checkpoint import load_model
 from nmtserve.training.data import pad, read_tsv
 from nmtserve.training.decode import beam_search, sample

@@ -13,13 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from nmtserve.decoding import DecodingOptions
 from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.batch import BatchState
 from nmtserve.export.runtime.engine import Engine, EngineConfig, EngineOverloaded, EnginePool
 from nmtserve.export.runtime.request import FinishReason, Request
 from nmtserve.export.runtime.running_batch import RunningBatch
 from nmtserve.export.runtime.translator import OnnxTranslator
-from nmtserve.search import DecodingOptions, make_search
+from nmtserve.search import make_search
 from nmtserve.training.data import read_tsv
 from tests.helpers import TEST_DEVICE, TEST_SCORE_TOLERANCE, TEST_VARIANT
 

@@ -8,9 +8,9 @@ import grpc
 import pytest
 import torch
 
+from nmtserve.decoding import DecodingOptions
 from nmtserve.export.build.exporter import ExportConfig, export_bundle
 from nmtserve.loadtests.marian_model import ENGLISH, sentences
-from nmtserve.search import DecodingOptions
 from nmtserve.server.config import ServerConfig
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc

@@ -13,10 +13,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from nmtserve.decoding import DecodingOptions
 from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.loadtests.marian_model import ENGLISH, FRENCH, sentences
-from nmtserve.search import DecodingOptions
 from nmtserve.server.config import ServerConfig
 from nmtserve.server.models import model_specs
 from nmtserve.v1 import translation_pb2 as pb
