@@ -18,6 +18,7 @@ from pathlib import Path
 
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.glossary import Glossary
+from nmtserve.loadtests.machine import machine_info
 from nmtserve.training.data import read_tsv
 from nmtserve.training.evaluate import score
 from nmtserve.training.lexicon import NOUNS
@@ -75,7 +76,7 @@ def main() -> None:
     nouns = [_word(en) for en in reference]
     pairs = [p for p in read_tsv(Path(args.data) / f"{args.split}.tsv").pairs
              if any(n.search(p[0]) for n in nouns)][: args.sentences]
-    report = {"bundle": args.bundle, "split": args.split, "beam_size": args.beam_size,
+    report = {"bundle": args.bundle, "split": args.split, "beam_size": args.beam_size, "machine": machine_info(),
               "glossaries": {name: measure(tr, pairs, entries, reference, args.beam_size)
                              for name, entries in glossaries().items()}}
     if args.report:
