@@ -7,7 +7,7 @@ a request's result depends on its own rows alone, never on what else shares the 
 A request decodes in `rows` rows of the decoder batch (beam_size for beam search, 1 when sampling).
 After each decoder step its search gets, for each of its rows, the `candidates` best tokens and their
 log-probabilities (the decoder graph's TopK head; 0 = the row's logits over the whole vocabulary, which the
-search turns into log-probabilities itself: `TokenMasks`, `log_softmax`), and answers which row's
+search turns into log-probabilities itself: nmtserve/logits.py), and answers which row's
 cache each row continues (`parents`, indices among the request's own rows) and which token it feeds
 next. Greedy search is beam search with one beam, which OnnxTranslator and the engine run vectorised
 (they need no object per request for it).

@@ -5,9 +5,9 @@ drives, served and offline. Never edits a graph and never chooses a search (it r
 The graphs are the bundle's, loaded as export wrote them (export/build/step_graphs.py). The decoder step's
 search head returns each row's k best tokens and their log-probabilities (k = 1 greedy, 2 × beam for beam
 search), never the whole distribution unless a search ranks it itself, and then only its rows' logits
-(`whole_rows`: a sampler without top-k, disabled tokens, a repetition penalty). Every cache is bound by address, one layer at a time, as both the step's input and its
-`present` output, so the attention writes the new K/V into the cache in place. On a CPU with nmtserve's
-kernel library (kernels.py) the variant's `*_kernels` graphs run, and the step's session is the library's,
+(`whole_rows`: a sampler without top-k, disabled tokens, a repetition penalty). Every cache is bound by
+address, one layer at a time, as both the step's input and its `present` output, so the attention writes the
+new K/V into the cache in place. On a CPU with nmtserve's kernel library (kernels.py) the variant's `*_kernels` graphs run, and the step's session is the library's,
 whose loops run greedy and beam steps with no Python between them (native.py); elsewhere the portable graphs,
 and the log says which and why. With io_binding (the default on CUDA) the caches and cross K/V are OrtValues
 on the device, so a step sends the device only the small per-row arrays and brings back only the candidates;

@@ -172,7 +172,7 @@ class RunningBatch:
         self.state.trim(self.slots())
         placement = self.placement()
         # a search that ranks the vocabulary itself (candidates 0: a sampler without top-k, disabled tokens or a
-        # repetition penalty: search.TokenMasks) gets its rows' logits over the whole vocabulary, unranked; the step
+        # repetition penalty: logits.TokenMasks) gets its rows' logits over the whole vocabulary, unranked; the step
         # ranks only the k best of each other row, as the others need
         whole = [i for i, (r, _) in enumerate(placement) if r.search is not None and r.search.candidates == 0]
         k = max([r.search.candidates if r.search else 1 for r, _ in placement] + [1])
