@@ -29,7 +29,8 @@ class TokenMasks:
         if penalty != 1:
             for r, history in enumerate(histories):
                 seen = list(set(self.start + history))
-                out[r, seen] = np.where(out[r, seen] < 0, out[r, seen] * penalty, out[r, seen] / penalty)
+                logits = out[r, seen]
+                out[r, seen] = np.where(logits < 0, logits * penalty, logits / penalty)
         if step < self.options.min_decoding_length:
             out[:, self.eos_id] = -np.inf
         if self.always:

@@ -14,6 +14,7 @@ Three schemes, named in checkpoints and in the bundle's manifest ("tokenizer": {
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 from collections.abc import Callable, Iterable
@@ -378,10 +379,12 @@ class StreamDecoder:
         return text[len(context):]
 
 
+@functools.cache
 def word_continuations(tokenizer, vocab_size: int) -> np.ndarray:
     """(vocab_size,) bool: the target tokens that continue the word before them (a SentencePiece piece without the
     word-start mark that begins with a letter or digit; special and language tokens do not). A glossary's term
-    followed by one ran on into a longer word (search.ConstrainedBeamSearch)."""
+    followed by one ran on into a longer word (search.ConstrainedBeamSearch). Once per tokenizer: the engines of a
+    model share it (a pass over the whole vocabulary)."""
     pieces = [tokenizer.piece(i) for i in range(vocab_size)]
     return np.array([p[:1].isalnum() for p in pieces], bool)
 

@@ -38,24 +38,14 @@ def quantize_int8(src: Path, dst: Path) -> None:
         del model
         # MatMul only: the embedding Gather stays fp32, so int8 costs accuracy in the matmuls alone. Its advice to
         # pre-process the graph (shape inference, for static quantisation's calibration) does not apply here
-        advice = _Without("pre-processing before quantization")
+        def advice(record: logging.LogRecord) -> bool:
+            return "pre-processing before quantization" not in record.getMessage()
         logging.getLogger().addFilter(advice)
         try:
             quantize_dynamic(str(unfused), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
                              use_external_data_format=large)
         finally:
             logging.getLogger().removeFilter(advice)
-
-
-class _Without(logging.Filter):
-    """Drops the log records whose message contains `text`."""
-
-    def __init__(self, text: str):
-        super().__init__()
-        self.text = text
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.text not in record.getMessage()
 
 
 def gemm_as_matmul(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -145,7 +145,7 @@ class Decoder:
         """The bundle's tokenizer (nmtserve/tokenizer.py)."""
         return self._tokenizer()
 
-    @functools.cached_property
+    @property
     def word_continuations(self) -> np.ndarray:
         """(vocab,) bool: the tokens that continue a word (tokenizer.word_continuations), for glossaries' searches."""
         return word_continuations(self.tokenizer, self.vocab_size)
