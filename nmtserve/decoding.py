@@ -128,6 +128,14 @@ class Hypothesis:
     score: float  # beam search: sum of log-probs (eos included) / length ** length_penalty; else the sum
     finish: str  # "eos" or "length"
     mean_log_prob: float = math.nan  # of the tokens decoded, eos included (`mean_log_prob`); nan when not scored
+    # asked for (return_attention): (forced prefix + tokens, source tokens) float32, each token's weights over the
+    # source (export/runtime/aligner.py); None otherwise
+    attention: np.ndarray | None = None
+
+    def shown_attention(self, shown_prefix: int) -> np.ndarray:
+        """Its attention at the tokens a translation shows: its forced target_prefix's (`shown_prefix` of them) and
+        its own, not a target language's tokens forced before them."""
+        return self.attention[len(self.attention) - shown_prefix - len(self.tokens):]
 
     @property
     def confidence(self) -> float:

@@ -30,6 +30,12 @@ class Found(NamedTuple):
     text: str
     score: float
     confidence: float = math.nan
+    attention: dict | None = None  # --return-attention: source_tokens, target_tokens, and weights (a row a target token)
+
+
+def attention_json(source: list[str], target: list[str], weights) -> dict:
+    """A translation's attention as --json prints it (weights rounded to 4 places)."""
+    return {"source_tokens": source, "target_tokens": target, "weights": [[round(w, 4) for w in row] for row in weights]}
 
 
 def given_options(args) -> dict:
@@ -77,14 +83,19 @@ def _bundle_translator(path: str, args) -> Callable[[list[str]], list[list[Found
             language = tr.tokenizer.target_prefix(args.target_lang)
         except ValueError as e:  # a language the multilingual model has no token for
             raise NmtserveError(f"--source-lang/--target-lang: {e}") from None
-        given = getattr(args, "target_prefix", "")  # translate's flag (evaluate has none)
+        given = getattr(args, "target_prefix", "")  # translate's flags (evaluate has neither)
+        attention = getattr(args, "return_attention", False)
         try:
             found = tr.search_prefixed(ids, options, [given] * len(ids) if given else None, language,
-                                       max_batch_size=args.batch_size)
+                                       max_batch_size=args.batch_size, attention=attention)
         except ValueError as e:
             raise NmtserveError(f"--target-prefix: {e}") from None
-        return [[Found(tr.tokenizer.decode(shown + h.tokens), h.score, h.confidence) for h in hypotheses]
-                for hypotheses, shown in found]
+        piece = tr.tokenizer.piece
+        return [[Found(tr.tokenizer.decode(shown + h.tokens), h.score, h.confidence,
+                       attention_json([piece(i) for i in source], [piece(i) for i in shown + h.tokens],
+                                      h.shown_attention(len(shown)).tolist()) if attention else None)
+                 for h in hypotheses]
+                for source, (hypotheses, shown) in zip(ids, found)]
     return translate
 
 
@@ -100,6 +111,8 @@ def _checkpoint_translator(path: str, args) -> Callable[[list[str]], list[list[F
                             "language token)")
     if args.threads or args.inter_threads != 1 or args.variant:
         raise NmtserveError("--threads, --inter-threads and --variant: with a bundle (ONNX Runtime), not a checkpoint")
+    if getattr(args, "return_attention", False):
+        raise NmtserveError("--return-attention: give a bundle or --server (its aligner graph gives the attention)")
     loaded = load_model(path, device=args.device)
     options = local_options(args, loaded.payload.get("decoding_defaults") or {})
     if options.masked or args.suppress_sequence:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from nmtserve.console import print_json
 from nmtserve.errors import NmtserveError
-from nmtserve.local import Found, add_bundle_flags, add_decoding_flags, given_options, local_translator
+from nmtserve.local import Found, add_bundle_flags, add_decoding_flags, attention_json, given_options, local_translator
 
 
 def cmd_translate(args) -> int:
@@ -32,6 +32,8 @@ def cmd_translate(args) -> int:
         raise NmtserveError("--stream needs --server (it calls TranslateStream)")
     if args.stream and args.json:
         raise NmtserveError("--stream prints text as it is decoded; use --json without --stream")
+    if args.return_attention and not args.json:
+        raise NmtserveError("--return-attention: the attention is printed with --json")
     if args.server and (args.threads != 0 or args.inter_threads != 1 or args.variant):
         raise NmtserveError("--threads, --inter-threads and --variant set how a local bundle runs; a server has its "
                             "own (nmtserve serve --threads, --inter-threads, --variant)")
@@ -48,7 +50,8 @@ def cmd_translate(args) -> int:
 
 def _print_translations(texts: list[str], found: list[list[Found]], as_json: bool) -> None:
     """One line per source: the best translation, or JSON with the source, the translation, its confidence (where
-    the model gives one) and, for an n-best list, every hypothesis with its score and confidence."""
+    the model gives one) and attention (where asked), and, for an n-best list, every hypothesis with its score,
+    confidence and attention."""
     for text, hypotheses in zip(texts, found):
         if not as_json:
             print(hypotheses[0].text)
@@ -56,9 +59,12 @@ def _print_translations(texts: list[str], found: list[list[Found]], as_json: boo
         line = {"source": text, "translation": hypotheses[0].text}
         if not math.isnan(hypotheses[0].confidence):
             line["confidence"] = round(hypotheses[0].confidence, 4)
+        if hypotheses[0].attention is not None:
+            line["attention"] = hypotheses[0].attention
         if len(hypotheses) > 1:
-            line["hypotheses"] = [{"text": h.text, "score": round(h.score, 4)} | (
-                {} if math.isnan(h.confidence) else {"confidence": round(h.confidence, 4)}) for h in hypotheses]
+            line["hypotheses"] = [{"text": h.text, "score": round(h.score, 4)}
+                                  | ({} if math.isnan(h.confidence) else {"confidence": round(h.confidence, 4)})
+                                  | ({} if h.attention is None else {"attention": h.attention}) for h in hypotheses]
         print(json.dumps(line, ensure_ascii=False))
 
 
@@ -72,6 +78,8 @@ def _translate_remote(args) -> int:
 
     if args.file and (args.inputs or args.stream):
         raise NmtserveError("--file translates the whole file: give no TEXT and no --stream")
+    if args.return_attention and (args.file or args.stream):
+        raise NmtserveError("--return-attention: sentence by sentence (Translate), not with --file or --stream")
     if args.target_prefix and args.file:
         raise NmtserveError("--target-prefix: sentence by sentence only (Translate, TranslateStream), not with --file")
     texts = [] if args.file else args.inputs or [line.rstrip("\n") for line in sys.stdin]
@@ -80,7 +88,8 @@ def _translate_remote(args) -> int:
         given["beam_stopping"] = pb.BeamStopping.Value(f"BEAM_STOPPING_{given['beam_stopping'].upper()}")
     if "length_rule" in given:
         given["length_rule"] = pb.LengthRule.Value(f"LENGTH_RULE_{given['length_rule'].upper()}")
-    options = pb.DecodingOptions(**given, suppress_sequences=args.suppress_sequence, return_scores=args.json)
+    options = pb.DecodingOptions(**given, suppress_sequences=args.suppress_sequence, return_scores=args.json,
+                                 return_attention=args.return_attention)
     route = {"model": args.model, "source_language": args.source_lang, "target_language": args.target_lang}
     with open_channel(args.server, TlsFiles(args.tls_ca, args.tls_cert, args.tls_key), api_key=args.api_key) as channel:
         if args.wait:
@@ -106,9 +115,11 @@ def _translate_remote(args) -> int:
                 timeout=args.timeout).translations]
         except grpc.RpcError as e:
             raise NmtserveError(f"{args.server}: {e.code().name}: {e.details()}") from None
-    _print_translations(texts, [[Found(t.text, t.score, t.confidence if args.json else math.nan)]
-                                + [Found(a.text, a.score, a.confidence) for a in t.alternatives]
-                                for t in translations], args.json)
+    def found(h) -> Found:  # a Translation or a Hypothesis message
+        attention = attention_json(list(h.attention.source_tokens), list(h.attention.target_tokens),
+                                   [list(r.weights) for r in h.attention.rows]) if args.return_attention else None
+        return Found(h.text, h.score, h.confidence if args.json else math.nan, attention)
+    _print_translations(texts, [[found(t)] + [found(a) for a in t.alternatives] for t in translations], args.json)
     return 0
 
 
@@ -210,4 +221,6 @@ def add_parser(sub, name: str, help_text: str) -> None:
     add_bundle_flags(p)
     add_decoding_flags(p)
     p.add_argument("--json", action="store_true", help="one JSON line per sentence (with --num-hypotheses, the n-best list)")
+    p.add_argument("--return-attention", action="store_true", help="with --json: each translation's attention, "
+                   "CTranslate2's (for each target token, its weights over the source tokens)")
     p.set_defaults(func=cmd_translate)

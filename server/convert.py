@@ -6,8 +6,9 @@ protobuf.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
-from nmtserve.decoding import DecodingOptions
+from nmtserve.decoding import DecodingOptions, Hypothesis
 from nmtserve.errors import ConfigError, NmtserveError
 from nmtserve.export.runtime.request import FinishReason, Request
 from nmtserve.v1 import translation_pb2 as pb
@@ -21,6 +22,14 @@ class InvalidRequest(NmtserveError):
 
 class ModelNotFound(NmtserveError):
     """No served model is the one a request names, or serves the language pair it asks for (NOT_FOUND)."""
+
+
+class CallOptions(NamedTuple):
+    """What a call asks of each of its sentences' engine requests."""
+    max_tokens: int  # most output tokens
+    search: DecodingOptions
+    scored: bool  # return_scores
+    attention: bool  # return_attention
 
 
 def decoding_options(options: pb.DecodingOptions, defaults: DecodingOptions, default_output_tokens: int,
@@ -52,9 +61,11 @@ def decoding_options(options: pb.DecodingOptions, defaults: DecodingOptions, def
     return options.max_decoding_length or default_output_tokens, search
 
 
-def translation(request: Request, decode, started: float, resumed: float | None, return_scores: bool) -> pb.Translation:
-    """A finished request as the Translation message: texts by `decode` (the model's tokenizer), its n-best list,
-    finish reason and timings (`started`: when the call's handler began; `resumed`: when it resumed)."""
+def translation(request: Request, tokenizer, started: float, resumed: float | None, return_scores: bool) -> pb.Translation:
+    """A finished request as the Translation message: texts by the model's tokenizer, its n-best list (with their
+    attention when the request asked for it), finish reason and timings (`started`: when the call's handler began;
+    `resumed`: when it resumed)."""
+    decode = tokenizer.decode
     arrived = request.arrived
     timings = pb.Timings(queue_ns=ns((request.admitted or arrived) - arrived),
                          time_to_first_token_ns=ns((request.first_token or arrived) - arrived),
@@ -72,8 +83,19 @@ def translation(request: Request, decode, started: float, resumed: float | None,
     if return_scores and request.finish in (FinishReason.EOS, FinishReason.LENGTH):
         best = request.results()[0]
         message.mean_log_prob, message.confidence = best.mean_log_prob, best.confidence
+    if request.attention and request.hypotheses:
+        for target, h in zip([message, *message.alternatives], request.hypotheses):
+            target.attention.CopyFrom(attention(h, shown, request.src_ids, tokenizer.piece))
     message.timings.handler_ns = ns(time.monotonic() - started)
     return message
+
+
+def attention(hypothesis: Hypothesis, shown: list[int], source: list[int], piece) -> pb.Attention:
+    """A hypothesis's attention at the tokens its text shows (a target_prefix's `shown` first), with the source's and
+    those tokens' pieces (`piece`: the tokenizer's id -> piece)."""
+    weights = hypothesis.shown_attention(len(shown))
+    return pb.Attention(source_tokens=[piece(i) for i in source], target_tokens=[piece(i) for i in shown + hypothesis.tokens],
+                        rows=[pb.AttentionRow(weights=row) for row in weights.tolist()])
 
 
 def ns(seconds: float) -> int:

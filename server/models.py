@@ -33,7 +33,7 @@ from nmtserve.glossary import Glossary
 from nmtserve.hf_folder import bundle_for
 from nmtserve.search import constrained_beam
 from nmtserve.server.config import ServerConfig
-from nmtserve.server.convert import InvalidRequest, ModelNotFound, decoding_options
+from nmtserve.server.convert import CallOptions, InvalidRequest, ModelNotFound, decoding_options
 from nmtserve.server.documents import fit, sentence_spans
 from nmtserve.tokenizer import M2M100Tokenizer
 from nmtserve.v1 import translation_pb2 as pb
@@ -179,11 +179,15 @@ class ServedModel:
     # -- validation
     def options(self, options: pb.DecodingOptions) -> tuple[int, DecodingOptions]:
         """(most output tokens, the search's options) of a call to this model (convert.decoding_options)."""
+        if options.return_attention:
+            try:
+                self.engine.tr.require_aligner()
+            except ConfigError as e:
+                raise InvalidRequest(f"options.{e}") from None
         return decoding_options(options, self.defaults, self.default_output_tokens, self.max_decoding_length,
                                 self.engine.tr.vocab_size, self.max_beam_size, self.tokenizer.encode_target)
 
-    def with_glossary(self, options: tuple[int, DecodingOptions, bool], entries, sentences) \
-            -> list[tuple[int, DecodingOptions, bool]]:
+    def with_glossary(self, options: CallOptions, entries, sentences) -> list[CallOptions]:
         """Each sentence's options under a call's glossary (its GlossaryEntry messages; none: the model's, if it has
         one): constrained beam search (search.constrained_beam) where the sentence contains a source term.
         InvalidRequest naming the entry or the sentence."""
@@ -193,7 +197,7 @@ class ServedModel:
             raise InvalidRequest(str(e)) from None
         if glossary is None:
             return [options] * len(sentences)
-        max_tokens, search, scored = options
+        search = options.search
         found = []
         for i, sentence in enumerate(sentences):
             constrained = constrained_beam(search, glossary.constraints_for(sentence, self.tokenizer.encode_target))
@@ -202,7 +206,7 @@ class ServedModel:
                     constrained.check(self.engine.tr.vocab_size, self.max_beam_size)
             except ConfigError as e:
                 raise InvalidRequest(f"glossary: sentences[{i}]'s terms: {e}") from None
-            found.append((max_tokens, constrained, scored))
+            found.append(options._replace(search=constrained))
         return found
 
     @property
@@ -228,12 +232,13 @@ class ServedModel:
         target = language if multilingual else ""
         return CallLanguages(source, target, tuple(self.tokenizer.target_prefix(target)))
 
-    def target_prefixes(self, texts, sources: list[list[int]], options: tuple[int, DecodingOptions, bool],
+    def target_prefixes(self, texts, sources: list[list[int]], options: CallOptions,
                         languages: CallLanguages) -> list[list[int]]:
         """Each sentence's target_prefix as target ids ([] where none; OnnxTranslator.target_prefix_ids);
         InvalidRequest for a count other than the sentences' or a prefix without room in its output budget."""
         try:
-            return self.engine.tr.target_prefix_ids(sources, texts, options[0], options[1].length_rule, languages.prefix)
+            return self.engine.tr.target_prefix_ids(sources, texts, options.max_tokens, options.search.length_rule,
+                                                    languages.prefix)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from nmtserve.decoding import DecodingOptions
 from nmtserve.errors import NmtserveError
 from nmtserve.export.runtime.engine import EngineOverloaded, EngineStopped
 from nmtserve.export.runtime.request import FinishReason, Request
@@ -25,7 +24,7 @@ from nmtserve.logs import REQUEST_ID
 from nmtserve.server.auth import ApiKeys, PermissionDenied, Unauthenticated, bearer
 from nmtserve.server.bridge import Inbox, Wakeups
 from nmtserve.server.config import ServerConfig
-from nmtserve.server.convert import InvalidRequest, ModelNotFound, translation
+from nmtserve.server.convert import CallOptions, InvalidRequest, ModelNotFound, translation
 from nmtserve.server.documents import MIME_TYPES, rejoin
 from nmtserve.server.language_id import AUTO, detect
 from nmtserve.server.metrics import ServerMetrics
@@ -232,13 +231,13 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             call.charged = chars
 
     @staticmethod
-    def _options(call: _Call, model: ServedModel, request) -> tuple[int, DecodingOptions, bool]:
+    def _options(call: _Call, model: ServedModel, request) -> CallOptions:
         max_tokens, search = model.options(request.options)
         call.mode = search.mode
-        return max_tokens, search, request.options.return_scores
+        return CallOptions(max_tokens, search, request.options.return_scores, request.options.return_attention)
 
     # -- engine round trip
-    def _request(self, call: _Call, ids: list[int], options: tuple[int, DecodingOptions, bool], context,
+    def _request(self, call: _Call, ids: list[int], options: CallOptions, context,
                  prefix: tuple[int, ...] = (), on_token=None, on_done=None, given: list[int] = ()):
         """The engine request of one sentence and the future it resolves; `given`: its target_prefix's tokens,
         forced after `prefix` (its output then begins with them), or favoured (prefix_bias_beta)."""
@@ -252,10 +251,10 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             if on_done:
                 on_done()
 
-        max_tokens, search, scored = options
-        forced, favoured = ([], list(given)) if search.prefix_bias_beta else (list(given), [])
-        request = Request(ids, max_decoding_length=max_tokens, options=search, on_token=on_token, on_finish=on_finish,
-                          scored=scored, deadline=None if remaining is None else time.monotonic() + remaining,
+        forced, favoured = ([], list(given)) if options.search.prefix_bias_beta else (list(given), [])
+        request = Request(ids, max_decoding_length=options.max_tokens, options=options.search, on_token=on_token,
+                          on_finish=on_finish, scored=options.scored, attention=options.attention,
+                          deadline=None if remaining is None else time.monotonic() + remaining,
                           prefix=[*prefix, *forced], shown_prefix=forced, favoured=favoured)
         return request, future
 
@@ -304,7 +303,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
 
     @staticmethod
     def _translation(call: _Call, model: ServedModel, request: Request, return_scores: bool) -> pb.Translation:
-        return translation(request, model.tokenizer.decode, call.started, call.resumed, return_scores)
+        return translation(request, model.tokenizer, call.started, call.resumed, return_scores)
 
     async def _check_finished(self, call: _Call, requests: list[Request], context) -> None:
         for request in requests:
@@ -414,6 +413,9 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             raise InvalidRequest(f"mime_type {request.mime_type!r}: "
                                  + ("HTML is not supported yet" if "html" in request.mime_type else "not supported")
                                  + f"; send {', '.join(MIME_TYPES)}")
+        if request.options.return_attention:
+            raise InvalidRequest("options.return_attention: Translate and TranslateStream give a sentence's attention; "
+                                 "TranslateText gives none")
         self._charge(call, sum(len(text) for _, text in texts))
         options = self._options(call, model, request)
         languages = model.languages(call.source_language, request.target_language)

@@ -219,6 +219,12 @@ class MultiHeadAttention(nn.Module):
         decoder step's cross-attention (every source has a valid slot: its eos)."""
         return self._output(torch.softmax(self._scores(self._query(x), k, valid), dim=-1) @ v)
 
+    def weights(self, x: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Attention weights of queries from x (B, Tq, D) over keys k (B, H, Tk, Dh) -> (B, H, Tq, Tk); mask
+        (B, 1, Tq|1, Tk) True = may attend."""
+        q = self._split(self.q_proj(x)) * self.head_dim ** -0.5
+        return torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~mask, float("-inf")), dim=-1)
+
     # A decoder step's attention, one query per row: the PyTorch reference of the exported step, in
     # which each attention is one ONNX Runtime GroupQueryAttention node (export/build/graphs.py).
     def _query(self, x: torch.Tensor) -> torch.Tensor:
@@ -312,6 +318,14 @@ class DecoderLayer(nn.Module):
         x = self.res2.output(x, self.cross_attn.attend_one(self.res2.input(x), cross_k, cross_v, cross_mask))
         return self.res3.output(x, self.ffn(self.res3.input(x))), new_k, new_v
 
+    def cross_weights(self, x, self_mask, cross_k, cross_mask):
+        """The cross-attention weights (B, H, T, S) of forward's positions: its self-attention, then its
+        cross-attention's softmax alone."""
+        h = self.res1.input(x)
+        k, v = self.self_attn.project_kv(h)
+        x = self.res1.output(x, self.self_attn.attend(h, k, v, self_mask))
+        return self.cross_attn.weights(self.res2.input(x), cross_k, cross_mask)
+
     def _cross_and_ffn(self, x, cross_k, cross_v, cross_mask):
         x = self.res2.output(x, self.cross_attn.attend(self.res2.input(x), cross_k, cross_v, cross_mask))
         return self.res3.output(x, self.ffn(self.res3.input(x)))
@@ -391,6 +405,21 @@ class EncoderDecoder(nn.Module):
 
     def forward(self, src, src_mask, tgt, tgt_mask) -> torch.Tensor:
         return self.decode(tgt, self.encode(src, src_mask), src_mask, tgt_mask)
+
+    def attention(self, src: torch.Tensor, src_mask: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        """The last decoder layer's cross-attention weights of its first head, CTranslate2's return_attention (its
+        default alignment_layer -1, alignment_heads 1): tgt (B, T) ids, start token first -> (B, T, S), at each
+        target position its weights over the source (what the step that decodes the next token attends to).
+        A row's padding after its tokens changes none of its positions before it (causal self-attention)."""
+        memory = self.encode(src, src_mask)
+        t = tgt.shape[1]
+        self_mask = torch.ones(t, t, dtype=torch.bool, device=tgt.device).tril()[None, None]
+        x = self._embed(tgt, torch.arange(t, device=tgt.device)[None, :].expand_as(tgt))
+        cross_mask = src_mask[:, None, None, :]
+        *layers, last = self.decoder
+        for layer in layers:
+            x = layer(x, self_mask, *layer.cross_attn.project_kv(memory), cross_mask)
+        return last.cross_weights(x, self_mask, last.cross_attn.project_kv(memory)[0], cross_mask)[:, 0]
 
     # -- decoder, one step with a KV cache (inference; export/build/graphs.py mirrors it)
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,

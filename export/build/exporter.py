@@ -10,11 +10,13 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import onnx
+
 import nmtserve
 from nmtserve.errors import ConfigError
 from nmtserve.export.build.graphs import OPSET, dynamic_axes, export_graphs
 from nmtserve.export.build.manifest import bundle_files, graph_signature, write_manifest
-from nmtserve.export.build.step_graphs import WEIGHTS, WeightStore, file_name, prepare_variant
+from nmtserve.export.build.step_graphs import ALIGNER, WEIGHTS, WeightStore, file_name, prepare_variant
 from nmtserve.export.build.tensor_ops import write_tensor_ops
 from nmtserve.export.build.variants import VARIANTS, fusion_report, write_variant
 from nmtserve.export.runtime.bundle import MANIFEST, load_bundle, sha256_of
@@ -88,12 +90,15 @@ def export_bundle(cfg: ExportConfig, progress=None) -> dict:
                 variants[name] = {"graphs": prepare_variant(Path(exported), out, name, c.n_heads, c.d_model,
                                                             "cpu" in VARIANTS[name]["devices"], weights),
                                   **VARIANTS[name]}
+            aligner = onnx.load(str(paths["aligner"]))  # fp32 for every variant: it decides no token
+            weights.externalize(aligner)
+            onnx.save(aligner, str(out / ALIGNER))
     tokenizer = loaded.tokenizer.save_files(out)
     served = {g: out / file_name(g, "fp32") for g in ("encoder", "decoder")}  # the manifest describes these
-    signatures, optimization = ({g: graph_signature(p) for g, p in served.items()},
-                                {g: fusion_report(p) for g, p in served.items()})
+    signatures = {**{g: graph_signature(p) for g, p in served.items()}, "aligner": graph_signature(out / ALIGNER)}
+    optimization = {g: fusion_report(p) for g, p in served.items()}
     tensor_ops = {dtype: write_tensor_ops(out, dtype) for dtype in sorted({v["kv_dtype"] for v in variants.values()})}
-    kept = bundle_files({"variants": variants, "tensor_ops": tensor_ops, "weights": WEIGHTS})
+    kept = bundle_files({"variants": variants, "tensor_ops": tensor_ops, "weights": WEIGHTS, "aligner": ALIGNER})
     for stale in [*out.glob("*.onnx"), *out.glob("ops/*.onnx")]:  # a re-export leaves nothing behind
         if str(stale.relative_to(out)) not in kept:
             stale.unlink()
@@ -115,6 +120,7 @@ def export_bundle(cfg: ExportConfig, progress=None) -> dict:
         "variants": variants,
         "tensor_ops": tensor_ops,
         "weights": WEIGHTS,
+        "aligner": ALIGNER,
         "optimization": optimization,
         # an imported model's generation defaults (DecodingOptions names): the server's defaults
         "decoding_defaults": payload.get("decoding_defaults") or {},

@@ -1,4 +1,5 @@
-"""The two ONNX graphs of a bundle, as torch modules over a trained EncoderDecoder.
+"""The ONNX graphs of a bundle, as torch modules over a trained EncoderDecoder: the encoder and the decoder step that
+translate, and the aligner that gives a translation's attention.
 
 encoder:      src_ids (B, S) int64, src_mask (B, S) bool
               -> per decoder layer l: cross_k_l, cross_v_l (B, H, S, Dh), the layer's cross-attention keys
@@ -13,6 +14,10 @@ decoder step: tokens (B,) int64, positions (B,) int64, cross_slot (B,) int32 (ea
               past_k_l, past_v_l (B, H, C, Dh), then cross_k_l, cross_v_l (B, H, S, Dh), then cross_eos_l
               -> log_probs (B, V) float32, present_k_l, present_v_l (B, H, C, Dh) per layer, then
                  present_cross_k_l, present_cross_v_l (B, H, S, Dh) per layer
+aligner:      src_ids (B, S) int64, src_mask (B, S) bool, target_ids (B, T) int64 (the start token, then the tokens
+              fed after it) -> attention (B, T, S) float32: EncoderDecoder.attention, the last decoder layer's
+              first head, all positions at once in plain ONNX operators (fp32, any device). Apart from the
+              step, so that what a request that asks for no attention runs stays as it is.
 
 Every row carries its own position, and its cache is its own from slot 0: row b has filled slots
 0..positions[b]-1, so rows may be at different steps and may join or leave between steps. Each
@@ -53,7 +58,8 @@ def io_names(n_layers: int) -> dict[str, dict[str, list[str]]]:
     past = [n for i in range(n_layers) for n in (f"past_k_{i}", f"past_v_{i}")]
     return {"encoder": {"inputs": ["src_ids", "src_mask"], "outputs": [*cross, *eos]},
             "decoder": {"inputs": ["tokens", "positions", *STEP_SIZES, *past, *cross, *eos],
-                        "outputs": ["log_probs", *(f"present_{n[5:]}" for n in past), *(f"present_{n}" for n in cross)]}}
+                        "outputs": ["log_probs", *(f"present_{n[5:]}" for n in past), *(f"present_{n}" for n in cross)]},
+            "aligner": {"inputs": ["src_ids", "src_mask", "target_ids"], "outputs": ["attention"]}}
 
 
 def dynamic_axes(n_layers: int) -> dict[str, dict]:
@@ -66,7 +72,9 @@ def dynamic_axes(n_layers: int) -> dict[str, dict]:
     presents = {**{f"present_{n[5:]}": axes for n, axes in past.items()}, **{f"present_{n}": axes for n, axes in step_cross.items()}}
     return {"encoder": {"src_ids": {0: "batch", 1: "src_len"}, "src_mask": {0: "batch", 1: "src_len"}, **cross, **eos},
             "decoder": {"tokens": {0: "batch"}, "positions": {0: "batch"}, "cross_slot": {0: "batch"},
-                        **past, **step_cross, **eos, "log_probs": {0: "batch"}, **presents}}
+                        **past, **step_cross, **eos, "log_probs": {0: "batch"}, **presents},
+            "aligner": {"src_ids": {0: "batch", 1: "src_len"}, "src_mask": {0: "batch", 1: "src_len"},
+                        "target_ids": {0: "batch", 1: "tgt_len"}, "attention": {0: "batch", 1: "tgt_len", 2: "src_len"}}}
 
 
 class SourceAttention(torch.autograd.Function):
@@ -202,8 +210,20 @@ class DecoderStepGraph(nn.Module):
         return m._log_probs(m.decoder_norm(x)), *presents, *cross_presents
 
 
+class AlignerGraph(nn.Module):
+    """A source and the tokens fed after it -> the last decoder layer's first head's cross-attention weights
+    (EncoderDecoder.attention)."""
+
+    def __init__(self, model: EncoderDecoder):
+        super().__init__()
+        self.model = model
+
+    def forward(self, src_ids, src_mask, target_ids):
+        return self.model.attention(src_ids, src_mask, target_ids)
+
+
 def example_inputs(model: EncoderDecoder, batch: int = 3, src_len: int = 7, past_len: int = 5):
-    """Inputs of both graphs at sizes > 1, so that tracing specialises no dimension."""
+    """Inputs of the encoder and the decoder step at sizes > 1, so that tracing specialises no dimension."""
     c = model.config
     g = torch.Generator().manual_seed(0)
     src_ids = torch.randint(4, c.source_vocab_size or c.vocab_size, (batch, src_len), generator=g)
@@ -219,16 +239,19 @@ def example_inputs(model: EncoderDecoder, batch: int = 3, src_len: int = 7, past
 
 
 def export_graphs(model: EncoderDecoder, out_dir: Path) -> dict[str, Path]:
-    """Write encoder.onnx and decoder.onnx (fp32) into out_dir."""
+    """Write encoder.onnx, decoder.onnx and aligner.onnx (fp32) into out_dir."""
     model = model.eval().float()
     enc_args, dec_args = example_inputs(model)
+    targets = torch.randint(4, model.config.vocab_size, (enc_args[0].shape[0], 5), generator=torch.Generator().manual_seed(1))
     names, axes = io_names(model.config.n_decoder_layers), dynamic_axes(model.config.n_decoder_layers)
-    paths = {"encoder": out_dir / "encoder.onnx", "decoder": out_dir / "decoder.onnx"}
-    graphs = {"encoder": (EncoderGraph(model), enc_args), "decoder": (DecoderStepGraph(model), dec_args)}
+    paths = {name: out_dir / f"{name}.onnx" for name in ("encoder", "decoder", "aligner")}
+    graphs = {"encoder": (EncoderGraph(model), enc_args), "decoder": (DecoderStepGraph(model), dec_args),
+              "aligner": (AlignerGraph(model), (*enc_args, targets))}
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
         for name, (module, args) in graphs.items():
             torch.onnx.export(module, args, str(paths[name]), input_names=names[name]["inputs"],
                               output_names=names[name]["outputs"], dynamic_axes=axes[name], opset_version=OPSET,
-                              dynamo=False, do_constant_folding=True, custom_opsets={"com.microsoft": 1})
+                              dynamo=False, do_constant_folding=True,
+                              custom_opsets={} if name == "aligner" else {"com.microsoft": 1})
     return paths

@@ -32,6 +32,7 @@ from onnx.external_data_helper import set_external_data
 from nmtserve.export.build import kernel_graphs
 
 WEIGHTS = "weights.bin"
+ALIGNER = "aligner.onnx"  # the aligner graph (graphs.py), one for every variant: fp32
 EXTERNAL_MIN_BYTES = 1 << 10  # smaller initializers stay in their graph
 ALIGNMENT = 1 << 16  # each tensor starts at a multiple of the largest page size a loader maps in one piece
 PROJECTION = ".projection"  # the name's end of an output projection's own copy of the embedding table

@@ -3,7 +3,7 @@
 A directory holding, per precision variant, every graph the runtime runs, as export prepared and verified it
 (export/build/step_graphs.py: the encoder, the served and offline decoder steps, and their versions on
 nmtserve's kernels), one weights file they all point into (each tensor once), the device-tensor op graphs, the SentencePiece
-model and manifest.json (schema version, model dimensions, special ids, limits, opset, the exported graphs'
+model, the aligner graph (attention weights) and manifest.json (schema version, model dimensions, special ids, limits, opset, the exported graphs'
 inputs and outputs, the variants, the sha256 and size of every file, the source checkpoint and its measured
 BLEU). export/build/manifest.py writes it; `load_bundle` refuses a bundle whose schema or any file does not
 match, naming the file and what is wrong. Nothing here edits a graph.
@@ -75,6 +75,13 @@ class Bundle:
         if graph not in graphs:
             raise BundleError(f"{self.path}: variant {variant!r} has no graph {graph!r}; it has {', '.join(graphs)}")
         return self.path / graphs[graph]
+
+    @property
+    def aligner_path(self) -> Path | None:
+        """The aligner graph's file (export/build/graphs.py), which gives a translation's attention; None in a
+        bundle exported before it existed."""
+        name = self.manifest.get("aligner")
+        return self.path / name if name else None
 
     def tensor_ops(self, variant: str) -> dict[str, dict[str, Path]]:
         """The device-tensor op graphs (export/build/tensor_ops.py) for the variant's caches:

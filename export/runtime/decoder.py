@@ -33,6 +33,7 @@ import onnxruntime as ort
 from nmtserve.decoding import by_length
 from nmtserve.errors import ConfigError
 from nmtserve.export.runtime import kernels, memory
+from nmtserve.export.runtime.aligner import Aligner, padded
 from nmtserve.export.runtime.batch import FRESH_SLOTS, BatchState, eos_of, own_slots
 from nmtserve.export.runtime.bundle import Bundle, default_variant, load_bundle
 from nmtserve.export.runtime.native import NativeBinding, NativeError, NativeSession
@@ -119,8 +120,10 @@ class Decoder:
         self.kv_dtype = np.float16 if self.bundle.variant(variant).get("kv_dtype") == "float16" else np.float32
         self.ops = DeviceTensors(device, PROVIDERS[device], session_options(1), self.bundle.tensor_ops(variant)) \
             if self.io_binding else HostTensors
-        # read at first use and shared by replicas: a caller that translates ids never holds the tokenizer
+        # read at first use and shared by replicas: a caller that translates ids never holds the tokenizer, one that
+        # asks for no attention never loads the aligner
         self._tokenizer = functools.cache(self.bundle.tokenizer)
+        self._aligner = functools.cache(lambda: Aligner(self.bundle.aligner_path, device, intra_op_threads))
         m = self.bundle.model
         self.n_layers, self.n_heads, self.head_dim = m["n_decoder_layers"], m["n_heads"], m["d_model"] // m["n_heads"]
         self.d_model = m["d_model"]
@@ -144,6 +147,18 @@ class Decoder:
     def tokenizer(self):
         """The bundle's tokenizer (nmtserve/tokenizer.py)."""
         return self._tokenizer()
+
+    def attention(self, sources: list[list[int]], targets: list[list[int]]) -> list[np.ndarray]:
+        """Each source's attention over its target (the tokens decoded for it, a forced prefix's first): (T, S)
+        float32 (Aligner.attention). ConfigError where the bundle has no aligner."""
+        self.require_aligner()
+        return self._aligner().attention(sources, targets, self.bos_id)
+
+    def require_aligner(self) -> None:
+        """ConfigError naming return_attention where the bundle has no aligner graph (one exported before it)."""
+        if self.bundle.aligner_path is None:
+            raise ConfigError(f"return_attention: the bundle {self.bundle.path} has no aligner graph "
+                              "(export it again with `nmtserve export`)")
 
     @property
     def word_continuations(self) -> np.ndarray:
@@ -572,11 +587,7 @@ class Decoder:
     def pad(self, seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         """Token-id sources -> ids (B, S) int64 padded, and their mask. An id outside the vocabulary is a
         ValueError naming it: ONNX Runtime's CPU Gather refuses it, but CUDA's would read out of bounds."""
-        lengths = np.array([len(s) for s in seqs])
-        ids = np.zeros((len(seqs), lengths.max()), dtype=np.int64)  # past a source: masked, any id in the table
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = s
-        mask = np.arange(ids.shape[1])[None, :] < lengths[:, None]
+        ids, mask = padded(seqs)  # past a source: masked, any id in the table
         outside = ids[mask & ((ids < 0) | (ids >= self.source_vocab_size))]
         if outside.size:
             raise ValueError(f"source token id {int(outside[0])} is out of the vocabulary "

@@ -342,16 +342,14 @@ class Engine:
         self.steps += len(stepped)
         self.batch.leave([r for r, _ in leaving])  # a whole run's finished rows have left already
         self._publish()
-        for request, why in leaving:
-            self._finish(request, why)
+        self._tell(leaving)
         return stepped
 
     def _search_whole(self) -> list[tuple[int, int]]:
         """The batch's searches run to their ends in one call (`RunningBatch.search_run`); each request settles."""
         requests = self.batch.search_run()
         self._publish()
-        for request in requests:
-            self._finish(request, self._settle(request))
+        self._tell([(request, self._settle(request)) for request in requests])
         return []
 
     def _process(self, outputs: list[tuple[Request, int | None, float | None]]) -> None:
@@ -395,8 +393,30 @@ class Engine:
             return
         self.batch.leave([r for r, _ in leaving])
         self._publish()
+        self._tell(leaving)
+
+    def _tell(self, leaving: list[tuple[Request, FinishReason]]) -> None:
+        """Finish requests whose rows have left; those that asked for attention get their hypotheses' first (one
+        aligner call for them all), and fail alone if that call fails."""
+        asking = [(r, why) for r, why in leaving if r.attention and why in (FinishReason.EOS, FinishReason.LENGTH)]
+        error = None
+        if asking:
+            for request, why in asking:
+                request.finish = why  # what a greedy request's hypothesis says (done is set later, by _finish)
+                request.hypotheses = request.results()
+            pairs = [(r, h) for r, _ in asking for h in r.hypotheses]
+            try:
+                found = self.tr.attention([r.src_ids for r, _ in pairs], [[*r.prefix, *h.tokens] for r, h in pairs])
+                for (_, hypothesis), weights in zip(pairs, found):
+                    hypothesis.attention = weights
+            except Exception as e:
+                error = f"attention: {type(e).__name__}: {e}"
+        failed = {id(r) for r, _ in asking} if error else set()
         for request, why in leaving:
-            self._finish(request, why)
+            if id(request) in failed:
+                self._finish(request, FinishReason.ERROR, error)
+            else:
+                self._finish(request, why)
 
     def _publish(self) -> None:
         """Set running_count from the batch (engine thread; the Condition's lock is re-entrant)."""

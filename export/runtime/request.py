@@ -36,6 +36,7 @@ class Request:
     on_token: Callable[[Request, int], None] | None = None  # called from the engine thread
     on_finish: Callable[[Request], None] | None = None  # called from the engine thread, once
     scored: bool = True  # whether its score is read; greedy without: steps of such rows alone skip the log-softmax
+    attention: bool = False  # whether its hypotheses get their attention (Hypothesis.attention) when it finishes
     id: str = ""
     prefix: list[int] = field(default_factory=list)  # target tokens decoding is forced to start with (not in tokens)
     shown_prefix: list[int] = field(default_factory=list)  # the end of `prefix` its output begins with (target_prefix)

@@ -46,6 +46,8 @@ class Translation:
     # divided by length ** length_penalty), if asked
     alternatives: list[Translation] = field(default_factory=list)  # the rest of the n-best list, best first
     confidence: float | None = None  # if asked: exp of its decoded tokens' mean log-prob (search.Hypothesis.confidence)
+    # if asked (return_attention, CTranslate2's): for each of its tokens, its weights over the source's tokens
+    attention: list[list[float]] | None = None
 
     @property
     def hypotheses(self) -> list[Translation]:
@@ -71,17 +73,21 @@ class OnnxTranslator(Decoder):
     def search_ids(self, sources: list[list[int]], options: DecodingOptions = DecodingOptions(), *,
                    max_batch_size: int = 32, scores: bool = True,
                    prefixes: list[list[int]] | None = None, favoured: list[list[int]] | None = None,
-                   constraints: list[tuple[tuple[int, ...], ...]] | None = None) -> list[list[Hypothesis]]:
+                   constraints: list[tuple[tuple[int, ...], ...]] | None = None,
+                   attention: bool = False) -> list[list[Hypothesis]]:
         """The n-best hypotheses of each token-id source, best first; sources are batched by sorted length,
         at most max_batch_size sources (each with its beam's rows) per batch. scores=False: greedy search
         skips the log-softmax and scores nothing (each score nan); beam search and sampling always score.
         `prefixes`: each source's forced target tokens (not in the hypotheses, counted in their budgets and
         lengths, as transformers' forced_bos_token_id). `favoured`: each source's target_prefix that
         prefix_bias_beta favours. `constraints`: each source's token sequences that its hypotheses must contain (a
-        glossary's target terms; search.constrained_beam says how it is then decoded)."""
+        glossary's target terms; search.constrained_beam says how it is then decoded). `attention`: each hypothesis
+        with its attention (Hypothesis.attention)."""
         if max_batch_size < 1:
             raise ConfigError(f"max_batch_size {max_batch_size}: must be at least 1")
         options.check(self.vocab_size)
+        if attention:
+            self.require_aligner()
         for c in set(constraints or ()):
             constrained_beam(options, c).check(self.vocab_size)
         results: list = [None] * len(sources)
@@ -91,7 +97,8 @@ class OnnxTranslator(Decoder):
                 found = self.search_ids([sources[i] for i in rows], options, max_batch_size=max_batch_size,
                                         scores=scores, prefixes=[prefixes[i] for i in rows] if prefixes[rows[0]] else None,
                                         favoured=[favoured[i] for i in rows] if favoured else None,
-                                        constraints=[constraints[i] for i in rows] if constraints else None)
+                                        constraints=[constraints[i] for i in rows] if constraints else None,
+                                        attention=attention)
                 for i, hypotheses in zip(rows, found):
                     results[i] = hypotheses
             return results
@@ -102,7 +109,7 @@ class OnnxTranslator(Decoder):
         groups = guided_groups(batches, max(1, ENCODE_AHEAD // max_batch_size), self.inter_threads)
         if self.inter_threads == 1 or len(groups) == 1:
             for group in groups:
-                self._decode_group(group, sources, options, results, scores, prefixes, favoured, constraints)
+                self._decode_group(group, sources, options, results, scores, prefixes, favoured, constraints, attention)
             return results
         replicas = queue.SimpleQueue()  # one decoding context per thread; a thread takes the next group
         for _ in range(self.inter_threads):
@@ -111,7 +118,8 @@ class OnnxTranslator(Decoder):
         def decode(group):
             replica = replicas.get()
             try:
-                replica._decode_group(group, sources, options, results, scores, prefixes, favoured, constraints)
+                replica._decode_group(group, sources, options, results, scores, prefixes, favoured, constraints,
+                                      attention)
             finally:
                 replicas.put(replica)
         with ThreadPoolExecutor(min(self.inter_threads, len(groups)), thread_name_prefix="nmtserve-batch") as pool:
@@ -121,7 +129,7 @@ class OnnxTranslator(Decoder):
     def _decode_group(self, group: list[list[int]], sources: list[list[int]], options: DecodingOptions,
                       results: list, scores: bool, prefixes: list[list[int]] | None = None,
                       favoured: list[list[int]] | None = None,
-                      constraints: list[tuple[tuple[int, ...], ...]] | None = None) -> None:
+                      constraints: list[tuple[tuple[int, ...], ...]] | None = None, attention: bool = False) -> None:
         """A group of batches (each a list of source indices) decoded into results on an Engine of this translator's
         own (export/runtime/engine.py, the server's, in this thread): static batches admitted in the group's order,
         the next ones encoded ahead with the first, each run to its end (greedy: in nmtserve's library where it
@@ -130,7 +138,8 @@ class OnnxTranslator(Decoder):
         order = [i for rows in group for i in rows]
         requests = [Request(sources[i], options.max_decoding_length,
                             constrained_beam(options, constraints[i]) if constraints else options, scored=scores,
-                            prefix=prefixes[i] if prefixes else [], favoured=favoured[i] if favoured else [])
+                            prefix=prefixes[i] if prefixes else [], favoured=favoured[i] if favoured else [],
+                            attention=attention)
                     for i in order]
         config = EngineConfig(max_running_rows=max(len(rows) for rows in group) * max(r.width for r in requests),
                               max_batch_tokens=sys.maxsize, batching="static", max_burst_steps=sys.maxsize,
@@ -156,7 +165,8 @@ class OnnxTranslator(Decoder):
                         target_language: str = "", target_prefix: list[str | None] | None = None,
                         min_decoding_length: int = 0, disable_unk: bool = False, no_repeat_ngram_size: int = 0,
                         suppress_sequences: list[str] | None = None, prefix_bias_beta: float = 0.0,
-                        repetition_penalty: float = 1.0, glossary: Glossary | list[tuple[str, str]] | None = None) -> list[Translation]:
+                        repetition_penalty: float = 1.0, glossary: Glossary | list[tuple[str, str]] | None = None,
+                        return_attention: bool = False) -> list[Translation]:
         """Translate texts, with CTranslate2's decoding options (nmtserve/search.py says what each does):
         greedy by default, beam search with beam_size > 1, random sampling with sampling_topk != 1. Each
         Translation is the best hypothesis, with the rest of the n-best list in `alternatives`. Inputs are
@@ -168,7 +178,9 @@ class OnnxTranslator(Decoder):
         target_prefix is favoured, not forced, and a translation begins with what was decoded. repetition_penalty
         (CTranslate2's) divides the logits of tokens already decoded before each step's softmax. `glossary` (nmtserve's:
         (source term, target term) pairs, nmtserve/glossary.py): a text containing a source term is translated with
-        its target term, by constrained beam search."""
+        its target term, by constrained beam search. return_attention (CTranslate2's): each Translation's `attention`,
+        the last decoder layer's first head's weights over the source tokens at each of its tokens (the bundle's
+        aligner graph, in fp32, run once decoding is done)."""
         suppressed = tuple(tuple(self.tokenizer.encode_target(text)) for text in suppress_sequences or ())
         options = DecodingOptions(beam_size, num_hypotheses, length_penalty, patience, sampling_topk, sampling_topp,
                                   sampling_temperature, seed, max_decoding_length, beam_stopping, length_rule,
@@ -181,12 +193,13 @@ class OnnxTranslator(Decoder):
             glossary = Glossary(list(glossary))
         constraints = [glossary.constraints_for(t, self.tokenizer.encode_target) for t in texts] if glossary else None
         found = self.search_prefixed(ids, options, target_prefix, self.tokenizer.target_prefix(target_language),
-                                     max_batch_size=max_batch_size, scores=return_scores, constraints=constraints)
+                                     max_batch_size=max_batch_size, scores=return_scores, constraints=constraints,
+                                     attention=return_attention)
         return [self._translation(hypotheses, return_scores, shown) for hypotheses, shown in found]
 
     def search_prefixed(self, sources: list[list[int]], options: DecodingOptions, target_prefix: list | None,
                         language: list[int], *, max_batch_size: int = 32, scores: bool = True,
-                        constraints: list[tuple[tuple[int, ...], ...]] | None = None) \
+                        constraints: list[tuple[tuple[int, ...], ...]] | None = None, attention: bool = False) \
             -> list[tuple[list[Hypothesis], list[int]]]:
         """`search_ids` after a target language's tokens and each source's target_prefix (a text, or None): each
         source's hypotheses and the prefix tokens they begin with (forced; none when prefix_bias_beta favours the
@@ -196,7 +209,8 @@ class OnnxTranslator(Decoder):
         favoured, shown = (given, [[] for _ in given]) if options.prefix_bias_beta else (None, given)
         prefixes = [[*language, *s] for s in shown]
         found = self.search_ids(sources, options, max_batch_size=max_batch_size, scores=scores,
-                                prefixes=prefixes if any(prefixes) else None, favoured=favoured, constraints=constraints)
+                                prefixes=prefixes if any(prefixes) else None, favoured=favoured, constraints=constraints,
+                                attention=attention)
         return list(zip(found, shown))
 
     def target_prefix_ids(self, sources: list[list[int]], texts, max_decoding_length: int, length_rule: str,
@@ -222,7 +236,9 @@ class OnnxTranslator(Decoder):
         """A hypothesis as text; a forced target_prefix's tokens come first (its tokens' scores are not counted)."""
         best, *rest = [Translation(self.tokenizer.decode([*prefix, *h.tokens]), [*prefix, *h.tokens],
                                    h.score if return_scores else None,
-                                   confidence=h.confidence if return_scores else None)
+                                   confidence=h.confidence if return_scores else None,
+                                   attention=None if h.attention is None else h.shown_attention(len(prefix)).tolist())
                        for h in hypotheses]
         best.alternatives = rest
         return best
+

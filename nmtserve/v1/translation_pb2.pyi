@@ -37,7 +37,7 @@ FINISH_REASON_EOS: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
 class DecodingOptions(_message.Message):
-    __slots__ = ("max_decoding_length", "return_scores", "beam_size", "num_hypotheses", "length_penalty", "patience", "sampling_topk", "sampling_topp", "sampling_temperature", "seed", "beam_stopping", "length_rule", "min_decoding_length", "disable_unk", "no_repeat_ngram_size", "suppress_sequences", "prefix_bias_beta", "repetition_penalty")
+    __slots__ = ("max_decoding_length", "return_scores", "beam_size", "num_hypotheses", "length_penalty", "patience", "sampling_topk", "sampling_topp", "sampling_temperature", "seed", "beam_stopping", "length_rule", "min_decoding_length", "disable_unk", "no_repeat_ngram_size", "suppress_sequences", "prefix_bias_beta", "repetition_penalty", "return_attention")
     MAX_DECODING_LENGTH_FIELD_NUMBER: _ClassVar[int]
     RETURN_SCORES_FIELD_NUMBER: _ClassVar[int]
     BEAM_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class DecodingOptions(_message.Message):
     SUPPRESS_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BIAS_BETA_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    RETURN_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     max_decoding_length: int
     return_scores: bool
     beam_size: int
@@ -74,7 +75,8 @@ class DecodingOptions(_message.Message):
     suppress_sequences: _containers.RepeatedScalarFieldContainer[str]
     prefix_bias_beta: float
     repetition_penalty: float
-    def __init__(self, max_decoding_length: _Optional[int] = ..., return_scores: _Optional[bool] = ..., beam_size: _Optional[int] = ..., num_hypotheses: _Optional[int] = ..., length_penalty: _Optional[float] = ..., patience: _Optional[float] = ..., sampling_topk: _Optional[int] = ..., sampling_topp: _Optional[float] = ..., sampling_temperature: _Optional[float] = ..., seed: _Optional[int] = ..., beam_stopping: _Optional[_Union[BeamStopping, str]] = ..., length_rule: _Optional[_Union[LengthRule, str]] = ..., min_decoding_length: _Optional[int] = ..., disable_unk: _Optional[bool] = ..., no_repeat_ngram_size: _Optional[int] = ..., suppress_sequences: _Optional[_Iterable[str]] = ..., prefix_bias_beta: _Optional[float] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
+    return_attention: bool
+    def __init__(self, max_decoding_length: _Optional[int] = ..., return_scores: _Optional[bool] = ..., beam_size: _Optional[int] = ..., num_hypotheses: _Optional[int] = ..., length_penalty: _Optional[float] = ..., patience: _Optional[float] = ..., sampling_topk: _Optional[int] = ..., sampling_topp: _Optional[float] = ..., sampling_temperature: _Optional[float] = ..., seed: _Optional[int] = ..., beam_stopping: _Optional[_Union[BeamStopping, str]] = ..., length_rule: _Optional[_Union[LengthRule, str]] = ..., min_decoding_length: _Optional[int] = ..., disable_unk: _Optional[bool] = ..., no_repeat_ngram_size: _Optional[int] = ..., suppress_sequences: _Optional[_Iterable[str]] = ..., prefix_bias_beta: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., return_attention: _Optional[bool] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_ns", "time_to_first_token_ns", "total_ns", "prepare_ns", "handler_ns", "encoded_ns", "resumed_ns")
@@ -95,21 +97,39 @@ class Timings(_message.Message):
     def __init__(self, queue_ns: _Optional[int] = ..., time_to_first_token_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., prepare_ns: _Optional[int] = ..., handler_ns: _Optional[int] = ..., encoded_ns: _Optional[int] = ..., resumed_ns: _Optional[int] = ...) -> None: ...
 
 class Hypothesis(_message.Message):
-    __slots__ = ("text", "output_tokens", "score", "mean_log_prob", "confidence")
+    __slots__ = ("text", "output_tokens", "score", "mean_log_prob", "confidence", "attention")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     MEAN_LOG_PROB_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
     text: str
     output_tokens: int
     score: float
     mean_log_prob: float
     confidence: float
-    def __init__(self, text: _Optional[str] = ..., output_tokens: _Optional[int] = ..., score: _Optional[float] = ..., mean_log_prob: _Optional[float] = ..., confidence: _Optional[float] = ...) -> None: ...
+    attention: Attention
+    def __init__(self, text: _Optional[str] = ..., output_tokens: _Optional[int] = ..., score: _Optional[float] = ..., mean_log_prob: _Optional[float] = ..., confidence: _Optional[float] = ..., attention: _Optional[_Union[Attention, _Mapping]] = ...) -> None: ...
+
+class Attention(_message.Message):
+    __slots__ = ("source_tokens", "target_tokens", "rows")
+    SOURCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    source_tokens: _containers.RepeatedScalarFieldContainer[str]
+    target_tokens: _containers.RepeatedScalarFieldContainer[str]
+    rows: _containers.RepeatedCompositeFieldContainer[AttentionRow]
+    def __init__(self, source_tokens: _Optional[_Iterable[str]] = ..., target_tokens: _Optional[_Iterable[str]] = ..., rows: _Optional[_Iterable[_Union[AttentionRow, _Mapping]]] = ...) -> None: ...
+
+class AttentionRow(_message.Message):
+    __slots__ = ("weights",)
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    weights: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, weights: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Translation(_message.Message):
-    __slots__ = ("text", "input_tokens", "output_tokens", "score", "finish_reason", "timings", "alternatives", "mean_log_prob", "confidence")
+    __slots__ = ("text", "input_tokens", "output_tokens", "score", "finish_reason", "timings", "alternatives", "mean_log_prob", "confidence", "attention")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +139,7 @@ class Translation(_message.Message):
     ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     MEAN_LOG_PROB_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
     text: str
     input_tokens: int
     output_tokens: int
@@ -128,7 +149,8 @@ class Translation(_message.Message):
     alternatives: _containers.RepeatedCompositeFieldContainer[Hypothesis]
     mean_log_prob: float
     confidence: float
-    def __init__(self, text: _Optional[str] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., score: _Optional[float] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., alternatives: _Optional[_Iterable[_Union[Hypothesis, _Mapping]]] = ..., mean_log_prob: _Optional[float] = ..., confidence: _Optional[float] = ...) -> None: ...
+    attention: Attention
+    def __init__(self, text: _Optional[str] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., score: _Optional[float] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., alternatives: _Optional[_Iterable[_Union[Hypothesis, _Mapping]]] = ..., mean_log_prob: _Optional[float] = ..., confidence: _Optional[float] = ..., attention: _Optional[_Union[Attention, _Mapping]] = ...) -> None: ...
 
 class TranslateRequest(_message.Message):
     __slots__ = ("sentences", "options", "target_language", "model", "source_language", "target_prefix", "glossary")

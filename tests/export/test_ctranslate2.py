@@ -4,6 +4,7 @@ CTranslate2's decoding controls (target_prefix, disabled tokens, prefix_bias_bet
 from types import SimpleNamespace
 
 import ctranslate2
+import numpy as np
 import pytest
 import torch
 
@@ -125,3 +126,30 @@ def test_prefix_bias_beta_gives_ctranslate2s_tokens(both):
         assert _same(both, got, theirs) >= least, beam
         plain = both.ours.translate_batch(both.texts, beam_size=beam, **OUR_OPTIONS)
         assert any(a.tokens != b.tokens for a, b in zip(got, plain))
+
+
+def test_return_attention_gives_ctranslate2s_attention(both):
+    """return_attention: CTranslate2's attention (its last decoder layer's first head) at every token of the
+    translations both engines agree on, forced target prefixes' tokens first; greedy in batches and beam 4 (CTranslate2
+    one sentence a call: its batched beam search gives some rows another row's attention). Ours is the same whatever the
+    batch, and each n-best hypothesis has its own."""
+    prefixes = _pieces(both, both.prefixes)
+    for beam, batch in ((1, 32), (4, 1)):
+        theirs = both.ct2.translate_batch(_pieces(both, both.texts), beam_size=beam, max_batch_size=batch,
+                                          target_prefix=prefixes, return_attention=True, **CT2_OPTIONS)
+        got = both.ours.translate_batch(both.texts, beam_size=beam, target_prefix=both.prefixes, return_attention=True,
+                                        **OUR_OPTIONS)
+        same = [(t, r) for t, r in zip(got, theirs) if t.tokens == [both.sp.piece_to_id(p) for p in r.hypotheses[0]]]
+        assert len(same) >= AGREEMENT[beam > 1][1], beam
+        for t, r in same:
+            assert np.array(t.attention).shape == (len(t.tokens), len(both.ours.tokenizer.encode(both.texts[got.index(t)])))
+            np.testing.assert_allclose(t.attention, r.attention[0], atol=1e-4)
+    alone = both.ours.translate_batch(both.texts[:20], beam_size=4, num_hypotheses=3, max_batch_size=1,
+                                      return_attention=True, **OUR_OPTIONS)
+    batched = both.ours.translate_batch(both.texts[:20], beam_size=4, num_hypotheses=3, return_attention=True,
+                                        **OUR_OPTIONS)
+    for a, b in zip(alone, batched):
+        for x, y in zip(a.hypotheses, b.hypotheses, strict=True):
+            assert x.tokens == y.tokens and len(x.attention) == len(x.tokens)
+            np.testing.assert_allclose(x.attention, y.attention, atol=1e-5)
+    assert all(t.attention is None for t in both.ours.translate_batch(both.texts[:4], **OUR_OPTIONS))

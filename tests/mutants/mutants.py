@@ -3,6 +3,8 @@ it (tests/mutants/run.py runs them and fails if one still passes). A patch takes
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 
 def _bleu_by_characters(module) -> None:
     """evaluate's BLEU computed on characters: sacrebleu's own score of the same hypotheses differs."""
@@ -34,7 +36,11 @@ def _never_dropped(module) -> None:
 def _one_token_short(module) -> None:
     """The served text leaves out each sentence's last token."""
     translation = module.translation
-    module.translation = lambda request, decode, *rest: translation(request, lambda ids: decode(ids[:-1]), *rest)
+
+    def short(request, tokenizer, *rest):
+        return translation(request, SimpleNamespace(decode=lambda ids: tokenizer.decode(ids[:-1]), piece=tokenizer.piece),
+                           *rest)
+    module.translation = short
 
 
 def _model_defaults_ignored(module) -> None:

@@ -367,3 +367,24 @@ def test_the_retry_budget_stops_retries_once_spent(replicas):
     budget = SERVICE_CONFIG["retryThrottling"]["maxTokens"]
     assert failed > 0, "the refused calls were retried without end"
     assert refused - failed <= budget, "more retries than the budget allows"
+
+
+def test_translate_cli_prints_the_attention_locally_and_through_a_server(served, tiny_bundle):
+    """--return-attention --json: each line's attention (source and target pieces, a row of weights per target
+    token), the same with a bundle and through a server, a target prefix's tokens first; without --json it is refused."""
+    flags = ["--return-attention", "--json", "--target-prefix", "le", "--beam-size", "2", "--num-hypotheses", "2"]
+    lines = {}
+    for model in (["--server", served.target], [str(tiny_bundle)]):
+        out = run_cli("translate", *flags, *model, "the cat sleeps .", "a dog eats the bread .", timeout=120)
+        assert out.returncode == 0, out.stderr
+        lines[model[0]] = [json.loads(line) for line in out.stdout.splitlines()]
+    for local, remote in zip(lines[str(tiny_bundle)], lines["--server"]):
+        a = local["attention"]
+        assert a["target_tokens"][0] == "▁le" and len(a["weights"]) == len(a["target_tokens"])
+        assert all(len(row) == len(a["source_tokens"]) for row in a["weights"])
+        assert remote["attention"]["target_tokens"] == a["target_tokens"]
+        assert max(abs(x - y) for r, s in zip(remote["attention"]["weights"], a["weights"], strict=True)
+                   for x, y in zip(r, s, strict=True)) <= 2e-4
+        assert [h["attention"]["target_tokens"] for h in local["hypotheses"]][0] == a["target_tokens"]
+    refused = run_cli("translate", "--return-attention", str(tiny_bundle), "hi")
+    assert refused.returncode == 2 and "--return-attention: the attention is printed with --json" in refused.stderr

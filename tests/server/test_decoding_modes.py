@@ -2,8 +2,11 @@
 sentence gets what OnnxTranslator gives it alone, whatever traffic shares the running batch."""
 
 import concurrent.futures
+import json
+import shutil
 
 import grpc
+import numpy as np
 import pytest
 
 from nmtserve.export.runtime.translator import OnnxTranslator
@@ -31,6 +34,10 @@ MODES = [
     # CTranslate2's repetition penalty, on the logits of these rows alone
     (pb.DecodingOptions(repetition_penalty=1.5), dict(repetition_penalty=1.5)),
     (pb.DecodingOptions(beam_size=2, repetition_penalty=0.8), dict(beam_size=2, repetition_penalty=0.8)),
+    # CTranslate2's return_attention: the aligner's call once these requests finish
+    (pb.DecodingOptions(return_attention=True), dict(return_attention=True)),
+    (pb.DecodingOptions(beam_size=3, num_hypotheses=2, return_attention=True),
+     dict(beam_size=3, num_hypotheses=2, return_attention=True)),
 ]
 
 
@@ -84,8 +91,8 @@ def test_every_mode_in_concurrent_mixed_traffic_gets_its_alone_result(server, re
         results = list(pool.map(call, jobs))
     after = scrape(served.running.metrics_port)
     assert all(engine.stats()["steps"] > before for engine, before in zip(engines, steps_before))
-    # the request metrics count each decoding mode apart (MODES: 3 greedy, 4 beam, 3 sampled)
-    for mode, share in (("greedy", 3), ("beam", 4), ("sampling", 3)):
+    # the request metrics count each decoding mode apart (MODES: 4 greedy, 5 beam, 3 sampled)
+    for mode, share in (("greedy", 4), ("beam", 5), ("sampling", 3)):
         sentences_done = metric(after, "nmtserve_sentences_total", mode=mode) - metric(before, "nmtserve_sentences_total",
                                                                                         mode=mode)
         assert sentences_done == share * 2 * len(sentences), mode
@@ -96,6 +103,11 @@ def test_every_mode_in_concurrent_mixed_traffic_gets_its_alone_result(server, re
         expected = alone[m][i]
         assert got.text == expected.text, (MODES[m][1], i)
         assert [a.text for a in got.alternatives] == [a.text for a in expected.alternatives]
+        for message, translation in zip([got, *got.alternatives], expected.hypotheses, strict=True):
+            rows = [list(row.weights) for row in message.attention.rows]
+            assert len(rows) == (message.output_tokens if translation.attention is not None else 0)
+            if rows:
+                np.testing.assert_allclose(rows, translation.attention, atol=1e-5)
         if m == 1:
             assert len(got.alternatives) == 2 and got.score == pytest.approx(expected.score, abs=1e-3)
             assert [a.score for a in got.alternatives] == pytest.approx([a.score for a in expected.alternatives],
@@ -161,3 +173,48 @@ def test_target_prefix_in_one_call_with_others_gets_the_offline_result(served, t
             with pytest.raises(grpc.RpcError) as e:
                 stub.Translate(pb.TranslateRequest(sentences=texts, target_prefix=prefixes), timeout=60)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details()
+
+
+def test_return_attention_names_its_tokens_and_is_refused_where_there_is_none(served, tiny_bundle, tiny_corpus,
+                                                                               tmp_path):
+    """return_attention: a row per token the translation shows (a target_prefix's first; a TranslateStream's final
+    too), a column per source token the model read, each row summing to 1. TranslateText, and a model whose bundle has
+    no aligner graph (one exported before it), are INVALID_ARGUMENT naming the option."""
+    texts = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs[:3]]
+    tokenizer = OnnxTranslator(tiny_bundle).tokenizer
+    options = pb.DecodingOptions(return_attention=True)
+    with served.channel() as channel:
+        stub = pb_grpc.TranslationServiceStub(channel)
+        got = stub.Translate(pb.TranslateRequest(sentences=texts, target_prefix=["le", "", "la"], options=options),
+                             timeout=60).translations
+        final = list(stub.TranslateStream(pb.TranslateStreamRequest(sentence=texts[1], options=options),
+                                          timeout=60))[-1].final
+        for text, t in zip(texts, got):
+            a = t.attention
+            assert list(a.source_tokens) == [tokenizer.piece(i) for i in tokenizer.encode(text)]
+            assert len(a.target_tokens) == len(a.rows) == t.output_tokens
+            assert tokenizer.decode([tokenizer.sp.piece_to_id(p) for p in a.target_tokens]) == t.text
+            assert all(len(r.weights) == len(a.source_tokens) and sum(r.weights) == pytest.approx(1, abs=1e-4)
+                       for r in a.rows)
+        assert got[0].attention.target_tokens[0] == "▁le" and final.attention == got[1].attention
+        with pytest.raises(grpc.RpcError) as e:
+            stub.TranslateText(pb.TranslateTextRequest(texts=["The cat sleeps."], options=options), timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "options.return_attention" in e.value.details()
+
+    old = tmp_path / "old-bundle"  # as exported before the aligner graph
+    shutil.copytree(tiny_bundle, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    (old / manifest.pop("aligner")).unlink()
+    del manifest["files"]["aligner.onnx"], manifest["graphs"]["aligner"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    server = ServerThread(ServerConfig.from_flags(bundle=str(old), host="127.0.0.1", port=0, metrics_port=0))
+    try:
+        with server.channel() as channel:
+            stub = pb_grpc.TranslationServiceStub(channel)
+            assert stub.Translate(pb.TranslateRequest(sentences=texts[:1]), timeout=60).translations[0].text
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Translate(pb.TranslateRequest(sentences=texts[:1], options=options), timeout=60)
+    finally:
+        server.stop()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith(f"options.return_attention: the bundle {old} has no aligner graph (export it again")
