@@ -3,7 +3,8 @@
 through TranslateText (split into sentences, whitespace kept); with alternatives, each q is one sentence of
 Translate with that many more hypotheses, of a beam that wide. source "auto" (the default) is detected over all of
 q together (server/language_id.py) and answered as LibreTranslate does, in detectedLanguage (confidence in percent;
-with q a list, one entry per text, each the call's). format "html" is refused until markup is kept (a 400).
+with q a list, one entry per text, each the call's). format "html" is TranslateText's text/html (server/markup.py:
+tags kept, inline ones placed on their words); with alternatives, format text only.
 Errors are the servicer's, in LibreTranslate's body ({"error": "…"}, server/http.py)."""
 
 from __future__ import annotations
@@ -43,13 +44,14 @@ async def translate(servicer: TranslationServicer, data: dict, context) -> dict:
     form, alternatives = _field(data, "format", str, "text"), _field(data, "alternatives", int, 0)
     if form not in FORMATS:
         raise invalid(f"format {form!r}: must be text or html")
-    if form == "html":
-        raise invalid("format 'html': not served yet; this server translates plain text (format text)")
     if alternatives < 0:
         raise invalid(f"alternatives {alternatives}: must be 0 or more")
+    if alternatives and form == "html":
+        raise invalid("alternatives: sentence by sentence, with format text only")
     if not alternatives:
-        response = await servicer.TranslateText(pb.TranslateTextRequest(texts=texts, source_language=source,
-                                                                        target_language=target), context)
+        response = await servicer.TranslateText(pb.TranslateTextRequest(
+            texts=texts, source_language=source, target_language=target,
+            mime_type="text/html" if form == "html" else ""), context)
         body = {"translatedText": [t.text for t in response.translations]}
     else:
         options = pb.DecodingOptions(num_hypotheses=alternatives + 1, beam_size=alternatives + 1)

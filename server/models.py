@@ -254,11 +254,15 @@ class ServedModel:
             raise InvalidRequest(f"{field}: {len(ids)} tokens, the limit is {self.max_source_tokens}")
         return ids
 
+    def check_text(self, field: str, text: str) -> None:
+        """InvalidRequest naming the field for a whole text over the server's limit (--max-text-chars)."""
+        if len(text) > self.config.limits.max_text_chars:
+            raise InvalidRequest(f"{field}: {len(text)} characters, the limit is {self.config.limits.max_text_chars}")
+
     def text_pieces(self, field: str, text: str, languages: CallLanguages) -> tuple[list[tuple[int, int]], list[list[int]]]:
         """A whole text's sentences (pieces of those over the character or token limit) as spans and
         token ids; a piece of nothing but what the tokenizer drops has no ids and is kept as it is."""
-        if len(text) > self.config.limits.max_text_chars:
-            raise InvalidRequest(f"{field}: {len(text)} characters, the limit is {self.config.limits.max_text_chars}")
+        self.check_text(field, text)
 
         @functools.cache  # fit() measures a piece, then its ids are kept: each piece is encoded once
         def encode(piece: str) -> list[int]:

@@ -17,15 +17,17 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from nmtserve.errors import NmtserveError
+from nmtserve.errors import ConfigError, NmtserveError
 from nmtserve.export.runtime.engine import EngineOverloaded, EngineStopped
 from nmtserve.export.runtime.request import FinishReason, Request
 from nmtserve.logs import REQUEST_ID
+from nmtserve.server import markup
 from nmtserve.server.auth import ApiKeys, PermissionDenied, Unauthenticated, bearer
 from nmtserve.server.bridge import Inbox, Wakeups
 from nmtserve.server.config import ServerConfig
 from nmtserve.server.convert import CallOptions, InvalidRequest, ModelNotFound, translation
-from nmtserve.server.documents import MIME_TYPES, rejoin
+from nmtserve.server.documents import MIME_TYPES as PLAIN_TYPES
+from nmtserve.server.documents import rejoin
 from nmtserve.server.language_id import AUTO, detect
 from nmtserve.server.metrics import ServerMetrics
 from nmtserve.server.models import ServedModel, route
@@ -39,6 +41,7 @@ log = logging.getLogger("nmtserve.server")
 access_log = logging.getLogger("nmtserve.access")  # one line per RPC; --access-log off silences it
 REQUEST_ID_KEY = "x-request-id"
 _VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+MIME_TYPES = (*PLAIN_TYPES, *markup.MIME_TYPES)  # what TranslateText takes
 OVERLOADED_RETRY_SECONDS = 1  # retry-after with a full queue: a running batch frees rows every step
 
 
@@ -65,6 +68,14 @@ def _status_of(exc: Exception) -> grpc.StatusCode:
     if isinstance(exc, EngineStopped):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
+
+
+@dataclass
+class _Text:
+    """One text of a TranslateText call: its HTML or XML document (None: plain text) and its units, each (the unit's
+    text, its sentences' spans, per span its (engine request, future) or None where the span is kept as it is)."""
+    document: markup.Document | None
+    units: list[tuple[str, list[tuple[int, int]], list]]
 
 
 @dataclass
@@ -404,33 +415,84 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         self._succeed(call)
         yield last
 
-    # -- whole texts: one engine request per sentence, rejoined around the source's whitespace
-    def _text_requests(self, call: _Call, model: ServedModel, texts: list[tuple[str, str]], request, context):
-        """Split and submit each (field, text): per text its spans, and per span the engine request and
-        its future, or None where the span is kept as it is. A failure part-way (a full queue) fails the
-        call, whose _fail cancels what was submitted: no text is translated in part."""
-        if request.mime_type not in ("", *MIME_TYPES):
-            raise InvalidRequest(f"mime_type {request.mime_type!r}: "
-                                 + ("HTML is not supported yet" if "html" in request.mime_type else "not supported")
-                                 + f"; send {', '.join(MIME_TYPES)}")
+    # -- whole texts: one engine request per sentence, rejoined around the source's whitespace (or markup)
+    def _text_requests(self, call: _Call, model: ServedModel, texts: list[tuple[str, str]], request,
+                       context) -> list[_Text]:
+        """Split and submit each (field, text): per text its units (the text, or an HTML or XML document's runs), per
+        unit its sentences' spans, and per span the engine request and its future, or None where the span is kept as it
+        is. A failure part-way (a full queue) fails the call, whose _fail cancels what was submitted: no text is
+        translated in part."""
+        mime_type = request.mime_type or "text/plain"
+        if mime_type not in MIME_TYPES:
+            raise InvalidRequest(f"mime_type {request.mime_type!r}: not supported; send {', '.join(MIME_TYPES)}")
         if request.options.return_attention:
             raise InvalidRequest("options.return_attention: Translate and TranslateStream give a sentence's attention; "
                                  "TranslateText gives none")
+        for name, text in texts:
+            model.check_text(name, text)
+        try:
+            documents = [markup.parse(text, mime_type, name) if mime_type in markup.MIME_TYPES else None
+                         for name, text in texts]
+        except markup.MarkupError as e:
+            raise InvalidRequest(str(e)) from None
+        if any(run.inlines for d in documents if d is not None for run in d.runs):
+            try:
+                model.engine.tr.require_aligner()  # inline tags are placed by the attention
+            except ConfigError as e:
+                raise InvalidRequest(f"mime_type {mime_type!r} with inline tags: {e}") from None
         self._charge(call, sum(len(text) for _, text in texts))
         options = self._options(call, model, request)
         languages = model.languages(call.source_language, request.target_language)
-        pieces = [model.text_pieces(field, text, languages) for field, text in texts]
-        documents = [(spans, [self._request(call, piece, options, context, languages.prefix) if piece else None
-                              for piece in ids])
-                     for spans, ids in pieces]
-        for _, pairs in documents:
-            for engine_request, _future in filter(None, pairs):
-                self._submit(call, model, engine_request)
-        return documents
+        jobs = []
+        for (name, text), document in zip(texts, documents):
+            units = [(text, False)] if document is None else [(run.text, bool(run.inlines)) for run in document.runs
+                                                               if not run.blank]
+            job = _Text(document, [])
+            for unit, aligned in units:
+                # markup's line breaks are spaces: a sentence written over two lines is one sentence
+                spans, ids = model.text_pieces(name, unit if document is None else unit.replace("\n", " "), languages)
+                pairs = [self._request(call, piece, options._replace(attention=aligned), context, languages.prefix)
+                         if piece else None for piece in ids]
+                job.units.append((unit, spans, pairs))
+            jobs.append(job)
+        for job in jobs:
+            for _, _, pairs in job.units:
+                for engine_request, _future in filter(None, pairs):
+                    self._submit(call, model, engine_request)
+        return jobs
 
     @staticmethod
     def _piece_text(model: ServedModel, text: str, span: tuple[int, int], pair) -> str:
         return model.tokenizer.decode(pair[0].tokens) if pair else text[span[0]:span[1]]
+
+    def _joined(self, model: ServedModel, job: _Text) -> tuple[str, list[tuple[int, ...]]]:
+        """A translated text: its sentences rejoined around the source's whitespace, with their alignment; or an HTML
+        or XML document written back with each run translated and its inline tags placed (no alignment)."""
+        joined = [rejoin(unit, spans, [self._piece_text(model, unit, span, pair) for span, pair in zip(spans, pairs)])
+                  for unit, spans, pairs in job.units]
+        if job.document is None:
+            return joined[0]
+        translated = iter(zip(job.units, joined))
+        outputs = []
+        for run in job.document.runs:
+            if run.blank:
+                outputs.append(markup.unchanged(run))
+                continue
+            (unit, spans, pairs), (text, alignment) = next(translated)
+            outputs.append(markup.placed(run, text, [self._sentence(model, run, text, a, pair)
+                                                     for a, pair in zip(alignment, pairs) if pair])
+                           if run.inlines else markup.escape(text, run.xml))
+        return job.document.render(outputs), []
+
+    @staticmethod
+    def _sentence(model: ServedModel, run: markup.Run, text: str, alignment: tuple[int, ...], pair) -> markup.Sentence:
+        """A translated sentence of a run as inline tags' placement reads it."""
+        request, piece = pair[0], model.tokenizer.piece
+        source_start, _, target_start, _ = alignment
+        return markup.Sentence(source_start, target_start,
+                               markup.offsets(run.text, [piece(i) for i in request.src_ids], source_start),
+                               markup.offsets(text, [piece(i) for i in request.tokens], target_start),
+                               request.results()[0].shown_attention(0))
 
     @_rpc
     async def TranslateText(self, call: _Call, request: pb.TranslateTextRequest, context) -> pb.TranslateTextResponse:
@@ -441,9 +503,11 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                 raise InvalidRequest(f"texts: {n} given, between 1 and {self.config.limits.max_sentences} accepted")
             if chars > self.config.limits.max_call_chars:
                 raise InvalidRequest(f"texts: {chars} characters in all, the limit is {self.config.limits.max_call_chars}")
-            documents = self._text_requests(call, model, [(f"texts[{i}]", t) for i, t in enumerate(request.texts)],
-                                            request, context)
-            await asyncio.gather(*(pair[1] for _, pairs in documents for pair in pairs if pair))
+            if request.return_alignment and request.mime_type in markup.MIME_TYPES:
+                raise InvalidRequest(f"return_alignment: text/plain only, not {request.mime_type}")
+            jobs = self._text_requests(call, model, [(f"texts[{i}]", t) for i, t in enumerate(request.texts)],
+                                       request, context)
+            await asyncio.gather(*(pair[1] for job in jobs for _, _, pairs in job.units for pair in pairs if pair))
         except NmtserveError as e:  # a full queue, say: none of the texts is translated
             await self._fail(call, context, e)
         except asyncio.CancelledError:
@@ -451,13 +515,12 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
             raise
         await self._check_finished(call, call.requests, context)
         translations = []
-        for text, (spans, pairs) in zip(request.texts, documents):
-            joined, alignment = rejoin(text, spans, [self._piece_text(model, text, span, pair)
-                                                     for span, pair in zip(spans, pairs)])
-            done = [pair[0] for pair in pairs if pair]
+        for job in jobs:
+            joined, alignment = self._joined(model, job)
+            done = [pair[0] for _, _, pairs in job.units for pair in pairs if pair]
             translations.append(pb.TextTranslation(
-                text=joined, sentences=len(spans), input_tokens=sum(len(r.src_ids) for r in done),
-                output_tokens=sum(len(r.tokens) for r in done),
+                text=joined, sentences=sum(len(spans) for _, spans, _ in job.units),
+                input_tokens=sum(len(r.src_ids) for r in done), output_tokens=sum(len(r.tokens) for r in done),
                 alignment=[pb.SentenceAlignment(source_start=a, source_end=b, target_start=c, target_end=d)
                            for a, b, c, d in alignment] if request.return_alignment else []))
         response = await self._fit(call, pb.TranslateTextResponse(translations=translations,
@@ -469,7 +532,11 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
     async def TranslateTextStream(self, call: _Call, request: pb.TranslateTextStreamRequest, context):
         try:
             model = await self._model(call, request, context, [request.text])
-            [(spans, pairs)] = self._text_requests(call, model, [("text", request.text)], request, context)
+            if request.mime_type in markup.MIME_TYPES:
+                raise InvalidRequest(f"mime_type {request.mime_type!r}: TranslateText only (TranslateTextStream streams "
+                                     "plain text)")
+            [job] = self._text_requests(call, model, [("text", request.text)], request, context)
+            [(_, spans, pairs)] = job.units
         except NmtserveError as e:
             await self._fail(call, context, e)
         position, length = 0, 0

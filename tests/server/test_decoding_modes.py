@@ -214,7 +214,15 @@ def test_return_attention_names_its_tokens_and_is_refused_where_there_is_none(se
             assert stub.Translate(pb.TranslateRequest(sentences=texts[:1]), timeout=60).translations[0].text
             with pytest.raises(grpc.RpcError) as e:
                 stub.Translate(pb.TranslateRequest(sentences=texts[:1], options=options), timeout=60)
+            html = [stub.TranslateText(pb.TranslateTextRequest(texts=[f"<p>{t}</p>"], mime_type="text/html"), timeout=60)
+                    for t in texts[:1]]  # no inline tag: no attention needed
+            with pytest.raises(grpc.RpcError) as inline:
+                stub.TranslateText(pb.TranslateTextRequest(texts=["<p>The <b>cat</b>.</p>"], mime_type="text/html"),
+                                   timeout=60)
     finally:
         server.stop()
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith(f"options.return_attention: the bundle {old} has no aligner graph (export it again")
+    assert html[0].translations[0].text.startswith("<p>")
+    assert inline.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert inline.value.details().startswith("mime_type 'text/html' with inline tags: return_attention: the bundle")

@@ -90,10 +90,10 @@ def test_texts_stream_sentence_by_sentence_in_order(server):
 
 
 @pytest.mark.parametrize("request_, message", [
-    (pb.TranslateTextRequest(texts=["<p>Hi.</p>"], mime_type="text/html"),
-     "mime_type 'text/html': HTML is not supported yet; send text/plain"),
+    (pb.TranslateTextRequest(texts=["<p>Hi.</p>", "<p>Hi <b>there.</p>"], mime_type="text/html"),
+     "texts[1]: malformed HTML at line 1, column 20: Opening and ending tag mismatch: p and b"),
     (pb.TranslateTextRequest(texts=["a"], mime_type="application/pdf"),
-     "mime_type 'application/pdf': not supported; send text/plain"),
+     "mime_type 'application/pdf': not supported; send text/plain, text/html, application/xml"),
     (pb.TranslateTextRequest(texts=["The cat.", "The dog. " * 50]), "texts[1]: 450 characters, the limit is 400"),
     (pb.TranslateTextRequest(texts=["The dog sleeps. " * 20] * 2), "texts: 640 characters in all, the limit is 600"),
     (pb.TranslateTextRequest(texts=[]), "texts: 0 given, between 1 and 64 accepted"),

@@ -187,7 +187,15 @@ def test_libretranslate_api(server):
         beam_size=3, num_hypotheses=3))).translations[0]
     assert alternatives == {"translatedText": nbest.text, "alternatives": [a.text for a in nbest.alternatives],
                             "detectedLanguage": {"confidence": 100.0, "language": "en"}}
-    for body, status, message in (({"q": "a", "target": "fr", "format": "html"}, 400, "format 'html'"),
+    html = "<p>The cat <b>sleeps</b>.</p>"
+    marked = requests.post(f"{server.url}/translate", json={"q": html, "source": "en", "target": "fr", "format": "html"},
+                           timeout=60).json()
+    assert marked == {"translatedText": _grpc(server, "TranslateText", pb.TranslateTextRequest(
+        texts=[html], mime_type="text/html")).translations[0].text}
+    assert marked["translatedText"].startswith("<p>") and marked["translatedText"].count("<b>") == 1
+    for body, status, message in (({"q": "a", "target": "fr", "format": "html", "alternatives": 1}, 400,
+                                   "alternatives: sentence by sentence, with format text only"),
+                                  ({"q": "a", "target": "fr", "format": "pdf"}, 400, "format 'pdf'"),
                                   ({"q": "a"}, 400, "target: required"),
                                   ({"q": 3, "target": "fr"}, 400, "q 3"),
                                   ({"q": "a", "target": "fr", "alternatives": "many"}, 400, "alternatives 'many'"),
