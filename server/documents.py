@@ -1,4 +1,4 @@
-"""Whole texts to sentences and back: paragraphs split on newlines, sentences found by sentencex
+"""Whole texts to sentences and back (an HTML or XML document's runs as texts: server/markup.py): paragraphs split on newlines, sentences found by sentencex
 (Wikimedia's segmenter: abbreviation lists for many languages, and it prefers not splitting to a
 wrong split), a sentence still over a limit split again at whitespace, and the translations joined
 with the source's exact whitespace and line breaks between them. Offsets are in Unicode code points.
@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import sentencex
+
+from nmtserve.server import markup
 
 MIME_TYPES = ("text/plain",)
 # split an over-long sentence after one of these first (then at any whitespace), nearest its middle
@@ -63,3 +66,48 @@ def rejoin(text: str, spans: list[tuple[int, int]], translations: list[str]) -> 
         position = end
     out.append(text[position:])
     return "".join(out), alignment
+
+
+def piece_text(tokenizer, text: str, span: tuple[int, int], pair) -> str:
+    """A span's translation: its engine request's tokens as text, or the span as it is where it had none."""
+    return tokenizer.decode(pair[0].tokens) if pair else text[span[0]:span[1]]
+
+
+@dataclass
+class TextJob:
+    """One text of a TranslateText call: its HTML or XML document (None: plain text) and its units (the text, or the
+    document's runs that hold text), each (the unit's text, its sentences' spans, per span its (engine request,
+    future) or None where the span is kept as it is)."""
+    document: markup.Document | None
+    units: list[tuple[str, list[tuple[int, int]], list]]
+
+    def written(self, tokenizer) -> tuple[str, list[tuple[int, ...]]]:
+        """The translated text: its sentences rejoined around the source's whitespace, with their alignment; or the
+        document written back with each run translated and its inline tags placed (no alignment)."""
+        joined = [rejoin(unit, spans, [piece_text(tokenizer, unit, span, pair) for span, pair in zip(spans, pairs)])
+                  for unit, spans, pairs in self.units]
+        if self.document is None:
+            return joined[0]
+        translated = iter(zip(self.units, joined))
+        outputs = []
+        for run in self.document.runs:
+            if run.blank:
+                outputs.append(markup.unchanged(run))
+                continue
+            (_, _, pairs), (text, alignment) = next(translated)
+            if not run.inlines:  # asked for no attention: nothing to place
+                outputs.append(markup.escape(text, run.xml))
+                continue
+            sentences = [_sentence(tokenizer.piece, run, text, a, pair) for a, pair in zip(alignment, pairs) if pair]
+            outputs.append(markup.placed(run, text, sentences))
+        return self.document.render(outputs), []
+
+
+def _sentence(piece, run: markup.Run, text: str, alignment: tuple[int, ...], pair) -> markup.Sentence:
+    """A translated sentence of a run as inline tags' placement reads it (`piece`: the tokenizer's id -> piece)."""
+    request = pair[0]
+    source_start, _, target_start, _ = alignment
+    return markup.Sentence(source_start, target_start,
+                           markup.offsets(run.text, [piece(i) for i in request.src_ids], source_start),
+                           markup.offsets(text, [piece(i) for i in request.tokens], target_start),
+                           request.results()[0].shown_attention(0))

@@ -27,7 +27,7 @@ from nmtserve.server.bridge import Inbox, Wakeups
 from nmtserve.server.config import ServerConfig
 from nmtserve.server.convert import CallOptions, InvalidRequest, ModelNotFound, translation
 from nmtserve.server.documents import MIME_TYPES as PLAIN_TYPES
-from nmtserve.server.documents import rejoin
+from nmtserve.server.documents import TextJob, piece_text
 from nmtserve.server.language_id import AUTO, detect
 from nmtserve.server.metrics import ServerMetrics
 from nmtserve.server.models import ServedModel, route
@@ -68,14 +68,6 @@ def _status_of(exc: Exception) -> grpc.StatusCode:
     if isinstance(exc, EngineStopped):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
-
-
-@dataclass
-class _Text:
-    """One text of a TranslateText call: its HTML or XML document (None: plain text) and its units, each (the unit's
-    text, its sentences' spans, per span its (engine request, future) or None where the span is kept as it is)."""
-    document: markup.Document | None
-    units: list[tuple[str, list[tuple[int, int]], list]]
 
 
 @dataclass
@@ -417,7 +409,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
 
     # -- whole texts: one engine request per sentence, rejoined around the source's whitespace (or markup)
     def _text_requests(self, call: _Call, model: ServedModel, texts: list[tuple[str, str]], request,
-                       context) -> list[_Text]:
+                       context) -> list[TextJob]:
         """Split and submit each (field, text): per text its units (the text, or an HTML or XML document's runs), per
         unit its sentences' spans, and per span the engine request and its future, or None where the span is kept as it
         is. A failure part-way (a full queue) fails the call, whose _fail cancels what was submitted: no text is
@@ -447,7 +439,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         for (name, text), document in zip(texts, documents):
             units = [(text, False)] if document is None else [(run.text, bool(run.inlines)) for run in document.runs
                                                                if not run.blank]
-            job = _Text(document, [])
+            job = TextJob(document, [])
             for unit, aligned in units:
                 # markup's line breaks are spaces: a sentence written over two lines is one sentence
                 spans, ids = model.text_pieces(name, unit if document is None else unit.replace("\n", " "), languages)
@@ -460,39 +452,6 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                 for engine_request, _future in filter(None, pairs):
                     self._submit(call, model, engine_request)
         return jobs
-
-    @staticmethod
-    def _piece_text(model: ServedModel, text: str, span: tuple[int, int], pair) -> str:
-        return model.tokenizer.decode(pair[0].tokens) if pair else text[span[0]:span[1]]
-
-    def _joined(self, model: ServedModel, job: _Text) -> tuple[str, list[tuple[int, ...]]]:
-        """A translated text: its sentences rejoined around the source's whitespace, with their alignment; or an HTML
-        or XML document written back with each run translated and its inline tags placed (no alignment)."""
-        joined = [rejoin(unit, spans, [self._piece_text(model, unit, span, pair) for span, pair in zip(spans, pairs)])
-                  for unit, spans, pairs in job.units]
-        if job.document is None:
-            return joined[0]
-        translated = iter(zip(job.units, joined))
-        outputs = []
-        for run in job.document.runs:
-            if run.blank:
-                outputs.append(markup.unchanged(run))
-                continue
-            (unit, spans, pairs), (text, alignment) = next(translated)
-            outputs.append(markup.placed(run, text, [self._sentence(model, run, text, a, pair)
-                                                     for a, pair in zip(alignment, pairs) if pair])
-                           if run.inlines else markup.escape(text, run.xml))
-        return job.document.render(outputs), []
-
-    @staticmethod
-    def _sentence(model: ServedModel, run: markup.Run, text: str, alignment: tuple[int, ...], pair) -> markup.Sentence:
-        """A translated sentence of a run as inline tags' placement reads it."""
-        request, piece = pair[0], model.tokenizer.piece
-        source_start, _, target_start, _ = alignment
-        return markup.Sentence(source_start, target_start,
-                               markup.offsets(run.text, [piece(i) for i in request.src_ids], source_start),
-                               markup.offsets(text, [piece(i) for i in request.tokens], target_start),
-                               request.results()[0].shown_attention(0))
 
     @_rpc
     async def TranslateText(self, call: _Call, request: pb.TranslateTextRequest, context) -> pb.TranslateTextResponse:
@@ -516,7 +475,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         await self._check_finished(call, call.requests, context)
         translations = []
         for job in jobs:
-            joined, alignment = self._joined(model, job)
+            joined, alignment = job.written(model.tokenizer)
             done = [pair[0] for _, _, pairs in job.units for pair in pairs if pair]
             translations.append(pb.TextTranslation(
                 text=joined, sentences=sum(len(spans) for _, spans, _ in job.units),
@@ -545,7 +504,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                 if pair:
                     await pair[1]
                     await self._check_finished(call, [pair[0]], context)
-                translation = self._piece_text(model, request.text, span, pair)
+                translation = piece_text(model.tokenizer, request.text, span, pair)
                 delta = request.text[position:span[0]] + translation
                 target_start = length + span[0] - position
                 yield await self._fit(call, pb.TranslateTextStreamResponse(
