@@ -69,6 +69,17 @@ def test_translate_over_http_is_translate_over_grpc(server):
                          timeout=60)
     assert text.json()["translations"][0]["text"] == _grpc(server, "TranslateText", pb.TranslateTextRequest(
         texts=["the cat sees the dog. we are happy ."])).translations[0].text
+    html = "<p>the cat <b>sees</b> the dog.</p>"
+    marked = requests.post(f"{server.url}/v1/translateText", json={"texts": [html], "mimeType": "text/html"}, timeout=60)
+    assert marked.json()["translations"][0]["text"] == _grpc(server, "TranslateText", pb.TranslateTextRequest(
+        texts=[html], mime_type="text/html")).translations[0].text
+    attended = requests.post(f"{server.url}/v1/translate", json={"sentences": SENTENCES[:1],
+                                                                 "options": {"returnAttention": True}}, timeout=60)
+    attention = attended.json()["translations"][0]["attention"]
+    expected = _grpc(server, "Translate", pb.TranslateRequest(sentences=SENTENCES[:1], options=pb.DecodingOptions(
+        return_attention=True))).translations[0].attention
+    assert attention["targetTokens"] == list(expected.target_tokens) and len(attention["rows"]) == len(expected.rows)
+    assert [r["weights"] for r in attention["rows"]] == [pytest.approx(list(r.weights)) for r in expected.rows]
 
 
 def test_streams_are_server_sent_events_of_the_grpc_stream(server):
@@ -210,8 +221,8 @@ def test_the_openapi_document_is_valid_and_describes_the_responses(server):
     validate(document)
     assert {"/v1/translate", "/v1/translate:stream", "/v1/translateText", "/v1/translateText:stream", "/v1/models",
             "/v1/models/{model}", "/translate", "/languages", "/livez", "/readyz", "/openapi.json"} == set(document["paths"])
-    translated = requests.post(f"{server.url}/v1/translate", json={"sentences": SENTENCES,
-                                                                   "options": {"returnScores": True}}, timeout=60).json()
+    translated = requests.post(f"{server.url}/v1/translate", json={"sentences": SENTENCES, "options": {
+        "returnScores": True, "returnAttention": True}}, timeout=60).json()
     jsonschema.validate(translated, _schema_of(document, "TranslateResponse"))
     jsonschema.validate(requests.get(f"{server.url}/v1/models", timeout=30).json(),
                         _schema_of(document, "ListModelsResponse"))
