@@ -17,15 +17,11 @@ import time
 from pathlib import Path
 
 from nmtserve.loadtests.machine import machine_info
-from nmtserve.loadtests.terminology import glossaries
+from nmtserve.loadtests.terminology import glossaries, word_pattern
 from nmtserve.loadtests.workload import ServerProcess
 from nmtserve.training.data import read_tsv
 
 BOLD = re.compile(r"<b>(.*?)</b>")
-
-
-def _word(term: str) -> re.Pattern:
-    return re.compile(r"(?<!\w)" + re.escape(term) + r"(?!\w)", re.IGNORECASE)
 
 
 def main() -> None:
@@ -43,7 +39,7 @@ def main() -> None:
     nouns = dict(glossaries()["reference"])
     cases = []  # (HTML sentence, the plain sentence, the French of its wrapped noun)
     for source, _ in read_tsv(Path(args.data) / f"{args.split}.tsv").pairs:
-        found = next(((en, m) for en in nouns if (m := _word(en).search(source))), None)
+        found = next(((en, m) for en in nouns if (m := word_pattern(en).search(source))), None)
         if found:
             en, m = found
             wrapped = html.escape(source[:m.start()]) + f"<b>{html.escape(m.group())}</b>" + html.escape(source[m.end():])
@@ -68,7 +64,7 @@ def main() -> None:
     scored = exact = touching = 0
     for out, (_, _, french) in zip(translated, cases):
         text = html.unescape(re.sub(r"</?b>", "", out))
-        word = _word(french).search(text)
+        word = word_pattern(french).search(text)
         if not word:
             continue
         scored += 1

@@ -34,7 +34,8 @@ def glossaries() -> dict[str, list[tuple[str, str]]]:
     return {"reference": [(n.en, n.fr) for n in nouns], "company": company}
 
 
-def _word(term: str) -> re.Pattern:
+def word_pattern(term: str) -> re.Pattern:
+    """The term as a whole word, in any case."""
     return re.compile(r"(?<!\w)" + re.escape(term) + r"(?!\w)", re.IGNORECASE)
 
 
@@ -48,15 +49,15 @@ def measure(tr: OnnxTranslator, pairs: list[tuple[str, str]], entries: list[tupl
     references = []
     for (source, ref), wanted in zip(pairs, targets):
         for en, fr in entries:
-            if fr in wanted and _word(en).search(source):
-                ref = _word(reference[en]).sub(fr, ref)
+            if fr in wanted and word_pattern(en).search(source):
+                ref = word_pattern(reference[en]).sub(fr, ref)
         references.append(ref)
     report = {"sentences": len(pairs), "terms": sum(len(t) for t in targets)}
     for name, given in (("without", None), ("with", glossary)):
         started = time.perf_counter()
         out = [t.text for t in tr.translate_batch(sources, beam_size=beam_size, glossary=given, max_batch_size=32)]
         seconds = time.perf_counter() - started
-        present = sum(all(_word(term).search(text) for term in wanted) for text, wanted in zip(out, targets))
+        present = sum(all(word_pattern(term).search(text) for term in wanted) for text, wanted in zip(out, targets))
         report[name] = {"terms_present": round(present / len(out), 4), "seconds": round(seconds, 2),
                         **score(out, references).to_dict()}
     return report
@@ -73,7 +74,7 @@ def main() -> None:
     args = parser.parse_args()
     tr = OnnxTranslator(args.bundle)
     reference = dict(glossaries()["reference"])
-    nouns = [_word(en) for en in reference]
+    nouns = [word_pattern(en) for en in reference]
     pairs = [p for p in read_tsv(Path(args.data) / f"{args.split}.tsv").pairs
              if any(n.search(p[0]) for n in nouns)][: args.sentences]
     report = {"bundle": args.bundle, "split": args.split, "beam_size": args.beam_size, "machine": machine_info(),
