@@ -132,3 +132,25 @@ def test_greedy_and_beam4_nbest_equal_generate(family, library, request):
                 assert [h.score for h in translation.hypotheses] == \
                     pytest.approx(reference.sequences_scores[i * beams:(i + 1) * beams].tolist(), abs=1e-4)
     assert len(lengths) > 3  # outputs of many lengths: some end at eos, some at the limit
+
+
+def test_return_attention_equals_transformers_last_layer_first_head(family):
+    """return_attention on an imported model: transformers' cross-attention of the last decoder layer, first head, over
+    the same source and tokens (the forced language token's row left out, as CTranslate2 leaves it), within 1e-4."""
+    texts = sentences(ENGLISH, 8, 13)
+    got = OnnxTranslator(family.bundle).translate_batch(texts, return_attention=True, max_decoding_length=MAX_LENGTH - 1,
+                                                         source_language=family.source, target_language=family.target)
+    implementation = family.model.config._attn_implementation
+    family.model.set_attn_implementation("eager")  # the attention implementation that returns its weights
+    try:
+        for text, translation in zip(texts, got):
+            batch = family.tokenizer([text], return_tensors="pt")
+            fed = [family.loaded.model.config.bos_id, *family.forced, *translation.tokens]
+            with torch.no_grad():
+                out = family.model(**batch, decoder_input_ids=torch.tensor([fed]), output_attentions=True)
+            expected = out.cross_attentions[-1][0, 0, len(family.forced):len(fed) - 1]
+            assert len(translation.attention) == len(translation.tokens) == len(expected)
+            if translation.tokens:
+                assert float((torch.tensor(translation.attention) - expected).abs().max()) < 1e-4, text
+    finally:
+        family.model.set_attn_implementation(implementation)
