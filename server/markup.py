@@ -32,6 +32,7 @@ INLINE = frozenset("a abbr b bdi bdo br cite data dfn em font i img ins del kbd 
                    "strong sub sup time u var wbr".split())
 OPAQUE = frozenset("script style code pre textarea svg math".split())  # written back as they are
 VOID = frozenset("area base br col embed hr img input link meta param source track wbr".split())
+FORBIDDEN = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
 PROLOG = re.compile(r"\s*(?:(?:<\?.*?\?>|<!--.*?-->|<!DOCTYPE[^>]*>)\s*)*", re.S | re.I)
 # libxml2's HTML parser knows HTML 4 only: its complaints about the names of newer elements are no error
 UNKNOWN_TAG = "invalid"
@@ -88,6 +89,12 @@ def parse(text: str, mime_type: str, name: str) -> Document:
     """The document in `text` (an HTML fragment or page, or an XML document) -> its pieces; MarkupError naming
     `name`, the line and the column of the first error."""
     xml = mime_type == "application/xml"
+    bad = FORBIDDEN.search(text)  # characters XML 1.0 does not allow (libxml2 refuses them in HTML too)
+    if bad:
+        line = text.count("\n", 0, bad.start()) + 1
+        column = bad.start() - (text.rfind("\n", 0, bad.start()) + 1) + 1
+        raise MarkupError(f"{name}: character U+{ord(bad.group()):04X} at line {line}, column {column} is not allowed in "
+                          f"{'XML' if xml else 'HTML'}")
     if xml:
         try:
             root = etree.fromstring(text.encode("utf-8"), etree.XMLParser(resolve_entities=False, no_network=True))

@@ -56,3 +56,25 @@ def test_any_stream_request_is_answered_ok_or_invalid_argument_naming_the_field(
     messages = _answered(served, lambda stub: list(stub.TranslateStream(request, timeout=60)))
     if messages is not None:
         assert messages[-1].HasField("final") and "".join(m.delta for m in messages[:-1]) == messages[-1].final.text
+
+
+MARKUP = st.lists(st.sampled_from(["<p>", "</p>", "<b>", "</b>", "<i>", "</i>", "<br>", "<a href='x'>", "</a>",
+                                   "<!-- c -->", "&amp;", "&bogus;", "&", "<", ">", "<code>", "</code>", "<?pi x?>",
+                                   "<x:y>", "</x:y>", "<![CDATA[ z ]]>", "\n"]) | SENTENCE.map(lambda s: s[:20]),
+                  max_size=14).map("".join)
+
+
+@given(texts=st.lists(MARKUP, min_size=1, max_size=3), xml=st.booleans())
+@SETTINGS
+def test_any_markup_text_is_answered_ok_or_invalid_argument_naming_the_text(served, texts, xml):
+    """Random HTML or XML, well-formed or not, through TranslateText: one translation per text, or INVALID_ARGUMENT
+    naming the text (a malformed one: its line and column)."""
+    request = pb.TranslateTextRequest(texts=texts, mime_type="application/xml" if xml else "text/html")
+    with served.channel() as channel:
+        try:
+            response = pb_grpc.TranslationServiceStub(channel).TranslateText(request, timeout=60)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details())
+            assert e.details().startswith("texts"), e.details()
+            return
+    assert len(response.translations) == len(texts)

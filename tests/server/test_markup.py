@@ -71,6 +71,7 @@ def test_a_document_written_back_unchanged_is_the_document():
     ("<p>one</p>\n<p>two</i></p>", "text/html", "texts[0]: malformed HTML at line 2, column"),
     ("<a><b></a>", "application/xml", "texts[0]: malformed XML at line 1, column 11: Opening and ending tag mismatch"),
     ("<a>&nbsp;</a>", "application/xml", "texts[0]: malformed XML at line 1, column 10: Entity 'nbsp' not defined"),
+    ("<p>a</p>\n<p>b\x1f</p>", "text/html", "texts[0]: character U+001F at line 2, column 5 is not allowed in HTML"),
 ])
 def test_malformed_markup_is_refused_naming_the_line_and_column(text, mime_type, message):
     with pytest.raises(markup.MarkupError) as refused:
