@@ -84,23 +84,23 @@ class TextJob:
     def written(self, tokenizer) -> tuple[str, list[tuple[int, ...]]]:
         """The translated text: its sentences rejoined around the source's whitespace, with their alignment; or the
         document written back with each run translated and its inline tags placed (no alignment)."""
-        joined = [rejoin(unit, spans, [piece_text(tokenizer, unit, span, pair) for span, pair in zip(spans, pairs)])
-                  for unit, spans, pairs in self.units]
         if self.document is None:
-            return joined[0]
-        translated = iter(zip(self.units, joined))
-        outputs = []
-        for run in self.document.runs:
-            if run.blank:
-                outputs.append(markup.unchanged(run))
-                continue
-            (_, _, pairs), (text, alignment) = next(translated)
-            if not run.inlines:  # asked for no attention: nothing to place
-                outputs.append(markup.escape(text, run.xml))
-                continue
-            sentences = [_sentence(tokenizer.piece, run, text, a, pair) for a, pair in zip(alignment, pairs) if pair]
-            outputs.append(markup.placed(run, text, sentences))
-        return self.document.render(outputs), []
+            [(text, spans, pairs)] = self.units
+            return rejoin(text, spans, [piece_text(tokenizer, text, span, pair) for span, pair in zip(spans, pairs)])
+        units = iter(self.units)
+        return self.document.render([markup.unchanged(run) if run.blank else self.run_written(tokenizer, run, next(units))
+                                     for run in self.document.runs]), []
+
+    @staticmethod
+    def run_written(tokenizer, run: markup.Run, unit: tuple) -> str:
+        """A run's translation as markup: its sentences rejoined, its inline tags placed by the attention."""
+        source, spans, pairs = unit
+        text, alignment = rejoin(source, spans, [piece_text(tokenizer, source, span, pair)
+                                                 for span, pair in zip(spans, pairs)])
+        if not run.inlines:  # asked for no attention: nothing to place
+            return markup.escape(text, run.xml)
+        return markup.placed(run, text, [_sentence(tokenizer.piece, run, text, a, pair)
+                                         for a, pair in zip(alignment, pairs) if pair])
 
 
 def _sentence(piece, run: markup.Run, text: str, alignment: tuple[int, ...], pair) -> markup.Sentence:

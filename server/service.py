@@ -491,34 +491,56 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
     async def TranslateTextStream(self, call: _Call, request: pb.TranslateTextStreamRequest, context):
         try:
             model = await self._model(call, request, context, [request.text])
-            if request.mime_type in markup.MIME_TYPES:
-                raise InvalidRequest(f"mime_type {request.mime_type!r}: TranslateText only (TranslateTextStream streams "
-                                     "plain text)")
             [job] = self._text_requests(call, model, [("text", request.text)], request, context)
-            [(_, spans, pairs)] = job.units
         except NmtserveError as e:
             await self._fail(call, context, e)
-        position, length = 0, 0
+        stream = self._markup_deltas(call, model, job, context) if job.document is not None else \
+            self._text_deltas(call, model, request.text, job, context)
+        first = True
         try:
-            for span, pair in zip(spans, pairs):
-                if pair:
-                    await pair[1]
-                    await self._check_finished(call, [pair[0]], context)
-                translation = piece_text(model.tokenizer, request.text, span, pair)
-                delta = request.text[position:span[0]] + translation
-                target_start = length + span[0] - position
-                yield await self._fit(call, pb.TranslateTextStreamResponse(
-                    delta=delta, alignment=pb.SentenceAlignment(source_start=span[0], source_end=span[1],
-                                                                target_start=target_start,
-                                                                target_end=target_start + len(translation)),
-                    detected_language=call.detected if position == 0 else None), context)
-                position, length = span[1], length + len(delta)
+            async for message in stream:
+                if first and call.detected is not None:  # told once, on the first message
+                    message.detected_language.CopyFrom(call.detected)
+                first = False
+                yield await self._fit(call, message, context)
         except asyncio.CancelledError:
             self._cancelled(call)
             raise
         self._succeed(call)
-        yield pb.TranslateTextStreamResponse(delta=request.text[position:],
-                                             detected_language=call.detected if not spans else None)
+
+    async def _text_deltas(self, call: _Call, model: ServedModel, text: str, job: TextJob, context):
+        """A plain text's messages: per sentence, in order, the source's whitespace before it and its translation,
+        with its alignment; then the text after the last sentence."""
+        [(_, spans, pairs)] = job.units
+        position, length = 0, 0
+        for span, pair in zip(spans, pairs):
+            if pair:
+                await pair[1]
+                await self._check_finished(call, [pair[0]], context)
+            translation = piece_text(model.tokenizer, text, span, pair)
+            delta = text[position:span[0]] + translation
+            target_start = length + span[0] - position
+            yield pb.TranslateTextStreamResponse(delta=delta, alignment=pb.SentenceAlignment(
+                source_start=span[0], source_end=span[1], target_start=target_start,
+                target_end=target_start + len(translation)))
+            position, length = span[1], length + len(delta)
+        yield pb.TranslateTextStreamResponse(delta=text[position:])
+
+    async def _markup_deltas(self, call: _Call, model: ServedModel, job: TextJob, context):
+        """An HTML or XML document's messages: per run that holds text, in order, the markup before it and its
+        translation with its tags placed; then the markup after the last one."""
+        held, units = [], iter(job.units)
+        for piece in job.document.pieces:
+            if isinstance(piece, str) or piece.blank:
+                held.append(piece if isinstance(piece, str) else markup.unchanged(piece))
+                continue
+            unit = next(units)
+            requests = [pair[0] for pair in unit[2] if pair]
+            await asyncio.gather(*(pair[1] for pair in unit[2] if pair))
+            await self._check_finished(call, requests, context)
+            yield pb.TranslateTextStreamResponse(delta="".join(held) + job.run_written(model.tokenizer, piece, unit))
+            held = []
+        yield pb.TranslateTextStreamResponse(delta="".join(held))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         call = self._call("GetModelInfo", context)

@@ -100,8 +100,9 @@ def test_inline_tags_go_to_the_target_words_that_attend_to_their_source_words():
 
 def test_documents_come_back_with_their_tags_and_translated_text(served):
     """Every fixture through TranslateText on the tiny model: the same tag structure; untranslated parts as written;
-    a block without inline tags translated as TranslateText translates its plain text; malformed markup, markup on
-    TranslateTextStream and return_alignment with markup are INVALID_ARGUMENT naming what is wrong."""
+    a block without inline tags translated as TranslateText translates its plain text; TranslateTextStream's deltas,
+    run by run, join to the same document; malformed markup and return_alignment with markup are INVALID_ARGUMENT
+    naming what is wrong."""
     with served.channel() as channel:
         stub = pb_grpc.TranslationServiceStub(channel)
         got = stub.TranslateText(pb.TranslateTextRequest(texts=HTML, mime_type="text/html"), timeout=60).translations
@@ -133,11 +134,17 @@ def test_documents_come_back_with_their_tags_and_translated_text(served):
                 stub.TranslateText(request_, timeout=30)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert refused.value.details().startswith(message)
+        for text, mime_type, whole in [(HTML[4], "text/html", page), (XML, "application/xml", xml.text)]:
+            messages = list(stub.TranslateTextStream(pb.TranslateTextStreamRequest(text=text, mime_type=mime_type),
+                                                     timeout=60))
+            assert "".join(m.delta for m in messages) == whole  # run by run, joined: the whole document
+            assert len(messages) == 1 + sum(not run.blank for run in markup.parse(text, mime_type, "t").runs)
+            assert not any(m.HasField("alignment") for m in messages)
         with pytest.raises(grpc.RpcError) as refused:
-            list(stub.TranslateTextStream(pb.TranslateTextStreamRequest(text="<p>a</p>", mime_type="text/html"),
+            list(stub.TranslateTextStream(pb.TranslateTextStreamRequest(text="<p>a <b>b</p>", mime_type="text/html"),
                                           timeout=30))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "TranslateText only" in refused.value.details()
+        assert refused.value.details().startswith("text: malformed HTML at line 1, column")
 
 
 WORDS = st.sampled_from(["the", "cat", "sleeps", "a", "&amp;", "&lt;", "é", "&nbsp;", " ", "  ", "\n", "dog."])
