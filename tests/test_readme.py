@@ -112,14 +112,19 @@ def test_call_it(tiny_bundle):
             expected = stub.Translate(pb.TranslateRequest(sentences=["The cat sleeps."], options=pb.DecodingOptions(
                 beam_size=4)), timeout=30).translations[0].text
             greedy = stub.Translate(pb.TranslateRequest(sentences=["The cat sleeps."]), timeout=30).translations[0].text
+            marked = stub.TranslateText(pb.TranslateTextRequest(texts=["<p>The <b>old</b> cat sleeps.</p>"],
+                                                                mime_type="text/html"), timeout=30).translations[0]
     finally:
         server.stop()
     assert done.returncode == 0 and done.stdout == expected + "\n", done.stdout + done.stderr
-    # curl: the HTTP front's two answers, one JSON object each
+    # curl: the HTTP front's three answers, one JSON object each
     assert curl.returncode == 0, curl.stderr
     answers = [json.loads(line) for line in curl.stdout.replace("}{", "}\n{").splitlines()]
     assert answers == [{"translations": [{**answers[0]["translations"][0], "text": greedy}]},
-                       {"translatedText": greedy, "detectedLanguage": {"confidence": 100.0, "language": "en"}}]
+                       {"translatedText": greedy, "detectedLanguage": {"confidence": 100.0, "language": "en"}},
+                       {"translations": [{"text": marked.text, "sentences": 1, "inputTokens": marked.input_tokens,
+                                          "outputTokens": marked.output_tokens}]}]
+    assert marked.text.startswith("<p>") and marked.text.count("<b>") == 1
     # grpcurl: the body is the request message of the method it names, in protobuf's JSON mapping
     words = shlex.split(blocks[1][1].strip())
     assert words[0] == "grpcurl" and words[-1] == "nmtserve.v1.TranslationService/Translate"
