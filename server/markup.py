@@ -106,17 +106,16 @@ def parse(text: str, mime_type: str, name: str) -> Document:
         writer.element(root)
         writer.pieces.append(_epilogue(text, writer._tags(root)[1]))
         return Document(writer.pieces, True)
-    page = text.lstrip()[:9].lower() in ("<!doctype", "<html>") or text.lstrip().lower().startswith("<html ")
+    page = text.lstrip().lower().startswith(("<!doctype", "<html>", "<html "))
     # a fragment goes in a body of its own, from a line of its own: libxml2's columns on a document's first line are
     # not where the error is, and every element of the fragment, <title> included, stays in that body
     wrapped = text if page else f"<html><body>\n{text}</body></html>"
     parser = etree.HTMLParser(recover=True, remove_comments=False, remove_pis=False)
-    root = etree.fromstring(wrapped, parser) if wrapped.strip() else None
+    root = etree.fromstring(wrapped, parser)
     errors = [e for e in parser.error_log if e.level >= etree.ErrorLevels.ERROR and UNKNOWN_TAG not in e.message]
-    if errors or root is None:
-        line, column, message = (errors[0].line - (not page), errors[0].column, errors[0].message) if errors \
-            else (1, 1, "empty")
-        raise MarkupError(f"{name}: malformed HTML at line {line}, column {column}: {message.strip()}")
+    if errors:
+        line, column, message = errors[0].line - (not page), errors[0].column, errors[0].message.strip()
+        raise MarkupError(f"{name}: malformed HTML at line {line}, column {column}: {message}")
     writer = _Writer(xml=False)
     if page:
         doctype = PROLOG.match(text).group()
@@ -233,10 +232,11 @@ def _qualified(el, name: str) -> str:
         return q.localname
     if q.namespace == "http://www.w3.org/XML/1998/namespace":
         return "xml:" + q.localname
-    if name == el.tag and el.prefix:
-        return f"{el.prefix}:{q.localname}"
-    prefix = next((p for p, uri in el.nsmap.items() if uri == q.namespace and p), None)
-    return f"{prefix}:{q.localname}" if prefix and name != el.tag else q.localname
+    if name == el.tag:
+        prefix = el.prefix
+    else:  # an attribute in a namespace has a prefix
+        prefix = next((p for p, uri in el.nsmap.items() if uri == q.namespace and p), None)
+    return f"{prefix}:{q.localname}" if prefix else q.localname
 
 
 def _epilogue(text: str, end_tag: str) -> str:
