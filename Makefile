@@ -22,19 +22,21 @@ install: $(VENV)/.installed
 
 # system tools the tests use, from Debian's prometheus package: promtool lints the /metrics page and
 # the prometheus server runs the Grafana dashboard's queries; openssl makes the TLS tests' certificates;
-# g++ builds the decoding kernels; chromium and chromium-driver run the web page's test (Selenium). Installed with apt-get when missing, said before it starts;
+# g++ builds the decoding kernels; chromium and chromium-driver run the web page's test (Selenium); haproxy is the
+# limiter in front (deploy/kubernetes/overlays/limiter). Installed with apt-get when missing, said before it starts;
 # SYSTEM_PACKAGES=no installs nothing (the tests that need a missing tool are then skipped, each saying which)
 SYSTEM_PACKAGES ?= yes
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 tools:
 ifeq ($(SYSTEM_PACKAGES),no)
-	@echo "SYSTEM_PACKAGES=no: no Debian package is installed; tests that need a missing promtool, prometheus, openssl, g++, chromium or chromedriver are skipped"
+	@echo "SYSTEM_PACKAGES=no: no Debian package is installed; tests that need a missing promtool, prometheus, openssl, g++, chromium, chromedriver or haproxy are skipped"
 else
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v openssl >/dev/null \
-	  && command -v g++ >/dev/null && command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
-	  echo "installing Debian packages with apt-get: prometheus (server + promtool), openssl, g++, chromium and chromium-driver (SYSTEM_PACKAGES=no skips this)"; \
+	  && command -v g++ >/dev/null && command -v chromium >/dev/null && command -v chromedriver >/dev/null \
+	  && command -v haproxy >/dev/null || { \
+	  echo "installing Debian packages with apt-get: prometheus (server + promtool), openssl, g++, chromium, chromium-driver and haproxy (SYSTEM_PACKAGES=no skips this)"; \
 	  $(SUDO) apt-get update -q && \
-	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus openssl g++ chromium chromium-driver; }
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus openssl g++ chromium chromium-driver haproxy; }
 endif
 
 # nmtserve's decoding kernels for ONNX Runtime's CPU provider (export/runtime/kernels.py): built with

@@ -12,13 +12,20 @@ without a quota) and `probe` (no quota). Each run, in this order:
   - `hostile`: the limited key, each refused call sent again at once (the worst a client can do: its refusals
     cost the server a gRPC call each, and on one machine the flooding process takes cores from the server);
   - `open`: the open key, no quota: what the server does without one.
-Reported, as the median and min–max over runs: the probes' p50 and p90 latency alone and under each flood, and each
-flood's sentences/s translated, calls/s refused, and the cores the server and the flooding process used (all on
-this host's cores: a flooding client elsewhere would take none of them). Every probe must succeed.
+With `limiter` (an HAProxy configuration, the deployment's deploy/kubernetes/overlays/limiter/haproxy.cfg), every
+call, probes and floods, goes through HAProxy in front of the server, each client held to
+`limiter_calls_per_second`; `flood_nice` runs the flooding process at that niceness, to stand in for a flooding
+client on another host (on one host its own CPU is taken from the server's). Reported, as the median and min–max
+over runs: the probes' p50 and p90 latency alone and under each flood, and each flood's sentences/s translated,
+calls/s refused (and of those, refused by the limiter), and the cores the server (with HAProxy, where it runs) and
+the flooding process used (all on this host's cores: a flooding client elsewhere would take none of them). Every
+probe must succeed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import tempfile
 import time
@@ -28,9 +35,10 @@ from pathlib import Path
 from nmtserve.console import Progress
 from nmtserve.errors import NmtserveError
 from nmtserve.loadtests.flood import FloodProcess, probe
+from nmtserve.loadtests.limiter import Limiter
 from nmtserve.loadtests.machine import describe, machine_info, thread_times
 from nmtserve.loadtests.measure import percentile
-from nmtserve.loadtests.workload import ServerProcess, default_sentence_file, mixed, read_sentences
+from nmtserve.loadtests.workload import ServerProcess, default_sentence_file, metric_families, mixed, read_sentences
 
 # flood: (its key, whether it waits out a refusal's retry-after)
 FLOODS = {"polite": ("limited", True), "hostile": ("limited", False), "open": ("open", False)}
@@ -51,6 +59,9 @@ class QuotasBenchConfig:
     runs: int = 3
     threads: int = 1  # ONNX Runtime intra-op threads
     max_decoding_length: int = 32  # of every call, flood and probes
+    limiter: str | None = None  # HAProxy configuration in front of the server
+    limiter_calls_per_second: int = 300
+    flood_nice: int = 0
 
 
 def key_file(path: Path, cfg: QuotasBenchConfig) -> None:
@@ -75,6 +86,25 @@ def _cpu(pid: int) -> float:
     return sum(run for run, _wait in times.values())
 
 
+def _refused_in_front(limiter: Limiter | None) -> float:
+    """The calls HAProxy's gRPC and HTTP fronts have refused so far (none without a limiter)."""
+    if limiter is None:
+        return 0.0
+    return sum(s.value for family in metric_families(limiter.metrics_url) for s in family.samples
+               if s.name == "haproxy_frontend_intercepted_requests_total" and s.labels["proxy"] in ("grpc", "http"))
+
+
+def _probes(stub, model: str, sentences: list[str], options, seconds: float = 0.0) -> list[float]:
+    """The probing key's latencies (flood.probe); a refused probe stops the bench, saying what to change."""
+    import grpc
+
+    try:
+        return probe(stub, model, sentences, options, seconds, _bearer("probe"))
+    except grpc.RpcError as e:
+        raise NmtserveError(f"a probe call failed: {e.code().name}: {e.details()} (behind --limiter, give "
+                            "--limiter-calls-per-second above the probes' calls a second)") from None
+
+
 def run_quotas_bench(cfg: QuotasBenchConfig, progress: Progress) -> dict:
     from nmtserve.client import open_channel
     from nmtserve.v1 import translation_pb2 as pb
@@ -85,40 +115,51 @@ def run_quotas_bench(cfg: QuotasBenchConfig, progress: Progress) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         keys = Path(scratch) / "keys.toml"
         key_file(keys, cfg)
-        with ServerProcess(cfg.bundle, "--api-keys", str(keys), "--threads", str(cfg.threads), "--metrics-port", "-1",
-                           log=Path(scratch) / "server.log") as server, open_channel(server.target) as channel:
+        with contextlib.ExitStack() as stack:
+            server = stack.enter_context(ServerProcess(
+                cfg.bundle, "--api-keys", str(keys), "--threads", str(cfg.threads), "--metrics-port", "-1",
+                "--http-port", "0", log=Path(scratch) / "server.log"))
+            limiter = cfg.limiter and stack.enter_context(Limiter(
+                cfg.limiter, server.target, f"127.0.0.1:{server.http_port}", cfg.limiter_calls_per_second,
+                log=Path(scratch) / "haproxy.log"))
+            target = limiter.target if limiter else server.target
+            # the server's side: the server's process and, with a limiter, HAProxy's
+            serving = [server.proc.pid] + ([limiter.proc.pid] if limiter else [])
+            channel = stack.enter_context(open_channel(target))
             stub = pb_grpc.TranslationServiceStub(channel)
             model = stub.ListModels(pb.ListModelsRequest(), metadata=_bearer("probe"), timeout=30).models[0].model
             options = pb.DecodingOptions(max_decoding_length=cfg.max_decoding_length)
-            probe(stub, model, pool[:4], options, metadata=_bearer("probe"))  # warm-up: a channel's first calls
+            _probes(stub, model, pool[:4], options)  # warm-up: a channel's first calls
             progress.expect(cfg.runs)
             for run in range(cfg.runs):
                 probes = mixed(pool, cfg.probes, seed=run)
                 progress.stage(f"run {run + 1}/{cfg.runs}: probes alone, under each flood")
-                cells = {"alone": probe(stub, model, probes, options, metadata=_bearer("probe"))}
+                cells = {"alone": _probes(stub, model, probes, options)}
                 floods = {}
                 for flood, (key, polite) in FLOODS.items():
-                    with FloodProcess(server.target, model, pool, cfg.flood_clients, cfg.flood_sentences, run, options,
+                    with FloodProcess(target, model, pool, cfg.flood_clients, cfg.flood_sentences, run, options,
                                       _bearer(key), polite) as flooding:
+                        os.setpriority(os.PRIO_PROCESS, flooding.process.pid, cfg.flood_nice)
                         time.sleep(min(3.0, cfg.seconds / 4))  # the process starts; its first calls fill the batch
-                        start, refused, t0 = flooding.done, flooding.rejected, time.perf_counter()
-                        cpu = _cpu(server.proc.pid), _cpu(flooding.process.pid)
-                        cells[flood] = probe(stub, model, probes, options, cfg.seconds, _bearer("probe"))
+                        start, refused, in_front, t0 = (flooding.done, flooding.rejected, _refused_in_front(limiter),
+                                                        time.perf_counter())
+                        cpu = sum(map(_cpu, serving)), _cpu(flooding.process.pid)
+                        cells[flood] = _probes(stub, model, probes, options, cfg.seconds)
                         elapsed = time.perf_counter() - t0
-                        floods[flood] = ((flooding.done - start) / elapsed, (flooding.rejected - refused) / elapsed,
-                                         (_cpu(server.proc.pid) - cpu[0]) / elapsed,
-                                         (_cpu(flooding.process.pid) - cpu[1]) / elapsed)
+                        floods[flood] = {
+                            "sentences_per_s": (flooding.done - start) / elapsed,
+                            "refused_calls_per_s": (flooding.rejected - refused) / elapsed,
+                            "refused_in_front_per_s": (_refused_in_front(limiter) - in_front) / elapsed,
+                            "server_cores": (sum(map(_cpu, serving)) - cpu[0]) / elapsed,
+                            "flooding_process_cores": (_cpu(flooding.process.pid) - cpu[1]) / elapsed}
                     if flooding.errors:
                         raise NmtserveError(f"{len(flooding.errors)} flood call(s) failed, e.g. {flooding.errors[0]}")
                 row = {}
                 for cell, latencies in cells.items():
                     row[f"probe_{cell}_p50_ms"] = percentile(latencies, 50) * 1e3
                     row[f"probe_{cell}_p90_ms"] = percentile(latencies, 90) * 1e3
-                for flood, (done, refused, server_cores, flood_cores) in floods.items():
-                    row[f"flood_{flood}_sentences_per_s"] = done
-                    row[f"flood_{flood}_refused_calls_per_s"] = refused
-                    row[f"flood_{flood}_server_cores"] = server_cores
-                    row[f"flood_{flood}_flooding_process_cores"] = flood_cores
+                for flood, figures in floods.items():
+                    row |= {f"flood_{flood}_{name}": value for name, value in figures.items()}
                 runs.append(row)
     results = {key: {"median": round(statistics.median(r[key] for r in runs), 2),
                      "min": round(min(r[key] for r in runs), 2), "max": round(max(r[key] for r in runs), 2)}
@@ -129,7 +170,9 @@ def run_quotas_bench(cfg: QuotasBenchConfig, progress: Progress) -> dict:
     return {"bundle": cfg.bundle, "model": model, "quota": {"max_concurrent": cfg.max_concurrent,
                                                             "chars_per_minute": cfg.chars_per_minute},
             "flood_clients": cfg.flood_clients, "flood_sentences_per_call": cfg.flood_sentences, "probes": cfg.probes,
-            "threads": cfg.threads, "runs": cfg.runs, "machine": machine_info(), "results": results, "ratios": ratios}
+            "threads": cfg.threads, "runs": cfg.runs, "flood_nice": cfg.flood_nice,
+            "limiter": cfg.limiter and {"config": cfg.limiter, "calls_per_second": cfg.limiter_calls_per_second},
+            "machine": machine_info(), "results": results, "ratios": ratios}
 
 
 def format_table(report: dict) -> str:
@@ -141,6 +184,11 @@ def format_table(report: dict) -> str:
              f"clients × {report['flood_sentences_per_call']} sentences with one key, limited ({limits}: polite, hostile) "
              "or open; "
              f"another key probes one sentence at a time; median [min–max] of {report['runs']} runs"]
+    if report["limiter"]:
+        lines.append(f"every call through HAProxy ({report['limiter']['config']}), "
+                     f"{report['limiter']['calls_per_second']} calls a second per client")
+    if report["flood_nice"]:
+        lines.append(f"the flooding process at nice {report['flood_nice']}")
     for key, cell in report["results"].items():
         lines.append(f"{key:<42}{cell['median']:>10,.2f} [{cell['min']:,.2f}–{cell['max']:,.2f}]")
     lines += [f"{name}: {value:.2f}" for name, value in report["ratios"].items()]

@@ -239,6 +239,14 @@ def _add_bench(p) -> None:
     p.add_argument("--sentences-file", help="sentence file (default: the bundle's test split)")
     p.add_argument("--max-concurrent", type=int, default=2, help="the flooding key's quota of calls at once")
     p.add_argument("--chars-per-minute", type=int, help="the flooding key's quota of characters (default: none)")
+    p.add_argument("--limiter", metavar="HAPROXY_CFG",
+                   help="every call through HAProxy with this configuration in front of the server (the "
+                        "deployment's: deploy/kubernetes/overlays/limiter/haproxy.cfg)")
+    p.add_argument("--limiter-calls-per-second", type=int, default=300,
+                   help="with --limiter: each client's calls a second (default %(default)s)")
+    p.add_argument("--flood-nice", type=int, default=0,
+                   help="the flooding process's niceness (19: it takes cores only when the server leaves them, as a "
+                        "client on another host would)")
     _add_flood_flags(p, "seconds the probes run under each flood", "ONNX Runtime intra-op threads")
     p.set_defaults(func=cmd_bench_quotas)
     p = bench.add_parser("cross-kv", help="a beam's copies of its cross-attention K/V against one shared copy")
@@ -289,10 +297,14 @@ def cmd_bench_quotas(args) -> int:
     from nmtserve.loadtests.bench_quotas import QuotasBenchConfig, format_table, run_quotas_bench
 
     _at_least(1, max_concurrent=args.max_concurrent, flood_clients=args.flood_clients, runs=args.runs,
-              probes=args.probes, chars_per_minute=args.chars_per_minute or 1)
+              probes=args.probes, chars_per_minute=args.chars_per_minute or 1,
+              limiter_calls_per_second=args.limiter_calls_per_second)
+    if not 0 <= args.flood_nice <= 19:
+        raise NmtserveError(f"--flood-nice {args.flood_nice}: between 0 and 19")
     cfg = QuotasBenchConfig(args.bundle, args.sentences_file, args.max_concurrent, args.chars_per_minute,
                             args.flood_clients, args.flood_sentences, args.probes, args.seconds, args.runs,
-                            args.threads, args.max_decoding_length)
+                            args.threads, args.max_decoding_length, args.limiter, args.limiter_calls_per_second,
+                            args.flood_nice)
     with Progress(f"bench quotas {args.bundle}", unit="measurement") as progress:
         report = run_quotas_bench(cfg, progress)
     _show(report, args, format_table)

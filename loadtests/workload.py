@@ -115,7 +115,8 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`nmtserve serve BUNDLE --port 0` on 127.0.0.1; `.target` once it prints its port; SIGTERM on exit."""
+    """`nmtserve serve BUNDLE --port 0` on 127.0.0.1; `.target` once it prints its port (and `.http_port`, with
+    --http-port); SIGTERM on exit."""
 
     def __init__(self, bundle: str | Path, *flags: str, log: str | Path | None = None, start_timeout: float = 120,
                  cwd: str | Path | None = None):
@@ -126,7 +127,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=cwd)
         deadline = time.monotonic() + start_timeout
-        self.port = None
+        self.port, self.http_port = None, None
         while self.port is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not select.select([self.proc.stdout], [], [], remaining)[0]:
@@ -135,9 +136,10 @@ class ServerProcess:
             line = self.proc.stdout.readline()
             if not line:
                 raise ConfigError(f"nmtserve serve {bundle} exited with {self.stop()} before serving{self._last_words()}")
-            match = re.match(r"nmtserve: serving on port (\d+)", line)
+            match = re.match(r"nmtserve: serving on port (\d+)(?:, HTTP on port (\d+))?", line)
             if match:
                 self.port = int(match.group(1))
+                self.http_port = match.group(2) and int(match.group(2))
         self.target = f"127.0.0.1:{self.port}"
 
     def _last_words(self) -> str:

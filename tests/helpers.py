@@ -160,7 +160,7 @@ def top_candidates(log_probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarra
 
 # the system tools some tests run, and the Debian package each comes from (`make tools` installs them)
 SYSTEM_TOOLS = {"promtool": "prometheus", "prometheus": "prometheus", "openssl": "openssl", "g++": "g++",
-                "chromium": "chromium", "chromedriver": "chromium-driver"}
+                "chromium": "chromium", "chromedriver": "chromium-driver", "haproxy": "haproxy"}
 
 
 def system_tool(name: str) -> str:

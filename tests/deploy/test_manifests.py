@@ -13,7 +13,7 @@ from nmtserve.server.config import ServerConfig, env_name, flag_fields
 from tests.helpers import ROOT
 
 KUBE = ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("cpu", "gpu", "multi-model", "api-keys", "tls", "gateway", "models-volume")
+OVERLAYS = ("cpu", "gpu", "multi-model", "api-keys", "tls", "gateway", "models-volume", "limiter")
 CRD_GROUPS = {"ServiceMonitor": "monitoring.coreos.com/v1", "PrometheusRule": "monitoring.coreos.com/v1",
               "GRPCRoute": "gateway.networking.k8s.io/v1", "HTTPRoute": "gateway.networking.k8s.io/v1"}
 KUBERNETES_VERSION = "1.30.0"  # the oldest release with the preStop `sleep` action (beta, on by default)
@@ -53,9 +53,17 @@ def test_ports_probes_and_env_agree_with_the_server(rendered):
     assert set(config) <= known, set(config) - known
     grpc_port, metrics_port = int(config.get("NMTSERVE_PORT", defaults["port"])), int(config.get("NMTSERVE_METRICS_PORT", defaults["metrics_port"]))
     http_port = int(config.get("NMTSERVE_HTTP_PORT", defaults["http_port"]))
-    container = docs["Deployment"]["spec"]["template"]["spec"]["containers"][0]
-    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": grpc_port, "metrics": metrics_port, "http": http_port}
+    containers = {c["name"]: c for c in docs["Deployment"]["spec"]["template"]["spec"]["containers"]}
+    container = containers["nmtserve"]
+    ports = {p["name"]: p["containerPort"] for c in containers.values() for p in c["ports"]}
+    public, own = {"grpc": grpc_port, "http": http_port}, {}  # the ports callers reach; the limiter's metrics
+    if overlay == "limiter":  # HAProxy takes them and passes each call on to the server's own ports
+        limiter = {e["name"]: e["value"] for e in containers["limiter"]["env"]}
+        assert limiter["NMTSERVE_GRPC"] == f"127.0.0.1:{grpc_port}" and limiter["NMTSERVE_HTTP"] == f"127.0.0.1:{http_port}"
+        public = {name: int(limiter[f"NMTSERVE_LIMITER_{name.upper()}"].rsplit(":", 1)[1]) for name in public}
+        own = {"limiter-metrics": int(limiter["NMTSERVE_LIMITER_METRICS"].rsplit(":", 1)[1])}
+        assert not set(public.values()) & {grpc_port, http_port}
+    assert ports == {**public, "metrics": metrics_port, **own}
     for probe in ("startupProbe", "readinessProbe"):  # kubelet's gRPC probe speaks no TLS: then the HTTP front's
         if overlay == "tls":
             assert container[probe]["httpGet"] == {"path": "/readyz", "port": http_port} and "grpc" not in container[probe]
@@ -65,7 +73,7 @@ def test_ports_probes_and_env_agree_with_the_server(rendered):
         assert container["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
     assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": http_port}  # a route of server/http.py
     allowed = {p["port"] for rule in docs["NetworkPolicy"]["spec"]["ingress"] for p in rule["ports"]}
-    assert allowed == {grpc_port, http_port, metrics_port}
+    assert allowed == {*public.values(), metrics_port, *own.values()}
     service_ports = {p["name"]: p["targetPort"] for p in docs["Service"]["spec"]["ports"]}
     assert set(service_ports.values()) <= set(ports) and docs["Service"]["spec"]["clusterIP"] == "None"
     assert docs["ServiceMonitor"]["spec"]["endpoints"][0]["port"] in service_ports
@@ -82,10 +90,11 @@ def test_ports_probes_and_env_agree_with_the_server(rendered):
 def test_pod_security_is_restricted(rendered):
     _, docs = rendered
     pod = docs["Deployment"]["spec"]["template"]["spec"]
-    container = pod["containers"][0]["securityContext"]
     assert pod["securityContext"]["runAsNonRoot"] is True
-    assert container["allowPrivilegeEscalation"] is False and container["readOnlyRootFilesystem"] is True
-    assert container["capabilities"]["drop"] == ["ALL"]
+    for container in pod["containers"]:
+        context = container["securityContext"]
+        assert context["allowPrivilegeEscalation"] is False and context["readOnlyRootFilesystem"] is True
+        assert context["capabilities"]["drop"] == ["ALL"]
     selector = docs["Deployment"]["spec"]["selector"]["matchLabels"]
     assert docs["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"] == selector
     assert docs["NetworkPolicy"]["spec"]["podSelector"]["matchLabels"] == selector
@@ -199,3 +208,26 @@ def test_the_envoy_example_balances_both_ports_over_the_service_with_health_chec
         assert address["address"].startswith(service["metadata"]["name"] + ".") and address["port_value"] == ports[port_name]
     assert clusters["nmtserve_grpc"]["health_checks"][0]["grpc_health_check"] == {"service_name": SERVICE_NAME}
     assert clusters["nmtserve_http"]["health_checks"][0]["http_health_check"] == {"path": "/readyz"}
+
+
+def test_the_limiter_overlay_runs_the_haproxy_configuration_the_tests_run(tmp_path):
+    """The ConfigMap holds deploy's haproxy.cfg as it is (tests/deploy/test_limiter.py runs that file), mounted where
+    the container reads it, and HAProxy accepts it with the container's environment."""
+    from pathlib import PurePosixPath
+
+    from tests.helpers import system_tool
+
+    docs = list(yaml.safe_load_all(subprocess.run([shutil.which("kubectl"), "kustomize", str(KUBE / "overlays" / "limiter")],
+                                                  capture_output=True, text=True, timeout=60, check=True).stdout))
+    pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    limiter = next(c for c in pod["containers"] if c["name"] == "limiter")
+    mount = next(m for m in limiter["volumeMounts"] if m["name"] == "limiter-config")
+    volume = next(v for v in pod["volumes"] if v["name"] == "limiter-config")
+    config = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == volume["configMap"]["name"])
+    source = KUBE / "overlays" / "limiter" / "haproxy.cfg"
+    assert config["data"] == {"haproxy.cfg": source.read_text()}
+    assert limiter["args"] == ["-f", str(PurePosixPath(mount["mountPath"]) / "haproxy.cfg")]
+    env = {e["name"]: e["value"] for e in limiter["env"]}
+    checked = subprocess.run([system_tool("haproxy"), "-c", "-f", str(source)], env=env, capture_output=True, text=True,
+                             timeout=60)
+    assert checked.returncode == 0 and "Warnings were found" not in checked.stdout + checked.stderr, checked.stderr

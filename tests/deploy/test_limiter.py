@@ -1,0 +1,97 @@
+"""The limiter overlay's HAProxy (deploy/kubernetes/overlays/limiter/haproxy.cfg), run as it is in front of a real
+server with API keys: a client over its calls a second is refused there with what the server's own refusals carry
+(gRPC RESOURCE_EXHAUSTED with retry-after; HTTP 429 with the server's JSON error body), never reaching the server;
+another client and the health checks pass meanwhile; HAProxy's Prometheus page counts the refusals."""
+
+import time
+
+import grpc
+import pytest
+import requests
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from nmtserve.loadtests.limiter import Limiter
+from nmtserve.server.auth import client_entry
+from nmtserve.server.config import ServerConfig
+from nmtserve.server.http_status import error_body
+from nmtserve.v1 import translation_pb2 as pb
+from nmtserve.v1 import translation_pb2_grpc as pb_grpc
+from tests.helpers import ROOT, ServerThread, system_tool
+
+CONFIG = ROOT / "deploy" / "kubernetes" / "overlays" / "limiter" / "haproxy.cfg"
+CEILING = 5  # calls a second per client
+EAGER, OTHER = "key-of-a-client-that-never-waits", "key-of-another-client"
+MESSAGE = "over the client's calls a second (the limiter in front)"
+
+
+@pytest.fixture(scope="module")
+def fronted(tiny_bundle, tmp_path_factory):
+    system_tool("haproxy")
+    scratch = tmp_path_factory.mktemp("limiter")
+    keys = scratch / "keys.toml"
+    keys.write_text(client_entry("eager", EAGER) + client_entry("other", OTHER))
+    server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
+                                                  http_port=0, api_keys=str(keys), max_decoding_length=16))
+    try:
+        with Limiter(CONFIG, f"127.0.0.1:{server.running.port}", f"127.0.0.1:{server.running.http_port}", CEILING,
+                     log=scratch / "haproxy.log") as limiter:
+            yield server, limiter
+    finally:
+        server.stop()
+
+
+def _bearer(key: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {key}")]
+
+
+def _translate(stub, key: str):
+    try:
+        stub.Translate(pb.TranslateRequest(sentences=["the cat"]), metadata=_bearer(key), timeout=30)
+        return "OK"
+    except grpc.RpcError as e:
+        return e.code(), e.details(), dict(e.trailing_metadata() or ()).get("retry-after")
+
+
+def _served(server, client: str) -> float:
+    return server.running.servicer.metrics.registry.get_sample_value(
+        "nmtserve_requests_total", {"client": client, "model": "en-fr", "mode": "greedy", "rpc": "Translate",
+                                    "code": "OK"}) or 0.0
+
+
+def _intercepted(limiter: Limiter, proxy: str) -> float:
+    text = requests.get(limiter.metrics_url, timeout=10).text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == "haproxy_frontend_intercepted_requests_total" and s.labels["proxy"] == proxy)
+
+
+def test_a_client_over_its_calls_a_second_is_refused_in_front_while_another_is_served(fronted):
+    server, limiter = fronted
+    served_before, refused_before = _served(server, "eager"), _intercepted(limiter, "grpc")
+    with grpc.insecure_channel(limiter.target) as channel:
+        stub, health = pb_grpc.TranslationServiceStub(channel), health_pb2_grpc.HealthStub(channel)
+        outcomes = [_translate(stub, EAGER) for _ in range(3 * CEILING)]
+        # the same moment: another key passes, and health checks are never counted
+        assert _translate(stub, OTHER) == "OK"
+        for _ in range(3 * CEILING):
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+        refused = [o for o in outcomes if o != "OK"]
+        assert outcomes[:CEILING] == ["OK"] * CEILING and refused
+        assert set(refused) == {(grpc.StatusCode.RESOURCE_EXHAUSTED, MESSAGE, "1")}
+        # the refused calls never reached the server; HAProxy counts each
+        assert _served(server, "eager") - served_before == outcomes.count("OK")
+        assert _intercepted(limiter, "grpc") - refused_before == len(refused)
+        time.sleep(2.5)  # the client waited: its last second's calls are under the ceiling again
+        assert _translate(stub, EAGER) == "OK"
+
+
+def test_over_http_the_refusal_is_a_429_with_the_servers_error_body(fronted):
+    _, limiter = fronted
+    time.sleep(2.5)  # a fresh second for the client
+    answers = [requests.post(f"{limiter.http_url}/v1/translate", json={"sentences": ["the cat"]},
+                             headers={"authorization": f"Bearer {EAGER}"}, timeout=30) for _ in range(3 * CEILING)]
+    assert [a.status_code for a in answers[:CEILING]] == [200] * CEILING
+    refused = [a for a in answers if a.status_code != 200]
+    assert refused and all(a.status_code == 429 and a.headers["retry-after"] == "1" for a in refused)
+    assert all(a.json() == error_body(grpc.StatusCode.RESOURCE_EXHAUSTED, MESSAGE) for a in refused)
+    assert all(requests.get(f"{limiter.http_url}/livez", timeout=10).status_code == 200 for _ in range(3 * CEILING))
