@@ -17,8 +17,8 @@ call, probes and floods, goes through HAProxy in front of the server, each clien
 `limiter_calls_per_second`; `flood_nice` runs the flooding process at that niceness, to stand in for a flooding
 client on another host (on one host its own CPU is taken from the server's). Reported, as the median and min–max
 over runs: the probes' p50 and p90 latency alone and under each flood, and each flood's sentences/s translated,
-calls/s refused (and of those, refused by the limiter), and the cores the server (with HAProxy, where it runs) and
-the flooding process used (all on this host's cores: a flooding client elsewhere would take none of them). Every
+calls/s refused (and of those, refused by the limiter), and the cores the server, HAProxy (where it runs) and the
+flooding process used (all on this host's cores: a flooding client elsewhere would take none of them). Every
 probe must succeed.
 """
 
@@ -77,8 +77,10 @@ def _bearer(name: str) -> list[tuple[str, str]]:
     return [("authorization", f"Bearer {KEYS[name]}")]
 
 
-def _cpu(pid: int) -> float:
-    """Seconds a process's threads have run (Linux's scheduler statistics)."""
+def _cpu(pid: int | None) -> float:
+    """Seconds a process's threads have run (Linux's scheduler statistics); 0 for no process."""
+    if pid is None:
+        return 0.0
     times = thread_times(pid)
     if times is None:
         raise NmtserveError(f"/proc/{pid}/task/*/schedstat cannot be read: this benchmark needs Linux's scheduler "
@@ -123,8 +125,7 @@ def run_quotas_bench(cfg: QuotasBenchConfig, progress: Progress) -> dict:
                 cfg.limiter, server.target, f"127.0.0.1:{server.http_port}", cfg.limiter_calls_per_second,
                 log=Path(scratch) / "haproxy.log"))
             target = limiter.target if limiter else server.target
-            # the server's side: the server's process and, with a limiter, HAProxy's
-            serving = [server.proc.pid] + ([limiter.proc.pid] if limiter else [])
+            processes = {"server": server.proc.pid, "limiter": limiter.proc.pid if limiter else None}
             channel = stack.enter_context(open_channel(target))
             stub = pb_grpc.TranslationServiceStub(channel)
             model = stub.ListModels(pb.ListModelsRequest(), metadata=_bearer("probe"), timeout=30).models[0].model
@@ -143,15 +144,15 @@ def run_quotas_bench(cfg: QuotasBenchConfig, progress: Progress) -> dict:
                         time.sleep(min(3.0, cfg.seconds / 4))  # the process starts; its first calls fill the batch
                         start, refused, in_front, t0 = (flooding.done, flooding.rejected, _refused_in_front(limiter),
                                                         time.perf_counter())
-                        cpu = sum(map(_cpu, serving)), _cpu(flooding.process.pid)
+                        processes["flooding_process"] = flooding.process.pid
+                        cpu = {name: _cpu(pid) for name, pid in processes.items()}
                         cells[flood] = _probes(stub, model, probes, options, cfg.seconds)
                         elapsed = time.perf_counter() - t0
                         floods[flood] = {
                             "sentences_per_s": (flooding.done - start) / elapsed,
                             "refused_calls_per_s": (flooding.rejected - refused) / elapsed,
                             "refused_in_front_per_s": (_refused_in_front(limiter) - in_front) / elapsed,
-                            "server_cores": (sum(map(_cpu, serving)) - cpu[0]) / elapsed,
-                            "flooding_process_cores": (_cpu(flooding.process.pid) - cpu[1]) / elapsed}
+                            **{f"{name}_cores": (_cpu(pid) - cpu[name]) / elapsed for name, pid in processes.items()}}
                     if flooding.errors:
                         raise NmtserveError(f"{len(flooding.errors)} flood call(s) failed, e.g. {flooding.errors[0]}")
                 row = {}
