@@ -130,8 +130,9 @@ def metric(samples: list, name: str, **labels: str) -> float:
 
 
 def metric_names(expr: str) -> set[str]:
-    """The server's series a PromQL expression names: its own and its process collector's."""
-    return set(re.findall(r"\b((?:nmtserve|process)_[a-z_]+)\b", expr))
+    """The series a PromQL expression names: the server's own, its process collector's, and the limiter overlay's
+    HAProxy's."""
+    return set(re.findall(r"\b((?:nmtserve|process|haproxy)_[a-z_]+)\b", expr))
 
 
 def stream_decoded(decode, ids: list[int], rng: random.Random) -> tuple[str, list[int]]:

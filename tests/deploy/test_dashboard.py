@@ -1,5 +1,5 @@
-"""The Grafana dashboard queries only what the server exports, and every query runs on a real Prometheus
-that scrapes a real server after real traffic."""
+"""The Grafana dashboard queries only what the server (and the limiter overlay's HAProxy) exports, and every query
+runs on a real Prometheus that scrapes a real server, and HAProxy in front of it, after real traffic."""
 
 import json
 import re
@@ -12,6 +12,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from nmtserve.loadtests.limiter import Limiter
 from nmtserve.loadtests.workload import free_port
 from nmtserve.server.auth import client_entry
 from nmtserve.server.config import ServerConfig
@@ -28,6 +29,9 @@ CLIENT_SERIES = ("nmtserve_quota_rejections_total", "nmtserve_client_characters_
 # series of a pod as a whole (its process, its build): filtered by the pod variable
 POD_SERIES = ("process_resident_memory_bytes", "process_cpu_seconds_total", "process_start_time_seconds",
               "nmtserve_build_info")
+# HAProxy's, in the limiter overlay's pods (deploy/kubernetes/overlays/limiter): filtered by the pod variable too
+LIMITER_SERIES = ("haproxy_frontend_intercepted_requests_total",)
+LIMITER_CONFIG = ROOT / "deploy" / "kubernetes" / "overlays" / "limiter" / "haproxy.cfg"
 DASH, TIGHT = "key-of-the-dashboards-client", "key-of-a-client-of-ten-characters-a-minute"
 
 
@@ -53,19 +57,19 @@ def as_promql(expr: str) -> str:
 
 def test_the_dashboard_covers_the_server_and_names_only_exported_metrics():
     queries = dashboard_queries()
-    exported = exported_series()
+    exported = exported_series() | set(LIMITER_SERIES)
     used = set().union(*map(metric_names, queries.values()))
     assert used <= exported, f"not exported by server/metrics.py: {sorted(used - exported)}"
     # throughput, latency percentiles, TTFT, queue, batch rows, rejections, cancellations, per-client traffic
     for needed in ("nmtserve_sentences_total", "nmtserve_output_tokens_total", "nmtserve_request_duration_seconds_bucket",
                    "nmtserve_time_to_first_token_seconds_bucket", "nmtserve_request_queue_seconds_bucket",
                    "nmtserve_requests_waiting", "nmtserve_step_rows_bucket", "nmtserve_rejected_requests_total",
-                   "nmtserve_cancelled_sentences_total", *CLIENT_SERIES, *POD_SERIES):
+                   "nmtserve_cancelled_sentences_total", *CLIENT_SERIES, *POD_SERIES, *LIMITER_SERIES):
         assert needed in used, f"no panel queries {needed}"
     panel_queries = {name: expr for name, expr in queries.items() if not name.startswith("variable ")}
     def filtered(name: str, selector: str) -> bool:
-        needed = 'client=~"$client"' if name in CLIENT_SERIES else 'pod=~"$pod"' if name in POD_SERIES \
-            else 'model=~"$model"'
+        needed = 'client=~"$client"' if name in CLIENT_SERIES else 'pod=~"$pod"' \
+            if name in POD_SERIES + LIMITER_SERIES else 'model=~"$model"'
         return needed in selector
 
     unfiltered = [name for name, expr in panel_queries.items()
@@ -77,14 +81,14 @@ def test_the_dashboard_covers_the_server_and_names_only_exported_metrics():
 
 
 class Prometheus:
-    """A real Prometheus server scraping one target every second, with its HTTP query API."""
+    """A real Prometheus server scraping its targets every second, with its HTTP query API."""
 
-    def __init__(self, workdir, target: str):
+    def __init__(self, workdir, *targets: str):
         binary = system_tool("prometheus")
         config = workdir / "prometheus.yml"
         config.write_text("global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
                           "scrape_configs:\n"
-                          f"  - job_name: nmtserve\n    static_configs: [{{targets: ['{target}']}}]\n")
+                          f"  - job_name: nmtserve\n    static_configs: [{{targets: {json.dumps(targets)}}}]\n")
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log = open(workdir / "prometheus.log", "w")
         self.process = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
@@ -124,7 +128,10 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tiny_bundle, 
     keys = tmp_path / "keys.toml"
     keys.write_text(client_entry("dashboard", DASH) + client_entry("tight", TIGHT, chars_per_minute=10))
     server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=0,
-                                                  max_decoding_length=64, api_keys=str(keys)))
+                                                  http_port=0, max_decoding_length=64, api_keys=str(keys)))
+    system_tool("haproxy")
+    limiter = Limiter(LIMITER_CONFIG, f"127.0.0.1:{server.running.port}", f"127.0.0.1:{server.running.http_port}", 1,
+                      log=tmp_path / "haproxy.log")
     key = [("authorization", f"Bearer {DASH}")]
 
     def traffic(round_: int) -> None:
@@ -139,20 +146,28 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tiny_bundle, 
                                metadata=[("authorization", f"Bearer {TIGHT}")])
             with pytest.raises(grpc.RpcError):
                 stub.Translate(pb.TranslateRequest(sentences=[""]), metadata=key, timeout=5)  # a rejection, the last call
+        with grpc.insecure_channel(limiter.target) as channel:  # one call a second: the second is refused in front
+            stub = pb_grpc.TranslationServiceStub(channel)
+            stub.Translate(pb.TranslateRequest(sentences=sentences[:1]), metadata=key, timeout=30)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Translate(pb.TranslateRequest(sentences=sentences[:1]), metadata=key, timeout=30)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         # a scrape after all of it
         prometheus.wait_for(f'nmtserve_rejected_requests_total{{code="INVALID_ARGUMENT"}} >= {round_}')
+        prometheus.wait_for(f'haproxy_frontend_intercepted_requests_total{{proxy="grpc"}} >= {round_}')
 
-    prometheus = Prometheus(tmp_path, f"127.0.0.1:{server.running.metrics_port}")
+    prometheus = Prometheus(tmp_path, f"127.0.0.1:{server.running.metrics_port}",
+                            limiter.metrics_url.removeprefix("http://").removesuffix("/metrics"))
     try:
         # every series exists before the second round, so rate() over both scrapes is positive
         traffic(1)
         traffic(2)
 
-        page = urllib.request.urlopen(f"http://127.0.0.1:{server.running.metrics_port}/metrics", timeout=10).read().decode()
         labels: dict[str, set[str]] = {}
-        for family in text_string_to_metric_families(page):
-            for sample in family.samples:
-                labels.setdefault(sample.name, set()).update(sample.labels)
+        for page in (f"http://127.0.0.1:{server.running.metrics_port}/metrics", limiter.metrics_url):
+            for family in text_string_to_metric_families(urllib.request.urlopen(page, timeout=10).read().decode()):
+                for sample in family.samples:
+                    labels.setdefault(sample.name, set()).update(sample.labels)
 
         checked = 0
         for name, expr in dashboard_queries().items():
@@ -170,4 +185,5 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tiny_bundle, 
         assert checked >= len(dashboard_queries()) - 1  # only the cancellations panel may lack data
     finally:
         prometheus.stop()
+        limiter.stop()
         server.stop()
