@@ -63,6 +63,8 @@ def test_ports_probes_and_env_agree_with_the_server(rendered):
         public = {name: int(limiter[f"NMTSERVE_LIMITER_{name.upper()}"].rsplit(":", 1)[1]) for name in public}
         own = {"limiter-metrics": int(limiter["NMTSERVE_LIMITER_METRICS"].rsplit(":", 1)[1])}
         assert not set(public.values()) & {grpc_port, http_port}
+        # it takes calls as long as the server does before the drain: the same preStop sleep
+        assert containers["limiter"]["lifecycle"] == container["lifecycle"]
     assert ports == {**public, "metrics": metrics_port, **own}
     for probe in ("startupProbe", "readinessProbe"):  # kubelet's gRPC probe speaks no TLS: then the HTTP front's
         if overlay == "tls":
