@@ -1,8 +1,11 @@
 """The limiter overlay's HAProxy (deploy/kubernetes/overlays/limiter/haproxy.cfg), run as it is in front of a real
 server with API keys: a client over its calls a second is refused there with what the server's own refusals carry
 (gRPC RESOURCE_EXHAUSTED with retry-after; HTTP 429 with the server's JSON error body), never reaching the server;
-another client and the health checks pass meanwhile; HAProxy's Prometheus page counts the refusals."""
+another client and the health checks pass meanwhile; HAProxy's Prometheus page counts the refusals; its soft stop
+(the container image's stop signal) lets the calls in flight finish and takes no new one."""
 
+import signal
+import threading
 import time
 
 import grpc
@@ -95,3 +98,37 @@ def test_over_http_the_refusal_is_a_429_with_the_servers_error_body(fronted):
     assert refused and all(a.status_code == 429 and a.headers["retry-after"] == "1" for a in refused)
     assert all(a.json() == error_body(grpc.StatusCode.RESOURCE_EXHAUSTED, MESSAGE) for a in refused)
     assert all(requests.get(f"{limiter.http_url}/livez", timeout=10).status_code == 200 for _ in range(3 * CEILING))
+
+
+def test_a_soft_stop_lets_the_calls_in_flight_finish_and_takes_no_new_one(fronted, tmp_path):
+    """SIGUSR1 (the haproxy image's STOPSIGNAL) while a long TranslateText decodes: that call is answered in full,
+    a new connection is refused, and HAProxy then exits on its own."""
+    server, _ = fronted
+    text = " ".join(f"the cat sees the dog number {i}." for i in range(120))
+    limiter = Limiter(CONFIG, f"127.0.0.1:{server.running.port}", f"127.0.0.1:{server.running.http_port}", 100,
+                      log=tmp_path / "haproxy.log")
+    answer = {}
+
+    def call() -> None:
+        with grpc.insecure_channel(limiter.target) as channel:
+            answer["text"] = pb_grpc.TranslationServiceStub(channel).TranslateText(
+                pb.TranslateTextRequest(texts=[text]), metadata=_bearer(OTHER), timeout=60).translations[0].text
+
+    try:
+        caller = threading.Thread(target=call)
+        caller.start()
+        registry, deadline = server.running.servicer.metrics.registry, time.monotonic() + 30
+        while not registry.get_sample_value("nmtserve_requests_running", {"model": "en-fr"}):  # in flight
+            assert time.monotonic() < deadline and caller.is_alive(), "the call never ran"
+            time.sleep(0.001)
+        limiter.proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.2)
+        with grpc.insecure_channel(limiter.target) as channel, pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.TranslationServiceStub(channel).Translate(pb.TranslateRequest(sentences=["the cat"]),
+                                                              metadata=_bearer(OTHER), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        caller.join(60)
+        assert answer["text"].count(".") >= 100  # every sentence came back
+        assert limiter.proc.wait(30) == 0
+    finally:
+        limiter.stop()
