@@ -77,10 +77,8 @@ def _bearer(name: str) -> list[tuple[str, str]]:
     return [("authorization", f"Bearer {KEYS[name]}")]
 
 
-def _cpu(pid: int | None) -> float:
-    """Seconds a process's threads have run (Linux's scheduler statistics); 0 for no process."""
-    if pid is None:
-        return 0.0
+def _cpu(pid: int) -> float:
+    """Seconds a process's threads have run (Linux's scheduler statistics)."""
     times = thread_times(pid)
     if times is None:
         raise NmtserveError(f"/proc/{pid}/task/*/schedstat cannot be read: this benchmark needs Linux's scheduler "
@@ -125,7 +123,7 @@ def run_quotas_bench(cfg: QuotasBenchConfig, progress: Progress) -> dict:
                 cfg.limiter, server.target, f"127.0.0.1:{server.http_port}", cfg.limiter_calls_per_second,
                 log=Path(scratch) / "haproxy.log"))
             target = limiter.target if limiter else server.target
-            processes = {"server": server.proc.pid, "limiter": limiter.proc.pid if limiter else None}
+            serving = {"server": server.proc.pid} | ({"limiter": limiter.proc.pid} if limiter else {})
             channel = stack.enter_context(open_channel(target))
             stub = pb_grpc.TranslationServiceStub(channel)
             model = stub.ListModels(pb.ListModelsRequest(), metadata=_bearer("probe"), timeout=30).models[0].model
@@ -144,7 +142,7 @@ def run_quotas_bench(cfg: QuotasBenchConfig, progress: Progress) -> dict:
                         time.sleep(min(3.0, cfg.seconds / 4))  # the process starts; its first calls fill the batch
                         start, refused, in_front, t0 = (flooding.done, flooding.rejected, _refused_in_front(limiter),
                                                         time.perf_counter())
-                        processes["flooding_process"] = flooding.process.pid
+                        processes = serving | {"flooding_process": flooding.process.pid}
                         cpu = {name: _cpu(pid) for name, pid in processes.items()}
                         cells[flood] = _probes(stub, model, probes, options, cfg.seconds)
                         elapsed = time.perf_counter() - t0

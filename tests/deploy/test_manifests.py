@@ -10,7 +10,7 @@ import yaml
 
 from nmtserve.server.app import SERVICE_NAME
 from nmtserve.server.config import ServerConfig, env_name, flag_fields
-from tests.helpers import ROOT
+from tests.helpers import ROOT, system_tool
 
 KUBE = ROOT / "deploy" / "kubernetes"
 OVERLAYS = ("cpu", "gpu", "multi-model", "api-keys", "tls", "gateway", "models-volume", "limiter")
@@ -19,13 +19,19 @@ CRD_GROUPS = {"ServiceMonitor": "monitoring.coreos.com/v1", "PrometheusRule": "m
 KUBERNETES_VERSION = "1.30.0"  # the oldest release with the preStop `sleep` action (beta, on by default)
 
 
-def render(overlay: str) -> dict[str, dict]:
+def documents(overlay: str) -> list[dict]:
+    """Every object `kubectl kustomize` renders for the overlay."""
     kubectl = shutil.which("kubectl")
     assert kubectl, "kubectl (with kustomize) is needed to render the manifests"
     out = subprocess.run([kubectl, "kustomize", str(KUBE / "overlays" / overlay)], capture_output=True, text=True,
                          timeout=60, check=True).stdout
-    # one object per kind; of the ConfigMaps, the NMTSERVE_* variables (multi-model's models.toml has its own test)
-    return {doc["kind"]: doc for doc in yaml.safe_load_all(out)
+    return list(yaml.safe_load_all(out))
+
+
+def render(overlay: str) -> dict[str, dict]:
+    """One object per kind; of the ConfigMaps, the NMTSERVE_* variables (multi-model's models.toml and the limiter's
+    haproxy.cfg have tests of their own)."""
+    return {doc["kind"]: doc for doc in documents(overlay)
             if doc["kind"] != "ConfigMap" or any(key.startswith("NMTSERVE_") for key in doc["data"])}
 
 
@@ -108,9 +114,7 @@ def test_the_multi_model_overlay_mounts_the_models_file_the_server_reads():
 
     from nmtserve.server.models import SPEC_KEYS
 
-    kubectl = shutil.which("kubectl")
-    docs = list(yaml.safe_load_all(subprocess.run([kubectl, "kustomize", str(KUBE / "overlays" / "multi-model")],
-                                                  capture_output=True, text=True, timeout=60, check=True).stdout))
+    docs = documents("multi-model")
     env = next(d["data"] for d in docs if d["kind"] == "ConfigMap" and "NMTSERVE_MODELS" in d["data"])
     models = next(d for d in docs if d["kind"] == "ConfigMap" and "models.toml" in d["data"])
     pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
@@ -212,15 +216,12 @@ def test_the_envoy_example_balances_both_ports_over_the_service_with_health_chec
     assert clusters["nmtserve_http"]["health_checks"][0]["http_health_check"] == {"path": "/readyz"}
 
 
-def test_the_limiter_overlay_runs_the_haproxy_configuration_the_tests_run(tmp_path):
+def test_the_limiter_overlay_runs_the_haproxy_configuration_the_tests_run():
     """The ConfigMap holds deploy's haproxy.cfg as it is (tests/deploy/test_limiter.py runs that file), mounted where
     the container reads it, and HAProxy accepts it with the container's environment."""
     from pathlib import PurePosixPath
 
-    from tests.helpers import system_tool
-
-    docs = list(yaml.safe_load_all(subprocess.run([shutil.which("kubectl"), "kustomize", str(KUBE / "overlays" / "limiter")],
-                                                  capture_output=True, text=True, timeout=60, check=True).stdout))
+    docs = documents("limiter")
     pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
     limiter = next(c for c in pod["containers"] if c["name"] == "limiter")
     mount = next(m for m in limiter["volumeMounts"] if m["name"] == "limiter-config")
