@@ -81,6 +81,10 @@ class TextJob:
     document: markup.Document | None
     units: list[tuple[str, list[tuple[int, int]], list]]
 
+    def submitted(self) -> list[tuple]:
+        """Every (engine request, future) of the text's units, in order."""
+        return [pair for _, _, pairs in self.units for pair in pairs if pair]
+
     def written(self, tokenizer) -> tuple[str, list[tuple[int, ...]]]:
         """The translated text: its sentences rejoined around the source's whitespace, with their alignment; or the
         document written back with each run translated and its inline tags placed (no alignment)."""

@@ -448,9 +448,8 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                 job.units.append((unit, spans, pairs))
             jobs.append(job)
         for job in jobs:
-            for _, _, pairs in job.units:
-                for engine_request, _future in filter(None, pairs):
-                    self._submit(call, model, engine_request)
+            for engine_request, _future in job.submitted():
+                self._submit(call, model, engine_request)
         return jobs
 
     @_rpc
@@ -466,7 +465,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
                 raise InvalidRequest(f"return_alignment: text/plain only, not {request.mime_type}")
             jobs = self._text_requests(call, model, [(f"texts[{i}]", t) for i, t in enumerate(request.texts)],
                                        request, context)
-            await asyncio.gather(*(pair[1] for job in jobs for _, _, pairs in job.units for pair in pairs if pair))
+            await asyncio.gather(*(future for job in jobs for _, future in job.submitted()))
         except NmtserveError as e:  # a full queue, say: none of the texts is translated
             await self._fail(call, context, e)
         except asyncio.CancelledError:
@@ -476,7 +475,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         translations = []
         for job in jobs:
             joined, alignment = job.written(model.tokenizer)
-            done = [pair[0] for _, _, pairs in job.units for pair in pairs if pair]
+            done = [request for request, _ in job.submitted()]
             translations.append(pb.TextTranslation(
                 text=joined, sentences=sum(len(spans) for _, spans, _ in job.units),
                 input_tokens=sum(len(r.src_ids) for r in done), output_tokens=sum(len(r.tokens) for r in done),
