@@ -9,7 +9,8 @@ After each decoder step its search gets, for each of its rows, the `candidates` 
 log-probabilities (the decoder graph's TopK head; 0 = the row's logits over the whole vocabulary, which the
 search turns into log-probabilities itself: nmtserve/logits.py), and answers which row's
 cache each row continues (`parents`, indices among the request's own rows) and which token it feeds
-next. Greedy search is beam search with one beam, which OnnxTranslator and the engine run vectorised
+next. Which extensions a beam keeps is ranked by the bundle's ranker graph (`Rank`, passed in: the one ranking,
+whichever loop decodes); what a step then does (finished hypotheses, spares, stopping) is written here. Greedy search is beam search with one beam, which OnnxTranslator and the engine run vectorised
 (they need no object per request for it).
 
 The rules follow CTranslate2's (src/decoding.cc, src/sampling.cc), so that the same weights give the
@@ -19,13 +20,14 @@ the search stops.
     search = make_search(DecodingOptions(beam_size=4, num_hypotheses=2), budget=30, eos_id=3)
     while not search.done:
         ids, scores = decoder_step(search.candidates)   # (rows, K) each: the rows' best, ties by lower id
-        parents, tokens = search.step(ids, scores)
+        parents, tokens = search.step(ids, scores, Ranker(bundle.ranker_path).rank)
     search.results()   # [Hypothesis(tokens, score, finish, mean_log_prob), …], best first
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -34,6 +36,10 @@ import numpy as np
 from nmtserve.decoding import DecodingOptions, Hypothesis, mean_log_prob
 from nmtserve.logits import TokenMasks, best_candidates, log_softmax
 from nmtserve.sampling import Sampling
+
+# beam search's ranking: (beam (n, k), ids (n, k, w), scores (n, k, w)) -> each search's w best extensions, best
+# first: rows, tokens, totals (n, w); the bundle's ranker graph (export/build/ranker.py) through export/runtime/ranker.py
+Rank = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
 class BeamSearch:
@@ -78,17 +84,15 @@ class BeamSearch:
         self.steps = 0
         self.done = False
 
-    def step(self, ids: np.ndarray | None, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def step(self, ids: np.ndarray | None, scores: np.ndarray, rank: Rank) -> tuple[np.ndarray, np.ndarray]:
         """ids, scores (rows, ≥ 2k): each row's best tokens and their log-probs, best first; or, with masks, ids
-        None and scores (rows, V) each row's logits by token id -> parents (rows,) and next tokens (rows,)."""
+        None and scores (rows, V) each row's logits by token id -> parents (rows,) and next tokens (rows,). `rank`:
+        the ranker (module docstring)."""
         k = self.k
         if ids is None:  # repeats penalised, tokens disabled, the log-softmax, a prefix favoured: each row's 2k best
             ids, scores = best_candidates(self._favour(self.masks.apply(scores, self.live, self.steps)), 2 * k)
-        total = (self.scores[:, None] + scores[:, : 2 * k]).ravel()  # (k · 2k,), row by row
-        # best first; a stable sort keeps equal totals in row order, and each row's candidates come
-        # with ties by lower id: the order lexsort((id, row, -total)) would give, in fewer calls
-        best = np.argsort(-total, kind="stable")[: 2 * k]
-        return self.select(best // (2 * k), ids[:, : 2 * k].ravel()[best], total[best])
+        rows, tokens, totals = rank(self.scores[None], ids[None, :, :2 * k], scores[None, :, :2 * k])
+        return self.select(rows[0], tokens[0], totals[0])
 
     def _favour(self, log_probs: np.ndarray) -> np.ndarray:
         """log_probs (k, V) with prefix_bias_beta's favoured token mixed in, on the rows still on the prefix."""
@@ -222,8 +226,9 @@ class ConstrainedBeamSearch(BeamSearch):
         self.candidates = 0  # each row's whole distribution: a constraint's next token may rank anywhere
         self.state: list[Progress] = [Progress()] * self.k
 
-    def step(self, ids: np.ndarray | None, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """scores (rows, V): each row's logits by token id (ids None: candidates 0) -> parents and tokens."""
+    def step(self, ids: np.ndarray | None, scores: np.ndarray, rank: Rank | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """scores (rows, V): each row's logits by token id (ids None: candidates 0) -> parents and tokens. Ranks its
+        banks itself (`rank` unused)."""
         k, eos = self.k, self.eos_id
         scores = log_softmax(scores) if self.masks is None else self.masks.apply(scores, self.live, self.steps)
         if self.favoured:
@@ -296,33 +301,31 @@ class ConstrainedBeamSearch(BeamSearch):
         return ranked[: self.options.num_hypotheses]
 
 
-def beam_steps(searches: list[BeamSearch | None], ids: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def beam_steps(searches: list[BeamSearch | None], ids: np.ndarray | None, scores: np.ndarray, rank: Rank) \
+        -> tuple[np.ndarray, np.ndarray]:
     """One step of several beam searches of one beam size k, whose rows lie one after another, k each (None:
     a search that is over, its rows decoding on, ignored) -> each row's parent row (an index into all the
-    rows) and next token. The same as each search's `step` on its own rows; the ranking of the candidates,
-    and what follows on an ordinary step (`BeamSearch.ordinary`: most steps), run once for all of them,
-    the rest of a step in the searches concerned (a finished row, the budget, a stopping rule)."""
+    rows) and next token. The same as each search's `step` on its own rows; the ranking of the candidates
+    (`rank`), and what follows on an ordinary step (`BeamSearch.ordinary`: most steps), run once for all of
+    them, the rest of a step in the searches concerned (a finished row, the budget, a stopping rule)."""
     if len(searches) == 1 and searches[0] is not None:  # one search: its own step costs less than the set-up
-        return searches[0].step(ids, scores)
+        return searches[0].step(ids, scores, rank)
     if ids is None:  # with masks, each search ranks its own rows' whole distributions
         k = next(s.k for s in searches if s is not None)
         parents, tokens = np.arange(len(scores)), np.zeros(len(scores), np.int64)
         for j, search in enumerate(searches):
             if search is not None:
                 own = slice(j * k, (j + 1) * k)
-                chosen, tokens[own] = search.step(None, scores[own])
+                chosen, tokens[own] = search.step(None, scores[own], rank)
                 parents[own] = chosen + j * k
         return parents, tokens
     n, k = len(searches), next(s.k for s in searches if s is not None)
     width = 2 * k
     beams = np.array([np.zeros(k) if s is None else s.scores for s in searches])  # (n, k), each search's own
-    total = (beams[:, :, None] + scores[:, :width].reshape(n, k, width)).ravel()  # search by search, row by row
-    best = np.argsort(-total.reshape(n, k * width), axis=1, kind="stable")[:, :width]  # as BeamSearch.step
-    flat = (best + np.arange(0, n * k * width, k * width)[:, None]).ravel()
-    cand_row, cand_score = best // width, total[flat].reshape(n, width)  # each search's 2k best, best first
-    cand_id = np.ascontiguousarray(ids[:, :width]).ravel()[flat].reshape(n, width)
+    cand_row, cand_id, cand_score = rank(beams, ids[:, :width].reshape(n, k, width),
+                                         scores[:, :width].reshape(n, k, width))  # each search's 2k best, best first
     parents = (cand_row[:, :k] + np.arange(0, n * k, k)[:, None]).ravel()
-    tokens = cand_id[:, :k].ravel().astype(np.int64)
+    tokens = cand_id[:, :k].ravel()
     eos = (cand_id[:, :k] == next(s.eos_id for s in searches if s is not None)).any(axis=1).tolist()
     rows, ids_k = cand_row[:, :k].tolist(), cand_id[:, :k].tolist()
     for j, search in enumerate(searches):

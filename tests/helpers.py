@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import random
@@ -150,6 +151,16 @@ def stream_decoded(decode, ids: list[int], rng: random.Random) -> tuple[str, lis
         i += n
         assert decode(ids).startswith(text), (ids, text)
     return text, windows
+
+
+@functools.cache
+def rank():
+    """The ranker graph's `rank` (export/build/ranker.py), as a decoder's: written once into a temporary folder."""
+    from nmtserve.export.build.ranker import write_ranker
+    from nmtserve.export.runtime.ranker import Ranker
+
+    folder = Path(tempfile.mkdtemp(prefix="nmtserve-ranker-"))
+    return Ranker(folder / write_ranker(folder)).rank
 
 
 def top_candidates(log_probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -7,15 +7,16 @@ from nmtserve.decoding import DecodingOptions, guided_groups, sorted_batches
 from nmtserve.errors import ConfigError
 from nmtserve.sampling import Sampling, _first_past, sample_index, sample_whole
 from nmtserve.search import BeamSearch, Progress, beam_steps, make_search
-from tests.helpers import top_candidates
+from tests.helpers import rank, top_candidates
 
 EOS = 3
 V = 10
 
 
 def table(rows: list[dict[int, float]]) -> np.ndarray:
-    """(rows, V) log-probs: the given tokens get the given log-probs, the rest share what is left."""
-    out = np.full((len(rows), V), -20.0)
+    """(rows, V) log-probs (float32, as a decoder's): the given tokens get the given log-probs, the rest share
+    what is left."""
+    out = np.full((len(rows), V), -20.0, np.float32)
     for r, probs in enumerate(rows):
         for token, lp in probs.items():
             out[r, token] = lp
@@ -23,7 +24,8 @@ def table(rows: list[dict[int, float]]) -> np.ndarray:
 
 
 def step(search, log_probs: np.ndarray):
-    return search.step(*top_candidates(log_probs, search.candidates))
+    candidates = top_candidates(log_probs, search.candidates)
+    return search.step(*candidates, rank()) if isinstance(search, BeamSearch) else search.step(*candidates)
 
 
 def test_the_first_step_extends_beam_0_only_and_an_eos_candidate_finishes_and_is_replaced():
@@ -34,7 +36,7 @@ def test_the_first_step_extends_beam_0_only_and_an_eos_candidate_finishes_and_is
     # the best candidate is eos (row 0): it finishes, and the first non-eos candidate past the beam
     # (row 1's token 8, the 4th best) takes its place; the 2nd (row 0's token 9) stays
     parents, tokens = step(search, table([{EOS: -0.1, 9: -0.5}, {8: -0.3, EOS: -0.2}]))
-    assert search.finished == [([5], -0.2, True, "eos")]
+    assert search.finished == [([5], pytest.approx(-0.2), True, "eos")]
     assert sorted(zip(parents.tolist(), tokens.tolist())) == [(0, 9), (1, 8)]
     assert not search.done  # 1 finished < num_hypotheses 2
     step(search, table([{EOS: -0.1}, {EOS: -0.1}]))
@@ -129,13 +131,13 @@ def test_beam_steps_of_many_searches_are_each_searchs_own_steps(options):
     while any(r is not None for r in slots):
         log_probs = np.log(rng.dirichlet(np.full(V, 0.3), size=len(slots) * k))
         ids, scores = top_candidates(log_probs, 2 * k)
-        parents, tokens = beam_steps([None if r is None else together[r] for r in slots], ids, scores)
+        parents, tokens = beam_steps([None if r is None else together[r] for r in slots], ids, scores, rank())
         for j, r in enumerate(slots):
             own = slice(j * k, (j + 1) * k)
             if r is None:  # its rows decode on, ignored, each continuing itself
                 assert parents[own].tolist() == list(range(j * k, (j + 1) * k))
                 continue
-            expected_parents, expected_tokens = alone[r].step(ids[own], scores[own])
+            expected_parents, expected_tokens = alone[r].step(ids[own], scores[own], rank())
             assert parents[own].tolist() == (expected_parents + j * k).tolist()
             assert tokens[own].tolist() == expected_tokens.tolist()
             assert together[r].done == alone[r].done
@@ -277,5 +279,5 @@ def test_a_term_that_runs_on_into_a_longer_word_is_not_met():
     for table, expected in ((continues, [5]), (None, [5, 7])):  # without the table, 5 then 7 counts as the term
         search = make_search(options, budget=4, eos_id=EOS, continues=table)
         while not search.done:
-            search.step(None, logits(search.steps))
+            search.step(None, logits(search.steps), rank())
         assert search.results()[0].tokens == expected

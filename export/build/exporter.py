@@ -16,6 +16,7 @@ import nmtserve
 from nmtserve.errors import ConfigError
 from nmtserve.export.build.graphs import OPSET, dynamic_axes, export_graphs
 from nmtserve.export.build.manifest import bundle_files, graph_signature, write_manifest
+from nmtserve.export.build.ranker import write_ranker
 from nmtserve.export.build.step_graphs import ALIGNER, WEIGHTS, WeightStore, file_name, prepare_variant
 from nmtserve.export.build.tensor_ops import write_tensor_ops
 from nmtserve.export.build.variants import VARIANTS, fusion_report, write_variant
@@ -98,7 +99,9 @@ def export_bundle(cfg: ExportConfig, progress=None) -> dict:
     signatures = {**{g: graph_signature(p) for g, p in served.items()}, "aligner": graph_signature(out / ALIGNER)}
     optimization = {g: fusion_report(p) for g, p in served.items()}
     tensor_ops = {dtype: write_tensor_ops(out, dtype) for dtype in sorted({v["kv_dtype"] for v in variants.values()})}
-    kept = bundle_files({"variants": variants, "tensor_ops": tensor_ops, "weights": WEIGHTS, "aligner": ALIGNER})
+    ranker = write_ranker(out)
+    kept = bundle_files({"variants": variants, "tensor_ops": tensor_ops, "weights": WEIGHTS, "aligner": ALIGNER,
+                         "ranker": ranker})
     for stale in [*out.glob("*.onnx"), *out.glob("ops/*.onnx")]:  # a re-export leaves nothing behind
         if str(stale.relative_to(out)) not in kept:
             stale.unlink()
@@ -121,6 +124,7 @@ def export_bundle(cfg: ExportConfig, progress=None) -> dict:
         "tensor_ops": tensor_ops,
         "weights": WEIGHTS,
         "aligner": ALIGNER,
+        "ranker": ranker,
         "optimization": optimization,
         # an imported model's generation defaults (DecodingOptions names): the server's defaults
         "decoding_defaults": payload.get("decoding_defaults") or {},

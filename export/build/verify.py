@@ -1,6 +1,6 @@
 """Verification of a bundle against the PyTorch model it came from.
 
-1. onnx.checker and strict shape inference on every graph file;
+1. onnx.checker and strict shape inference on every graph file (the variants' and the ranker);
 2. per-graph parity with PyTorch over a grid of shapes with batch 1, source length 1 and step 1
    (an empty cache) among them;
 3. a teacher-forced step-by-step cached decode in ONNX Runtime against PyTorch's;
@@ -53,11 +53,12 @@ SHAPE_GRID = [(1, 1, 0), (1, 2, 1), (3, 1, 4), (4, 11, 7), (8, 5, 16)]  # (batch
 LATENCY_STEPS = (1, 16, 64, 128)
 
 
-def check_graph_files(bundle_dir: Path, variants: dict) -> dict:
-    """onnx's checker on every graph of every variant; strict shape inference on those of standard ops (the
-    kernel graphs' nmtserve ops have no schema that onnx knows: they are checked by running them)."""
+def check_graph_files(bundle_dir: Path, manifest: dict) -> dict:
+    """onnx's checker on every graph of every variant, and on the ranker; strict shape inference on those of
+    standard ops (the kernel graphs' nmtserve ops have no schema that onnx knows: they are checked by running
+    them)."""
     results = {}
-    for v in variants.values():
+    for v in [*manifest["variants"].values(), {"graphs": {"ranker": manifest["ranker"]}}]:
         for name, file in v["graphs"].items():
             path = bundle_dir / file
             standard = not name.endswith("_kernels")
@@ -224,7 +225,7 @@ def verify_bundle(bundle_dir: Path, loaded: LoadedModel, split: str = "test", li
     """Run every check; `passed` is False if any fp32 tolerance or BLEU bound is broken."""
     bundle = load_bundle(bundle_dir)
     model = loaded.model.eval()
-    report: dict = {"checker": check_graph_files(bundle_dir, bundle.manifest["variants"]), "variants": {}}
+    report: dict = {"checker": check_graph_files(bundle_dir, bundle.manifest), "variants": {}}
     runnable = [v for v in bundle.variants if "cpu" in VARIANTS[v]["devices"]
                 or "CUDAExecutionProvider" in ort.get_available_providers()]
     report["not_measured"] = {v: "needs CUDA; this machine's onnxruntime has no CUDAExecutionProvider"

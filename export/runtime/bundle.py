@@ -3,7 +3,7 @@
 A directory holding, per precision variant, every graph the runtime runs, as export prepared and verified it
 (export/build/step_graphs.py: the encoder, the served and offline decoder steps, and their versions on
 nmtserve's kernels), one weights file they all point into (each tensor once), the device-tensor op graphs, the SentencePiece
-model, the aligner graph (attention weights) and manifest.json (schema version, model dimensions, special ids, limits, opset, the exported graphs'
+model, the aligner graph (attention weights), the ranker graph (beam search's ranking) and manifest.json (schema version, model dimensions, special ids, limits, opset, the exported graphs'
 inputs and outputs, the variants, the sha256 and size of every file, the source checkpoint and its measured
 BLEU). export/build/manifest.py writes it; `load_bundle` refuses a bundle whose schema or any file does not
 match, naming the file and what is wrong. Nothing here edits a graph.
@@ -19,8 +19,9 @@ from pathlib import Path
 from nmtserve.decoding import Limits
 from nmtserve.errors import BundleError
 
-SCHEMA_VERSION = 6  # 5: each variant lists every graph the runtime runs (search head, shared cross, kernels), their
-# large initializers in one weights file; 6: the search head gives the whole rows' logits (whole_logits)
+SCHEMA_VERSION = 7  # 5: each variant lists every graph the runtime runs (search head, shared cross, kernels), their
+# large initializers in one weights file; 6: the search head gives the whole rows' logits (whole_logits); 7: the
+# ranker graph (beam search's ranking)
 MANIFEST = "manifest.json"
 
 
@@ -83,6 +84,11 @@ class Bundle:
         name = self.manifest.get("aligner")
         return self.path / name if name else None
 
+    @property
+    def ranker_path(self) -> Path:
+        """The ranker graph's file (export/build/ranker.py): beam search's ranking, one for every variant."""
+        return self.path / self.manifest["ranker"]
+
     def tensor_ops(self, variant: str) -> dict[str, dict[str, Path]]:
         """The device-tensor op graphs (export/build/tensor_ops.py) for the variant's caches:
         {element type: {op: path}}."""
@@ -117,7 +123,7 @@ def load_bundle(path: str | Path, verify_hashes: bool = True) -> Bundle:
     if version != SCHEMA_VERSION:
         raise BundleError(f"{manifest_path}: schema_version {version!r}, this nmtserve reads {SCHEMA_VERSION} "
                           "(export the bundle again with `nmtserve export`)")
-    for key in ("model", "special_ids", "variants", "files", "graphs", "limits", "weights"):
+    for key in ("model", "special_ids", "variants", "files", "graphs", "limits", "weights", "ranker"):
         if key not in manifest:
             raise BundleError(f"{manifest_path}: missing field {key!r}")
     for name, entry in manifest["files"].items():

@@ -37,6 +37,7 @@ from nmtserve.export.runtime.aligner import Aligner, padded
 from nmtserve.export.runtime.batch import FRESH_SLOTS, BatchState, eos_of, own_slots
 from nmtserve.export.runtime.bundle import Bundle, default_variant, load_bundle
 from nmtserve.export.runtime.native import NativeBinding, NativeError, NativeSession
+from nmtserve.export.runtime.ranker import Ranker
 from nmtserve.export.runtime.sessions import (
     CPU_DISABLED_OPTIMIZERS,
     EXTERNAL_DATA_FOLDER,
@@ -124,6 +125,7 @@ class Decoder:
         # asks for no attention never loads the aligner
         self._tokenizer = functools.cache(self.bundle.tokenizer)
         self._aligner = functools.cache(lambda: Aligner(self.bundle.aligner_path, device, intra_op_threads))
+        self.ranker = Ranker(self.bundle.ranker_path, native=self.native_steps)  # beam search's ranking (search.Rank)
         m = self.bundle.model
         self.n_layers, self.n_heads, self.head_dim = m["n_decoder_layers"], m["n_heads"], m["d_model"] // m["n_heads"]
         self.d_model = m["d_model"]
@@ -424,7 +426,7 @@ class Decoder:
                 state = state.widen(width) if self.shared_cross \
                     else state.gather(np.repeat(np.arange(len(searches)), width))
             if beams:  # ranked once for all searches (nmtserve/search.py: beam_steps)
-                parents, tokens = beam_steps(live, ids, scores)
+                parents, tokens = beam_steps(live, ids, scores, self.ranker.rank)
             else:
                 # a finished source's rows decode on (on eos when the step ranked nothing: k = 0)
                 tokens = np.full(state.size, self.eos_id) if ids is None else ids[:, 0].copy()
@@ -475,7 +477,8 @@ class Decoder:
             beam[rows] = search.scores
             ordinary[r] = -1 if search.done else search.ordinary_steps()
         _, groups = binding.beam_steps(len(slots), self._ids, self._scores, state.tokens, state.positions, state.origin,
-                                       beam, search_of, ordinary, self.eos_id, self._row_names, out, rules)
+                                       beam, search_of, ordinary, self.eos_id, self._row_names, out, rules,
+                                       self.ranker.native)
         for g, r in enumerate(search_of[:groups].tolist()):  # the live ones
             catch_up(r, slice(g * k, (g + 1) * k))
         left = search_of[:groups].tolist()

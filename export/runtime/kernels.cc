@@ -1046,49 +1046,50 @@ int64_t nmt_beam_steps(void* runner, void* binding, nmt_beam_run_args* run, char
   auto& bound = *static_cast<Binding*>(binding);
   const Ort::RunOptions run_options{nullptr};
   nmt_beam_run_args& a = *run;
-  const int64_t extensions = a.k * a.width;
   int64_t groups = a.groups;
-  std::vector<double> total(extensions), chosen(a.k);
-  std::vector<char> taken(extensions);
-  std::vector<int64_t> best(a.width), since(a.searches, 0);  // a search's best extensions; its ordinary steps in a row
+  std::vector<double> chosen(a.k), totals(a.groups * a.width);
+  std::vector<int64_t> rows(a.groups * a.width), ids(a.groups * a.width), since(a.searches, 0);
   std::vector<int32_t> saved;
   std::vector<uint8_t> over(groups);
   std::fill(a.advanced, a.advanced + a.searches, 0);
   try {
+    auto& ranker = static_cast<Runner*>(a.ranker)->session;
+    Binding ranked(ranker);
+    int64_t ranked_groups = -1;  // the groups the ranker's binding holds
     for (int64_t step = 0; step < a.max_steps; step++) {
       session.Run(run_options, bound.io);
       for (int64_t r = 0; r < groups * a.k; r++) a.positions[r] += 1;
+      if (ranked_groups != groups) {  // every group's ranking in one run of the ranker graph (export/build/ranker.py)
+        const int64_t beam_shape[] = {groups, a.k}, candidates_shape[] = {groups, a.k, a.width},
+                      ranked_shape[] = {groups, a.width};
+        bind(ranked, "beam", ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE, beam_shape, 2, a.beam, false);
+        bind(ranked, "ids", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, candidates_shape, 3, const_cast<int64_t*>(a.ids),
+             false);
+        bind(ranked, "scores", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, candidates_shape, 3, const_cast<float*>(a.scores),
+             false);
+        bind(ranked, "rows", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, ranked_shape, 2, rows.data(), true);
+        bind(ranked, "tokens", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, ranked_shape, 2, ids.data(), true);
+        bind(ranked, "totals", ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE, ranked_shape, 2, totals.data(), true);
+        ranked_groups = groups;
+      }
+      ranker.Run(run_options, ranked.io);
       int64_t over_now = 0;
       for (int64_t g = 0; g < groups; g++) {
-        const int64_t first = g * a.k, s = a.search_of[g];
+        const int64_t first = g * a.k, s = a.search_of[g], best = g * a.width;
         if (a.ordinary[s] < 0) {  // over: its rows decode on, ignored
           for (int64_t r = first; r < first + a.k; r++) a.tokens[r] = a.ids[r * a.width];
           over[g] = 1;
           over_now += 1;
           continue;
         }
-        const auto id_of = [&](int64_t e) { return a.ids[(first + e / a.width) * a.width + e % a.width]; };
-        for (int64_t e = 0; e < extensions; e++)
-          total[e] = a.beam[first + e / a.width] + a.scores[(first + e / a.width) * a.width + e % a.width];
-        std::fill(taken.begin(), taken.end(), 0);
-        bool ruled = since[s] >= a.ordinary[s];
-        for (int64_t c = 0; c < (ruled ? a.width : a.k); c++) {  // selection: the best not taken, the first of equals
-          int64_t b = -1;
-          for (int64_t e = 0; e < extensions; e++)
-            if (!taken[e] && (b < 0 || total[e] > total[b])) b = e;
-          taken[b] = 1;
-          best[c] = b;
-          if (c + 1 == a.k)  // the k best ranked: an eos among them makes the step BeamSearch's
-            for (int64_t i = 0; i < a.k; i++) ruled |= id_of(best[i]) == a.eos;
-        }
+        bool ruled = since[s] >= a.ordinary[s];  // else an eos among the k best makes the step BeamSearch's
+        for (int64_t i = 0; i < a.k; i++) ruled |= ids[best + i] == a.eos;
         int64_t* parent = a.chosen_parents + s * a.k;
         int64_t* token = a.chosen_tokens + s * a.k;
         if (ruled) {
-          for (int64_t c = 0; c < a.width; c++) {
-            a.cand_rows[s * a.width + c] = best[c] / a.width;
-            a.cand_ids[s * a.width + c] = id_of(best[c]);
-            a.cand_scores[s * a.width + c] = total[best[c]];
-          }
+          std::copy(rows.begin() + best, rows.begin() + best + a.width, a.cand_rows + s * a.width);
+          std::copy(ids.begin() + best, ids.begin() + best + a.width, a.cand_ids + s * a.width);
+          std::copy(totals.begin() + best, totals.begin() + best + a.width, a.cand_scores + s * a.width);
           if (a.rules(s, g) != 0) {
             std::snprintf(error, error_size, "beam search's rules raised");
             return -1;
@@ -1099,9 +1100,9 @@ int64_t nmt_beam_steps(void* runner, void* binding, nmt_beam_run_args* run, char
         } else {
           const int64_t at = (a.advanced[s]++ * a.searches + s) * a.k;
           for (int64_t i = 0; i < a.k; i++) {
-            parent[i] = a.out_parents[at + i] = best[i] / a.width;
-            token[i] = a.out_tokens[at + i] = id_of(best[i]);
-            chosen[i] = total[best[i]];
+            parent[i] = a.out_parents[at + i] = rows[best + i];
+            token[i] = a.out_tokens[at + i] = ids[best + i];
+            chosen[i] = totals[best + i];
           }
           std::copy(chosen.begin(), chosen.end(), a.beam + first);
           since[s] += 1;

@@ -100,12 +100,13 @@ typedef struct {
   int64_t* chosen_tokens;   /* (searches, k) and token */
   int (*rules)(int64_t search, int64_t group);  /* takes a search's step that is not ordinary (the search in group
                                                   `group` of the batch now); nonzero: an error, the run ends */
+  void* ranker;             /* the ranker graph's runner (export/build/ranker.py): beam search's one ranking */
 } nmt_beam_run_args;
 
 /* Offline beam search's steps. The search's rules are nmtserve/search.py's BeamSearch alone: the library takes the
    ordinary steps, where a search's k best extensions simply continue (BeamSearch.ordinary), and calls `rules` back for
-   every other. Each step: the session runs, every row's position advances, and each search not over ranks its k ×
-   width extensions (beam + candidate score, best first; ties: lower row, then the better candidate of the row). On an
+   every other. Each step: the session runs, every row's position advances, and the ranker runs once over every group
+   (each search's width best of its k × width extensions, as every other loop ranks them). On an
    ordinary step (no eos among the k best, an ordinary step left) each row continues its parent with its token (the
    search's next place in out_parents and out_tokens; advanced[search] counts them) and its beam score. On any other,
    its best extensions go into cand_rows, cand_ids and cand_scores, and rules(search, group) writes each row's parent and token

@@ -185,9 +185,11 @@ class NativeBinding:
 
     def beam_steps(self, groups: int, ids: np.ndarray, scores: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
                    origin: np.ndarray, beam: np.ndarray, search_of: np.ndarray, ordinary: np.ndarray, eos_id: int,
-                   row_names: tuple[tuple[str, int], ...], out: tuple[np.ndarray, ...], rules) -> tuple[int, int]:
+                   row_names: tuple[tuple[str, int], ...], out: tuple[np.ndarray, ...], rules,
+                   ranker: NativeSession) -> tuple[int, int]:
         """Offline beam search of the first `groups` searches' rows (k each) in the library (kernels.h,
-        nmt_beam_steps): each step, every search whose k best extensions simply continue (BeamSearch.ordinary) takes
+        nmt_beam_steps): each step, the ranker graph's session (`ranker`) ranks every search's extensions, and every
+        search whose k best extensions simply continue (BeamSearch.ordinary) takes
         it there; for any other, rules(search, group), a Python function, takes it (writing its choice into `out`, its scores
         into `beam` and its ordinary steps into `ordinary`); the searches that are over leave the batch there. Runs
         until every search is over or len(out_parents) steps. `ids` and `scores` (rows, 2k) are the step's bound
@@ -230,7 +232,7 @@ class NativeBinding:
             "advanced": _pointer("int64_t[]", advanced), "cand_rows": _pointer("int64_t[]", cand_rows),
             "cand_ids": _pointer("int64_t[]", cand_ids), "cand_scores": _pointer("double[]", cand_scores),
             "chosen_parents": _pointer("int64_t[]", chosen_parents), "chosen_tokens": _pointer("int64_t[]", chosen_tokens),
-            "rules": called})
+            "rules": called, "ranker": ranker._handle})
         steps = self._library.nmt_beam_steps(self.session._handle, self._handle, run, self._error, _ERROR_SIZE)
         if raised:
             raise raised[0]

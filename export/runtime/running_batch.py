@@ -209,11 +209,13 @@ class RunningBatch:
                 beams.setdefault(request.search.k, []).append((request.search, rows))
                 continue
             own = (None, whole_logits[j]) if j in whole_logits else (ids[rows], scores[rows])
-            chosen_parents, chosen = request.search.step(*own)
+            chosen_parents, chosen = request.search.step(*own, self.tr.ranker.rank) \
+                if isinstance(request.search, BeamSearch) else request.search.step(*own)
             parents[rows], tokens[rows] = rows[chosen_parents], chosen
         for searches in beams.values():  # the beams of one size ranked at once (search.beam_steps), their rows gathered
             rows = np.concatenate([rows for _, rows in searches])
-            chosen_parents, chosen = beam_steps([search for search, _ in searches], ids[rows], scores[rows])
+            chosen_parents, chosen = beam_steps([search for search, _ in searches], ids[rows], scores[rows],
+                                                self.tr.ranker.rank)
             parents[rows], tokens[rows] = rows[chosen_parents], chosen
         self.state.choose(tokens, parents)  # parents: only when a search chose them
         return outputs, []

@@ -42,7 +42,7 @@ def test_manifest_records_model_graphs_variants_and_hashes(tiny_bundle, tiny_che
     graphs = ["encoder", "decoder", "decoder_shared", "encoder_kernels", "decoder_kernels", "decoder_shared_kernels"]
     assert manifest["variants"]["int8"]["graphs"] == {g: f"{g}.int8.onnx" for g in graphs}
     ops = {f"ops/{op}.float32.onnx" for op in ("zeros", "pad", "concat", "take", "slice", "scatter_rows")}
-    assert set(manifest["files"]) == {"spm.model", "weights.bin", "aligner.onnx", *ops,
+    assert set(manifest["files"]) == {"spm.model", "weights.bin", "aligner.onnx", "ranker.onnx", *ops,
                                       *(f"{g}.onnx" for g in graphs), *(f"{g}.int8.onnx" for g in graphs)}
     # the aligner: a source and the tokens fed after it -> the attention at each target position (fp32, every variant's)
     assert manifest["aligner"] == "aligner.onnx"

@@ -282,7 +282,7 @@ def test_offline_beam_search_leaves_finished_searches_in_the_library_and_python_
 
     def recording(self, groups, *args):
         steps, left = beam_steps(self, groups, *args)
-        runs.append((groups, len(args[-2][0]), steps, left))  # groups at the start, room, steps, groups left
+        runs.append((groups, len(args[-3][0]), steps, left))  # groups at the start, room, steps, groups left
         return steps, left
     monkeypatch.setattr(NativeBinding, "beam_steps", recording)
     options = DecodingOptions(beam_size=4, num_hypotheses=2)

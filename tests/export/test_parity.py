@@ -33,7 +33,8 @@ from tests.helpers import TEST_DEVICE, TEST_SCORE_TOLERANCE, TEST_VARIANT, run_c
 
 def test_every_graph_passes_checker_and_strict_shape_inference(tiny_bundle):
     bundle = load_bundle(tiny_bundle)
-    assert set(check_graph_files(tiny_bundle, bundle.manifest["variants"]).values()) == {"ok"}
+    checked = check_graph_files(tiny_bundle, bundle.manifest)
+    assert set(checked.values()) == {"ok"} and "ranker.onnx" in checked
 
 
 def test_fp32_graphs_match_pytorch_over_the_shape_grid(tiny_bundle, tiny_checkpoint):
