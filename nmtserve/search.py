@@ -10,8 +10,9 @@ log-probabilities (the decoder graph's TopK head; 0 = the row's logits over the 
 search turns into log-probabilities itself: nmtserve/logits.py), and answers which row's
 cache each row continues (`parents`, indices among the request's own rows) and which token it feeds
 next. Which extensions a beam keeps is ranked by the bundle's ranker graph (`Rank`, passed in: the one ranking,
-whichever loop decodes); what a step then does (finished hypotheses, spares, stopping) is written here. Greedy search is beam search with one beam, which OnnxTranslator and the engine run vectorised
-(they need no object per request for it).
+whichever loop decodes); what a step then does (finished hypotheses, spares, stopping) is written here. Greedy
+search is beam search with one beam, which OnnxTranslator and the engine run vectorised (they need no object per
+request for it).
 
 The rules follow CTranslate2's (src/decoding.cc, src/sampling.cc), so that the same weights give the
 same output there and here; `BeamSearch` and `Sampling` say exactly when a hypothesis finishes and when

@@ -180,12 +180,17 @@ class ServedModel:
     def options(self, options: pb.DecodingOptions) -> tuple[int, DecodingOptions]:
         """(most output tokens, the search's options) of a call to this model (convert.decoding_options)."""
         if options.return_attention:
-            try:
-                self.engine.tr.require_aligner()
-            except ConfigError as e:
-                raise InvalidRequest(f"options.{e}") from None
+            self.require_aligner("options.")
         return decoding_options(options, self.defaults, self.default_output_tokens, self.max_decoding_length,
                                 self.engine.tr.vocab_size, self.max_beam_size, self.tokenizer.encode_target)
+
+    def require_aligner(self, field: str) -> None:
+        """InvalidRequest, its message led by `field`, where this model's bundle has no aligner graph (the attention
+        that return_attention returns and that places inline tags)."""
+        try:
+            self.engine.tr.require_aligner()
+        except ConfigError as e:
+            raise InvalidRequest(f"{field}{e}") from None
 
     def with_glossary(self, options: CallOptions, entries, sentences) -> list[CallOptions]:
         """Each sentence's options under a call's glossary (its GlossaryEntry messages; none: the model's, if it has

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from nmtserve.errors import ConfigError, NmtserveError
+from nmtserve.errors import NmtserveError
 from nmtserve.export.runtime.engine import EngineOverloaded, EngineStopped
 from nmtserve.export.runtime.request import FinishReason, Request
 from nmtserve.logs import REQUEST_ID
@@ -428,10 +428,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
         except markup.MarkupError as e:
             raise InvalidRequest(str(e)) from None
         if any(run.inlines for d in documents if d is not None for run in d.runs):
-            try:
-                model.engine.tr.require_aligner()  # inline tags are placed by the attention
-            except ConfigError as e:
-                raise InvalidRequest(f"mime_type {mime_type!r} with inline tags: {e}") from None
+            model.require_aligner(f"mime_type {mime_type!r} with inline tags: ")  # placed by the attention
         self._charge(call, sum(len(text) for _, text in texts))
         options = self._options(call, model, request)
         languages = model.languages(call.source_language, request.target_language)
