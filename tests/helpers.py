@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
 import json
 import os
@@ -160,6 +161,7 @@ def rank():
     from nmtserve.export.runtime.ranker import Ranker
 
     folder = Path(tempfile.mkdtemp(prefix="nmtserve-ranker-"))
+    atexit.register(shutil.rmtree, folder, True)
     return Ranker(folder / write_ranker(folder)).rank
 
 

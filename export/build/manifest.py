@@ -30,7 +30,8 @@ def graph_signature(onnx_path: Path) -> dict:
 
 
 def bundle_files(manifest: dict) -> set[str]:
-    """Every graph the variants and the device-tensor ops list, the aligner, the ranker, and the weights file they point into."""
+    """Every graph the variants and the device-tensor ops list, the aligner, the ranker, and the weights file they
+    point into."""
     files = {f for ops in manifest.get("tensor_ops", {}).values() for f in ops.values()} | {manifest["weights"]}
     files |= {manifest["aligner"]} if manifest.get("aligner") else set()
     files |= {manifest["ranker"]} if manifest.get("ranker") else set()

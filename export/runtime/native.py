@@ -189,8 +189,8 @@ class NativeBinding:
                    ranker: NativeSession) -> tuple[int, int]:
         """Offline beam search of the first `groups` searches' rows (k each) in the library (kernels.h,
         nmt_beam_steps): each step, the ranker graph's session (`ranker`) ranks every search's extensions, and every
-        search whose k best extensions simply continue (BeamSearch.ordinary) takes
-        it there; for any other, rules(search, group), a Python function, takes it (writing its choice into `out`, its scores
+        search whose k best extensions simply continue (BeamSearch.ordinary) takes it there; for any other,
+        rules(search, group), a Python function, takes it (writing its choice into `out`, its scores
         into `beam` and its ordinary steps into `ordinary`); the searches that are over leave the batch there. Runs
         until every search is over or len(out_parents) steps. `ids` and `scores` (rows, 2k) are the step's bound
         candidate outputs, `tokens` and `positions` its bound inputs, `origin` (rows, capacity) int32 the state's cache

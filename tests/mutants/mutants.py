@@ -59,6 +59,12 @@ def _tls_dropped(module) -> None:
     module.server_credentials = lambda config: None
 
 
+def _ranked_without_the_beam(module) -> None:
+    """Beam search ranks a step's extensions by the candidates' own log-probs, forgetting each row's beam score."""
+    rank = module.Ranker.rank
+    module.Ranker.rank = lambda self, beam, ids, scores: rank(self, module.np.zeros_like(beam), ids, scores)
+
+
 MUTANTS = {
     "bleu-by-characters": {"module": "nmtserve.training.evaluate", "patch": _bleu_by_characters,
                            "tests": ["tests/training/test_train.py::test_cli_evaluate_json_and_translate"]},
@@ -80,4 +86,9 @@ MUTANTS = {
                     "tests": ["tests/server/test_tls.py::test_tls_serves_clients_that_trust_the_ca_and_refuses_plaintext",
                               "tests/server/test_tls.py::"
                               "test_mutual_tls_requires_a_client_certificate_signed_by_the_client_ca"]},
+    "ranked-without-the-beam": {"module": "nmtserve.export.runtime.ranker", "patch": _ranked_without_the_beam,
+                                "tests": ["tests/export/test_ranker.py",
+                                          "tests/test_search.py::test_the_first_step_extends_beam_0_only_and_an_eos_candidate_finishes_and_is_replaced",
+                                          "tests/export/test_native.py::"
+                                          "test_native_beam_search_gives_the_n_best_lists_of_the_search_in_python"]},
 }
