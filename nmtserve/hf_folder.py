@@ -3,8 +3,9 @@ cache keyed by the sha256 of the folder's files, and reused by every later start
 
     nmtserve serve ~/models/opus-mt-en-de          # first start: import + export (the train extra); later: the cache
 
-The cache is $NMTSERVE_CACHE, else ~/.cache/nmtserve; each bundle sits in bundles/<key> with the folder it came from
-named in its manifest. Making one needs torch (the train extra); serving it afterwards does not.
+The cache is $NMTSERVE_CACHE, else ~/.cache/nmtserve; each bundle sits in bundles/<key>-schema<N> with the folder it
+came from named in its manifest, N the bundle schema it was exported at: an nmtserve that reads another schema makes
+its own instead of refusing the one an older release left. Making one needs torch (the train extra); serving it afterwards does not.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from nmtserve.errors import NmtserveError
-from nmtserve.export.runtime.bundle import MANIFEST, sha256_of
+from nmtserve.export.runtime.bundle import MANIFEST, SCHEMA_VERSION, sha256_of
 
 
 def is_model_folder(path: str | Path) -> bool:
@@ -41,7 +42,7 @@ def bundle_for(path: str | Path, log=print) -> str:
     folder = Path(path)
     if not is_model_folder(folder):
         return str(path)
-    target = cache_dir() / "bundles" / folder_key(folder)[:32]
+    target = cache_dir() / "bundles" / f"{folder_key(folder)[:32]}-schema{SCHEMA_VERSION}"
     if (target / MANIFEST).is_file():
         log(f"{folder}: the bundle made from it before, {target}")
         return str(target)

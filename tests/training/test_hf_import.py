@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from nmtserve.export.runtime.bundle import MANIFEST
+from nmtserve.export.runtime.bundle import MANIFEST, SCHEMA_VERSION
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.hf_folder import bundle_for, cache_dir, folder_key
 from nmtserve.server.config import ServerConfig
@@ -39,12 +39,18 @@ def test_a_folder_is_translated_and_served_from_its_cached_bundle(nllb_dir, tmp_
     shutil.copytree(nllb_dir, folder)
     cache = tmp_path / "cache"
     env = {"NMTSERVE_CACHE": str(cache)}
+    # what an older nmtserve left for this folder (its schema's bundles under the key alone, then with their schema):
+    # never reused, whichever the manifest says
+    key = folder_key(folder)[:32]
+    for stale, schema in ((key, SCHEMA_VERSION - 1), (f"{key}-schema{SCHEMA_VERSION - 1}", SCHEMA_VERSION - 1)):
+        (cache / "bundles" / stale).mkdir(parents=True)
+        (cache / "bundles" / stale / MANIFEST).write_text(json.dumps({"schema_version": schema}))
     first = run_cli("translate", str(folder), "--source-lang", "eng_Latn", "--target-lang", "deu_Latn",
                     "The cat sees the dog.", env=env)
     assert first.returncode == 0 and "importing and exporting it once" in first.stderr, first.stderr
     monkeypatch.setenv("NMTSERVE_CACHE", str(cache))
     bundle = bundle_for(folder, log=lambda line: None)
-    assert bundle == str(cache_dir() / "bundles" / folder_key(folder)[:32]) and (cache / "bundles").is_dir()
+    assert bundle == str(cache_dir() / "bundles" / f"{key}-schema{SCHEMA_VERSION}")
     expected = OnnxTranslator(bundle).translate_batch(["The cat sees the dog."], source_language="eng_Latn",
                                                       target_language="deu_Latn")[0].text
     assert first.stdout.strip() == expected
