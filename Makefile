@@ -59,7 +59,8 @@ $(DATA)/train.tsv: | install
 $(RUN)/average.pt: $(DATA)/train.tsv
 	$(NMT) train --data $(DATA) --out $(RUN) --max-minutes $(TRAIN_MINUTES)
 
-$(BUNDLE)/manifest.json: $(RUN)/average.pt
+# bundle.py holds the bundle schema this nmtserve reads: a checkout that changes it exports the bundle again
+$(BUNDLE)/manifest.json: $(RUN)/average.pt export/runtime/bundle.py
 	$(NMT) export $(RUN)/average.pt --out $(BUNDLE) --variants fp32,int8,fp16 --verify
 
 demo: kernels $(BUNDLE)/manifest.json
@@ -98,7 +99,7 @@ bench-served: $(BUNDLE)/manifest.json
 # an OPUS-MT-size model (random weights, OPUS-MT's shapes; nothing downloaded): built, imported and exported,
 # then offline greedy and beam 4 against CTranslate2 and served greedy int8, as the README's tables (about 80 minutes)
 OPUS := runs/opus-shaped
-bundles/opus-shaped/manifest.json: | install
+bundles/opus-shaped/manifest.json: export/runtime/bundle.py | install
 	$(PY) -m nmtserve.loadtests.marian_model $(OPUS)
 	$(NMT) import $(OPUS) --out $(OPUS).pt --source-lang en --target-lang fr
 	$(NMT) export $(OPUS).pt --out bundles/opus-shaped
