@@ -38,7 +38,7 @@ from nmtserve.loadtests.flood import FloodProcess, probe
 from nmtserve.loadtests.limiter import Limiter
 from nmtserve.loadtests.machine import describe, machine_info, thread_times
 from nmtserve.loadtests.measure import percentile
-from nmtserve.loadtests.workload import ServerProcess, default_sentence_file, metric_families, mixed, read_sentences
+from nmtserve.loadtests.workload import ServerProcess, default_sentence_file, mixed, read_sentences
 
 # flood: (its key, whether it waits out a refusal's retry-after)
 FLOODS = {"polite": ("limited", True), "hostile": ("limited", False), "open": ("open", False)}
@@ -88,10 +88,7 @@ def _cpu(pid: int) -> float:
 
 def _refused_in_front(limiter: Limiter | None) -> float:
     """The calls HAProxy's gRPC and HTTP fronts have refused so far (none without a limiter)."""
-    if limiter is None:
-        return 0.0
-    return sum(s.value for family in metric_families(limiter.metrics_url) for s in family.samples
-               if s.name == "haproxy_frontend_intercepted_requests_total" and s.labels["proxy"] in ("grpc", "http"))
+    return limiter.refused("grpc", "http") if limiter else 0.0
 
 
 def _probes(stub, model: str, sentences: list[str], options, seconds: float = 0.0) -> list[float]:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from nmtserve.errors import ConfigError
-from nmtserve.loadtests.workload import free_port
+from nmtserve.loadtests.workload import free_port, metric_families
 
 
 class Limiter:
@@ -41,6 +41,11 @@ class Limiter:
                 self.stop()
                 raise ConfigError(f"haproxy -f {config} did not start (exit {self.proc.returncode}; its log: {log})")
             time.sleep(0.05)
+
+    def refused(self, *proxies: str) -> float:
+        """The calls the named fronts ("grpc", "http") have refused so far, from HAProxy's Prometheus page."""
+        return sum(s.value for family in metric_families(self.metrics_url) for s in family.samples
+                   if s.name == "haproxy_frontend_intercepted_requests_total" and s.labels["proxy"] in proxies)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

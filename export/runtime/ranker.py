@@ -1,7 +1,8 @@
 """Beam search's ranking: the bundle's ranker graph (export/build/ranker.py says what it computes) in a session of
 its own, on the CPU whatever device decodes (a step's candidates are on the host by then). Every beam step of every
 loop ranks through it: `Ranker.rank` here, the kernel library's loop through `native` (the same graph in a session
-of the library's, made where the decoder's step runs in the library). Decides nothing else: what a step then does is nmtserve/search.py's."""
+of the library's, made where the decoder's step runs in the library). Decides nothing else: what a step then does
+is nmtserve/search.py's."""
 
 from __future__ import annotations
 

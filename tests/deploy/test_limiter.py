@@ -12,7 +12,6 @@ import grpc
 import pytest
 import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from nmtserve.loadtests.limiter import Limiter
 from nmtserve.server.auth import client_entry
@@ -62,15 +61,9 @@ def _served(server, client: str) -> float:
                                     "code": "OK"}) or 0.0
 
 
-def _intercepted(limiter: Limiter, proxy: str) -> float:
-    text = requests.get(limiter.metrics_url, timeout=10).text
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == "haproxy_frontend_intercepted_requests_total" and s.labels["proxy"] == proxy)
-
-
 def test_a_client_over_its_calls_a_second_is_refused_in_front_while_another_is_served(fronted):
     server, limiter = fronted
-    served_before, refused_before = _served(server, "eager"), _intercepted(limiter, "grpc")
+    served_before, refused_before = _served(server, "eager"), limiter.refused("grpc")
     with grpc.insecure_channel(limiter.target) as channel:
         stub, health = pb_grpc.TranslationServiceStub(channel), health_pb2_grpc.HealthStub(channel)
         outcomes = [_translate(stub, EAGER) for _ in range(3 * CEILING)]
@@ -83,7 +76,7 @@ def test_a_client_over_its_calls_a_second_is_refused_in_front_while_another_is_s
         assert set(refused) == {(grpc.StatusCode.RESOURCE_EXHAUSTED, MESSAGE, "1")}
         # the refused calls never reached the server; HAProxy counts each
         assert _served(server, "eager") - served_before == outcomes.count("OK")
-        assert _intercepted(limiter, "grpc") - refused_before == len(refused)
+        assert limiter.refused("grpc") - refused_before == len(refused)
         time.sleep(2.5)  # the client waited: its last second's calls are under the ceiling again
         assert _translate(stub, EAGER) == "OK"
 
