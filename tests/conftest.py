@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from nmtserve.export.runtime.bundle import MANIFEST, sha256_of
 from nmtserve.training.corpus import generate_corpus
 from nmtserve.training.train import train
 from tests.helpers import TEST_DEVICE, system_tool, tiny_config
@@ -43,6 +47,27 @@ def tiny_bundle(tiny_checkpoint, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("bundle")
     export_bundle(ExportConfig(str(tiny_checkpoint), str(out), ["fp32", "int8"] + (["fp16"] if TEST_DEVICE == "cuda" else [])))
+    return out
+
+
+@pytest.fixture(scope="session")
+def eosless_bundle(tiny_bundle, tmp_path_factory) -> Path:
+    """tiny_bundle as a model that never says eos would run: its decoder steps' stopping rule never sees eos
+    (step_graphs.with_stop_rule's eos constant replaced by -1), so greedy runs each row to its budget. Searches
+    read eos in Python: a test sets the translator's eos_id to -1 for them too."""
+    import onnx
+    from onnx import numpy_helper
+
+    out = tmp_path_factory.mktemp("eosless") / "bundle"
+    shutil.copytree(tiny_bundle, out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    for name in {f for v in manifest["variants"].values() for g, f in v["graphs"].items() if g.startswith("decoder")}:
+        model = onnx.load(str(out / name), load_external_data=False)
+        eos = next(t for t in model.graph.initializer if t.name == "stop.eos")
+        eos.CopyFrom(numpy_helper.from_array(np.array(-1, np.int64), "stop.eos"))
+        onnx.save(model, str(out / name))
+        manifest["files"][name] = {"sha256": sha256_of(out / name), "bytes": (out / name).stat().st_size}
+    (out / MANIFEST).write_text(json.dumps(manifest))
     return out
 
 

@@ -84,11 +84,12 @@ def export_bundle(cfg: ExportConfig, progress=None) -> dict:
             if name != "fp32":
                 for graph in ("encoder", "decoder"):
                     write_variant(name, paths[graph], Path(exported) / file_name(graph, name))
+        eos = loaded.tokenizer.special_ids()["eos"]
         with WeightStore(out / WEIGHTS) as weights:
             variants = {}
             for name in cfg.variants:
                 stage(f"the {name} variant's graphs")
-                variants[name] = {"graphs": prepare_variant(Path(exported), out, name, c.n_heads, c.d_model,
+                variants[name] = {"graphs": prepare_variant(Path(exported), out, name, c.n_heads, c.d_model, eos,
                                                             "cpu" in VARIANTS[name]["devices"], weights),
                                   **VARIANTS[name]}
             aligner = onnx.load(str(paths["aligner"]))  # fp32 for every variant: it decides no token

@@ -3,8 +3,8 @@
 From a variant's encoder and decoder-step graphs (export/build/graphs.py, then variants.py's precision) this
 writes, for each variant:
 - `encoder`: as exported;
-- `decoder`: the step with its search head (`with_search_head`), each row with its own cross K/V (the server's
-  running batch, whose rows have different widths);
+- `decoder`: the step with its search head (`with_search_head`) and greedy's stopping rule (`with_stop_rule`),
+  each row with its own cross K/V (the server's running batch, whose rows have different widths);
 - `decoder_shared`: the same reading each source's one copy of its cross K/V for all its rows
   (`with_shared_cross`: offline batches, where a beam's rows share a source);
 - the decoders' output projection, where it is the embedding table a lookup reads too, on a copy of its own
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 from onnx.external_data_helper import set_external_data
 
 from nmtserve.export.build import kernel_graphs
@@ -42,14 +42,14 @@ def file_name(graph: str, variant: str) -> str:
     return f"{graph}.onnx" if variant == "fp32" else f"{graph}.{variant}.onnx"
 
 
-def prepare_variant(exported: Path, out: Path, variant: str, heads: int, dim: int, kernels: bool,
+def prepare_variant(exported: Path, out: Path, variant: str, heads: int, dim: int, eos: int, kernels: bool,
                     weights: WeightStore) -> dict:
     """Write the variant's graphs into `out`, from its exported encoder and decoder in `exported` (the decoder as
     the served step), their large initializers into `weights` -> {name: file}, the manifest's `graphs` of the
     variant."""
     encoder = kernel_graphs.sort_nodes(onnx.load(str(exported / file_name("encoder", variant))))
-    decoder = with_search_head(with_own_projection(
-        kernel_graphs.sort_nodes(onnx.load(str(exported / file_name("decoder", variant))))))
+    decoder = with_stop_rule(with_search_head(with_own_projection(
+        kernel_graphs.sort_nodes(onnx.load(str(exported / file_name("decoder", variant)))))), eos)
     models = {"encoder": encoder, "decoder": decoder,
               "decoder_shared": with_shared_cross(copy.deepcopy(decoder), heads, dim)}
     if kernels:
@@ -182,6 +182,27 @@ def with_search_head(model: onnx.ModelProto) -> onnx.ModelProto:
     graph.output.extend(outputs + [helper.make_tensor_value_info("candidate_ids", onnx.TensorProto.INT64, ["batch", "k"]),
                                    helper.make_tensor_value_info("candidate_scores", onnx.TensorProto.FLOAT, ["batch", "k"]),
                                    helper.make_tensor_value_info("whole_logits", onnx.TensorProto.FLOAT, ["whole", "vocab"])])
+    return model
+
+
+def with_stop_rule(model: onnx.ModelProto, eos: int) -> onnx.ModelProto:
+    """The step with its search head (changed in place) with greedy search's one stopping rule: input `budget`
+    (B,) int64, the position at which each row stops if no eos came; output `finish` (B,) int64, 1 where the row's
+    best token (candidate_ids[:, 0]) is eos, else 2 where the row's position after this step reaches its budget,
+    else 0. Every greedy loop (the library's, the portable one, the server's mixed step) reads `finish` and never
+    restates the rule. Plain operators after the head, so the kernel variants keep them."""
+    graph = model.graph
+    graph.initializer.extend([numpy_helper.from_array(np.array(v, np.int64), name) for name, v in
+                              (("stop.zero", 0), ("stop.one", 1), ("stop.two", 2), ("stop.eos", eos))])
+    graph.node.extend([
+        helper.make_node("Gather", ["candidate_ids", "stop.zero"], ["stop.best"], axis=1),
+        helper.make_node("Equal", ["stop.best", "stop.eos"], ["stop.said_eos"]),
+        helper.make_node("Add", ["positions", "stop.one"], ["stop.next"]),
+        helper.make_node("GreaterOrEqual", ["stop.next", "budget"], ["stop.at_budget"]),
+        helper.make_node("Where", ["stop.at_budget", "stop.two", "stop.zero"], ["stop.length"]),
+        helper.make_node("Where", ["stop.said_eos", "stop.one", "stop.length"], ["finish"])])
+    graph.input.append(helper.make_tensor_value_info("budget", onnx.TensorProto.INT64, ["batch"]))
+    graph.output.append(helper.make_tensor_value_info("finish", onnx.TensorProto.INT64, ["batch"]))
     return model
 
 

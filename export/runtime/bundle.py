@@ -19,9 +19,9 @@ from pathlib import Path
 from nmtserve.decoding import Limits
 from nmtserve.errors import BundleError
 
-SCHEMA_VERSION = 7  # 5: each variant lists every graph the runtime runs (search head, shared cross, kernels), their
+SCHEMA_VERSION = 8  # 5: each variant lists every graph the runtime runs (search head, shared cross, kernels), their
 # large initializers in one weights file; 6: the search head gives the whole rows' logits (whole_logits); 7: the
-# ranker graph (beam search's ranking)
+# ranker graph (beam search's ranking); 8: the decoder steps' stopping rule (budget in, finish out)
 MANIFEST = "manifest.json"
 
 

@@ -63,7 +63,9 @@ CUDA_INTER_THREADS = ("inter_threads {n} on cuda: one decoding context per model
 FALLBACK = "ONNX Runtime's own nodes"  # how the log and GetModelInfo name the portable graphs' kernels
 # source slots (rows × padded length) per encoder call at most: the activations of a call beside its outputs
 ENCODER_TOKENS = 1024
-ROW_INPUTS = ("tokens", "positions", "cross_slot")  # the decoder step's per-row inputs (export/build/graphs.py)
+# the decoder step's per-row inputs (export/build/graphs.py; budget: step_graphs.with_stop_rule)
+ROW_INPUTS = ("tokens", "positions", "cross_slot", "budget")
+NO_BUDGET = np.iinfo(np.int64).max  # the budget of a row no length stops (a search's: its rules stop it)
 log = logging.getLogger("nmtserve.runtime")
 
 
@@ -118,6 +120,7 @@ class Decoder:
         self.encoder = make_session(encoder_path, device, intra_op_threads, custom_ops=custom_ops)
         self._binding, self._bound = self.decoder.io_binding(), {}  # see _binding_for
         self._with_scores = np.array(True)  # the step's with_scores input, bound by address
+        self._unlimited = np.empty(0, np.int64)  # the budget input of steps no length stops, bound by address
         self.kv_dtype = np.float16 if self.bundle.variant(variant).get("kv_dtype") == "float16" else np.float32
         self.ops = DeviceTensors(device, PROVIDERS[device], session_options(1), self.bundle.tensor_ops(variant)) \
             if self.io_binding else HostTensors
@@ -136,7 +139,8 @@ class Decoder:
             + tuple((f"{io}{x}_{layer}", 3) for io in ("", "present_") for x in ("cross_k", "cross_v", "cross_eos")
                     for layer in layers) \
             + (("cache_origin", 2), ("cross_slot", 3)) \
-            + tuple((name, 0) for name in ("tokens", "positions", "candidate_ids", "candidate_scores"))
+            + tuple((name, 0) for name in ("tokens", "positions", "budget", "candidate_ids", "candidate_scores",
+                                           "finish"))
         self.eos_width = 2 * self.d_model  # a layer's cross_eos per row: the eos key, then its value
         self.vocab_size = m["vocab_size"]
         self.source_vocab_size = m.get("source_vocab_size") or self.vocab_size
@@ -277,27 +281,30 @@ class Decoder:
         state.choose(ids[:, 0])
         return ids[:, 0], scores[:, 0]
 
-    def decode_candidates(self, state: BatchState, k: int, scores: bool = True, whole: np.ndarray | None = None) \
-            -> tuple[np.ndarray, ...]:
+    def decode_candidates(self, state: BatchState, k: int, scores: bool = True, whole: np.ndarray | None = None,
+                          budget: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
         """One step of every row -> its k best next tokens (B, k) int64 and their log-probs (B, k), best
         first (k = 0: None and every row's logits over the vocabulary (B, V), unranked); scores=False
         (k = 1 only): the best by the values before the log-softmax, which the step skips, and the scores are
         those values (`with_search_head`). With `whole` (R,) int64, rows that need the whole vocabulary among
         rows that need k (a sampler without top-k in the server's batch, say): those rows' logits over the
-        vocabulary (R, V) as a third value, unranked. The step's K/V are written into `state`; the caller then
-        picks each row's next token, and for a beam its parent row, with `state.choose`."""
+        vocabulary (R, V) as a third value, unranked. With `budget` (B,) int64, the position at which each row stops
+        if no eos came, each row's finish code as the last value (B,) int64 (step_graphs.with_stop_rule: 0 it runs
+        on, 1 its best token is eos, 2 it reached its budget). The step's K/V are written into `state`; the caller
+        then picks each row's next token, and for a beam its parent row, with `state.choose`."""
         if not scores and (k != 1 or whole is not None):
             raise ValueError(f"k {k}, whole rows {None if whole is None else whole.tolist()}: a step without scores "
                              "gives each row's one best token only (k = 1, no whole rows)")
         state.open_slot()
         self._with_scores[...] = scores
         if k == 0:  # each row's search ranks them itself (a sampler without top-k: Sampling.step)
-            self._step(state, 1, np.arange(state.size))
-            state.advance()
-            return None, self._whole.copy()
-        ids, scores = self._step(state, k, whole)
+            self._step(state, 1, np.arange(state.size), budget)
+            out = (None, self._whole.copy())
+        else:
+            out = self._step(state, k, whole, budget)
+            out += () if whole is None else (self._whole.copy(),)
         state.advance()
-        return (ids, scores) if whole is None else (ids, scores, self._whole.copy())
+        return out if budget is None else out + (self._finish.copy(),)
 
     def decode_greedy_steps(self, state: BatchState, steps: int, budget: np.ndarray, scores: bool = True,
                             stop: np.ndarray | None = None, stop_at: float = 0.0) -> tuple[np.ndarray, ...]:
@@ -341,8 +348,8 @@ class Decoder:
         self._with_scores[...] = out[1] is not None
         if not self.native_steps:
             return self._greedy_run_here(state, source, budget, out, stop_at, stop, until_a_row_ends)
-        binding = self._greedy_binding(state)
-        taken, rows = binding.greedy_run(n, state.tokens, state.positions, self._scores, source, budget, self.eos_id,
+        binding = self._greedy_binding(state, budget)
+        taken, rows = binding.greedy_run(n, state.tokens, state.positions, self._scores, self._finish, source,
                                          self._row_names, 0, out, stop_at=stop_at,
                                          hole=state.hole if state.holes else None,
                                          until_a_row_ends=until_a_row_ends, stop=stop)
@@ -368,7 +375,7 @@ class Decoder:
         taken = 0
         for step in range(len(tokens)):
             if binding is None or rebind:
-                binding = self._greedy_binding(state)
+                binding = self._greedy_binding(state, budget)
             try:
                 run_bound(self.decoder, binding)
             except Exception:
@@ -381,8 +388,8 @@ class Decoder:
             tokens[step, live] = state.tokens[~done]
             if values is not None:
                 values[step, live] = self._scores[~done, 0]
-            said_eos = (state.tokens == self.eos_id) & ~done
-            finished = said_eos | (state.positions >= budget) & ~done
+            finished = (self._finish != 0) & ~done  # with_stop_rule's codes
+            said_eos = finished & (self._finish == 1)
             end[source[finished]], by_eos[source[said_eos]] = step, 1
             done |= finished
             last = step + 1 == len(tokens) or stop is not None and stop[0] != 0 or 0 < stop_at <= time.monotonic()
@@ -490,25 +497,26 @@ class Decoder:
         place = {r: j for j, r in enumerate(slots)}  # the library moved the searches left into the first places
         return state.moved_in_place(np.array([place[r] for r in left]), cross_eos_moved=False), left
 
-    def _step(self, state: BatchState, k: int, whole: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def _step(self, state: BatchState, k: int, whole: np.ndarray | None = None, budget: np.ndarray | None = None) \
+            -> tuple[np.ndarray, np.ndarray]:
         """candidate ids and their scores (B, k) on the host, scored as `_with_scores` says (and the `whole`
         rows' logits over the vocabulary in `_whole`). Every cache is bound as both the input and the
         `present` output of its layer, so the step writes the new K/V into `state`'s own buffers, wherever
         they live (`_binding_for`)."""
-        binding = self._binding_for(state, k, whole=whole)
+        binding = self._binding_for(state, k, whole=whole, budget=budget)
         run_bound(self.decoder, binding)
         return self._ids.copy(), self._scores.copy()
 
-    def _binding_for(self, state: BatchState, k: int, greedy: bool = False, whole: np.ndarray | None = None) \
-            -> ort.IOBinding | NativeBinding:
+    def _binding_for(self, state: BatchState, k: int, greedy: bool = False, whole: np.ndarray | None = None,
+                     budget: np.ndarray | None = None) -> ort.IOBinding | NativeBinding:
         """The decoder's binding for a step of `state` asking for k candidates. A binding holds addresses,
         so it is kept from step to step and a group is bound again only when its objects change (`_bound`
         holds weak references to them): the caches (each layer as input and `present` output, with their
         slot counts; with shared_cross the cross K/V as inputs only), the per-row arrays (tokens, positions,
-        cross_slot: BatchState changes them in place), and the outputs (candidates into buffers of (B, k),
+        cross_slot: BatchState changes them in place; the rows' `budget`, none by default), and the outputs (candidates into buffers of (B, k),
         with the `candidates` and `with_scores` inputs: the callers set the flag; greedy: k = 1 and each
         row's best token straight into `state.tokens`, `_greedy_binding`; the `whole` rows, none by default,
-        and their logits over the vocabulary into `_whole`). Host inputs of
+        and their logits over the vocabulary into `_whole`; each row's finish code into `_finish`). Host inputs of
         a session on a device are copied to it when bound, so there the per-row arrays (and host caches)
         are bound every step (a translator serves one thread at a time)."""
         binding, bound, shared = self._binding, self._bound, self.shared_cross
@@ -537,7 +545,11 @@ class Decoder:
                 self._query_shape = np.array([-1, state.width, self.d_model], np.int64)
                 bind_address(binding, "query_shape", "cpu", np.int64, (3,), self._query_shape.ctypes.data)
             bound["caches"] = weak_refs(caches)
-        rows, rebound = (state.tokens, state.positions, state.cross_slot), True
+        if budget is None:
+            if len(self._unlimited) != state.size:
+                self._unlimited = np.full(state.size, NO_BUDGET, np.int64)
+            budget = self._unlimited
+        rows, rebound = (state.tokens, state.positions, state.cross_slot, budget), True
         if self.io_binding or copied_when_bound:
             for name, x in zip(ROW_INPUTS, rows):
                 binding.bind_cpu_input(name, np.ascontiguousarray(x))
@@ -553,10 +565,11 @@ class Decoder:
             self._ids, self._scores = np.empty((state.size, k), np.int64), np.empty((state.size, k), np.float32)
             self._k = np.array([k], np.int64)
             self._whole_rows, self._whole = np.zeros(wholes, np.int64), np.empty((wholes, self.vocab_size), np.float32)
+            self._finish = np.empty(state.size, np.int64)
             bind_address(binding, "candidates", "cpu", np.int64, (1,), self._k.ctypes.data)
             bind_address(binding, "with_scores", "cpu", np.bool_, (), self._with_scores.ctypes.data)  # host memory
             for name, x in (("candidate_ids", state.tokens.reshape(-1, 1) if greedy else self._ids),
-                            ("candidate_scores", self._scores), ("whole_logits", self._whole)):
+                            ("candidate_scores", self._scores), ("whole_logits", self._whole), ("finish", self._finish)):
                 bind_address(binding, name, "cpu", x.dtype, x.shape, x.ctypes.data, output=True)
             bound["outputs"], new_outputs = (state.size, k, greedy, wholes), True
         if wholes:
@@ -565,11 +578,12 @@ class Decoder:
             bind_address(binding, "whole_rows", "cpu", np.int64, (wholes,), self._whole_rows.ctypes.data)
         return binding
 
-    def _greedy_binding(self, state: BatchState) -> ort.IOBinding | NativeBinding:
+    def _greedy_binding(self, state: BatchState, budget: np.ndarray) -> ort.IOBinding | NativeBinding:
         """The step's binding for greedy search, with its candidate_ids output bound to the `tokens` input's
-        own buffer: the step's search head, its last node, writes each row's best token where the next step
-        reads it (the embedding's Gather, the first node and only reader of `tokens`, is done by then)."""
-        return self._binding_for(state, 1, greedy=True)
+        own buffer: the step's search head writes each row's best token where the next step reads it (the
+        embedding's Gather, the first node and only reader of `tokens`, is done by then), and `budget` bound
+        for the step's stopping rule."""
+        return self._binding_for(state, 1, greedy=True, budget=budget)
 
     def _layer_addresses(self, stacked) -> list[int]:
         """The address of each layer of a stacked (L, …) tensor (host numpy or device OrtValue): bound
@@ -605,5 +619,5 @@ class Decoder:
             raise ConfigError(CUDA_INTER_THREADS.format(n=2))
         replica = copy.copy(self)
         replica._binding, replica._bound = self.decoder.io_binding(), {}
-        replica._with_scores = np.array(True)
+        replica._with_scores, replica._unlimited = np.array(True), np.empty(0, np.int64)
         return replica

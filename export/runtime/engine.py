@@ -352,10 +352,10 @@ class Engine:
         self._tell([(request, self._settle(request)) for request in requests])
         return []
 
-    def _process(self, outputs: list[tuple[Request, int | None, float | None]]) -> None:
+    def _process(self, outputs: list[tuple[Request, int | None, float | None, FinishReason | None]]) -> None:
         now = time.monotonic()
         leaving = []
-        for request, token, score in outputs:
+        for request, token, score, finish in outputs:
             request.first_token = request.first_token or now
             if request.search is not None:
                 if request.search.done:
@@ -364,12 +364,10 @@ class Engine:
                     self._emit(request, request.search.settled()[len(request.tokens):])
                 continue
             request.score += score
-            if token == self.tr.eos_id:
-                leaving.append((request, FinishReason.EOS))
-                continue
-            self._emit(request, [token])
-            if len(request.tokens) >= request.budget(self.tr.limits):
-                leaving.append((request, FinishReason.LENGTH))
+            if finish is not FinishReason.EOS:  # eos itself is not emitted
+                self._emit(request, [token])
+            if finish is not None:
+                leaving.append((request, finish))
         self._leave(leaving)
 
     @staticmethod

@@ -847,7 +847,7 @@ int failed(const std::exception& e, char* error, size_t error_size) {
   return -1;
 }
 
-// An array that moves with a batch's rows but is not bound to the session (a row's source, budget or beam score):
+// An array that moves with a batch's rows but is not bound to the session (a row's source or beam score):
 // one element of `bytes` per row, or per group of rows (per_group).
 struct Carried {
   void* data;
@@ -998,12 +998,12 @@ int64_t nmt_greedy_run(void* runner, void* binding, nmt_greedy_run_args* run, ch
         const int64_t s = a.source[r];
         a.out_tokens[step * a.sources + s] = a.tokens[r];
         if (a.out_scores != nullptr) a.out_scores[step * a.sources + s] = a.scores[r];
-        if (a.tokens[r] == a.eos || a.positions[r] >= a.budget[r]) {
+        if (a.finish[r] != 0) {
           finished[r] = 1;
           done += 1;
           ended = true;
           a.end[s] = a.step0 + step;
-          a.by_eos[s] = a.tokens[r] == a.eos;
+          a.by_eos[s] = a.finish[r] == 1;
         }
       }
       const bool last = step + 1 == a.max_steps || (a.stop != nullptr && *a.stop) ||
@@ -1023,7 +1023,7 @@ int64_t nmt_greedy_run(void* runner, void* binding, nmt_greedy_run_args* run, ch
           for (int64_t r = 0; r < rows; r++)
             if (!finished[r]) length = std::max(length, a.positions[r]);
           compact_groups(bound, 1, rows, finished.data(), kept, length, a.row_names,
-                         {{a.source, sizeof(int64_t), true}, {a.budget, sizeof(int64_t), true}});
+                         {{a.source, sizeof(int64_t), true}});
         } catch (const std::exception& e) {  // rows half moved: the batch cannot go on
           return failed(e, error, error_size);
         }

@@ -34,17 +34,16 @@ typedef struct {
   const int* kinds;
 } nmt_row_names;
 
-/* Greedy search of a batch's rows (nmt_greedy_run): each row's source and budget move with it. */
+/* Greedy search of a batch's rows (nmt_greedy_run): each row's source moves with it. */
 typedef struct {
   int64_t rows;          /* in: the rows at the start; out: the live rows left (0: all finished), in the first places */
   int64_t* tokens;       /* the step's bound input, written by its search head */
   int64_t* positions;    /* the step's bound input */
   const float* scores;   /* the step's bound output: each row's best token's score */
+  const int64_t* finish; /* the step's bound output: 0 the row runs on, 1 it said eos, 2 it reached its budget */
   int64_t* source;       /* (rows,) each row's source */
-  int64_t* budget;       /* (rows,) the position at which a row finishes if no eos came */
   const uint8_t* hole;   /* (rows,) empty places, or NULL: they never advance, finish or are written */
   int64_t until_a_row_ends; /* 1: the run ends after the first step in which a row finishes, and no row moves */
-  int64_t eos;
   int64_t max_steps;     /* the cache's room, or fewer */
   const volatile int32_t* stop; /* set by another thread: the run ends after its current step (NULL: none) */
   double stop_at;        /* CLOCK_MONOTONIC seconds after which the run ends after its current step (0: none) */
@@ -59,14 +58,14 @@ typedef struct {
 
 /* Greedy search of a batch's rows from their current step, each row fed its own best token, with no Python between
    steps: the one greedy loop, for offline runs and the server's bursts alike. Each step the session runs (its search
-   head writes each row's best token into `tokens` and its score into `scores`), every live row advances and its token
-   (and score) is written at its source's column of out_tokens; a row finishes on eos (by_eos[its source] = 1) or at
-   its budget (its position reaching budget[row]), end[its source] = step0 + that step, and from then on neither
-   advances nor is written (a hole is finished from the start). The run ends when every row has finished, after
+   head writes each row's best token into `tokens` and its score into `scores`, its stopping rule each row's code into
+   `finish`), every live row advances and its token (and score) is written at its source's column of out_tokens; a row
+   whose code is not 0 finishes (by_eos[its source] = code 1), end[its source] = step0 + that step, and from then on
+   neither advances nor is written (a hole is finished from the start). The run ends when every row has finished, after
    max_steps, or after a step once *stop is set or CLOCK_MONOTONIC has reached stop_at (when above 0); with
    until_a_row_ends, also after the first step in which a row finishes. Without it, once the finished rows are a
    quarter of the rows they leave (the last live rows move into their places in every buffer of row_names, and in
-   `source` and `budget`, and those names are bound again with the fewer rows); so do any finished rows at the last
+   `source`, and those names are bound again with the fewer rows); so do any finished rows at the last
    step, whatever ended the run. Returns the steps run, or -1 with the error's message (a step that fails after others
    returns those before it, and the next call meets the error; a compaction that fails is -1 at once). */
 int64_t nmt_greedy_run(void* runner, void* binding, nmt_greedy_run_args* run, char* error, size_t error_size);

@@ -36,6 +36,8 @@ from nmtserve.export.runtime.decoder import Decoder
 from nmtserve.export.runtime.request import FinishReason, Request
 from nmtserve.search import BeamSearch, beam_steps
 
+FINISHED = (None, FinishReason.EOS, FinishReason.LENGTH)  # by the step's finish code (step_graphs.with_stop_rule)
+
 
 class RunningBatch:
     def __init__(self, translator: Decoder, room: int = 0, reserve: bool = True):
@@ -164,9 +166,11 @@ class RunningBatch:
         self.state = self.state.relocate(sources)
         self.rows = [self.rows[i] for i in sources]
 
-    def step(self) -> tuple[list[tuple[Request, int | None, float | None]], list[tuple[Request, Exception]]]:
-        """One decoder step of every row -> (request, token, log-prob) of each greedy request, (request,
-        None, None) of each beam or sampled request once its search has taken its rows' candidates; and
+    def step(self) -> tuple[list[tuple[Request, int | None, float | None, FinishReason | None]],
+                            list[tuple[Request, Exception]]]:
+        """One decoder step of every row -> (request, token, log-prob, how it finished: None, it runs on) of each
+        greedy request, (request, None, None, None) of each beam or sampled request once its search has taken its
+        rows' candidates (the search says when it is done); and
         the requests whose rows fail the step on their own (they leave, with the error). When no row
         fails alone, the error is the batch's and is raised."""
         self.state.trim(self.slots())
@@ -179,8 +183,9 @@ class RunningBatch:
         # greedy rows that no one reads a score of: the step skips the log-softmax (with_search_head)
         scored = any(r.scored or r.search is not None for r, _ in placement)
         try:
-            ids, scores, *vocabulary = self.tr.decode_candidates(
-                self.state, k, scores=scored, whole=np.concatenate([placement[i][1] for i in whole]) if whole else None)
+            ids, scores, *vocabulary, finish = self.tr.decode_candidates(
+                self.state, k, scores=scored, whole=np.concatenate([placement[i][1] for i in whole]) if whole else None,
+                budget=self._budget(placement))
         except Exception:
             culprits = self._failing_rows([i for i, r in enumerate(self.rows) if r is not None])
             if not culprits:
@@ -192,7 +197,8 @@ class RunningBatch:
             outputs, more = self.step()  # everyone else's step, without them
             return outputs, failed + more
         tokens, parents = ids[:, 0].copy(), None  # holes keep theirs: never read
-        best, best_scores = tokens.tolist(), scores[:, 0].tolist() if scored else None  # Python numbers, once
+        # Python numbers, once
+        best, best_scores, finish = tokens.tolist(), scores[:, 0].tolist() if scored else None, finish.tolist()
         outputs, whole_logits = [], {}  # by placement index: each request's rows' logits over the vocabulary
         if whole:
             ends = np.cumsum([len(placement[i][1]) for i in whole])
@@ -201,9 +207,9 @@ class RunningBatch:
         for j, (request, rows) in enumerate(placement):
             if request.search is None:
                 row = int(rows[0])
-                outputs.append((request, best[row], best_scores[row] if scored else math.nan))
+                outputs.append((request, best[row], best_scores[row] if scored else math.nan, FINISHED[finish[row]]))
                 continue
-            outputs.append((request, None, None))
+            outputs.append((request, None, None, None))
             parents = np.arange(len(self.rows)) if parents is None else parents
             if isinstance(request.search, BeamSearch) and j not in whole_logits:
                 beams.setdefault(request.search.k, []).append((request.search, rows))
@@ -236,9 +242,7 @@ class RunningBatch:
         # each request's row (a slice when there are no holes: the arrays below are then views, not copies)
         rows = [int(own[0]) for _, own in placement] if self.state.holes else slice(None)
         scored = any(r.scored for r in requests)
-        start = self.state.positions[rows].copy()
-        budget = self.state.positions.copy()
-        budget[rows] += np.array([r.budget(self.tr.limits) - len(r.tokens) for r in requests])
+        start, budget = self.state.positions[rows].copy(), self._budget(placement)
         if steps:
             tokens, scores, end, by_eos = self.tr.decode_greedy_steps(self.state, steps, budget, scored, stop, stop_at)
             state, left = self.state, None
@@ -275,6 +279,17 @@ class RunningBatch:
         self.tr.decode_search_run(self.state, [r.search for r in requests])
         self.clear()
         return requests
+
+    def _budget(self, placement: list[tuple[Request, np.ndarray]]) -> np.ndarray:
+        """Each row's budget for the step's stopping rule (step_graphs.with_stop_rule): a greedy request's row
+        stops at the position where the request has all the tokens its budget allows (the other rows' finish codes
+        are never read)."""
+        budget = self.state.positions.copy()
+        greedy = [(int(rows[0]), r.budget(self.tr.limits) - len(r.tokens)) for r, rows in placement if r.search is None]
+        if greedy:
+            at, left = zip(*greedy)
+            budget[list(at)] += left
+        return budget
 
     def _failing_rows(self, rows: list[int]) -> list[tuple[int, Exception]]:
         """The rows whose step fails on a copy of the state holding just them, found by bisection."""

@@ -23,16 +23,15 @@ def _pair(bundle, variant: str, **kwargs) -> tuple[OnnxTranslator, OnnxTranslato
 
 
 @pytest.mark.parametrize("variant", ["fp32", "int8"])
-def test_native_greedy_steps_give_the_tokens_and_scores_of_onnx_runtimes_session(tiny_bundle, tiny_corpus, variant):
+def test_native_greedy_steps_give_the_tokens_and_scores_of_onnx_runtimes_session(tiny_bundle, eosless_bundle,
+                                                                                  tiny_corpus, variant):
     """Greedy at batch 1 and 8, with and without scores, and with eos never found, so that every row runs
     to its budget (2 × source + 10 tokens): the loop stops at each row's budget, and the cache grows past
     its first 32 slots while the library loops."""
-    native, theirs = _pair(tiny_bundle, variant)
-    sources = [native.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
-    assert max(2 * len(s) + 10 for s in sources) > 32
     for never_eos in (False, True):
-        if never_eos:
-            native.eos_id = theirs.eos_id = -1
+        native, theirs = _pair(eosless_bundle if never_eos else tiny_bundle, variant)
+        sources = [native.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
+        assert max(2 * len(s) + 10 for s in sources) > 32
         for batch in (1, 8):
             for scores in (True, False):
                 a, b = (tr.search_ids(sources, DecodingOptions(), max_batch_size=batch, scores=scores)
@@ -181,7 +180,7 @@ def test_python_calls_the_library_through_the_declarations_of_kernels_h(tiny_bun
         library.nmt_run(binding._handle, "not a binding", binding._error, 10)
     with pytest.raises(TypeError):
         binding.greedy_run(1, np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.float32),
-                           np.zeros(1, np.int64), np.zeros(1, np.int64), "eos", (), 0,
+                           np.zeros(1, np.int64), np.zeros(1, np.int64), (), "step zero",
                            (np.zeros((1, 1), np.int64), None, np.zeros(1, np.int64), np.zeros(1, np.uint8)))
 
 
@@ -191,7 +190,7 @@ def test_asking_for_native_steps_where_they_cannot_run_is_a_config_error(tiny_bu
     assert not OnnxTranslator(tiny_bundle, attention_kernel=False).native_steps  # ONNX Runtime's own session
 
 
-def test_the_servers_greedy_steps_keep_holes_still_and_stop_when_asked(tiny_bundle, tiny_corpus):
+def test_the_servers_greedy_steps_keep_holes_still_and_stop_when_asked(tiny_bundle, eosless_bundle, tiny_corpus):
     """`decode_greedy_steps` (the engine's bursts, the library's greedy loop with until_a_row_ends) over rows of their
     own cross K/V with a hole: each step's tokens and scores are those of one step at a time, the hole's position
     stays at 0, and the loop ends at a row's eos, at a row's budget, after one step when the stop flag is set or
@@ -217,8 +216,8 @@ def test_the_servers_greedy_steps_keep_holes_still_and_stop_when_asked(tiny_bund
     same = python.decode_greedy_steps(here, 50, far)
     assert all(np.array_equal(x[:, keep] if x.ndim == 2 else x[keep], y[:, keep] if y.ndim == 2 else y[keep])
                for x, y in zip(same, (tokens, scores, end, by_eos)))
-    for tr, state in ((native, ours), (python, here)):
-        tr.eos_id = -1  # from here on no eos ends the loop
+    # from here on no eos ends the loop: the same states stepped by the same model that never says eos
+    for tr, state in zip(_pair(eosless_bundle, "fp32", shared_cross=False), (ours, here)):
         budget = state.positions + np.array([5, 0, 7, 9])
         tokens, _, end, by_eos = tr.decode_greedy_steps(state, 50, budget)
         assert len(tokens) == 5 and end.tolist()[0] == 4 and end[2:].tolist() == [-1, -1] and not by_eos[0]
@@ -233,15 +232,14 @@ def test_the_servers_greedy_steps_keep_holes_still_and_stop_when_asked(tiny_bund
 
 
 @pytest.mark.parametrize("variant", ["fp32", "int8"])
-def test_offline_greedy_leaves_finished_rows_in_the_library_and_python_only_grows_the_cache(tiny_bundle, tiny_corpus,
+def test_offline_greedy_leaves_finished_rows_in_the_library_and_python_only_grows_the_cache(eosless_bundle, tiny_corpus,
                                                                                            monkeypatch, variant):
     """`greedy_run` (offline greedy on the library): a batch's steps, and its finished rows leaving it, run in the
     library; Python takes a run back only when the cache is full. With eos never said, 8 rows whose budgets end
     before the first 32 slots are full (4 short sources) and after, within 64 (4 long ones): the first run fills
     the 32 slots and comes back with the 4 long rows only, moved into the first places by the library; the second,
     on the doubled cache, ends with none. Tokens and scores are the Python loop's, row by row."""
-    native, theirs = _pair(tiny_bundle, variant)
-    native.eos_id = theirs.eos_id = -1
+    native, theirs = _pair(eosless_bundle, variant)
     pairs = [native.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
     long = [s for s in pairs if 40 < native.limits.output_budget(len(s), 256) <= 64][:4]
     sources = [s[:3] for s in pairs[:4]] + long  # budgets 16, and 41 to 64: 2 × source + 10 tokens

@@ -25,11 +25,15 @@ from nmtserve.training.data import read_tsv
 from tests.helpers import TEST_DEVICE, TEST_SCORE_TOLERANCE, TEST_VARIANT
 
 
+def _translator(bundle, io_binding: bool) -> OnnxTranslator:
+    device, variant = (TEST_DEVICE, TEST_VARIANT) if io_binding else ("cpu", "fp32")
+    return OnnxTranslator(bundle, device=device, variant=variant, intra_op_threads=1, io_binding=io_binding,
+                          shared_cross=False)  # the engine's step
+
+
 @pytest.fixture(scope="module", params=[False, True], ids=["host-arrays", "io-binding"])
 def translator(tiny_bundle, request):
-    device, variant = (TEST_DEVICE, TEST_VARIANT) if request.param else ("cpu", "fp32")
-    return OnnxTranslator(tiny_bundle, device=device, variant=variant, intra_op_threads=1, io_binding=request.param,
-                          shared_cross=False)  # the engine's step
+    return _translator(tiny_bundle, request.param)
 
 
 def step(translator, state: BatchState) -> np.ndarray:
@@ -68,9 +72,9 @@ def test_steps_of_greedy_rows_no_one_reads_a_score_of_skip_the_log_softmax(trans
     scored_expected = translator.translate_ids(sources, max_batch_size=1)
     flags, decode, steps = [], translator.decode_candidates, translator.decode_greedy_steps
 
-    def recording(state, k, scores=True, whole=None):
+    def recording(state, k, scores=True, whole=None, budget=None):
         flags.append(scores)
-        return decode(state, k, scores, whole)
+        return decode(state, k, scores, whole, budget)
 
     def recording_steps(state, n, budget, scores=True, *args):  # greedy batches' steps in the library (native_steps)
         flags.append(scores)
@@ -242,12 +246,12 @@ def test_the_running_batch_keeps_requests_and_rows_in_step(translator, sources):
     assert batch.rows == [a, b, c] and batch.state.size == 3
     outputs, failed = batch.step()
     assert failed == []
-    assert [request for request, _, _ in outputs] == [a, b, c]
+    assert [request for request, *_ in outputs] == [a, b, c]
     batch.leave([b])
     assert batch.rows == [a, None, c] and batch.requests == [a, c]
     batch.admit([d, e])  # d fills the hole, e is appended
     assert batch.rows == [a, d, c, e] and batch.state.size == 4
-    assert [request for request, _, _ in batch.step()[0]] == [a, d, c, e]
+    assert [request for request, *_ in batch.step()[0]] == [a, d, c, e]
     batch.leave([a])
     batch.compact()  # one hole in four: compacted (on the host in place: the last row moves into the hole)
     if translator.ops.views:
@@ -273,16 +277,14 @@ def test_compaction_moves_whole_requests_and_newcomers_take_the_room_each_gettin
     batch = RunningBatch(translator, room=8)
     batch.admit([*greedy, beam])
     assert batch.rows == [*greedy, beam, beam, beam]
-    tokens = {id(r): [] for r in [*greedy, *newcomers]}
 
-    def step():
+    def step():  # as the engine's: a greedy request's tokens gain its row's, eos excepted
         outputs, failed = batch.step()
         assert failed == []
-        for request, token, _ in outputs:
-            if request.search is None and token != eos:
-                tokens[id(request)].append(token)
-        batch.leave([r for r, token, _ in outputs if (r.search.done if r.search else
-                                                      token == eos or len(tokens[id(r)]) >= r.budget(limits))])
+        for request, token, _, finish in outputs:
+            if request.search is None and finish is not FinishReason.EOS:
+                request.tokens.append(token)
+        batch.leave([r for r, _, _, finish in outputs if (r.search.done if r.search else finish is not None)])
 
     for _ in range(2):
         step()
@@ -307,7 +309,7 @@ def test_compaction_moves_whole_requests_and_newcomers_take_the_room_each_gettin
     while batch.state is not None:
         step()
     for request in [g2, g4, g5, *newcomers]:
-        assert tokens[id(request)] == translator.translate_ids([request.src_ids], max_batch_size=1)[0][0]
+        assert request.tokens == translator.translate_ids([request.src_ids], max_batch_size=1)[0][0]
     alone = translator.search_ids([beam.src_ids], beam.options, max_batch_size=1)[0]
     assert [h.tokens for h in beam.search.results()] == [h.tokens for h in alone]
 
@@ -326,8 +328,8 @@ def test_a_hole_kept_longer_than_the_position_table_never_advances(translator, s
     alone = RunningBatch(translator)
     alone.admit([Request(s) for s in sources[1:5]])
     for _ in range(steps):
-        got = [token for _, token, _ in with_hole.step()[0]]
-        assert got == [token for _, token, _ in alone.step()[0]]
+        got = [token for _, token, *_ in with_hole.step()[0]]
+        assert got == [token for _, token, *_ in alone.step()[0]]
     assert with_hole.state.positions.tolist() == [0] + [steps] * 4
     assert not with_hole.state.valid[0].any()
 
@@ -389,13 +391,13 @@ def test_a_row_the_decoder_step_fails_on_fails_alone(translator, sources, monkey
     assert all(r.finish in (FinishReason.EOS, FinishReason.LENGTH) for r in others)
 
 
-def test_requests_at_every_limit_finish_with_length_alone_and_in_a_busy_batch(translator, sources, monkeypatch):
+def test_requests_at_every_limit_finish_with_length_alone_and_in_a_busy_batch(translator, eosless_bundle, sources):
     """The longest source the manifest allows, the largest output budget, and a model that never says
-    eos (its eos is replaced by another token): every row runs to its budget and ends with LENGTH,
-    never past the position tables, alone and beside shorter rows that leave holes as they finish."""
+    eos (eosless_bundle): every row runs to its budget and ends with LENGTH, never past the position
+    tables, alone and beside shorter rows that leave holes as they finish."""
+    translator = _translator(eosless_bundle, translator.io_binding)
     limits = translator.limits
     longest = (sources[0] * limits.max_source_tokens)[: limits.max_source_tokens]
-    monkeypatch.setattr(translator, "eos_id", -1)  # for the one-step path and the library's steps alike
     for batch_mates in ([], sources[:6]):
         at_limit = Request(longest, max_decoding_length=limits.max_target_tokens)
         others = [Request(s, max_decoding_length=limits.max_target_tokens) for s in batch_mates]
@@ -424,9 +426,9 @@ def test_a_sampler_without_top_k_does_not_make_its_batch_mates_rank_the_vocabula
     alone = [translator.search_ids([s], m, max_batch_size=1)[0] for s, m in zip(sources, modes)]
     asked, decode = [], translator.decode_candidates
 
-    def recording(state, k, scores=True, whole=None):
+    def recording(state, k, scores=True, whole=None, budget=None):
         asked.append((k, None if whole is None else [engine.batch.rows[i].options for i in whole]))
-        return decode(state, k, scores, whole)
+        return decode(state, k, scores, whole, budget)
 
     monkeypatch.setattr(translator, "decode_candidates", recording)
     engine = Engine(translator, EngineConfig(max_running_rows=32))

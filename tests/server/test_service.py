@@ -282,16 +282,15 @@ def test_overload_is_refused_with_resource_exhausted(tiny_bundle, sentences):
         server.stop()
 
 
-def test_requests_at_every_limit_over_grpc_end_with_length_alone_and_in_a_busy_batch(tiny_bundle, sentences):
+def test_requests_at_every_limit_over_grpc_end_with_length_alone_and_in_a_busy_batch(eosless_bundle, sentences):
     """The longest source the server accepts and the largest max_decoding_length, with a model that never
-    says eos (a test hook replaces its eos by another token): LENGTH at the full budget, never an
-    error, alone and while unary calls and streams share the batch; one token more is refused."""
-    server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
+    says eos (eosless_bundle): LENGTH at the full budget, never an error, alone and while unary calls and
+    streams share the batch; one token more is refused."""
+    server = ServerThread(ServerConfig.from_flags(bundle=str(eosless_bundle), host="127.0.0.1", port=0, metrics_port=-1,
                                        max_sentence_chars=100_000, max_decoding_length=10_000))
     try:
         translator = server.running.engine.tr
         limits = translator.limits
-        translator.eos_id = -1  # the engine and the library's greedy steps never see eos (the server's translator only)
         words, longest = " ".join(sentences).split(), ""
         for n in range(1, len(words)):  # the most words that stay within the source limit
             text = " ".join(words[:n])
