@@ -114,6 +114,28 @@ def test_a_step_without_scores_gives_the_best_token_and_its_value_before_the_log
         tr.decode_candidates(unscored, 4, scores=False)
 
 
+@pytest.mark.parametrize("kernels", [False, True], ids=["ort-nodes", "kernel-graph"])
+def test_a_steps_finish_code_says_eos_then_budget(tiny_bundle, tiny_corpus, kernels):
+    """The step's stopping rule (with_stop_rule): each row's finish is 1 where its best token is eos, else 2 where
+    its position after the step reaches its budget, else 0 (the rule in numpy here), over steps in which rows of
+    short translations say eos and budgets end longer ones, one a step."""
+    tr = OnnxTranslator(tiny_bundle, attention_kernel=kernels, shared_cross=False)
+    sources = [tr.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
+    by_length = sorted(zip([len(t) for t, _ in tr.translate_ids(sources, max_batch_size=8)], range(len(sources))))
+    steps = by_length[3][0] + 1  # the 4 shortest translations' eos come by then; the 4 longest run on
+    assert by_length[-4][0] > steps
+    state = tr.prefill([sources[i] for _, i in by_length[:4] + by_length[-4:]])
+    budget = state.positions + np.array([1000] * 4 + [steps - 3, steps - 2, steps - 1, steps])
+    seen = set()
+    for _ in range(steps):
+        before = state.positions.copy()
+        ids, _, finish = tr.decode_candidates(state, 2, budget=budget)
+        assert finish.tolist() == np.where(ids[:, 0] == tr.eos_id, 1, np.where(before + 1 >= budget, 2, 0)).tolist()
+        seen |= set(finish.tolist())
+        state.choose(ids[:, 0])
+    assert seen == {0, 1, 2}
+
+
 def _pytorch_logits(model, source: list[int], prefix: list[int]) -> np.ndarray:
     """The next token's values after `prefix`, from a model whose decode() gives logits."""
     src, src_mask = torch.tensor([source]), torch.ones(1, len(source), dtype=torch.bool)

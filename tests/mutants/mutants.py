@@ -65,6 +65,20 @@ def _ranked_without_the_beam(module) -> None:
     module.Ranker.rank = lambda self, beam, ids, scores: rank(self, module.np.zeros_like(beam), ids, scores)
 
 
+def _greedy_stops_a_step_late(module) -> None:
+    """Greedy's stopping rule (exported into the bundle) compares the position after the step with the budget by >,
+    not >=: a row that never says eos runs one token past its budget."""
+    rule = module.with_stop_rule
+
+    def late(model, eos):
+        model = rule(model, eos)
+        for node in model.graph.node:
+            if node.output[0] == "stop.at_budget":
+                node.op_type = "Greater"
+        return model
+    module.with_stop_rule = late
+
+
 MUTANTS = {
     "bleu-by-characters": {"module": "nmtserve.training.evaluate", "patch": _bleu_by_characters,
                            "tests": ["tests/training/test_train.py::test_cli_evaluate_json_and_translate"]},
@@ -91,4 +105,8 @@ MUTANTS = {
                                           "tests/test_search.py::test_the_first_step_extends_beam_0_only_and_an_eos_candidate_finishes_and_is_replaced",
                                           "tests/export/test_native.py::"
                                           "test_native_beam_search_gives_the_n_best_lists_of_the_search_in_python"]},
+    "greedy-stops-a-step-late": {"module": "nmtserve.export.build.step_graphs", "patch": _greedy_stops_a_step_late,
+                                 "tests": ["tests/export/test_parity.py::test_a_steps_finish_code_says_eos_then_budget",
+                                           "tests/export/test_native.py::"
+                                           "test_native_greedy_steps_give_the_tokens_and_scores_of_onnx_runtimes_session"]},
 }
