@@ -10,9 +10,10 @@ log-probabilities (the decoder graph's TopK head; 0 = the row's logits over the 
 search turns into log-probabilities itself: nmtserve/logits.py), and answers which row's
 cache each row continues (`parents`, indices among the request's own rows) and which token it feeds
 next. Which extensions a beam keeps is ranked by the bundle's ranker graph (`Rank`, passed in: the one ranking,
-whichever loop decodes); what a step then does (finished hypotheses, spares, stopping) is written here. Greedy
-search is beam search with one beam, which OnnxTranslator and the engine run vectorised (they need no object per
-request for it).
+whichever loop decodes; it also says whether an eos is among a search's k best, which makes a step more than an
+ordinary one); what a step then does (finished hypotheses, spares, stopping) is written here. Greedy search is
+beam search with one beam, which the decoder's loops run vectorised (no object per request), stopping each row
+where the bundle's decoder graph says (export/build/step_graphs.py, with_stop_rule).
 
 The rules follow CTranslate2's (src/decoding.cc, src/sampling.cc), so that the same weights give the
 same output there and here; `BeamSearch` and `Sampling` say exactly when a hypothesis finishes and when
@@ -21,7 +22,7 @@ the search stops.
     search = make_search(DecodingOptions(beam_size=4, num_hypotheses=2), budget=30, eos_id=3)
     while not search.done:
         ids, scores = decoder_step(search.candidates)   # (rows, K) each: the rows' best, ties by lower id
-        parents, tokens = search.step(ids, scores, Ranker(bundle.ranker_path).rank)
+        parents, tokens = search.step(ids, scores, Ranker(bundle.ranker_path, 3).rank)
     search.results()   # [Hypothesis(tokens, score, finish, mean_log_prob), …], best first
 """
 
@@ -39,8 +40,9 @@ from nmtserve.logits import TokenMasks, best_candidates, log_softmax
 from nmtserve.sampling import Sampling
 
 # beam search's ranking: (beam (n, k), ids (n, k, w), scores (n, k, w)) -> each search's w best extensions, best
-# first: rows, tokens, totals (n, w); the bundle's ranker graph (export/build/ranker.py) through export/runtime/ranker.py
-Rank = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
+# first: rows, tokens, totals (n, w), and ended (n,): an eos among its k best; the bundle's ranker graph
+# (export/build/ranker.py) through export/runtime/ranker.py
+Rank = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
 
 
 class BeamSearch:
@@ -92,7 +94,7 @@ class BeamSearch:
         k = self.k
         if ids is None:  # repeats penalised, tokens disabled, the log-softmax, a prefix favoured: each row's 2k best
             ids, scores = best_candidates(self._favour(self.masks.apply(scores, self.live, self.steps)), 2 * k)
-        rows, tokens, totals = rank(self.scores[None], ids[None, :, :2 * k], scores[None, :, :2 * k])
+        rows, tokens, totals, _ = rank(self.scores[None], ids[None, :, :2 * k], scores[None, :, :2 * k])
         return self.select(rows[0], tokens[0], totals[0])
 
     def _favour(self, log_probs: np.ndarray) -> np.ndarray:
@@ -323,11 +325,11 @@ def beam_steps(searches: list[BeamSearch | None], ids: np.ndarray | None, scores
     n, k = len(searches), next(s.k for s in searches if s is not None)
     width = 2 * k
     beams = np.array([np.zeros(k) if s is None else s.scores for s in searches])  # (n, k), each search's own
-    cand_row, cand_id, cand_score = rank(beams, ids[:, :width].reshape(n, k, width),
-                                         scores[:, :width].reshape(n, k, width))  # each search's 2k best, best first
+    cand_row, cand_id, cand_score, ended = rank(beams, ids[:, :width].reshape(n, k, width),
+                                                scores[:, :width].reshape(n, k, width))  # each search's 2k best
     parents = (cand_row[:, :k] + np.arange(0, n * k, k)[:, None]).ravel()
     tokens = cand_id[:, :k].ravel()
-    eos = (cand_id[:, :k] == next(s.eos_id for s in searches if s is not None)).any(axis=1).tolist()
+    eos = ended.tolist()
     rows, ids_k = cand_row[:, :k].tolist(), cand_id[:, :k].tolist()
     for j, search in enumerate(searches):
         own = slice(j * k, (j + 1) * k)

@@ -155,14 +155,15 @@ def stream_decoded(decode, ids: list[int], rng: random.Random) -> tuple[str, lis
 
 
 @functools.cache
-def rank():
-    """The ranker graph's `rank` (export/build/ranker.py), as a decoder's: written once into a temporary folder."""
+def rank(eos_id: int):
+    """The ranker graph's `rank` (export/build/ranker.py), as a decoder's of a model whose eos is `eos_id`: written
+    once into a temporary folder."""
     from nmtserve.export.build.ranker import write_ranker
     from nmtserve.export.runtime.ranker import Ranker
 
     folder = Path(tempfile.mkdtemp(prefix="nmtserve-ranker-"))
     atexit.register(shutil.rmtree, folder, True)
-    return Ranker(folder / write_ranker(folder)).rank
+    return Ranker(folder / write_ranker(folder), eos_id).rank
 
 
 def top_candidates(log_probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

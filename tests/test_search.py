@@ -25,7 +25,7 @@ def table(rows: list[dict[int, float]]) -> np.ndarray:
 
 def step(search, log_probs: np.ndarray):
     candidates = top_candidates(log_probs, search.candidates)
-    return search.step(*candidates, rank()) if isinstance(search, BeamSearch) else search.step(*candidates)
+    return search.step(*candidates, rank(EOS)) if isinstance(search, BeamSearch) else search.step(*candidates)
 
 
 def test_the_first_step_extends_beam_0_only_and_an_eos_candidate_finishes_and_is_replaced():
@@ -131,13 +131,13 @@ def test_beam_steps_of_many_searches_are_each_searchs_own_steps(options):
     while any(r is not None for r in slots):
         log_probs = np.log(rng.dirichlet(np.full(V, 0.3), size=len(slots) * k))
         ids, scores = top_candidates(log_probs, 2 * k)
-        parents, tokens = beam_steps([None if r is None else together[r] for r in slots], ids, scores, rank())
+        parents, tokens = beam_steps([None if r is None else together[r] for r in slots], ids, scores, rank(EOS))
         for j, r in enumerate(slots):
             own = slice(j * k, (j + 1) * k)
             if r is None:  # its rows decode on, ignored, each continuing itself
                 assert parents[own].tolist() == list(range(j * k, (j + 1) * k))
                 continue
-            expected_parents, expected_tokens = alone[r].step(ids[own], scores[own], rank())
+            expected_parents, expected_tokens = alone[r].step(ids[own], scores[own], rank(EOS))
             assert parents[own].tolist() == (expected_parents + j * k).tolist()
             assert tokens[own].tolist() == expected_tokens.tolist()
             assert together[r].done == alone[r].done
@@ -279,5 +279,5 @@ def test_a_term_that_runs_on_into_a_longer_word_is_not_met():
     for table, expected in ((continues, [5]), (None, [5, 7])):  # without the table, 5 then 7 counts as the term
         search = make_search(options, budget=4, eos_id=EOS, continues=table)
         while not search.done:
-            search.step(None, logits(search.steps), rank())
+            search.step(None, logits(search.steps), rank(EOS))
         assert search.results()[0].tokens == expected

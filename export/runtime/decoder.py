@@ -128,7 +128,6 @@ class Decoder:
         # asks for no attention never loads the aligner
         self._tokenizer = functools.cache(self.bundle.tokenizer)
         self._aligner = functools.cache(lambda: Aligner(self.bundle.aligner_path, device, intra_op_threads))
-        self.ranker = Ranker(self.bundle.ranker_path, native=self.native_steps)  # beam search's ranking (search.Rank)
         m = self.bundle.model
         self.n_layers, self.n_heads, self.head_dim = m["n_decoder_layers"], m["n_heads"], m["d_model"] // m["n_heads"]
         self.d_model = m["d_model"]
@@ -147,6 +146,8 @@ class Decoder:
         self.limits = self.bundle.limits
         ids = self.bundle.special_ids
         self.pad_id, self.bos_id, self.eos_id = ids["pad"], ids["bos"], ids["eos"]
+        # beam search's ranking (search.Rank)
+        self.ranker = Ranker(self.bundle.ranker_path, self.eos_id, native=self.native_steps)
         self.unk_id = ids.get("unk", -1)  # what disable_unk disables
 
     @property

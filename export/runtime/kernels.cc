@@ -1050,7 +1050,7 @@ int64_t nmt_beam_steps(void* runner, void* binding, nmt_beam_run_args* run, char
   std::vector<double> chosen(a.k), totals(a.groups * a.width);
   std::vector<int64_t> rows(a.groups * a.width), ids(a.groups * a.width), since(a.searches, 0);
   std::vector<int32_t> saved;
-  std::vector<uint8_t> over(groups);
+  std::vector<uint8_t> over(groups), ended(a.groups);  // ended: the ranker's, an eos among a search's k best
   std::fill(a.advanced, a.advanced + a.searches, 0);
   try {
     auto& ranker = static_cast<Runner*>(a.ranker)->session;
@@ -1070,6 +1070,8 @@ int64_t nmt_beam_steps(void* runner, void* binding, nmt_beam_run_args* run, char
         bind(ranked, "rows", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, ranked_shape, 2, rows.data(), true);
         bind(ranked, "tokens", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, ranked_shape, 2, ids.data(), true);
         bind(ranked, "totals", ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE, ranked_shape, 2, totals.data(), true);
+        bind(ranked, "ended", ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL, beam_shape, 1, ended.data(), true);
+        bind(ranked, "eos", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, beam_shape, 0, &a.eos, false);  // a scalar
         ranked_groups = groups;
       }
       ranker.Run(run_options, ranked.io);
@@ -1082,8 +1084,7 @@ int64_t nmt_beam_steps(void* runner, void* binding, nmt_beam_run_args* run, char
           over_now += 1;
           continue;
         }
-        bool ruled = since[s] >= a.ordinary[s];  // else an eos among the k best makes the step BeamSearch's
-        for (int64_t i = 0; i < a.k; i++) ruled |= ids[best + i] == a.eos;
+        const bool ruled = since[s] >= a.ordinary[s] || ended[g];  // the step is BeamSearch's
         int64_t* parent = a.chosen_parents + s * a.k;
         int64_t* token = a.chosen_tokens + s * a.k;
         if (ruled) {

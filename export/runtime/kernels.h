@@ -105,8 +105,8 @@ typedef struct {
 /* Offline beam search's steps. The search's rules are nmtserve/search.py's BeamSearch alone: the library takes the
    ordinary steps, where a search's k best extensions simply continue (BeamSearch.ordinary), and calls `rules` back for
    every other. Each step: the session runs, every row's position advances, and the ranker runs once over every group
-   (each search's width best of its k × width extensions, as every other loop ranks them). On an
-   ordinary step (no eos among the k best, an ordinary step left) each row continues its parent with its token (the
+   (each search's width best of its k × width extensions, as every other loop ranks them, and whether an eos is among
+   its k best). On an ordinary step (the ranker says no eos among the k best, an ordinary step left) each row continues its parent with its token (the
    search's next place in out_parents and out_tokens; advanced[search] counts them) and its beam score. On any other,
    its best extensions go into cand_rows, cand_ids and cand_scores, and rules(search, group) writes each row's parent and token
    into chosen_parents and chosen_tokens, its scores into the group's `beam` and ordinary[search] anew. Each row's
