@@ -186,23 +186,20 @@ def with_search_head(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def with_stop_rule(model: onnx.ModelProto, eos: int) -> onnx.ModelProto:
-    """The step with its search head (changed in place) with greedy search's one stopping rule: input `budget`
-    (B,) int64, the position at which each row stops if no eos came; output `finish` (B,) int64, 1 where the row's
-    best token (candidate_ids[:, 0]) is eos, else 2 where the row's position after this step reaches its budget,
-    else 0. Every greedy loop (the library's, the portable one, the server's mixed step) reads `finish` and never
-    restates the rule. Plain operators after the head, so the kernel variants keep them."""
+    """The step with its search head (changed in place) with greedy search's stopping rule: input `last_position`
+    (B,) int64, the position of each row's last step if no eos comes (its budget less one); outputs
+    `eos_candidates` (B, K) bool, which candidates are eos, and `at_budget` (B,) bool, which rows have taken their
+    last step. A greedy row finishes when its best candidate is eos or it is at its budget (on eos, then, if both):
+    every greedy loop (the library's, the portable one, the server's mixed step) reads these two and never compares
+    a token with eos or a position with a budget itself. Two plain operators after the head, so the kernel
+    variants keep them (each node is a few microseconds of every step)."""
     graph = model.graph
-    graph.initializer.extend([numpy_helper.from_array(np.array(v, np.int64), name) for name, v in
-                              (("stop.zero", 0), ("stop.one", 1), ("stop.two", 2), ("stop.eos", eos))])
-    graph.node.extend([
-        helper.make_node("Gather", ["candidate_ids", "stop.zero"], ["stop.best"], axis=1),
-        helper.make_node("Equal", ["stop.best", "stop.eos"], ["stop.said_eos"]),
-        helper.make_node("Add", ["positions", "stop.one"], ["stop.next"]),
-        helper.make_node("GreaterOrEqual", ["stop.next", "budget"], ["stop.at_budget"]),
-        helper.make_node("Where", ["stop.at_budget", "stop.two", "stop.zero"], ["stop.length"]),
-        helper.make_node("Where", ["stop.said_eos", "stop.one", "stop.length"], ["finish"])])
-    graph.input.append(helper.make_tensor_value_info("budget", onnx.TensorProto.INT64, ["batch"]))
-    graph.output.append(helper.make_tensor_value_info("finish", onnx.TensorProto.INT64, ["batch"]))
+    graph.initializer.append(numpy_helper.from_array(np.array(eos, np.int64), "stop.eos"))
+    graph.node.extend([helper.make_node("Equal", ["candidate_ids", "stop.eos"], ["eos_candidates"]),
+                       helper.make_node("GreaterOrEqual", ["positions", "last_position"], ["at_budget"])])
+    graph.input.append(helper.make_tensor_value_info("last_position", onnx.TensorProto.INT64, ["batch"]))
+    graph.output.extend([helper.make_tensor_value_info("eos_candidates", onnx.TensorProto.BOOL, ["batch", "k"]),
+                         helper.make_tensor_value_info("at_budget", onnx.TensorProto.BOOL, ["batch"])])
     return model
 
 

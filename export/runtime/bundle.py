@@ -21,8 +21,8 @@ from nmtserve.errors import BundleError
 
 SCHEMA_VERSION = 8  # 5: each variant lists every graph the runtime runs (search head, shared cross, kernels), their
 # large initializers in one weights file; 6: the search head gives the whole rows' logits (whole_logits); 7: the
-# ranker graph (beam search's ranking); 8: the decoder steps' stopping rule (budget in, finish out), the ranker's
-# eos among the k best (eos in, ended out)
+# ranker graph (beam search's ranking); 8: the decoder steps' stopping rule (last_position in, eos_candidates and
+# at_budget out), the ranker's eos among the k best (eos in, ended out)
 MANIFEST = "manifest.json"
 
 

@@ -63,9 +63,9 @@ CUDA_INTER_THREADS = ("inter_threads {n} on cuda: one decoding context per model
 FALLBACK = "ONNX Runtime's own nodes"  # how the log and GetModelInfo name the portable graphs' kernels
 # source slots (rows × padded length) per encoder call at most: the activations of a call beside its outputs
 ENCODER_TOKENS = 1024
-# the decoder step's per-row inputs (export/build/graphs.py; budget: step_graphs.with_stop_rule)
-ROW_INPUTS = ("tokens", "positions", "cross_slot", "budget")
-NO_BUDGET = np.iinfo(np.int64).max  # the budget of a row no length stops (a search's: its rules stop it)
+# the decoder step's per-row inputs (export/build/graphs.py; last_position: step_graphs.with_stop_rule)
+ROW_INPUTS = ("tokens", "positions", "cross_slot", "last_position")
+NO_BUDGET = np.iinfo(np.int64).max  # the last position of a row no length stops (a search's: its rules stop it)
 log = logging.getLogger("nmtserve.runtime")
 
 
@@ -120,7 +120,7 @@ class Decoder:
         self.encoder = make_session(encoder_path, device, intra_op_threads, custom_ops=custom_ops)
         self._binding, self._bound = self.decoder.io_binding(), {}  # see _binding_for
         self._with_scores = np.array(True)  # the step's with_scores input, bound by address
-        self._unlimited = np.empty(0, np.int64)  # the budget input of steps no length stops, bound by address
+        self._unlimited = np.empty(0, np.int64)  # the last_position input of steps no length stops, bound by address
         self.kv_dtype = np.float16 if self.bundle.variant(variant).get("kv_dtype") == "float16" else np.float32
         self.ops = DeviceTensors(device, PROVIDERS[device], session_options(1), self.bundle.tensor_ops(variant)) \
             if self.io_binding else HostTensors
@@ -138,8 +138,8 @@ class Decoder:
             + tuple((f"{io}{x}_{layer}", 3) for io in ("", "present_") for x in ("cross_k", "cross_v", "cross_eos")
                     for layer in layers) \
             + (("cache_origin", 2), ("cross_slot", 3)) \
-            + tuple((name, 0) for name in ("tokens", "positions", "budget", "candidate_ids", "candidate_scores",
-                                           "finish"))
+            + tuple((name, 0) for name in ("tokens", "positions", "last_position", "candidate_ids", "candidate_scores",
+                                           "eos_candidates", "at_budget"))
         self.eos_width = 2 * self.d_model  # a layer's cross_eos per row: the eos key, then its value
         self.vocab_size = m["vocab_size"]
         self.source_vocab_size = m.get("source_vocab_size") or self.vocab_size
@@ -290,22 +290,28 @@ class Decoder:
         those values (`with_search_head`). With `whole` (R,) int64, rows that need the whole vocabulary among
         rows that need k (a sampler without top-k in the server's batch, say): those rows' logits over the
         vocabulary (R, V) as a third value, unranked. With `budget` (B,) int64, the position at which each row stops
-        if no eos came, each row's finish code as the last value (B,) int64 (step_graphs.with_stop_rule: 0 it runs
-        on, 1 its best token is eos, 2 it reached its budget). The step's K/V are written into `state`; the caller
+        if no eos came, each row's finish code as the last value (B,) int64 (`_finish_codes`: 0 it runs on, 1 its
+        best token is eos, 2 it reached its budget). The step's K/V are written into `state`; the caller
         then picks each row's next token, and for a beam its parent row, with `state.choose`."""
         if not scores and (k != 1 or whole is not None):
             raise ValueError(f"k {k}, whole rows {None if whole is None else whole.tolist()}: a step without scores "
                              "gives each row's one best token only (k = 1, no whole rows)")
         state.open_slot()
         self._with_scores[...] = scores
+        last_position = None if budget is None else budget - 1
         if k == 0:  # each row's search ranks them itself (a sampler without top-k: Sampling.step)
-            self._step(state, 1, np.arange(state.size), budget)
+            self._step(state, 1, np.arange(state.size), last_position)
             out = (None, self._whole.copy())
         else:
-            out = self._step(state, k, whole, budget)
+            out = self._step(state, k, whole, last_position)
             out += () if whole is None else (self._whole.copy(),)
         state.advance()
-        return out if budget is None else out + (self._finish.copy(),)
+        return out if budget is None else out + (self._finish_codes(),)
+
+    def _finish_codes(self) -> np.ndarray:
+        """Each row's finish after the last step, from its stopping rule's outputs (step_graphs.with_stop_rule): 0 it
+        runs on, 1 its best candidate is eos, 2 it is at its budget."""
+        return np.where(self._eos[:, 0], 1, 2 * self._at_budget)
 
     def decode_greedy_steps(self, state: BatchState, steps: int, budget: np.ndarray, scores: bool = True,
                             stop: np.ndarray | None = None, stop_at: float = 0.0) -> tuple[np.ndarray, ...]:
@@ -345,12 +351,13 @@ class Decoder:
                      stop: np.ndarray | None = None, until_a_row_ends: bool = False) -> tuple:
         """The greedy loop of decode_greedy_steps and decode_greedy_run: with native_steps all in the library, with no
         Python between steps (`NativeBinding.greedy_run`); else the same loop here (`_greedy_run_here`)."""
-        n = state.size
+        n, last_position = state.size, budget - 1  # the position of each row's last step (the stopping rule's input)
         self._with_scores[...] = out[1] is not None
         if not self.native_steps:
-            return self._greedy_run_here(state, source, budget, out, stop_at, stop, until_a_row_ends)
-        binding = self._greedy_binding(state, budget)
-        taken, rows = binding.greedy_run(n, state.tokens, state.positions, self._scores, self._finish, source,
+            return self._greedy_run_here(state, source, last_position, out, stop_at, stop, until_a_row_ends)
+        binding = self._greedy_binding(state, last_position)
+        taken, rows = binding.greedy_run(n, state.tokens, state.positions, self._scores, self._eos, self._at_budget,
+                                         source,
                                          self._row_names, 0, out, stop_at=stop_at,
                                          hole=state.hole if state.holes else None,
                                          until_a_row_ends=until_a_row_ends, stop=stop)
@@ -364,7 +371,7 @@ class Decoder:
         return state, source[:rows].copy(), tokens[:taken], None if values is None else values[:taken], end, \
             by_eos.astype(bool)
 
-    def _greedy_run_here(self, state: BatchState, source: np.ndarray, budget: np.ndarray, out: tuple,
+    def _greedy_run_here(self, state: BatchState, source: np.ndarray, last_position: np.ndarray, out: tuple,
                          stop_at: float, stop: np.ndarray | None, until_a_row_ends: bool) -> tuple:
         """_greedy_loop in Python, on ONNX Runtime's own session: every row but the holes decodes at every step (a
         finished one on, ignored, until it leaves), so the rows stay at one position, which that attention steps
@@ -376,7 +383,7 @@ class Decoder:
         taken = 0
         for step in range(len(tokens)):
             if binding is None or rebind:
-                binding = self._greedy_binding(state, budget)
+                binding = self._greedy_binding(state, last_position)
             try:
                 run_bound(self.decoder, binding)
             except Exception:
@@ -389,25 +396,26 @@ class Decoder:
             tokens[step, live] = state.tokens[~done]
             if values is not None:
                 values[step, live] = self._scores[~done, 0]
-            finished = (self._finish != 0) & ~done  # with_stop_rule's codes
-            said_eos = finished & (self._finish == 1)
+            code = self._finish_codes()
+            finished, said_eos = (code != 0) & ~done, (code == 1) & ~done
             end[source[finished]], by_eos[source[said_eos]] = step, 1
             done |= finished
             last = step + 1 == len(tokens) or stop is not None and stop[0] != 0 or 0 < stop_at <= time.monotonic()
             if last or done.all() or until_a_row_ends and finished.any():
                 break
             if not until_a_row_ends and done.sum() * 4 >= len(done):  # the last rows move into the finished ones' places
-                state, source, budget, hole, done, binding = self._compacted(state, source, budget, hole, done)
+                state, source, last_position, hole, done, binding = self._compacted(state, source, last_position, hole,
+                                                                                    done)
         if not until_a_row_ends and done.all():
             state, source = None, source[:0]
         elif not until_a_row_ends and done.any():  # the rows left at return are all live
-            state, source, *_ = self._compacted(state, source, budget, hole, done)
+            state, source, *_ = self._compacted(state, source, last_position, hole, done)
         return state, source, tokens[:taken], None if values is None else values[:taken], end, by_eos.astype(bool)
 
     @staticmethod
-    def _compacted(state: BatchState, source, budget, hole, done) -> tuple:
+    def _compacted(state: BatchState, source, last_position, hole, done) -> tuple:
         state, order = state.compact(~done)
-        return state, source[order], budget[order], hole[order], np.zeros(len(order), bool), None
+        return state, source[order], last_position[order], hole[order], np.zeros(len(order), bool), None
 
     def decode_search_run(self, state: BatchState, searches: list[BeamSearch | Sampling]) -> None:
         """Beam searches or samplings of one kind (one beam size, one number of candidates), one per row of a fresh
@@ -498,28 +506,28 @@ class Decoder:
         place = {r: j for j, r in enumerate(slots)}  # the library moved the searches left into the first places
         return state.moved_in_place(np.array([place[r] for r in left]), cross_eos_moved=False), left
 
-    def _step(self, state: BatchState, k: int, whole: np.ndarray | None = None, budget: np.ndarray | None = None) \
+    def _step(self, state: BatchState, k: int, whole: np.ndarray | None = None, last_position: np.ndarray | None = None) \
             -> tuple[np.ndarray, np.ndarray]:
         """candidate ids and their scores (B, k) on the host, scored as `_with_scores` says (and the `whole`
         rows' logits over the vocabulary in `_whole`). Every cache is bound as both the input and the
         `present` output of its layer, so the step writes the new K/V into `state`'s own buffers, wherever
         they live (`_binding_for`)."""
-        binding = self._binding_for(state, k, whole=whole, budget=budget)
+        binding = self._binding_for(state, k, whole=whole, last_position=last_position)
         run_bound(self.decoder, binding)
         return self._ids.copy(), self._scores.copy()
 
     def _binding_for(self, state: BatchState, k: int, greedy: bool = False, whole: np.ndarray | None = None,
-                     budget: np.ndarray | None = None) -> ort.IOBinding | NativeBinding:
+                     last_position: np.ndarray | None = None) -> ort.IOBinding | NativeBinding:
         """The decoder's binding for a step of `state` asking for k candidates. A binding holds addresses,
         so it is kept from step to step and a group is bound again only when its objects change (`_bound`
         holds weak references to them): the caches (each layer as input and `present` output, with their
         slot counts; with shared_cross the cross K/V as inputs only), the per-row arrays (tokens, positions,
-        cross_slot: BatchState changes them in place; the rows' `budget`, none by default), and the outputs (candidates into buffers of (B, k),
-        with the `candidates` and `with_scores` inputs: the callers set the flag; greedy: k = 1 and each
-        row's best token straight into `state.tokens`, `_greedy_binding`; the `whole` rows, none by default,
-        and their logits over the vocabulary into `_whole`; each row's finish code into `_finish`). Host inputs of
-        a session on a device are copied to it when bound, so there the per-row arrays (and host caches)
-        are bound every step (a translator serves one thread at a time)."""
+        cross_slot: BatchState changes them in place; each row's `last_position`, none by default), and the
+        outputs (candidates into buffers of (B, k), with the `candidates` and `with_scores` inputs: the callers set
+        the flag; greedy: k = 1 and each row's best token straight into `state.tokens`, `_greedy_binding`; the
+        `whole` rows, none by default, and their logits over the vocabulary into `_whole`; the stopping rule's into
+        `_eos` and `_at_budget`). Host inputs of a session on a device are copied to it when bound, so there the
+        per-row arrays (and host caches) are bound every step (a translator serves one thread at a time)."""
         binding, bound, shared = self._binding, self._bound, self.shared_cross
         caches = (state.k, state.v, state.cross_k, state.cross_v, state.cross_eos) \
             + (() if state.origin is None else (state.origin,))
@@ -546,11 +554,11 @@ class Decoder:
                 self._query_shape = np.array([-1, state.width, self.d_model], np.int64)
                 bind_address(binding, "query_shape", "cpu", np.int64, (3,), self._query_shape.ctypes.data)
             bound["caches"] = weak_refs(caches)
-        if budget is None:
+        if last_position is None:
             if len(self._unlimited) != state.size:
                 self._unlimited = np.full(state.size, NO_BUDGET, np.int64)
-            budget = self._unlimited
-        rows, rebound = (state.tokens, state.positions, state.cross_slot, budget), True
+            last_position = self._unlimited
+        rows, rebound = (state.tokens, state.positions, state.cross_slot, last_position), True
         if self.io_binding or copied_when_bound:
             for name, x in zip(ROW_INPUTS, rows):
                 binding.bind_cpu_input(name, np.ascontiguousarray(x))
@@ -566,11 +574,12 @@ class Decoder:
             self._ids, self._scores = np.empty((state.size, k), np.int64), np.empty((state.size, k), np.float32)
             self._k = np.array([k], np.int64)
             self._whole_rows, self._whole = np.zeros(wholes, np.int64), np.empty((wholes, self.vocab_size), np.float32)
-            self._finish = np.empty(state.size, np.int64)
+            self._eos, self._at_budget = np.empty((state.size, k), bool), np.empty(state.size, bool)
             bind_address(binding, "candidates", "cpu", np.int64, (1,), self._k.ctypes.data)
             bind_address(binding, "with_scores", "cpu", np.bool_, (), self._with_scores.ctypes.data)  # host memory
             for name, x in (("candidate_ids", state.tokens.reshape(-1, 1) if greedy else self._ids),
-                            ("candidate_scores", self._scores), ("whole_logits", self._whole), ("finish", self._finish)):
+                            ("candidate_scores", self._scores), ("whole_logits", self._whole),
+                            ("eos_candidates", self._eos), ("at_budget", self._at_budget)):
                 bind_address(binding, name, "cpu", x.dtype, x.shape, x.ctypes.data, output=True)
             bound["outputs"], new_outputs = (state.size, k, greedy, wholes), True
         if wholes:
@@ -579,12 +588,12 @@ class Decoder:
             bind_address(binding, "whole_rows", "cpu", np.int64, (wholes,), self._whole_rows.ctypes.data)
         return binding
 
-    def _greedy_binding(self, state: BatchState, budget: np.ndarray) -> ort.IOBinding | NativeBinding:
+    def _greedy_binding(self, state: BatchState, last_position: np.ndarray) -> ort.IOBinding | NativeBinding:
         """The step's binding for greedy search, with its candidate_ids output bound to the `tokens` input's
         own buffer: the step's search head writes each row's best token where the next step reads it (the
-        embedding's Gather, the first node and only reader of `tokens`, is done by then), and `budget` bound
-        for the step's stopping rule."""
-        return self._binding_for(state, 1, greedy=True, budget=budget)
+        embedding's Gather, the first node and only reader of `tokens`, is done by then), and `last_position`
+        bound for the step's stopping rule."""
+        return self._binding_for(state, 1, greedy=True, last_position=last_position)
 
     def _layer_addresses(self, stacked) -> list[int]:
         """The address of each layer of a stacked (L, …) tensor (host numpy or device OrtValue): bound

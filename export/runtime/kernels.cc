@@ -998,12 +998,12 @@ int64_t nmt_greedy_run(void* runner, void* binding, nmt_greedy_run_args* run, ch
         const int64_t s = a.source[r];
         a.out_tokens[step * a.sources + s] = a.tokens[r];
         if (a.out_scores != nullptr) a.out_scores[step * a.sources + s] = a.scores[r];
-        if (a.finish[r] != 0) {
+        if (a.eos[r] || a.at_budget[r]) {
           finished[r] = 1;
           done += 1;
           ended = true;
           a.end[s] = a.step0 + step;
-          a.by_eos[s] = a.finish[r] == 1;
+          a.by_eos[s] = a.eos[r];
         }
       }
       const bool last = step + 1 == a.max_steps || (a.stop != nullptr && *a.stop) ||

@@ -40,7 +40,8 @@ typedef struct {
   int64_t* tokens;       /* the step's bound input, written by its search head */
   int64_t* positions;    /* the step's bound input */
   const float* scores;   /* the step's bound output: each row's best token's score */
-  const int64_t* finish; /* the step's bound output: 0 the row runs on, 1 it said eos, 2 it reached its budget */
+  const uint8_t* eos;    /* the step's bound outputs (its stopping rule): the row's best token is eos, */
+  const uint8_t* at_budget; /* the row has taken its last step */
   int64_t* source;       /* (rows,) each row's source */
   const uint8_t* hole;   /* (rows,) empty places, or NULL: they never advance, finish or are written */
   int64_t until_a_row_ends; /* 1: the run ends after the first step in which a row finishes, and no row moves */
@@ -58,10 +59,10 @@ typedef struct {
 
 /* Greedy search of a batch's rows from their current step, each row fed its own best token, with no Python between
    steps: the one greedy loop, for offline runs and the server's bursts alike. Each step the session runs (its search
-   head writes each row's best token into `tokens` and its score into `scores`, its stopping rule each row's code into
-   `finish`), every live row advances and its token (and score) is written at its source's column of out_tokens; a row
-   whose code is not 0 finishes (by_eos[its source] = code 1), end[its source] = step0 + that step, and from then on
-   neither advances nor is written (a hole is finished from the start). The run ends when every row has finished, after
+   head writes each row's best token into `tokens` and its score into `scores`, its stopping rule `eos` and `at_budget`),
+   every live row advances and its token (and score) is written at its source's column of out_tokens; a row with eos or
+   at_budget set finishes (by_eos[its source] = eos), end[its source] = step0 + that step, and from then on neither
+   advances nor is written (a hole is finished from the start). The run ends when every row has finished, after
    max_steps, or after a step once *stop is set or CLOCK_MONOTONIC has reached stop_at (when above 0); with
    until_a_row_ends, also after the first step in which a row finishes. Without it, once the finished rows are a
    quarter of the rows they leave (the last live rows move into their places in every buffer of row_names, and in

@@ -147,16 +147,16 @@ class NativeBinding:
             self._send()
         _checked(self._library.nmt_run(self.session._handle, self._handle, self._error, _ERROR_SIZE), self._error)
 
-    def greedy_run(self, rows: int, tokens: np.ndarray, positions: np.ndarray, scores: np.ndarray, finish: np.ndarray,
-                   source: np.ndarray, row_names: tuple[tuple[str, int], ...], step0: int,
+    def greedy_run(self, rows: int, tokens: np.ndarray, positions: np.ndarray, scores: np.ndarray, eos: np.ndarray,
+                   at_budget: np.ndarray, source: np.ndarray, row_names: tuple[tuple[str, int], ...], step0: int,
                    out: tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray], stop_at: float = 0.0,
                    hole: np.ndarray | None = None, until_a_row_ends: bool = False, stop: np.ndarray | None = None) \
             -> tuple[int, int]:
         """Greedy steps of the first `rows` rows in the library (kernels.h, nmt_greedy_run: when a row finishes, and
         how the finished ones leave) until every row has finished or len(out_tokens) steps have run. `tokens`,
-        `positions`, `scores` and `finish` are the bound step's (tokens fed, written by the step; finish: each row's
-        code from the step's stopping rule, step_graphs.with_stop_rule), `source` (int64, a row each) each row's
-        source; the library moves it with the rows. `row_names`: (name, kind) of every bound buffer with a row per leading index (kinds: kernels.h,
+        `positions`, `scores`, `eos` and `at_budget` are the bound step's (tokens fed, written by the step; eos and
+        at_budget (bool, a row each): its stopping rule's, step_graphs.with_stop_rule), `source` (int64, a row each)
+        each row's source; the library moves it with the rows. `row_names`: (name, kind) of every bound buffer with a row per leading index (kinds: kernels.h,
         nmt_row_names). `out`: out_tokens (steps, sources) int64, out_scores (the same, float32, or None), end
         (sources,) int64 and by_eos (sources,) uint8, written at each source's column; end as step0 + the step. The run
         also ends after a step once `stop` (one int32, set by another thread) is nonzero or time.monotonic() has
@@ -166,13 +166,15 @@ class NativeBinding:
         if self._pending:
             self._send()
         out_tokens, out_scores, end, by_eos = out
-        assert tokens.dtype == positions.dtype == source.dtype == finish.dtype == np.int64
+        assert tokens.dtype == positions.dtype == source.dtype == np.int64 and eos.dtype == at_budget.dtype == bool
+        assert eos.size == at_budget.size  # one candidate a row
         assert scores.dtype == np.float32 and by_eos.dtype == np.uint8 and end.dtype == np.int64
         assert out_scores is None or out_scores.shape == out_tokens.shape
         assert (hole is None or hole.dtype == bool) and (stop is None or stop.dtype == np.int32)
         run = _ffi.new("nmt_greedy_run_args *", {
             "rows": rows, "tokens": _pointer("int64_t[]", tokens), "positions": _pointer("int64_t[]", positions),
-            "scores": _pointer("float[]", scores), "finish": _pointer("int64_t[]", finish),
+            "scores": _pointer("float[]", scores), "eos": _pointer("uint8_t[]", eos),
+            "at_budget": _pointer("uint8_t[]", at_budget),
             "source": _pointer("int64_t[]", source), "hole": _pointer("uint8_t[]", hole),
             "until_a_row_ends": until_a_row_ends, "max_steps": len(out_tokens),
             "stop": _pointer("int32_t[]", stop), "stop_at": stop_at, "row_names": self._row_names(row_names)[0],

@@ -36,7 +36,7 @@ from nmtserve.export.runtime.decoder import Decoder
 from nmtserve.export.runtime.request import FinishReason, Request
 from nmtserve.search import BeamSearch, beam_steps
 
-FINISHED = (None, FinishReason.EOS, FinishReason.LENGTH)  # by the step's finish code (step_graphs.with_stop_rule)
+FINISHED = (None, FinishReason.EOS, FinishReason.LENGTH)  # by the step's finish code (Decoder._finish_codes)
 
 
 class RunningBatch:

@@ -22,13 +22,14 @@ def test_manifest_records_model_graphs_variants_and_hashes(tiny_bundle, tiny_che
                                                      "past_k_0", "past_v_0", "past_k_1", "past_v_1",
                                                      "cross_k_0", "cross_v_0", "cross_k_1", "cross_v_1",
                                                      "cross_eos_0", "cross_eos_1", "candidates", "with_scores",
-                                                     "whole_rows", "budget"]
+                                                     "whole_rows", "last_position"]
     # each cache comes back as a `present` output, which the runtime binds to the same buffer; the search head's
-    # candidates in place of the log-probs over the vocabulary; the stopping rule's finish codes
+    # candidates in place of the log-probs over the vocabulary; the stopping rule's outputs
     assert [o["name"] for o in decoder["outputs"]] == ["present_k_0", "present_v_0", "present_k_1",
                                                       "present_v_1", "present_cross_k_0", "present_cross_v_0",
                                                       "present_cross_k_1", "present_cross_v_1", "candidate_ids",
-                                                      "candidate_scores", "whole_logits", "finish"]
+                                                      "candidate_scores", "whole_logits", "eos_candidates",
+                                                      "at_budget"]
     past_k = next(i for i in decoder["inputs"] if i["name"] == "past_k_1")
     assert past_k["shape"] == ["batch", 4, "capacity", 16]
     assert [(i["dtype"], i["shape"]) for i in decoder["inputs"][2:5]] == [("int32", ["batch"]), ("int32", [1]),

@@ -448,8 +448,7 @@ def test_the_kernels_read_the_projections_around_them_directly(tiny_bundle, tiny
     layers = OnnxTranslator(tiny_bundle).n_layers
     for variant in ("fp32", "int8"):
         for shared_cross in (True, False):
-            ops = [n.op_type for n in _graph(OnnxTranslator(tiny_bundle, variant=variant, shared_cross=shared_cross)).node
-                   if not n.output[0].startswith("stop.")]  # greedy's stopping rule (with_stop_rule) aside
+            ops = _ops(OnnxTranslator(tiny_bundle, variant=variant, shared_cross=shared_cross))
             assert "Unsqueeze" not in ops  # the server's cross-attention too: its Concat is (B, 3·D) already
             assert "Reshape" not in ops and "Gather" not in ops and ops.count("Embed") == 1
             assert ops.count("Sub") == (layers if variant == "int8" and not shared_cross else 0)

@@ -179,8 +179,8 @@ def test_python_calls_the_library_through_the_declarations_of_kernels_h(tiny_bun
     with pytest.raises(TypeError):
         library.nmt_run(binding._handle, "not a binding", binding._error, 10)
     with pytest.raises(TypeError):
-        binding.greedy_run(1, np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.float32),
-                           np.zeros(1, np.int64), np.zeros(1, np.int64), (), "step zero",
+        binding.greedy_run(1, np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.float32), np.zeros(1, bool),
+                           np.zeros(1, bool), np.zeros(1, np.int64), (), "step zero",
                            (np.zeros((1, 1), np.int64), None, np.zeros(1, np.int64), np.zeros(1, np.uint8)))
 
 

@@ -116,9 +116,9 @@ def test_a_step_without_scores_gives_the_best_token_and_its_value_before_the_log
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["ort-nodes", "kernel-graph"])
 def test_a_steps_finish_code_says_eos_then_budget(tiny_bundle, tiny_corpus, kernels):
-    """The step's stopping rule (with_stop_rule): each row's finish is 1 where its best token is eos, else 2 where
-    its position after the step reaches its budget, else 0 (the rule in numpy here), over steps in which rows of
-    short translations say eos and budgets end longer ones, one a step."""
+    """The step's stopping rule (with_stop_rule, read as Decoder._finish_codes): each row's finish is 1 where its
+    best token is eos, else 2 where its position after the step reaches its budget, else 0 (the rule in numpy
+    here), over steps in which rows of short translations say eos and budgets end longer ones, one a step."""
     tr = OnnxTranslator(tiny_bundle, attention_kernel=kernels, shared_cross=False)
     sources = [tr.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs]
     by_length = sorted(zip([len(t) for t, _ in tr.translate_ids(sources, max_batch_size=8)], range(len(sources))))

@@ -66,14 +66,14 @@ def _ranked_without_the_beam(module) -> None:
 
 
 def _greedy_stops_a_step_late(module) -> None:
-    """Greedy's stopping rule (exported into the bundle) compares the position after the step with the budget by >,
-    not >=: a row that never says eos runs one token past its budget."""
+    """Greedy's stopping rule (exported into the bundle) compares a row's position with its last one by >, not >=:
+    a row that never says eos runs one token past its budget."""
     rule = module.with_stop_rule
 
     def late(model, eos):
         model = rule(model, eos)
         for node in model.graph.node:
-            if node.output[0] == "stop.at_budget":
+            if node.output[0] == "at_budget":
                 node.op_type = "Greater"
         return model
     module.with_stop_rule = late
