@@ -192,7 +192,7 @@ def with_stop_rule(model: onnx.ModelProto, eos: int) -> onnx.ModelProto:
     last step. A greedy row finishes when its best candidate is eos or it is at its budget (on eos, then, if both):
     every greedy loop (the library's, the portable one, the server's mixed step) reads these two and never compares
     a token with eos or a position with a budget itself. Two plain operators after the head, so the kernel
-    variants keep them (each node is a few microseconds of every step)."""
+    variants keep them (ONNX Runtime runs every node of every step, so the rule is as few nodes as it can be)."""
     graph = model.graph
     graph.initializer.append(numpy_helper.from_array(np.array(eos, np.int64), "stop.eos"))
     graph.node.extend([helper.make_node("Equal", ["candidate_ids", "stop.eos"], ["eos_candidates"]),

@@ -357,8 +357,7 @@ class Decoder:
             return self._greedy_run_here(state, source, last_position, out, stop_at, stop, until_a_row_ends)
         binding = self._greedy_binding(state, last_position)
         taken, rows = binding.greedy_run(n, state.tokens, state.positions, self._scores, self._eos, self._at_budget,
-                                         source,
-                                         self._row_names, 0, out, stop_at=stop_at,
+                                         source, self._row_names, 0, out, stop_at=stop_at,
                                          hole=state.hole if state.holes else None,
                                          until_a_row_ends=until_a_row_ends, stop=stop)
         if rows < n:  # the library bound the fewer rows itself: what _bound holds is stale

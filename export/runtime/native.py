@@ -156,13 +156,13 @@ class NativeBinding:
         how the finished ones leave) until every row has finished or len(out_tokens) steps have run. `tokens`,
         `positions`, `scores`, `eos` and `at_budget` are the bound step's (tokens fed, written by the step; eos and
         at_budget (bool, a row each): its stopping rule's, step_graphs.with_stop_rule), `source` (int64, a row each)
-        each row's source; the library moves it with the rows. `row_names`: (name, kind) of every bound buffer with a row per leading index (kinds: kernels.h,
-        nmt_row_names). `out`: out_tokens (steps, sources) int64, out_scores (the same, float32, or None), end
-        (sources,) int64 and by_eos (sources,) uint8, written at each source's column; end as step0 + the step. The run
-        also ends after a step once `stop` (one int32, set by another thread) is nonzero or time.monotonic() has
-        reached `stop_at` (when above 0); with until_a_row_ends after the first step in which a row finishes, no row
-        moving (the server's bursts). `hole` (bool, a row each): rows that never advance nor finish -> (the steps run,
-        the rows left in the first places of the buffers)."""
+        each row's source; the library moves it with the rows. `row_names`: (name, kind) of every bound buffer with a
+        row per leading index (kinds: kernels.h, nmt_row_names). `out`: out_tokens (steps, sources) int64, out_scores
+        (the same, float32, or None), end (sources,) int64 and by_eos (sources,) uint8, written at each source's
+        column; end as step0 + the step. The run also ends after a step once `stop` (one int32, set by another
+        thread) is nonzero or time.monotonic() has reached `stop_at` (when above 0); with until_a_row_ends after the
+        first step in which a row finishes, no row moving (the server's bursts). `hole` (bool, a row each): rows that
+        never advance nor finish -> (the steps run, the rows left in the first places of the buffers)."""
         if self._pending:
             self._send()
         out_tokens, out_scores, end, by_eos = out
