@@ -121,6 +121,7 @@ class Decoder:
         self._binding, self._bound = self.decoder.io_binding(), {}  # see _binding_for
         self._with_scores = np.array(True)  # the step's with_scores input, bound by address
         self._unlimited = np.empty(0, np.int64)  # the last_position input of steps no length stops, bound by address
+        self._last = np.empty(0, np.int64)  # the last_position input of the others (_last_positions)
         self.kv_dtype = np.float16 if self.bundle.variant(variant).get("kv_dtype") == "float16" else np.float32
         self.ops = DeviceTensors(device, PROVIDERS[device], session_options(1), self.bundle.tensor_ops(variant)) \
             if self.io_binding else HostTensors
@@ -298,7 +299,7 @@ class Decoder:
                              "gives each row's one best token only (k = 1, no whole rows)")
         state.open_slot()
         self._with_scores[...] = scores
-        last_position = None if budget is None else budget - 1
+        last_position = None if budget is None else self._last_positions(budget)
         if k == 0:  # each row's search ranks them itself (a sampler without top-k: Sampling.step)
             self._step(state, 1, np.arange(state.size), last_position)
             out = (None, self._whole.copy())
@@ -307,6 +308,15 @@ class Decoder:
             out += () if whole is None else (self._whole.copy(),)
         state.advance()
         return out if budget is None else out + (self._finish_codes(),)
+
+    def _last_positions(self, budget: np.ndarray) -> np.ndarray:
+        """The stopping rule's input, the position of each row's last step (budget less one), in a buffer of the
+        decoder's that stays the same object while the batch keeps its size, so that a binding holding it is not
+        bound again at every call (the server's bursts and steps)."""
+        if len(self._last) != len(budget):
+            self._last = np.empty(len(budget), np.int64)
+        np.subtract(budget, 1, out=self._last)
+        return self._last
 
     def _finish_codes(self) -> np.ndarray:
         """Each row's finish after the last step, from its stopping rule's outputs (step_graphs.with_stop_rule): 0 it
@@ -351,7 +361,7 @@ class Decoder:
                      stop: np.ndarray | None = None, until_a_row_ends: bool = False) -> tuple:
         """The greedy loop of decode_greedy_steps and decode_greedy_run: with native_steps all in the library, with no
         Python between steps (`NativeBinding.greedy_run`); else the same loop here (`_greedy_run_here`)."""
-        n, last_position = state.size, budget - 1  # the position of each row's last step (the stopping rule's input)
+        n, last_position = state.size, self._last_positions(budget)
         self._with_scores[...] = out[1] is not None
         if not self.native_steps:
             return self._greedy_run_here(state, source, last_position, out, stop_at, stop, until_a_row_ends)
@@ -628,5 +638,6 @@ class Decoder:
             raise ConfigError(CUDA_INTER_THREADS.format(n=2))
         replica = copy.copy(self)
         replica._binding, replica._bound = self.decoder.io_binding(), {}
-        replica._with_scores, replica._unlimited = np.array(True), np.empty(0, np.int64)
+        replica._with_scores, replica._unlimited, replica._last = np.array(True), np.empty(0, np.int64), \
+            np.empty(0, np.int64)
         return replica
