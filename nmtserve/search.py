@@ -329,13 +329,12 @@ def beam_steps(searches: list[BeamSearch | None], ids: np.ndarray | None, scores
                                                 scores[:, :width].reshape(n, k, width))  # each search's 2k best
     parents = (cand_row[:, :k] + np.arange(0, n * k, k)[:, None]).ravel()
     tokens = cand_id[:, :k].ravel()
-    eos = ended.tolist()
-    rows, ids_k = cand_row[:, :k].tolist(), cand_id[:, :k].tolist()
+    rows, ids_k, ended = cand_row[:, :k].tolist(), cand_id[:, :k].tolist(), ended.tolist()
     for j, search in enumerate(searches):
         own = slice(j * k, (j + 1) * k)
         if search is None:  # its rows decode on, ignored: each continues itself
             parents[own], tokens[own] = np.arange(j * k, (j + 1) * k), ids[own, 0]
-        elif search.ordinary(eos[j]):
+        elif search.ordinary(ended[j]):
             search.advance([rows[j]], [ids_k[j]], cand_score[j, :k])
         else:
             chosen, tokens[own] = search.select(cand_row[j], cand_id[j], cand_score[j])
