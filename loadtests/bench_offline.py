@@ -8,8 +8,8 @@ Fair by construction:
   worker …`) that imports only its engine; the report lists the engines' modules each worker had
   loaded, and an ONNX Runtime worker never has torch or ctranslate2 beside it;
 - a run starts one worker per engine and thread count, in an order rotated from run to run, and
-  each worker translates the sentences `repeats` times at every batch size after a warm-up (the
-  median pass counts); `runs` runs, so the engines interleave and drift of the machine hits them alike;
+  each worker translates the sentences `repeats` times at every batch size after a warm-up (on a GPU, a
+  whole pass at each batch size; the median pass counts); `runs` runs, so the engines interleave and drift of the machine hits them alike;
 - thread counts are swept (half the usable cores and all of them, by default), each in two layouts
   where the engine has both (ONNX Runtime, CTranslate2): n intra-op threads on one batch at a time
   (1×n), and n batches at a time on one thread each (n×1, CTranslate2's `inter_threads`); each
@@ -275,7 +275,8 @@ def mflop_per_token(model: dict, beam_size: int, source_tokens: int, target_toke
 def measure(engine: str, inter: int, threads: int, spec: dict) -> dict:
     """Warm up, then translate every source `repeats` times at each batch size (in this process), keeping
     the median pass: one pass of 200 short sentences lasts 0.1–0.5 s at the larger batches, where a
-    hiccup of the machine or a first call at a new shape shows. The host probe runs before and after."""
+    hiccup of the machine or a first call at a new shape shows. On a GPU an untimed pass at each batch size comes
+    first (there a first pass took several times a later one). The host probe runs before and after."""
     probe_before = host_probe()
     started = time.perf_counter()
     run = _load_engine(engine, inter, threads, spec)
@@ -284,6 +285,8 @@ def measure(engine: str, inter: int, threads: int, spec: dict) -> dict:
     run(sources[:16], 8)  # first-call allocations, lazy kernels
     seconds, tokens, outputs = {}, {}, {}
     for batch in spec["batch_sizes"]:
+        if spec["device"] == "cuda":  # a GPU's first pass at a batch size allocates and tunes for each new shape
+            run(sources, batch)
         passes = []
         for _ in range(spec["repeats"]):
             t0 = time.perf_counter()

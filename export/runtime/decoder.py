@@ -213,6 +213,7 @@ class Decoder:
         row = {"cross_k": (cross[2:], src_len * slot_bytes), "cross_v": (cross[2:], src_len * slot_bytes),
                "cross_eos": ((self.eos_width,), 2 * slot_bytes)}
         layers = {prefix: self._layer_addresses(x) for prefix, x in stacked.items()}
+        where = "cpu" if isinstance(stacked["cross_k"], np.ndarray) else self.device  # host arrays: host memory
         rows_per_call = max(1, ENCODER_TOKENS // src_len)
         for first in range(0, batch, rows_per_call):
             rows = slice(first, min(batch, first + rows_per_call))
@@ -222,7 +223,7 @@ class Decoder:
             for prefix, addresses in layers.items():
                 for layer, address in enumerate(addresses):
                     shape, size = row[prefix]
-                    bind_address(binding, f"{prefix}_{layer}", self.device, self.kv_dtype, (rows.stop - first, *shape),
+                    bind_address(binding, f"{prefix}_{layer}", where, self.kv_dtype, (rows.stop - first, *shape),
                                  address + first * size, output=True)
             run_bound(self.encoder, binding)
         return stacked["cross_k"], stacked["cross_v"], stacked["cross_eos"]

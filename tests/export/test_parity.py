@@ -323,3 +323,22 @@ def test_io_binding_keeps_the_caches_in_ortvalues_and_translates_identically(tin
         tokens, scores = bound.decode_one_token(state)
         assert tokens.dtype == np.int64 and tokens.shape == scores.shape == (2,)
         assert isinstance(state.k, ort.OrtValue) and state.length == 1 and state.valid[:, 0].all()
+
+
+def test_io_binding_translators_checks_on_plain_arrays_give_the_host_paths_values(tiny_bundle, tiny_corpus):
+    """`encode` and `step` on host arrays (export --verify's form) on a session of the test device with IOBinding:
+    host memory is bound as host memory (on CUDA, bound as device memory it was an invalid copy in the encoder)."""
+    host = OnnxTranslator(tiny_bundle, variant=TEST_VARIANT, device=TEST_DEVICE, io_binding=False, attention_kernel=False)
+    bound = OnnxTranslator(tiny_bundle, variant=TEST_VARIANT, device=TEST_DEVICE, io_binding=True)
+    texts = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs[:3]]
+    src_ids, src_mask = host.pad([host.tokenizer.encode(t) for t in texts])
+    encoded = [tr.encode(src_ids, src_mask) for tr in (host, bound)]
+    for expected, got in zip(*encoded):
+        assert isinstance(got, np.ndarray) and np.allclose(got, expected, atol=TEST_SCORE_TOLERANCE)
+    cross_k, cross_v, _ = encoded[0]
+    n_layers, batch, heads, _, head_dim = cross_k.shape
+    past = np.zeros((n_layers, batch, heads, 0, head_dim), host.kv_dtype)
+    tokens, positions, valid = np.full(batch, host.bos_id, np.int64), np.zeros(batch, np.int64), np.zeros((batch, 0), bool)
+    steps = [tr.step(tokens, positions, past, past, valid, cross_k, cross_v, src_mask) for tr in (host, bound)]
+    for expected, got in zip(*steps):
+        assert np.allclose(got, expected, atol=TEST_SCORE_TOLERANCE)
