@@ -25,7 +25,9 @@ engines alone (`engines_alone`: a server's model and engines as `serve` loads th
 each layout, fed the same kind of calls by a closed loop without gRPC, continuous batching): where the served
 throughput falls short of the offline one, this says whether the engines or the RPC path around them lose it.
 Once a run the RPC path's own cost is measured too (`rpc_floor`, loadtests/grpc_floor.py: a bare grpc.aio
-server's no-op call from the same kind of client), and the two figures that it bounds:
+server's no-op call from the same kind of client, as fast as its clients can call and again paced to the calls/s
+of the busiest continuous server at the most clients, against whose servicer's CPU a call both compare), and the
+two figures that it bounds:
 the least served p50 at one client it leaves above the baseline's, and the most a server whose calls cost
 only that could reach at saturation against the offline best, its CPU taken from the same cores.
 With `--sentences-per-call N` each call carries N sentences (Translate's `sentences`), so the cost of
@@ -416,7 +418,7 @@ def run_served_bench(cfg: ServedBenchConfig, progress: Progress) -> dict:
                     offline[engines, t].append(run_worker(f"ort_{cfg.variant}", engines, t, spec_path))
                 for engines, t in alone:
                     alone[engines, t].append(run_engines_alone(engines, t, engines_path))
-                floors.append(grpc_floor())
+                floors.append(grpc_floor(rate=busiest_rate(cells, max(cfg.concurrency))))
             if cfg.profile:  # an extra cell at the most clients for each server, not measured: py-spy samples it
                 c = max(cfg.concurrency)
                 progress.stage(f"profiles: {c} client(s), {len(servers_at)} server(s)")
@@ -481,14 +483,27 @@ def _ratios(results: dict, key: str) -> dict[str, float]:
     return {c: round(results["continuous"][c][key] / results["static"][c][key], 2) for c in results["continuous"]}
 
 
+def busiest_rate(cells: dict, clients: int) -> float:
+    """Calls a second of the latest run's busiest continuous server (any mode's without one) at `clients`: the load
+    at which the RPC floor is measured a second time (grpc_floor's `rate`)."""
+    modes = {m for m, _ in cells}
+    return max(runs[clients][-1]["requests_per_s"] for (m, _), runs in cells.items()
+               if m == ("continuous" if "continuous" in modes else m) and runs[clients])
+
+
 def rpc_floor(floors: list[dict]) -> dict | None:
-    """The runs' grpc_floor measures: the median of each figure, the p50's spread."""
+    """The runs' grpc_floor measures: the median of each figure (at_rate's too), the p50's spread."""
     if not floors:
         return None
-    floor = {key: None if any(f[key] is None for f in floors) else round(statistics.median(f[key] for f in floors), 3)
-             for key in floors[0]}
+
+    def medians(measures: list[dict]) -> dict:
+        return {key: None if any(m[key] is None for m in measures) else round(statistics.median(m[key] for m in measures), 3)
+                for key in measures[0]}
+
+    floor = medians([{k: v for k, v in f.items() if k != "at_rate"} for f in floors])
+    paced = [f["at_rate"] for f in floors if f.get("at_rate")]
     return {**floor, "p50_ms_min_max": [round(min(f["p50_ms"] for f in floors), 3), round(max(f["p50_ms"] for f in floors), 3)],
-            "clients": FLOOR_CLIENTS}
+            "clients": FLOOR_CLIENTS, "at_rate": medians(paced) if paced else None}
 
 
 def rpc_bound(offline: dict, floor: dict, tokens_per_call: float) -> float:
@@ -543,6 +558,16 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: dict[int, list[dict]
     floor = rpc_floor(floors or [])
     if floor and baseline:  # item 3 allows one client's served p50 1.10x the baseline's: the floor must stay under 0.10
         ratios["RPC floor p50 / OnnxTranslator batch-1 p50"] = round(floor["p50_ms"] / baseline["p50_ms"], 3)
+    if floor and floor["server_cpu_ms"] is not None and "continuous" in results:  # item 1: the servicer against gRPC
+        c = max(cfg.concurrency)
+        cpu = results["continuous"][str(c)]["cpu_ms_per_call"]
+        if cpu:
+            servicer = cpu["run"]["event loop"] + cpu["run"]["other server threads"]
+            ratios[f"continuous servicer CPU a call at {c} clients / the RPC floor's"] = round(
+                servicer / floor["server_cpu_ms"], 3)
+            if (floor["at_rate"] or {}).get("server_cpu_ms"):
+                ratios[f"continuous servicer CPU a call at {c} clients / the RPC floor's at its calls/s"] = round(
+                    servicer / floor["at_rate"]["server_cpu_ms"], 3)
     if floor and offline and floor["server_cpu_ms"] is not None and cfg.device == "cpu":  # engines on the cores
         mode = max(saturation, key=saturation.get)
         cell = max(results[mode].values(), key=lambda c: c["steady_tokens_per_s"])
@@ -629,6 +654,9 @@ def format_table(report: dict) -> str:
         low, high = floor["p50_ms_min_max"]
         cpu = f"; CPU a call: server {floor['server_cpu_ms']:.3f} ms, client {floor['client_cpu_ms']:.3f} ms" \
             if floor["server_cpu_ms"] is not None else ""
+        paced = floor.get("at_rate") or {}
+        if paced.get("server_cpu_ms") is not None:
+            cpu += f"; paced to {paced['calls_per_s']:,.0f} calls/s, server {paced['server_cpu_ms']:.3f} ms a call"
         lines.append(f"the RPC floor (a bare grpc.aio server's no-op call, Python's blocking stubs; loadtests/grpc_floor.py): "
                      f"p50 {floor['p50_ms']:.3f} ms [{low:.3f}–{high:.3f}] at one client, {floor['calls_per_s']:,.0f} "
                      f"calls/s at {floor['clients']} clients{cpu}")

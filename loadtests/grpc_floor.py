@@ -6,7 +6,10 @@ the channel the served benchmark's clients use, as they call (`bench_served._cel
 
 - one client: the p50 of a call, which every served call pays beside its translation;
 - FLOOR_CLIENTS clients for a few seconds: calls/s, and the CPU a call of the server process and of the
-  client, which share the host's cores with the engines when the benchmark's clients run on the server's host.
+  client, which share the host's cores with the engines when the benchmark's clients run on the server's host;
+- with `rate`, the same clients paced to that many calls a second in all (a served cell's): the server's CPU a
+  call at that load. An event loop below saturation wakes for fewer calls at a time, so a call costs it more
+  than at the floor's own saturation: a served server is compared with the floor at its own rate too.
 
 `nmtserve bench served` measures it once a run, every server idle, and sets it against the offline baseline
 (bench_served._report): how close a server that cost nothing but this could come to OnnxTranslator at
@@ -50,11 +53,11 @@ def _serve() -> None:
     asyncio.run(main())
 
 
-def grpc_floor() -> dict:
-    """-> p50_ms (one client), calls_per_s, server_cpu_ms and client_cpu_ms a call (FLOOR_CLIENTS clients)."""
+def grpc_floor(rate: float = 0.0) -> dict:
+    """-> p50_ms (one client), calls_per_s, server_cpu_ms and client_cpu_ms a call (FLOOR_CLIENTS clients as fast
+    as they can); with `rate` (calls a second), `at_rate`: calls_per_s and server_cpu_ms with the clients paced to it."""
     from nmtserve.client import open_channel
     from nmtserve.errors import NmtserveError
-    from nmtserve.loadtests.machine import thread_times
     from nmtserve.v1 import translation_pb2 as pb
     from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 
@@ -73,20 +76,10 @@ def grpc_floor() -> dict:
                 started = time.perf_counter()
                 call(pb.ListModelsRequest())
                 latencies.append(time.perf_counter() - started)
-            counts, stop = [0] * FLOOR_CLIENTS, time.perf_counter() + SATURATED_SECONDS
-
-            def client(i: int) -> None:
-                while time.perf_counter() < stop:
-                    call(pb.ListModelsRequest())
-                    counts[i] += 1
-
-            before, client_cpu, started = thread_times(server.pid), time.process_time(), time.perf_counter()
-            clients = [threading.Thread(target=client, args=(i,)) for i in range(FLOOR_CLIENTS)]
-            for t in clients:
-                t.start()
-            for t in clients:
-                t.join()
-            seconds, client_cpu, after = time.perf_counter() - started, time.process_time() - client_cpu, thread_times(server.pid)
+            floor = {"p50_ms": statistics.median(latencies) * 1e3, **_load(call, server.pid, 0.0)}
+            if rate:
+                paced = _load(call, server.pid, rate)
+                floor["at_rate"] = {"calls_per_s": paced["calls_per_s"], "server_cpu_ms": paced["server_cpu_ms"]}
     finally:
         server.stdin.close()
         try:
@@ -94,10 +87,38 @@ def grpc_floor() -> dict:
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+    return floor
+
+
+def _load(call, pid: int, rate: float) -> dict:
+    """FLOOR_CLIENTS threads calling for SATURATED_SECONDS, each as soon as its last call returned (rate 0) or on a
+    schedule of its own that makes `rate` calls a second in all -> calls_per_s, server_cpu_ms and client_cpu_ms a
+    call."""
+    from nmtserve.loadtests.machine import thread_times
+    from nmtserve.v1 import translation_pb2 as pb
+
+    counts, started = [0] * FLOOR_CLIENTS, time.perf_counter()
+    stop, gap = started + SATURATED_SECONDS, FLOOR_CLIENTS / rate if rate else 0.0
+
+    def client(i: int) -> None:
+        due = started + gap * i / FLOOR_CLIENTS  # the clients' calls spread evenly over each gap
+        while time.perf_counter() < stop:
+            if gap:
+                time.sleep(max(0.0, due - time.perf_counter()))
+                due += gap
+            call(pb.ListModelsRequest())
+            counts[i] += 1
+
+    before, client_cpu = thread_times(pid), time.process_time()
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(FLOOR_CLIENTS)]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join()
+    seconds, client_cpu, after = time.perf_counter() - started, time.process_time() - client_cpu, thread_times(pid)
     calls = sum(counts)
     server_cpu = sum(after[kind][0] - before[kind][0] for kind in after) if before and after else None
-    return {"p50_ms": statistics.median(latencies) * 1e3, "calls_per_s": calls / seconds,
-            "server_cpu_ms": server_cpu * 1e3 / calls if server_cpu is not None else None,
+    return {"calls_per_s": calls / seconds, "server_cpu_ms": server_cpu * 1e3 / calls if server_cpu is not None else None,
             "client_cpu_ms": client_cpu * 1e3 / calls}
 
 

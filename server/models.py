@@ -42,6 +42,7 @@ log = logging.getLogger("nmtserve.server")
 
 SPEC_KEYS = ("bundle", "id", "variant", "device", "threads", "inter_threads", "glossary")
 INTEGER_KEYS = ("threads", "inter_threads")
+OPTIONS_KEPT = 256  # distinct DecodingOptions messages whose conversion a model keeps (ServedModel.options)
 
 
 @dataclass
@@ -163,6 +164,7 @@ class ServedModel:
         self.defaults, self.default_output_tokens = bundle_defaults(tr.bundle.manifest, self.max_decoding_length)
         self.manifest_path = Path(spec.bundle) / MANIFEST
         self._info: pb.ModelInfo | None = None  # info(), built on first use
+        self._options: dict[bytes, tuple[int, DecodingOptions]] = {}  # options(), by the message's bytes
         languages = tr.bundle.manifest.get("languages") or {}
         self.source_language, self.target_language = languages.get("source", ""), languages.get("target", "")
         self.glossary = read_glossary(spec.glossary) if spec.glossary else None  # the calls that give none use it
@@ -178,11 +180,19 @@ class ServedModel:
 
     # -- validation
     def options(self, options: pb.DecodingOptions) -> tuple[int, DecodingOptions]:
-        """(most output tokens, the search's options) of a call to this model (convert.decoding_options)."""
+        """(most output tokens, the search's options) of a call to this model (convert.decoding_options), worked out
+        once for each distinct message: most calls send the same few (the defaults, above all)."""
         if options.return_attention:
             self.require_aligner("options.")
-        return decoding_options(options, self.defaults, self.default_output_tokens, self.max_decoding_length,
-                                self.engine.tr.vocab_size, self.max_beam_size, self.tokenizer.encode_target)
+        key = options.SerializeToString(deterministic=True)
+        found = self._options.get(key)
+        if found is None:
+            found = decoding_options(options, self.defaults, self.default_output_tokens, self.max_decoding_length,
+                                     self.engine.tr.vocab_size, self.max_beam_size, self.tokenizer.encode_target)
+            if len(self._options) >= OPTIONS_KEPT:  # a client sending ever new options cannot grow it without end
+                self._options.clear()
+            self._options[key] = found
+        return found
 
     def require_aligner(self, field: str) -> None:
         """InvalidRequest, its message led by `field`, where this model's bundle has no aligner graph (the attention

@@ -118,6 +118,17 @@ def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_p
     assert report["ratios"]["RPC floor p50 / OnnxTranslator batch-1 p50"] == pytest.approx(
         floor["p50_ms"] / report["baseline_onnx_translator_batch1"]["p50_ms"], rel=0.01)
     assert report["baseline_onnx_translator_batch1"]["threads"] in (1, 2)
+    # paced to the busiest continuous server's calls/s at the most clients, and the servicer against both floors
+    paced = floor["at_rate"]
+    busiest = max(by["continuous"]["2"]["requests_per_s"] for by in report["results_by_layout"].values())
+    assert paced["calls_per_s"] == pytest.approx(busiest, rel=0.5) and paced["server_cpu_ms"] > 0
+    cpu = report["results"]["continuous"]["2"]["cpu_ms_per_call"]["run"]
+    servicer = cpu["event loop"] + cpu["other server threads"]
+    assert report["ratios"]["continuous servicer CPU a call at 2 clients / the RPC floor's"] == pytest.approx(
+        servicer / floor["server_cpu_ms"], abs=2e-3)
+    assert report["ratios"]["continuous servicer CPU a call at 2 clients / the RPC floor's at its calls/s"] == \
+        pytest.approx(servicer / paced["server_cpu_ms"], abs=2e-3)
+    assert "paced to" in result.stdout
     # the decoder step's time at each batch size up to the servers' rows (64 by default)
     assert list(report["step_ms_by_rows"]) == ["1", "8", "16", "32", "48", "64"]
     assert all(ms > 0 for ms in report["step_ms_by_rows"].values()) and "decoder step, ms" in result.stdout

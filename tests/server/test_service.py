@@ -13,11 +13,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from nmtserve.errors import ConfigError
+from nmtserve.export.runtime.engine import EnginePool
 from nmtserve.export.runtime.translator import OnnxTranslator
 from nmtserve.glossary import Glossary
 from nmtserve.server import bridge
 from nmtserve.server.app import start_server
 from nmtserve.server.config import ServerConfig
+from nmtserve.server.convert import InvalidRequest
+from nmtserve.server.models import OPTIONS_KEPT, ModelSpec, ServedModel
 from nmtserve.training.data import read_tsv
 from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
@@ -146,6 +149,24 @@ def test_invalid_requests_name_the_field(served, request_, field):
     with served.channel() as channel, pytest.raises(grpc.RpcError) as err:
         pb_grpc.TranslationServiceStub(channel).Translate(request_, timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+
+
+def test_a_models_options_are_converted_once_per_message_and_refused_at_every_call(tiny_bundle):
+    """ServedModel.options keeps each distinct message's conversion (the same object for the same bytes, another for
+    other options, at most OPTIONS_KEPT of them); an invalid message is refused at every call, never kept."""
+    config = ServerConfig.from_flags(bundle=str(tiny_bundle), port=0, metrics_port=-1, max_decoding_length=64)
+    engine = EnginePool(OnnxTranslator(tiny_bundle), 1, config.engine)  # not started: options need no engine thread
+    model = ServedModel(ModelSpec("m", str(tiny_bundle), "fp32", "cpu", 1), engine, config)
+    plain = model.options(pb.DecodingOptions())
+    assert model.options(pb.DecodingOptions()) is plain and plain[1] == model.defaults
+    beam = model.options(pb.DecodingOptions(beam_size=4, max_decoding_length=9))
+    assert beam == (9, model.defaults.override(beam_size=4))
+    assert model.options(pb.DecodingOptions(max_decoding_length=9, beam_size=4)) is beam
+    for _ in range(2):
+        with pytest.raises(InvalidRequest, match="options.max_decoding_length 65 exceeds the limit 64"):
+            model.options(pb.DecodingOptions(max_decoding_length=65))
+    seeds = [model.options(pb.DecodingOptions(seed=seed))[1].seed for seed in range(1, OPTIONS_KEPT + 2)]
+    assert seeds == list(range(1, OPTIONS_KEPT + 2)) and len(model._options) <= OPTIONS_KEPT
 
 
 def test_scores_timings_and_finish_reasons(served, sentences):
