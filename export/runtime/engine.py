@@ -202,12 +202,12 @@ class Engine:
         running = self.batch.requests
         if self.config.batching == "static" and running:
             return []  # static batching: the running batch finishes before anyone joins
-        budget = self.config.max_batch_tokens - sum(r.cost(self.tr.limits) for r in running)
         rows = sum(r.width for r in running)
         gather = min(self.config.admit_rows, max(1, self.config.max_running_rows // 8))
         if running and rows >= gather // 2 and self.steps - self.admitted_step < self.config.admit_steps \
                 and min(self.config.max_running_rows - rows, sum(r.width for r in self.waiting)) < gather:
             return []  # newcomers gather, to be encoded together (EngineConfig.admit_rows)
+        budget = self.config.max_batch_tokens - sum(r.cost(self.tr.limits) for r in running)
         admitted = []
         for request in sorted(self.waiting, key=self._latest_start) if running else self.waiting:
             if rows + request.width > self.config.max_running_rows:
