@@ -8,8 +8,9 @@ Fair by construction:
   worker …`) that imports only its engine; the report lists the engines' modules each worker had
   loaded, and an ONNX Runtime worker never has torch or ctranslate2 beside it;
 - a run starts one worker per engine and thread count, in an order rotated from run to run, and
-  each worker translates the sentences `repeats` times at every batch size after a warm-up (on a GPU, a
-  whole pass at each batch size; the median pass counts); `runs` runs, so the engines interleave and drift of the machine hits them alike;
+  each worker translates the sentences `repeats` times at every batch size after a warm-up (on a GPU,
+  a whole pass at each batch size; the median pass counts); `runs` runs, so the engines interleave and
+  drift of the machine hits them alike;
 - thread counts are swept (half the usable cores and all of them, by default), each in two layouts
   where the engine has both (ONNX Runtime, CTranslate2): n intra-op threads on one batch at a time
   (1×n), and n batches at a time on one thread each (n×1, CTranslate2's `inter_threads`); each

@@ -486,9 +486,8 @@ def _ratios(results: dict, key: str) -> dict[str, float]:
 def busiest_rate(cells: dict, clients: int) -> float:
     """Calls a second of the latest run's busiest continuous server (any mode's without one) at `clients`: the load
     at which the RPC floor is measured a second time (grpc_floor's `rate`)."""
-    modes = {m for m, _ in cells}
-    return max(runs[clients][-1]["requests_per_s"] for (m, _), runs in cells.items()
-               if m == ("continuous" if "continuous" in modes else m) and runs[clients])
+    servers = [runs for (mode, _), runs in cells.items() if mode == "continuous"] or list(cells.values())
+    return max(runs[clients][-1]["requests_per_s"] for runs in servers if runs[clients])
 
 
 def rpc_floor(floors: list[dict]) -> dict | None:
