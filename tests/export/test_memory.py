@@ -32,7 +32,9 @@ def test_a_translator_keeps_freed_memory_for_the_next_allocations_unless_told_no
                               text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         return float(done.stdout.strip().splitlines()[-1])
-    assert faults_per_round("off") > 5000  # ~12,000: 48 MB faulted in again in 4 kB pages every round
+    # off: the heap's top, trimmed at the frees, faulted in again page by page every round (how much of the 48 MB
+    # glibc trims varies with the host); kept: nothing to fault in again
+    assert faults_per_round("off") > 1000
     assert faults_per_round("keep") < 100
 
 
