@@ -557,7 +557,7 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: dict[int, list[dict]
     floor = rpc_floor(floors or [])
     if floor and baseline:  # item 3 allows one client's served p50 1.10x the baseline's: the floor must stay under 0.10
         ratios["RPC floor p50 / OnnxTranslator batch-1 p50"] = round(floor["p50_ms"] / baseline["p50_ms"], 3)
-    if floor and floor["server_cpu_ms"] is not None and "continuous" in results:  # item 1: the servicer against gRPC
+    if floor and floor["server_cpu_ms"] is not None and "continuous" in results:  # the servicer's CPU against gRPC's own
         c = max(cfg.concurrency)
         cpu = results["continuous"][str(c)]["cpu_ms_per_call"]
         if cpu:

@@ -165,13 +165,13 @@ def test_a_pool_of_engines_spreads_requests_and_each_gets_the_translator_tokens(
         pool.stop()
 
 
-def test_a_pools_busy_hint_takes_no_engines_lock(tiny_bundle, sources):
+def test_a_pools_busy_hint_takes_no_engines_lock(tiny_bundle):
     """EnginePool.busy is asked from an engine thread's on_finish, which may hold its own engine's lock while
     another engine's thread, holding its lock, asks too: the hint reads without the locks, so neither waits.
     (Host arrays: a pool of two is refused on CUDA.)"""
     pool = EnginePool(_translator(tiny_bundle, False), 2, EngineConfig(max_running_rows=8))  # not started: it waits
     assert not pool.busy()
-    pool.submit(Request(sources[0]))
+    pool.submit(Request([5, 6, 7]))
     answers = []
     with pool.engines[0].lock, pool.engines[1].lock:  # both engines' locks held by someone else
         asking = threading.Thread(target=lambda: answers.append(pool.busy()))
