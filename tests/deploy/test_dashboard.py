@@ -1,6 +1,7 @@
 """The Grafana dashboard queries only what the server (and the limiter overlay's HAProxy) exports, and every query
 runs on a real Prometheus that scrapes a real server, and HAProxy in front of it, after real traffic."""
 
+import contextlib
 import json
 import re
 import subprocess
@@ -127,44 +128,46 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tiny_bundle, 
     sentences = [s for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs][:8]
     keys = tmp_path / "keys.toml"
     keys.write_text(client_entry("dashboard", DASH) + client_entry("tight", TIGHT, chars_per_minute=10))
-    server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=0,
-                                                  http_port=0, max_decoding_length=64, api_keys=str(keys)))
-    system_tool("haproxy")
-    limiter = Limiter(LIMITER_CONFIG, f"127.0.0.1:{server.running.port}", f"127.0.0.1:{server.running.http_port}", 1,
-                      log=tmp_path / "haproxy.log")
-    key = [("authorization", f"Bearer {DASH}")]
-    refused_in_front = []
+    with contextlib.ExitStack() as stack:  # each started thing stopped, whatever fails after it
+        server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=0,
+                                                      http_port=0, max_decoding_length=64, api_keys=str(keys)))
+        stack.callback(server.stop)
+        system_tool("haproxy")
+        limiter = stack.enter_context(Limiter(LIMITER_CONFIG, f"127.0.0.1:{server.running.port}",
+                                              f"127.0.0.1:{server.running.http_port}", 1, log=tmp_path / "haproxy.log"))
+        key = [("authorization", f"Bearer {DASH}")]
+        refused_in_front = []
 
-    def traffic(round_: int) -> None:
-        with server.channel() as channel:
-            stub = pb_grpc.TranslationServiceStub(channel)
-            responses = [stub.Translate(pb.TranslateRequest(sentences=sentences[i:i + 2]), metadata=key, timeout=30)
-                         for i in (0, 2, 4)]
-            assert all(t.text for r in responses for t in r.translations)
-            list(stub.TranslateStream(pb.TranslateStreamRequest(sentence=sentences[6]), metadata=key, timeout=30))
-            with pytest.raises(grpc.RpcError):  # over the tight client's quota: a call of more than 10 characters
-                stub.Translate(pb.TranslateRequest(sentences=[sentences[7]]), timeout=5,
-                               metadata=[("authorization", f"Bearer {TIGHT}")])
-            with pytest.raises(grpc.RpcError):
-                stub.Translate(pb.TranslateRequest(sentences=[""]), metadata=key, timeout=5)  # a rejection, the last call
-        with grpc.insecure_channel(limiter.target) as channel:  # one call a second: three at once, refused in front
-            stub, codes = pb_grpc.TranslationServiceStub(channel), []
-            for _ in range(3):
-                try:
-                    stub.Translate(pb.TranslateRequest(sentences=sentences[:1]), metadata=key, timeout=30)
-                    codes.append(grpc.StatusCode.OK)
-                except grpc.RpcError as e:
-                    codes.append(e.code())
-            assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
-            refused_in_front.extend(c for c in codes if c != grpc.StatusCode.OK)
-            assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
-        # a scrape after all of it
-        prometheus.wait_for(f'nmtserve_rejected_requests_total{{code="INVALID_ARGUMENT"}} >= {round_}')
-        prometheus.wait_for(f'haproxy_frontend_intercepted_requests_total{{proxy="grpc"}} >= {len(refused_in_front)}')
+        def traffic(round_: int) -> None:
+            with server.channel() as channel:
+                stub = pb_grpc.TranslationServiceStub(channel)
+                responses = [stub.Translate(pb.TranslateRequest(sentences=sentences[i:i + 2]), metadata=key, timeout=30)
+                             for i in (0, 2, 4)]
+                assert all(t.text for r in responses for t in r.translations)
+                list(stub.TranslateStream(pb.TranslateStreamRequest(sentence=sentences[6]), metadata=key, timeout=30))
+                with pytest.raises(grpc.RpcError):  # over the tight client's quota: a call of more than 10 characters
+                    stub.Translate(pb.TranslateRequest(sentences=[sentences[7]]), timeout=5,
+                                   metadata=[("authorization", f"Bearer {TIGHT}")])
+                with pytest.raises(grpc.RpcError):
+                    stub.Translate(pb.TranslateRequest(sentences=[""]), metadata=key, timeout=5)  # a rejection, the last call
+            with grpc.insecure_channel(limiter.target) as channel:  # one call a second: three at once, refused in front
+                stub, codes = pb_grpc.TranslationServiceStub(channel), []
+                for _ in range(3):
+                    try:
+                        stub.Translate(pb.TranslateRequest(sentences=sentences[:1]), metadata=key, timeout=30)
+                        codes.append(grpc.StatusCode.OK)
+                    except grpc.RpcError as e:
+                        codes.append(e.code())
+                assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+                refused_in_front.extend(c for c in codes if c != grpc.StatusCode.OK)
+                assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+            # a scrape after all of it
+            prometheus.wait_for(f'nmtserve_rejected_requests_total{{code="INVALID_ARGUMENT"}} >= {round_}')
+            prometheus.wait_for(f'haproxy_frontend_intercepted_requests_total{{proxy="grpc"}} >= {len(refused_in_front)}')
 
-    prometheus = Prometheus(tmp_path, f"127.0.0.1:{server.running.metrics_port}",
-                            limiter.metrics_url.removeprefix("http://").removesuffix("/metrics"))
-    try:
+        prometheus = Prometheus(tmp_path, f"127.0.0.1:{server.running.metrics_port}",
+                                limiter.metrics_url.removeprefix("http://").removesuffix("/metrics"))
+        stack.callback(prometheus.stop)
         # every series exists before the second round, so rate() over both scrapes is positive
         traffic(1)
         traffic(2)
@@ -189,7 +192,3 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tiny_bundle, 
             assert all(sample["value"][1] not in ("NaN", "+Inf", "-Inf") for sample in result), f"{name}: {result}"
             checked += 1
         assert checked >= len(dashboard_queries()) - 1  # only the cancellations panel may lack data
-    finally:
-        prometheus.stop()
-        limiter.stop()
-        server.stop()

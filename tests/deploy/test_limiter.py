@@ -4,6 +4,7 @@ server with API keys: a client over its calls a second is refused there with wha
 another client and the health checks pass meanwhile; HAProxy's Prometheus page counts the refusals; its soft stop
 (the container image's stop signal) lets the calls in flight finish and takes no new one."""
 
+import re
 import signal
 import threading
 import time
@@ -91,6 +92,45 @@ def test_over_http_the_refusal_is_a_429_with_the_servers_error_body(fronted):
     assert refused and all(a.status_code == 429 and a.headers["retry-after"] == "1" for a in refused)
     assert all(a.json() == error_body(grpc.StatusCode.RESOURCE_EXHAUSTED, MESSAGE) for a in refused)
     assert all(requests.get(f"{limiter.http_url}/livez", timeout=10).status_code == 200 for _ in range(3 * CEILING))
+
+
+def test_a_refusal_in_front_carries_the_calls_request_id_as_the_servers_answers_do(fronted):
+    """x-request-id: the client's own where the server would take it, else one the limiter makes, in every answer,
+    whether the server gave it or the limiter refused the call (gRPC's trailers, HTTP's headers)."""
+    _, limiter = fronted
+
+    def grpc_ids(stub, given: list[tuple[str, str]]) -> list[tuple[bool, str]]:
+        found = []
+        for _ in range(3 * CEILING):
+            try:
+                _, call = stub.Translate.with_call(pb.TranslateRequest(sentences=["the cat"]),
+                                                   metadata=_bearer(EAGER) + given, timeout=30)
+                found.append((True, dict(call.trailing_metadata())["x-request-id"]))
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                found.append((False, dict(e.trailing_metadata())["x-request-id"]))
+        return found
+
+    with grpc.insecure_channel(limiter.target) as channel:
+        stub = pb_grpc.TranslationServiceStub(channel)
+        time.sleep(2.5)  # a fresh second for the client
+        own = grpc_ids(stub, [("x-request-id", "client-1.a:b_c")])
+        assert {ok for ok, _ in own} == {True, False} and {i for _, i in own} == {"client-1.a:b_c"}
+        for given in ([], [("x-request-id", "not one the server takes")]):
+            time.sleep(2.5)
+            made = grpc_ids(stub, given)
+            assert {ok for ok, _ in made} == {True, False}
+            assert len({i for _, i in made}) == len(made) and all(re.fullmatch(r"[0-9a-f-]{36}", i) for _, i in made)
+    time.sleep(2.5)
+    answers = [requests.post(f"{limiter.http_url}/v1/translate", json={"sentences": ["the cat"]}, timeout=30,
+                             headers={"authorization": f"Bearer {EAGER}", "x-request-id": f"http-{i}"})
+               for i in range(3 * CEILING)]
+    assert {a.status_code for a in answers} == {200, 429}
+    assert [a.headers["x-request-id"] for a in answers] == [f"http-{i}" for i in range(3 * CEILING)]
+    time.sleep(2.5)
+    answers = [requests.post(f"{limiter.http_url}/v1/translate", json={"sentences": ["the cat"]}, timeout=30,
+                             headers={"authorization": f"Bearer {EAGER}"}) for _ in range(3 * CEILING)]
+    assert {a.status_code for a in answers} == {200, 429} and len({a.headers["x-request-id"] for a in answers}) == len(answers)
 
 
 def test_a_soft_stop_lets_the_calls_in_flight_finish_and_takes_no_new_one(fronted, tmp_path):
