@@ -56,9 +56,9 @@ def _translate(stub, key: str):
         return e.code(), e.details(), dict(e.trailing_metadata() or ()).get("retry-after")
 
 
-def _served(server, client: str) -> float:
+def _served(server, client: str, rpc: str = "Translate") -> float:
     return server.running.servicer.metrics.registry.get_sample_value(
-        "nmtserve_requests_total", {"client": client, "model": "en-fr", "mode": "greedy", "rpc": "Translate",
+        "nmtserve_requests_total", {"client": client, "model": "en-fr", "mode": "greedy", "rpc": rpc,
                                     "code": "OK"}) or 0.0
 
 
@@ -131,6 +131,27 @@ def test_a_refusal_in_front_carries_the_calls_request_id_as_the_servers_answers_
     answers = [requests.post(f"{limiter.http_url}/v1/translate", json={"sentences": ["the cat"]}, timeout=30,
                              headers={"authorization": f"Bearer {EAGER}"}) for _ in range(3 * CEILING)]
     assert {a.status_code for a in answers} == {200, 429} and len({a.headers["x-request-id"] for a in answers}) == len(answers)
+
+
+def test_a_libretranslate_client_is_its_api_key_and_is_refused_in_libretranslates_words(fronted):
+    """LibreTranslate's api_key in a JSON or a form body counts as the client's key, as the authorization header does:
+    over the ceiling that key is refused in front with LibreTranslate's error body, while another key from the same
+    address is served; the server sees the key too (the calls it answered are counted as its client's)."""
+    server, limiter = fronted
+    for body in ("json", "data"):  # a JSON body, a form
+        def send(key: str) -> requests.Response:
+            return requests.post(f"{limiter.http_url}/translate", timeout=30,
+                                 **{body: {"q": "the cat", "source": "en", "target": "fr", "api_key": key}})
+        time.sleep(2.5)  # a fresh second for the client
+        served_before = _served(server, "eager", "TranslateText")  # LibreTranslate's /translate, without alternatives
+        answers = [send(EAGER) for _ in range(3 * CEILING)]
+        assert [a.status_code for a in answers[:CEILING]] == [200] * CEILING
+        refused = [a for a in answers if a.status_code != 200]
+        assert refused and all(a.status_code == 429 and a.headers["retry-after"] == "1" and a.json() == {"error": MESSAGE}
+                               for a in refused)
+        other = send(OTHER)
+        assert other.status_code == 200 and other.json()["translatedText"]
+        assert _served(server, "eager", "TranslateText") - served_before == len(answers) - len(refused)
 
 
 def test_a_soft_stop_lets_the_calls_in_flight_finish_and_takes_no_new_one(fronted, tmp_path):
