@@ -1,6 +1,7 @@
 """The limiter overlay's HAProxy (deploy/kubernetes/overlays/limiter/haproxy.cfg), run as it is in front of a real
 server with API keys: a client over its calls a second is refused there with what the server's own refusals carry
-(gRPC RESOURCE_EXHAUSTED with retry-after; HTTP 429 with the server's JSON error body), never reaching the server;
+(gRPC RESOURCE_EXHAUSTED with retry-after; HTTP 429 with the server's JSON error body, LibreTranslate's on its
+/translate; the call's x-request-id), never reaching the server; a LibreTranslate client is its body's api_key;
 another client and the health checks pass meanwhile; HAProxy's Prometheus page counts the refusals; its soft stop
 (the container image's stop signal) lets the calls in flight finish and takes no new one."""
 
