@@ -476,6 +476,9 @@ def _summary(runs: list[dict]) -> dict:
     cpu = [r["cpu_ms_per_call"] for r in runs if r["cpu_ms_per_call"]]
     cell["cpu_ms_per_call"] = {part: {who: round(statistics.median(c[part][who] for c in cpu), 3) for who in cpu[0][part]}
                                for part in cpu[0]} if cpu else None
+    # the cores the server and its client kept busy: their CPU a call at the cell's calls a second
+    busy = [sum(r["cpu_ms_per_call"]["run"].values()) * r["requests_per_s"] / 1e3 for r in runs if r["cpu_ms_per_call"]]
+    cell["cores_busy"] = round(statistics.median(busy), 2) if busy else None
     return cell
 
 
@@ -613,12 +616,13 @@ def format_table(report: dict) -> str:
         for c, r in by_c.items():
             lines.append(f"{mode:<11}{c:>8}  " + "  ".join(f"{r['stages_mean_ms'][name]:.2f}" for name in STAGES))
     if all(r["cpu_ms_per_call"] for by_c in report["results"].values() for r in by_c.values()):
-        lines.append("CPU ms a call, run (and runnable, waiting for a core): " + ", ".join(THREAD_KINDS) + ", client")
+        lines.append("CPU ms a call, run (and runnable, waiting for a core): " + ", ".join(THREAD_KINDS) + ", client; "
+                     f"cores busy (of {report['machine']['usable_cores']})")
         for mode, by_c in report["results"].items():
             for c, r in by_c.items():
                 run, waiting = r["cpu_ms_per_call"]["run"], r["cpu_ms_per_call"]["waiting"]
                 lines.append(f"{mode:<11}{c:>8}  " + "  ".join(f"{run[k]:.3f} ({waiting[k]:.3f})" for k in THREAD_KINDS)
-                             + f"  {run['client']:.3f}")
+                             + f"  {run['client']:.3f};  {r['cores_busy']:.2f}")
     lines.append("sentences per admission (one encoder call each, nmtserve_admissions_total): " + "; ".join(
         f"{mode} " + ", ".join(f"{c}: {r['sentences_per_admission']:.1f}" for c, r in by_c.items())
         for mode, by_c in report["results"].items() if all("sentences_per_admission" in r for r in by_c.values())))

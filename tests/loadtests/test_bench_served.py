@@ -98,6 +98,8 @@ def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_p
             assert set(cpu["run"]) == {*THREAD_KINDS, "client"} and set(cpu["waiting"]) == set(THREAD_KINDS)
             assert cpu["run"]["engines"] > 0 and cpu["run"]["event loop"] > 0 and cpu["run"]["client"] > 0
             assert min(cpu["waiting"].values()) >= 0
+            # the cores that CPU kept busy, at the cell's calls a second: some, and no more than the host has
+            assert 0 < cell["cores_busy"] <= 1.2 * report["machine"]["usable_cores"]
         # the servers' own count of encoder calls (nmtserve_admissions_total): one request at a time is one
         # sentence each; two clients, one or two
         assert report["results"][mode]["1"]["sentences_per_admission"] == 1.0
