@@ -16,10 +16,11 @@ from nmtserve.loadtests.workload import free_port, metric_families
 
 class Limiter:
     """`haproxy -f CONFIG` on 127.0.0.1 in front of a server's gRPC and HTTP ports: `.target` (gRPC),
-    `.http_url` and `.metrics_url` (HAProxy's own Prometheus page), once it accepts connections."""
+    `.http_url` and `.metrics_url` (HAProxy's own Prometheus page), once it accepts connections. Every client's
+    ceiling is `calls_per_second` but the keys' own in the map file `ceilings` (default: ceilings.map beside CONFIG)."""
 
     def __init__(self, config: str | Path, grpc_target: str, http_target: str, calls_per_second: int,
-                 log: str | Path | None = None, start_timeout: float = 30):
+                 log: str | Path | None = None, start_timeout: float = 30, ceilings: str | Path | None = None):
         haproxy = shutil.which("haproxy")
         if haproxy is None:
             raise ConfigError("haproxy is not installed: `make tools` installs Debian's haproxy package")
@@ -31,7 +32,8 @@ class Limiter:
         self.http_url, self.metrics_url = f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{metrics_port}/metrics"
         env = {"NMTSERVE_LIMITER_GRPC": self.target, "NMTSERVE_LIMITER_HTTP": f"127.0.0.1:{http_port}",
                "NMTSERVE_LIMITER_METRICS": f"127.0.0.1:{metrics_port}", "NMTSERVE_GRPC": grpc_target,
-               "NMTSERVE_HTTP": http_target, "NMTSERVE_CALLS_PER_SECOND": str(calls_per_second)}
+               "NMTSERVE_HTTP": http_target, "NMTSERVE_CALLS_PER_SECOND": str(calls_per_second),
+               "NMTSERVE_LIMITER_CEILINGS": str(ceilings or Path(config).with_name("ceilings.map"))}
         self.log = open(log, "w") if log else subprocess.DEVNULL
         self.proc = subprocess.Popen([haproxy, "-db", "-f", str(config)], env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)

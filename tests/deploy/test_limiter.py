@@ -1,10 +1,12 @@
 """The limiter overlay's HAProxy (deploy/kubernetes/overlays/limiter/haproxy.cfg), run as it is in front of a real
 server with API keys: a client over its calls a second is refused there with what the server's own refusals carry
 (gRPC RESOURCE_EXHAUSTED with retry-after; HTTP 429 with the server's JSON error body, LibreTranslate's on its
-/translate; the call's x-request-id), never reaching the server; a LibreTranslate client is its body's api_key;
+/translate; the call's x-request-id), never reaching the server; a LibreTranslate client is its body's api_key; a
+key in the ceilings map has its own ceiling;
 another client and the health checks pass meanwhile; HAProxy's Prometheus page counts the refusals; its soft stop
 (the container image's stop signal) lets the calls in flight finish and takes no new one."""
 
+import hashlib
 import re
 import signal
 import threading
@@ -153,6 +155,27 @@ def test_a_libretranslate_client_is_its_api_key_and_is_refused_in_libretranslate
         other = send(OTHER)
         assert other.status_code == 200 and other.json()["translatedText"]
         assert _served(server, "eager", "TranslateText") - served_before == len(answers) - len(refused)
+
+
+def test_a_key_in_the_ceilings_map_has_its_own_ceiling(fronted, tmp_path):
+    """ceilings.map: a key listed there (by its SHA-256, as the api-keys file holds it) is held to its own ceiling, the
+    others to everyone's."""
+    server, _ = fronted
+    ceilings = tmp_path / "ceilings.map"
+    ceilings.write_text(f"# the other key may call four times as often\n{hashlib.sha256(OTHER.encode()).hexdigest()} "
+                        f"{4 * CEILING}\n")
+    with Limiter(CONFIG, f"127.0.0.1:{server.running.port}", f"127.0.0.1:{server.running.http_port}", CEILING,
+                 log=tmp_path / "haproxy.log", ceilings=ceilings) as limiter, grpc.insecure_channel(limiter.target) as channel:
+        stub = pb_grpc.TranslationServiceStub(channel)
+        other = [_translate(stub, OTHER) for _ in range(3 * CEILING)]
+        eager = [_translate(stub, EAGER) for _ in range(3 * CEILING)]
+        assert other == ["OK"] * (3 * CEILING)
+        assert eager[:CEILING] == ["OK"] * CEILING and set(eager[CEILING + 1:]) == {
+            (grpc.StatusCode.RESOURCE_EXHAUSTED, MESSAGE, "1")}
+        time.sleep(2.5)
+        answers = [requests.post(f"{limiter.http_url}/v1/translate", json={"sentences": ["the cat"]}, timeout=30,
+                                 headers={"authorization": f"Bearer {OTHER}"}) for _ in range(3 * CEILING)]
+        assert [a.status_code for a in answers] == [200] * (3 * CEILING)
 
 
 def test_a_soft_stop_lets_the_calls_in_flight_finish_and_takes_no_new_one(fronted, tmp_path):

@@ -217,8 +217,8 @@ def test_the_envoy_example_balances_both_ports_over_the_service_with_health_chec
 
 
 def test_the_limiter_overlay_runs_the_haproxy_configuration_the_tests_run():
-    """The ConfigMap holds deploy's haproxy.cfg as it is (tests/deploy/test_limiter.py runs that file), mounted where
-    the container reads it, and HAProxy accepts it with the container's environment."""
+    """The ConfigMap holds deploy's haproxy.cfg and ceilings.map as they are (tests/deploy/test_limiter.py runs those
+    files), mounted where the container reads them, and HAProxy accepts them with the container's environment."""
     from pathlib import PurePosixPath
 
     docs = documents("limiter")
@@ -227,10 +227,12 @@ def test_the_limiter_overlay_runs_the_haproxy_configuration_the_tests_run():
     mount = next(m for m in limiter["volumeMounts"] if m["name"] == "limiter-config")
     volume = next(v for v in pod["volumes"] if v["name"] == "limiter-config")
     config = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == volume["configMap"]["name"])
-    source = KUBE / "overlays" / "limiter" / "haproxy.cfg"
-    assert config["data"] == {"haproxy.cfg": source.read_text()}
+    source, ceilings = (KUBE / "overlays" / "limiter" / name for name in ("haproxy.cfg", "ceilings.map"))
+    assert config["data"] == {"haproxy.cfg": source.read_text(), "ceilings.map": ceilings.read_text()}
     assert limiter["args"] == ["-f", str(PurePosixPath(mount["mountPath"]) / "haproxy.cfg")]
     env = {e["name"]: e["value"] for e in limiter["env"]}
+    assert env["NMTSERVE_LIMITER_CEILINGS"] == str(PurePosixPath(mount["mountPath"]) / "ceilings.map")
+    env["NMTSERVE_LIMITER_CEILINGS"] = str(ceilings)  # where this checkout has it
     checked = subprocess.run([system_tool("haproxy"), "-c", "-f", str(source)], env=env, capture_output=True, text=True,
                              timeout=60)
     assert checked.returncode == 0 and "Warnings were found" not in checked.stdout + checked.stderr, checked.stderr
