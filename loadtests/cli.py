@@ -241,7 +241,8 @@ def _add_bench(p) -> None:
     p.add_argument("--chars-per-minute", type=int, help="the flooding key's quota of characters (default: none)")
     p.add_argument("--limiter", metavar="HAPROXY_CFG",
                    help="every call through HAProxy with this configuration in front of the server (the "
-                        "deployment's: deploy/kubernetes/overlays/limiter/haproxy.cfg)")
+                        "deployment's: deploy/kubernetes/overlays/limiter/haproxy.cfg; the keys' own ceilings from "
+                        "ceilings.map beside it)")
     p.add_argument("--limiter-calls-per-second", type=int, default=300,
                    help="with --limiter: each client's calls a second (default %(default)s)")
     p.add_argument("--flood-nice", type=int, default=0,
