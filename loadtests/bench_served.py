@@ -525,7 +525,7 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: dict[int, list[dict]
     """`results`: each mode at its best layout for each concurrency (highest steady-state tokens/s; `layout`
     says which, engines x threads); with several layouts, `results_by_layout` has every one. `offline`:
     offline_best's, `alone`: engines_best's, to each of which each mode's highest steady tokens/s over the
-    concurrencies compares; `floors`: grpc_floor's, which bound item 3's two ratios from the RPC path alone."""
+    concurrencies compares; `floors`: grpc_floor's, which bound one client's p50 and the saturation from the RPC path alone."""
     by_layout = {layout_name(*layout): {m: {str(c): _summary(cells[m, layout][c]) for c in cfg.concurrency}
                                         for m in cfg.modes} for layout in layouts(cfg)}
     results = {}
@@ -558,7 +558,7 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: dict[int, list[dict]
             ratios["the engines alone / OnnxTranslator offline best"] = round(
                 alone["steady_tokens_per_s"] / offline["tokens_per_s"], 3)
     floor = rpc_floor(floors or [])
-    if floor and baseline:  # item 3 allows one client's served p50 1.10x the baseline's: the floor must stay under 0.10
+    if floor and baseline:  # what gRPC alone adds to one client's wait, against the translation's own
         ratios["RPC floor p50 / OnnxTranslator batch-1 p50"] = round(floor["p50_ms"] / baseline["p50_ms"], 3)
     if floor and floor["server_cpu_ms"] is not None and "continuous" in results:  # the servicer's CPU against gRPC's own
         c = max(cfg.concurrency)
