@@ -20,10 +20,10 @@ HELPS = {"models": "TOML file of the models to serve: bundle, id, variant, devic
          "max_running_rows": "rows in each model's running decoder batch (a beam search takes beam_size rows)",
          "admit_rows": "continuous batching: newcomers join a running batch once this many of their rows wait and are free (at most 1/8 of --max-running-rows) …",
          "admit_steps": "… or once this many decoder steps have passed since the latest admission",
-         "max_burst_steps": "when every running request is greedy and none streams, and no one joins, up to this many "
-                            "decoder steps run at once in nmtserve's library, with no Python between them (while "
-                            "newcomers gather, up to the steps left of their gathering; a newcomer ends the run after "
-                            "its current step; needs the kernels on a CPU); 1: one step at a time",
+         "max_burst_steps": "when every running request is greedy and none streams, up to this many decoder steps "
+                            "run at once in nmtserve's library, with no Python between them, through the rows' ends "
+                            "(each request is handed back as it finishes) until newcomers may join (needs the kernels "
+                            "on a CPU); 1: one step at a time",
          "max_beam_size": "highest DecodingOptions.beam_size accepted (lowered to --max-running-rows)",
          "max_batch_tokens": "Σ source + output-budget tokens of running rows",
          "max_waiting": "waiting requests per model before RESOURCE_EXHAUSTED",

@@ -36,7 +36,7 @@ from nmtserve.export.runtime import kernels, memory
 from nmtserve.export.runtime.aligner import Aligner, padded
 from nmtserve.export.runtime.batch import FRESH_SLOTS, BatchState, eos_of, own_slots
 from nmtserve.export.runtime.bundle import Bundle, default_variant, load_bundle
-from nmtserve.export.runtime.native import NativeBinding, NativeError, NativeSession
+from nmtserve.export.runtime.native import Continuing, NativeBinding, NativeError, NativeSession
 from nmtserve.export.runtime.ranker import Ranker
 from nmtserve.export.runtime.sessions import (
     CPU_DISABLED_OPTIMIZERS,
@@ -325,18 +325,22 @@ class Decoder:
         return np.where(self._eos[:, 0], 1, 2 * self._at_budget)
 
     def decode_greedy_steps(self, state: BatchState, steps: int, budget: np.ndarray, scores: bool = True,
-                            stop: np.ndarray | None = None, stop_at: float = 0.0) -> tuple[np.ndarray, ...]:
+                            stop_at: float = 0.0, continuing: Continuing | None = None) \
+            -> tuple[np.ndarray, ...]:
         """(native_steps, the server's bursts) Up to `steps` greedy steps of every row but the holes, each row fed its
         own best token, until the first step in which a row says eos or reaches its position in `budget` (int64, one
-        per row), the cache's end, a step once `stop` (one int32, set by another thread) is set or a step past
-        `stop_at`; no row moves -> each step's tokens (n, B) int64, their log-probs (n, B) float32 (None without
-        scores), the step at which each row finished (-1: it did not) and whether on eos (a hole's are meaningless).
-        The K/V and positions advance as with `decode_one_token` n times."""
+        per row), the cache's end or a step past `stop_at`; no row moves -> each step's tokens (n, B) int64, their
+        log-probs (n, B) float32 (None without scores), the step at which each row finished (-1: it did not) and
+        whether on eos (a hole's are meaningless). The K/V and positions advance as with `decode_one_token` n times.
+        With `continuing` (native.Continuing) the run goes on through row ends until newcomers may join, its outputs
+        in `continuing.out` from the start (another thread reads them as the run goes on)."""
         state.open_slot()
         n = state.size
         out = self._greedy_out(min(steps, state.capacity - state.length), n, scores)
+        if continuing is not None:
+            continuing.out = out
         *_, tokens, values, end, by_eos = self._greedy_loop(state, np.arange(n, dtype=np.int64), budget, out, stop_at,
-                                                             stop, True)
+                                                             continuing is None, continuing)
         return tokens, values, end, by_eos
 
     def decode_greedy_run(self, state: BatchState, budget: np.ndarray, scores: bool = True, stop_at: float = 0.0) \
@@ -359,18 +363,20 @@ class Decoder:
                 np.full(rows, -1, np.int64), np.zeros(rows, np.uint8))
 
     def _greedy_loop(self, state: BatchState, source: np.ndarray, budget: np.ndarray, out: tuple, stop_at: float,
-                     stop: np.ndarray | None = None, until_a_row_ends: bool = False) -> tuple:
+                     until_a_row_ends: bool = False,
+                     continuing: Continuing | None = None) -> tuple:
         """The greedy loop of decode_greedy_steps and decode_greedy_run: with native_steps all in the library, with no
         Python between steps (`NativeBinding.greedy_run`); else the same loop here (`_greedy_run_here`)."""
         n, last_position = state.size, self._last_positions(budget)
         self._with_scores[...] = out[1] is not None
         if not self.native_steps:
-            return self._greedy_run_here(state, source, last_position, out, stop_at, stop, until_a_row_ends)
+            assert continuing is None, "a continuous burst runs in the library"
+            return self._greedy_run_here(state, source, last_position, out, stop_at, until_a_row_ends)
         binding = self._greedy_binding(state, last_position)
         taken, rows = binding.greedy_run(n, state.tokens, state.positions, self._scores, self._eos, self._at_budget,
                                          source, self._row_names, 0, out, stop_at=stop_at,
                                          hole=state.hole if state.holes else None,
-                                         until_a_row_ends=until_a_row_ends, stop=stop)
+                                         until_a_row_ends=until_a_row_ends, continuing=continuing)
         if rows < n:  # the library bound the fewer rows itself: what _bound holds is stale
             self._bound.clear()
         if 0 < rows < n:  # the rows left are in the first places
@@ -382,7 +388,7 @@ class Decoder:
             by_eos.astype(bool)
 
     def _greedy_run_here(self, state: BatchState, source: np.ndarray, last_position: np.ndarray, out: tuple,
-                         stop_at: float, stop: np.ndarray | None, until_a_row_ends: bool) -> tuple:
+                         stop_at: float, until_a_row_ends: bool) -> tuple:
         """_greedy_loop in Python, on ONNX Runtime's own session: every row but the holes decodes at every step (a
         finished one on, ignored, until it leaves), so the rows stay at one position, which that attention steps
         faster than rows at mixed ones."""
@@ -410,7 +416,7 @@ class Decoder:
             finished, said_eos = (code != 0) & ~done, (code == 1) & ~done
             end[source[finished]], by_eos[source[said_eos]] = step, 1
             done |= finished
-            last = step + 1 == len(tokens) or stop is not None and stop[0] != 0 or 0 < stop_at <= time.monotonic()
+            last = step + 1 == len(tokens) or 0 < stop_at <= time.monotonic()
             if last or done.all() or until_a_row_ends and finished.any():
                 break
             if not until_a_row_ends and done.sum() * 4 >= len(done):  # the last rows move into the finished ones' places

@@ -3,9 +3,10 @@
 One scheduler thread owns the waiting queue and the running batch (export/runtime/running_batch.py).
 Each iteration has three phases: schedule (drop cancelled or expired requests, admit waiting ones
 within the budgets), execute (the newcomers join the running batch, one decoder step for every
-row; when every running request is greedy and no one joins, up to max_burst_steps steps in nmtserve's
-library at once, with no Python between them), process outputs (hand each request its token, finish
-requests at eos or their budget).
+row; when every running request is greedy and none streams, up to max_burst_steps steps in nmtserve's
+library at once, with no Python between them, through the rows' ends until newcomers may join, each request
+handed back by the hand-back thread as its row finishes: hand_back.py), process outputs (hand each request its
+token, finish requests at eos or their budget).
 Requests join and leave between steps; no row ever waits for another to finish. A request is decoded greedily,
 by beam search (beam_size rows) or by sampling, as its DecodingOptions say; all three share each decoder step,
 and a request's result depends on its own rows only. The engine never sees K/V: the running batch and the
@@ -29,12 +30,15 @@ import numpy as np
 
 from nmtserve.errors import NmtserveError
 from nmtserve.export.runtime.decoder import Decoder
+from nmtserve.export.runtime.hand_back import HandBack
 from nmtserve.export.runtime.memory import LIBC, release_free_memory
+from nmtserve.export.runtime.native import Continuing
 from nmtserve.export.runtime.request import FinishReason, Request
 from nmtserve.export.runtime.running_batch import RunningBatch
 from nmtserve.search import make_search
 
 WHOLE = -1  # Engine._burst: a static batch runs to its end at once (greedy_run, or search_run for searches)
+CONTINUE = -2  # Engine._burst: a continuous burst, through row ends until newcomers may join (native.Continuing)
 TRIM_SECONDS = 5.0  # how often a busy engine gives the C heap's free pages back (release_free_memory)
 
 
@@ -51,10 +55,9 @@ class EngineConfig:
     # a batch of fewer than half `admit_rows` rows takes them at once
     admit_rows: int = 8
     admit_steps: int = 4
-    # a batch of greedy requests steps in nmtserve's library (Decoder.native_steps); when none streams and no
-    # one joins, up to this many steps at once (while newcomers gather, up to the steps left of their
-    # gathering), with no Python between them; a newcomer ends such a run after its current step; 1: one step
-    # an iteration
+    # a batch of greedy requests steps in nmtserve's library (Decoder.native_steps); when none streams, up to this
+    # many steps at once with no Python between them, through the rows' ends until newcomers may join (a continuous
+    # burst: each request is handed back as its row finishes, hand_back.py); 1: one step an iteration
     max_burst_steps: int = 16
     # static batching: an admission also encodes the groups the next admissions will take, up to this many
     # requests in all, in the same encoder call (the offline translator's; a call's fixed cost paid once)
@@ -97,20 +100,27 @@ class Engine:
         self.admissions = 0  # groups admitted (each one encoder call), since the start
         self.ahead: list[list[Request]] = []  # groups the next admissions will take (EngineConfig.encode_ahead)
         self.next_trim = time.monotonic() + TRIM_SECONDS
-        self.stop_burst = np.zeros(1, np.int32)  # set by submit and stop: the library's greedy steps end after the current one
+        self.waiting_count = np.zeros(1, np.int32)  # len(waiting), for the library's continuous bursts (native.Continuing)
+        # the engine thread's continuous bursts hand finished requests back through this thread (hand_back.py)
+        self.hand_back = HandBack(self._hand_out) \
+            if self.config.batching == "continuous" and translator.native_steps and self.config.max_burst_steps > 1 \
+            else None
         self.thread = threading.Thread(target=self._loop, name="nmtserve-engine", daemon=True)
 
     # -- life cycle
     def start(self) -> Engine:
+        if self.hand_back is not None:
+            self.hand_back.start()
         self.thread.start()
         return self
 
     def stop(self) -> None:
         with self.lock:
             self.stopping = True
-            self.stop_burst[0] = 1
             self.lock.notify_all()
         self.thread.join()
+        if self.hand_back is not None and self.hand_back.thread.is_alive():
+            self.hand_back.stop()
 
     # -- requests
     def submit(self, request: Request) -> Request:
@@ -123,7 +133,7 @@ class Engine:
             request.id = request.id or f"r{next(self.ids)}"
             request.arrived_step = self.steps
             self.waiting.append(request)
-            self.stop_burst[0] = 1
+            self.waiting_count[0] = len(self.waiting)
             self.lock.notify()
         return request
 
@@ -172,6 +182,7 @@ class Engine:
             if not self.waiting and not self.running_count and (self.stopping or not wait):
                 return False
             admitted = self._schedule()
+            self.waiting_count[0] = len(self.waiting)
             burst = self._burst(admitted)
         started = time.perf_counter()
         try:
@@ -265,9 +276,9 @@ class Engine:
         in the library where it runs), and with whole_searches a newly admitted batch of like beam searches or
         samplings too (`RunningBatch.search_run`). Else none (0: one step of every row, `RunningBatch.step`) unless
         every request in the batch is greedy and none streams (a streamed token a step: one step in Python costs less
-        than a library call); one when some join; while newcomers gather (continuous batching), the steps left of
-        their gathering (one if under two); else up to max_burst_steps (a burst ends when a request finishes). Clears
-        the stop flag that submit sets."""
+        than a library call); then, with continuous batching, CONTINUE: up to max_burst_steps steps in the library,
+        through row ends, until newcomers may join (`_continuing`; a started engine's hand-back thread hands the
+        finished requests back meanwhile); one with max_burst_steps 1."""
         running = self.batch.requests + admitted
         if self.config.whole_searches and self.config.batching == "static" and admitted and not self.batch.requests \
                 and not any(r.on_token is not None for r in admitted) \
@@ -283,19 +294,11 @@ class Engine:
             return 0
         if any(r.on_token is not None for r in running):
             return 0
-        if admitted or self.config.max_burst_steps < 2:
-            return 1
-        steps = self.config.max_burst_steps
-        if self.waiting and self.config.batching == "continuous":
-            steps = min(steps, self.admitted_step + self.config.admit_steps - self.steps)
-            if steps < 2:
-                return 1
-        self.stop_burst[0] = 0
-        return steps
+        return CONTINUE if self.config.max_burst_steps > 1 else 1
 
     def _execute(self, admitted: list[Request], burst: int = 0) -> list[tuple[int, int]]:
         """Newcomers join, one decoder step (with `burst`, up to that many greedy steps in the library; WHOLE: the
-        batch's whole search), its tokens processed -> (rows, valid cache slots) of each step run. A request the
+        batch's whole search; CONTINUE: a continuous burst), its tokens processed -> (rows, valid cache slots) of each step run. A request the
         encoder or the decoder fails on alone finishes with ERROR; the others go on."""
         searches = burst == WHOLE and any(r.search is not None for r in admitted)  # a whole search run
         failed = self.batch.admit(admitted, self.ahead, narrow=searches) if admitted else []
@@ -308,9 +311,9 @@ class Engine:
             if burst == WHOLE and self.batch.state.holes:  # a request left (cancelled, expired): its hole stays
                 burst = self.config.max_burst_steps if self.tr.native_steps else 0
             if burst != 0:
-                stop = self.stop_burst if self.config.batching == "continuous" else None  # static: no one joins
                 try:
-                    whole = self._run_greedy(deadline, 0 if burst == WHOLE else burst, stop)
+                    whole = self._run_greedy(deadline, self.config.max_burst_steps, self._continuing()) \
+                        if burst == CONTINUE else self._run_greedy(deadline, 0 if burst == WHOLE else burst)
                 except Exception:
                     pass  # one step below meets the error again and finds whom it belongs to
             if whole is None:
@@ -327,11 +330,16 @@ class Engine:
         self._process(outputs)
         return stepped
 
-    def _run_greedy(self, stop_at: float, steps: int, stop: np.ndarray | None) -> list[tuple[int, int]]:
+    def _run_greedy(self, stop_at: float, steps: int, continuing: Continuing | None = None) -> list[tuple[int, int]]:
         """The batch's greedy requests run in one call (`RunningBatch.greedy_run`): until they finish, the cache is
-        full or a step passes stop_at (steps 0), or a burst of up to `steps` that ends when one finishes or `stop` is
-        set. Their tokens are emitted; those that finished leave, told after the count is published."""
-        outputs, stepped = self.batch.greedy_run(stop_at, self.on_step is not None, steps, stop)
+        full or a step passes stop_at (steps 0), or a burst of up to `steps` that ends when one finishes, or with
+        `continuing` through row ends until newcomers may join (the hand-back thread hands the finished ones back
+        meanwhile). Their tokens are emitted; those that finished leave, told after the count is published."""
+        running = self.batch.requests
+        outputs, stepped = self.batch.greedy_run(stop_at, self.on_step is not None, steps, continuing, self.hand_back)
+        if continuing is not None:  # those handed back leave too
+            told = {id(r) for r, *_ in outputs}
+            self.batch.leave([r for r in running if id(r) not in told])
         now, leaving = time.monotonic(), []
         for request, tokens, score, finish in outputs:
             request.first_token = request.first_token or now
@@ -344,6 +352,26 @@ class Engine:
         self._publish()
         self._tell(leaving)
         return stepped
+
+    def _continuing(self) -> Continuing:
+        """A continuous burst's terms (native.Continuing): newcomers join as `_schedule` lets them."""
+        rows = sum(r.width for r in self.batch.requests)
+        gather = min(self.config.admit_rows, max(1, self.config.max_running_rows // 8))
+        return Continuing(self.waiting_count, self.config.max_running_rows - rows, gather,
+                          max(1, self.admitted_step + self.config.admit_steps - self.steps), np.zeros(1, np.int64),
+                          self.hand_back.fd if self.hand_back is not None and self.hand_back.thread.is_alive() else -1)
+
+    def _hand_out(self, results: list[tuple[Request, list[int], float, FinishReason]]) -> None:
+        """(The hand-back thread, while a continuous burst goes on) finish the requests whose rows have finished:
+        they no longer count as running (their rows leave when the burst ends), then each is told."""
+        with self.lock:
+            self.running_count -= len(results)
+        now = time.monotonic()
+        for request, tokens, score, finish in results:
+            request.first_token = request.first_token or now
+            self._emit(request, tokens)
+            request.score += score
+            self._finish(request, finish)
 
     def _search_whole(self) -> list[tuple[int, int]]:
         """The batch's searches run to their ends in one call (`RunningBatch.search_run`); each request settles."""

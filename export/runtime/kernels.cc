@@ -979,6 +979,23 @@ int nmt_run(void* runner, void* binding, char* error, size_t error_size) {
   }
 }
 
+// nmt_greedy_run with keep_rows: the rows finished by `steps` steps are handed back (kernels.h)
+void hand_back(nmt_greedy_run_args& a, int64_t steps) {
+  __atomic_store_n(a.progress, steps, __ATOMIC_RELEASE);
+  if (a.hand_back_fd >= 0) {
+    const char byte = 1;
+    (void)!write(a.hand_back_fd, &byte, 1);  // a full pipe already wakes the reader
+  }
+}
+
+// nmt_greedy_run with keep_rows: whether the run ends for the requests waiting, `live` rows running and `free` rows
+// they may take, after `steps` steps (kernels.h)
+bool newcomers_may_join(const nmt_greedy_run_args& a, int64_t live, int64_t free, int64_t steps) {
+  const int64_t waiting = a.waiting == nullptr ? 0 : *a.waiting;
+  if (waiting <= 0 || free <= 0) return false;
+  return 2 * live < a.gather || std::min(free, waiting) >= a.gather || steps >= a.gather_steps;
+}
+
 int64_t nmt_greedy_run(void* runner, void* binding, nmt_greedy_run_args* run, char* error, size_t error_size) {
   auto& session = static_cast<Runner*>(runner)->session;
   auto& bound = *static_cast<Binding*>(binding);
@@ -988,6 +1005,7 @@ int64_t nmt_greedy_run(void* runner, void* binding, nmt_greedy_run_args* run, ch
   std::vector<uint8_t> finished(rows, 0);
   if (a.hole != nullptr)
     for (int64_t r = 0; r < rows; r++) done += finished[r] = a.hole[r];
+  const int64_t holes = done;
   try {
     for (; step < a.max_steps; step++) {
       session.Run(run_options, bound.io);
@@ -1006,8 +1024,13 @@ int64_t nmt_greedy_run(void* runner, void* binding, nmt_greedy_run_args* run, ch
           a.by_eos[s] = a.eos[r];
         }
       }
-      const bool last = step + 1 == a.max_steps || (a.stop != nullptr && *a.stop) ||
-                        (a.stop_at > 0 && monotonic_seconds() >= a.stop_at);
+      const bool last = step + 1 == a.max_steps || (a.stop_at > 0 && monotonic_seconds() >= a.stop_at);
+      if (a.keep_rows) {
+        if (ended) hand_back(a, step + 1);
+        if (last || done == rows || newcomers_may_join(a, rows - done, a.free_rows + done - holes, step + 1))
+          return step + 1;
+        continue;
+      }
       if (a.until_a_row_ends) {
         if (ended || last) return step + 1;
         continue;

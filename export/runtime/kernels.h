@@ -46,7 +46,6 @@ typedef struct {
   const uint8_t* hole;   /* (rows,) empty places, or NULL: they never advance, finish or are written */
   int64_t until_a_row_ends; /* 1: the run ends after the first step in which a row finishes, and no row moves */
   int64_t max_steps;     /* the cache's room, or fewer */
-  const volatile int32_t* stop; /* set by another thread: the run ends after its current step (NULL: none) */
   double stop_at;        /* CLOCK_MONOTONIC seconds after which the run ends after its current step (0: none) */
   nmt_row_names row_names;
   int64_t sources;       /* the columns of out_tokens */
@@ -55,6 +54,16 @@ typedef struct {
   float* out_scores;     /* the same for scores, or NULL */
   int64_t* end;          /* (sources,) the step at which each source finished */
   uint8_t* by_eos;       /* (sources,) whether it finished on eos */
+  /* the server's continuous bursts (keep_rows 1, until_a_row_ends 0): finished rows stay in place, neither
+     advancing nor written, and no row moves; the run also ends after a step once newcomers can join (below) */
+  int64_t keep_rows;
+  const volatile int32_t* waiting; /* requests waiting to join, set by another thread (NULL: none) */
+  int64_t free_rows;     /* rows newcomers may take besides the ones that finish in the run */
+  int64_t gather;        /* newcomers join in groups of this many rows; a batch of fewer than half as many live rows
+                            takes any at once */
+  int64_t gather_steps;  /* or once this many steps have run while some wait and a row is free */
+  volatile int64_t* progress; /* (1,) the steps run, stored after each step in which a row finishes, then */
+  int32_t hand_back_fd;  /* a byte written to this file descriptor (-1: none), for the thread that hands results back */
 } nmt_greedy_run_args;
 
 /* Greedy search of a batch's rows from their current step, each row fed its own best token, with no Python between
@@ -63,11 +72,16 @@ typedef struct {
    every live row advances and its token (and score) is written at its source's column of out_tokens; a row with eos or
    at_budget set finishes (by_eos[its source] = eos), end[its source] = step0 + that step, and from then on neither
    advances nor is written (a hole is finished from the start). The run ends when every row has finished, after
-   max_steps, or after a step once *stop is set or CLOCK_MONOTONIC has reached stop_at (when above 0); with
+   max_steps, or after a step once CLOCK_MONOTONIC has reached stop_at (when above 0); with
    until_a_row_ends, also after the first step in which a row finishes. Without it, once the finished rows are a
    quarter of the rows they leave (the last live rows move into their places in every buffer of row_names, and in
    `source`, and those names are bound again with the fewer rows); so do any finished rows at the last
-   step, whatever ended the run. Returns the steps run, or -1 with the error's message (a step that fails after others
+   step, whatever ended the run. With keep_rows no row leaves or moves; the run also ends after a step once *waiting
+   is above 0 and a row is free (free_rows and those finished): when gather of them wait and are free, once
+   gather_steps have run, or at once when fewer than gather / 2 rows are live (the engine's own admission rule,
+   export/runtime/engine.py); and after each step in which a row
+   finishes, *progress is set to the steps run and a byte is written to hand_back_fd, so that another thread can hand
+   those rows' results back while the run goes on (their columns are no longer written). Returns the steps run, or -1 with the error's message (a step that fails after others
    returns those before it, and the next call meets the error; a compaction that fails is -1 at once). */
 int64_t nmt_greedy_run(void* runner, void* binding, nmt_greedy_run_args* run, char* error, size_t error_size);
 

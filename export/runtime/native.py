@@ -20,6 +20,7 @@ bindings) and sent with the next run; the library keeps what each name is bound 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import cffi
@@ -79,6 +80,23 @@ _ELEMENT_TYPES = {np.dtype(np.float32): 1, np.dtype(np.uint8): 2, np.dtype(np.in
 
 def _element_type(dtype) -> int:
     return _ELEMENT_TYPES[np.dtype(dtype)]
+
+
+@dataclasses.dataclass
+class Continuing:
+    """A greedy run that goes on through row ends (kernels.h, nmt_greedy_run's keep_rows: the server's continuous
+    bursts): finished rows stay in place and no row moves; the run ends once the requests `waiting` (one int32, set by
+    another thread) may join (`free_rows` free besides the rows that finish, in groups of `gather` rows, or after
+    `gather_steps` steps); after each step in which a row finishes, `progress` (one int64) is set to the steps run and
+    a byte is written to the file descriptor `fd` (-1: none), for the thread that hands those rows' results back,
+    which reads them in `out` (greedy_run's, set by the caller before the run starts)."""
+    waiting: np.ndarray
+    free_rows: int
+    gather: int
+    gather_steps: int
+    progress: np.ndarray
+    fd: int = -1
+    out: tuple | None = None
 
 
 class NativeSession:
@@ -150,8 +168,8 @@ class NativeBinding:
     def greedy_run(self, rows: int, tokens: np.ndarray, positions: np.ndarray, scores: np.ndarray, eos: np.ndarray,
                    at_budget: np.ndarray, source: np.ndarray, row_names: tuple[tuple[str, int], ...], step0: int,
                    out: tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray], stop_at: float = 0.0,
-                   hole: np.ndarray | None = None, until_a_row_ends: bool = False, stop: np.ndarray | None = None) \
-            -> tuple[int, int]:
+                   hole: np.ndarray | None = None, until_a_row_ends: bool = False,
+                   continuing: Continuing | None = None) -> tuple[int, int]:
         """Greedy steps of the first `rows` rows in the library (kernels.h, nmt_greedy_run: when a row finishes, and
         how the finished ones leave) until every row has finished or len(out_tokens) steps have run. `tokens`,
         `positions`, `scores`, `eos` and `at_budget` are the bound step's (tokens fed, written by the step; eos and
@@ -159,10 +177,10 @@ class NativeBinding:
         each row's source; the library moves it with the rows. `row_names`: (name, kind) of every bound buffer with a
         row per leading index (kinds: kernels.h, nmt_row_names). `out`: out_tokens (steps, sources) int64, out_scores
         (the same, float32, or None), end (sources,) int64 and by_eos (sources,) uint8, written at each source's
-        column; end as step0 + the step. The run also ends after a step once `stop` (one int32, set by another
-        thread) is nonzero or time.monotonic() has reached `stop_at` (when above 0); with until_a_row_ends after the
-        first step in which a row finishes, no row moving (the server's bursts). `hole` (bool, a row each): rows that
-        never advance nor finish -> (the steps run, the rows left in the first places of the buffers)."""
+        column; end as step0 + the step. The run also ends after a step once time.monotonic() has reached `stop_at`
+        (when above 0); with until_a_row_ends after the first step in which a row finishes, no row moving (a static
+        batch with holes). `hole` (bool, a row each): rows that never advance nor finish. `continuing`: the server's
+        continuous burst (`Continuing`) -> (the steps run, the rows left in the first places of the buffers)."""
         if self._pending:
             self._send()
         out_tokens, out_scores, end, by_eos = out
@@ -170,17 +188,24 @@ class NativeBinding:
         assert eos.size == at_budget.size  # one candidate a row
         assert scores.dtype == np.float32 and by_eos.dtype == np.uint8 and end.dtype == np.int64
         assert out_scores is None or out_scores.shape == out_tokens.shape
-        assert (hole is None or hole.dtype == bool) and (stop is None or stop.dtype == np.int32)
+        assert hole is None or hole.dtype == bool
         run = _ffi.new("nmt_greedy_run_args *", {
             "rows": rows, "tokens": _pointer("int64_t[]", tokens), "positions": _pointer("int64_t[]", positions),
             "scores": _pointer("float[]", scores), "eos": _pointer("uint8_t[]", eos),
             "at_budget": _pointer("uint8_t[]", at_budget),
             "source": _pointer("int64_t[]", source), "hole": _pointer("uint8_t[]", hole),
             "until_a_row_ends": until_a_row_ends, "max_steps": len(out_tokens),
-            "stop": _pointer("int32_t[]", stop), "stop_at": stop_at, "row_names": self._row_names(row_names)[0],
+            "stop_at": stop_at, "row_names": self._row_names(row_names)[0],
             "sources": out_tokens.shape[1], "step0": step0, "out_tokens": _pointer("int64_t[]", out_tokens),
             "out_scores": _pointer("float[]", out_scores), "end": _pointer("int64_t[]", end),
             "by_eos": _pointer("uint8_t[]", by_eos)})
+        if continuing is not None:
+            c = continuing
+            assert not until_a_row_ends and c.waiting.dtype == np.int32 and c.progress.dtype == np.int64
+            run.keep_rows, run.waiting, run.progress = 1, _pointer("int32_t[]", c.waiting), _pointer("int64_t[]", c.progress)
+            run.free_rows, run.gather, run.gather_steps, run.hand_back_fd = c.free_rows, c.gather, c.gather_steps, c.fd
+        else:
+            run.hand_back_fd = -1
         steps = _checked(self._library.nmt_greedy_run(self.session._handle, self._handle, run, self._error, _ERROR_SIZE),
                          self._error)
         return steps, run.rows

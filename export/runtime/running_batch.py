@@ -33,6 +33,8 @@ import numpy as np
 
 from nmtserve.export.runtime.batch import BatchState
 from nmtserve.export.runtime.decoder import Decoder
+from nmtserve.export.runtime.hand_back import Burst, HandBack, gained
+from nmtserve.export.runtime.native import Continuing
 from nmtserve.export.runtime.request import FinishReason, Request
 from nmtserve.search import BeamSearch, beam_steps
 
@@ -226,16 +228,20 @@ class RunningBatch:
         self.state.choose(tokens, parents)  # parents: only when a search chose them
         return outputs, []
 
-    def greedy_run(self, stop_at: float = 0.0, occupancy: bool = True, steps: int = 0, stop: np.ndarray | None = None) \
+    def greedy_run(self, stop_at: float = 0.0, occupancy: bool = True, steps: int = 0,
+                   continuing: Continuing | None = None, hand_back: HandBack | None = None) \
             -> tuple[list[tuple[Request, list[int], float, FinishReason | None]], list[tuple[int, int]]]:
         """A batch of greedy requests (one row each) decoded in nmtserve's library, with no Python between steps,
         until each request has finished (eos or its budget), the cache's end, or a step past `stop_at`: the finished
         rows leave the batch there (translator.decode_greedy_run; no holes). With `steps`, the server's burst: up to
-        that many steps, until the first step in which a request finishes or `stop` is set; no row moves, and the
+        that many steps, until the first step in which a request finishes; no row moves, and the
         caller lets the finished ones leave (translator.decode_greedy_steps) -> each request with the tokens it
         gained (eos excluded), the sum of their log-probs (nan when no row is scored) and how it finished (None: it
         runs on); and each step's (rows, valid cache slots) (without occupancy, (0, 0) a step). Raises what the
-        library's first step raises; the caller then takes one step with `step`, which finds the rows that fail."""
+        library's first step raises; the caller then takes one step with `step`, which finds the rows that fail.
+        With `continuing`, a continuous burst (native.Continuing: through row ends, until newcomers may join), whose
+        finished requests `hand_back` hands out as it goes on (hand_back.py): those are left out of the results
+        (their rows still leave with the caller's `leave`)."""
         self.state.trim(self.slots())
         placement = self.placement()
         requests = [r for r, _ in placement]  # in row order
@@ -243,8 +249,21 @@ class RunningBatch:
         rows = [int(own[0]) for _, own in placement] if self.state.holes else slice(None)
         scored = any(r.scored for r in requests)
         start, budget = self.state.positions[rows].copy(), self._budget(placement)
-        if steps:
-            tokens, scores, end, by_eos = self.tr.decode_greedy_steps(self.state, steps, budget, scored, stop, stop_at)
+        handed: set[int] = set()
+        if continuing is not None:
+            burst = Burst(requests, [int(own[0]) for _, own in placement], continuing)
+            if continuing.fd >= 0:
+                hand_back.burst = burst
+            try:
+                tokens, scores, end, by_eos = self.tr.decode_greedy_steps(self.state, steps, budget, scored, stop_at,
+                                                                          continuing)
+            finally:
+                if continuing.fd >= 0:
+                    hand_back.burst = None
+                handed = burst.close()
+            state, left = self.state, None
+        elif steps:
+            tokens, scores, end, by_eos = self.tr.decode_greedy_steps(self.state, steps, budget, scored, stop_at)
             state, left = self.state, None
         else:
             state, left, tokens, scores, end, by_eos = self.tr.decode_greedy_run(self.state, budget, scored, stop_at)
@@ -254,15 +273,16 @@ class RunningBatch:
         outputs = []
         for request, own, own_values, took, at, eos in zip(requests, tokens[:, rows].T.tolist(), values,
                                                            ended.tolist(), end.tolist(), by_eos[rows].tolist()):
+            if id(request) in handed:
+                continue
             finish = None if at < 0 else FinishReason.EOS if eos else FinishReason.LENGTH
-            total = sum(own_values[:took]) if scored else math.nan  # eos's log-prob included, as `step`'s callers add
-            outputs.append((request, own[:took - 1] if eos else own[:took], total, finish))
+            outputs.append((request, *gained(own, own_values, took, eos), finish))  # eos's log-prob in the sum
         stepped = [(0, 0)] * taken
         if occupancy:
             running = ended[None, :] > np.arange(taken)[:, None]  # (steps, requests): whom each step ran
             stepped = list(zip(running.sum(axis=1).tolist(), ((start[None, :] + np.arange(1, taken + 1)[:, None])
                                                               * running).sum(axis=1).tolist()))
-        if steps:
+        if steps or continuing is not None:
             return outputs, stepped
         self._placement = None
         if state is None:

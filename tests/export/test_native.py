@@ -1,6 +1,8 @@
 """The decoder step's session in nmtserve's library and its greedy loop (export/runtime/native.py): the
 tokens and scores of ONNX Runtime's own session, errors with ONNX Runtime's message, and the switch."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -191,10 +193,10 @@ def test_asking_for_native_steps_where_they_cannot_run_is_a_config_error(tiny_bu
 
 
 def test_the_servers_greedy_steps_keep_holes_still_and_stop_when_asked(tiny_bundle, eosless_bundle, tiny_corpus):
-    """`decode_greedy_steps` (the engine's bursts, the library's greedy loop with until_a_row_ends) over rows of their
+    """`decode_greedy_steps` (a static batch's bursts, the library's greedy loop with until_a_row_ends) over rows of their
     own cross K/V with a hole: each step's tokens and scores are those of one step at a time, the hole's position
-    stays at 0, and the loop ends at a row's eos, at a row's budget, after one step when the stop flag is set or
-    `stop_at` has passed, and at the cache's end. The same loop in Python (`_greedy_run_here`, on ONNX Runtime's own
+    stays at 0, and the loop ends at a row's eos, at a row's budget, after one step when `stop_at` has passed, and at
+    the cache's end. The same loop in Python (`_greedy_run_here`, on ONNX Runtime's own
     session) gives the same, step by step."""
     native, python = _pair(tiny_bundle, "fp32", shared_cross=False)
     sources = [native.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs][:4]
@@ -222,13 +224,50 @@ def test_the_servers_greedy_steps_keep_holes_still_and_stop_when_asked(tiny_bund
         tokens, _, end, by_eos = tr.decode_greedy_steps(state, 50, budget)
         assert len(tokens) == 5 and end.tolist()[0] == 4 and end[2:].tolist() == [-1, -1] and not by_eos[0]
         assert len(tr.decode_greedy_steps(state, 3, far)[0]) == 3
-        assert len(tr.decode_greedy_steps(state, 10, far, stop=np.ones(1, np.int32))[0]) == 1
         assert len(tr.decode_greedy_steps(state, 10, far, stop_at=1.0)[0]) == 1  # time.monotonic() is past 1.0 s
         before = state.length
         assert len(tr.decode_greedy_steps(state, 1000, far, scores=False)[0]) == state.capacity - before \
             == state.length - before
         assert state.positions[1] == 0
     assert ours.positions.tolist() == here.positions.tolist()
+
+
+def test_a_continuous_burst_runs_through_row_ends_and_hands_each_back_until_newcomers_may_join(eosless_bundle,
+                                                                                                 tiny_corpus):
+    """`decode_greedy_steps` with `Continuing` (the server's continuous bursts): rows of a model that never says eos,
+    with budgets 2, 5 and 9 steps and a hole. With no one waiting the run goes through every row's end: a finished
+    row keeps its position and its column is no longer written, its tokens are those of a run that ends there, and
+    after each step in which a row finishes `progress` holds the steps run and one byte reaches the pipe. With
+    requests waiting, it ends after the step at which they may join: two waiting in groups of two, once two rows are
+    free; one, once `gather_steps` have run and a row is free; one, at once, where fewer than half a group's rows are
+    live and a row is free besides."""
+    tr = OnnxTranslator(eosless_bundle, intra_op_threads=1, shared_cross=False)
+    sources = [tr.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs][:4]
+    steps_each = np.array([2, 0, 5, 9])  # row 1 is the hole
+
+    def burst(waiting: int, free_rows: int, gather: int, gather_steps: int, fd: int = -1):
+        state = tr.prefill(sources)
+        state.free([1])
+        continuing = native_module.Continuing(np.array([waiting], np.int32), free_rows, gather, gather_steps,
+                                              np.zeros(1, np.int64), fd)
+        tokens, _, end, _ = tr.decode_greedy_steps(state, 50, state.positions + steps_each, True, 0.0, continuing)
+        return state, tokens, end, continuing
+
+    read, write = os.pipe()
+    try:
+        state, tokens, end, continuing = burst(0, 0, 2, 100, write)
+        assert len(tokens) == 9 and continuing.out[0].shape[0] >= 9
+        assert end[[0, 2, 3]].tolist() == [1, 4, 8] and state.positions.tolist() == [2, 0, 5, 9]
+        assert int(continuing.progress[0]) == 9 and len(os.read(read, 100)) == 3  # a byte a step that ended rows
+    finally:
+        os.close(read)
+        os.close(write)
+    alone = tr.prefill(sources[:1])
+    assert tokens[:2, 0].tolist() == tr.decode_greedy_steps(alone, 50, alone.positions + 2)[0][:, 0].tolist()
+    assert len(burst(2, 0, 2, 100)[1]) == 5  # rows 0 and 2 free after step 5
+    assert len(burst(1, 0, 2, 100)[1]) == 9  # one waits for a group of two that never frees: every row's end
+    assert len(burst(1, 0, 2, 4)[1]) == 4  # a row free after 2 steps; 4 run
+    assert len(burst(1, 1, 8, 100)[1]) == 1  # 3 live rows, fewer than 8 / 2, and one free
 
 
 @pytest.mark.parametrize("variant", ["fp32", "int8"])

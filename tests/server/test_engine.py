@@ -16,7 +16,7 @@ import pytest
 from nmtserve.decoding import DecodingOptions
 from nmtserve.errors import ConfigError
 from nmtserve.export.runtime.batch import BatchState
-from nmtserve.export.runtime.engine import Engine, EngineConfig, EngineOverloaded, EnginePool
+from nmtserve.export.runtime.engine import CONTINUE, Engine, EngineConfig, EngineOverloaded, EnginePool
 from nmtserve.export.runtime.request import FinishReason, Request
 from nmtserve.export.runtime.running_batch import RunningBatch
 from nmtserve.export.runtime.translator import OnnxTranslator
@@ -658,13 +658,14 @@ def test_requests_that_waited_long_still_gather_after_an_admission(translator, s
     assert len(joined[2]) == 1 and joined[2][0] in waiting
 
 
-def test_greedy_steps_run_in_the_library_in_bursts_that_a_newcomer_ends(tiny_bundle, tiny_corpus, monkeypatch):
+def test_greedy_steps_run_in_the_library_through_row_ends_until_newcomers_may_join(tiny_bundle, tiny_corpus,
+                                                                                    monkeypatch):
     """A batch of greedy requests steps in the library (host states; the io-binding translator above steps
-    in Python): with no one waiting, up to max_burst_steps steps an iteration, an admission's step alone. Tokens and scores are those
-    of ONNX Runtime's own session one step at a time; a burst stops at a row's eos or at the first budget
-    (short budgets here), and the step metrics count every step with its rows. A request submitted during
-    a burst ends it after the current step (the stop flag), and joins at the next iteration; one that
-    gathers (fewer than admit_rows rows wait) lets the batch burst through the rest of its gathering."""
+    in Python) in continuous bursts: up to max_burst_steps steps an iteration, the admission's included, through the
+    rows' ends (short budgets here). Tokens and scores are those of ONNX Runtime's own session one step at a time,
+    and the step metrics count every step with its rows. A burst ends after the step at which a newcomer may join
+    (`_schedule`'s rule, kept in the library): at once where its group is one row; after the rest of its gathering
+    where it waits for a group of two."""
     translator = OnnxTranslator(tiny_bundle, intra_op_threads=1, shared_cross=False)
     assert translator.native_steps
     in_python = OnnxTranslator(tiny_bundle, intra_op_threads=1, shared_cross=False, native_steps=False)
@@ -690,26 +691,53 @@ def test_greedy_steps_run_in_the_library_in_bursts_that_a_newcomer_ends(tiny_bun
                            on_step=lambda rows, slots, seconds: seen.append(rows))
     assert [(r.tokens, r.score, r.finish) for r in requests] == [(r.tokens, r.score, r.finish) for r in one_step]
     assert {r.finish for r in requests} == {FinishReason.LENGTH, FinishReason.EOS}
-    assert bursts[0] == 1 and max(bursts) > 1 and one_step_calls == []  # the admission's step alone, then bursts
-    assert len(seen) == engine.steps == sum(bursts)  # every step in the library, each counted
+    last = max(len(r.tokens) + (r.finish is FinishReason.EOS) for r in requests)  # the step at which the last ends
+    assert bursts[0] == min(last, engine.config.max_burst_steps) and sum(bursts) == last and one_step_calls == []
+    assert len(seen) == engine.steps == last  # every step in the library, each counted
     assert seen[0] == len(requests) and seen == sorted(seen, reverse=True)  # the rows each step ran for
-    engine = Engine(translator, EngineConfig(max_running_rows=8))
+    engine = Engine(translator, EngineConfig(max_running_rows=8))  # groups of one row (an eighth of the rows)
     first = engine.submit(Request(sources[1], max_decoding_length=256))
     _iterate(engine)  # first joins: one step
     with engine.lock:
-        burst = engine._burst(engine._schedule())
-    assert burst == engine.config.max_burst_steps
-    newcomer = engine.submit(Request(sources[2]))  # sets the stop flag the burst reads after each step
-    assert len(engine._execute([], burst)) == 1 and len(first.tokens) == 2
-    assert _iterate(engine) == [newcomer]  # (8 rows: a group of one joins at once)
+        assert engine._schedule() == [] and engine._burst([]) == CONTINUE
+    newcomer = engine.submit(Request(sources[2]))  # during the burst, as it were
+    assert len(engine._execute([], CONTINUE)) == 1 and len(first.tokens) == 2
+    assert _iterate(engine) == [newcomer]
     engine = Engine(translator, EngineConfig(max_running_rows=16, admit_rows=2, admit_steps=4))
     first = engine.submit(Request(sources[1], max_decoding_length=256))
     _iterate(engine)  # first joins: one step
     newcomer = engine.submit(Request(sources[2]))  # one row: it gathers until 4 steps after first's admission
     with engine.lock:
-        assert engine._schedule() == [] and engine._burst([]) == 3  # the rest of its gathering, in one burst
-    assert len(engine._execute([], 3)) == 3 and len(first.tokens) == 4
+        assert engine._schedule() == [] and engine._burst([]) == CONTINUE
+    assert len(engine._execute([], CONTINUE)) == 3 and len(first.tokens) == 4  # the rest of its gathering
     assert _iterate(engine) == [newcomer]
+
+
+def test_a_request_that_finishes_in_a_burst_is_handed_back_while_the_burst_goes_on(eosless_bundle, tiny_corpus):
+    """A started engine's hand-back thread finishes a request as soon as its row ends, while the library steps the
+    rest of the batch on: it no longer counts as running, and its tokens are those it has alone."""
+    translator = OnnxTranslator(eosless_bundle, intra_op_threads=1, shared_cross=False)
+    source = max((translator.tokenizer.encode(s) for s, _ in read_tsv(tiny_corpus / "test.tsv").pairs), key=len)
+    expected = translator.translate_ids([source], max_decoding_length=2)[0][0]
+    seen = {}
+
+    def on_finish(request: Request) -> None:
+        seen.update(thread=threading.current_thread().name, in_burst=engine.hand_back.burst is not None,
+                    long_done=long.done.is_set(), running=engine.stats()["running"])
+    long = Request(source, max_decoding_length=256)  # its whole budget in one burst, long after short's end
+    short = Request(source, max_decoding_length=2, on_finish=on_finish)
+    engine = Engine(translator, EngineConfig(max_running_rows=8, max_burst_steps=256))
+    for request in (long, short):
+        engine.submit(request)
+    engine.start()
+    try:
+        assert long.done.wait(60) and short.done.is_set()
+    finally:
+        engine.stop()
+    assert seen == {"thread": "nmtserve-hand-back", "in_burst": True, "long_done": False, "running": 1}
+    assert short.tokens == expected and short.finish is FinishReason.LENGTH
+    assert len(long.tokens) == translator.limits.output_budget(len(source), 256) > 50
+    assert not engine.hand_back.thread.is_alive()  # stopped with the engine
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux only: the thread name is set with prctl")
