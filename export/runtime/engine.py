@@ -101,16 +101,14 @@ class Engine:
         self.ahead: list[list[Request]] = []  # groups the next admissions will take (EngineConfig.encode_ahead)
         self.next_trim = time.monotonic() + TRIM_SECONDS
         self.waiting_count = np.zeros(1, np.int32)  # len(waiting), for the library's continuous bursts (native.Continuing)
-        # the engine thread's continuous bursts hand finished requests back through this thread (hand_back.py)
-        self.hand_back = HandBack(self._hand_out) \
-            if self.config.batching == "continuous" and translator.native_steps and self.config.max_burst_steps > 1 \
-            else None
+        # a started engine's continuous bursts hand finished requests back through this thread (hand_back.py)
+        self.hand_back: HandBack | None = None
         self.thread = threading.Thread(target=self._loop, name="nmtserve-engine", daemon=True)
 
     # -- life cycle
     def start(self) -> Engine:
-        if self.hand_back is not None:
-            self.hand_back.start()
+        if self.config.batching == "continuous" and self.tr.native_steps and self.config.max_burst_steps > 1:
+            self.hand_back = HandBack(self._hand_out).start()
         self.thread.start()
         return self
 
@@ -119,7 +117,7 @@ class Engine:
             self.stopping = True
             self.lock.notify_all()
         self.thread.join()
-        if self.hand_back is not None and self.hand_back.thread.is_alive():
+        if self.hand_back is not None:
             self.hand_back.stop()
 
     # -- requests
@@ -298,8 +296,8 @@ class Engine:
 
     def _execute(self, admitted: list[Request], burst: int = 0) -> list[tuple[int, int]]:
         """Newcomers join, one decoder step (with `burst`, up to that many greedy steps in the library; WHOLE: the
-        batch's whole search; CONTINUE: a continuous burst), its tokens processed -> (rows, valid cache slots) of each step run. A request the
-        encoder or the decoder fails on alone finishes with ERROR; the others go on."""
+        batch's whole search; CONTINUE: a continuous burst), its tokens processed -> (rows, valid cache slots) of each
+        step run. A request the encoder or the decoder fails on alone finishes with ERROR; the others go on."""
         searches = burst == WHOLE and any(r.search is not None for r in admitted)  # a whole search run
         failed = self.batch.admit(admitted, self.ahead, narrow=searches) if admitted else []
         self.batch.compact()
@@ -335,11 +333,7 @@ class Engine:
         full or a step passes stop_at (steps 0), or a burst of up to `steps` that ends when one finishes, or with
         `continuing` through row ends until newcomers may join (the hand-back thread hands the finished ones back
         meanwhile). Their tokens are emitted; those that finished leave, told after the count is published."""
-        running = self.batch.requests
         outputs, stepped = self.batch.greedy_run(stop_at, self.on_step is not None, steps, continuing, self.hand_back)
-        if continuing is not None:  # those handed back leave too
-            told = {id(r) for r, *_ in outputs}
-            self.batch.leave([r for r in running if id(r) not in told])
         now, leaving = time.monotonic(), []
         for request, tokens, score, finish in outputs:
             request.first_token = request.first_token or now
@@ -359,7 +353,7 @@ class Engine:
         gather = min(self.config.admit_rows, max(1, self.config.max_running_rows // 8))
         return Continuing(self.waiting_count, self.config.max_running_rows - rows, gather,
                           max(1, self.admitted_step + self.config.admit_steps - self.steps), np.zeros(1, np.int64),
-                          self.hand_back.fd if self.hand_back is not None and self.hand_back.thread.is_alive() else -1)
+                          -1 if self.hand_back is None else self.hand_back.fd)
 
     def _hand_out(self, results: list[tuple[Request, list[int], float, FinishReason]]) -> None:
         """(The hand-back thread, while a continuous burst goes on) finish the requests whose rows have finished:

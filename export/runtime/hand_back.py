@@ -85,8 +85,13 @@ class HandBack:
         return self
 
     def stop(self) -> None:
+        if self.closing:
+            return
         self.closing = True
-        os.write(self.fd, b"\0")
+        try:
+            os.write(self.fd, b"\0")
+        except BlockingIOError:  # a full pipe wakes it as well
+            pass
         self.thread.join()
         os.close(self.read_fd)
         os.close(self.fd)

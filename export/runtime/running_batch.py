@@ -240,8 +240,8 @@ class RunningBatch:
         runs on); and each step's (rows, valid cache slots) (without occupancy, (0, 0) a step). Raises what the
         library's first step raises; the caller then takes one step with `step`, which finds the rows that fail.
         With `continuing`, a continuous burst (native.Continuing: through row ends, until newcomers may join), whose
-        finished requests `hand_back` hands out as it goes on (hand_back.py): those are left out of the results
-        (their rows still leave with the caller's `leave`)."""
+        finished requests `hand_back` hands out as it goes on (hand_back.py): those leave here, and are left out of
+        the results."""
         self.state.trim(self.slots())
         placement = self.placement()
         requests = [r for r, _ in placement]  # in row order
@@ -282,6 +282,8 @@ class RunningBatch:
             running = ended[None, :] > np.arange(taken)[:, None]  # (steps, requests): whom each step ran
             stepped = list(zip(running.sum(axis=1).tolist(), ((start[None, :] + np.arange(1, taken + 1)[:, None])
                                                               * running).sum(axis=1).tolist()))
+        if handed:
+            self.leave([r for r in requests if id(r) in handed])
         if steps or continuing is not None:
             return outputs, stepped
         self._placement = None
