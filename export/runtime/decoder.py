@@ -363,8 +363,7 @@ class Decoder:
                 np.full(rows, -1, np.int64), np.zeros(rows, np.uint8))
 
     def _greedy_loop(self, state: BatchState, source: np.ndarray, budget: np.ndarray, out: tuple, stop_at: float,
-                     until_a_row_ends: bool = False,
-                     continuing: Continuing | None = None) -> tuple:
+                     until_a_row_ends: bool = False, continuing: Continuing | None = None) -> tuple:
         """The greedy loop of decode_greedy_steps and decode_greedy_run: with native_steps all in the library, with no
         Python between steps (`NativeBinding.greedy_run`); else the same loop here (`_greedy_run_here`)."""
         n, last_position = state.size, self._last_positions(budget)

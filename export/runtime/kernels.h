@@ -79,10 +79,10 @@ typedef struct {
    step, whatever ended the run. With keep_rows no row leaves or moves; the run also ends after a step once *waiting
    is above 0 and a row is free (free_rows and those finished): when gather of them wait and are free, once
    gather_steps have run, or at once when fewer than gather / 2 rows are live (the engine's own admission rule,
-   export/runtime/engine.py); and after each step in which a row
-   finishes, *progress is set to the steps run and a byte is written to hand_back_fd, so that another thread can hand
-   those rows' results back while the run goes on (their columns are no longer written). Returns the steps run, or -1 with the error's message (a step that fails after others
-   returns those before it, and the next call meets the error; a compaction that fails is -1 at once). */
+   export/runtime/engine.py); and after each step in which a row finishes, *progress is set to the steps run and a
+   byte is written to hand_back_fd, so that another thread can hand those rows' results back while the run goes on
+   (their columns are no longer written). Returns the steps run, or -1 with the error's message (a step that fails
+   after others returns those before it, and the next call meets the error; a compaction that fails is -1 at once). */
 int64_t nmt_greedy_run(void* runner, void* binding, nmt_greedy_run_args* run, char* error, size_t error_size);
 
 /* Offline beam search of a batch (nmt_beam_steps): searches of one beam size k, whose rows lie one after another, k
