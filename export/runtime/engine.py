@@ -211,8 +211,7 @@ class Engine:
         running = self.batch.requests
         if self.config.batching == "static" and running:
             return []  # static batching: the running batch finishes before anyone joins
-        rows = sum(r.width for r in running)
-        gather = min(self.config.admit_rows, max(1, self.config.max_running_rows // 8))
+        rows, gather = sum(r.width for r in running), self._gather()
         if running and rows >= gather // 2 and self.steps - self.admitted_step < self.config.admit_steps \
                 and min(self.config.max_running_rows - rows, sum(r.width for r in self.waiting)) < gather:
             return []  # newcomers gather, to be encoded together (EngineConfig.admit_rows)
@@ -336,9 +335,7 @@ class Engine:
         outputs, stepped = self.batch.greedy_run(stop_at, self.on_step is not None, steps, continuing, self.hand_back)
         now, leaving = time.monotonic(), []
         for request, tokens, score, finish in outputs:
-            request.first_token = request.first_token or now
-            self._emit(request, tokens)
-            request.score += score
+            self._gain(request, tokens, score, now)
             if finish is not None:
                 leaving.append((request, finish))
         self.steps += len(stepped)
@@ -350,8 +347,7 @@ class Engine:
     def _continuing(self) -> Continuing:
         """A continuous burst's terms (native.Continuing): newcomers join as `_schedule` lets them."""
         rows = sum(r.width for r in self.batch.requests)
-        gather = min(self.config.admit_rows, max(1, self.config.max_running_rows // 8))
-        return Continuing(self.waiting_count, self.config.max_running_rows - rows, gather,
+        return Continuing(self.waiting_count, self.config.max_running_rows - rows, self._gather(),
                           max(1, self.admitted_step + self.config.admit_steps - self.steps), np.zeros(1, np.int64),
                           -1 if self.hand_back is None else self.hand_back.fd)
 
@@ -362,10 +358,18 @@ class Engine:
             self.running_count -= len(results)
         now = time.monotonic()
         for request, tokens, score, finish in results:
-            request.first_token = request.first_token or now
-            self._emit(request, tokens)
-            request.score += score
+            self._gain(request, tokens, score, now)
             self._finish(request, finish)
+
+    def _gather(self) -> int:
+        """The rows newcomers gather to join in one encoder call (EngineConfig.admit_rows, at most an eighth)."""
+        return min(self.config.admit_rows, max(1, self.config.max_running_rows // 8))
+
+    def _gain(self, request: Request, tokens: list[int], score: float, now: float) -> None:
+        """A greedy request's tokens and log-probs from a run in the library."""
+        request.first_token = request.first_token or now
+        self._emit(request, tokens)
+        request.score += score
 
     def _search_whole(self) -> list[tuple[int, int]]:
         """The batch's searches run to their ends in one call (`RunningBatch.search_run`); each request settles."""

@@ -18,6 +18,8 @@ import os
 import threading
 from collections.abc import Callable
 
+import numpy as np
+
 from nmtserve.export.runtime.native import Continuing
 from nmtserve.export.runtime.request import FinishReason, Request
 
@@ -35,8 +37,8 @@ class Burst:
     outputs: tokens and scores a step, each row's last step, whether on eos)."""
 
     def __init__(self, requests: list[Request], rows: list[int], continuing: Continuing):
-        self.requests, self.rows, self.continuing = requests, rows, continuing
-        self.taken = [r.attention for r in requests]  # handed out, or left to the engine thread
+        self.requests, self.rows, self.continuing = requests, np.array(rows), continuing
+        self.taken = np.array([r.attention for r in requests], bool)  # handed out, or left to the engine thread
         self.handed: list[Request] = []
         self.lock = threading.Lock()  # held while results are handed out: `close` waits for them
         self.closed = False
@@ -48,12 +50,11 @@ class Burst:
                 return
             steps = int(self.continuing.progress[0])
             tokens, values, end, by_eos = self.continuing.out
+            ends = end[self.rows]
+            ready = np.flatnonzero((ends >= 0) & (ends < steps) & ~self.taken)
+            self.taken[ready] = True
             results = []
-            for i, row in enumerate(self.rows):
-                at = int(end[row])
-                if self.taken[i] or not 0 <= at < steps:
-                    continue
-                self.taken[i] = True
+            for i, row, at in zip(ready.tolist(), self.rows[ready].tolist(), ends[ready].tolist()):
                 eos = bool(by_eos[row])
                 own, total = gained(tokens[:at + 1, row].tolist(), None if values is None else
                                     values[:at + 1, row].tolist(), at + 1, eos)

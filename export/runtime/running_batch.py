@@ -245,13 +245,13 @@ class RunningBatch:
         self.state.trim(self.slots())
         placement = self.placement()
         requests = [r for r, _ in placement]  # in row order
-        # each request's row (a slice when there are no holes: the arrays below are then views, not copies)
-        rows = [int(own[0]) for _, own in placement] if self.state.holes else slice(None)
+        columns = [int(own[0]) for _, own in placement]  # each request's row
+        rows = columns if self.state.holes else slice(None)  # a slice without holes: the arrays below are views
         scored = any(r.scored for r in requests)
         start, budget = self.state.positions[rows].copy(), self._budget(placement)
         handed: set[int] = set()
         if continuing is not None:
-            burst = Burst(requests, [int(own[0]) for _, own in placement], continuing)
+            burst = Burst(requests, columns, continuing)
             if continuing.fd >= 0:
                 hand_back.burst = burst
             try:
