@@ -86,7 +86,7 @@ class Replica:
             self.process = ns.run([sys.executable, "-m", "nmtserve.cli", "serve", cfg.bundle, "--host", self.address,
                                    "--port", str(PORT), "--metrics-port", "-1", "--max-connection-age",
                                    str(cfg.max_connection_age), "--max-connection-age-grace", "5",
-                                   "--drain-timeout", "5", "--threads", "1"],
+                                   "--drain-timeout", "5", "--threads", "1", "--access-log", "on"],
                                   stdout=subprocess.PIPE, stderr=log, text=True)
         line = self.process.stdout.readline()
         if "serving on port" not in line:

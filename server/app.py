@@ -170,8 +170,8 @@ async def start_server(config: ServerConfig, span_exporter=None) -> RunningServe
     tracing = start_tracing(config.observability.tracing, span_exporter)  # so does tracing without its extra
     keys = ApiKeys(config.access.api_keys) if config.access.api_keys else None  # so does a bad key file
     io_binding = _switch("io-binding", config.runtime.io_binding)  # the switches are checked before any model loads
-    if config.observability.access_log not in ("on", "off"):
-        raise ConfigError(f"--access-log {config.observability.access_log!r}: choose on or off")
+    if config.observability.access_log not in ("on", "errors", "off"):
+        raise ConfigError(f"--access-log {config.observability.access_log!r}: choose on, errors or off")
     logging.getLogger("nmtserve.access").disabled = config.observability.access_log == "off"
     attention_kernel = _switch("attention-kernel", config.runtime.attention_kernel)
     flags = config.flat()

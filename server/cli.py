@@ -42,8 +42,8 @@ HELPS = {"models": "TOML file of the models to serve: bundle, id, variant, devic
          "api_keys": "TOML file of API keys, one [[client]] each (name, sha256 of the key, models): calls must send "
                      "`authorization: Bearer KEY`; read again when it changes or on SIGHUP (server/auth.py); "
                      "empty: every client may use every model",
-         "access_log": "on: one log line per RPC (logger nmtserve.access: its sizes, timings, status, client and "
-                       "request id); off: none",
+         "access_log": "errors: a log line for each RPC that did not end OK (logger nmtserve.access: its sizes, "
+                       "timings, status, client and request id); on: for every RPC; off: none",
          "tracing": "otlp: OpenTelemetry spans of each call (queueing, encoder admission, decoding) to the collector "
                     "of OTEL_EXPORTER_OTLP_ENDPOINT (the otel extra); off: none",
          "tls_cert": "server certificate chain (PEM); turns TLS on", "tls_key": "its private key (PEM)",

@@ -70,7 +70,9 @@ class AccessConfig:
 @dataclass
 class ObservabilityConfig:
     """What the server says about each call besides its metrics (--log-level and --log-format are every command's)."""
-    access_log: str = "on"  # on: a line per RPC on the nmtserve.access logger (nmtserve.logs); off: none
+    # errors: a line on the nmtserve.access logger (nmtserve.logs) for each RPC that did not end OK; on: for every
+    # RPC (Python work on the event loop for each call, which a small model's calls feel); off: none
+    access_log: str = "errors"
     tracing: str = "off"  # otlp: OpenTelemetry spans of each call to an OTLP collector (server/tracing.py)
 
 

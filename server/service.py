@@ -38,7 +38,7 @@ from nmtserve.v1 import translation_pb2 as pb
 from nmtserve.v1 import translation_pb2_grpc as pb_grpc
 
 log = logging.getLogger("nmtserve.server")
-access_log = logging.getLogger("nmtserve.access")  # one line per RPC; --access-log off silences it
+access_log = logging.getLogger("nmtserve.access")  # a line per RPC (--access-log on) or per failed one (errors)
 REQUEST_ID_KEY = "x-request-id"
 _VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MIME_TYPES = (*PLAIN_TYPES, *markup.MIME_TYPES)  # what TranslateText takes
@@ -140,10 +140,11 @@ def request_id_of(metadata) -> str:
     return uuid.uuid4().hex
 
 
-def _access_line(call: _Call, code: str, level: int = logging.INFO) -> None:
-    """The access log: one record per RPC, its fields as the record's (nmtserve.logs): sizes, timings, status."""
+def _access_line(call: _Call, code: str, level: int = logging.INFO, logged: bool = True) -> None:
+    """The access log: one record per RPC, its fields as the record's (nmtserve.logs): sizes, timings, status;
+    none where not `logged` (a call that ended OK under --access-log errors)."""
     call.code = code
-    if not access_log.isEnabledFor(level):
+    if not logged or not access_log.isEnabledFor(level):
         return
     requests = call.requests
     access_log.log(level, "rpc", extra={
@@ -296,7 +297,7 @@ class TranslationServicer(pb_grpc.TranslationServiceServicer):
 
     def _succeed(self, call: _Call) -> None:
         self.metrics.rpc(call.model, call.mode, call.rpc, "OK", call.client, call.charged)
-        _access_line(call, "OK")
+        _access_line(call, "OK", logged=self.config.observability.access_log == "on")
 
     def _submit(self, call: _Call, model: ServedModel, request: Request) -> None:
         if not self.accepting:

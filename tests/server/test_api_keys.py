@@ -28,7 +28,8 @@ def keyed(tiny_bundle, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.toml"
     keys.write_text(client_entry("web", WEB) + client_entry("narrow", NARROW, ["fr-en"]))
     server = ServerThread(ServerConfig.from_flags(bundle=str(tiny_bundle), host="127.0.0.1", port=0, metrics_port=-1,
-                                                  http_port=0, api_keys=str(keys), max_decoding_length=32))
+                                                  http_port=0, api_keys=str(keys), max_decoding_length=32,
+                                                  access_log="on"))
     server.keys, server.url = keys, f"http://127.0.0.1:{server.running.http_port}"
     yield server
     server.stop()

@@ -1,6 +1,6 @@
 """What the server says about each call: a request id (the client's x-request-id, or one made) in the answer's
-metadata and in every log line of the call; logs that are one JSON object a line, with an access log that can be
-switched off; the build's versions as a metric."""
+metadata and in every log line of the call; logs that are one JSON object a line, with an access line for each
+failed call (the default), for every call, or none; the build's versions as a metric."""
 
 import json
 import re
@@ -60,23 +60,35 @@ def test_an_http_call_answers_with_its_request_id(tiny_bundle):
 
 
 def _serve_and_call(bundle, log, *flags: str) -> list[dict]:
-    """A `nmtserve serve` process (its default log format), one call with a request id, and its log's lines."""
+    """A `nmtserve serve` process (its default log format), one call that succeeds (request id r-1) and one that
+    fails (r-2, no sentence), and its log's lines."""
     with ServerProcess(bundle, "--metrics-port", "-1", *flags, log=log) as server:
         with grpc.insecure_channel(server.target) as channel:
             stub = pb_grpc.TranslationServiceStub(channel)
             stub.Translate(pb.TranslateRequest(sentences=["the cat"]), timeout=30, metadata=[("x-request-id", "r-1")])
+            with pytest.raises(grpc.RpcError) as failed:
+                stub.Translate(pb.TranslateRequest(sentences=[]), timeout=30, metadata=[("x-request-id", "r-2")])
+            assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     return [json.loads(line) for line in log.read_text().splitlines()]  # every line parses as JSON, or this raises
 
 
-def test_the_server_logs_one_json_object_a_line_with_the_request_id_and_the_access_log_can_be_off(tiny_bundle,
-                                                                                                   tmp_path):
-    records = _serve_and_call(tiny_bundle, tmp_path / "on.log")
+def _access(records: list[dict]) -> dict[str, dict]:
+    """The access log's lines by request id."""
+    return {r["request_id"]: r for r in records if r["logger"] == "nmtserve.access"}
+
+
+def test_the_server_logs_one_json_object_a_line_and_an_access_line_for_each_failed_call_or_every_call(tiny_bundle,
+                                                                                                      tmp_path):
+    records = _serve_and_call(tiny_bundle, tmp_path / "errors.log")  # --access-log errors, the default
     assert {"time", "level", "logger", "message"} <= set(records[0])
-    [access] = [r for r in records if r["logger"] == "nmtserve.access"]
-    assert (access["message"], access["rpc"], access["code"], access["request_id"]) == ("rpc", "Translate", "OK", "r-1")
-    assert access["sentences"] == 1 and access["total_ms"] > 0
+    [failed] = _access(records).values()
+    assert (failed["message"], failed["rpc"], failed["code"], failed["request_id"]) == \
+        ("rpc", "Translate", "INVALID_ARGUMENT", "r-2")
+    logged = _access(_serve_and_call(tiny_bundle, tmp_path / "on.log", "--access-log", "on"))
+    assert sorted(logged) == ["r-1", "r-2"]
+    assert (logged["r-1"]["code"], logged["r-1"]["sentences"]) == ("OK", 1) and logged["r-1"]["total_ms"] > 0
     records = _serve_and_call(tiny_bundle, tmp_path / "off.log", "--access-log", "off")
-    assert records and not [r for r in records if r["logger"] == "nmtserve.access"]
+    assert records and not _access(records)
 
 
 def test_the_build_is_a_metric(served):
