@@ -18,7 +18,7 @@ HELPS = {"models": "TOML file of the models to serve: bundle, id, variant, devic
                              "int8 scales per row) in place of its portable ones (auto: on a CPU where the kernel "
                              "library is built for this onnxruntime: make kernels; the log and GetModelInfo say which)",
          "max_running_rows": "rows in each model's running decoder batch (a beam search takes beam_size rows)",
-         "admit_rows": "continuous batching: newcomers join a running batch once this many of their rows wait and are free (at most 1/8 of --max-running-rows) …",
+         "admit_rows": "continuous batching: newcomers join a running batch once this many of their rows wait and are free (at most 1/4 of --max-running-rows) …",
          "admit_steps": "… or once this many decoder steps have passed since the latest admission",
          "max_burst_steps": "when every running request is greedy and none streams, up to this many decoder steps "
                             "run at once in nmtserve's library, with no Python between them, through the rows' ends "

@@ -50,11 +50,11 @@ class EngineConfig:
     max_waiting: int = 256
     batching: str = "continuous"  # or "static": admit only into an empty batch, run it to completion
     # continuous batching: newcomers join a running batch once `admit_rows` of their rows wait and are free
-    # (at most an eighth of max_running_rows), or once `admit_steps` decoder steps have passed since the
+    # (at most a quarter of max_running_rows), or once `admit_steps` decoder steps have passed since the
     # latest admission (text-generation-inference's max_waiting_tokens): a group is encoded in one call;
     # a batch of fewer than half `admit_rows` rows takes them at once
-    admit_rows: int = 8
-    admit_steps: int = 4
+    admit_rows: int = 16
+    admit_steps: int = 8
     # a batch of greedy requests steps in nmtserve's library (Decoder.native_steps); when none streams, up to this
     # many steps at once with no Python between them, through the rows' ends until newcomers may join (a continuous
     # burst: each request is handed back as its row finishes, hand_back.py); 1: one step an iteration
@@ -362,8 +362,8 @@ class Engine:
             self._finish(request, finish)
 
     def _gather(self) -> int:
-        """The rows newcomers gather to join in one encoder call (EngineConfig.admit_rows, at most an eighth)."""
-        return min(self.config.admit_rows, max(1, self.config.max_running_rows // 8))
+        """The rows newcomers gather to join in one encoder call (EngineConfig.admit_rows, at most a quarter)."""
+        return min(self.config.admit_rows, max(1, self.config.max_running_rows // 4))
 
     def _gain(self, request: Request, tokens: list[int], score: float, now: float) -> None:
         """A greedy request's tokens and log-probs from a run in the library."""

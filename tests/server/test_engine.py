@@ -695,7 +695,7 @@ def test_greedy_steps_run_in_the_library_through_row_ends_until_newcomers_may_jo
     assert bursts[0] == min(last, engine.config.max_burst_steps) and sum(bursts) == last and one_step_calls == []
     assert len(seen) == engine.steps == last  # every step in the library, each counted
     assert seen[0] == len(requests) and seen == sorted(seen, reverse=True)  # the rows each step ran for
-    engine = Engine(translator, EngineConfig(max_running_rows=8))  # groups of one row (an eighth of the rows)
+    engine = Engine(translator, EngineConfig(max_running_rows=8, admit_rows=1))  # groups of one row
     first = engine.submit(Request(sources[1], max_decoding_length=256))
     _iterate(engine)  # first joins: one step
     with engine.lock:
