@@ -81,7 +81,8 @@ def run_loadtest(cfg: LoadTestConfig) -> int:
     if not cfg.server:
         metrics_port, http_port = free_port(), free_port()
         flags = ["--metrics-port", str(metrics_port), "--access-log", "on"] \
-            + (OVERLOAD_SERVER_FLAGS if cfg.scenario == "overload" else []) + (["--http-port", str(http_port)] if cfg.protocol == "http" else []) + cfg.server_flags
+            + (OVERLOAD_SERVER_FLAGS if cfg.scenario == "overload" else []) \
+            + (["--http-port", str(http_port)] if cfg.protocol == "http" else []) + cfg.server_flags
         server = ServerProcess(cfg.bundle, *flags, log=out / "server.log")
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     target = cfg.server or (f"http://127.0.0.1:{http_port}" if cfg.protocol == "http" else server.target)
