@@ -41,6 +41,7 @@ a call is paid once for N (no batch-1 baseline then: it compares one-sentence ca
 from __future__ import annotations
 
 import json
+import math
 import queue
 import random
 import statistics
@@ -551,6 +552,14 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: dict[int, list[dict]
     if offline:
         for mode in results:
             ratios[f"{mode} saturation / OnnxTranslator offline best"] = round(saturation[mode] / offline["tokens_per_s"], 3)
+    if offline and cfg.device == "cpu":  # the engines' CPU a call against the offline best's: its cores' time a call
+        cores = math.prod(map(int, offline["layout"].split("x")))
+        for mode in results:
+            for c, cell in results[mode].items():
+                if c != "1" and cell.get("cpu_ms_per_call"):
+                    offline_ms = cores * 1e3 * cell["tokens_per_s"] / cell["requests_per_s"] / offline["tokens_per_s"]
+                    ratios[f"{mode} engines' CPU a call at {c} clients / OnnxTranslator offline best's"] = round(
+                        cell["cpu_ms_per_call"]["run"]["engines"] / offline_ms, 3)
     if alone:
         ratios["continuous saturation / the engines alone"] = round(
             saturation["continuous"] / alone["steady_tokens_per_s"], 3) if "continuous" in saturation else None

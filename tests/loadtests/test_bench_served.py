@@ -169,6 +169,10 @@ def test_served_bench_sends_several_sentences_a_call(tiny_bundle, tmp_path):
     assert report["ratios"]["continuous saturation / OnnxTranslator offline best"] == pytest.approx(
         cell["steady_tokens_per_s"] / offline["tokens_per_s"], abs=1e-3)
     assert "OnnxTranslator offline, greedy" in result.stdout
+    # the engines' CPU a call against the offline best's: two cores' time (2 x 1) a call of the cell's tokens
+    offline_ms = 2e3 * cell["tokens_per_s"] / cell["requests_per_s"] / offline["tokens_per_s"]
+    assert report["ratios"]["continuous engines' CPU a call at 2 clients / OnnxTranslator offline best's"] == \
+        pytest.approx(cell["cpu_ms_per_call"]["run"]["engines"] / offline_ms, abs=1e-3)
     # greedy with an offline best: the most a server whose calls cost only the RPC floor could make of it
     assert report["ratios"]["at most, over the RPC floor / OnnxTranslator offline best"] == pytest.approx(
         rpc_bound(offline, report["rpc_floor"], cell["tokens_per_s"] / cell["requests_per_s"]), abs=1e-3)
