@@ -560,6 +560,11 @@ def test_a_cancelled_beam_frees_all_its_rows_and_its_batch_mates_finish(translat
         assert beam.done.wait(10) and all(r.done.wait(30) for r in mates)
         assert beam.finish is FinishReason.CANCELLED
         assert [r.tokens for r in mates] == greedy_alone
+        # the hand-back thread finishes a mate as its row ends, while its burst runs on; the engine thread empties the
+        # batch when the burst ends, a moment later
+        deadline = time.monotonic() + 10
+        while engine.batch.state is not None and time.monotonic() < deadline:
+            time.sleep(0.001)
         assert engine.stats()["running"] == 0 and engine.batch.state is None
     finally:
         engine.stop()
