@@ -261,11 +261,9 @@ class RunningBatch:
                 if continuing.fd >= 0:
                     hand_back.burst = None
                 handed = burst.close()
-            state, left = self.state, None
         elif steps:
             tokens, scores, end, by_eos = self.tr.decode_greedy_steps(self.state, steps, budget, scored, stop_at)
-            state, left = self.state, None
-        else:
+        else:  # a whole run: the rows left and their state, taken once the results are out
             state, left, tokens, scores, end, by_eos = self.tr.decode_greedy_run(self.state, budget, scored, stop_at)
         taken, end = len(tokens), end[rows]
         ended = np.where(end < 0, taken, end + 1)  # the steps each request took
