@@ -29,7 +29,9 @@ server's no-op call from the same kind of client, as fast as its clients can cal
 of the busiest continuous server at the most clients, against whose servicer's CPU a call both compare), and the
 two figures that it bounds:
 the least served p50 at one client it leaves above the baseline's, and the most a server whose calls cost
-only that could reach at saturation against the offline best, its CPU taken from the same cores.
+only that could reach at saturation against the offline best, its CPU taken from the same cores: once with the
+floor's CPU a call at its own saturation, and again with what the floor costs paced to that bound's calls/s
+(an event loop woken by fewer calls at a time spends more on each: the second bound is the tighter one).
 With `--sentences-per-call N` each call carries N sentences (Translate's `sentences`), so the cost of
 a call is paid once for N (no batch-1 baseline then: it compares one-sentence calls).
 
@@ -419,7 +421,8 @@ def run_served_bench(cfg: ServedBenchConfig, progress: Progress) -> dict:
                     offline[engines, t].append(run_worker(f"ort_{cfg.variant}", engines, t, spec_path))
                 for engines, t in alone:
                     alone[engines, t].append(run_engines_alone(engines, t, engines_path))
-                floors.append(grpc_floor(rate=busiest_rate(cells, max(cfg.concurrency))))
+                floors.append(grpc_floor(rate=busiest_cell(cells, max(cfg.concurrency))["requests_per_s"],
+                                         bound_rate=bound_rate(offline, busiest_cell(cells, max(cfg.concurrency)))))
             if cfg.profile:  # an extra cell at the most clients for each server, not measured: py-spy samples it
                 c = max(cfg.concurrency)
                 progress.stage(f"profiles: {c} client(s), {len(servers_at)} server(s)")
@@ -487,15 +490,25 @@ def _ratios(results: dict, key: str) -> dict[str, float]:
     return {c: round(results["continuous"][c][key] / results["static"][c][key], 2) for c in results["continuous"]}
 
 
-def busiest_rate(cells: dict, clients: int) -> float:
-    """Calls a second of the latest run's busiest continuous server (any mode's without one) at `clients`: the load
-    at which the RPC floor is measured a second time (grpc_floor's `rate`)."""
+def busiest_cell(cells: dict, clients: int) -> dict:
+    """The latest run's cell of the busiest continuous server (any mode's without one) at `clients`: the load at
+    which the RPC floor is measured a second time (grpc_floor's `rate`)."""
     servers = [runs for (mode, _), runs in cells.items() if mode == "continuous"] or list(cells.values())
-    return max(runs[clients][-1]["requests_per_s"] for runs in servers if runs[clients])
+    return max((runs[clients][-1] for runs in servers if runs[clients]), key=lambda cell: cell["requests_per_s"])
+
+
+def bound_rate(offline: dict[tuple[int, int], list[dict]], cell: dict):
+    """None without offline runs; else grpc_floor's `bound_rate`: from the floor's saturated measure, the calls a
+    second of rpc_bound's server, on the latest run's offline best and `cell`'s tokens a call."""
+    if not offline:
+        return None
+    best, tokens_per_call = offline_best({layout: runs[-1:] for layout, runs in offline.items()}), \
+        cell["tokens_per_s"] / cell["requests_per_s"]
+    return lambda floor: rpc_bound(best, floor, tokens_per_call) * best["tokens_per_s"] / tokens_per_call
 
 
 def rpc_floor(floors: list[dict]) -> dict | None:
-    """The runs' grpc_floor measures: the median of each figure (at_rate's too), the p50's spread."""
+    """The runs' grpc_floor measures: the median of each figure (at_rate's and at_bound's too), the p50's spread."""
     if not floors:
         return None
 
@@ -503,10 +516,10 @@ def rpc_floor(floors: list[dict]) -> dict | None:
         return {key: None if any(m[key] is None for m in measures) else round(statistics.median(m[key] for m in measures), 3)
                 for key in measures[0]}
 
-    floor = medians([{k: v for k, v in f.items() if k != "at_rate"} for f in floors])
-    paced = [f["at_rate"] for f in floors if f.get("at_rate")]
+    floor = medians([{k: v for k, v in f.items() if k not in ("at_rate", "at_bound")} for f in floors])
+    paced = {key: [f[key] for f in floors if f.get(key)] for key in ("at_rate", "at_bound")}
     return {**floor, "p50_ms_min_max": [round(min(f["p50_ms"] for f in floors), 3), round(max(f["p50_ms"] for f in floors), 3)],
-            "clients": FLOOR_CLIENTS, "at_rate": medians(paced) if paced else None}
+            "clients": FLOOR_CLIENTS, **{key: medians(runs) if runs else None for key, runs in paced.items()}}
 
 
 def rpc_bound(offline: dict, floor: dict, tokens_per_call: float) -> float:
@@ -584,6 +597,9 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: dict[int, list[dict]
         cell = max(results[mode].values(), key=lambda c: c["steady_tokens_per_s"])
         ratios["at most, over the RPC floor / OnnxTranslator offline best"] = round(
             rpc_bound(offline, floor, cell["tokens_per_s"] / cell["requests_per_s"]), 3)
+        if (floor["at_bound"] or {}).get("server_cpu_ms") is not None:  # the floor as it costs at that bound's rate
+            ratios["at most, over the RPC floor paced to that bound / OnnxTranslator offline best"] = round(
+                rpc_bound(offline, floor["at_bound"], cell["tokens_per_s"] / cell["requests_per_s"]), 3)
     return {"bundle": cfg.bundle, "variant": cfg.variant, "device": cfg.device, "server_flags": cfg.server_flags,
             "decoding": cfg.decoding, "sentences_per_call": cfg.sentences_per_call,
             "threads": list(cfg.threads), "runs": cfg.runs,
@@ -666,9 +682,10 @@ def format_table(report: dict) -> str:
         low, high = floor["p50_ms_min_max"]
         cpu = f"; CPU a call: server {floor['server_cpu_ms']:.3f} ms, client {floor['client_cpu_ms']:.3f} ms" \
             if floor["server_cpu_ms"] is not None else ""
-        paced = floor.get("at_rate") or {}
-        if paced.get("server_cpu_ms") is not None:
-            cpu += f"; paced to {paced['calls_per_s']:,.0f} calls/s, server {paced['server_cpu_ms']:.3f} ms a call"
+        for paced in (floor.get("at_rate"), floor.get("at_bound")):
+            if (paced or {}).get("server_cpu_ms") is not None:
+                cpu += (f"; paced to {paced['calls_per_s']:,.0f} calls/s, server {paced['server_cpu_ms']:.3f} ms, "
+                        f"client {paced['client_cpu_ms']:.3f} ms a call")
         lines.append(f"the RPC floor (a bare grpc.aio server's no-op call, Python's blocking stubs; loadtests/grpc_floor.py): "
                      f"p50 {floor['p50_ms']:.3f} ms [{low:.3f}–{high:.3f}] at one client, {floor['calls_per_s']:,.0f} "
                      f"calls/s at {floor['clients']} clients{cpu}")
@@ -702,10 +719,12 @@ def figure(report: dict):
                                    ("engines_alone", "steady_tokens_per_s", "the engines alone (no gRPC)", "tab:green")):
         if report.get(name):
             throughput.axhline(report[name][key], color=color, linewidth=0.8, linestyle="-.", label=line)
-    bound = report["ratios"].get("at most, over the RPC floor / OnnxTranslator offline best")
-    if bound:
-        throughput.axhline(bound * report["offline_best"]["tokens_per_s"], color="tab:red", linewidth=0.8,
-                           linestyle=":", label="at most, over the RPC floor")
+    for key, line in (("at most, over the RPC floor / OnnxTranslator offline best", "at most, over the RPC floor"),
+                      ("at most, over the RPC floor paced to that bound / OnnxTranslator offline best",
+                       "at most, over the RPC floor at that rate")):
+        if report["ratios"].get(key):
+            throughput.axhline(report["ratios"][key] * report["offline_best"]["tokens_per_s"], color="tab:red",
+                               linewidth=0.8, linestyle=":" if "paced" not in key else "--", label=line)
     baseline = report["baseline_onnx_translator_batch1"]
     if baseline:
         latency.axhline(baseline["p50_ms"], color="gray", linewidth=0.8, label="OnnxTranslator batch-1 p50")

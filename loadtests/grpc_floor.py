@@ -7,9 +7,11 @@ the channel the served benchmark's clients use, as they call (`bench_served._cel
 - one client: the p50 of a call, which every served call pays beside its translation;
 - FLOOR_CLIENTS clients for a few seconds: calls/s, and the CPU a call of the server process and of the
   client, which share the host's cores with the engines when the benchmark's clients run on the server's host;
-- with `rate`, the same clients paced to that many calls a second in all (a served cell's): the server's CPU a
-  call at that load. An event loop below saturation wakes for fewer calls at a time, so a call costs it more
-  than at the floor's own saturation: a served server is compared with the floor at its own rate too.
+- with `rate`, the same clients paced to that many calls a second in all (a served cell's): the server's and the
+  client's CPU a call at that load. An event loop below saturation wakes for fewer calls at a time, so a call
+  costs it more than at the floor's own saturation: a served server is compared with the floor at its own rate too;
+- with `bound_rate`, paced once more, to the calls a second of the most a server could make if its calls cost only
+  the floor at its saturation (bench_served.rpc_bound): what the floor costs at that rate bounds it again, lower.
 
 `nmtserve bench served` measures it once a run, every server idle, and sets it against the offline baseline
 (bench_served._report): how close a server that cost nothing but this could come to OnnxTranslator at
@@ -53,9 +55,11 @@ def _serve() -> None:
     asyncio.run(main())
 
 
-def grpc_floor(rate: float = 0.0) -> dict:
+def grpc_floor(rate: float = 0.0, bound_rate=None) -> dict:
     """-> p50_ms (one client), calls_per_s, server_cpu_ms and client_cpu_ms a call (FLOOR_CLIENTS clients as fast
-    as they can); with `rate` (calls a second), `at_rate`: calls_per_s and server_cpu_ms with the clients paced to it."""
+    as they can); with `rate` (calls a second), `at_rate`: calls_per_s, server_cpu_ms and client_cpu_ms with the
+    clients paced to it; with `bound_rate` (a function of the saturated measure that gives calls a second),
+    `at_bound`: the same, paced to the rate it gives."""
     from nmtserve.client import open_channel
     from nmtserve.errors import NmtserveError
     from nmtserve.v1 import translation_pb2 as pb
@@ -78,8 +82,9 @@ def grpc_floor(rate: float = 0.0) -> dict:
                 latencies.append(time.perf_counter() - started)
             floor = {"p50_ms": statistics.median(latencies) * 1e3, **_load(call, server.pid, 0.0)}
             if rate:
-                paced = _load(call, server.pid, rate)
-                floor["at_rate"] = {"calls_per_s": paced["calls_per_s"], "server_cpu_ms": paced["server_cpu_ms"]}
+                floor["at_rate"] = _load(call, server.pid, rate)
+            if bound_rate is not None:
+                floor["at_bound"] = _load(call, server.pid, bound_rate(floor))
     finally:
         server.stdin.close()
         try:

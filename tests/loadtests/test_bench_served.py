@@ -124,6 +124,7 @@ def test_served_bench_reports_both_modes_against_the_baseline(tiny_bundle, tmp_p
     paced = floor["at_rate"]
     busiest = max(by["continuous"]["2"]["requests_per_s"] for by in report["results_by_layout"].values())
     assert paced["calls_per_s"] == pytest.approx(busiest, rel=0.5) and paced["server_cpu_ms"] > 0
+    assert paced["client_cpu_ms"] > 0
     cpu = report["results"]["continuous"]["2"]["cpu_ms_per_call"]["run"]
     servicer = cpu["event loop"] + cpu["other server threads"]
     assert report["ratios"]["continuous servicer CPU a call at 2 clients / the RPC floor's"] == pytest.approx(
@@ -174,8 +175,16 @@ def test_served_bench_sends_several_sentences_a_call(tiny_bundle, tmp_path):
     assert report["ratios"]["continuous engines' CPU a call at 2 clients / OnnxTranslator offline best's"] == \
         pytest.approx(cell["cpu_ms_per_call"]["run"]["engines"] / offline_ms, abs=1e-3)
     # greedy with an offline best: the most a server whose calls cost only the RPC floor could make of it
-    assert report["ratios"]["at most, over the RPC floor / OnnxTranslator offline best"] == pytest.approx(
-        rpc_bound(offline, report["rpc_floor"], cell["tokens_per_s"] / cell["requests_per_s"]), abs=1e-3)
+    tokens_per_call = cell["tokens_per_s"] / cell["requests_per_s"]
+    bound = report["ratios"]["at most, over the RPC floor / OnnxTranslator offline best"]
+    assert bound == pytest.approx(rpc_bound(offline, report["rpc_floor"], tokens_per_call), abs=1e-3)
+    # the floor paced to that bound's calls/s (the run's own offline best; as many as the floor makes at most), and
+    # the bound again with what the floor cost there
+    at_bound = report["rpc_floor"]["at_bound"]
+    assert at_bound["calls_per_s"] == pytest.approx(
+        min(bound * offline["tokens_per_s"] / tokens_per_call, report["rpc_floor"]["calls_per_s"]), rel=0.5)
+    assert report["ratios"]["at most, over the RPC floor paced to that bound / OnnxTranslator offline best"] == \
+        pytest.approx(rpc_bound(offline, at_bound, tokens_per_call), abs=1e-3)
     assert report["threads"] == [1] and report["results_by_layout"] is None and cell["layout"] == "2x1"
     bad = run_cli("bench", "served", str(tiny_bundle), "--sentences-per-call", "0", timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().endswith("--sentences-per-call 0: must be at least 1")
