@@ -24,6 +24,7 @@ from nmtserve.export.runtime.bundle import load_bundle
 from nmtserve.export.runtime.engine import EnginePool
 from nmtserve.export.runtime.request import Request
 from nmtserve.export.runtime.translator import OnnxTranslator
+from nmtserve.server import scheduling
 from nmtserve.server.auth import ApiKeys
 from nmtserve.server.config import ServerConfig
 from nmtserve.server.metrics import ServerMetrics
@@ -81,6 +82,7 @@ class RunningServer:
     health: health.aio.HealthServicer
     metrics_port: int | None = None
     http: HttpServer | None = None  # the HTTP/JSON front, when --http-port is given
+    decoding_threads: frozenset[int] = frozenset()  # the ids of the threads the models started to decode
 
     @property
     def http_port(self) -> int | None:
@@ -187,6 +189,7 @@ async def start_server(config: ServerConfig, span_exporter=None) -> RunningServe
     specs = model_specs(config)
     metrics = ServerMetrics()
     models: dict[str, ServedModel] = {}
+    present = scheduling.threads()
     try:
         for spec in specs:
             models[spec.id] = load_model(spec, config, metrics, io_binding, attention_kernel)
@@ -194,6 +197,9 @@ async def start_server(config: ServerConfig, span_exporter=None) -> RunningServe
         for model in models.values():
             model.engine.stop()
         raise
+    # the threads the models started decode (the engines', ONNX Runtime's), but the hand-back threads
+    hand_backs = {e.hand_back.thread.native_id for m in models.values() for e in m.engine.engines if e.hand_back}
+    decoding = frozenset(scheduling.threads() - present - hand_backs)
     metrics_port = metrics.serve(config.network.metrics_port, addr="127.0.0.1" if config.network.host.startswith("127.") else "0.0.0.0") \
         if config.network.metrics_port >= 0 else None
     server = grpc.aio.server(options=server_options(config.network),
@@ -228,12 +234,13 @@ async def start_server(config: ServerConfig, span_exporter=None) -> RunningServe
         log.warning("no --api-keys: every client may call every model")
     else:
         log.info("--api-keys %s: %d client(s)", keys.path, len(keys.clients))
-    return RunningServer(server, port, models, servicer, health_servicer, metrics_port, http)
+    return RunningServer(server, port, models, servicer, health_servicer, metrics_port, http, decoding)
 
 
 async def serve(config: ServerConfig) -> int:
     """Run until SIGTERM/SIGINT, then drain; returns the exit status (0)."""
     running = await start_server(config)
+    scheduling.yield_to(running.decoding_threads)  # the process is the server's: its other threads yield to them
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

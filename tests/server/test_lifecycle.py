@@ -55,3 +55,30 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_bundle, tiny_corpus
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()
+
+
+def test_every_thread_but_the_engines_yields_to_them(tiny_bundle, tmp_path):
+    """`nmtserve serve` owns its process: the threads that wake for every call (the event loop, gRPC's, the hand-back
+    threads, those started later) run SCHED_BATCH, which never preempts, and the two engines' decoding threads keep
+    the default policy; the server serves as before."""
+    proc = subprocess.Popen([NMTSERVE, "serve", str(tiny_bundle), "--host", "127.0.0.1", "--port", "0",
+                             "--metrics-port", "-1", "--inter-threads", "2", "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        line = proc.stdout.readline()
+        assert "serving on port" in line, proc.stderr.read()
+        with grpc.insecure_channel(f"127.0.0.1:{int(line.split()[-1])}") as channel:
+            reply = pb_grpc.TranslationServiceStub(channel).Translate(pb.TranslateRequest(sentences=["a cat"]), timeout=60)
+        assert len(reply.translations) == 1
+        tasks = f"/proc/{proc.pid}/task"
+        policies = {}
+        for tid in os.listdir(tasks):
+            with open(f"{tasks}/{tid}/comm") as comm:
+                policies[int(tid)] = (comm.read().strip(), os.sched_getscheduler(int(tid)))
+        decoding = {tid for tid, (_, policy) in policies.items() if policy == os.SCHED_OTHER}
+        assert sorted(policies[tid][0] for tid in decoding) == ["nmtserve-engine"] * 2, policies
+        assert policies[proc.pid][1] == os.SCHED_BATCH and len(policies) > 6, policies
+        assert all(policy == os.SCHED_BATCH for tid, (_, policy) in policies.items() if tid not in decoding), policies
+    finally:
+        proc.kill()
+        proc.wait()
