@@ -421,8 +421,8 @@ def run_served_bench(cfg: ServedBenchConfig, progress: Progress) -> dict:
                     offline[engines, t].append(run_worker(f"ort_{cfg.variant}", engines, t, spec_path))
                 for engines, t in alone:
                     alone[engines, t].append(run_engines_alone(engines, t, engines_path))
-                floors.append(grpc_floor(rate=busiest_cell(cells, max(cfg.concurrency))["requests_per_s"],
-                                         bound_rate=bound_rate(offline, busiest_cell(cells, max(cfg.concurrency)))))
+                busiest = busiest_cell(cells, max(cfg.concurrency))
+                floors.append(grpc_floor(rate=busiest["requests_per_s"], bound_rate=bound_rate(offline, busiest)))
             if cfg.profile:  # an extra cell at the most clients for each server, not measured: py-spy samples it
                 c = max(cfg.concurrency)
                 progress.stage(f"profiles: {c} client(s), {len(servers_at)} server(s)")
