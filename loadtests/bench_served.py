@@ -598,8 +598,11 @@ def _report(cfg: ServedBenchConfig, cells: dict, baselines: dict[int, list[dict]
         ratios["at most, over the RPC floor / OnnxTranslator offline best"] = round(
             rpc_bound(offline, floor, cell["tokens_per_s"] / cell["requests_per_s"]), 3)
         if (floor["at_bound"] or {}).get("server_cpu_ms") is not None:  # the floor as it costs at that bound's rate
-            ratios["at most, over the RPC floor paced to that bound / OnnxTranslator offline best"] = round(
-                rpc_bound(offline, floor["at_bound"], cell["tokens_per_s"] / cell["requests_per_s"]), 3)
+            paced = rpc_bound(offline, floor["at_bound"], cell["tokens_per_s"] / cell["requests_per_s"])
+            ratios["at most, over the RPC floor paced to that bound / OnnxTranslator offline best"] = round(paced, 3)
+            for mode in results:  # how much of what the RPC path leaves each mode makes
+                ratios[f"{mode} saturation / at most, over the RPC floor paced"] = round(
+                    saturation[mode] / offline["tokens_per_s"] / paced, 3)
     return {"bundle": cfg.bundle, "variant": cfg.variant, "device": cfg.device, "server_flags": cfg.server_flags,
             "decoding": cfg.decoding, "sentences_per_call": cfg.sentences_per_call,
             "threads": list(cfg.threads), "runs": cfg.runs,

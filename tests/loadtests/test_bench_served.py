@@ -183,8 +183,11 @@ def test_served_bench_sends_several_sentences_a_call(tiny_bundle, tmp_path):
     at_bound = report["rpc_floor"]["at_bound"]
     assert at_bound["calls_per_s"] == pytest.approx(
         min(bound * offline["tokens_per_s"] / tokens_per_call, report["rpc_floor"]["calls_per_s"]), rel=0.5)
+    paced = rpc_bound(offline, at_bound, tokens_per_call)
     assert report["ratios"]["at most, over the RPC floor paced to that bound / OnnxTranslator offline best"] == \
-        pytest.approx(rpc_bound(offline, at_bound, tokens_per_call), abs=1e-3)
+        pytest.approx(paced, abs=1e-3)
+    assert report["ratios"]["continuous saturation / at most, over the RPC floor paced"] == pytest.approx(
+        cell["steady_tokens_per_s"] / offline["tokens_per_s"] / paced, rel=1e-2)
     assert report["threads"] == [1] and report["results_by_layout"] is None and cell["layout"] == "2x1"
     bad = run_cli("bench", "served", str(tiny_bundle), "--sentences-per-call", "0", timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().endswith("--sentences-per-call 0: must be at least 1")
