@@ -332,10 +332,11 @@ class Engine:
         full or a step passes stop_at (steps 0), or a burst of up to `steps` that ends when one finishes, or with
         `continuing` through row ends until newcomers may join (the hand-back thread hands the finished ones back
         meanwhile). Their tokens are emitted; those that finished leave, told after the count is published."""
+        started = time.monotonic()
         outputs, stepped = self.batch.greedy_run(stop_at, self.on_step is not None, steps, continuing, self.hand_back)
-        now, leaving = time.monotonic(), []
+        first, leaving = started + (time.monotonic() - started) / max(1, len(stepped)), []  # its first step's end
         for request, tokens, score, finish in outputs:
-            self._gain(request, tokens, score, now)
+            self._gain(request, tokens, score, first)
             if finish is not None:
                 leaving.append((request, finish))
         self.steps += len(stepped)
@@ -351,23 +352,24 @@ class Engine:
                           max(1, self.admitted_step + self.config.admit_steps - self.steps), np.zeros(1, np.int64),
                           -1 if self.hand_back is None else self.hand_back.fd)
 
-    def _hand_out(self, results: list[tuple[Request, list[int], float, FinishReason]]) -> None:
+    def _hand_out(self, results: list[tuple[Request, list[int], float, FinishReason]], first: float) -> None:
         """(The hand-back thread, while a continuous burst goes on) finish the requests whose rows have finished:
-        they no longer count as running (their rows leave when the burst ends), then each is told."""
+        they no longer count as running (their rows leave when the burst ends), then each is told. `first`: when
+        the burst's first step ended."""
         with self.lock:
             self.running_count -= len(results)
-        now = time.monotonic()
         for request, tokens, score, finish in results:
-            self._gain(request, tokens, score, now)
+            self._gain(request, tokens, score, first)
             self._finish(request, finish)
 
     def _gather(self) -> int:
         """The rows newcomers gather to join in one encoder call (EngineConfig.admit_rows, at most a quarter)."""
         return min(self.config.admit_rows, max(1, self.config.max_running_rows // 4))
 
-    def _gain(self, request: Request, tokens: list[int], score: float, now: float) -> None:
-        """A greedy request's tokens and log-probs from a run in the library."""
-        request.first_token = request.first_token or now
+    def _gain(self, request: Request, tokens: list[int], score: float, first: float) -> None:
+        """A greedy request's tokens and log-probs from a run in the library, whose first step ended at `first`: a
+        request's first token came then if it had none before (the run's steps are timed together, not each)."""
+        request.first_token = request.first_token or first
         self._emit(request, tokens)
         request.score += score
 

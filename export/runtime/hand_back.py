@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -40,11 +41,13 @@ class Burst:
         self.requests, self.rows, self.continuing = requests, np.array(rows), continuing
         self.taken = np.array([r.attention for r in requests], bool)  # handed out, or left to the engine thread
         self.handed: list[Request] = []
+        self.started = time.monotonic()  # as the library's first step begins
         self.lock = threading.Lock()  # held while results are handed out: `close` waits for them
         self.closed = False
 
-    def finished(self, deliver: Callable[[list[Result]], None]) -> None:
-        """(The hand-back thread) deliver the results of the requests whose rows have finished, not yet taken."""
+    def finished(self, deliver: Callable[[list[Result], float], None]) -> None:
+        """(The hand-back thread) deliver the results of the requests whose rows have finished, not yet taken, with
+        when the burst's first step ended (its steps take alike: the time so far over the steps taken)."""
         with self.lock:
             if self.closed or self.continuing.out is None:
                 return
@@ -61,7 +64,7 @@ class Burst:
                 results.append((self.requests[i], own, total, FinishReason.EOS if eos else FinishReason.LENGTH))
             if results:
                 self.handed += [r for r, *_ in results]
-                deliver(results)
+                deliver(results, self.started + (time.monotonic() - self.started) / max(1, steps))
 
     def close(self) -> set[int]:
         """(The engine thread, once the run has ended) the ids of the requests handed out; no more will be."""
@@ -73,7 +76,7 @@ class Burst:
 class HandBack:
     """An engine's hand-back thread and its pipe: `deliver` takes the finished requests' results there."""
 
-    def __init__(self, deliver: Callable[[list[Result]], None]):
+    def __init__(self, deliver: Callable[[list[Result], float], None]):
         self.deliver = deliver
         self.read_fd, self.fd = os.pipe()
         os.set_blocking(self.fd, False)  # the library never waits on a full pipe: the reader wakes anyway
