@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 FLOOR_CLIENTS = 64  # as a saturated cell's
 ONE_CLIENT_CALLS = 1000
@@ -55,7 +56,7 @@ def _serve() -> None:
     asyncio.run(main())
 
 
-def grpc_floor(rate: float = 0.0, bound_rate=None) -> dict:
+def grpc_floor(rate: float = 0.0, bound_rate: Callable[[dict], float] | None = None) -> dict:
     """-> p50_ms (one client), calls_per_s, server_cpu_ms and client_cpu_ms a call (FLOOR_CLIENTS clients as fast
     as they can); with `rate` (calls a second), `at_rate`: calls_per_s, server_cpu_ms and client_cpu_ms with the
     clients paced to it; with `bound_rate` (a function of the saturated measure that gives calls a second),

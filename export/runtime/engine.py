@@ -30,7 +30,7 @@ import numpy as np
 
 from nmtserve.errors import NmtserveError
 from nmtserve.export.runtime.decoder import Decoder
-from nmtserve.export.runtime.hand_back import HandBack
+from nmtserve.export.runtime.hand_back import HandBack, first_step_end
 from nmtserve.export.runtime.memory import LIBC, release_free_memory
 from nmtserve.export.runtime.native import Continuing
 from nmtserve.export.runtime.request import FinishReason, Request
@@ -334,7 +334,7 @@ class Engine:
         meanwhile). Their tokens are emitted; those that finished leave, told after the count is published."""
         started = time.monotonic()
         outputs, stepped = self.batch.greedy_run(stop_at, self.on_step is not None, steps, continuing, self.hand_back)
-        first, leaving = started + (time.monotonic() - started) / max(1, len(stepped)), []  # its first step's end
+        first, leaving = first_step_end(started, len(stepped)), []
         for request, tokens, score, finish in outputs:
             self._gain(request, tokens, score, first)
             if finish is not None:

@@ -33,6 +33,12 @@ def gained(tokens: list[int], values: list[float] | None, took: int, eos: bool) 
     return tokens[:took - 1] if eos else tokens[:took], math.nan if values is None else sum(values[:took])
 
 
+def first_step_end(started: float, steps: int) -> float:
+    """When the first of a library run's `steps` steps, begun at `started`, ended: the library does not time each
+    step, and a run's steps take alike, so the time so far over the steps taken."""
+    return started + (time.monotonic() - started) / max(1, steps)
+
+
 class Burst:
     """The results of one continuous burst: `requests`, each at its row `rows[i]` of `continuing.out` (the library's
     outputs: tokens and scores a step, each row's last step, whether on eos)."""
@@ -47,7 +53,7 @@ class Burst:
 
     def finished(self, deliver: Callable[[list[Result], float], None]) -> None:
         """(The hand-back thread) deliver the results of the requests whose rows have finished, not yet taken, with
-        when the burst's first step ended (its steps take alike: the time so far over the steps taken)."""
+        when the burst's first step ended."""
         with self.lock:
             if self.closed or self.continuing.out is None:
                 return
@@ -64,7 +70,7 @@ class Burst:
                 results.append((self.requests[i], own, total, FinishReason.EOS if eos else FinishReason.LENGTH))
             if results:
                 self.handed += [r for r, *_ in results]
-                deliver(results, self.started + (time.monotonic() - self.started) / max(1, steps))
+                deliver(results, first_step_end(self.started, steps))
 
     def close(self) -> set[int]:
         """(The engine thread, once the run has ended) the ids of the requests handed out; no more will be."""
